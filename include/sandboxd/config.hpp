@@ -1,0 +1,101 @@
+#pragma once
+/// @file config.hpp
+/// The daemon's configuration (docs/protocol.md section 7): one JSON file (comments allowed),
+/// every key optional with the in-class default below, command-line flags applied on top.
+/// config/sandboxd.jsonc documents every key. Value types; no shared state.
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace sandboxd {
+
+/// Thrown for an invalid config: the message names the field path, e.g.
+/// "config: limits.outputWindow: must be an integer in 1024..1073741824".
+class config_error : public std::runtime_error {
+public:
+    using std::runtime_error::runtime_error;
+};
+
+struct TokenConfig {
+    std::string name;
+    std::string token;       ///< the secret itself, or
+    std::string token_file;  ///< a file holding it (trailing whitespace trimmed)
+    std::string role = "host";  ///< "host" or "peer"
+    std::vector<std::string> tenants = {"*"};  ///< companyIds, or "*" for every tenant
+};
+
+struct RegistryConfig {
+    std::string kind = "sqlite";  ///< "sqlite" or "etcd"
+    std::string path;             ///< sqlite file; "" = <stateDir>/registry.db
+    std::vector<std::string> endpoints;  ///< etcd gateway URLs, http://host:port
+    std::string prefix = "/sandboxd/v1/";
+};
+
+struct BwrapConfig {
+    bool enabled = true;
+    std::string path = "/usr/bin/bwrap";
+    std::string init_path;  ///< sandboxd-init; "" = next to the sandboxd executable, then libexec
+    bool allow_network = false;  ///< may a lease config ask for "network": true
+};
+
+struct PluginConfig {
+    std::string plugin_id;
+    std::string provider;
+    std::vector<std::string> command;
+    std::map<std::string, std::string> env;
+};
+
+struct LimitsConfig {
+    std::uint32_t max_text_message = 1 << 20;       ///< bytes, 1 KiB..64 MiB
+    std::uint32_t max_data_payload = 256 << 10;     ///< bytes, 1 KiB..16 MiB
+    std::uint32_t channels_per_connection = 256;    ///< 1..1048576
+    std::uint32_t channels_per_node = 4096;         ///< 1..1048576
+    std::uint32_t output_window = 1 << 20;          ///< default outputWindow, bytes, 1 KiB..1 GiB
+    std::uint32_t stdin_window = 1 << 20;           ///< stdinWindow, bytes, 1 KiB..1 GiB
+    std::uint32_t ping_interval_ms = 20000;         ///< 100..3600000
+    std::uint32_t idle_timeout_ms = 60000;          ///< peer silent this long is dropped
+    std::uint32_t drain_grace_ms = 250;             ///< output drain after the main process ends
+    std::uint32_t hangup_grace_ms = 5000;           ///< SIGHUP to SIGKILL on a dropped connection
+    std::uint64_t default_ttl_ms = 3600000;         ///< lease TTL when leaseAcquire gives none
+    std::uint64_t max_ttl_ms = 7 * 24 * 3600000ULL; ///< largest ttlMs accepted
+};
+
+struct Config {
+    std::string node_id;  ///< "" = the host name
+    std::string listen = "127.0.0.1:7800";  ///< HOST:PORT; port 0 picks a free port
+    std::string advertise_url;  ///< "" = ws://<listen address>/v1/ws once bound
+    std::string state_dir = "/var/lib/sandboxd";
+    unsigned threads = 0;  ///< I/O threads; 0 = number of cores
+    RegistryConfig registry;
+    /// No tokens configured: the daemon makes one (role host, tenants *) and writes it to
+    /// <stateDir>/admin.token (mode 0600) on first start.
+    std::vector<TokenConfig> tokens;
+    std::string routing_mode = "proxy";  ///< "proxy" or "redirect"
+    std::uint32_t node_ttl_ms = 10000;     ///< a node is alive while its heartbeat is fresher
+    std::uint32_t heartbeat_ms = 2000;     ///< heartbeat and sweep period
+    BwrapConfig bwrap;
+    std::vector<PluginConfig> plugins;
+    LimitsConfig limits;
+    std::string log_level = "info";  ///< trace, debug, info, warn, error, critical, off
+    std::string log_format = "text"; ///< "text" or "json"
+};
+
+/// Parses a config document (JSON with // and /* */ comments). Rejects unknown keys, wrong
+/// types and out-of-range values with config_error naming the field path.
+Config parse_config(std::string_view text);
+/// Reads and parses FILE; config_error when it cannot be read or is invalid.
+Config load_config_file(const std::string& path);
+/// Checks cross-field rules (e.g. tokens need a token or tokenFile, roles are host|peer).
+void validate_config(const Config& config);
+/// The effective config as JSON, with every key (tokens redacted as "<redacted>").
+nlohmann::json config_to_json(const Config& config);
+/// The documented default config (config/sandboxd.jsonc without comments).
+std::string default_config_text();
+
+}  // namespace sandboxd

@@ -1,0 +1,61 @@
+#pragma once
+/// @file lease.hpp
+/// The Lease record of docs/protocol.md section 2 and its JSON form.
+///
+/// Times are milliseconds since the Unix epoch (UTC) in memory and RFC 3339 strings with
+/// millisecond precision and a `Z` suffix on the wire. Value types; no shared state.
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace sandboxd {
+
+enum class lease_status { active, released, expired, failed, pending_cleanup };
+
+/// "active", "released", "expired", "failed", "pending_cleanup".
+std::string_view to_string(lease_status s) noexcept;
+/// Inverse of to_string; std::nullopt for any other text.
+std::optional<lease_status> parse_lease_status(std::string_view s) noexcept;
+
+/// Milliseconds since the Unix epoch, from the system clock.
+std::int64_t now_ms() noexcept;
+/// RFC 3339 UTC with milliseconds, e.g. "2026-11-30T23:49:29.123Z".
+std::string format_rfc3339(std::int64_t ms);
+
+struct Lease {
+    std::string id;
+    std::string company_id;
+    std::string environment_id;
+    std::optional<std::string> run_id, issue_id, heartbeat_run_id, execution_workspace_id;
+    lease_status status = lease_status::active;
+    std::string provider;           ///< driver key, e.g. "bwrap"
+    std::string provider_lease_id;  ///< the provider's own id of the sandbox
+    std::string owner_node_id;
+    std::int64_t epoch = 1;  ///< fencing token: +1 on every owner or status change
+    std::int64_t acquired_at_ms = 0;
+    std::int64_t last_used_at_ms = 0;
+    std::optional<std::int64_t> expires_at_ms;
+    std::optional<std::int64_t> released_at_ms;
+    std::optional<std::string> failure_reason;
+    std::optional<std::string> cleanup_status;
+    /// Always holds string members `pluginId` and `provider`; may hold more.
+    nlohmann::json metadata = nlohmann::json::object();
+    /// Not on the wire: the acquire's idempotency key and the provider config it was made with.
+    std::optional<std::string> idempotency_key;
+    nlohmann::json config = nlohmann::json::object();
+    /// Not on the wire: teardown attempts spent by the sweeper.
+    int cleanup_attempts = 0;
+
+    /// True when status is active and expires_at (if any) is after `at_ms`.
+    bool is_live(std::int64_t at_ms) const noexcept;
+};
+
+/// The wire form of protocol section 2 (camelCase, RFC 3339 times, nulls for absent
+/// nullable fields; optional ids omitted when absent). Internal fields are not included.
+nlohmann::json to_json(const Lease& lease);
+
+}  // namespace sandboxd

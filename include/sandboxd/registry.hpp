@@ -1,0 +1,97 @@
+#pragma once
+/// @file registry.hpp
+/// The lease registry: the source of truth for leases and nodes, shared by every node
+/// process (docs/protocol.md sections 2 and 6; ../DESIGN "Registry").
+///
+/// Every call is blocking (disk or network I/O) and must not run on an I/O thread: the
+/// server runs them on its blocking pool. Implementations are thread-safe: any method may
+/// be called from several threads at once, and several processes may share one store.
+/// Errors: a store that cannot be read or written throws rpc_error(errc::registry_unavailable)
+/// with a message that names the operation; the caller fails closed.
+
+#include <sandboxd/lease.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace sandboxd {
+
+/// Filter of leaseList. Empty optionals match everything. `tenants` restricts to these
+/// companyIds; empty means every tenant (a `*` token).
+struct LeaseQuery {
+    std::optional<std::string> company_id;
+    std::optional<std::string> environment_id;
+    std::optional<lease_status> status;
+    std::optional<std::string> owner_node_id;
+    std::vector<std::string> tenants;
+    std::size_t limit = 100;  ///< 1..1000
+    std::string cursor;       ///< opaque; "" for the first page
+};
+
+struct LeasePage {
+    std::vector<Lease> leases;  ///< ordered by (acquiredAt, id)
+    std::string next_cursor;    ///< "" when there is no further page
+};
+
+/// A node's membership record (protocol section 6).
+struct NodeRecord {
+    std::string node_id;
+    std::string url;  ///< advertiseUrl, ws:// or wss://
+    std::int64_t started_at_ms = 0;
+    std::int64_t heartbeat_at_ms = 0;
+    std::string instance_id;  ///< random per process start; tells restarts apart
+};
+
+class Registry {
+public:
+    virtual ~Registry() = default;
+
+    /// Inserts a new lease. If the lease has an idempotency key and a lease with the same
+    /// (companyId, environmentId, idempotencyKey) exists, nothing is written and that
+    /// existing lease is returned; otherwise returns `lease` as stored.
+    virtual Lease create_lease(const Lease& lease) = 0;
+
+    /// The lease with this id, or std::nullopt.
+    virtual std::optional<Lease> get_lease(const std::string& id) = 0;
+
+    /// The lease made with this idempotency key in this scope, or std::nullopt.
+    virtual std::optional<Lease> find_by_idempotency_key(const std::string& company_id,
+                                                         const std::string& environment_id,
+                                                         const std::string& key) = 0;
+
+    /// One page of leases matching `query`.
+    virtual LeasePage list_leases(const LeaseQuery& query) = 0;
+
+    /// Compare-and-swap: stores every mutable field of `next` (status, owner, epoch, times,
+    /// failure/cleanup fields, cleanup_attempts) if the stored lease still has
+    /// `expected_epoch`. Returns false (and writes nothing) when the epoch differs or the
+    /// lease does not exist. The caller bumps `next.epoch` on owner or status changes.
+    virtual bool update_lease(const Lease& next, std::int64_t expected_epoch) = 0;
+
+    /// Active leases of `owner_node_id` whose expiresAt is at or before `at_ms`.
+    virtual std::vector<Lease> expired_leases(const std::string& owner_node_id,
+                                              std::int64_t at_ms) = 0;
+
+    /// Registers or refreshes this node. Throws rpc_error(errc::invalid_params) when another
+    /// instance of the same nodeId has heartbeated within `liveness_ttl_ms` (two live
+    /// processes must not claim one nodeId).
+    virtual void register_node(const NodeRecord& node, std::int64_t liveness_ttl_ms) = 0;
+    /// Sets heartbeatAt of this node instance; returns false if the record now belongs to
+    /// another instance (this process lost its nodeId).
+    virtual bool heartbeat_node(const std::string& node_id, const std::string& instance_id,
+                                std::int64_t at_ms) = 0;
+    /// Removes this instance's node record (clean shutdown).
+    virtual void remove_node(const std::string& node_id, const std::string& instance_id) = 0;
+    virtual std::vector<NodeRecord> list_nodes() = 0;
+    virtual std::optional<NodeRecord> get_node(const std::string& node_id) = 0;
+};
+
+/// Opens (creating if needed) a SQLite registry at `path` in WAL mode, with a busy timeout so
+/// several processes can share it. Throws rpc_error(errc::registry_unavailable) if the file
+/// cannot be opened or its schema created.
+std::unique_ptr<Registry> make_sqlite_registry(const std::string& path);
+
+}  // namespace sandboxd

@@ -1,0 +1,37 @@
+#pragma once
+/// @file unique_fd.hpp
+/// Owning wrapper of a POSIX file descriptor (closed on destruction). Not thread-safe.
+
+#include <unistd.h>
+
+#include <utility>
+
+namespace sandboxd {
+
+class unique_fd {
+public:
+    unique_fd() noexcept = default;
+    explicit unique_fd(int fd) noexcept : fd_(fd) {}
+    unique_fd(unique_fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+    unique_fd& operator=(unique_fd&& o) noexcept {
+        if (this != &o) reset(std::exchange(o.fd_, -1));
+        return *this;
+    }
+    unique_fd(const unique_fd&) = delete;
+    unique_fd& operator=(const unique_fd&) = delete;
+    ~unique_fd() { reset(); }
+
+    int get() const noexcept { return fd_; }
+    explicit operator bool() const noexcept { return fd_ >= 0; }
+    /// Gives up ownership without closing.
+    int release() noexcept { return std::exchange(fd_, -1); }
+    void reset(int fd = -1) noexcept {
+        if (fd_ >= 0) ::close(fd_);
+        fd_ = fd;
+    }
+
+private:
+    int fd_ = -1;
+};
+
+}  // namespace sandboxd
