@@ -97,6 +97,16 @@ public:
     /// Throws rpc_error(errc::provider_error) if the sandbox is gone (its workspace was
     /// removed) or the process cannot be started; nothing is left running then.
     virtual SpawnedProcess spawn(const SandboxHandle& sandbox, const ExecSpec& spec) = 0;
+
+    /// A handle good enough to destroy() the sandbox of `scope` that this process no longer
+    /// caches (after a restart, for the sweeper), or nullptr when the provider cannot tear
+    /// down by scope alone. Never used to open channels. Fast; no I/O.
+    virtual std::shared_ptr<SandboxHandle> handle_for_teardown(const SandboxScope& scope,
+                                                               const std::string& lease_id) {
+        (void)scope;
+        (void)lease_id;
+        return nullptr;
+    }
 };
 
 struct BwrapOptions {

@@ -1,0 +1,46 @@
+#pragma once
+/// @file server.hpp
+/// The daemon as a library: one node serving `/v1/ws`, `/healthz`, `/readyz` and `/metrics`
+/// on one port (docs/protocol.md sections 1 and 7). The `sandboxd` executable is a thin
+/// wrapper around it.
+
+#include <sandboxd/config.hpp>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace sandboxd {
+
+class Daemon {
+public:
+    /// Validates `config` (config_error), creates the state directory, opens the registry
+    /// (rpc_error REGISTRY_UNAVAILABLE), resolves tokens, sets up providers. Binds nothing yet.
+    explicit Daemon(Config config);
+    ~Daemon();
+    Daemon(const Daemon&) = delete;
+    Daemon& operator=(const Daemon&) = delete;
+
+    /// Binds the listener (port 0 picks one), registers the node in the registry (throws
+    /// rpc_error(errc::invalid_params) if a live process holds the same nodeId), starts the
+    /// heartbeat and sweeper. Returns the bound "HOST:PORT". Call once, before run().
+    std::string start();
+
+    /// Runs the I/O threads until stop() completes. Blocks the caller (which is one of them).
+    void run();
+
+    /// Begins a graceful stop from any thread or a signal handler's strand: no new
+    /// connections, every channel hung up (SIGHUP, then SIGKILL after the grace), the node
+    /// record removed. Idempotent; run() returns once done.
+    void stop();
+
+    const std::string& node_id() const noexcept;
+    /// The bearer token made for a config without tokens (<stateDir>/admin.token), or "".
+    const std::string& generated_token_path() const noexcept;
+
+private:
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace sandboxd

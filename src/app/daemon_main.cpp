@@ -1,0 +1,141 @@
+#include <sandboxd/app.hpp>
+#include <sandboxd/config.hpp>
+#include <sandboxd/errors.hpp>
+#include <sandboxd/logging.hpp>
+#include <sandboxd/server.hpp>
+#include <sandboxd/version.hpp>
+
+#include <boost/program_options.hpp>
+#include <spdlog/spdlog.h>
+#include <systemd/sd-daemon.h>
+
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+namespace sandboxd {
+namespace po = boost::program_options;
+
+namespace {
+
+void write_ready_file(const std::string& path, const std::string& address) {
+    const std::string tmp = path + ".tmp";
+    {
+        std::ofstream out(tmp, std::ios::trunc);
+        out << address << "\n";
+        if (!out) throw std::runtime_error("cannot write ready file " + tmp);
+    }
+    std::filesystem::rename(tmp, path);
+}
+
+}  // namespace
+
+int daemon_main(int argc, char** argv) {
+    po::options_description opts("sandboxd options");
+    opts.add_options()
+        ("config", po::value<std::string>(), "config file (JSON with comments)")
+        ("listen", po::value<std::string>(), "HOST:PORT to serve on (port 0 picks a free port)")
+        ("state-dir", po::value<std::string>(), "state directory (registry, tokens, workspaces)")
+        ("node-id", po::value<std::string>(), "this node's id (default: the host name)")
+        ("ready-file", po::value<std::string>(), "write HOST:PORT and a newline here once ready")
+        ("log-level", po::value<std::string>(), "trace|debug|info|warn|error|critical|off")
+        ("check-config", "validate the config, print the effective config, exit 0 or 2")
+        ("print-default-config", "print the default config and exit")
+        ("version", "print the version and exit")
+        ("help", "print this help and exit");
+    po::variables_map vm;
+    try {
+        po::store(po::command_line_parser(argc, argv).options(opts).run(), vm);
+        po::notify(vm);
+    } catch (const po::error& e) {
+        std::cerr << "sandboxd: " << e.what() << "\nTry 'sandboxd --help'.\n";
+        return 2;
+    }
+    if (vm.count("help")) {
+        std::cout << "Usage: sandboxd [OPTIONS]\nLeases bubblewrap sandboxes to host servers and "
+                     "runs commands in them over WebSocket duplex channels.\n\n"
+                  << opts << "\nDocs: docs/protocol.md (wire), config/sandboxd.jsonc (every key).\n";
+        return 0;
+    }
+    if (vm.count("version")) {
+        std::cout << "sandboxd " << version_string << "\n";
+        return 0;
+    }
+    if (vm.count("print-default-config")) {
+        std::cout << default_config_text();
+        return 0;
+    }
+    Config config;
+    try {
+        if (vm.count("config")) config = load_config_file(vm["config"].as<std::string>());
+        if (vm.count("listen")) config.listen = vm["listen"].as<std::string>();
+        if (vm.count("state-dir")) config.state_dir = vm["state-dir"].as<std::string>();
+        if (vm.count("node-id")) config.node_id = vm["node-id"].as<std::string>();
+        if (vm.count("log-level")) {
+            // Same rule as the config file's log.level.
+            config = parse_config(
+                [&] {
+                    auto j = config_to_json(config);
+                    j["log"]["level"] = vm["log-level"].as<std::string>();
+                    j["auth"]["tokens"] = nlohmann::json::array();
+                    return j.dump();
+                }());
+            if (vm.count("config")) {
+                auto tokens = load_config_file(vm["config"].as<std::string>()).tokens;
+                config.tokens = tokens;
+            }
+        }
+        validate_config(config);
+    } catch (const config_error& e) {
+        std::cerr << "sandboxd: " << e.what() << "\n";
+        return 2;
+    }
+    if (vm.count("check-config")) {
+        std::cout << config_to_json(config).dump(2) << "\n";
+        return 0;
+    }
+    setup_logging(config.log_level, config.log_format);
+
+    // SIGTERM and SIGINT are taken by a waiting thread; every other thread (and, reset at
+    // spawn, no child) has them blocked. SIGPIPE is ignored: a closed pipe is an EPIPE error.
+    std::signal(SIGPIPE, SIG_IGN);
+    sigset_t stop_signals;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGTERM);
+    sigaddset(&stop_signals, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+    try {
+        Daemon daemon(config);
+        const std::string address = daemon.start();
+        spdlog::info("listening on {}", address);
+        if (vm.count("ready-file")) write_ready_file(vm["ready-file"].as<std::string>(), address);
+        sd_notify(0, "READY=1");
+        std::thread waiter([&daemon, stop_signals] {
+            int sig = 0;
+            sigwait(&stop_signals, &sig);
+            spdlog::info("received signal {}, stopping", sig);
+            sd_notify(0, "STOPPING=1");
+            daemon.stop();
+        });
+        daemon.run();
+        // run() returned because stop() completed; wake the waiter if it still waits.
+        if (waiter.joinable()) {
+            pthread_kill(waiter.native_handle(), SIGTERM);
+            waiter.join();
+        }
+        spdlog::info("stopped");
+        return 0;
+    } catch (const config_error& e) {
+        spdlog::critical("{}", e.what());
+        return 2;
+    } catch (const std::exception& e) {
+        spdlog::critical("cannot start: {}", e.what());
+        return 1;
+    }
+}
+
+}  // namespace sandboxd

@@ -1,0 +1,329 @@
+#include <sandboxd/config.hpp>
+
+#include <fstream>
+#include <set>
+#include <sstream>
+
+namespace sandboxd {
+namespace {
+
+using json = nlohmann::json;
+
+[[noreturn]] void fail(const std::string& path, const std::string& why) {
+    throw config_error("config: " + path + ": " + why);
+}
+
+/// Walks one JSON object, remembering which keys were read, so that unknown ones can be
+/// reported by their full path.
+class Obj {
+public:
+    Obj(const json& j, std::string path) : j_(j), path_(std::move(path)) {
+        if (!j_.is_object()) fail(path_.empty() ? "(top level)" : path_, "must be an object");
+    }
+    ~Obj() = default;
+    Obj(const Obj&) = delete;
+    Obj& operator=(const Obj&) = delete;
+
+    std::string sub(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
+    const json* get(const std::string& key) {
+        seen_.insert(key);
+        auto it = j_.find(key);
+        return it == j_.end() ? nullptr : &*it;
+    }
+    void str(const std::string& key, std::string& out) {
+        if (const auto* v = get(key)) {
+            if (!v->is_string()) fail(sub(key), "must be a string");
+            out = v->get<std::string>();
+        }
+    }
+    void boolean(const std::string& key, bool& out) {
+        if (const auto* v = get(key)) {
+            if (!v->is_boolean()) fail(sub(key), "must be true or false");
+            out = v->get<bool>();
+        }
+    }
+    template <typename T>
+    void integer(const std::string& key, T& out, std::uint64_t lo, std::uint64_t hi) {
+        if (const auto* v = get(key)) {
+            if (!v->is_number_integer() || (v->is_number_integer() && !v->is_number_unsigned() &&
+                                            v->get<std::int64_t>() < 0)) {
+                fail(sub(key), "must be an integer in " + std::to_string(lo) + ".." +
+                                   std::to_string(hi));
+            }
+            auto n = v->get<std::uint64_t>();
+            if (n < lo || n > hi) {
+                fail(sub(key), "must be an integer in " + std::to_string(lo) + ".." +
+                                   std::to_string(hi) + ", got " + std::to_string(n));
+            }
+            out = static_cast<T>(n);
+        }
+    }
+    void strings(const std::string& key, std::vector<std::string>& out) {
+        if (const auto* v = get(key)) {
+            if (!v->is_array()) fail(sub(key), "must be an array of strings");
+            out.clear();
+            for (std::size_t i = 0; i < v->size(); ++i) {
+                if (!(*v)[i].is_string()) {
+                    fail(sub(key) + "[" + std::to_string(i) + "]", "must be a string");
+                }
+                out.push_back((*v)[i].get<std::string>());
+            }
+        }
+    }
+    void one_of(const std::string& key, std::string& out, std::initializer_list<const char*> allowed) {
+        str(key, out);
+        if (j_.contains(key)) {
+            for (const char* a : allowed) {
+                if (out == a) return;
+            }
+            std::string list;
+            for (const char* a : allowed) list += std::string(list.empty() ? "" : ", ") + a;
+            fail(sub(key), "must be one of " + list + ", got \"" + out + "\"");
+        }
+    }
+    /// Throws for the first key that no reader asked for.
+    void done() const {
+        for (const auto& [key, value] : j_.items()) {
+            if (!seen_.count(key)) fail(sub(key), "unknown key");
+        }
+    }
+
+private:
+    const json& j_;
+    std::string path_;
+    std::set<std::string> seen_;
+};
+
+constexpr std::uint64_t kib = 1024;
+constexpr std::uint64_t mib = 1024 * kib;
+constexpr std::uint64_t gib = 1024 * mib;
+
+void parse_limits(Obj& o, LimitsConfig& l) {
+    o.integer("maxTextMessage", l.max_text_message, kib, 64 * mib);
+    o.integer("maxDataPayload", l.max_data_payload, kib, 16 * mib);
+    o.integer("channelsPerConnection", l.channels_per_connection, 1, 1 << 20);
+    o.integer("channelsPerNode", l.channels_per_node, 1, 1 << 20);
+    o.integer("outputWindow", l.output_window, kib, gib);
+    o.integer("stdinWindow", l.stdin_window, kib, gib);
+    o.integer("pingIntervalMs", l.ping_interval_ms, 100, 3600000);
+    o.integer("idleTimeoutMs", l.idle_timeout_ms, 300, 3 * 3600000);
+    o.integer("drainGraceMs", l.drain_grace_ms, 0, 60000);
+    o.integer("hangupGraceMs", l.hangup_grace_ms, 0, 5000);
+    o.integer("defaultTtlMs", l.default_ttl_ms, 1000, 365ULL * 24 * 3600000);
+    o.integer("maxTtlMs", l.max_ttl_ms, 1000, 365ULL * 24 * 3600000);
+    o.done();
+}
+
+void parse_token(Obj& o, TokenConfig& t) {
+    o.str("name", t.name);
+    o.str("token", t.token);
+    o.str("tokenFile", t.token_file);
+    o.one_of("role", t.role, {"host", "peer"});
+    o.strings("tenants", t.tenants);
+    o.done();
+}
+
+void parse_plugin(Obj& o, PluginConfig& p) {
+    o.str("pluginId", p.plugin_id);
+    o.str("provider", p.provider);
+    o.strings("command", p.command);
+    if (const auto* env = o.get("env")) {
+        if (!env->is_object()) fail(o.sub("env"), "must be an object of strings");
+        for (const auto& [k, v] : env->items()) {
+            if (!v.is_string()) fail(o.sub("env") + "." + k, "must be a string");
+            p.env[k] = v.get<std::string>();
+        }
+    }
+    o.done();
+}
+
+void parse_top(const json& j, Config& c) {
+    Obj top(j, "");
+    top.str("nodeId", c.node_id);
+    top.str("listen", c.listen);
+    top.str("advertiseUrl", c.advertise_url);
+    top.str("stateDir", c.state_dir);
+    top.integer("threads", c.threads, 0, 256);
+    if (const auto* r = top.get("registry")) {
+        Obj o(*r, "registry");
+        o.one_of("kind", c.registry.kind, {"sqlite", "etcd"});
+        o.str("path", c.registry.path);
+        o.strings("endpoints", c.registry.endpoints);
+        o.str("prefix", c.registry.prefix);
+        o.done();
+    }
+    if (const auto* a = top.get("auth")) {
+        Obj o(*a, "auth");
+        if (const auto* tokens = o.get("tokens")) {
+            if (!tokens->is_array()) fail("auth.tokens", "must be an array");
+            for (std::size_t i = 0; i < tokens->size(); ++i) {
+                Obj t((*tokens)[i], "auth.tokens[" + std::to_string(i) + "]");
+                c.tokens.emplace_back();
+                parse_token(t, c.tokens.back());
+            }
+        }
+        o.done();
+    }
+    if (const auto* r = top.get("routing")) {
+        Obj o(*r, "routing");
+        o.one_of("mode", c.routing_mode, {"proxy", "redirect"});
+        o.integer("nodeTtlMs", c.node_ttl_ms, 1000, 600000);
+        o.integer("heartbeatMs", c.heartbeat_ms, 100, 60000);
+        o.done();
+    }
+    if (const auto* p = top.get("providers")) {
+        Obj o(*p, "providers");
+        if (const auto* b = o.get("bwrap")) {
+            Obj bo(*b, "providers.bwrap");
+            bo.boolean("enabled", c.bwrap.enabled);
+            bo.str("path", c.bwrap.path);
+            bo.str("initPath", c.bwrap.init_path);
+            bo.boolean("allowNetwork", c.bwrap.allow_network);
+            bo.done();
+        }
+        if (const auto* pl = o.get("plugins")) {
+            if (!pl->is_array()) fail("providers.plugins", "must be an array");
+            for (std::size_t i = 0; i < pl->size(); ++i) {
+                Obj po((*pl)[i], "providers.plugins[" + std::to_string(i) + "]");
+                c.plugins.emplace_back();
+                parse_plugin(po, c.plugins.back());
+            }
+        }
+        o.done();
+    }
+    if (const auto* l = top.get("limits")) {
+        Obj o(*l, "limits");
+        parse_limits(o, c.limits);
+    }
+    if (const auto* l = top.get("log")) {
+        Obj o(*l, "log");
+        o.one_of("level", c.log_level,
+                 {"trace", "debug", "info", "warn", "error", "critical", "off"});
+        o.one_of("format", c.log_format, {"text", "json"});
+        o.done();
+    }
+    top.done();
+}
+
+}  // namespace
+
+Config parse_config(std::string_view text) {
+    json j;
+    try {
+        j = json::parse(text, nullptr, true, /*ignore_comments=*/true);
+    } catch (const json::parse_error& e) {
+        throw config_error(std::string("config: not valid JSON: ") + e.what());
+    }
+    Config c;
+    parse_top(j, c);
+    validate_config(c);
+    return c;
+}
+
+Config load_config_file(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw config_error("config: cannot read " + path);
+    std::ostringstream ss;
+    ss << in.rdbuf();
+    return parse_config(ss.str());
+}
+
+void validate_config(const Config& c) {
+    auto colon = c.listen.rfind(':');
+    if (colon == std::string::npos || colon == 0 || colon + 1 == c.listen.size()) {
+        fail("listen", "must be HOST:PORT, got \"" + c.listen + "\"");
+    }
+    const std::string port = c.listen.substr(colon + 1);
+    if (port.find_first_not_of("0123456789") != std::string::npos || port.size() > 5 ||
+        std::stoul(port) > 65535) {
+        fail("listen", "port must be 0..65535, got \"" + port + "\"");
+    }
+    if (!c.advertise_url.empty() && c.advertise_url.rfind("ws://", 0) != 0 &&
+        c.advertise_url.rfind("wss://", 0) != 0) {
+        fail("advertiseUrl", "must start with ws:// or wss://");
+    }
+    if (c.state_dir.empty()) fail("stateDir", "must not be empty");
+    if (c.registry.kind == "etcd" && c.registry.endpoints.empty()) {
+        fail("registry.endpoints", "etcd needs at least one endpoint");
+    }
+    for (std::size_t i = 0; i < c.tokens.size(); ++i) {
+        const auto& t = c.tokens[i];
+        const std::string p = "auth.tokens[" + std::to_string(i) + "]";
+        if (t.name.empty()) fail(p + ".name", "must not be empty");
+        if (t.token.empty() == t.token_file.empty()) {
+            fail(p, "needs exactly one of token or tokenFile");
+        }
+        if (t.tenants.empty()) fail(p + ".tenants", "must list at least one companyId or \"*\"");
+    }
+    for (std::size_t i = 0; i < c.plugins.size(); ++i) {
+        const auto& pl = c.plugins[i];
+        const std::string p = "providers.plugins[" + std::to_string(i) + "]";
+        if (pl.plugin_id.empty()) fail(p + ".pluginId", "must not be empty");
+        if (pl.provider.empty()) fail(p + ".provider", "must not be empty");
+        if (pl.command.empty()) fail(p + ".command", "must not be empty");
+    }
+    if (c.limits.default_ttl_ms > c.limits.max_ttl_ms) {
+        fail("limits.defaultTtlMs", "must not exceed limits.maxTtlMs");
+    }
+    if (c.limits.max_data_payload > c.limits.max_text_message * 16ULL) {
+        fail("limits.maxDataPayload", "must not exceed 16 times limits.maxTextMessage");
+    }
+}
+
+nlohmann::json config_to_json(const Config& c) {
+    json tokens = json::array();
+    for (const auto& t : c.tokens) {
+        json tj = {{"name", t.name}, {"role", t.role}, {"tenants", t.tenants}};
+        if (!t.token.empty()) tj["token"] = "<redacted>";
+        if (!t.token_file.empty()) tj["tokenFile"] = t.token_file;
+        tokens.push_back(std::move(tj));
+    }
+    json plugins = json::array();
+    for (const auto& p : c.plugins) {
+        plugins.push_back({{"pluginId", p.plugin_id},
+                           {"provider", p.provider},
+                           {"command", p.command},
+                           {"env", p.env}});
+    }
+    const auto& l = c.limits;
+    return {
+        {"nodeId", c.node_id},
+        {"listen", c.listen},
+        {"advertiseUrl", c.advertise_url},
+        {"stateDir", c.state_dir},
+        {"threads", c.threads},
+        {"registry",
+         {{"kind", c.registry.kind},
+          {"path", c.registry.path},
+          {"endpoints", c.registry.endpoints},
+          {"prefix", c.registry.prefix}}},
+        {"auth", {{"tokens", tokens}}},
+        {"routing",
+         {{"mode", c.routing_mode}, {"nodeTtlMs", c.node_ttl_ms}, {"heartbeatMs", c.heartbeat_ms}}},
+        {"providers",
+         {{"bwrap",
+           {{"enabled", c.bwrap.enabled},
+            {"path", c.bwrap.path},
+            {"initPath", c.bwrap.init_path},
+            {"allowNetwork", c.bwrap.allow_network}}},
+          {"plugins", plugins}}},
+        {"limits",
+         {{"maxTextMessage", l.max_text_message},
+          {"maxDataPayload", l.max_data_payload},
+          {"channelsPerConnection", l.channels_per_connection},
+          {"channelsPerNode", l.channels_per_node},
+          {"outputWindow", l.output_window},
+          {"stdinWindow", l.stdin_window},
+          {"pingIntervalMs", l.ping_interval_ms},
+          {"idleTimeoutMs", l.idle_timeout_ms},
+          {"drainGraceMs", l.drain_grace_ms},
+          {"hangupGraceMs", l.hangup_grace_ms},
+          {"defaultTtlMs", l.default_ttl_ms},
+          {"maxTtlMs", l.max_ttl_ms}}},
+        {"log", {{"level", c.log_level}, {"format", c.log_format}}},
+    };
+}
+
+std::string default_config_text() { return config_to_json(Config{}).dump(2) + "\n"; }
+
+}  // namespace sandboxd

@@ -1,0 +1,64 @@
+#pragma once
+/// @file spawn.hpp
+/// fork/exec for a multi-threaded process, and the pipes and PTYs that go with it.
+/// Internal to the providers. Every function is safe to call from any thread.
+
+#include <sandboxd/provider.hpp>
+#include <sandboxd/unique_fd.hpp>
+
+#include <sys/types.h>
+
+#include <array>
+#include <string>
+#include <vector>
+
+namespace sandboxd::detail {
+
+/// A pipe with both ends close-on-exec. The ends meant for the daemon are made non-blocking;
+/// the ends handed to a child stay blocking.
+struct Pipe {
+    unique_fd read_end;
+    unique_fd write_end;
+};
+
+/// Which end of a pipe the daemon keeps (and so makes non-blocking).
+enum class daemon_end { read, write };
+
+/// Creates a pipe; throws rpc_error(errc::provider_error) on failure.
+Pipe make_pipe(daemon_end kept);
+
+/// A new pseudo-terminal: the master is non-blocking, both are close-on-exec, and the
+/// window size is already set on the slave.
+struct Pty {
+    unique_fd master;
+    unique_fd slave;
+};
+
+/// Opens a PTY of `size`; throws rpc_error(errc::provider_error) on failure.
+Pty open_pty(const PtySize& size);
+
+struct SpawnRequest {
+    /// argv[0] is the program's path (no PATH search). Must be non-empty.
+    std::vector<std::string> argv;
+    /// The complete environment, "NAME=value" entries.
+    std::vector<std::string> envp;
+    /// The child's fds 0..4; -1 means /dev/null for 0..2 and closed for 3 and 4.
+    /// The fds stay owned by the caller (close the child's ends after spawn returns).
+    std::array<int, 5> fds = {-1, -1, -1, -1, -1};
+    /// If >= 0, a PTY slave to make the child's controlling terminal (after setsid).
+    int controlling_tty = -1;
+};
+
+struct SpawnResult {
+    pid_t pid = -1;
+    unique_fd pidfd;  ///< close-on-exec and non-blocking
+};
+
+/// Starts `request` in a new session: the child gets exactly fds 0..4, an empty signal mask
+/// and default dispositions. Only async-signal-safe calls run between fork and exec.
+/// Returns once the exec has succeeded. If it fails, the child is reaped and
+/// rpc_error(errc::provider_error, "cannot start <what>: <strerror>") is thrown.
+/// The caller must reap `pid` (e.g. once `pidfd` is readable).
+SpawnResult spawn_process(const SpawnRequest& request, const std::string& what);
+
+}  // namespace sandboxd::detail

@@ -1,0 +1,142 @@
+#pragma once
+// One running command and its streams (docs/protocol.md sections 3 and 4).
+//
+// Threading: a Channel lives on its session's strand; every public method must be called on
+// that strand. Its pumps are coroutines on the same strand.
+#include "server/net.hpp"
+
+#include <sandboxd/frame.hpp>
+#include <sandboxd/provider.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace sandboxd {
+
+/// Where a channel's frames and its one exit notification go (the session's write queue).
+class ChannelSink {
+public:
+    virtual ~ChannelSink() = default;
+    /// Queues a binary frame, already encoded.
+    virtual void send_binary(std::string frame) = 0;
+    /// Queues a text frame (a JSON-RPC notification).
+    virtual void send_text(std::string text) = 0;
+    /// The channel has sent its exit (or can no longer send it) and may be forgotten.
+    virtual void channel_finished(std::uint32_t channel) = 0;
+};
+
+struct ChannelOptions {
+    std::uint32_t id = 0;
+    std::string host_route_id;
+    std::string lease_id;
+    bool pty = false;
+    bool stdin_attached = true;
+    bool base64 = false;  ///< dataEncoding "base64": duplexChannel.data notifications
+    std::uint32_t output_window = 1 << 20;
+    std::uint32_t stdin_window = 1 << 20;
+    std::optional<std::chrono::milliseconds> timeout;
+    std::chrono::milliseconds hangup_grace{5000};
+    /// Called once on the strand when every process of the channel is gone.
+    std::function<void()> on_reaped;
+};
+
+enum class channel_outcome { exited, signaled, timed_out, stopped, lease_released, transport_closed, error };
+std::string_view to_string(channel_outcome o) noexcept;
+/// "INT", "TERM", ... for a signal number; "SIG<n>" when it has no short name here.
+std::string signal_name(int sig);
+/// The signal number of a protocol name ("INT", "TERM", "HUP", "QUIT", "KILL", "USR1", "USR2",
+/// "WINCH"), or 0 for any other text.
+int parse_signal_name(std::string_view name) noexcept;
+
+class Channel : public std::enable_shared_from_this<Channel> {
+public:
+    Channel(strand_t strand, ChannelOptions options, SpawnedProcess process,
+            std::shared_ptr<SandboxHandle> sandbox, std::weak_ptr<ChannelSink> sink);
+    ~Channel();
+    Channel(const Channel&) = delete;
+    Channel& operator=(const Channel&) = delete;
+
+    /// Starts the pumps and the supervisor. Call once.
+    void start();
+
+    std::uint32_t id() const noexcept { return options_.id; }
+    const ChannelOptions& options() const noexcept { return options_; }
+    const std::shared_ptr<SandboxHandle>& sandbox() const noexcept { return sandbox_; }
+    bool finished() const noexcept { return exit_sent_; }
+    /// Sets the callback run once every process of the channel is gone (before start()).
+    void set_on_reaped(std::function<void()> f) { options_.on_reaped = std::move(f); }
+
+    /// Stdin bytes from the host. Throws rpc_error(errc::flow_control) and ends the channel
+    /// when they would overrun the stdin window; errc::invalid_params when stdin was closed or
+    /// not attached.
+    void write_stdin(std::string_view data);
+    /// Half-close: the command reads EOF once queued bytes are written (under a PTY: the EOF
+    /// character is written instead).
+    void close_stdin();
+    /// Output credit from the host (kind 0x02, stream 1 or 2).
+    void add_credit(std::uint32_t bytes);
+    /// Sends `sig` to the command's process group. Throws errc::channel_not_found once the
+    /// command has ended.
+    void send_signal(int sig);
+    /// Sets the PTY size (1..4096 each, checked by the caller). Throws errc::invalid_params on
+    /// a pipe channel.
+    void resize(std::uint16_t cols, std::uint16_t rows);
+    /// Kills the whole process tree now; the exit reports `outcome`.
+    void stop(channel_outcome outcome);
+    /// The connection dropped: SIGHUP to every process of the channel, SIGKILL after the
+    /// hangup grace; no exit is sent.
+    void hangup();
+
+private:
+    awaitable<void> supervise();
+    awaitable<void> pump_output(net::posix::stream_descriptor& fd, stream_id stream);
+    awaitable<void> pump_stdin();
+    awaitable<std::string> read_status();
+    void kill_tree() noexcept;
+    void send_control(unsigned char byte) noexcept;
+    static void wake(net::steady_timer& t) { t.cancel(); }
+    void send_exit();
+
+    strand_t strand_;
+    ChannelOptions options_;
+    std::shared_ptr<SandboxHandle> sandbox_;
+    std::weak_ptr<ChannelSink> sink_;
+    pid_t pid_;
+    unique_fd control_fd_;
+    net::posix::stream_descriptor pidfd_;
+    net::posix::stream_descriptor status_;
+    net::posix::stream_descriptor stdout_;
+    net::posix::stream_descriptor stderr_;
+    net::posix::stream_descriptor stdin_;
+    net::steady_timer credit_timer_;  // woken (cancelled) when credit arrives
+    net::steady_timer stdin_timer_;   // woken when stdin is queued or closed
+    net::steady_timer deadline_;      // timeoutMs
+    net::steady_timer hangup_timer_;
+    net::steady_timer done_timer_;    // woken when an output pump ends
+    std::chrono::steady_clock::time_point started_;
+
+    std::uint64_t unacked_ = 0;  // output bytes sent and not yet credited
+    std::deque<std::string> stdin_queue_;
+    std::uint64_t stdin_pending_ = 0;  // received from the host, not yet credited back
+    bool stdin_eof_requested_ = false;
+    bool stdin_closed_ = false;
+    int pumps_running_ = 0;
+    bool main_exited_ = false;
+    bool exit_sent_ = false;
+    bool killed_ = false;
+    bool hung_up_ = false;
+    bool reaped_ = false;
+    std::optional<channel_outcome> forced_outcome_;
+    std::uint64_t stdout_bytes_ = 0, stderr_bytes_ = 0, stdin_bytes_ = 0;
+    std::string status_line_;
+    std::optional<nlohmann::json> error_;
+};
+
+}  // namespace sandboxd

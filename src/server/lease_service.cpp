@@ -1,0 +1,366 @@
+#include "server/lease_service.hpp"
+
+#include "server/blocking_pool.hpp"
+#include "server/channel.hpp"
+#include "server/params.hpp"
+
+#include <sandboxd/errors.hpp>
+
+#include <spdlog/spdlog.h>
+
+#include <sys/random.h>
+
+namespace sandboxd {
+namespace {
+
+using json = nlohmann::json;
+
+std::string random_hex(std::size_t bytes) {
+    std::string raw(bytes, '\0');
+    std::size_t got = 0;
+    while (got < bytes) {
+        auto n = ::getrandom(raw.data() + got, bytes - got, 0);
+        if (n > 0) got += static_cast<std::size_t>(n);
+    }
+    static constexpr char digits[] = "0123456789abcdef";
+    std::string out;
+    for (unsigned char c : raw) {
+        out += digits[c >> 4];
+        out += digits[c & 0xf];
+    }
+    return out;
+}
+
+[[noreturn]] void not_found(const std::string& id) {
+    throw rpc_error(errc::lease_not_found, "Sandbox lease " + id + " was not found.",
+                    {{"leaseId", id}});
+}
+
+/// The lease if it exists and the caller may see it; LEASE_NOT_FOUND otherwise (another
+/// tenant's lease is reported exactly like a missing one).
+awaitable<Lease> load_visible(Node& node, const Principal& who, const std::string& id) {
+    auto lease = co_await run_blocking(node.blocking, [&node, id] {
+        return node.registry->get_lease(id);
+    });
+    if (!lease || !who.allows(lease->company_id)) not_found(id);
+    co_return *lease;
+}
+
+SandboxScope scope_of(const Lease& l) {
+    return {l.provider, l.company_id, l.environment_id, l.provider_lease_id};
+}
+
+Provider* provider_of(Node& node, const std::string& key) {
+    auto it = node.providers.find(key);
+    return it == node.providers.end() ? nullptr : it->second.get();
+}
+
+/// Tears the sandbox down and records the outcome: released, or pending_cleanup with the
+/// failure. Returns the stored lease.
+awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
+    auto scope = scope_of(lease);
+    auto handle = node.cache.begin_teardown(scope);
+    co_await end_lease_channels(node, lease.id, std::chrono::milliseconds(3000));
+    Provider* provider = provider_of(node, lease.provider);
+    if (!handle && provider) handle = provider->handle_for_teardown(scope, lease.id);
+    std::optional<std::string> failure;
+    if (!provider) {
+        failure = "no provider \"" + lease.provider + "\" on node " + node.node_id;
+    } else if (!handle) {
+        failure = "provider \"" + lease.provider + "\" cannot tear down an uncached sandbox";
+    } else {
+        try {
+            co_await run_blocking(node.blocking, [provider, handle] { provider->destroy(*handle); });
+        } catch (const std::exception& e) {
+            failure = e.what();
+        }
+    }
+    Lease next = lease;
+    const auto now = now_ms();
+    next.epoch = lease.epoch + 1;
+    next.last_used_at_ms = now;
+    if (failure) {
+        spdlog::warn("lease={} teardown failed: {}", lease.id, *failure);
+        next.status = lease_status::pending_cleanup;
+        next.failure_reason = *failure;
+        next.cleanup_status = "teardown failed";
+        next.cleanup_attempts = lease.cleanup_attempts + 1;
+    } else {
+        next.status = final_status;
+        next.released_at_ms = now;
+        next.cleanup_status = "destroyed";
+        node.cache.erase(scope);
+    }
+    bool stored = co_await run_blocking(node.blocking, [&node, next, epoch = lease.epoch] {
+        return node.registry->update_lease(next, epoch);
+    });
+    if (!stored) {
+        auto current = co_await run_blocking(node.blocking, [&node, id = lease.id] {
+            return node.registry->get_lease(id);
+        });
+        if (!current) not_found(lease.id);
+        co_return *current;
+    }
+    spdlog::info("lease={} {} node={}", lease.id, to_string(next.status), node.node_id);
+    co_return next;
+}
+
+}  // namespace
+
+awaitable<Lease> lease_acquire(Node& node, const Principal& who, json p) {
+    p = params::object_or_empty(p);
+    params::only_keys(p, {"companyId", "environmentId", "provider", "config", "ttlMs", "runId",
+                          "issueId", "heartbeatRunId", "executionWorkspaceId",
+                          "idempotencyKey"});
+    Lease lease;
+    lease.company_id = params::req_string(p, "companyId");
+    lease.environment_id = params::req_string(p, "environmentId");
+    lease.provider = params::req_string(p, "provider");
+    lease.run_id = params::opt_string(p, "runId");
+    lease.issue_id = params::opt_string(p, "issueId");
+    lease.heartbeat_run_id = params::opt_string(p, "heartbeatRunId");
+    lease.execution_workspace_id = params::opt_string(p, "executionWorkspaceId");
+    lease.idempotency_key = params::opt_string(p, "idempotencyKey");
+    const auto& limits = node.config.limits;
+    const auto ttl = params::opt_uint(p, "ttlMs", 1000, limits.max_ttl_ms)
+                         .value_or(limits.default_ttl_ms);
+    if (p.contains("config") && !p["config"].is_null()) {
+        if (!p["config"].is_object()) params::invalid("config", "must be an object");
+        lease.config = p["config"];
+    }
+    if (!who.allows(lease.company_id)) {
+        params::invalid("companyId", "this token may not act for tenant \"" + lease.company_id + "\"");
+    }
+    if (node.draining) throw rpc_error(errc::owner_unavailable, "node " + node.node_id + " is draining");
+    Provider* provider = provider_of(node, lease.provider);
+    if (!provider) params::invalid("provider", "no provider \"" + lease.provider + "\" on this node");
+
+    if (lease.idempotency_key) {
+        auto existing = co_await run_blocking(node.blocking, [&node, lease] {
+            return node.registry->find_by_idempotency_key(lease.company_id, lease.environment_id,
+                                                          *lease.idempotency_key);
+        });
+        if (existing) co_return *existing;
+    }
+
+    lease.id = "lse_" + random_hex(12);
+    lease.owner_node_id = node.node_id;
+    lease.status = lease_status::active;
+    lease.epoch = 1;
+    lease.acquired_at_ms = lease.last_used_at_ms = now_ms();
+    lease.expires_at_ms = lease.acquired_at_ms + static_cast<std::int64_t>(ttl);
+    lease.metadata = {{"pluginId", provider->plugin_id()}, {"provider", provider->key()}};
+
+    SandboxScope scope{lease.provider, lease.company_id, lease.environment_id, ""};
+    auto handle = co_await run_blocking(node.blocking, [provider, scope, id = lease.id, cfg = lease.config] {
+        return provider->create(scope, id, cfg);
+    });
+    lease.provider_lease_id = handle->scope.provider_lease_id;
+    Lease stored;
+    try {
+        stored = co_await run_blocking(node.blocking, [&node, lease] {
+            return node.registry->create_lease(lease);
+        });
+    } catch (...) {
+        provider->destroy(*handle);
+        throw;
+    }
+    if (stored.id != lease.id) {  // lost an idempotency race: keep the winner's lease
+        co_await run_blocking(node.blocking, [provider, handle] { provider->destroy(*handle); });
+        co_return stored;
+    }
+    node.cache.put(handle);
+    spdlog::info("lease={} acquired provider={} providerLeaseId={} company={} node={}", lease.id,
+                 lease.provider, lease.provider_lease_id, lease.company_id, node.node_id);
+    co_return stored;
+}
+
+awaitable<Lease> lease_get(Node& node, const Principal& who, std::string lease_id) {
+    co_return co_await load_visible(node, who, lease_id);
+}
+
+awaitable<json> lease_list(Node& node, const Principal& who, json p) {
+    p = params::object_or_empty(p);
+    params::only_keys(p, {"companyId", "environmentId", "status", "ownerNodeId", "limit", "cursor"});
+    LeaseQuery q;
+    q.company_id = params::opt_string(p, "companyId");
+    q.environment_id = params::opt_string(p, "environmentId");
+    q.owner_node_id = params::opt_string(p, "ownerNodeId");
+    if (auto st = params::opt_string(p, "status")) {
+        q.status = parse_lease_status(*st);
+        if (!q.status) {
+            params::invalid("status",
+                            "must be one of active, released, expired, failed, pending_cleanup");
+        }
+    }
+    q.limit = params::opt_uint(p, "limit", 1, 1000).value_or(100);
+    q.cursor = params::opt_string(p, "cursor").value_or("");
+    q.tenants = who.query_tenants();
+    if (q.company_id && !who.allows(*q.company_id)) {
+        co_return json{{"leases", json::array()}, {"nextCursor", nullptr}};
+    }
+    auto page = co_await run_blocking(node.blocking, [&node, q] {
+        return node.registry->list_leases(q);
+    });
+    json leases = json::array();
+    for (const auto& l : page.leases) leases.push_back(to_json(l));
+    co_return json{{"leases", std::move(leases)},
+                   {"nextCursor", page.next_cursor.empty() ? json(nullptr) : json(page.next_cursor)}};
+}
+
+awaitable<Lease> lease_renew(Node& node, const Principal& who, std::string lease_id,
+                             std::uint64_t ttl_ms) {
+    if (ttl_ms > node.config.limits.max_ttl_ms) {
+        params::invalid("ttlMs", "must be an integer in 1000.." +
+                                     std::to_string(node.config.limits.max_ttl_ms));
+    }
+    for (int attempt = 0; attempt < 5; ++attempt) {
+        Lease lease = co_await load_visible(node, who, lease_id);
+        const auto now = now_ms();
+        if (!lease.is_live(now)) {
+            throw rpc_error(errc::lease_not_active, lease_not_active_message(lease.id),
+                            {{"leaseId", lease.id}, {"status", std::string(to_string(lease.status))}});
+        }
+        Lease next = lease;
+        next.expires_at_ms = now + static_cast<std::int64_t>(ttl_ms);
+        next.last_used_at_ms = now;
+        bool ok = co_await run_blocking(node.blocking, [&node, next] {
+            return node.registry->update_lease(next, next.epoch);
+        });
+        if (ok) co_return next;
+    }
+    throw rpc_error(errc::registry_unavailable, "lease " + lease_id + " kept changing during renew");
+}
+
+awaitable<Lease> lease_release(Node& node, const Principal& who, std::string lease_id) {
+    Lease lease = co_await load_visible(node, who, lease_id);
+    if (lease.status == lease_status::released || lease.status == lease_status::failed) {
+        co_return lease;  // idempotent
+    }
+    co_return co_await teardown(node, std::move(lease), lease_status::released);
+}
+
+awaitable<json> node_list(Node& node) {
+    auto nodes = co_await run_blocking(node.blocking, [&node] { return node.registry->list_nodes(); });
+    const auto now = now_ms();
+    json out = json::array();
+    for (const auto& n : nodes) {
+        LeaseQuery q;
+        q.owner_node_id = n.node_id;
+        q.status = lease_status::active;
+        q.limit = 1000;
+        auto page = co_await run_blocking(node.blocking, [&node, q] { return node.registry->list_leases(q); });
+        const bool alive = now - n.heartbeat_at_ms < node.config.node_ttl_ms;
+        json entry = {{"nodeId", n.node_id},
+                      {"url", n.url},
+                      {"startedAt", format_rfc3339(n.started_at_ms)},
+                      {"heartbeatAt", format_rfc3339(n.heartbeat_at_ms)},
+                      {"alive", alive},
+                      {"leases", page.leases.size()},
+                      {"channels", n.node_id == node.node_id ? json(node.channels.size()) : json(nullptr)}};
+        out.push_back(std::move(entry));
+    }
+    co_return json{{"nodes", std::move(out)}};
+}
+
+awaitable<ResolvedOpen> resolve_open(Node& node, const Principal& who, json lp) {
+    // Step 2: the lease must name its plugin, provider and providerLeaseId, all strings,
+    // before anything else is looked at.
+    if (!lp.is_object()) params::invalid("lease", "must be an object");
+    const json* metadata = lp.contains("metadata") && lp["metadata"].is_object() ? &lp["metadata"] : nullptr;
+    auto is_str = [](const json* o, const char* k) {
+        return o && o->contains(k) && (*o)[k].is_string() && !(*o)[k].get<std::string>().empty();
+    };
+    if (!is_str(metadata, "pluginId") || !is_str(metadata, "provider") ||
+        !is_str(&lp, "providerLeaseId")) {
+        throw rpc_error(errc::lease_incomplete, std::string(lease_incomplete_message));
+    }
+    const std::string provider_key = (*metadata)["provider"].get<std::string>();
+    const std::string plugin_id = (*metadata)["pluginId"].get<std::string>();
+    const std::string provider_lease_id = lp["providerLeaseId"].get<std::string>();
+    const std::string company = params::req_string(lp, "companyId");
+    const std::string environment = params::req_string(lp, "environmentId");
+    auto lease_id = params::opt_string(lp, "id");
+    auto epoch = params::opt_uint(lp, "epoch", 0, INT64_MAX);
+
+    // Step 3: the registry's lease, in the caller's tenants, with the same scope.
+    std::optional<Lease> lease;
+    if (lease_id) {
+        lease = co_await run_blocking(node.blocking, [&node, id = *lease_id] {
+            return node.registry->get_lease(id);
+        });
+    } else {
+        LeaseQuery q;
+        q.company_id = company;
+        q.environment_id = environment;
+        q.limit = 1000;
+        q.tenants = who.query_tenants();
+        auto page = co_await run_blocking(node.blocking, [&node, q] { return node.registry->list_leases(q); });
+        for (auto& l : page.leases) {
+            if (l.provider_lease_id == provider_lease_id && l.provider == provider_key) {
+                lease = std::move(l);
+                break;
+            }
+        }
+    }
+    const std::string shown_id = lease_id.value_or(provider_lease_id);
+    if (!lease || !who.allows(lease->company_id) || lease->company_id != company ||
+        lease->environment_id != environment || lease->provider != provider_key ||
+        lease->provider_lease_id != provider_lease_id ||
+        lease->metadata.value("pluginId", "") != plugin_id) {
+        not_found(shown_id);
+    }
+    // Step 4: active, unexpired, and the epoch the caller holds.
+    if (!lease->is_live(now_ms()) || (epoch && static_cast<std::int64_t>(*epoch) != lease->epoch)) {
+        throw rpc_error(errc::lease_not_active, lease_not_active_message(lease->id),
+                        {{"leaseId", lease->id},
+                         {"status", std::string(to_string(lease->status))},
+                         {"epoch", lease->epoch}});
+    }
+    // Step 5: this node must own it (routing to another owner is not served here).
+    if (lease->owner_node_id != node.node_id) {
+        throw rpc_error(errc::owner_unavailable,
+                        "Sandbox lease " + lease->id + " is owned by node " +
+                            lease->owner_node_id + ", which this node cannot reach.",
+                        {{"ownerNodeId", lease->owner_node_id}});
+    }
+    if (node.draining) {
+        throw rpc_error(errc::owner_unavailable, "node " + node.node_id + " is draining",
+                        {{"ownerNodeId", node.node_id}});
+    }
+    // Step 6: the cache must resolve the full scope; never a re-create, never a bare id.
+    auto sandbox = node.cache.find(scope_of(*lease));
+    if (!sandbox) {
+        throw rpc_error(errc::sandbox_not_cached, std::string(sandbox_not_cached_message),
+                        {{"leaseId", lease->id}});
+    }
+    co_return ResolvedOpen{std::move(*lease), std::move(sandbox)};
+}
+
+awaitable<void> end_lease_channels(Node& node, const std::string& lease_id,
+                                   std::chrono::milliseconds wait) {
+    auto entries = node.channels.of_lease(lease_id);
+    for (auto& e : entries) {
+        net::post(e.strand, [weak = e.channel] {
+            if (auto ch = weak.lock()) ch->stop(channel_outcome::lease_released);
+        });
+    }
+    net::steady_timer timer(co_await net::this_coro::executor);
+    const auto deadline = std::chrono::steady_clock::now() + wait;
+    while (!node.channels.of_lease(lease_id).empty() && std::chrono::steady_clock::now() < deadline) {
+        timer.expires_after(std::chrono::milliseconds(10));
+        co_await timer.async_wait(use_awaitable);
+    }
+}
+
+awaitable<void> expire_leases(Node& node) {
+    auto expired = co_await run_blocking(node.blocking, [&node] {
+        return node.registry->expired_leases(node.node_id, now_ms());
+    });
+    for (auto& lease : expired) {
+        spdlog::info("lease={} expired", lease.id);
+        co_await teardown(node, std::move(lease), lease_status::expired);
+    }
+}
+
+}  // namespace sandboxd

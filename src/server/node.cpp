@@ -1,0 +1,78 @@
+#include "server/node.hpp"
+
+#include <algorithm>
+
+namespace sandboxd {
+
+bool Principal::allows(const std::string& company_id) const {
+    return std::any_of(tenants.begin(), tenants.end(),
+                       [&](const std::string& t) { return t == "*" || t == company_id; });
+}
+
+std::vector<std::string> Principal::query_tenants() const {
+    if (std::find(tenants.begin(), tenants.end(), "*") != tenants.end()) return {};
+    return tenants;
+}
+
+namespace {
+/// Compares in time that depends only on the lengths, never on where the bytes differ.
+bool constant_time_equal(std::string_view a, std::string_view b) {
+    const std::size_t n = std::max(a.size(), b.size());
+    unsigned char diff = a.size() == b.size() ? 0 : 1;
+    for (std::size_t i = 0; i < n; ++i) {
+        const auto x = static_cast<unsigned char>(i < a.size() ? a[i] : 0);
+        const auto y = static_cast<unsigned char>(i < b.size() ? b[i] : 0);
+        diff = static_cast<unsigned char>(diff | (x ^ y));
+    }
+    return diff == 0;
+}
+}  // namespace
+
+const Principal* Node::authenticate(std::string_view bearer_token) const {
+    const Principal* found = nullptr;
+    for (const auto& c : credentials) {
+        if (constant_time_equal(c.secret, bearer_token) && !found) found = &c.principal;
+    }
+    return found;
+}
+
+bool ChannelTable::try_reserve(std::size_t limit) {
+    std::lock_guard lock(mutex_);
+    if (entries_.size() + reserved_ >= limit) return false;
+    ++reserved_;
+    return true;
+}
+
+void ChannelTable::unreserve() {
+    std::lock_guard lock(mutex_);
+    if (reserved_ > 0) --reserved_;
+}
+
+std::uint64_t ChannelTable::add(Entry entry) {
+    std::lock_guard lock(mutex_);
+    if (reserved_ > 0) --reserved_;
+    auto key = next_key_++;
+    entries_.emplace(key, std::move(entry));
+    return key;
+}
+
+void ChannelTable::remove(std::uint64_t key) {
+    std::lock_guard lock(mutex_);
+    entries_.erase(key);
+}
+
+std::size_t ChannelTable::size() const {
+    std::lock_guard lock(mutex_);
+    return entries_.size();
+}
+
+std::vector<ChannelTable::Entry> ChannelTable::of_lease(const std::string& lease_id) const {
+    std::lock_guard lock(mutex_);
+    std::vector<Entry> out;
+    for (const auto& [key, e] : entries_) {
+        if (e.lease_id == lease_id) out.push_back(e);
+    }
+    return out;
+}
+
+}  // namespace sandboxd

@@ -1,0 +1,85 @@
+#pragma once
+// The state one daemon process (a node) shares between its sessions.
+#include "server/net.hpp"
+
+#include <sandboxd/config.hpp>
+#include <sandboxd/handle_cache.hpp>
+#include <sandboxd/provider.hpp>
+#include <sandboxd/registry.hpp>
+
+#include <atomic>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace sandboxd {
+
+class Channel;
+
+/// Who is calling: the token that authenticated the connection (never the secret itself).
+struct Principal {
+    std::string name;
+    std::string role;  ///< "host" or "peer"
+    std::vector<std::string> tenants;
+    /// True when this token may act for `company_id` ("*" or listed).
+    bool allows(const std::string& company_id) const;
+    /// Tenants for a registry query: empty when the token has "*".
+    std::vector<std::string> query_tenants() const;
+};
+
+/// A configured token with its secret resolved (tokenFile read at start).
+struct Credential {
+    std::string secret;
+    Principal principal;
+};
+
+/// Every live channel of this node, by lease, for release and the node channel limit.
+/// Thread-safe (one mutex; no channel code runs under it).
+class ChannelTable {
+public:
+    struct Entry {
+        std::weak_ptr<Channel> channel;
+        strand_t strand;
+        std::string lease_id;
+    };
+    /// Reserves a slot; false when `limit` channels already run.
+    bool try_reserve(std::size_t limit);
+    void unreserve();
+    /// Records a started channel in a reserved slot; returns its key for remove().
+    std::uint64_t add(Entry entry);
+    void remove(std::uint64_t key);
+    std::size_t size() const;
+    std::vector<Entry> of_lease(const std::string& lease_id) const;
+
+private:
+    mutable std::mutex mutex_;
+    std::map<std::uint64_t, Entry> entries_;
+    std::size_t reserved_ = 0;
+    std::uint64_t next_key_ = 1;
+};
+
+struct Node {
+    Config config;
+    std::string node_id;
+    std::string instance_id;
+    std::string advertise_url;
+    std::int64_t started_at_ms = 0;
+    std::unique_ptr<Registry> registry;
+    std::map<std::string, std::unique_ptr<Provider>> providers;
+    HandleCache cache;
+    ChannelTable channels;
+    std::vector<Credential> credentials;
+    std::atomic<bool> draining{false};
+    std::atomic<std::uint64_t> channels_opened{0};
+    std::atomic<std::uint64_t> rpc_errors{0};
+    net::thread_pool blocking{4};
+
+    /// The principal of `bearer_token`, compared in constant time against every credential;
+    /// nullptr when none matches.
+    const Principal* authenticate(std::string_view bearer_token) const;
+};
+
+}  // namespace sandboxd

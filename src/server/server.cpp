@@ -1,0 +1,381 @@
+#include <sandboxd/server.hpp>
+
+#include "server/blocking_pool.hpp"
+#include "server/lease_service.hpp"
+#include "server/node.hpp"
+#include "server/session.hpp"
+
+#include <sandboxd/errors.hpp>
+#include <sandboxd/version.hpp>
+
+#include <spdlog/spdlog.h>
+
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+namespace sandboxd {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string random_token(std::size_t bytes) {
+    std::string raw(bytes, '\0');
+    std::size_t got = 0;
+    while (got < bytes) {
+        auto n = ::getrandom(raw.data() + got, bytes - got, 0);
+        if (n > 0) got += static_cast<std::size_t>(n);
+    }
+    static constexpr char digits[] = "0123456789abcdef";
+    std::string out;
+    for (unsigned char c : raw) {
+        out += digits[c >> 4];
+        out += digits[c & 0xf];
+    }
+    return out;
+}
+
+std::string read_secret_file(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw config_error("config: auth: cannot read token file " + path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::string s = ss.str();
+    while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ' || s.back() == '\t')) {
+        s.pop_back();
+    }
+    if (s.empty()) throw config_error("config: auth: token file " + path + " is empty");
+    return s;
+}
+
+std::string host_name() {
+    char buf[256] = {};
+    if (::gethostname(buf, sizeof buf - 1) != 0 || buf[0] == '\0') return "node";
+    return buf;
+}
+
+std::pair<std::string, std::string> split_host_port(const std::string& listen) {
+    auto colon = listen.rfind(':');
+    std::string host = listen.substr(0, colon);
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+    return {host, listen.substr(colon + 1)};
+}
+
+std::string format_endpoint(const tcp::endpoint& ep) {
+    auto addr = ep.address();
+    std::string host = addr.is_v6() ? "[" + addr.to_string() + "]" : addr.to_string();
+    return host + ":" + std::to_string(ep.port());
+}
+
+http::response<http::string_body> plain(http::status status, std::string body, unsigned version,
+                                        bool keep_alive) {
+    http::response<http::string_body> res{status, version};
+    res.set(http::field::server, std::string("sandboxd/") + version_string);
+    res.set(http::field::content_type, "text/plain; charset=utf-8");
+    res.keep_alive(keep_alive);
+    res.body() = std::move(body);
+    res.prepare_payload();
+    return res;
+}
+
+}  // namespace
+
+struct Daemon::Impl {
+    Node node;
+    net::io_context ioc;
+    tcp::acceptor acceptor{ioc};
+    std::string bound;
+    std::string token_path;
+    std::atomic<bool> stopping{false};
+    net::steady_timer heartbeat_timer{ioc};
+    std::mutex sessions_mutex;
+    std::vector<std::weak_ptr<Session>> sessions;
+
+    awaitable<void> accept_loop();
+    awaitable<void> serve(tcp::socket socket);
+    awaitable<void> heartbeat_loop();
+    awaitable<bool> registry_reachable();
+    std::string metrics_text() const;
+};
+
+Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
+    validate_config(config);
+    auto& node = impl_->node;
+    node.config = std::move(config);
+    auto& c = node.config;
+    std::error_code ec;
+    fs::create_directories(c.state_dir, ec);
+    if (ec) throw config_error("config: stateDir: cannot create " + c.state_dir + ": " + ec.message());
+    ::chmod(c.state_dir.c_str(), 0700);
+    node.node_id = c.node_id.empty() ? host_name() : c.node_id;
+    node.instance_id = random_token(8);
+
+    for (const auto& t : c.tokens) {
+        Credential cred;
+        cred.secret = t.token.empty() ? read_secret_file(t.token_file) : t.token;
+        cred.principal = Principal{t.name, t.role, t.tenants};
+        node.credentials.push_back(std::move(cred));
+    }
+    if (node.credentials.empty()) {
+        impl_->token_path = (fs::path(c.state_dir) / "admin.token").string();
+        if (!fs::exists(impl_->token_path)) {
+            const auto tmp = impl_->token_path + ".tmp";
+            {
+                std::ofstream out(tmp, std::ios::trunc);
+                out << random_token(24) << "\n";
+                if (!out) throw config_error("config: stateDir: cannot write " + tmp);
+            }
+            ::chmod(tmp.c_str(), 0600);
+            fs::rename(tmp, impl_->token_path);
+        }
+        node.credentials.push_back({read_secret_file(impl_->token_path), Principal{"admin", "host", {"*"}}});
+    }
+
+    if (c.registry.kind != "sqlite") {
+        throw config_error("config: registry.kind: \"" + c.registry.kind +
+                           "\" is not available in this build; use \"sqlite\"");
+    }
+    const auto db = c.registry.path.empty() ? (fs::path(c.state_dir) / "registry.db").string()
+                                            : c.registry.path;
+    node.registry = make_sqlite_registry(db);
+
+    if (c.bwrap.enabled) {
+        BwrapOptions opts;
+        opts.bwrap_path = c.bwrap.path;
+        opts.init_path = c.bwrap.init_path;
+        opts.sandboxes_dir = fs::path(c.state_dir) / "sandboxes";
+        opts.allow_network = c.bwrap.allow_network;
+        fs::create_directories(opts.sandboxes_dir, ec);
+        if (ec) throw config_error("config: stateDir: cannot create " + opts.sandboxes_dir.string());
+        auto provider = make_bwrap_provider(opts);
+        auto key = provider->key();
+        node.providers.emplace(key, std::move(provider));
+    }
+    if (!c.plugins.empty()) {
+        throw config_error("config: providers.plugins: plugin providers are not available in this build");
+    }
+}
+
+Daemon::~Daemon() {
+    impl_->node.blocking.join();
+}
+
+const std::string& Daemon::node_id() const noexcept { return impl_->node.node_id; }
+const std::string& Daemon::generated_token_path() const noexcept { return impl_->token_path; }
+
+std::string Daemon::start() {
+    auto& node = impl_->node;
+    const auto [host, port] = split_host_port(node.config.listen);
+    tcp::resolver resolver(impl_->ioc);
+    beast::error_code ec;
+    auto results = resolver.resolve(host, port, tcp::resolver::passive | tcp::resolver::numeric_service, ec);
+    if (ec || results.empty()) {
+        throw config_error("config: listen: cannot resolve " + node.config.listen + ": " + ec.message());
+    }
+    tcp::endpoint endpoint = results.begin()->endpoint();
+    auto& acc = impl_->acceptor;
+    acc.open(endpoint.protocol());
+    acc.set_option(net::socket_base::reuse_address(true));
+    acc.bind(endpoint, ec);
+    if (ec) throw config_error("config: listen: cannot bind " + node.config.listen + ": " + ec.message());
+    acc.listen(net::socket_base::max_listen_connections);
+    impl_->bound = format_endpoint(acc.local_endpoint());
+    node.advertise_url = node.config.advertise_url.empty() ? "ws://" + impl_->bound + "/v1/ws"
+                                                           : node.config.advertise_url;
+    node.started_at_ms = now_ms();
+    NodeRecord record{node.node_id, node.advertise_url, node.started_at_ms, node.started_at_ms,
+                      node.instance_id};
+    node.registry->register_node(record, node.config.node_ttl_ms);
+
+    auto log_failure = [](const std::exception_ptr& e) {
+        if (!e) return;
+        try {
+            std::rethrow_exception(e);
+        } catch (const std::exception& ex) {
+            spdlog::error("daemon task failed: {}", ex.what());
+        }
+    };
+    net::co_spawn(impl_->ioc, impl_->accept_loop(), log_failure);
+    net::co_spawn(impl_->ioc, impl_->heartbeat_loop(), log_failure);
+    spdlog::info("node={} version={} registry=sqlite providers={}", node.node_id, version_string,
+                 node.providers.size());
+    return impl_->bound;
+}
+
+void Daemon::run() {
+    const unsigned n = impl_->node.config.threads ? impl_->node.config.threads
+                                                  : std::max(1U, std::thread::hardware_concurrency());
+    std::vector<std::thread> threads;
+    for (unsigned i = 1; i < n; ++i) threads.emplace_back([this] { impl_->ioc.run(); });
+    impl_->ioc.run();
+    for (auto& t : threads) t.join();
+}
+
+void Daemon::stop() {
+    if (impl_->stopping.exchange(true)) return;
+    net::post(impl_->ioc, [impl = impl_.get()] {
+        auto& node = impl->node;
+        node.draining = true;
+        spdlog::info("node={} stopping: closing connections and channels", node.node_id);
+        beast::error_code ec;
+        impl->acceptor.close(ec);
+        impl->heartbeat_timer.cancel();
+        {
+            std::lock_guard lock(impl->sessions_mutex);
+            for (auto& weak : impl->sessions) {
+                if (auto s = weak.lock()) s->shutdown();
+            }
+        }
+        try {
+            node.registry->remove_node(node.node_id, node.instance_id);
+        } catch (const std::exception& e) {
+            spdlog::warn("node={} could not remove its node record: {}", node.node_id, e.what());
+        }
+        // Channels get SIGHUP now and SIGKILL after the hangup grace; the io_context runs
+        // until every one is reaped, then run() returns.
+        net::co_spawn(impl->ioc, [impl]() -> awaitable<void> {
+            net::steady_timer t(co_await net::this_coro::executor);
+            while (impl->node.channels.size() > 0) {
+                t.expires_after(std::chrono::milliseconds(20));
+                co_await t.async_wait(use_awaitable);
+            }
+            impl->ioc.stop();
+        }, net::detached);
+    });
+}
+
+awaitable<void> Daemon::Impl::accept_loop() {
+    for (;;) {
+        auto [ec, socket] = co_await acceptor.async_accept(net::make_strand(ioc), as_tuple_awaitable);
+        if (ec) {
+            if (ec == net::error::operation_aborted || !acceptor.is_open()) co_return;
+            spdlog::warn("accept failed: {}", ec.message());
+            continue;
+        }
+        auto ex = socket.get_executor();
+        net::co_spawn(ex, serve(std::move(socket)), [](const std::exception_ptr& e) {
+            if (!e) return;
+            try {
+                std::rethrow_exception(e);
+            } catch (const std::exception& ex2) {
+                spdlog::error("connection failed: {}", ex2.what());
+            }
+        });
+    }
+}
+
+awaitable<bool> Daemon::Impl::registry_reachable() {
+    try {
+        co_await run_blocking(node.blocking, [this] { return node.registry->get_node(node.node_id); });
+        co_return true;
+    } catch (const std::exception&) {
+        co_return false;
+    }
+}
+
+std::string Daemon::Impl::metrics_text() const {
+    std::ostringstream m;
+    m << "# HELP sandboxd_channels_open Channels running on this node.\n"
+      << "# TYPE sandboxd_channels_open gauge\n"
+      << "sandboxd_channels_open " << node.channels.size() << "\n"
+      << "# HELP sandboxd_channels_opened_total Channels opened since start.\n"
+      << "# TYPE sandboxd_channels_opened_total counter\n"
+      << "sandboxd_channels_opened_total " << node.channels_opened.load() << "\n"
+      << "# HELP sandboxd_sandboxes_cached Sandboxes in this node's handle cache.\n"
+      << "# TYPE sandboxd_sandboxes_cached gauge\n"
+      << "sandboxd_sandboxes_cached " << node.cache.size() << "\n"
+      << "# HELP sandboxd_rpc_errors_total JSON-RPC error responses sent.\n"
+      << "# TYPE sandboxd_rpc_errors_total counter\n"
+      << "sandboxd_rpc_errors_total " << node.rpc_errors.load() << "\n";
+    return m.str();
+}
+
+awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
+    beast::tcp_stream stream(std::move(socket));
+    beast::flat_buffer buffer;
+    for (;;) {
+        http::request_parser<http::string_body> parser;
+        parser.header_limit(16 * 1024);
+        parser.body_limit(64 * 1024);
+        stream.expires_after(std::chrono::seconds(30));
+        auto [ec, n] = co_await http::async_read(stream, buffer, parser, as_tuple_awaitable);
+        if (ec) co_return;
+        auto req = parser.release();
+        const std::string target(req.target());
+        const bool keep = req.keep_alive();
+        http::response<http::string_body> res;
+        if (target == "/v1/ws" || target.rfind("/v1/ws?", 0) == 0) {
+            if (!websocket::is_upgrade(req)) {
+                res = plain(http::status::bad_request, "expected a WebSocket upgrade\n", req.version(), false);
+            } else {
+                std::string_view auth = req[http::field::authorization];
+                const Principal* who = nullptr;
+                if (auth.size() > 7 && beast::iequals(auth.substr(0, 7), "Bearer ")) {
+                    who = node.authenticate(auth.substr(7));
+                }
+                if (!who) {
+                    spdlog::info("rejected an upgrade without a valid token");
+                    res = plain(http::status::unauthorized, "missing or invalid bearer token\n", req.version(), false);
+                    res.set(http::field::www_authenticate, "Bearer realm=\"sandboxd\"");
+                } else if (node.draining) {
+                    res = plain(http::status::service_unavailable, "node is draining\n", req.version(), false);
+                } else {
+                    auto session = std::make_shared<Session>(
+                        node, websocket::stream<beast::tcp_stream>(std::move(stream)), *who);
+                    {
+                        std::lock_guard lock(sessions_mutex);
+                        std::erase_if(sessions, [](const auto& w) { return w.expired(); });
+                        sessions.push_back(session);
+                    }
+                    co_await session->run(std::move(req));
+                    co_return;
+                }
+            }
+        } else if (req.method() != http::verb::get) {
+            res = plain(http::status::method_not_allowed, "method not allowed\n", req.version(), keep);
+        } else if (target == "/healthz") {
+            res = plain(http::status::ok, "ok\n", req.version(), keep);
+        } else if (target == "/readyz") {
+            std::string why;
+            if (node.draining) why = "draining";
+            else if (!co_await registry_reachable()) why = "registry unreachable";
+            res = why.empty() ? plain(http::status::ok, "ready\n", req.version(), keep)
+                              : plain(http::status::service_unavailable, "not ready: " + why + "\n",
+                                      req.version(), keep);
+        } else if (target == "/metrics") {
+            res = plain(http::status::ok, metrics_text(), req.version(), keep);
+            res.set(http::field::content_type, "text/plain; version=0.0.4");
+        } else {
+            res = plain(http::status::not_found, "not found\n", req.version(), keep);
+        }
+        auto [wec, wn] = co_await http::async_write(stream, res, as_tuple_awaitable);
+        if (wec || !res.keep_alive()) {
+            stream.socket().shutdown(tcp::socket::shutdown_send, wec);
+            co_return;
+        }
+    }
+}
+
+awaitable<void> Daemon::Impl::heartbeat_loop() {
+    for (;;) {
+        heartbeat_timer.expires_after(std::chrono::milliseconds(node.config.heartbeat_ms));
+        auto [ec] = co_await heartbeat_timer.async_wait(as_tuple_awaitable);
+        if (ec || node.draining) co_return;
+        try {
+            bool mine = co_await run_blocking(node.blocking, [this] {
+                return node.registry->heartbeat_node(node.node_id, node.instance_id, now_ms());
+            });
+            if (!mine) spdlog::error("node={} lost its node record to another process", node.node_id);
+            co_await expire_leases(node);
+        } catch (const std::exception& e) {
+            spdlog::warn("node={} heartbeat or sweep failed: {}", node.node_id, e.what());
+        }
+    }
+}
+
+}  // namespace sandboxd

@@ -1,0 +1,496 @@
+#include "server/session.hpp"
+
+#include "server/lease_service.hpp"
+#include "server/params.hpp"
+
+#include <sandboxd/errors.hpp>
+#include <sandboxd/frame.hpp>
+#include <sandboxd/version.hpp>
+
+#include <boost/beast/core/detail/base64.hpp>
+#include <spdlog/spdlog.h>
+
+namespace sandboxd {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr std::string_view subprotocol = "sandboxd.v1";
+
+const std::vector<std::string>& supported_methods() {
+    static const std::vector<std::string> methods = {
+        "initialize",           "leaseAcquire",        "leaseGet",
+        "leaseList",            "leaseRenew",          "leaseRelease",
+        "nodeList",             "duplexChannelOpen",   "duplexChannelWrite",
+        "duplexChannelCloseStdin", "duplexChannelResize", "duplexChannelSignal",
+        "duplexChannelStop",    "duplexChannelClose"};
+    return methods;
+}
+
+bool offers_subprotocol(std::string_view header) {
+    // Sec-WebSocket-Protocol: a comma-separated list of tokens.
+    std::size_t pos = 0;
+    while (pos <= header.size()) {
+        auto comma = header.find(',', pos);
+        auto item = header.substr(pos, comma == std::string_view::npos ? header.npos : comma - pos);
+        while (!item.empty() && (item.front() == ' ' || item.front() == '\t')) item.remove_prefix(1);
+        while (!item.empty() && (item.back() == ' ' || item.back() == '\t')) item.remove_suffix(1);
+        if (item == subprotocol) return true;
+        if (comma == std::string_view::npos) break;
+        pos = comma + 1;
+    }
+    return false;
+}
+
+std::string decode_base64(const std::string& field, std::string_view text) {
+    namespace b64 = boost::beast::detail::base64;
+    if (text.size() % 4 != 0) params::invalid(field, "is not valid base64");
+    std::string out(b64::decoded_size(text.size()), '\0');
+    auto [written, read] = b64::decode(out.data(), text.data(), text.size());
+    if (read != text.size()) params::invalid(field, "is not valid base64");
+    out.resize(written);
+    return out;
+}
+
+}  // namespace
+
+Session::Session(Node& node, websocket::stream<beast::tcp_stream> ws, const Principal& who)
+    : node_(node),
+      ws_(std::move(ws)),
+      who_(who),
+      strand_(ws_.get_executor()),
+      queue_timer_(strand_) {
+    queue_timer_.expires_at(net::steady_timer::time_point::max());
+    beast::error_code ec;
+    auto ep = beast::get_lowest_layer(ws_).socket().remote_endpoint(ec);
+    peer_ = ec ? "?" : ep.address().to_string() + ":" + std::to_string(ep.port());
+}
+
+Session::~Session() = default;
+
+awaitable<void> Session::run(http::request<http::string_body> request) {
+    auto self = shared_from_this();
+    const auto& limits = node_.config.limits;
+    beast::get_lowest_layer(ws_).expires_never();
+    websocket::stream_base::timeout timeouts{};
+    timeouts.handshake_timeout = std::chrono::seconds(30);
+    timeouts.idle_timeout = std::chrono::milliseconds(limits.idle_timeout_ms);
+    timeouts.keep_alive_pings = false;  // ping_loop pings every pingIntervalMs instead
+    ws_.set_option(timeouts);
+    // No permessage-deflate: Beast leaves it off unless asked, so an offer is answered
+    // without the extension and a frame with RSV1 set is a protocol error (1002).
+    ws_.read_message_max(std::max<std::size_t>(limits.max_text_message,
+                                               limits.max_data_payload + frame_header_size));
+    const bool echo_subprotocol = offers_subprotocol(request[http::field::sec_websocket_protocol]);
+    ws_.set_option(websocket::stream_base::decorator([echo_subprotocol](websocket::response_type& res) {
+        res.set(http::field::server, std::string("sandboxd/") + version_string);
+        if (echo_subprotocol) res.set(http::field::sec_websocket_protocol, subprotocol);
+    }));
+    auto [ec] = co_await ws_.async_accept(request, as_tuple_awaitable);
+    if (ec) {
+        spdlog::debug("peer={} websocket handshake failed: {}", peer_, ec.message());
+        co_return;
+    }
+    spdlog::info("peer={} connected as token \"{}\"", peer_, who_.name);
+    auto log_failure = [peer = peer_](const std::exception_ptr& e) {
+        if (!e) return;
+        try {
+            std::rethrow_exception(e);
+        } catch (const std::exception& ex) {
+            spdlog::error("peer={} session task failed: {}", peer, ex.what());
+        }
+    };
+    net::co_spawn(strand_, write_loop(), log_failure);
+    net::co_spawn(strand_, ping_loop(), log_failure);
+    try {
+        co_await read_loop();
+    } catch (const std::exception& e) {
+        spdlog::error("peer={} read loop failed: {}", peer_, e.what());
+    }
+    closing_ = true;
+    queue_timer_.cancel();
+    close_all_channels();
+    spdlog::info("peer={} disconnected", peer_);
+}
+
+awaitable<void> Session::read_loop() {
+    beast::flat_buffer buffer;
+    for (;;) {
+        auto [ec, n] = co_await ws_.async_read(buffer, as_tuple_awaitable);
+        if (ec) {
+            if (ec != websocket::error::closed && ec != net::error::operation_aborted &&
+                ec != net::error::eof) {
+                spdlog::info("peer={} connection ended: {}", peer_, ec.message());
+            }
+            co_return;
+        }
+        const auto data = buffer.data();
+        std::string_view message(static_cast<const char*>(data.data()), data.size());
+        if (ws_.got_text()) {
+            co_await handle_text(std::string(message));
+        } else if (auto reason = handle_binary(message)) {
+            closing_ = true;
+            co_await ws_.async_close(*reason, as_tuple_awaitable);
+            co_return;
+        }
+        buffer.consume(buffer.size());
+        if (closing_) co_return;
+    }
+}
+
+awaitable<void> Session::write_loop() {
+    auto self = shared_from_this();
+    while (!closing_) {
+        if (queue_.empty()) {
+            co_await queue_timer_.async_wait(as_tuple_awaitable);
+            continue;
+        }
+        Outgoing out = std::move(queue_.front());
+        queue_.pop_front();
+        ws_.binary(out.binary);
+        auto [ec, n] = co_await ws_.async_write(net::buffer(out.bytes), as_tuple_awaitable);
+        if (ec) {
+            closing_ = true;
+            beast::get_lowest_layer(ws_).socket().close(ec);
+            co_return;
+        }
+    }
+}
+
+awaitable<void> Session::ping_loop() {
+    auto self = shared_from_this();
+    net::steady_timer timer(strand_);
+    while (!closing_) {
+        timer.expires_after(std::chrono::milliseconds(node_.config.limits.ping_interval_ms));
+        auto [ec] = co_await timer.async_wait(as_tuple_awaitable);
+        if (ec || closing_) co_return;
+        auto [pec] = co_await ws_.async_ping({}, as_tuple_awaitable);
+        if (pec) co_return;
+    }
+}
+
+void Session::send_binary(std::string frame) {
+    if (closing_) return;
+    queue_.push_back({true, std::move(frame)});
+    queue_timer_.cancel();
+}
+
+void Session::send_text(std::string text) {
+    if (closing_) return;
+    queue_.push_back({false, std::move(text)});
+    queue_timer_.cancel();
+}
+
+void Session::channel_finished(std::uint32_t channel) { channels_.erase(channel); }
+
+void Session::respond(const json& id, json result) {
+    send_text(json{{"jsonrpc", "2.0"}, {"id", id}, {"result", std::move(result)}}.dump());
+}
+
+void Session::respond_error(const json& id, const json& error) {
+    node_.rpc_errors.fetch_add(1, std::memory_order_relaxed);
+    send_text(json{{"jsonrpc", "2.0"}, {"id", id}, {"error", error}}.dump(
+        -1, ' ', false, json::error_handler_t::replace));
+}
+
+void Session::close_all_channels() {
+    for (auto& [id, channel] : channels_) channel->hangup();
+    channels_.clear();
+}
+
+awaitable<void> Session::handle_text(std::string text) {
+    json request;
+    json id = nullptr;
+    if (text.size() > node_.config.limits.max_text_message) {
+        respond_error(id, rpc_error(errc::invalid_request,
+                                    "text message of " + std::to_string(text.size()) +
+                                        " bytes is over the limit of " +
+                                        std::to_string(node_.config.limits.max_text_message))
+                              .to_json());
+        co_return;
+    }
+    try {
+        request = json::parse(text);
+    } catch (const json::parse_error&) {
+        respond_error(id, rpc_error(errc::parse_error, "Parse error: the text frame is not JSON")
+                              .to_json());
+        co_return;
+    }
+    if (request.is_array()) {
+        respond_error(id, rpc_error(errc::invalid_request, "Batch requests are not supported")
+                              .to_json());
+        co_return;
+    }
+    if (!request.is_object()) {
+        respond_error(id, rpc_error(errc::invalid_request, "A request must be a JSON object")
+                              .to_json());
+        co_return;
+    }
+    const bool has_id = request.contains("id");
+    if (has_id) {
+        const auto& rid = request["id"];
+        if (rid.is_string() || rid.is_number_integer() || rid.is_null()) id = rid;
+    }
+    if (request.value("jsonrpc", json()) != "2.0" || !request.contains("method") ||
+        !request["method"].is_string() ||
+        (has_id && !(request["id"].is_string() || request["id"].is_number_integer() ||
+                     request["id"].is_null())) ||
+        (request.contains("params") && !request["params"].is_object() &&
+         !request["params"].is_array())) {
+        respond_error(id, rpc_error(errc::invalid_request,
+                                    "Invalid Request: needs jsonrpc \"2.0\", a string method, "
+                                    "an optional string or integer id and object params")
+                              .to_json());
+        co_return;
+    }
+    const std::string method = request["method"].get<std::string>();
+    const json params = request.contains("params") ? request["params"] : json::object();
+    try {
+        auto result = co_await dispatch(method, params, id);
+        if (has_id && result) respond(id, std::move(*result));
+    } catch (const rpc_error& e) {
+        if (has_id) respond_error(id, e.to_json());
+        spdlog::debug("peer={} method={} failed: {} ({})", peer_, method, e.what(),
+                      reason(e.code()));
+    } catch (const std::exception& e) {
+        spdlog::error("peer={} method={} internal error: {}", peer_, method, e.what());
+        if (has_id) respond_error(id, rpc_error(errc::internal_error, "Internal error").to_json());
+    }
+}
+
+std::optional<websocket::close_reason> Session::handle_binary(std::string_view message) {
+    auto decoded = decode_frame(message, node_.config.limits.max_data_payload);
+    if (auto* err = std::get_if<FrameError>(&decoded)) {
+        spdlog::info("peer={} bad binary frame: {}", peer_, err->what);
+        return websocket::close_reason(
+            err->too_big ? websocket::close_code::too_big : websocket::close_code::protocol_error,
+            err->what);
+    }
+    try {
+        if (auto* data = std::get_if<DataFrame>(&decoded)) {
+            auto it = channels_.find(data->channel);
+            if (it == channels_.end() || data->stream != stream_id::stdin_) {
+                spdlog::debug("peer={} data frame for unknown channel {} dropped", peer_,
+                              data->channel);
+                return std::nullopt;
+            }
+            it->second->write_stdin(data->payload);
+        } else if (auto* credit = std::get_if<CreditFrame>(&decoded)) {
+            auto it = channels_.find(credit->channel);
+            if (it == channels_.end() || credit->stream == stream_id::stdin_) return std::nullopt;
+            it->second->add_credit(credit->bytes);
+        }
+    } catch (const rpc_error& e) {
+        spdlog::info("peer={} frame rejected: {}", peer_, e.what());
+    }
+    return std::nullopt;
+}
+
+std::shared_ptr<Channel> Session::find_channel(const json& p) {
+    auto id = params::req_uint(p, "channel", 0, UINT32_MAX);
+    auto it = channels_.find(static_cast<std::uint32_t>(id));
+    if (it == channels_.end()) {
+        throw rpc_error(errc::channel_not_found,
+                        "channel " + std::to_string(id) + " is not open on this connection",
+                        {{"channel", id}});
+    }
+    return it->second;
+}
+
+awaitable<std::optional<json>> Session::dispatch(const std::string& method, const json& raw,
+                                                 const json& id) {
+    if (raw.is_array()) params::invalid("params", "must be an object");
+    const json p = params::object_or_empty(raw);
+    if (method == "initialize") {
+        params::only_keys(p, {"protocolVersion", "client"});
+        auto version = params::req_uint(p, "protocolVersion", 0, UINT32_MAX);
+        if (version != 1) params::invalid("protocolVersion", "only version 1 is supported");
+        const auto& l = node_.config.limits;
+        co_return json{{"protocolVersion", 1},
+                       {"nodeId", node_.node_id},
+                       {"supportedMethods", supported_methods()},
+                       {"limits",
+                        {{"maxTextMessage", l.max_text_message},
+                         {"maxDataPayload", l.max_data_payload},
+                         {"channelsPerConnection", l.channels_per_connection},
+                         {"channelsPerNode", l.channels_per_node},
+                         {"outputWindow", l.output_window},
+                         {"stdinWindow", l.stdin_window}}}};
+    }
+    if (method == "leaseAcquire") co_return to_json(co_await lease_acquire(node_, who_, p));
+    if (method == "leaseGet") {
+        params::only_keys(p, {"leaseId"});
+        co_return to_json(co_await lease_get(node_, who_, params::req_string(p, "leaseId")));
+    }
+    if (method == "leaseList") co_return co_await lease_list(node_, who_, p);
+    if (method == "leaseRenew") {
+        params::only_keys(p, {"leaseId", "ttlMs"});
+        auto lease_id = params::req_string(p, "leaseId");
+        auto ttl = params::req_uint(p, "ttlMs", 1000, UINT64_MAX >> 2);
+        co_return to_json(co_await lease_renew(node_, who_, lease_id, ttl));
+    }
+    if (method == "leaseRelease") {
+        params::only_keys(p, {"leaseId"});
+        co_return to_json(co_await lease_release(node_, who_, params::req_string(p, "leaseId")));
+    }
+    if (method == "nodeList") co_return co_await node_list(node_);
+    if (method == "duplexChannelOpen") {
+        bool responded = false;
+        auto result = co_await open_channel(p, id, responded);
+        if (responded) co_return std::nullopt;
+        co_return result;
+    }
+    if (method == "duplexChannelWrite") {
+        params::only_keys(p, {"channel", "data"});
+        auto channel = find_channel(p);
+        auto data = params::opt_string(p, "data");
+        if (!data) params::invalid("data", "is required (base64)");
+        channel->write_stdin(decode_base64("data", *data));
+        co_return json::object();
+    }
+    if (method == "duplexChannelCloseStdin") {
+        params::only_keys(p, {"channel"});
+        find_channel(p)->close_stdin();
+        co_return json::object();
+    }
+    if (method == "duplexChannelResize") {
+        params::only_keys(p, {"channel", "cols", "rows"});
+        auto channel = find_channel(p);
+        auto cols = params::req_uint(p, "cols", 1, 4096);
+        auto rows = params::req_uint(p, "rows", 1, 4096);
+        channel->resize(static_cast<std::uint16_t>(cols), static_cast<std::uint16_t>(rows));
+        co_return json::object();
+    }
+    if (method == "duplexChannelSignal") {
+        params::only_keys(p, {"channel", "signal"});
+        auto channel = find_channel(p);
+        auto name = params::req_string(p, "signal");
+        int sig = parse_signal_name(name);
+        if (sig == 0) {
+            params::invalid("signal",
+                            "must be one of INT, TERM, HUP, QUIT, KILL, USR1, USR2, WINCH");
+        }
+        channel->send_signal(sig);
+        co_return json::object();
+    }
+    if (method == "duplexChannelStop") {
+        params::only_keys(p, {"channel"});
+        find_channel(p)->stop(channel_outcome::stopped);
+        co_return json::object();
+    }
+    if (method == "duplexChannelClose") {
+        params::only_keys(p, {"channel"});
+        auto cid = static_cast<std::uint32_t>(params::req_uint(p, "channel", 0, UINT32_MAX));
+        if (auto it = channels_.find(cid); it != channels_.end()) {
+            auto channel = it->second;
+            channels_.erase(it);
+            channel->hangup();  // stop and forget: no exit follows
+        }
+        co_return json::object();
+    }
+    throw rpc_error(errc::method_not_found, "Method not found: " + method, {{"method", method}});
+}
+
+awaitable<json> Session::open_channel(json p, const json& id, bool& responded) {
+    // Step 1: the shape of the params.
+    params::only_keys(p, {"hostRouteId", "lease", "command", "cwd", "env", "pty", "stdin",
+                          "timeoutMs", "outputWindow", "dataEncoding"});
+    ExecSpec spec;
+    ChannelOptions options;
+    options.host_route_id = params::opt_string(p, "hostRouteId").value_or("");
+    if (!p.contains("lease") || !p["lease"].is_object()) params::invalid("lease", "must be an object");
+    if (!p.contains("command") || !p["command"].is_array() || p["command"].empty()) {
+        params::invalid("command", "must be an array of at least one string");
+    }
+    for (std::size_t i = 0; i < p["command"].size(); ++i) {
+        const auto& arg = p["command"][i];
+        const std::string field = "command[" + std::to_string(i) + "]";
+        if (!arg.is_string()) params::invalid(field, "must be a string");
+        auto s = arg.get<std::string>();
+        if (s.find('\0') != std::string::npos) params::invalid(field, "must not contain NUL bytes");
+        if (i == 0 && s.empty()) params::invalid(field, "must not be empty");
+        spec.argv.push_back(std::move(s));
+    }
+    spec.cwd = params::opt_string(p, "cwd").value_or("");
+    if (spec.cwd.find('\0') != std::string::npos) params::invalid("cwd", "must not contain NUL bytes");
+    if (p.contains("env") && !p["env"].is_null()) {
+        if (!p["env"].is_object()) params::invalid("env", "must be an object of strings");
+        for (const auto& [k, v] : p["env"].items()) {
+            if (!v.is_string()) params::invalid("env." + k, "must be a string");
+            if (k.empty() || k.find('=') != std::string::npos || k.find('\0') != std::string::npos) {
+                params::invalid("env." + k, "is not a valid variable name");
+            }
+            auto value = v.get<std::string>();
+            if (value.find('\0') != std::string::npos) params::invalid("env." + k, "must not contain NUL bytes");
+            spec.env[k] = std::move(value);
+        }
+    }
+    if (p.contains("pty") && !p["pty"].is_null()) {
+        const auto& pty = p["pty"];
+        if (!pty.is_object()) params::invalid("pty", "must be an object {cols, rows}");
+        PtySize size;
+        size.cols = static_cast<std::uint16_t>(params::req_uint(pty, "cols", 1, 4096));
+        size.rows = static_cast<std::uint16_t>(params::req_uint(pty, "rows", 1, 4096));
+        spec.pty = size;
+    }
+    spec.stdin_attached = params::opt_bool(p, "stdin").value_or(true);
+    if (auto t = params::opt_uint(p, "timeoutMs", 1, 30ULL * 24 * 3600000)) {
+        options.timeout = std::chrono::milliseconds(*t);
+    }
+    options.output_window = static_cast<std::uint32_t>(
+        params::opt_uint(p, "outputWindow", 1024, 1ULL << 30).value_or(node_.config.limits.output_window));
+    if (auto enc = params::opt_string(p, "dataEncoding")) {
+        if (*enc != "binary" && *enc != "base64") params::invalid("dataEncoding", "must be \"binary\" or \"base64\"");
+        options.base64 = *enc == "base64";
+    }
+    options.pty = spec.pty.has_value();
+    options.stdin_attached = spec.stdin_attached;
+    options.stdin_window = node_.config.limits.stdin_window;
+    options.hangup_grace = std::chrono::milliseconds(node_.config.limits.hangup_grace_ms);
+
+    // Steps 2-6: the lease, its scope and status, its owner, the cached sandbox.
+    auto resolved = co_await resolve_open(node_, who_, p["lease"]);
+
+    if (channels_.size() >= node_.config.limits.channels_per_connection) {
+        throw rpc_error(errc::channel_limit,
+                        "this connection already has " + std::to_string(channels_.size()) +
+                            " channels (limit " +
+                            std::to_string(node_.config.limits.channels_per_connection) + ")");
+    }
+    if (!node_.channels.try_reserve(node_.config.limits.channels_per_node)) {
+        throw rpc_error(errc::channel_limit,
+                        "this node already runs its limit of " +
+                            std::to_string(node_.config.limits.channels_per_node) + " channels");
+    }
+    SpawnedProcess process;
+    try {
+        process = node_.providers.at(resolved.lease.provider)->spawn(*resolved.sandbox, spec);
+    } catch (...) {
+        node_.channels.unreserve();
+        throw;
+    }
+    options.id = next_channel_++;
+    options.lease_id = resolved.lease.id;
+    auto channel = std::make_shared<Channel>(strand_, options, std::move(process),
+                                             resolved.sandbox, weak_from_this());
+    auto key = node_.channels.add({channel, strand_, resolved.lease.id});
+    // on_reaped is set after add() so the key is known; it runs on this strand.
+    channel->set_on_reaped([&node = node_, key] { node.channels.remove(key); });
+    channels_.emplace(options.id, channel);
+    node_.channels_opened.fetch_add(1, std::memory_order_relaxed);
+    spdlog::info("channel={} lease={} opened: {} pty={} peer={}", options.id, options.lease_id,
+                 spec.argv.front(), options.pty, peer_);
+    // The result goes out before the first data frame of the channel.
+    respond(id, json{{"channel", options.id},
+                     {"hostRouteId", options.host_route_id},
+                     {"workerSessionId", node_.node_id + "/" + std::to_string(options.id)},
+                     {"ownerNodeId", node_.node_id},
+                     {"routed", false},
+                     {"stdinWindow", options.stdin_window},
+                     {"outputWindow", options.output_window}});
+    responded = true;
+    channel->start();
+    co_return json();
+}
+
+}  // namespace sandboxd

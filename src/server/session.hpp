@@ -1,0 +1,66 @@
+#pragma once
+// One host-server WebSocket connection (docs/protocol.md section 1): reads JSON-RPC text
+// frames and binary data frames, owns the channels opened on it, and writes through a single
+// queue so that writes never overlap (Beast allows one outstanding async_write).
+//
+// Threading: everything runs on the session's strand; the session is kept alive by its
+// coroutines (enable_shared_from_this); channels hold it by weak_ptr.
+#include "server/channel.hpp"
+#include "server/node.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <deque>
+#include <map>
+
+namespace sandboxd {
+
+class Session final : public ChannelSink, public std::enable_shared_from_this<Session> {
+public:
+    Session(Node& node, websocket::stream<beast::tcp_stream> ws, const Principal& who);
+    ~Session() override;
+    Session(const Session&) = delete;
+    Session& operator=(const Session&) = delete;
+
+    /// Accepts the upgrade `request` and serves the connection until it closes.
+    awaitable<void> run(http::request<http::string_body> request);
+
+    void send_binary(std::string frame) override;
+    void send_text(std::string text) override;
+    void channel_finished(std::uint32_t channel) override;
+
+private:
+    struct Outgoing {
+        bool binary;
+        std::string bytes;
+    };
+
+    awaitable<void> read_loop();
+    awaitable<void> write_loop();
+    awaitable<void> ping_loop();
+    awaitable<void> handle_text(std::string text);
+    /// Applies one binary frame; a close reason when the frame breaks the protocol.
+    std::optional<websocket::close_reason> handle_binary(std::string_view message);
+    awaitable<std::optional<nlohmann::json>> dispatch(const std::string& method,
+                                                       const nlohmann::json& params,
+                                                       const nlohmann::json& id);
+    awaitable<nlohmann::json> open_channel(nlohmann::json params, const nlohmann::json& id,
+                                           bool& responded);
+    std::shared_ptr<Channel> find_channel(const nlohmann::json& params);
+    void respond(const nlohmann::json& id, nlohmann::json result);
+    void respond_error(const nlohmann::json& id, const nlohmann::json& error);
+    void close_all_channels();
+
+    Node& node_;
+    websocket::stream<beast::tcp_stream> ws_;
+    Principal who_;
+    strand_t strand_;
+    std::deque<Outgoing> queue_;
+    net::steady_timer queue_timer_;  // woken (cancelled) when the queue gets work
+    bool closing_ = false;
+    std::map<std::uint32_t, std::shared_ptr<Channel>> channels_;
+    std::uint32_t next_channel_ = 1;
+    std::string peer_;
+};
+
+}  // namespace sandboxd

@@ -1,0 +1,664 @@
+#include <sandboxd/errors.hpp>
+#include <sandboxd/registry.hpp>
+
+#include <sqlite3.h>
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace sandboxd;
+
+namespace {
+
+/// A fresh directory under /tmp, removed with everything in it on destruction.
+class TempDir {
+public:
+    TempDir() {
+        std::string tmpl = "/tmp/sandboxd-registry-test-XXXXXX";
+        if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+        path_ = tmpl;
+    }
+    TempDir(const TempDir&) = delete;
+    TempDir& operator=(const TempDir&) = delete;
+    ~TempDir() {
+        std::error_code ec;
+        std::filesystem::remove_all(path_, ec);
+    }
+    std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+private:
+    std::filesystem::path path_;
+};
+
+Lease make_lease(const std::string& id, const std::string& company = "co-1",
+                 const std::string& environment = "env-1", std::int64_t acquired_at_ms = 1000) {
+    Lease l;
+    l.id = id;
+    l.company_id = company;
+    l.environment_id = environment;
+    l.provider = "bwrap";
+    l.provider_lease_id = "pl-" + id;
+    l.owner_node_id = "node-a";
+    l.acquired_at_ms = acquired_at_ms;
+    l.last_used_at_ms = acquired_at_ms;
+    l.metadata = {{"pluginId", "plugin-x"}, {"provider", "bwrap"}};
+    return l;
+}
+
+void check_same(const Lease& got, const Lease& want) {
+    CHECK(got.id == want.id);
+    CHECK(got.company_id == want.company_id);
+    CHECK(got.environment_id == want.environment_id);
+    CHECK(got.run_id == want.run_id);
+    CHECK(got.issue_id == want.issue_id);
+    CHECK(got.heartbeat_run_id == want.heartbeat_run_id);
+    CHECK(got.execution_workspace_id == want.execution_workspace_id);
+    CHECK(got.status == want.status);
+    CHECK(got.provider == want.provider);
+    CHECK(got.provider_lease_id == want.provider_lease_id);
+    CHECK(got.owner_node_id == want.owner_node_id);
+    CHECK(got.epoch == want.epoch);
+    CHECK(got.acquired_at_ms == want.acquired_at_ms);
+    CHECK(got.last_used_at_ms == want.last_used_at_ms);
+    CHECK(got.expires_at_ms == want.expires_at_ms);
+    CHECK(got.released_at_ms == want.released_at_ms);
+    CHECK(got.failure_reason == want.failure_reason);
+    CHECK(got.cleanup_status == want.cleanup_status);
+    CHECK(got.metadata == want.metadata);
+    CHECK(got.idempotency_key == want.idempotency_key);
+    CHECK(got.config == want.config);
+    CHECK(got.cleanup_attempts == want.cleanup_attempts);
+}
+
+template <typename F>
+std::optional<rpc_error> rpc_error_of(F&& f) {
+    try {
+        f();
+    } catch (const rpc_error& e) {
+        return e;
+    }
+    return std::nullopt;
+}
+
+std::vector<std::string> ids_of(const std::vector<Lease>& leases) {
+    std::vector<std::string> ids;
+    for (const auto& l : leases) ids.push_back(l.id);
+    return ids;
+}
+
+std::vector<std::string> ids_of(Registry& registry, LeaseQuery query) {
+    query.limit = 1000;
+    return ids_of(registry.list_leases(query).leases);
+}
+
+}  // namespace
+
+TEST_CASE("A lease round-trips every field, absent ones as nulls", "[registry]") {
+    TempDir dir;
+    auto registry = make_sqlite_registry(dir.file("registry.db"));
+
+    Lease full = make_lease("lease-full");
+    full.run_id = "run-1";
+    full.issue_id = "issue-1";
+    full.heartbeat_run_id = "hb-1";
+    full.execution_workspace_id = "ws-1";
+    full.status = lease_status::pending_cleanup;
+    full.epoch = 7;
+    full.acquired_at_ms = 1'700'000'000'123;
+    full.last_used_at_ms = 1'700'000'000'456;
+    full.expires_at_ms = 1'700'000'060'000;
+    full.released_at_ms = 1'700'000'030'000;
+    full.failure_reason = "sandbox exited with status 3";
+    full.cleanup_status = "retrying";
+    full.metadata = {{"pluginId", "plugin-x"},
+                     {"provider", "bwrap"},
+                     {"nested", {{"list", {1, 2, 3}}, {"flag", true}, {"none", nullptr}}},
+                     {"unicode", "h\u00e9llo \u2603"}};
+    full.idempotency_key = "idem-1";
+    full.config = {{"image", "debian"}, {"memoryMb", 512}};
+    full.cleanup_attempts = 2;
+
+    Lease bare = make_lease("lease-bare");
+    bare.metadata = nlohmann::json::object();
+
+    check_same(registry->create_lease(full), full);
+    check_same(registry->create_lease(bare), bare);
+
+    auto got_full = registry->get_lease("lease-full");
+    REQUIRE(got_full);
+    check_same(*got_full, full);
+
+    auto got_bare = registry->get_lease("lease-bare");
+    REQUIRE(got_bare);
+    check_same(*got_bare, bare);
+    CHECK_FALSE(got_bare->run_id);
+    CHECK_FALSE(got_bare->expires_at_ms);
+    CHECK_FALSE(got_bare->idempotency_key);
+    CHECK(got_bare->metadata == nlohmann::json::object());
+    CHECK(got_bare->config == nlohmann::json::object());
+
+    CHECK_FALSE(registry->get_lease("no-such-lease"));
+}
+
+TEST_CASE("An idempotency key returns the existing lease and writes nothing new", "[registry]") {
+    TempDir dir;
+    auto registry = make_sqlite_registry(dir.file("registry.db"));
+
+    Lease first = make_lease("lease-1");
+    first.idempotency_key = "key-1";
+    check_same(registry->create_lease(first), first);
+
+    Lease retry = make_lease("lease-2");
+    retry.idempotency_key = "key-1";
+    retry.provider_lease_id = "other";
+    check_same(registry->create_lease(retry), first);
+
+    auto page = registry->list_leases({});
+    REQUIRE(page.leases.size() == 1);
+    CHECK(page.leases[0].id == "lease-1");
+    CHECK_FALSE(registry->get_lease("lease-2"));
+
+    auto found = registry->find_by_idempotency_key("co-1", "env-1", "key-1");
+    REQUIRE(found);
+    check_same(*found, first);
+    CHECK_FALSE(registry->find_by_idempotency_key("co-1", "env-1", "key-2"));
+    CHECK_FALSE(registry->find_by_idempotency_key("co-2", "env-1", "key-1"));
+}
+
+TEST_CASE("The same idempotency key in another scope makes a new lease", "[registry]") {
+    TempDir dir;
+    auto registry = make_sqlite_registry(dir.file("registry.db"));
+
+    Lease a = make_lease("lease-a", "co-1", "env-1");
+    Lease b = make_lease("lease-b", "co-2", "env-1");
+    Lease c = make_lease("lease-c", "co-1", "env-2");
+    for (auto* l : {&a, &b, &c}) l->idempotency_key = "shared-key";
+
+    CHECK(registry->create_lease(a).id == "lease-a");
+    CHECK(registry->create_lease(b).id == "lease-b");
+    CHECK(registry->create_lease(c).id == "lease-c");
+
+    // Leases without a key never clash with each other.
+    CHECK(registry->create_lease(make_lease("lease-d")).id == "lease-d");
+    CHECK(registry->create_lease(make_lease("lease-e")).id == "lease-e");
+
+    CHECK(ids_of(*registry, {}) ==
+          std::vector<std::string>{"lease-a", "lease-b", "lease-c", "lease-d", "lease-e"});
+    CHECK(registry->find_by_idempotency_key("co-2", "env-1", "shared-key")->id == "lease-b");
+    CHECK(registry->find_by_idempotency_key("co-1", "env-2", "shared-key")->id == "lease-c");
+}
+
+TEST_CASE("update_lease stores every mutable field when the epoch matches", "[registry]") {
+    TempDir dir;
+    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    Lease original = make_lease("lease-1");
+    original.expires_at_ms = 5000;
+    original.idempotency_key = "key-1";
+    original.config = {{"image", "debian"}};
+    registry->create_lease(original);
+
+    Lease next = original;
+    next.status = lease_status::released;
+    next.owner_node_id = "node-b";
+    next.epoch = 2;
+    next.last_used_at_ms = 2500;
+    next.expires_at_ms = std::nullopt;
+    next.released_at_ms = 3000;
+    next.failure_reason = "killed";
+    next.cleanup_status = "done";
+    next.cleanup_attempts = 3;
+    next.metadata["extra"] = 42;
+
+    REQUIRE(registry->update_lease(next, 1));
+    auto stored = registry->get_lease("lease-1");
+    REQUIRE(stored);
+    check_same(*stored, next);
+
+    SECTION("a stale epoch writes nothing") {
+        Lease stale = next;
+        stale.status = lease_status::failed;
+        stale.owner_node_id = "node-c";
+        stale.epoch = 3;
+        stale.cleanup_attempts = 9;
+        CHECK_FALSE(registry->update_lease(stale, 1));
+        auto after = registry->get_lease("lease-1");
+        REQUIRE(after);
+        check_same(*after, next);
+    }
+    SECTION("a missing lease is not updated") {
+        Lease ghost = next;
+        ghost.id = "no-such-lease";
+        CHECK_FALSE(registry->update_lease(ghost, 2));
+        CHECK_FALSE(registry->get_lease("no-such-lease"));
+    }
+    SECTION("immutable fields are left alone") {
+        Lease changed = next;
+        changed.epoch = 3;
+        changed.company_id = "co-other";
+        changed.provider_lease_id = "pl-other";
+        changed.acquired_at_ms = 1;
+        changed.idempotency_key = "key-other";
+        changed.config = {{"image", "alpine"}};
+        REQUIRE(registry->update_lease(changed, 2));
+        auto after = registry->get_lease("lease-1");
+        REQUIRE(after);
+        Lease want = next;
+        want.epoch = 3;
+        check_same(*after, want);
+    }
+}
+
+TEST_CASE("list_leases filters by company, environment, status, owner and tenants", "[registry]") {
+    TempDir dir;
+    auto registry = make_sqlite_registry(dir.file("registry.db"));
+
+    Lease l1 = make_lease("l1", "co-1", "env-1", 100);
+    Lease l2 = make_lease("l2", "co-1", "env-2", 200);
+    l2.status = lease_status::released;
+    Lease l3 = make_lease("l3", "co-2", "env-1", 300);
+    l3.owner_node_id = "node-b";
+    Lease l4 = make_lease("l4", "co-3", "env-1", 400);
+    l4.owner_node_id = "node-b";
+    l4.status = lease_status::released;
+    for (const auto& l : {l4, l2, l3, l1}) registry->create_lease(l);
+
+    using ids = std::vector<std::string>;
+    CHECK(ids_of(*registry, {}) == ids{"l1", "l2", "l3", "l4"});
+
+    LeaseQuery q;
+    q.company_id = "co-1";
+    CHECK(ids_of(*registry, q) == ids{"l1", "l2"});
+
+    q = {};
+    q.environment_id = "env-1";
+    CHECK(ids_of(*registry, q) == ids{"l1", "l3", "l4"});
+
+    q = {};
+    q.status = lease_status::released;
+    CHECK(ids_of(*registry, q) == ids{"l2", "l4"});
+
+    q = {};
+    q.owner_node_id = "node-b";
+    CHECK(ids_of(*registry, q) == ids{"l3", "l4"});
+
+    q = {};
+    q.tenants = {"co-1", "co-3"};
+    CHECK(ids_of(*registry, q) == ids{"l1", "l2", "l4"});
+
+    q = {};
+    q.tenants = {"co-2"};
+    q.status = lease_status::active;
+    CHECK(ids_of(*registry, q) == ids{"l3"});
+
+    q = {};
+    q.tenants = {"co-1"};
+    q.company_id = "co-2";
+    CHECK(ids_of(*registry, q).empty());
+
+    q = {};
+    q.company_id = "co-1";
+    q.environment_id = "env-1";
+    q.status = lease_status::active;
+    q.owner_node_id = "node-a";
+    CHECK(ids_of(*registry, q) == ids{"l1"});
+
+    q = {};
+    q.company_id = "co-none";
+    auto empty = registry->list_leases(q);
+    CHECK(empty.leases.empty());
+    CHECK(empty.next_cursor.empty());
+}
+
+TEST_CASE("list_leases pages through 250 leases exactly once, in order", "[registry]") {
+    TempDir dir;
+    auto registry = make_sqlite_registry(dir.file("registry.db"));
+
+    // Three leases share each acquiredAt, so the id breaks ties; inserted in reverse order.
+    std::vector<std::string> want;
+    for (int i = 0; i < 250; ++i) {
+        char id[16];
+        std::snprintf(id, sizeof id, "lease-%03d", i);
+        want.emplace_back(id);
+    }
+    for (int i = 249; i >= 0; --i) {
+        registry->create_lease(
+            make_lease(want[static_cast<std::size_t>(i)], "co-1", "env-1", 1000 + i / 3));
+    }
+
+    LeaseQuery q;
+    q.limit = 100;
+    std::vector<std::string> got;
+    std::vector<std::size_t> page_sizes;
+    for (int pages = 0; pages < 10; ++pages) {
+        auto page = registry->list_leases(q);
+        page_sizes.push_back(page.leases.size());
+        for (const auto& l : page.leases) got.push_back(l.id);
+        if (page.next_cursor.empty()) break;
+        q.cursor = page.next_cursor;
+    }
+    CHECK(page_sizes == std::vector<std::size_t>{100, 100, 50});
+    CHECK(got == want);
+
+    SECTION("a page that ends exactly at the last lease has no next cursor") {
+        LeaseQuery all;
+        all.limit = 250;
+        auto page = registry->list_leases(all);
+        CHECK(page.leases.size() == 250);
+        CHECK(page.next_cursor.empty());
+    }
+    SECTION("filters apply on every page") {
+        LeaseQuery f;
+        f.limit = 1;
+        f.company_id = "co-1";
+        auto p1 = registry->list_leases(f);
+        REQUIRE(p1.leases.size() == 1);
+        CHECK(p1.leases[0].id == "lease-000");
+        f.cursor = p1.next_cursor;
+        f.company_id = "co-2";
+        auto p2 = registry->list_leases(f);
+        CHECK(p2.leases.empty());
+        CHECK(p2.next_cursor.empty());
+    }
+}
+
+TEST_CASE("list_leases clamps the limit to 1..1000", "[registry]") {
+    TempDir dir;
+    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    for (int i = 0; i < 1001; ++i) {
+        registry->create_lease(
+            make_lease("lease-" + std::to_string(10000 + i), "co-1", "env-1", i));
+    }
+    LeaseQuery q;
+    q.limit = 0;
+    auto one = registry->list_leases(q);
+    REQUIRE(one.leases.size() == 1);
+    CHECK(one.leases[0].id == "lease-10000");
+    CHECK_FALSE(one.next_cursor.empty());
+
+    q.limit = 5000;
+    auto most = registry->list_leases(q);
+    REQUIRE(most.leases.size() == 1000);
+    CHECK(most.leases.back().id == "lease-10999");
+    q.cursor = most.next_cursor;
+    auto rest = registry->list_leases(q);
+    REQUIRE(rest.leases.size() == 1);
+    CHECK(rest.leases[0].id == "lease-11000");
+    CHECK(rest.next_cursor.empty());
+}
+
+TEST_CASE("A malformed cursor is rejected with invalid_params", "[registry]") {
+    TempDir dir;
+    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    registry->create_lease(make_lease("lease-1"));
+
+    for (std::string cursor : {"garbage", "123", ":lease-1", "123:", "12x:lease-1", " 1:lease-1",
+                               "99999999999999999999999:lease-1"}) {
+        CAPTURE(cursor);
+        LeaseQuery q;
+        q.cursor = cursor;
+        auto err = rpc_error_of([&] { registry->list_leases(q); });
+        REQUIRE(err);
+        CHECK(err->code() == errc::invalid_params);
+        CHECK(std::string(err->what()) == "cursor: malformed");
+    }
+
+    // A well-formed cursor past every lease is simply the end.
+    LeaseQuery q;
+    q.cursor = "1000:lease-1";
+    auto page = registry->list_leases(q);
+    CHECK(page.leases.empty());
+    CHECK(page.next_cursor.empty());
+}
+
+TEST_CASE("expired_leases returns the owner's active leases expiring at or before a time",
+          "[registry]") {
+    TempDir dir;
+    auto registry = make_sqlite_registry(dir.file("registry.db"));
+
+    Lease due = make_lease("due");
+    due.expires_at_ms = 5000;
+    Lease exactly = make_lease("exactly");
+    exactly.expires_at_ms = 6000;
+    Lease later = make_lease("later");
+    later.expires_at_ms = 6001;
+    Lease forever = make_lease("forever");
+    Lease released = make_lease("released");
+    released.expires_at_ms = 1000;
+    released.status = lease_status::released;
+    Lease elsewhere = make_lease("elsewhere");
+    elsewhere.expires_at_ms = 1000;
+    elsewhere.owner_node_id = "node-b";
+    for (const auto& l : {due, exactly, later, forever, released, elsewhere}) {
+        registry->create_lease(l);
+    }
+
+    CHECK(ids_of(registry->expired_leases("node-a", 6000)) ==
+          std::vector<std::string>{"due", "exactly"});
+    CHECK(ids_of(registry->expired_leases("node-a", 4999)).empty());
+    CHECK(ids_of(registry->expired_leases("node-b", 6000)) ==
+          std::vector<std::string>{"elsewhere"});
+    CHECK(ids_of(registry->expired_leases("node-c", 9000)).empty());
+    auto got = registry->expired_leases("node-a", 5000);
+    REQUIRE(got.size() == 1);
+    check_same(got[0], due);
+}
+
+TEST_CASE("Two registries on the same file see each other's writes", "[registry]") {
+    TempDir dir;
+    auto first = make_sqlite_registry(dir.file("registry.db"));
+    auto second = make_sqlite_registry(dir.file("registry.db"));
+
+    Lease lease = make_lease("lease-1");
+    lease.idempotency_key = "key-1";
+    first->create_lease(lease);
+    auto seen = second->get_lease("lease-1");
+    REQUIRE(seen);
+    check_same(*seen, lease);
+
+    Lease retry = make_lease("lease-2");
+    retry.idempotency_key = "key-1";
+    CHECK(second->create_lease(retry).id == "lease-1");
+
+    Lease next = lease;
+    next.epoch = 2;
+    next.status = lease_status::expired;
+    REQUIRE(second->update_lease(next, 1));
+    CHECK_FALSE(first->update_lease(next, 1));
+    CHECK(first->get_lease("lease-1")->status == lease_status::expired);
+    CHECK(first->get_lease("lease-1")->epoch == 2);
+
+    first->register_node({"node-a", "ws://10.0.0.1:7000", 100, 200, "inst-1"}, 30000);
+    auto nodes = second->list_nodes();
+    REQUIRE(nodes.size() == 1);
+    CHECK(nodes[0].node_id == "node-a");
+    CHECK(nodes[0].instance_id == "inst-1");
+}
+
+TEST_CASE("Concurrent creates with one idempotency key make exactly one lease", "[registry]") {
+    TempDir dir;
+    auto first = make_sqlite_registry(dir.file("registry.db"));
+    auto second = make_sqlite_registry(dir.file("registry.db"));
+
+    constexpr int per_thread = 25;
+    std::vector<std::vector<std::string>> results(4);
+    std::vector<std::thread> threads;
+    for (std::size_t t = 0; t < results.size(); ++t) {
+        Registry& registry = t % 2 == 0 ? *first : *second;
+        threads.emplace_back([&registry, &results, t] {
+            for (int i = 0; i < per_thread; ++i) {
+                Lease keyed = make_lease("keyed-" + std::to_string(t) + "-" + std::to_string(i));
+                keyed.idempotency_key = "the-key";
+                results[t].push_back(registry.create_lease(keyed).id);
+                registry.create_lease(
+                    make_lease("plain-" + std::to_string(t) + "-" + std::to_string(i)));
+            }
+        });
+    }
+    for (auto& th : threads) th.join();
+
+    std::set<std::string> returned;
+    for (const auto& r : results) returned.insert(r.begin(), r.end());
+    REQUIRE(returned.size() == 1);
+    auto stored = first->find_by_idempotency_key("co-1", "env-1", "the-key");
+    REQUIRE(stored);
+    CHECK(*returned.begin() == stored->id);
+
+    LeaseQuery q;
+    q.limit = 1000;
+    CHECK(second->list_leases(q).leases.size() == 1 + results.size() * per_thread);
+}
+
+TEST_CASE("A node registers, heartbeats and is removed", "[registry]") {
+    TempDir dir;
+    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    CHECK(registry->list_nodes().empty());
+    CHECK_FALSE(registry->get_node("node-a"));
+
+    registry->register_node({"node-b", "wss://b.example:443", 10, 20, "inst-b"}, 30000);
+    registry->register_node({"node-a", "ws://10.0.0.1:7000", 100, 200, "inst-a"}, 30000);
+
+    auto nodes = registry->list_nodes();
+    REQUIRE(nodes.size() == 2);
+    CHECK(nodes[0].node_id == "node-a");
+    CHECK(nodes[1].node_id == "node-b");
+    auto a = registry->get_node("node-a");
+    REQUIRE(a);
+    CHECK(a->url == "ws://10.0.0.1:7000");
+    CHECK(a->started_at_ms == 100);
+    CHECK(a->heartbeat_at_ms == 200);
+    CHECK(a->instance_id == "inst-a");
+
+    CHECK(registry->heartbeat_node("node-a", "inst-a", 700));
+    CHECK(registry->get_node("node-a")->heartbeat_at_ms == 700);
+    CHECK_FALSE(registry->heartbeat_node("node-a", "inst-other", 800));
+    CHECK_FALSE(registry->heartbeat_node("node-z", "inst-a", 800));
+    CHECK(registry->get_node("node-a")->heartbeat_at_ms == 700);
+
+    // The same instance may register again while live (a refresh).
+    registry->register_node({"node-a", "ws://10.0.0.2:7000", 100, 900, "inst-a"}, 30000);
+    CHECK(registry->get_node("node-a")->url == "ws://10.0.0.2:7000");
+    CHECK(registry->get_node("node-a")->heartbeat_at_ms == 900);
+
+    registry->remove_node("node-a", "inst-other");
+    CHECK(registry->get_node("node-a"));
+    registry->remove_node("node-a", "inst-a");
+    CHECK_FALSE(registry->get_node("node-a"));
+    REQUIRE(registry->list_nodes().size() == 1);
+    CHECK(registry->list_nodes()[0].node_id == "node-b");
+}
+
+TEST_CASE("A second live instance of a node id is refused until the TTL passes", "[registry]") {
+    TempDir dir;
+    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    constexpr std::int64_t ttl = 30000;
+    registry->register_node({"node-a", "ws://10.0.0.1:7000", 1000, 1000, "inst-1"}, ttl);
+
+    auto err = rpc_error_of([&] {
+        registry->register_node({"node-a", "ws://10.0.0.9:7000", 30999, 30999, "inst-2"}, ttl);
+    });
+    REQUIRE(err);
+    CHECK(err->code() == errc::invalid_params);
+    CHECK(std::string(err->what()) ==
+          "node id node-a is already held by a live process (last heartbeat 29999 ms ago)");
+    auto kept = registry->get_node("node-a");
+    REQUIRE(kept);
+    CHECK(kept->instance_id == "inst-1");
+    CHECK(kept->url == "ws://10.0.0.1:7000");
+
+    // The refused registration left no transaction open: writes still work.
+    CHECK(registry->heartbeat_node("node-a", "inst-1", 1000));
+
+    registry->register_node({"node-a", "ws://10.0.0.9:7000", 31000, 31000, "inst-2"}, ttl);
+    auto taken = registry->get_node("node-a");
+    REQUIRE(taken);
+    CHECK(taken->instance_id == "inst-2");
+    CHECK(taken->url == "ws://10.0.0.9:7000");
+    CHECK(taken->started_at_ms == 31000);
+    CHECK(taken->heartbeat_at_ms == 31000);
+
+    CHECK_FALSE(registry->heartbeat_node("node-a", "inst-1", 31001));
+    CHECK(registry->get_node("node-a")->heartbeat_at_ms == 31000);
+}
+
+TEST_CASE("A registry whose directory cannot be created is unavailable", "[registry]") {
+    auto err =
+        rpc_error_of([] { make_sqlite_registry("/proc/sandboxd-registry-test/sub/registry.db"); });
+    REQUIRE(err);
+    CHECK(err->code() == errc::registry_unavailable);
+    CHECK(std::string(err->what()).rfind("registry: open: ", 0) == 0);
+}
+
+TEST_CASE("A file that is not a database makes the registry unavailable", "[registry]") {
+    TempDir dir;
+    auto path = dir.file("registry.db");
+    std::ofstream(path) << "this is not an SQLite database, not even close to one...\n"
+                        << std::string(4096, 'x');
+    auto err = rpc_error_of([&] { make_sqlite_registry(path); });
+    REQUIRE(err);
+    CHECK(err->code() == errc::registry_unavailable);
+    CHECK(std::string(err->what()) == "registry: open: file is not a database");
+}
+
+TEST_CASE("The registry creates a missing parent directory", "[registry]") {
+    TempDir dir;
+    auto path = dir.file("a/b/registry.db");
+    auto registry = make_sqlite_registry(path);
+    registry->create_lease(make_lease("lease-1"));
+    CHECK(std::filesystem::exists(path));
+}
+
+TEST_CASE("A lease survives closing and reopening the registry", "[registry]") {
+    TempDir dir;
+    Lease lease = make_lease("lease-1");
+    lease.idempotency_key = "key-1";
+    lease.expires_at_ms = 9000;
+    {
+        auto registry = make_sqlite_registry(dir.file("registry.db"));
+        registry->create_lease(lease);
+        registry->register_node({"node-a", "ws://10.0.0.1:7000", 1, 2, "inst-1"}, 30000);
+    }
+    auto reopened = make_sqlite_registry(dir.file("registry.db"));
+    auto got = reopened->get_lease("lease-1");
+    REQUIRE(got);
+    check_same(*got, lease);
+    REQUIRE(reopened->get_node("node-a"));
+    CHECK(reopened->get_node("node-a")->instance_id == "inst-1");
+
+    Lease retry = make_lease("lease-2");
+    retry.idempotency_key = "key-1";
+    CHECK(reopened->create_lease(retry).id == "lease-1");
+}
+
+TEST_CASE("A write blocked past the busy timeout is unavailable and leaves no transaction",
+          "[registry]") {
+    TempDir dir;
+    auto path = dir.file("registry.db");
+    auto registry = make_sqlite_registry(path);
+    registry->create_lease(make_lease("lease-1"));
+
+    // Another "process" holds the write lock for longer than the 5 s busy timeout.
+    sqlite3* other = nullptr;
+    REQUIRE(sqlite3_open(path.c_str(), &other) == SQLITE_OK);
+    REQUIRE(sqlite3_exec(other, "BEGIN IMMEDIATE", nullptr, nullptr, nullptr) == SQLITE_OK);
+
+    auto err = rpc_error_of([&] { registry->create_lease(make_lease("lease-2")); });
+    REQUIRE(err);
+    CHECK(err->code() == errc::registry_unavailable);
+    CHECK(std::string(err->what()) == "registry: create lease: database is locked");
+    // WAL readers are not blocked by a writer.
+    CHECK(registry->get_lease("lease-1"));
+
+    REQUIRE(sqlite3_exec(other, "ROLLBACK", nullptr, nullptr, nullptr) == SQLITE_OK);
+    sqlite3_close(other);
+
+    CHECK(registry->create_lease(make_lease("lease-2")).id == "lease-2");
+    CHECK(ids_of(*registry, {}) == std::vector<std::string>{"lease-1", "lease-2"});
+}
