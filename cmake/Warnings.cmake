@@ -8,7 +8,9 @@ function(sandboxd_set_warnings target)
     set(scope PRIVATE)
   endif()
   set(flags -Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wcast-align -Wunused
-            -Woverloaded-virtual -Wnull-dereference -Wformat=2 -Wimplicit-fallthrough)
+            -Woverloaded-virtual -Wnull-dereference -Wformat=2 -Wimplicit-fallthrough
+            # GCC 12 reports false positives inside Boost.Beast and Boost.Optional.
+            -Wno-maybe-uninitialized)
   if(SANDBOXD_WARNINGS_AS_ERRORS)
     list(APPEND flags -Werror)
   endif()

@@ -12,6 +12,12 @@
 ///    command's process group; 0x80|N sends signal N to every process of the namespace
 ///    (kill(-1, N)). EOF on fd 4 is ignored.
 ///  - Neither fd reaches the command: it sees fds 0, 1, 2 only.
+///  - If bubblewrap fails before the init runs (e.g. a bad cwd), fd 3 reaches EOF with no
+///    line; the outer process's wait status and stderr tell why.
+///  - The outer bubblewrap keeps the pipes open while it lives: stdout/stderr reach EOF only
+///    once it has exited (the init exits after the drain grace, or the daemon kills it).
+///  - Nobody in the daemon may reap with waitpid(-1) or ignore SIGCHLD: `pid` is waited for
+///    through its pidfd only.
 /// Killing the outer bubblewrap process (our direct child, `SpawnedProcess::pid`) with
 /// SIGKILL kills the init (--die-with-parent) and so every process of the channel.
 
@@ -60,6 +66,10 @@ struct ExecSpec {
     std::map<std::string, std::string> env;  ///< added after PATH, HOME, TERM, LANG
     std::optional<PtySize> pty;              ///< present: run under a PTY of that size
     bool stdin_attached = true;              ///< false: stdin is /dev/null (EOF at once)
+    /// Present: once the main process ends, the init lets descendants run at most this long
+    /// (ms), then kills them and exits, so the pipes reach EOF (the drain grace). Absent: the
+    /// init keeps running until the daemon kills the namespace.
+    std::optional<std::uint32_t> drain_grace_ms;
 };
 
 /// The daemon's side of a started process. Every fd is non-blocking and close-on-exec.

@@ -36,12 +36,12 @@ public:
 void setup_logging(const std::string& level, const std::string& format) {
     auto logger = std::make_shared<spdlog::logger>(
         "sandboxd", std::make_shared<spdlog::sinks::stderr_sink_mt>());
-    auto formatter = std::make_unique<spdlog::pattern_formatter>();
+    auto formatter = std::make_unique<spdlog::pattern_formatter>(spdlog::pattern_time_type::utc);
     if (format == "json") {
         formatter->add_flag<json_escaped_message>('*').set_pattern(
-            R"({"time":"%Y-%m-%dT%H:%M:%S.%eZ","level":"%l","msg":"%*"})", spdlog::pattern_time_type::utc);
+            R"({"time":"%Y-%m-%dT%H:%M:%S.%eZ","level":"%l","msg":"%*"})");
     } else {
-        formatter->set_pattern("%Y-%m-%dT%H:%M:%S.%eZ %l %v", spdlog::pattern_time_type::utc);
+        formatter->set_pattern("%Y-%m-%dT%H:%M:%S.%eZ %l %v");
     }
     logger->set_formatter(std::move(formatter));
     logger->set_level(spdlog::level::from_str(level));

@@ -1,7 +1,12 @@
 /// @file init_main.cpp
 /// sandboxd-init: PID 1 of a channel's PID namespace (bwrap --unshare-pid --as-pid-1).
 ///
-/// Usage: sandboxd-init [--pty] -- CMD [ARG...]
+/// Usage: sandboxd-init [--pty] [--grace-ms N] -- CMD [ARG...]
+///
+/// With --grace-ms, once CMD's main process has ended the init waits until no other process
+/// is left or N ms have passed, kills what remains (kill(-1, SIGKILL)), reaps it and exits:
+/// the daemon's drain grace (docs/protocol.md section 3). The outer bubblewrap then exits
+/// and every copy of the channel's pipes closes, so the daemon reads output to EOF.
 ///
 /// It starts CMD in its own process group, forwards the signals it receives to that group,
 /// obeys the daemon's control bytes on fd 4, reaps every process reparented to it and
@@ -14,7 +19,6 @@
 
 #include <fcntl.h>
 #include <poll.h>
-#include <signal.h>
 #include <sys/ioctl.h>
 #include <sys/signalfd.h>
 #include <sys/syscall.h>
@@ -24,9 +28,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 
 namespace {
 
@@ -63,6 +69,7 @@ void ignore_signal(int) {}
 
 struct Options {
     bool pty = false;
+    long grace_ms = -1;  // < 0: keep running after the report (the daemon kills the namespace)
     char** command = nullptr;
 };
 
@@ -71,6 +78,10 @@ bool parse_args(int argc, char** argv, Options& opts) {
     for (; i < argc; ++i) {
         if (std::strcmp(argv[i], "--pty") == 0) {
             opts.pty = true;
+        } else if (std::strcmp(argv[i], "--grace-ms") == 0 && i + 1 < argc) {
+            char* end = nullptr;
+            opts.grace_ms = std::strtol(argv[++i], &end, 10);
+            if (end == argv[i] || *end != '\0' || opts.grace_ms < 0) return false;
         } else if (std::strcmp(argv[i], "--") == 0) {
             ++i;
             break;
@@ -187,7 +198,15 @@ private:
                 status_index = static_cast<int>(n);
                 fds[n++] = {status_fd, 0, 0};
             }
-            int r = ::poll(fds, n, -1);
+            int timeout = -1;
+            if (command_done_ && opts_.grace_ms >= 0) {
+                if (no_children_ || now_ms() >= grace_deadline_) {
+                    finish();
+                    return;
+                }
+                timeout = static_cast<int>(grace_deadline_ - now_ms());
+            }
+            int r = ::poll(fds, n, timeout);
             if (r < 0) {
                 if (errno == EINTR) continue;
                 print_error("poll", "", errno);
@@ -229,9 +248,11 @@ private:
             int status = 0;
             pid_t pid = ::waitpid(-1, &status, WNOHANG);
             if (pid < 0 && errno == EINTR) continue;
+            if (pid < 0 && errno == ECHILD) no_children_ = true;
             if (pid <= 0) return;
             if (pid != command_pid_ || command_done_) continue;
             command_done_ = true;
+            grace_deadline_ = now_ms() + opts_.grace_ms;
             char line[32];
             if (WIFSIGNALED(status)) {
                 std::snprintf(line, sizeof line, "signal %d\n", WTERMSIG(status));
@@ -287,7 +308,26 @@ private:
         }
     }
 
+    static long long now_ms() {
+        timespec ts{};
+        ::clock_gettime(CLOCK_MONOTONIC, &ts);
+        return static_cast<long long>(ts.tv_sec) * 1000 + ts.tv_nsec / 1000000;
+    }
+
+    // The drain grace is over: nothing of the channel may outlive its main process.
+    void finish() {
+        ::kill(-1, SIGKILL);
+        for (;;) {
+            pid_t pid = ::waitpid(-1, nullptr, 0);
+            if (pid < 0 && errno == EINTR) continue;
+            if (pid < 0) break;
+        }
+        exit_now_ = true;
+    }
+
     Options opts_;
+    long long grace_deadline_ = 0;
+    bool no_children_ = false;
     int signal_fd_ = -1;
     pid_t command_pid_ = -1;
     bool command_done_ = false;

@@ -8,19 +8,19 @@
 #include "provider/spawn.hpp"
 
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #include <cstring>
 #include <string_view>
 #include <system_error>
 
 #ifndef SANDBOXD_LIBEXECDIR
-#define SANDBOXD_LIBEXECDIR "/usr/libexec/sandboxd"
+#define SANDBOXD_LIBEXECDIR "/usr/libexec/sandboxd"  // NOLINT(cppcoreguidelines-macro-usage)
 #endif
 
 namespace sandboxd {
@@ -28,8 +28,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr std::string_view sandbox_path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:"
-                                          "/sbin:/bin";
+constexpr std::string_view sandbox_path =
+    "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 constexpr const char* init_in_sandbox = "/.sandboxd/init";
 
 [[noreturn]] void provider_failure(std::string message) {
@@ -79,8 +79,7 @@ void validate_spec(const ExecSpec& spec) {
     if (has_nul(spec.cwd)) throw rpc_error(errc::invalid_params, "cwd: contains a NUL byte");
     for (const auto& [name, value] : spec.env) {
         if (name.empty() || name.find('=') != std::string::npos || has_nul(name)) {
-            throw rpc_error(errc::invalid_params,
-                            "env: invalid variable name \"" + name + "\"");
+            throw rpc_error(errc::invalid_params, "env: invalid variable name \"" + name + "\"");
         }
         if (has_nul(value)) {
             throw rpc_error(errc::invalid_params, "env." + name + ": contains a NUL byte");
@@ -244,14 +243,12 @@ private:
              it.increment(ec)) {
             std::error_code ignored;
             if (it->is_directory(ignored) && !it->is_symlink(ignored)) {
-                fs::permissions(it->path(), fs::perms::owner_all, fs::perm_options::add,
-                                ignored);
+                fs::permissions(it->path(), fs::perms::owner_all, fs::perm_options::add, ignored);
             }
         }
     }
 
-    std::vector<std::string> bwrap_argv(const SandboxHandle& sandbox,
-                                        const ExecSpec& spec) const {
+    std::vector<std::string> bwrap_argv(const SandboxHandle& sandbox, const ExecSpec& spec) const {
         std::vector<std::string> a = {
             options_.bwrap_path.string(),
             "--die-with-parent",
@@ -287,13 +284,20 @@ private:
                 a.insert(a.end(), {"--ro-bind", dir, dir});
             }
         }
-        a.insert(a.end(), {"--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs",
-                           "/run"});
+        // bwrap covers /proc/sys only when access(W_OK) says it is writable, which it never
+        // says for that directory; yet the command, uid 0 without a user namespace, could
+        // write most host sysctls (e.g. kernel.core_pattern: root on the host). Cover it.
+        a.insert(a.end(), {"--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev",
+                           "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"});
         a.insert(a.end(), {"--bind", sandbox.workspace.string(), "/workspace"});
         a.insert(a.end(), {"--ro-bind", init_path_.string(), init_in_sandbox});
         a.insert(a.end(), {"--chdir", sandbox_cwd(spec.cwd), "--hostname", "sandbox"});
         a.insert(a.end(), {"--", init_in_sandbox});
         if (spec.pty) a.emplace_back("--pty");
+        if (spec.drain_grace_ms) {
+            a.emplace_back("--grace-ms");
+            a.emplace_back(std::to_string(*spec.drain_grace_ms));
+        }
         a.emplace_back("--");
         a.insert(a.end(), spec.argv.begin(), spec.argv.end());
         return a;

@@ -4,8 +4,6 @@
 
 #include <fcntl.h>
 #include <pthread.h>
-#include <signal.h>
-#include <stdlib.h>
 #include <sys/ioctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -14,6 +12,8 @@
 
 #include <cerrno>
 #include <climits>
+#include <csignal>
+#include <cstdlib>
 #include <cstring>
 
 namespace sandboxd::detail {
@@ -42,8 +42,8 @@ int close_fds_from(unsigned first, unsigned last) {
     return static_cast<int>(::syscall(SYS_close_range, first, last, 0U));
 }
 
-[[noreturn]] void child_main(char* const* argv, char* const* envp,
-                             const std::array<int, 5>& fds, int controlling_tty, int err_fd) {
+[[noreturn]] void child_main(char* const* argv, char* const* envp, const std::array<int, 5>& fds,
+                             int controlling_tty, int err_fd) {
     // Every signal to its default while all are still blocked (the parent blocked them
     // around fork, so none of its handlers can run here).
     struct sigaction dfl {};
@@ -177,7 +177,7 @@ SpawnResult spawn_process(const SpawnRequest& request, const std::string& what) 
 
     // EOF: the exec succeeded (the pipe is close-on-exec). An int: the child's errno.
     int child_errno = 0;
-    ssize_t n;
+    ssize_t n = 0;
     do {
         n = ::read(err_read.get(), &child_errno, sizeof child_errno);
     } while (n < 0 && errno == EINTR);

@@ -2,3 +2,4 @@
 // BOOST_ASIO_SEPARATE_COMPILATION and BOOST_BEAST_SEPARATE_COMPILATION in CMakeLists.txt).
 #include <boost/asio/impl/src.hpp>
 #include <boost/beast/src.hpp>
+#include <boost/url/src.hpp>

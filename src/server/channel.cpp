@@ -99,6 +99,7 @@ Channel::Channel(strand_t strand, ChannelOptions options, SpawnedProcess process
       stdin_timer_(strand),
       deadline_(strand),
       hangup_timer_(strand),
+      done_timer_(strand),
       started_(std::chrono::steady_clock::now()) {
     if (process.stdout_fd) stdout_.assign(process.stdout_fd.release());
     if (process.stderr_fd) stderr_.assign(process.stderr_fd.release());
@@ -167,8 +168,8 @@ awaitable<void> Channel::supervise() {
     main_exited_ = true;
     deadline_.cancel();
     // The init kills what is left of the namespace and exits; bubblewrap follows it.
-    auto [ec] = co_await pidfd_.async_wait(net::posix::descriptor_base::wait_read,
-                                           as_tuple_awaitable);
+    // An error here (the descriptor was closed) still ends in waitid below.
+    co_await pidfd_.async_wait(net::posix::descriptor_base::wait_read, as_tuple_awaitable);
     siginfo_t info{};
     ::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(pidfd_.native_handle()), &info,
              WEXITED);

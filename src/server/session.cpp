@@ -169,6 +169,19 @@ awaitable<void> Session::ping_loop() {
     }
 }
 
+void Session::shutdown() {
+    net::post(strand_, [self = shared_from_this()] {
+        if (self->closing_) return;
+        net::co_spawn(
+            self->strand_,
+            [self]() -> awaitable<void> {
+                co_await self->ws_.async_close(websocket::close_code::going_away,
+                                               as_tuple_awaitable);
+            },
+            net::detached);
+    });
+}
+
 void Session::send_binary(std::string frame) {
     if (closing_) return;
     queue_.push_back({true, std::move(frame)});
@@ -434,6 +447,7 @@ awaitable<json> Session::open_channel(json p, const json& id, bool& responded) {
         spec.pty = size;
     }
     spec.stdin_attached = params::opt_bool(p, "stdin").value_or(true);
+    spec.drain_grace_ms = node_.config.limits.drain_grace_ms;
     if (auto t = params::opt_uint(p, "timeoutMs", 1, 30ULL * 24 * 3600000)) {
         options.timeout = std::chrono::milliseconds(*t);
     }

@@ -25,6 +25,9 @@ public:
     /// Accepts the upgrade `request` and serves the connection until it closes.
     awaitable<void> run(http::request<http::string_body> request);
 
+    /// Closes the connection (1001 going away) from any thread; channels are hung up.
+    void shutdown();
+
     void send_binary(std::string frame) override;
     void send_text(std::string text) override;
     void channel_finished(std::uint32_t channel) override;

@@ -8,16 +8,17 @@
 
 #include <fcntl.h>
 #include <poll.h>
-#include <signal.h>
-#include <stdlib.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
+#include <csignal>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <set>
@@ -65,31 +66,44 @@ std::string read_text(const fs::path& path) {
     return s.str();
 }
 
-/// Host pids whose command line (NULs as spaces) contains `needle`.
-std::vector<pid_t> processes_matching(const std::string& needle) {
-    std::vector<pid_t> out;
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator("/proc", ec)) {
-        const std::string name = entry.path().filename().string();
-        if (name.empty() || !std::all_of(name.begin(), name.end(), ::isdigit)) continue;
-        std::string cmdline = read_text(entry.path() / "cmdline");
-        std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
-        if (cmdline.find(needle) != std::string::npos) out.push_back(std::stoi(name));
-    }
-    return out;
+/// The command line of `pid` with NULs as spaces ("" for a zombie or a gone process).
+std::string cmdline_of(pid_t pid) {
+    std::string cmdline = read_text("/proc/" + std::to_string(pid) + "/cmdline");
+    std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
+    return cmdline;
 }
 
-/// Host pids of the processes in the PID namespace of inode `ns_inode`.
+/// True for a zombie: dead, waiting to be reaped by whoever inherited it (for a sandbox's
+/// init that is the host's PID 1, which may take its time).
+bool is_zombie(const fs::path& proc_dir) {
+    std::string stat = read_text(proc_dir / "stat");
+    auto paren = stat.rfind(')');
+    return paren != std::string::npos && stat.compare(paren, 4, ") Z ") == 0;
+}
+
+/// Whether `pid` is alive (not a zombie) with a command line that starts with `prefix`.
+bool running_as(pid_t pid, const std::string& prefix) {
+    const fs::path dir = "/proc/" + std::to_string(pid);
+    std::error_code ec;
+    return fs::exists(dir, ec) && !is_zombie(dir) && cmdline_of(pid).rfind(prefix, 0) == 0;
+}
+
+/// Inode of the PID namespace `pid` is in; 0 if it is gone.
+ino_t pid_ns_of(pid_t pid) {
+    struct stat st {};
+    if (::stat(("/proc/" + std::to_string(pid) + "/ns/pid").c_str(), &st) != 0) return 0;
+    return st.st_ino;
+}
+
+/// Host pids of the live (non-zombie) processes in the PID namespace of inode `ns_inode`.
 std::vector<pid_t> processes_in_pid_ns(ino_t ns_inode) {
     std::vector<pid_t> out;
     std::error_code ec;
     for (const auto& entry : fs::directory_iterator("/proc", ec)) {
         const std::string name = entry.path().filename().string();
         if (name.empty() || !std::all_of(name.begin(), name.end(), ::isdigit)) continue;
-        struct stat st {};
-        if (::stat((entry.path() / "ns/pid").c_str(), &st) == 0 && st.st_ino == ns_inode) {
-            out.push_back(std::stoi(name));
-        }
+        pid_t pid = std::stoi(name);
+        if (pid_ns_of(pid) == ns_inode && !is_zombie(entry.path())) out.push_back(pid);
     }
     return out;
 }
@@ -116,6 +130,8 @@ struct TempDir {
     }
     TempDir(const TempDir&) = delete;
     TempDir& operator=(const TempDir&) = delete;
+    TempDir(TempDir&&) = delete;
+    TempDir& operator=(TempDir&&) = delete;
 };
 
 /// A provider on a temporary sandboxes dir and one sandbox in it.
@@ -132,8 +148,8 @@ struct Fixture {
         options.sandboxes_dir = dir.path / "sandboxes";
         options.allow_network = allow_network;
         provider = make_bwrap_provider(std::move(options));
-        sandbox = provider->create(SandboxScope{"bwrap", "company-1", "env-1", ""}, "lease-1",
-                                   config);
+        sandbox =
+            provider->create(SandboxScope{"bwrap", "company-1", "env-1", ""}, "lease-1", config);
     }
 };
 
@@ -145,6 +161,8 @@ public:
 
     Channel(const Channel&) = delete;
     Channel& operator=(const Channel&) = delete;
+    Channel(Channel&&) = delete;
+    Channel& operator=(Channel&&) = delete;
 
     ~Channel() {
         if (!reaped_) kill_and_reap();
@@ -157,9 +175,7 @@ public:
         flush_stdin();
     }
 
-    void control(unsigned char byte) {
-        REQUIRE(::write(proc_.control_fd.get(), &byte, 1) == 1);
-    }
+    void control(unsigned char byte) { REQUIRE(::write(proc_.control_fd.get(), &byte, 1) == 1); }
 
     /// Pumps every fd until `done()` holds; false on timeout.
     bool pump_until(const std::function<bool()>& done, milliseconds timeout,
@@ -174,9 +190,7 @@ public:
         return true;
     }
 
-    bool status_done() const {
-        return !proc_.status_fd || status_.find('\n') != std::string::npos;
-    }
+    bool status_done() const { return !proc_.status_fd || status_.find('\n') != std::string::npos; }
     bool output_eof() const { return !proc_.stdout_fd && !proc_.stderr_fd; }
 
     /// Waits for the status line, kills bubblewrap, reads the output to EOF, reaps it and
@@ -192,6 +206,13 @@ public:
         std::string children = read_text("/proc/" + std::to_string(proc_.pid) + "/task/" +
                                          std::to_string(proc_.pid) + "/children");
         return children.empty() ? -1 : std::stoi(children);
+    }
+
+    /// Host pids of the live processes of the sandbox (before finish()).
+    std::vector<pid_t> members() const {
+        pid_t init = init_pid();
+        ino_t ns = init > 0 ? pid_ns_of(init) : 0;
+        return ns != 0 ? processes_in_pid_ns(ns) : std::vector<pid_t>{};
     }
 
     SpawnedProcess& proc() { return proc_; }
@@ -219,10 +240,7 @@ private:
         ino_t ns_inode = 0;
         if (init > 0) {
             init_fd.reset(static_cast<int>(::syscall(SYS_pidfd_open, init, 0)));
-            struct stat st {};
-            if (::stat(("/proc/" + std::to_string(init) + "/ns/pid").c_str(), &st) == 0) {
-                ns_inode = st.st_ino;
-            }
+            ns_inode = pid_ns_of(init);
         }
         ::kill(proc_.pid, SIGKILL);
         reap_ok_ = wait_readable(proc_.pidfd.get(), teardown_timeout) &&
@@ -490,8 +508,7 @@ TEST_CASE("create validates the lease config", "[provider]") {
     CHECK(handle->scope.company_id == "c");
     CHECK(handle->lease_id == "lease");
     CHECK(handle->workspace == dir.path / handle->scope.provider_lease_id);
-    CHECK((fs::status(handle->workspace).permissions() & fs::perms::all) ==
-          fs::perms::owner_all);
+    CHECK((fs::status(handle->workspace).permissions() & fs::perms::all) == fs::perms::owner_all);
     auto other = provider->create(scope, "lease", {{"network", false}});
     CHECK(other->scope.provider_lease_id != handle->scope.provider_lease_id);
 
@@ -509,6 +526,20 @@ TEST_CASE("the root file system is read-only", "[provider]") {
         CHECK(r.status != "exit 0");
         CHECK(r.err.find("Read-only file system") != std::string::npos);
         CHECK_FALSE(fs::exists("/usr/sandboxd-probe"));
+    }
+    CHECK(open_fd_count() == fds_before);
+}
+
+TEST_CASE("host sysctls are read-only", "[provider]") {
+    const int fds_before = open_fd_count();
+    {
+        Fixture fx;
+        // Writes the current value back: harmless should the protection ever be missing.
+        auto r = run(fx, command({"sh", "-c",
+                                  "v=$(cat /proc/sys/kernel/core_pattern) && "
+                                  "printf '%s\\n' \"$v\" > /proc/sys/kernel/core_pattern"}));
+        CHECK(r.status != "exit 0");
+        CHECK(r.err.find("Read-only file system") != std::string::npos);
     }
     CHECK(open_fd_count() == fds_before);
 }
@@ -551,6 +582,40 @@ TEST_CASE("a control byte signals the command's process group", "[provider]") {
     CHECK(open_fd_count() == fds_before);
 }
 
+TEST_CASE("signals sent to the init reach the command's group", "[provider]") {
+    const int fds_before = open_fd_count();
+    {
+        Fixture fx;
+        auto r = run(fx, command({"sh", "-c",
+                                  "trap \"echo got-usr1; exit 9\" USR1; kill -USR1 1; "
+                                  "while :; do sleep 0.1; done"}));
+        CHECK(r.out == "got-usr1\n");
+        CHECK(r.status == "exit 9");
+    }
+    CHECK(open_fd_count() == fds_before);
+}
+
+TEST_CASE("a control byte with 0x80 signals every process of the sandbox", "[provider]") {
+    const int fds_before = open_fd_count();
+    {
+        Fixture fx;
+        // The descendant left the command's process group: only kill(-1) reaches it.
+        Channel ch(*fx.provider, *fx.sandbox,
+                   command({"sh", "-c",
+                            "setsid sh -c 'trap \"echo bg-term; exit 0\" TERM; echo bg-ready; "
+                            "while :; do sleep 0.1; done' & "
+                            "trap '' TERM; wait"}));
+        REQUIRE(ch.pump_until([&] { return ch.out() == "bg-ready\n"; }, status_timeout));
+        ch.control(0x80 | 15);
+        REQUIRE(ch.pump_until([&] { return ch.status_done(); }, status_timeout));
+        CHECK(ch.status() == "exit 0");  // `wait` returned: the descendant exited
+        REQUIRE(ch.finish());
+        CHECK(ch.out() == "bg-ready\nbg-term\n");
+        CHECK(ch.leftovers().empty());
+    }
+    CHECK(open_fd_count() == fds_before);
+}
+
 TEST_CASE("Ctrl-C on the PTY interrupts the foreground command", "[provider]") {
     const int fds_before = open_fd_count();
     {
@@ -576,34 +641,43 @@ TEST_CASE("SIGKILL by control byte, and no process outlives bubblewrap", "[provi
         Fixture fx;
         Channel ch(*fx.provider, *fx.sandbox, command({"sh", "-c", "sleep 300 & sleep 301"}));
         // Wait until both sleeps run (they may still be forking when the first byte comes).
+        std::vector<pid_t> sleeps;
         REQUIRE(ch.pump_until(
             [&] {
-                return !processes_matching("sleep 300").empty() &&
-                       !processes_matching("sleep 301").empty();
+                sleeps.clear();
+                for (pid_t p : ch.members()) {
+                    if (running_as(p, "sleep 300") || running_as(p, "sleep 301")) {
+                        sleeps.push_back(p);
+                    }
+                }
+                return sleeps.size() == 2;
             },
             status_timeout, milliseconds{10}));
         ch.control(9);
         REQUIRE(ch.finish());
         CHECK(ch.status() == "signal 9");
         CHECK(ch.leftovers().empty());
-        CHECK(processes_matching("sleep 300").empty());
-        CHECK(processes_matching("sleep 301").empty());
+        for (pid_t p : sleeps) {
+            CHECK_FALSE(running_as(p, "sleep 300"));
+            CHECK_FALSE(running_as(p, "sleep 301"));
+        }
     }
     CHECK(open_fd_count() == fds_before);
 }
 
-TEST_CASE("the init outlives the command until the daemon kills the namespace",
-          "[provider]") {
+TEST_CASE("the init outlives the command until the daemon kills the namespace", "[provider]") {
     const int fds_before = open_fd_count();
     {
         Fixture fx;
-        // A descendant that left the command's process group, still writing.
+        // A descendant that left the command's process group writes after the command
+        // ended, once the test creates the file it waits for.
         Channel ch(*fx.provider, *fx.sandbox,
                    command({"sh", "-c",
-                            "setsid sh -c 'read x; echo late' & echo early; exit 4"}));
+                            "setsid sh -c 'while [ ! -e go ]; do sleep 0.05; done; echo late' "
+                            "& echo early; exit 4"}));
         REQUIRE(ch.pump_until([&] { return ch.status_done(); }, status_timeout));
         CHECK(ch.status() == "exit 4");
-        ch.send("go\n", true);
+        std::ofstream(fx.sandbox->workspace / "go").put('\n');
         REQUIRE(ch.pump_until([&] { return ch.out() == "early\nlate\n"; }, status_timeout));
         REQUIRE(ch.finish());
         CHECK(ch.leftovers().empty());
@@ -615,9 +689,11 @@ TEST_CASE("the init outlives the command until the daemon kills the namespace",
                    command({"sh", "-c", "setsid sleep 302 >/dev/null 2>&1 & echo $!"}));
         REQUIRE(ch.pump_until([&] { return ch.status_done(); }, status_timeout));
         CHECK(ch.status() == "exit 0");
+        std::vector<pid_t> members = ch.members();
+        CHECK(members.size() == 2);  // the init and the escaped descendant
         REQUIRE(ch.finish());
         CHECK(ch.leftovers().empty());
-        CHECK(processes_matching("sleep 302").empty());
+        for (pid_t p : members) CHECK_FALSE(running_as(p, ""));
     }
     CHECK(open_fd_count() == fds_before);
 }
@@ -632,6 +708,7 @@ TEST_CASE("the init exits once the daemon lets go after the command ended", "[pr
             CHECK(ch.status() == "exit 0");
             ch.proc().control_fd.reset();
             REQUIRE(ch.wait_exit(teardown_timeout));
+            CHECK(WIFEXITED(ch.bwrap_wait_status()));  // not killed: the init ended it all
         }
         SECTION("status fd closed") {
             Channel ch(*fx.provider, *fx.sandbox, command({"true"}));
@@ -639,6 +716,7 @@ TEST_CASE("the init exits once the daemon lets go after the command ended", "[pr
             CHECK(ch.status() == "exit 0");
             ch.proc().status_fd.reset();
             REQUIRE(ch.wait_exit(teardown_timeout));
+            CHECK(WIFEXITED(ch.bwrap_wait_status()));  // not killed: the init ended it all
         }
         SECTION("control fd closed before the command ended is ignored") {
             Channel ch(*fx.provider, *fx.sandbox, command({"sh", "-c", "read x; exit 5"}));

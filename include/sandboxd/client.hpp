@@ -1,0 +1,103 @@
+#pragma once
+/// @file client.hpp
+/// A blocking WebSocket client of the sandboxd protocol (docs/protocol.md), used by
+/// `sandboxctl` and the integration tests. One thread at a time: a Client is not thread-safe.
+///
+/// Errors: connection and transport failures throw client_error (with the HTTP status for a
+/// refused upgrade); a JSON-RPC error response throws rpc_error carrying the daemon's code,
+/// message and data (reason included).
+
+#include <sandboxd/frame.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+namespace sandboxd {
+
+class client_error : public std::runtime_error {
+public:
+    explicit client_error(const std::string& what, int http_status = 0)
+        : std::runtime_error(what), http_status_(http_status) {}
+    /// The HTTP status of a refused upgrade (401 for a bad token), else 0.
+    int http_status() const noexcept { return http_status_; }
+
+private:
+    int http_status_;
+};
+
+/// One message from the daemon.
+struct ClientEvent {
+    enum class kind { data, credit, notification, response } type = kind::notification;
+    std::uint32_t channel = 0;
+    stream_id stream = stream_id::stdout_;
+    std::string bytes;     ///< data payload
+    std::uint32_t credit = 0;
+    nlohmann::json message;  ///< notification or response object
+};
+
+/// What a channel produced, for run_channel().
+struct ChannelRun {
+    std::uint32_t channel = 0;
+    nlohmann::json open_result;
+    std::string out, err;
+    nlohmann::json exit;  ///< the duplexChannel.exit params
+    std::size_t messages_after_exit = 0;
+};
+
+class Client {
+public:
+    /// Connects to `url` (ws://host:port/path) with `Authorization: Bearer <token>`, offering
+    /// the subprotocol sandboxd.v1. `timeout` bounds every later blocking call.
+    Client(const std::string& url, const std::string& token,
+           std::chrono::milliseconds timeout = std::chrono::seconds(30));
+    ~Client();
+    Client(const Client&) = delete;
+    Client& operator=(const Client&) = delete;
+
+    /// Sends a request and waits for its response; other messages that arrive meanwhile are
+    /// kept for next_event(). Returns `result`; throws rpc_error for an `error` response.
+    nlohmann::json call(const std::string& method, const nlohmann::json& params);
+    /// Sends a request without waiting; returns its id.
+    std::int64_t send_request(const std::string& method, const nlohmann::json& params);
+    /// Waits for the response of `id` (throws rpc_error for an error response).
+    nlohmann::json wait_response(std::int64_t id);
+
+    /// The next message (queued first). Throws client_error on timeout or a closed connection.
+    ClientEvent next_event();
+    /// Like next_event() but returns nullopt when nothing arrives within `wait`.
+    std::optional<ClientEvent> poll_event(std::chrono::milliseconds wait);
+
+    void send_text(const std::string& text);
+    void send_binary(const std::string& bytes);
+    void send_stdin(std::uint32_t channel, std::string_view bytes);
+    void send_credit(std::uint32_t channel, stream_id stream, std::uint32_t bytes);
+
+    /// Opens a channel with `open_params`, writes `stdin_data` within the stdin window, then
+    /// (if `close_stdin`) half-closes stdin, crediting output as it arrives, until the exit.
+    ChannelRun run_channel(const nlohmann::json& open_params, const std::string& stdin_data = {},
+                           bool close_stdin = true);
+
+    /// Sends a close frame (1000) and waits for the daemon's close.
+    void close();
+
+    /// The raw parts, for callers that drive the stream with Asio themselves (sandboxctl exec).
+    struct Impl;
+    Impl& impl() noexcept { return *impl_; }
+
+private:
+    std::unique_ptr<Impl> impl_;
+};
+
+/// Base64 of `bytes` (RFC 4648, with padding).
+std::string base64_encode(std::string_view bytes);
+/// Decodes RFC 4648 base64; throws std::invalid_argument for malformed text.
+std::string base64_decode(std::string_view text);
+
+}  // namespace sandboxd

@@ -1,0 +1,493 @@
+#include <sandboxd/app.hpp>
+#include <sandboxd/client.hpp>
+#include <sandboxd/errors.hpp>
+#include <sandboxd/version.hpp>
+
+#include "client/client_impl.hpp"
+
+#include <boost/program_options.hpp>
+
+#include <csignal>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <sys/ioctl.h>
+#include <termios.h>
+#include <unistd.h>
+
+namespace sandboxd {
+namespace po = boost::program_options;
+using json = nlohmann::json;
+
+namespace {
+
+constexpr int exit_error = 255;
+
+const char* usage_text =
+    "Usage: sandboxctl [--url URL] [--token TOKEN | --token-file FILE] [--output text|json]\n"
+    "                  COMMAND [ARGS]\n\n"
+    "Commands:\n"
+    "  lease acquire --company ID --environment ID [--provider KEY] [--ttl-ms N]\n"
+    "                [--config JSON] [--idempotency-key KEY] [--run-id ID] [--output id]\n"
+    "  lease get LEASE | lease list [--company ID] [--environment ID] [--status S]\n"
+    "                [--owner NODE] [--limit N] | lease renew LEASE --ttl-ms N |\n"
+    "  lease release LEASE\n"
+    "  exec [-i] [-t] [--cwd DIR] [-e NAME=VALUE]... [--timeout-ms N] LEASE -- CMD [ARG...]\n"
+    "       runs CMD in the lease's sandbox; -i streams stdin, -t allocates a PTY; exits with\n"
+    "       the command's status (128+N for signal N, 255 for an error)\n"
+    "  nodes                         lists the nodes sharing the registry\n\n"
+    "Environment: SANDBOXD_URL (default ws://127.0.0.1:7800/v1/ws), SANDBOXD_TOKEN,\n"
+    "SANDBOXD_TOKEN_FILE.\n";
+
+struct Globals {
+    std::string url;
+    std::string token;
+    std::string output = "text";
+};
+
+std::string env_or(const char* name, const std::string& fallback) {
+    const char* v = std::getenv(name);
+    return v && *v ? v : fallback;
+}
+
+std::string read_token_file(const std::string& path) {
+    std::ifstream in(path);
+    if (!in) throw client_error("cannot read token file " + path);
+    std::string token;
+    std::getline(in, token);
+    while (!token.empty() && (token.back() == '\r' || token.back() == ' ')) token.pop_back();
+    return token;
+}
+
+void print_lease_line(const json& l) {
+    std::cout << l.value("id", "") << "  " << l.value("status", "") << "  "
+              << l.value("companyId", "") << "/" << l.value("environmentId", "") << "  "
+              << l.value("provider", "") << ":" << l.value("providerLeaseId", "") << "  owner="
+              << l.value("ownerNodeId", "") << "  expires="
+              << (l["expiresAt"].is_string() ? l["expiresAt"].get<std::string>() : "-") << "\n";
+}
+
+void print_lease(const json& lease, const std::string& output) {
+    if (output == "json") {
+        std::cout << lease.dump(2) << "\n";
+    } else if (output == "id") {
+        std::cout << lease.value("id", "") << "\n";
+    } else {
+        print_lease_line(lease);
+    }
+}
+
+po::variables_map parse_sub(const std::vector<std::string>& args, const po::options_description& opts,
+                            const po::positional_options_description& pos) {
+    po::variables_map vm;
+    po::store(po::command_line_parser(args).options(opts).positional(pos).run(), vm);
+    po::notify(vm);
+    return vm;
+}
+
+int lease_command(Client& client, const Globals& g, const std::vector<std::string>& args) {
+    if (args.empty()) throw po::error("lease needs a subcommand: acquire, get, list, renew, release");
+    const std::string sub = args[0];
+    const std::vector<std::string> rest(args.begin() + 1, args.end());
+    po::options_description opts;
+    po::positional_options_description pos;
+    std::string output = g.output;
+    opts.add_options()("output", po::value<std::string>(&output), "text|json|id");
+    if (sub == "acquire") {
+        opts.add_options()("company", po::value<std::string>()->required(), "")(
+            "environment", po::value<std::string>()->required(), "")(
+            "provider", po::value<std::string>()->default_value("bwrap"), "")(
+            "ttl-ms", po::value<std::uint64_t>(), "")("config", po::value<std::string>(), "")(
+            "idempotency-key", po::value<std::string>(), "")("run-id", po::value<std::string>(), "");
+        auto vm = parse_sub(rest, opts, pos);
+        json p = {{"companyId", vm["company"].as<std::string>()},
+                  {"environmentId", vm["environment"].as<std::string>()},
+                  {"provider", vm["provider"].as<std::string>()}};
+        if (vm.count("ttl-ms")) p["ttlMs"] = vm["ttl-ms"].as<std::uint64_t>();
+        if (vm.count("config")) p["config"] = json::parse(vm["config"].as<std::string>());
+        if (vm.count("idempotency-key")) p["idempotencyKey"] = vm["idempotency-key"].as<std::string>();
+        if (vm.count("run-id")) p["runId"] = vm["run-id"].as<std::string>();
+        print_lease(client.call("leaseAcquire", p), output);
+        return 0;
+    }
+    if (sub == "get" || sub == "release") {
+        opts.add_options()("lease", po::value<std::string>()->required(), "");
+        pos.add("lease", 1);
+        auto vm = parse_sub(rest, opts, pos);
+        auto lease = client.call(sub == "get" ? "leaseGet" : "leaseRelease",
+                                 {{"leaseId", vm["lease"].as<std::string>()}});
+        print_lease(lease, output);
+        return 0;
+    }
+    if (sub == "renew") {
+        opts.add_options()("lease", po::value<std::string>()->required(), "")(
+            "ttl-ms", po::value<std::uint64_t>()->required(), "");
+        pos.add("lease", 1);
+        auto vm = parse_sub(rest, opts, pos);
+        print_lease(client.call("leaseRenew", {{"leaseId", vm["lease"].as<std::string>()},
+                                               {"ttlMs", vm["ttl-ms"].as<std::uint64_t>()}}),
+                    output);
+        return 0;
+    }
+    if (sub == "list") {
+        opts.add_options()("company", po::value<std::string>(), "")(
+            "environment", po::value<std::string>(), "")("status", po::value<std::string>(), "")(
+            "owner", po::value<std::string>(), "")("limit", po::value<unsigned>(), "")(
+            "cursor", po::value<std::string>(), "");
+        auto vm = parse_sub(rest, opts, pos);
+        json p = json::object();
+        if (vm.count("company")) p["companyId"] = vm["company"].as<std::string>();
+        if (vm.count("environment")) p["environmentId"] = vm["environment"].as<std::string>();
+        if (vm.count("status")) p["status"] = vm["status"].as<std::string>();
+        if (vm.count("owner")) p["ownerNodeId"] = vm["owner"].as<std::string>();
+        if (vm.count("limit")) p["limit"] = vm["limit"].as<unsigned>();
+        if (vm.count("cursor")) p["cursor"] = vm["cursor"].as<std::string>();
+        auto page = client.call("leaseList", p);
+        if (output == "json") {
+            std::cout << page.dump(2) << "\n";
+        } else {
+            for (const auto& l : page["leases"]) print_lease(l, output);
+            if (page["nextCursor"].is_string() && output == "text") {
+                std::cout << "(more: --cursor " << page["nextCursor"].get<std::string>() << ")\n";
+            }
+        }
+        return 0;
+    }
+    throw po::error("unknown lease subcommand \"" + sub + "\"");
+}
+
+int nodes_command(Client& client, const Globals& g) {
+    auto result = client.call("nodeList", json::object());
+    if (g.output == "json") {
+        std::cout << result.dump(2) << "\n";
+        return 0;
+    }
+    for (const auto& n : result["nodes"]) {
+        std::cout << n.value("nodeId", "") << "  " << (n.value("alive", false) ? "alive" : "dead")
+                  << "  " << n.value("url", "") << "  leases=" << n["leases"].dump()
+                  << "  channels=" << n["channels"].dump() << "  heartbeat="
+                  << n.value("heartbeatAt", "") << "\n";
+    }
+    return 0;
+}
+
+/// Restores the terminal mode on every exit path.
+class RawTerminal {
+public:
+    explicit RawTerminal(bool enable) {
+        if (!enable || tcgetattr(STDIN_FILENO, &saved_) != 0) return;
+        termios raw = saved_;
+        cfmakeraw(&raw);
+        active_ = tcsetattr(STDIN_FILENO, TCSANOW, &raw) == 0;
+    }
+    ~RawTerminal() {
+        if (active_) tcsetattr(STDIN_FILENO, TCSANOW, &saved_);
+    }
+    RawTerminal(const RawTerminal&) = delete;
+    RawTerminal& operator=(const RawTerminal&) = delete;
+
+private:
+    termios saved_{};
+    bool active_ = false;
+};
+
+void write_all(int fd, std::string_view bytes) {
+    while (!bytes.empty()) {
+        auto n = ::write(fd, bytes.data(), bytes.size());
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return;  // the reader went away: drop the rest
+        }
+        bytes.remove_prefix(static_cast<std::size_t>(n));
+    }
+}
+
+/// Streams stdin, stdout and stderr of one channel like `docker exec`, on the client's own
+/// io_context: one coroutine reads the WebSocket, one reads stdin, one writes in order.
+class ExecSession {
+public:
+    ExecSession(Client& client, std::uint32_t channel, std::uint64_t stdin_window, bool attach_stdin, bool tty)
+        : client_(client), io_(client.impl()), channel_(channel), stdin_window_(stdin_window),
+          attach_stdin_(attach_stdin), tty_(tty), wake_writer_(io_.ioc), wake_stdin_(io_.ioc),
+          winch_(io_.ioc) {
+        wake_writer_.expires_at(net::steady_timer::time_point::max());
+        wake_stdin_.expires_at(net::steady_timer::time_point::max());
+    }
+
+    json run() {
+        beast::get_lowest_layer(io_.ws).expires_never();
+        auto fail = [this](const std::exception_ptr& e) {
+            if (!e) return;
+            try {
+                std::rethrow_exception(e);
+            } catch (const std::exception& ex) {
+                if (error_.empty()) error_ = ex.what();
+            }
+            io_.ioc.stop();
+        };
+        net::co_spawn(io_.ioc, read_loop(), fail);
+        net::co_spawn(io_.ioc, write_loop(), fail);
+        if (attach_stdin_) net::co_spawn(io_.ioc, stdin_loop(), fail);
+        if (tty_) {
+            winch_.add(SIGWINCH);
+            net::co_spawn(io_.ioc, winch_loop(), fail);
+        }
+        // Events that arrived before the open's response are replayed first.
+        while (!io_.pending.empty()) {
+            handle(std::move(io_.pending.front()));
+            io_.pending.pop_front();
+        }
+        io_.ioc.restart();
+        io_.ioc.run();
+        if (exit_.is_null()) throw client_error(error_.empty() ? "connection closed before the exit" : error_);
+        return exit_;
+    }
+
+private:
+    void queue(bool binary, std::string bytes) {
+        out_.push_back({binary, std::move(bytes)});
+        wake_writer_.cancel();
+    }
+
+    void handle(ClientEvent ev) {
+        if (ev.type == ClientEvent::kind::data && ev.channel == channel_) {
+            write_all(ev.stream == stream_id::stderr_ ? STDERR_FILENO : STDOUT_FILENO, ev.bytes);
+            queue(true, encode_credit(channel_, ev.stream, static_cast<std::uint32_t>(ev.bytes.size())));
+        } else if (ev.type == ClientEvent::kind::credit && ev.channel == channel_) {
+            unacked_ -= std::min<std::uint64_t>(unacked_, ev.credit);
+            wake_stdin_.cancel();
+        } else if (ev.type == ClientEvent::kind::notification &&
+                   ev.message.value("method", "") == "duplexChannel.exit" &&
+                   ev.message["params"].value("channel", 0U) == channel_) {
+            exit_ = ev.message["params"];
+            io_.ioc.stop();
+        }
+    }
+
+    awaitable<void> read_loop() {
+        for (;;) {
+            io_.buffer.clear();
+            co_await io_.ws.async_read(io_.buffer, use_awaitable);
+            const auto data = io_.buffer.data();
+            std::string_view message(static_cast<const char*>(data.data()), data.size());
+            ClientEvent ev;
+            if (io_.ws.got_text()) {
+                ev.message = json::parse(message);
+                ev.type = ev.message.contains("method") ? ClientEvent::kind::notification
+                                                        : ClientEvent::kind::response;
+            } else {
+                auto decoded = decode_frame(message, SIZE_MAX);
+                if (auto* d = std::get_if<DataFrame>(&decoded)) {
+                    ev.type = ClientEvent::kind::data;
+                    ev.channel = d->channel;
+                    ev.stream = d->stream;
+                    ev.bytes.assign(d->payload);
+                } else if (auto* c = std::get_if<CreditFrame>(&decoded)) {
+                    ev.type = ClientEvent::kind::credit;
+                    ev.channel = c->channel;
+                    ev.credit = c->bytes;
+                } else {
+                    continue;
+                }
+            }
+            handle(std::move(ev));
+        }
+    }
+
+    awaitable<void> write_loop() {
+        for (;;) {
+            if (out_.empty()) {
+                co_await wake_writer_.async_wait(as_tuple_awaitable);
+                continue;
+            }
+            auto item = std::move(out_.front());
+            out_.pop_front();
+            io_.ws.binary(item.first);
+            co_await io_.ws.async_write(net::buffer(item.second), use_awaitable);
+        }
+    }
+
+    awaitable<void> stdin_loop() {
+        // Pipes, terminals and sockets are read asynchronously; a regular file (which epoll
+        // refuses) is read with plain read() calls, which never block for long.
+        net::posix::stream_descriptor in(io_.ioc);
+        const int fd = ::dup(STDIN_FILENO);
+        beast::error_code ec;
+        in.assign(fd, ec);
+        const bool async = !ec;
+        if (!async) in.release();
+        std::string buf(64 * 1024, '\0');
+        for (;;) {
+            while (unacked_ >= stdin_window_) co_await wake_stdin_.async_wait(as_tuple_awaitable);
+            const std::size_t want = std::min<std::uint64_t>(buf.size(), stdin_window_ - unacked_);
+            std::size_t n = 0;
+            if (async) {
+                auto [rec, got] = co_await in.async_read_some(net::buffer(buf.data(), want), as_tuple_awaitable);
+                if (rec) break;
+                n = got;
+            } else {
+                auto got = ::read(fd, buf.data(), want);
+                if (got <= 0) break;
+                n = static_cast<std::size_t>(got);
+            }
+            unacked_ += n;
+            queue(true, encode_data(channel_, stream_id::stdin_, std::string_view(buf.data(), n)));
+        }
+        if (!async) ::close(fd);
+        queue(false, json{{"jsonrpc", "2.0"}, {"id", io_.next_id++}, {"method", "duplexChannelCloseStdin"},
+                          {"params", {{"channel", channel_}}}}.dump());
+    }
+
+    awaitable<void> winch_loop() {
+        for (;;) {
+            co_await winch_.async_wait(use_awaitable);
+            winsize ws{};
+            if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0 && ws.ws_row > 0) {
+                queue(false, json{{"jsonrpc", "2.0"}, {"id", io_.next_id++}, {"method", "duplexChannelResize"},
+                                  {"params", {{"channel", channel_}, {"cols", ws.ws_col}, {"rows", ws.ws_row}}}}
+                                 .dump());
+            }
+        }
+    }
+
+    [[maybe_unused]] Client& client_;
+    Client::Impl& io_;
+    std::uint32_t channel_;
+    std::uint64_t stdin_window_;
+    bool attach_stdin_;
+    bool tty_;
+    net::steady_timer wake_writer_;
+    net::steady_timer wake_stdin_;
+    net::signal_set winch_;
+    std::deque<std::pair<bool, std::string>> out_;
+    std::uint64_t unacked_ = 0;
+    json exit_;
+    std::string error_;
+};
+
+int exec_command(Client& client, const std::vector<std::string>& args) {
+    po::options_description opts;
+    bool interactive = false, tty = false;
+    std::vector<std::string> env;
+    opts.add_options()("interactive,i", po::bool_switch(&interactive), "")(
+        "tty,t", po::bool_switch(&tty), "")("cwd", po::value<std::string>(), "")(
+        "env,e", po::value<std::vector<std::string>>(&env), "")(
+        "timeout-ms", po::value<std::uint64_t>(), "")("lease", po::value<std::string>()->required(), "")(
+        "cmd", po::value<std::vector<std::string>>(), "");
+    po::positional_options_description pos;
+    pos.add("lease", 1).add("cmd", -1);
+    auto vm = parse_sub(args, opts, pos);
+    if (!vm.count("cmd")) throw po::error("exec needs a command after the lease: exec LEASE -- CMD [ARG...]");
+    const auto lease = client.call("leaseGet", {{"leaseId", vm["lease"].as<std::string>()}});
+    json open = {{"lease",
+                  {{"id", lease["id"]},
+                   {"providerLeaseId", lease["providerLeaseId"]},
+                   {"companyId", lease["companyId"]},
+                   {"environmentId", lease["environmentId"]},
+                   {"metadata", lease["metadata"]}}},
+                 {"command", vm["cmd"].as<std::vector<std::string>>()},
+                 {"stdin", interactive},
+                 {"hostRouteId", "sandboxctl-" + std::to_string(::getpid())}};
+    if (vm.count("cwd")) open["cwd"] = vm["cwd"].as<std::string>();
+    if (vm.count("timeout-ms")) open["timeoutMs"] = vm["timeout-ms"].as<std::uint64_t>();
+    json env_obj = json::object();
+    for (const auto& e : env) {
+        auto eq = e.find('=');
+        if (eq == std::string::npos || eq == 0) throw po::error("-e needs NAME=VALUE, got \"" + e + "\"");
+        env_obj[e.substr(0, eq)] = e.substr(eq + 1);
+    }
+    if (!env_obj.empty()) open["env"] = env_obj;
+    if (tty) {
+        winsize ws{};
+        std::uint16_t cols = 80, rows = 24;
+        if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0 && ws.ws_row > 0) {
+            cols = ws.ws_col;
+            rows = ws.ws_row;
+        }
+        open["pty"] = {{"cols", cols}, {"rows", rows}};
+    }
+    auto result = client.call("duplexChannelOpen", open);
+    RawTerminal raw(tty && interactive && ::isatty(STDIN_FILENO));
+    ExecSession session(client, result["channel"].get<std::uint32_t>(),
+                        result.value("stdinWindow", 1U << 20), interactive, tty);
+    auto exit = session.run();
+    if (exit["exitCode"].is_number_integer()) return exit["exitCode"].get<int>();
+    if (exit["signal"].is_string()) {
+        static const std::pair<const char*, int> names[] = {
+            {"HUP", 1}, {"INT", 2}, {"QUIT", 3}, {"ABRT", 6}, {"KILL", 9}, {"SEGV", 11},
+            {"PIPE", 13}, {"ALRM", 14}, {"TERM", 15}, {"USR1", 10}, {"USR2", 12}};
+        for (const auto& [name, num] : names) {
+            if (exit["signal"] == name) return 128 + num;
+        }
+    }
+    std::cerr << "sandboxctl: channel ended without an exit status (outcome "
+              << exit.value("outcome", "?") << ")\n";
+    return exit_error;
+}
+
+}  // namespace
+
+int ctl_main(int argc, char** argv) {
+    std::signal(SIGPIPE, SIG_IGN);
+    Globals g;
+    g.url = env_or("SANDBOXD_URL", "ws://127.0.0.1:7800/v1/ws");
+    g.token = env_or("SANDBOXD_TOKEN", "");
+    std::string token_file = env_or("SANDBOXD_TOKEN_FILE", "");
+    std::vector<std::string> args(argv + 1, argv + argc);
+    std::size_t i = 0;
+    try {
+        for (; i < args.size(); ++i) {
+            const auto& a = args[i];
+            auto value = [&](const char* flag) {
+                if (i + 1 >= args.size()) throw po::error(std::string(flag) + " needs a value");
+                return args[++i];
+            };
+            if (a == "--help" || a == "-h") {
+                std::cout << usage_text;
+                return 0;
+            } else if (a == "--version") {
+                std::cout << "sandboxctl " << version_string << "\n";
+                return 0;
+            } else if (a == "--url") {
+                g.url = value("--url");
+            } else if (a == "--token") {
+                g.token = value("--token");
+            } else if (a == "--token-file") {
+                token_file = value("--token-file");
+            } else if (a == "--output") {
+                g.output = value("--output");
+            } else if (!a.empty() && a[0] == '-') {
+                throw po::error("unknown option " + a);
+            } else {
+                break;
+            }
+        }
+        if (g.output != "text" && g.output != "json" && g.output != "id") {
+            throw po::error("--output must be text, json or id");
+        }
+        if (i >= args.size()) throw po::error("a command is needed");
+        const std::string command = args[i];
+        const std::vector<std::string> rest(args.begin() + static_cast<long>(i) + 1, args.end());
+        if (command != "lease" && command != "exec" && command != "nodes") {
+            throw po::error("unknown command \"" + command + "\"");
+        }
+        if (g.token.empty() && !token_file.empty()) g.token = read_token_file(token_file);
+        Client client(g.url, g.token);
+        client.call("initialize", {{"protocolVersion", 1}, {"client", {{"name", "sandboxctl"}, {"version", version_string}}}});
+        if (command == "lease") return lease_command(client, g, rest);
+        if (command == "nodes") return nodes_command(client, g);
+        return exec_command(client, rest);
+    } catch (const po::error& e) {
+        std::cerr << "sandboxctl: " << e.what() << "\n\n" << usage_text;
+        return exit_error;
+    } catch (const rpc_error& e) {
+        std::cerr << "sandboxctl: " << e.what() << " (" << e.data().value("reason", "ERROR") << ")\n";
+        return exit_error;
+    } catch (const std::exception& e) {
+        std::cerr << "sandboxctl: " << e.what() << "\n";
+        return exit_error;
+    }
+}
+
+}  // namespace sandboxd

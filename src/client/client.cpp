@@ -1,0 +1,268 @@
+#include <sandboxd/client.hpp>
+
+#include "client/client_impl.hpp"
+
+#include <sandboxd/errors.hpp>
+
+#include <boost/beast/core/detail/base64.hpp>
+#include <boost/url/parse.hpp>
+
+namespace sandboxd {
+
+using json = nlohmann::json;
+
+std::string base64_encode(std::string_view bytes) {
+    namespace b64 = boost::beast::detail::base64;
+    std::string out(b64::encoded_size(bytes.size()), '\0');
+    out.resize(b64::encode(out.data(), bytes.data(), bytes.size()));
+    return out;
+}
+
+std::string base64_decode(std::string_view text) {
+    namespace b64 = boost::beast::detail::base64;
+    if (text.size() % 4 != 0) throw std::invalid_argument("base64: length is not a multiple of 4");
+    std::string out(b64::decoded_size(text.size()), '\0');
+    auto [written, read] = b64::decode(out.data(), text.data(), text.size());
+    if (read != text.size()) throw std::invalid_argument("base64: invalid character");
+    out.resize(written);
+    return out;
+}
+
+template <typename Start>
+void Client::Impl::run(Start start) {
+    beast::get_lowest_layer(ws).expires_after(timeout);
+    beast::error_code result = net::error::would_block;
+    start([&result](beast::error_code ec, auto&&...) { result = ec; });
+    ioc.restart();
+    while (result == net::error::would_block && ioc.run_one() > 0) {
+    }
+    if (result == beast::error::timeout) throw client_error("timed out after " + std::to_string(timeout.count()) + " ms");
+    if (result) throw client_error(result.message());
+}
+
+Client::Client(const std::string& url, const std::string& token, std::chrono::milliseconds timeout)
+    : impl_(std::make_unique<Impl>()) {
+    impl_->timeout = timeout;
+    auto parsed = boost::urls::parse_uri(url);
+    if (!parsed || parsed->scheme() != "ws") {
+        throw client_error("url must be ws://HOST:PORT/PATH, got \"" + url + "\"");
+    }
+    const std::string host = parsed->host();
+    const std::string port = parsed->has_port() ? std::string(parsed->port()) : "80";
+    std::string target = parsed->encoded_target().empty() ? "/v1/ws" : std::string(parsed->encoded_target());
+    if (target == "/") target = "/v1/ws";
+    tcp::resolver resolver(impl_->ioc);
+    beast::error_code ec;
+    std::string bare = host;
+    if (bare.size() > 2 && bare.front() == '[') bare = bare.substr(1, bare.size() - 2);
+    auto endpoints = resolver.resolve(bare, port, ec);
+    if (ec) throw client_error("cannot resolve " + host + ": " + ec.message());
+    auto& lowest = beast::get_lowest_layer(impl_->ws);
+    impl_->run([&](auto handler) { lowest.async_connect(endpoints, handler); });
+    impl_->ws.set_option(websocket::stream_base::decorator([token](websocket::request_type& req) {
+        if (!token.empty()) req.set(http::field::authorization, "Bearer " + token);
+        req.set(http::field::sec_websocket_protocol, "sandboxd.v1");
+        req.set(http::field::user_agent, "sandboxctl");
+    }));
+    impl_->ws.read_message_max(64ULL << 20);
+    websocket::response_type response;
+    try {
+        impl_->run([&](auto handler) {
+            impl_->ws.async_handshake(response, host + ":" + port, target, handler);
+        });
+    } catch (const client_error& e) {
+        const int status = static_cast<int>(response.result_int());
+        if (status != 0 && status != 101) {
+            throw client_error("upgrade refused: HTTP " + std::to_string(status) + " " +
+                                   std::string(response.reason()),
+                               status);
+        }
+        throw;
+    }
+    beast::get_lowest_layer(impl_->ws).expires_never();
+}
+
+Client::~Client() {
+    beast::error_code ec;
+    beast::get_lowest_layer(impl_->ws).socket().close(ec);
+}
+
+ClientEvent Client::Impl::read_one() {
+    buffer.clear();
+    run([&](auto handler) { ws.async_read(buffer, handler); });
+    const auto data = buffer.data();
+    std::string_view message(static_cast<const char*>(data.data()), data.size());
+    ClientEvent ev;
+    if (ws.got_text()) {
+        ev.message = json::parse(message);
+        ev.type = ev.message.contains("method") ? ClientEvent::kind::notification
+                                                : ClientEvent::kind::response;
+        return ev;
+    }
+    auto decoded = decode_frame(message, SIZE_MAX);
+    if (auto* d = std::get_if<DataFrame>(&decoded)) {
+        ev.type = ClientEvent::kind::data;
+        ev.channel = d->channel;
+        ev.stream = d->stream;
+        ev.bytes.assign(d->payload);
+    } else if (auto* c = std::get_if<CreditFrame>(&decoded)) {
+        ev.type = ClientEvent::kind::credit;
+        ev.channel = c->channel;
+        ev.stream = c->stream;
+        ev.credit = c->bytes;
+    } else {
+        throw client_error("daemon sent a malformed binary frame: " + std::get<FrameError>(decoded).what);
+    }
+    return ev;
+}
+
+std::int64_t Client::send_request(const std::string& method, const json& params) {
+    const auto id = impl_->next_id++;
+    send_text(json{{"jsonrpc", "2.0"}, {"id", id}, {"method", method}, {"params", params}}.dump());
+    return id;
+}
+
+json Client::wait_response(std::int64_t id) {
+    for (auto it = impl_->pending.begin(); it != impl_->pending.end(); ++it) {
+        if (it->type == ClientEvent::kind::response && it->message.value("id", json()) == id) {
+            auto msg = std::move(it->message);
+            impl_->pending.erase(it);
+            if (msg.contains("error")) {
+                const auto& e = msg["error"];
+                throw rpc_error(errc::internal_error, e.value("message", ""), e.value("data", json::object()));
+            }
+            return msg["result"];
+        }
+    }
+    for (;;) {
+        auto ev = impl_->read_one();
+        if (ev.type == ClientEvent::kind::response && ev.message.value("id", json()) == id) {
+            if (ev.message.contains("error")) {
+                const auto& e = ev.message["error"];
+                auto data = e.value("data", json::object());
+                // Map the reason back to our errc so callers can compare codes.
+                errc code = errc::internal_error;
+                for (int i = 1; i <= static_cast<int>(errc::routing_loop); ++i) {
+                    if (reason(static_cast<errc>(i)) == data.value("reason", "")) code = static_cast<errc>(i);
+                }
+                throw rpc_error(code, e.value("message", ""), data);
+            }
+            return ev.message["result"];
+        }
+        impl_->pending.push_back(std::move(ev));
+    }
+}
+
+json Client::call(const std::string& method, const json& params) {
+    return wait_response(send_request(method, params));
+}
+
+ClientEvent Client::next_event() {
+    if (!impl_->pending.empty()) {
+        auto ev = std::move(impl_->pending.front());
+        impl_->pending.pop_front();
+        return ev;
+    }
+    return impl_->read_one();
+}
+
+std::optional<ClientEvent> Client::poll_event(std::chrono::milliseconds wait) {
+    if (!impl_->pending.empty()) return next_event();
+    const auto saved = impl_->timeout;
+    impl_->timeout = wait;
+    try {
+        auto ev = impl_->read_one();
+        impl_->timeout = saved;
+        return ev;
+    } catch (const client_error&) {
+        impl_->timeout = saved;
+        throw;
+    }
+}
+
+void Client::send_text(const std::string& text) {
+    impl_->ws.text(true);
+    impl_->run([&](auto handler) { impl_->ws.async_write(net::buffer(text), handler); });
+}
+
+void Client::send_binary(const std::string& bytes) {
+    impl_->ws.binary(true);
+    impl_->run([&](auto handler) { impl_->ws.async_write(net::buffer(bytes), handler); });
+}
+
+void Client::send_stdin(std::uint32_t channel, std::string_view bytes) {
+    send_binary(encode_data(channel, stream_id::stdin_, bytes));
+}
+
+void Client::send_credit(std::uint32_t channel, stream_id stream, std::uint32_t bytes) {
+    send_binary(encode_credit(channel, stream, bytes));
+}
+
+ChannelRun Client::run_channel(const json& open_params, const std::string& stdin_data,
+                               bool close_stdin) {
+    ChannelRun run;
+    run.open_result = call("duplexChannelOpen", open_params);
+    run.channel = run.open_result["channel"].get<std::uint32_t>();
+    const std::uint64_t window = run.open_result.value("stdinWindow", 1U << 20);
+    const bool base64 = open_params.value("dataEncoding", "binary") == "base64";
+    std::size_t sent = 0;
+    std::uint64_t unacked = 0;
+    bool closed = !close_stdin;
+    auto handle = [&](ClientEvent& ev) {
+        if (!run.exit.is_null()) {
+            ++run.messages_after_exit;
+            return;
+        }
+        if (ev.type == ClientEvent::kind::data && ev.channel == run.channel) {
+            (ev.stream == stream_id::stderr_ ? run.err : run.out) += ev.bytes;
+            send_credit(run.channel, ev.stream, static_cast<std::uint32_t>(ev.bytes.size()));
+        } else if (ev.type == ClientEvent::kind::credit && ev.channel == run.channel) {
+            unacked -= std::min<std::uint64_t>(unacked, ev.credit);
+        } else if (ev.type == ClientEvent::kind::notification) {
+            const auto& p = ev.message["params"];
+            if (p.value("channel", 0U) != run.channel) return;
+            const auto method = ev.message.value("method", "");
+            if (method == "duplexChannel.exit") {
+                run.exit = p;
+            } else if (method == "duplexChannel.data" && base64) {
+                auto bytes = base64_decode(p["chunk"].get<std::string>());
+                (p["stream"] == "stderr" ? run.err : run.out) += bytes;
+                send_credit(run.channel, p["stream"] == "stderr" ? stream_id::stderr_ : stream_id::stdout_,
+                            static_cast<std::uint32_t>(bytes.size()));
+            }
+        }
+    };
+    // Events that arrived before the open's response.
+    std::deque<ClientEvent> early;
+    early.swap(impl_->pending);
+    for (auto& ev : early) handle(ev);
+    while (run.exit.is_null()) {
+        while (sent < stdin_data.size() && unacked < window) {
+            const std::size_t n = std::min<std::size_t>({stdin_data.size() - sent, 65536, window - unacked});
+            send_stdin(run.channel, std::string_view(stdin_data).substr(sent, n));
+            sent += n;
+            unacked += n;
+        }
+        if (sent == stdin_data.size() && !closed) {
+            call("duplexChannelCloseStdin", {{"channel", run.channel}});
+            closed = true;
+            std::deque<ClientEvent> got;
+            got.swap(impl_->pending);
+            for (auto& ev : got) handle(ev);
+            continue;
+        }
+        auto ev = next_event();
+        handle(ev);
+    }
+    return run;
+}
+
+void Client::close() {
+    beast::error_code ec;
+    try {
+        impl_->run([&](auto handler) { impl_->ws.async_close(websocket::close_code::normal, handler); });
+    } catch (const client_error&) {
+    }
+}
+
+}  // namespace sandboxd

@@ -1,0 +1,343 @@
+// The real daemon on 127.0.0.1:0, a real WebSocket client, real bubblewrap.
+#include "support/daemon_fixture.hpp"
+
+#include <sandboxd/errors.hpp>
+
+#include <boost/asio/connect.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+
+using namespace sandboxd;
+using namespace sandboxd::test;
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+json acquire(Client& c, const std::string& company = "acme", const std::string& env = "dev") {
+    return c.call("leaseAcquire",
+                  {{"companyId", company}, {"environmentId", env}, {"provider", "bwrap"}});
+}
+
+/// The error of a call that must fail: its reason and message.
+std::pair<std::string, std::string> call_error(Client& c, const std::string& method,
+                                               const json& params) {
+    try {
+        c.call(method, params);
+    } catch (const rpc_error& e) {
+        return {e.data().value("reason", ""), e.what()};
+    }
+    FAIL("expected " << method << " to fail");
+    return {};
+}
+
+std::string all_bytes(std::size_t size) {
+    std::string s(size, '\0');
+    for (std::size_t i = 0; i < size; ++i) s[i] = static_cast<char>(i & 0xff);
+    return s;
+}
+
+std::size_t count_sandboxes(const DaemonProcess& d) {
+    std::size_t n = 0;
+    std::error_code ec;
+    for ([[maybe_unused]] const auto& e : fs::directory_iterator(d.state_dir() / "sandboxes", ec)) ++n;
+    return n;
+}
+
+/// Raw HTTP GET on the daemon's port: status and body.
+std::pair<int, std::string> http_get(const std::string& address, const std::string& target,
+                                     const std::string& authorization = "",
+                                     bool upgrade = false) {
+    namespace net = boost::asio;
+    namespace http = boost::beast::http;
+    net::io_context ioc;
+    net::ip::tcp::resolver resolver(ioc);
+    auto colon = address.rfind(':');
+    net::ip::tcp::socket socket(ioc);
+    net::connect(socket, resolver.resolve(address.substr(0, colon), address.substr(colon + 1)));
+    http::request<http::empty_body> req{http::verb::get, target, 11};
+    req.set(http::field::host, address);
+    if (!authorization.empty()) req.set(http::field::authorization, authorization);
+    if (upgrade) {
+        req.set(http::field::connection, "Upgrade");
+        req.set(http::field::upgrade, "websocket");
+        req.set(http::field::sec_websocket_key, "dGhlIHNhbXBsZSBub25jZQ==");
+        req.set(http::field::sec_websocket_version, "13");
+    }
+    http::write(socket, req);
+    boost::beast::flat_buffer buffer;
+    http::response<http::string_body> res;
+    http::read(socket, buffer, res);
+    return {static_cast<int>(res.result_int()), res.body()};
+}
+
+}  // namespace
+
+TEST_CASE("A command's stdout, stderr and exit code arrive exactly", "[daemon][channel]") {
+    DaemonProcess daemon;
+    auto c = daemon.connect();
+    auto lease = acquire(*c);
+    auto run = c->run_channel(open_params(lease, {"sh", "-c", "printf hello; printf err >&2; exit 3"}));
+    CHECK(run.out == "hello");
+    CHECK(run.err == "err");
+    CHECK(run.exit["exitCode"] == 3);
+    CHECK(run.exit["signal"].is_null());
+    CHECK(run.exit["outcome"] == "exited");
+    CHECK(run.exit["stdoutBytes"] == 5);
+    CHECK(run.exit["stderrBytes"] == 3);
+    CHECK(run.open_result["routed"] == false);
+    CHECK(run.open_result["ownerNodeId"] == "node-a");
+}
+
+TEST_CASE("cat returns 1 MiB of every byte value exactly after stdin half-close",
+          "[daemon][channel]") {
+    DaemonProcess daemon;
+    auto c = daemon.connect();
+    auto lease = acquire(*c);
+    const auto input = all_bytes(1 << 20);
+    auto run = c->run_channel(open_params(lease, {"cat"}), input);
+    REQUIRE(run.out.size() == input.size());
+    CHECK(run.out == input);
+    CHECK(run.err.empty());
+    CHECK(run.exit["exitCode"] == 0);
+    CHECK(run.exit["stdinBytes"] == 1 << 20);
+}
+
+TEST_CASE("base64 data notifications carry the same bytes", "[daemon][channel]") {
+    DaemonProcess daemon;
+    auto c = daemon.connect();
+    auto lease = acquire(*c);
+    auto params = open_params(lease, {"sh", "-c", "printf '\\000\\377\\n\\r' >&2; printf ok"});
+    params["dataEncoding"] = "base64";
+    auto run = c->run_channel(params);
+    CHECK(run.err == std::string("\0\xff\n\r", 4));
+    CHECK(run.out == "ok");
+    CHECK(run.exit["exitCode"] == 0);
+}
+
+TEST_CASE("A command opened without stdin reads EOF at once", "[daemon][channel]") {
+    DaemonProcess daemon;
+    auto c = daemon.connect();
+    auto lease = acquire(*c);
+    auto params = open_params(lease, {"sh", "-c", "read x; echo \"got[$x]\""});
+    params["stdin"] = false;
+    auto run = c->run_channel(params, "", false);
+    CHECK(run.out == "got[]\n");
+    CHECK(run.exit["exitCode"] == 0);
+}
+
+TEST_CASE("The sandbox has no capabilities and no inherited descriptors", "[daemon][sandbox]") {
+    DaemonProcess daemon;
+    auto c = daemon.connect();
+    auto lease = acquire(*c);
+    auto caps = c->run_channel(open_params(lease, {"grep", "CapEff", "/proc/self/status"}));
+    CHECK(caps.out == "CapEff:\t0000000000000000\n");
+    auto fds = c->run_channel(open_params(lease, {"ls", "/proc/self/fd"}));
+    CHECK(fds.out == "0\n1\n2\n3\n");
+    auto net = c->run_channel(open_params(lease, {"sh", "-c", "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '"}));
+    CHECK(net.out == "lo\n");
+    auto where = c->run_channel(open_params(lease, {"sh", "-c", "pwd; echo $$; env | sort"}));
+    CHECK(where.out ==
+          "/workspace\n1\nHOME=/workspace\nLANG=C.UTF-8\n"
+          "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\nTERM=dumb\n");
+}
+
+TEST_CASE("A signal ends the command and is reported by name", "[daemon][channel]") {
+    DaemonProcess daemon;
+    auto c = daemon.connect();
+    auto lease = acquire(*c);
+    auto run = c->run_channel(open_params(lease, {"sh", "-c", "kill -TERM $$"}));
+    CHECK(run.exit["exitCode"].is_null());
+    CHECK(run.exit["signal"] == "TERM");
+    CHECK(run.exit["outcome"] == "signaled");
+}
+
+TEST_CASE("Every fail-closed check returns its code and message and starts no process",
+          "[daemon][failclosed]") {
+    DaemonProcess daemon;
+    auto c = daemon.connect();
+    auto lease = acquire(*c);
+    const auto before = count_sandboxes(daemon);
+
+    SECTION("step 2: a lease without pluginId, provider or providerLeaseId") {
+        for (const char* drop : {"pluginId", "provider", "providerLeaseId", "number"}) {
+            auto p = open_params(lease, {"echo", "no"});
+            if (std::string(drop) == "providerLeaseId") {
+                p["lease"].erase("providerLeaseId");
+            } else if (std::string(drop) == "number") {
+                p["lease"]["providerLeaseId"] = 42;
+            } else {
+                p["lease"]["metadata"].erase(drop);
+            }
+            auto [reason, message] = call_error(*c, "duplexChannelOpen", p);
+            CHECK(reason == "LEASE_INCOMPLETE");
+            CHECK(message ==
+                  "Sandbox duplex channel needs a plugin id, a provider key, and a provider "
+                  "lease id on the lease.");
+        }
+    }
+    SECTION("step 3: no such lease, or another scope") {
+        auto p = open_params(lease, {"echo", "no"});
+        p["lease"]["id"] = "lse_missing";
+        CHECK(call_error(*c, "duplexChannelOpen", p).first == "LEASE_NOT_FOUND");
+        for (const char* field : {"companyId", "environmentId", "providerLeaseId"}) {
+            auto q = open_params(lease, {"echo", "no"});
+            q["lease"][field] = "other";
+            CHECK(call_error(*c, "duplexChannelOpen", q).first == "LEASE_NOT_FOUND");
+        }
+        auto q = open_params(lease, {"echo", "no"});
+        q["lease"]["metadata"]["provider"] = "other";
+        CHECK(call_error(*c, "duplexChannelOpen", q).first == "LEASE_NOT_FOUND");
+    }
+    SECTION("step 4: a released lease, or another epoch") {
+        auto p = open_params(lease, {"echo", "no"});
+        p["lease"]["epoch"] = lease["epoch"].get<int>() + 1;
+        auto [reason, message] = call_error(*c, "duplexChannelOpen", p);
+        CHECK(reason == "LEASE_NOT_ACTIVE");
+        CHECK(message == "Sandbox lease " + lease["id"].get<std::string>() + " is no longer active.");
+        auto released = c->call("leaseRelease", {{"leaseId", lease["id"]}});
+        CHECK(released["status"] == "released");
+        CHECK(released["epoch"] == lease["epoch"].get<int>() + 1);
+        auto [reason2, message2] = call_error(*c, "duplexChannelOpen", open_params(lease, {"echo", "no"}));
+        CHECK(reason2 == "LEASE_NOT_ACTIVE");
+        CHECK(message2 == message);
+    }
+    CHECK(daemon.children().empty());
+    CHECK(count_sandboxes(daemon) <= before);
+}
+
+TEST_CASE("Another tenant's lease is reported as not found", "[daemon][failclosed]") {
+    DaemonProcess daemon("node-a", R"({"auth": {"tokens": [
+        {"name": "a", "token": "token-a", "role": "host", "tenants": ["acme"]},
+        {"name": "b", "token": "token-b", "role": "host", "tenants": ["globex"]}]}})");
+    Client a(daemon.url(), "token-a");
+    Client b(daemon.url(), "token-b");
+    auto lease = acquire(a, "acme");
+    CHECK(call_error(b, "leaseGet", {{"leaseId", lease["id"]}}).first == "LEASE_NOT_FOUND");
+    CHECK(call_error(b, "duplexChannelOpen", open_params(lease, {"echo", "no"})).first ==
+          "LEASE_NOT_FOUND");
+    CHECK(call_error(b, "leaseRelease", {{"leaseId", lease["id"]}}).first == "LEASE_NOT_FOUND");
+    CHECK(b.call("leaseList", json::object())["leases"].empty());
+    CHECK(a.call("leaseList", json::object())["leases"].size() == 1);
+    CHECK(call_error(b, "leaseAcquire", {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}}).first ==
+          "INVALID_PARAMS");
+    CHECK(daemon.children().empty());
+}
+
+TEST_CASE("After a restart a lease survives and fails closed with SANDBOX_NOT_CACHED",
+          "[daemon][failclosed][restart]") {
+    DaemonProcess daemon;
+    json lease;
+    {
+        auto c = daemon.connect();
+        lease = acquire(*c);
+    }
+    const auto sandboxes = count_sandboxes(daemon);
+    daemon.restart();
+    auto c = daemon.connect();
+    auto stored = c->call("leaseGet", {{"leaseId", lease["id"]}});
+    CHECK(stored["status"] == "active");
+    CHECK(stored["providerLeaseId"] == lease["providerLeaseId"]);
+    auto [reason, message] = call_error(*c, "duplexChannelOpen", open_params(lease, {"echo", "hi"}));
+    CHECK(reason == "SANDBOX_NOT_CACHED");
+    CHECK(message == "Sandbox duplex channel: no cached sandbox resolves the provider lease.");
+    CHECK(daemon.children().empty());
+    CHECK(count_sandboxes(daemon) == sandboxes);
+    // Releasing it still tears the old sandbox down through its provider.
+    auto released = c->call("leaseRelease", {{"leaseId", lease["id"]}});
+    CHECK(released["status"] == "released");
+    CHECK(count_sandboxes(daemon) == sandboxes - 1);
+}
+
+TEST_CASE("Malformed requests get JSON-RPC errors and the connection stays usable",
+          "[daemon][rpc]") {
+    DaemonProcess daemon;
+    auto c = daemon.connect();
+    auto expect_error = [&](const std::string& text, int code) {
+        c->send_text(text);
+        auto ev = c->next_event();
+        REQUIRE(ev.type == ClientEvent::kind::response);
+        CHECK(ev.message["error"]["code"] == code);
+    };
+    expect_error("{not json", -32700);
+    expect_error(R"([{"jsonrpc":"2.0","id":1,"method":"leaseList"}])", -32600);
+    expect_error(R"({"jsonrpc":"2.0","id":2,"method":"noSuchMethod","params":{}})", -32601);
+    expect_error(R"({"jsonrpc":"2.0","id":3,"method":"leaseGet","params":{"leaseId":5}})", -32602);
+    expect_error(R"({"jsonrpc":"2.0","id":4,"method":"leaseAcquire","params":{"companyId":"a","environmentId":"b","provider":"bwrap","ttlMs":"soon"}})", -32602);
+    expect_error(R"({"jsonrpc":"2.0","id":5,"method":"duplexChannelOpen","params":{"lease":{},"command":[]}})", -32602);
+    expect_error(R"({"jsonrpc":"2.0","id":6,"method":"duplexChannelWrite","params":{"channel":9,"data":"aGk="}})", -32019);
+    auto init = c->call("initialize", {{"protocolVersion", 1}});
+    CHECK(init["protocolVersion"] == 1);
+    CHECK(init["nodeId"] == "node-a");
+    CHECK(c->call("leaseList", json::object())["leases"].empty());
+}
+
+TEST_CASE("An upgrade without a valid token gets 401", "[daemon][auth]") {
+    DaemonProcess daemon;
+    CHECK(http_get(daemon.address(), "/v1/ws", "", true).first == 401);
+    CHECK(http_get(daemon.address(), "/v1/ws", "Bearer wrong", true).first == 401);
+    CHECK(http_get(daemon.address(), "/v1/ws", "Basic " + daemon.token(), true).first == 401);
+    try {
+        Client bad(daemon.url(), "wrong");
+        FAIL("connected with a wrong token");
+    } catch (const client_error& e) {
+        CHECK(e.http_status() == 401);
+    }
+    CHECK(http_get(daemon.address(), "/healthz") == std::pair<int, std::string>{200, "ok\n"});
+    CHECK(http_get(daemon.address(), "/readyz") == std::pair<int, std::string>{200, "ready\n"});
+    CHECK(http_get(daemon.address(), "/nope").first == 404);
+}
+
+TEST_CASE("A dropped connection leaves no process of its channels behind", "[daemon][channel]") {
+    DaemonProcess daemon;
+    {
+        auto c = daemon.connect();
+        auto lease = acquire(*c);
+        for (int i = 0; i < 3; ++i) {
+            c->call("duplexChannelOpen", open_params(lease, {"sleep", "6009"}));
+        }
+        REQUIRE(eventually([] { return count_processes_with("sleep 6009") == 3; },
+                           std::chrono::seconds(10)));
+    }  // the client's socket closes without a WebSocket close
+    CHECK(eventually([] { return count_processes_with("sleep 6009") == 0; }, std::chrono::seconds(6)));
+    CHECK(eventually([&] { return daemon.children().empty(); }, std::chrono::seconds(6)));
+}
+
+TEST_CASE("leaseAcquire with an idempotency key returns the same lease", "[daemon][lease]") {
+    DaemonProcess daemon;
+    auto c = daemon.connect();
+    json p = {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"},
+              {"idempotencyKey", "k1"}, {"ttlMs", 60000}};
+    auto first = c->call("leaseAcquire", p);
+    auto second = c->call("leaseAcquire", p);
+    CHECK(first["id"] == second["id"]);
+    CHECK(count_sandboxes(daemon) == 1);
+    CHECK(first["metadata"] == json{{"pluginId", "builtin"}, {"provider", "bwrap"}});
+    auto renewed = c->call("leaseRenew", {{"leaseId", first["id"]}, {"ttlMs", 120000}});
+    CHECK(renewed["expiresAt"] > first["expiresAt"]);
+    CHECK(renewed["epoch"] == first["epoch"]);
+}
+
+TEST_CASE("sandboxctl exec streams like docker exec and exits with the status",
+          "[daemon][sandboxctl]") {
+    DaemonProcess daemon;
+    auto c = daemon.connect();
+    auto lease = acquire(*c);
+    const std::string base = std::string(SANDBOXCTL_BIN) + " --url " + daemon.url() + " --token " +
+                             daemon.token();
+    const std::string out_file = (daemon.state_dir() / "out").string();
+    const std::string cmd = "printf 'abc' | " + base + " exec -i " + lease["id"].get<std::string>() +
+                            " -- sh -c 'cat; printf E >&2; exit 7' > " + out_file + " 2>&1";
+    int status = std::system(cmd.c_str());
+    REQUIRE(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 7);
+    std::ifstream in(out_file);
+    std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    CHECK(out == "abcE");
+    int bad = std::system((base + " exec lse_nope -- true 2>/dev/null").c_str());
+    CHECK(WEXITSTATUS(bad) == 255);
+}

@@ -1,0 +1,159 @@
+#include "support/daemon_fixture.hpp"
+
+#include <csignal>
+#include <fcntl.h>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace sandboxd::test {
+namespace fs = std::filesystem;
+
+TempDir::TempDir() {
+    const char* base = std::getenv("TMPDIR");
+    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/sandboxd-test.XXXXXX";
+    if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
+    path_ = tmpl;
+}
+
+TempDir::~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+}
+
+DaemonProcess::DaemonProcess(std::string node_id, std::string config_json,
+                             std::vector<std::string> extra_args)
+    : node_id_(std::move(node_id)), config_json_(std::move(config_json)),
+      extra_args_(std::move(extra_args)), state_dir_(dir_.path() / "state") {
+    launch();
+}
+
+DaemonProcess::~DaemonProcess() {
+    if (pid_ > 0) stop();
+}
+
+void DaemonProcess::launch() {
+    const auto ready = dir_.path() / "ready";
+    fs::remove(ready);
+    std::vector<std::string> args = {SANDBOXD_BIN, "--state-dir", state_dir_.string(), "--listen",
+                                     "127.0.0.1:0", "--ready-file", ready.string(), "--node-id",
+                                     node_id_, "--log-level", "debug"};
+    if (!config_json_.empty()) {
+        const auto cfg = dir_.path() / "config.json";
+        std::ofstream(cfg) << config_json_;
+        args.insert(args.begin() + 1, {"--config", cfg.string()});
+    }
+    args.insert(args.end(), extra_args_.begin(), extra_args_.end());
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const auto log_path = dir_.path() / "daemon.log";
+    pid_ = ::fork();
+    if (pid_ == 0) {
+        int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+        ::dup2(fd, 2);
+        ::execv(argv[0], argv.data());
+        ::_exit(127);
+    }
+    const bool up = eventually(
+        [&] {
+            int status = 0;
+            if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+                pid_ = -1;
+                throw std::runtime_error("sandboxd exited during start:\n" + log());
+            }
+            return fs::exists(ready);
+        },
+        std::chrono::seconds(30));
+    if (!up) throw std::runtime_error("sandboxd did not become ready:\n" + log());
+    std::ifstream in(ready);
+    std::getline(in, address_);
+}
+
+int DaemonProcess::stop() {
+    if (pid_ <= 0) return -1;
+    ::kill(pid_, SIGTERM);
+    int status = 0;
+    const bool done = eventually([&] { return ::waitpid(pid_, &status, WNOHANG) == pid_; },
+                                 std::chrono::seconds(20));
+    if (!done) {
+        ::kill(pid_, SIGKILL);
+        ::waitpid(pid_, &status, 0);
+        pid_ = -1;
+        return -1;
+    }
+    pid_ = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+void DaemonProcess::kill9() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+}
+
+void DaemonProcess::restart() {
+    if (pid_ > 0) stop();
+    launch();
+}
+
+std::string DaemonProcess::token() const {
+    std::ifstream in(state_dir_ / "admin.token");
+    std::string t;
+    std::getline(in, t);
+    return t;
+}
+
+std::string DaemonProcess::log() const {
+    std::ifstream in(dir_.path() / "daemon.log");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+}
+
+std::vector<pid_t> DaemonProcess::children() const {
+    std::vector<pid_t> out;
+    if (pid_ <= 0) return out;
+    std::error_code ec;
+    for (const auto& task : fs::directory_iterator("/proc/" + std::to_string(pid_) + "/task", ec)) {
+        std::ifstream in(task.path() / "children");
+        pid_t child = 0;
+        while (in >> child) out.push_back(child);
+    }
+    return out;
+}
+
+int count_processes_with(const std::string& needle) {
+    int count = 0;
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator("/proc", ec)) {
+        const auto name = entry.path().filename().string();
+        if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+        std::ifstream in(entry.path() / "cmdline", std::ios::binary);
+        std::string cmd((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        for (auto& c : cmd) {
+            if (c == '\0') c = ' ';
+        }
+        // Zombies have an empty command line and are not "left running".
+        if (cmd.find(needle) != std::string::npos) ++count;
+    }
+    return count;
+}
+
+nlohmann::json lease_ref(const nlohmann::json& lease) {
+    return {{"id", lease["id"]},
+            {"providerLeaseId", lease["providerLeaseId"]},
+            {"companyId", lease["companyId"]},
+            {"environmentId", lease["environmentId"]},
+            {"metadata", lease["metadata"]}};
+}
+
+nlohmann::json open_params(const nlohmann::json& lease, std::vector<std::string> argv) {
+    return {{"lease", lease_ref(lease)}, {"command", std::move(argv)}};
+}
+
+}  // namespace sandboxd::test
