@@ -2,18 +2,54 @@
 // Runs blocking work (SQLite, provider create/destroy) off the I/O threads.
 #include "server/net.hpp"
 
+#include <exception>
+#include <optional>
 #include <type_traits>
 
 namespace sandboxd {
 
-/// Runs `f` on `pool` and resumes the awaiting coroutine on its own executor with the result
-/// (or the exception `f` threw). `f` is moved into the spawned task.
+/// Runs `f` on `pool`, then resumes the awaiting coroutine on its own executor (its strand)
+/// with the result, or rethrows what `f` threw. No capturing coroutine lambda is involved
+/// (C++ Core Guidelines CP.51): the work travels as a plain function object.
 template <typename F>
 awaitable<std::invoke_result_t<F>> run_blocking(net::thread_pool& pool, F f) {
     using R = std::invoke_result_t<F>;
-    co_return co_await net::co_spawn(
-        pool.get_executor(),
-        [fn = std::move(f)]() mutable -> awaitable<R> { co_return fn(); }, use_awaitable);
+    auto ex = co_await net::this_coro::executor;
+    if constexpr (std::is_void_v<R>) {
+        co_await net::async_initiate<decltype(use_awaitable), void(std::exception_ptr)>(
+            [&pool, ex](auto handler, F fn) {
+                net::post(pool, [handler = std::move(handler), fn = std::move(fn), ex]() mutable {
+                    std::exception_ptr error;
+                    try {
+                        fn();
+                    } catch (...) {
+                        error = std::current_exception();
+                    }
+                    net::post(ex, [handler = std::move(handler), error]() mutable { handler(error); });
+                });
+            },
+            use_awaitable, std::move(f));
+    } else {
+        auto result = co_await net::async_initiate<decltype(use_awaitable),
+                                                   void(std::exception_ptr, std::optional<R>)>(
+            [&pool, ex](auto handler, F fn) {
+                net::post(pool, [handler = std::move(handler), fn = std::move(fn), ex]() mutable {
+                    std::exception_ptr error;
+                    std::optional<R> value;
+                    try {
+                        value.emplace(fn());
+                    } catch (...) {
+                        error = std::current_exception();
+                    }
+                    net::post(ex, [handler = std::move(handler), error,
+                                   value = std::move(value)]() mutable {
+                        handler(error, std::move(value));
+                    });
+                });
+            },
+            use_awaitable, std::move(f));
+        co_return std::move(*result);
+    }
 }
 
 }  // namespace sandboxd

@@ -38,14 +38,17 @@ std::string random_hex(std::size_t bytes) {
 
 /// The lease if it exists and the caller may see it; LEASE_NOT_FOUND otherwise (another
 /// tenant's lease is reported exactly like a missing one).
-awaitable<Lease> load_visible(Node& node, const Principal& who, const std::string& id) {
-    auto lease = co_await run_blocking(node.blocking, [&node, id] {
+awaitable<Lease> load_visible(Node& node, const Principal& who, std::string id) {
+    auto work1 = [&node, id] {
         return node.registry->get_lease(id);
-    });
+    };
+    auto lease = co_await run_blocking(node.blocking, std::move(work1));
     if (!lease || !who.allows(lease->company_id)) not_found(id);
     co_return *lease;
 }
 
+// Built in a plain function: GCC 12 miscompiles brace-initialised aggregates of strings inside
+// coroutine bodies (a double free under ASan), so coroutines never do that.
 SandboxScope scope_of(const Lease& l) {
     return {l.provider, l.company_id, l.environment_id, l.provider_lease_id};
 }
@@ -70,7 +73,8 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
         failure = "provider \"" + lease.provider + "\" cannot tear down an uncached sandbox";
     } else {
         try {
-            co_await run_blocking(node.blocking, [provider, handle] { provider->destroy(*handle); });
+            auto work2 = [provider, handle] { provider->destroy(*handle); };
+            co_await run_blocking(node.blocking, std::move(work2));
         } catch (const std::exception& e) {
             failure = e.what();
         }
@@ -91,13 +95,15 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
         next.cleanup_status = "destroyed";
         node.cache.erase(scope);
     }
-    bool stored = co_await run_blocking(node.blocking, [&node, next, epoch = lease.epoch] {
+    auto work3 = [&node, next, epoch = lease.epoch] {
         return node.registry->update_lease(next, epoch);
-    });
+    };
+    bool stored = co_await run_blocking(node.blocking, std::move(work3));
     if (!stored) {
-        auto current = co_await run_blocking(node.blocking, [&node, id = lease.id] {
+        auto work4 = [&node, id = lease.id] {
             return node.registry->get_lease(id);
-        });
+        };
+        auto current = co_await run_blocking(node.blocking, std::move(work4));
         if (!current) not_found(lease.id);
         co_return *current;
     }
@@ -136,10 +142,11 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, json p) {
     if (!provider) params::invalid("provider", "no provider \"" + lease.provider + "\" on this node");
 
     if (lease.idempotency_key) {
-        auto existing = co_await run_blocking(node.blocking, [&node, lease] {
+        auto work5 = [&node, lease] {
             return node.registry->find_by_idempotency_key(lease.company_id, lease.environment_id,
                                                           *lease.idempotency_key);
-        });
+        };
+        auto existing = co_await run_blocking(node.blocking, std::move(work5));
         if (existing) co_return *existing;
     }
 
@@ -151,22 +158,25 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, json p) {
     lease.expires_at_ms = lease.acquired_at_ms + static_cast<std::int64_t>(ttl);
     lease.metadata = {{"pluginId", provider->plugin_id()}, {"provider", provider->key()}};
 
-    SandboxScope scope{lease.provider, lease.company_id, lease.environment_id, ""};
-    auto handle = co_await run_blocking(node.blocking, [provider, scope, id = lease.id, cfg = lease.config] {
+    const SandboxScope scope = scope_of(lease);  // providerLeaseId is minted by create()
+    auto work6 = [provider, scope, id = lease.id, cfg = lease.config] {
         return provider->create(scope, id, cfg);
-    });
+    };
+    auto handle = co_await run_blocking(node.blocking, std::move(work6));
     lease.provider_lease_id = handle->scope.provider_lease_id;
     Lease stored;
     try {
-        stored = co_await run_blocking(node.blocking, [&node, lease] {
+        auto work7 = [&node, lease] {
             return node.registry->create_lease(lease);
-        });
+        };
+        stored = co_await run_blocking(node.blocking, std::move(work7));
     } catch (...) {
         provider->destroy(*handle);
         throw;
     }
     if (stored.id != lease.id) {  // lost an idempotency race: keep the winner's lease
-        co_await run_blocking(node.blocking, [provider, handle] { provider->destroy(*handle); });
+        auto work8 = [provider, handle] { provider->destroy(*handle); };
+        co_await run_blocking(node.blocking, std::move(work8));
         co_return stored;
     }
     node.cache.put(handle);
@@ -199,9 +209,10 @@ awaitable<json> lease_list(Node& node, const Principal& who, json p) {
     if (q.company_id && !who.allows(*q.company_id)) {
         co_return json{{"leases", json::array()}, {"nextCursor", nullptr}};
     }
-    auto page = co_await run_blocking(node.blocking, [&node, q] {
+    auto work9 = [&node, q] {
         return node.registry->list_leases(q);
-    });
+    };
+    auto page = co_await run_blocking(node.blocking, std::move(work9));
     json leases = json::array();
     for (const auto& l : page.leases) leases.push_back(to_json(l));
     co_return json{{"leases", std::move(leases)},
@@ -224,9 +235,10 @@ awaitable<Lease> lease_renew(Node& node, const Principal& who, std::string lease
         Lease next = lease;
         next.expires_at_ms = now + static_cast<std::int64_t>(ttl_ms);
         next.last_used_at_ms = now;
-        bool ok = co_await run_blocking(node.blocking, [&node, next] {
+        auto work10 = [&node, next] {
             return node.registry->update_lease(next, next.epoch);
-        });
+        };
+        bool ok = co_await run_blocking(node.blocking, std::move(work10));
         if (ok) co_return next;
     }
     throw rpc_error(errc::registry_unavailable, "lease " + lease_id + " kept changing during renew");
@@ -241,7 +253,8 @@ awaitable<Lease> lease_release(Node& node, const Principal& who, std::string lea
 }
 
 awaitable<json> node_list(Node& node) {
-    auto nodes = co_await run_blocking(node.blocking, [&node] { return node.registry->list_nodes(); });
+    auto work11 = [&node] { return node.registry->list_nodes(); };
+    auto nodes = co_await run_blocking(node.blocking, std::move(work11));
     const auto now = now_ms();
     json out = json::array();
     for (const auto& n : nodes) {
@@ -249,7 +262,8 @@ awaitable<json> node_list(Node& node) {
         q.owner_node_id = n.node_id;
         q.status = lease_status::active;
         q.limit = 1000;
-        auto page = co_await run_blocking(node.blocking, [&node, q] { return node.registry->list_leases(q); });
+        auto work12 = [&node, q] { return node.registry->list_leases(q); };
+        auto page = co_await run_blocking(node.blocking, std::move(work12));
         const bool alive = now - n.heartbeat_at_ms < node.config.node_ttl_ms;
         json entry = {{"nodeId", n.node_id},
                       {"url", n.url},
@@ -286,16 +300,18 @@ awaitable<ResolvedOpen> resolve_open(Node& node, const Principal& who, json lp) 
     // Step 3: the registry's lease, in the caller's tenants, with the same scope.
     std::optional<Lease> lease;
     if (lease_id) {
-        lease = co_await run_blocking(node.blocking, [&node, id = *lease_id] {
+        auto work13 = [&node, id = *lease_id] {
             return node.registry->get_lease(id);
-        });
+        };
+        lease = co_await run_blocking(node.blocking, std::move(work13));
     } else {
         LeaseQuery q;
         q.company_id = company;
         q.environment_id = environment;
         q.limit = 1000;
         q.tenants = who.query_tenants();
-        auto page = co_await run_blocking(node.blocking, [&node, q] { return node.registry->list_leases(q); });
+        auto work14 = [&node, q] { return node.registry->list_leases(q); };
+        auto page = co_await run_blocking(node.blocking, std::move(work14));
         for (auto& l : page.leases) {
             if (l.provider_lease_id == provider_lease_id && l.provider == provider_key) {
                 lease = std::move(l);
@@ -334,7 +350,10 @@ awaitable<ResolvedOpen> resolve_open(Node& node, const Principal& who, json lp) 
         throw rpc_error(errc::sandbox_not_cached, std::string(sandbox_not_cached_message),
                         {{"leaseId", lease->id}});
     }
-    co_return ResolvedOpen{std::move(*lease), std::move(sandbox)};
+    ResolvedOpen resolved;
+    resolved.lease = std::move(*lease);
+    resolved.sandbox = std::move(sandbox);
+    co_return resolved;
 }
 
 awaitable<void> end_lease_channels(Node& node, const std::string& lease_id,
@@ -354,9 +373,10 @@ awaitable<void> end_lease_channels(Node& node, const std::string& lease_id,
 }
 
 awaitable<void> expire_leases(Node& node) {
-    auto expired = co_await run_blocking(node.blocking, [&node] {
+    auto work15 = [&node] {
         return node.registry->expired_leases(node.node_id, now_ms());
-    });
+    };
+    auto expired = co_await run_blocking(node.blocking, std::move(work15));
     for (auto& lease : expired) {
         spdlog::info("lease={} expired", lease.id);
         co_await teardown(node, std::move(lease), lease_status::expired);

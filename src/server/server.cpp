@@ -100,6 +100,7 @@ struct Daemon::Impl {
     awaitable<void> serve(tcp::socket socket);
     awaitable<void> heartbeat_loop();
     awaitable<bool> registry_reachable();
+    awaitable<void> finish_stop();
     std::string metrics_text() const;
 };
 
@@ -238,15 +239,17 @@ void Daemon::stop() {
         }
         // Channels get SIGHUP now and SIGKILL after the hangup grace; the io_context runs
         // until every one is reaped, then run() returns.
-        net::co_spawn(impl->ioc, [impl]() -> awaitable<void> {
-            net::steady_timer t(co_await net::this_coro::executor);
-            while (impl->node.channels.size() > 0) {
-                t.expires_after(std::chrono::milliseconds(20));
-                co_await t.async_wait(use_awaitable);
-            }
-            impl->ioc.stop();
-        }, net::detached);
+        net::co_spawn(impl->ioc, impl->finish_stop(), net::detached);
     });
+}
+
+awaitable<void> Daemon::Impl::finish_stop() {
+    net::steady_timer t(ioc);
+    while (node.channels.size() > 0) {
+        t.expires_after(std::chrono::milliseconds(20));
+        co_await t.async_wait(use_awaitable);
+    }
+    ioc.stop();
 }
 
 awaitable<void> Daemon::Impl::accept_loop() {
@@ -271,7 +274,8 @@ awaitable<void> Daemon::Impl::accept_loop() {
 
 awaitable<bool> Daemon::Impl::registry_reachable() {
     try {
-        co_await run_blocking(node.blocking, [this] { return node.registry->get_node(node.node_id); });
+        auto work1 = [this] { return node.registry->get_node(node.node_id); };
+        co_await run_blocking(node.blocking, std::move(work1));
         co_return true;
     } catch (const std::exception&) {
         co_return false;
@@ -367,9 +371,10 @@ awaitable<void> Daemon::Impl::heartbeat_loop() {
         auto [ec] = co_await heartbeat_timer.async_wait(as_tuple_awaitable);
         if (ec || node.draining) co_return;
         try {
-            bool mine = co_await run_blocking(node.blocking, [this] {
+            auto work2 = [this] {
                 return node.registry->heartbeat_node(node.node_id, node.instance_id, now_ms());
-            });
+            };
+            bool mine = co_await run_blocking(node.blocking, std::move(work2));
             if (!mine) spdlog::error("node={} lost its node record to another process", node.node_id);
             co_await expire_leases(node);
         } catch (const std::exception& e) {

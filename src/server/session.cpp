@@ -127,7 +127,8 @@ awaitable<void> Session::read_loop() {
         const auto data = buffer.data();
         std::string_view message(static_cast<const char*>(data.data()), data.size());
         if (ws_.got_text()) {
-            co_await handle_text(std::string(message));
+            std::string text(message);
+            co_await handle_text(std::move(text));
         } else if (auto reason = handle_binary(message)) {
             closing_ = true;
             co_await ws_.async_close(*reason, as_tuple_awaitable);
@@ -172,13 +173,9 @@ awaitable<void> Session::ping_loop() {
 void Session::shutdown() {
     net::post(strand_, [self = shared_from_this()] {
         if (self->closing_) return;
-        net::co_spawn(
-            self->strand_,
-            [self]() -> awaitable<void> {
-                co_await self->ws_.async_close(websocket::close_code::going_away,
-                                               as_tuple_awaitable);
-            },
-            net::detached);
+        // A plain completion handler: no capturing coroutine lambda (CP.51).
+        self->ws_.async_close(websocket::close_code::going_away,
+                              [self](beast::error_code) {});
     });
 }
 
@@ -333,7 +330,8 @@ awaitable<std::optional<json>> Session::dispatch(const std::string& method, cons
     if (method == "leaseAcquire") co_return to_json(co_await lease_acquire(node_, who_, p));
     if (method == "leaseGet") {
         params::only_keys(p, {"leaseId"});
-        co_return to_json(co_await lease_get(node_, who_, params::req_string(p, "leaseId")));
+        auto lease_id = params::req_string(p, "leaseId");
+        co_return to_json(co_await lease_get(node_, who_, std::move(lease_id)));
     }
     if (method == "leaseList") co_return co_await lease_list(node_, who_, p);
     if (method == "leaseRenew") {
@@ -344,7 +342,8 @@ awaitable<std::optional<json>> Session::dispatch(const std::string& method, cons
     }
     if (method == "leaseRelease") {
         params::only_keys(p, {"leaseId"});
-        co_return to_json(co_await lease_release(node_, who_, params::req_string(p, "leaseId")));
+        auto lease_id = params::req_string(p, "leaseId");
+        co_return to_json(co_await lease_release(node_, who_, std::move(lease_id)));
     }
     if (method == "nodeList") co_return co_await node_list(node_);
     if (method == "duplexChannelOpen") {
@@ -463,7 +462,8 @@ awaitable<json> Session::open_channel(json p, const json& id, bool& responded) {
     options.hangup_grace = std::chrono::milliseconds(node_.config.limits.hangup_grace_ms);
 
     // Steps 2-6: the lease, its scope and status, its owner, the cached sandbox.
-    auto resolved = co_await resolve_open(node_, who_, p["lease"]);
+    json lease_param = p["lease"];
+    auto resolved = co_await resolve_open(node_, who_, std::move(lease_param));
 
     if (channels_.size() >= node_.config.limits.channels_per_connection) {
         throw rpc_error(errc::channel_limit,
@@ -487,7 +487,11 @@ awaitable<json> Session::open_channel(json p, const json& id, bool& responded) {
     options.lease_id = resolved.lease.id;
     auto channel = std::make_shared<Channel>(strand_, options, std::move(process),
                                              resolved.sandbox, weak_from_this());
-    auto key = node_.channels.add({channel, strand_, resolved.lease.id});
+    ChannelTable::Entry entry;
+    entry.channel = channel;
+    entry.strand = strand_;
+    entry.lease_id = resolved.lease.id;
+    auto key = node_.channels.add(std::move(entry));
     // on_reaped is set after add() so the key is known; it runs on this strand.
     channel->set_on_reaped([&node = node_, key] { node.channels.remove(key); });
     channels_.emplace(options.id, channel);
