@@ -21,9 +21,11 @@ std::string base64_encode(std::string_view bytes) {
 std::string base64_decode(std::string_view text) {
     namespace b64 = boost::beast::detail::base64;
     if (text.size() % 4 != 0) throw std::invalid_argument("base64: length is not a multiple of 4");
+    std::size_t padding = 0;
+    while (padding < 2 && padding < text.size() && text[text.size() - 1 - padding] == '=') ++padding;
     std::string out(b64::decoded_size(text.size()), '\0');
     auto [written, read] = b64::decode(out.data(), text.data(), text.size());
-    if (read != text.size()) throw std::invalid_argument("base64: invalid character");
+    if (read != text.size() - padding) throw std::invalid_argument("base64: invalid character");
     out.resize(written);
     return out;
 }

@@ -131,6 +131,22 @@ public:
         }
     }
 
+    std::shared_ptr<SandboxHandle> handle_for_teardown(const SandboxScope& scope,
+                                                       const std::string& lease_id) override {
+        // Only ids this provider mints ("bw-" and 16 hex digits) name a workspace: anything
+        // else (a path, "..") is refused rather than trusted.
+        const auto& id = scope.provider_lease_id;
+        if (id.size() != 19 || id.rfind("bw-", 0) != 0 ||
+            id.find_first_not_of("0123456789abcdef", 3) != std::string::npos) {
+            return nullptr;
+        }
+        auto handle = std::make_shared<SandboxHandle>();
+        handle->scope = scope;
+        handle->lease_id = lease_id;
+        handle->workspace = options_.sandboxes_dir / id;
+        return handle;
+    }
+
     void destroy(const SandboxHandle& sandbox) override {
         if (sandbox.workspace.empty()) return;
         std::error_code ec;

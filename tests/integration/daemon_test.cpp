@@ -10,6 +10,8 @@
 #include <catch2/catch.hpp>
 
 #include <filesystem>
+#include <fstream>
+#include <sys/wait.h>
 
 using namespace sandboxd;
 using namespace sandboxd::test;
@@ -140,10 +142,13 @@ TEST_CASE("The sandbox has no capabilities and no inherited descriptors", "[daem
     CHECK(fds.out == "0\n1\n2\n3\n");
     auto net = c->run_channel(open_params(lease, {"sh", "-c", "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '"}));
     CHECK(net.out == "lo\n");
-    auto where = c->run_channel(open_params(lease, {"sh", "-c", "pwd; echo $$; env | sort"}));
-    CHECK(where.out ==
-          "/workspace\n1\nHOME=/workspace\nLANG=C.UTF-8\n"
-          "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\nTERM=dumb\n");
+    // PID 1 is sandboxd-init; the command is PID 2 of the channel's own namespace.
+    auto where = c->run_channel(open_params(lease, {"sh", "-c", "pwd; echo $$; ps -e -o pid= | wc -l"}));
+    CHECK(where.out == "/workspace\n2\n4\n");
+    auto env = c->run_channel(open_params(lease, {"env"}));
+    CHECK(env.out ==
+          "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\nHOME=/workspace\n"
+          "TERM=dumb\nLANG=C.UTF-8\n");
 }
 
 TEST_CASE("A signal ends the command and is reported by name", "[daemon][channel]") {

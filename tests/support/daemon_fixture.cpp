@@ -138,8 +138,10 @@ int count_processes_with(const std::string& needle) {
         for (auto& c : cmd) {
             if (c == '\0') c = ' ';
         }
-        // Zombies have an empty command line and are not "left running".
-        if (cmd.find(needle) != std::string::npos) ++count;
+        // Zombies have an empty command line and are not "left running"; bubblewrap and the
+        // init carry the command in their arguments, so only a command line that starts with
+        // `needle` is the command itself.
+        if (cmd.rfind(needle, 0) == 0) ++count;
     }
     return count;
 }

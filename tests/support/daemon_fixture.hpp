@@ -68,7 +68,7 @@ private:
 template <typename Pred>
 bool eventually(Pred pred, std::chrono::milliseconds timeout);
 
-/// Number of host processes whose command line contains `needle`.
+/// Number of host processes whose command line starts with `needle`.
 int count_processes_with(const std::string& needle);
 
 /// The `lease` object of a duplexChannelOpen for `lease` (as returned by leaseAcquire).
