@@ -18,6 +18,8 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace sandboxd {
 
@@ -55,8 +57,11 @@ class Client {
 public:
     /// Connects to `url` (ws://host:port/path) with `Authorization: Bearer <token>`, offering
     /// the subprotocol sandboxd.v1. `timeout` bounds every later blocking call.
+    /// `receive_buffer` > 0 sets SO_RCVBUF (bytes) on the socket before it connects (a small
+    /// TCP window, e.g. to model a slow link); 0 keeps the system's default.
     Client(const std::string& url, const std::string& token,
-           std::chrono::milliseconds timeout = std::chrono::seconds(30));
+           std::chrono::milliseconds timeout = std::chrono::seconds(30), int receive_buffer = 0,
+           const std::vector<std::pair<std::string, std::string>>& extra_headers = {});
     ~Client();
     Client(const Client&) = delete;
     Client& operator=(const Client&) = delete;
@@ -73,6 +78,9 @@ public:
     ClientEvent next_event();
     /// Like next_event() but returns nullopt when nothing arrives within `wait`.
     std::optional<ClientEvent> poll_event(std::chrono::milliseconds wait);
+    /// Removes and returns the messages kept back so far (those that arrived while call() or
+    /// run_channel() waited for something else), without reading the socket.
+    std::deque<ClientEvent> take_queued();
 
     void send_text(const std::string& text);
     void send_binary(const std::string& bytes);
@@ -81,6 +89,9 @@ public:
 
     /// Opens a channel with `open_params`, writes `stdin_data` within the stdin window, then
     /// (if `close_stdin`) half-closes stdin, crediting output as it arrives, until the exit.
+    /// Messages of other channels are kept back for next_event() / take_queued(). A
+    /// CHANNEL_NOT_FOUND answer to the half-close is not an error once the channel's exit has
+    /// arrived (the command ended first).
     ChannelRun run_channel(const nlohmann::json& open_params, const std::string& stdin_data = {},
                            bool close_stdin = true);
 

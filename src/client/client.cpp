@@ -7,6 +7,8 @@
 #include <boost/beast/core/detail/base64.hpp>
 #include <boost/url/parse.hpp>
 
+#include <algorithm>
+
 namespace sandboxd {
 
 using json = nlohmann::json;
@@ -42,7 +44,9 @@ void Client::Impl::run(Start start) {
     if (result) throw client_error(result.message());
 }
 
-Client::Client(const std::string& url, const std::string& token, std::chrono::milliseconds timeout)
+Client::Client(const std::string& url, const std::string& token, std::chrono::milliseconds timeout,
+               int receive_buffer,
+               const std::vector<std::pair<std::string, std::string>>& extra_headers)
     : impl_(std::make_unique<Impl>()) {
     impl_->timeout = timeout;
     auto parsed = boost::urls::parse_uri(url);
@@ -60,9 +64,31 @@ Client::Client(const std::string& url, const std::string& token, std::chrono::mi
     auto endpoints = resolver.resolve(bare, port, ec);
     if (ec) throw client_error("cannot resolve " + host + ": " + ec.message());
     auto& lowest = beast::get_lowest_layer(impl_->ws);
-    impl_->run([&](auto handler) { lowest.async_connect(endpoints, handler); });
-    impl_->ws.set_option(websocket::stream_base::decorator([token](websocket::request_type& req) {
+    if (receive_buffer > 0) {
+        // SO_RCVBUF must be set before connect() to bound the window the kernel advertises.
+        beast::error_code last = net::error::host_not_found;
+        for (const auto& entry : endpoints) {
+            auto& socket = lowest.socket();
+            socket.close(ec);
+            socket.open(entry.endpoint().protocol(), ec);
+            if (ec) throw client_error("cannot open a socket: " + ec.message());
+            socket.set_option(net::socket_base::receive_buffer_size(receive_buffer), ec);
+            if (ec) throw client_error("cannot set SO_RCVBUF: " + ec.message());
+            try {
+                impl_->run([&](auto handler) { lowest.async_connect(entry.endpoint(), handler); });
+                last = {};
+                break;
+            } catch (const client_error&) {
+                last = net::error::connection_refused;
+            }
+        }
+        if (last) throw client_error("cannot connect to " + host + ":" + port);
+    } else {
+        impl_->run([&](auto handler) { lowest.async_connect(endpoints, handler); });
+    }
+    impl_->ws.set_option(websocket::stream_base::decorator([token, extra_headers](websocket::request_type& req) {
         if (!token.empty()) req.set(http::field::authorization, "Bearer " + token);
+        for (const auto& [name, value] : extra_headers) req.set(name, value);
         req.set(http::field::sec_websocket_protocol, "sandboxd.v1");
         req.set(http::field::user_agent, "sandboxctl");
     }));
@@ -182,6 +208,12 @@ std::optional<ClientEvent> Client::poll_event(std::chrono::milliseconds wait) {
     }
 }
 
+std::deque<ClientEvent> Client::take_queued() {
+    std::deque<ClientEvent> out;
+    out.swap(impl_->pending);
+    return out;
+}
+
 void Client::send_text(const std::string& text) {
     impl_->ws.text(true);
     impl_->run([&](auto handler) { impl_->ws.async_write(net::buffer(text), handler); });
@@ -210,7 +242,16 @@ ChannelRun Client::run_channel(const json& open_params, const std::string& stdin
     std::size_t sent = 0;
     std::uint64_t unacked = 0;
     bool closed = !close_stdin;
+    std::deque<ClientEvent> others;  // other channels' messages, handed back at the end
     auto handle = [&](ClientEvent& ev) {
+        const bool mine =
+            ev.type == ClientEvent::kind::notification
+                ? ev.message["params"].value("channel", 0U) == run.channel
+                : ev.type != ClientEvent::kind::response && ev.channel == run.channel;
+        if (!mine) {
+            others.push_back(std::move(ev));
+            return;
+        }
         if (!run.exit.is_null()) {
             ++run.messages_after_exit;
             return;
@@ -222,7 +263,6 @@ ChannelRun Client::run_channel(const json& open_params, const std::string& stdin
             unacked -= std::min<std::uint64_t>(unacked, ev.credit);
         } else if (ev.type == ClientEvent::kind::notification) {
             const auto& p = ev.message["params"];
-            if (p.value("channel", 0U) != run.channel) return;
             const auto method = ev.message.value("method", "");
             if (method == "duplexChannel.exit") {
                 run.exit = p;
@@ -246,8 +286,19 @@ ChannelRun Client::run_channel(const json& open_params, const std::string& stdin
             unacked += n;
         }
         if (sent == stdin_data.size() && !closed) {
-            call("duplexChannelCloseStdin", {{"channel", run.channel}});
             closed = true;
+            try {
+                call("duplexChannelCloseStdin", {{"channel", run.channel}});
+            } catch (const rpc_error& e) {
+                // The command may have ended (and its exit be queued) before the half-close.
+                const bool exit_queued = std::any_of(
+                    impl_->pending.begin(), impl_->pending.end(), [&](const ClientEvent& q) {
+                        return q.type == ClientEvent::kind::notification &&
+                               q.message.value("method", "") == "duplexChannel.exit" &&
+                               q.message["params"].value("channel", 0U) == run.channel;
+                    });
+                if (e.data().value("reason", "") != "CHANNEL_NOT_FOUND" || !exit_queued) throw;
+            }
             std::deque<ClientEvent> got;
             got.swap(impl_->pending);
             for (auto& ev : got) handle(ev);
@@ -256,6 +307,7 @@ ChannelRun Client::run_channel(const json& open_params, const std::string& stdin
         auto ev = next_event();
         handle(ev);
     }
+    for (auto& ev : others) impl_->pending.push_back(std::move(ev));
     return run;
 }
 

@@ -317,10 +317,18 @@ void Channel::resize(std::uint16_t cols, std::uint16_t rows) {
                         "channel " + std::to_string(options_.id) + " has no PTY to resize");
     }
     if (!stdout_.is_open()) return;  // the terminal is gone with its process
+    const int master = stdout_.native_handle();
     winsize ws{};
+    if (::ioctl(master, TIOCGWINSZ, &ws) == 0 && ws.ws_col == cols && ws.ws_row == rows) {
+        // The kernel signals only a change; a resize to the current size (a client that
+        // re-sends its size to get a redraw) still owes the foreground group its SIGWINCH.
+        ::ioctl(master, TIOCSIG, SIGWINCH);
+        return;
+    }
+    ws = winsize{};
     ws.ws_col = cols;
     ws.ws_row = rows;
-    ::ioctl(stdout_.native_handle(), TIOCSWINSZ, &ws);
+    ::ioctl(master, TIOCSWINSZ, &ws);
 }
 
 void Channel::stop(channel_outcome outcome) {
@@ -329,9 +337,11 @@ void Channel::stop(channel_outcome outcome) {
     kill_tree();
 }
 
-void Channel::hangup() {
+void Channel::hangup(channel_outcome why) {
     if (hung_up_ || reaped_) return;
     hung_up_ = true;
+    // Whatever the command does from now on, nobody receives it: never logged as a success.
+    if (!forced_outcome_) forced_outcome_ = why;
     sink_.reset();
     wake(credit_timer_);
     send_control(static_cast<unsigned char>(0x80 | SIGHUP));

@@ -90,9 +90,10 @@ public:
     void resize(std::uint16_t cols, std::uint16_t rows);
     /// Kills the whole process tree now; the exit reports `outcome`.
     void stop(channel_outcome outcome);
-    /// The connection dropped: SIGHUP to every process of the channel, SIGKILL after the
-    /// hangup grace; no exit is sent.
-    void hangup();
+    /// The connection dropped (`why` transport_closed) or the host closed the channel
+    /// (stopped): SIGHUP to every process of the channel, SIGKILL after the hangup grace; no
+    /// exit is sent, and the channel is logged with outcome `why`.
+    void hangup(channel_outcome why = channel_outcome::transport_closed);
 
 private:
     awaitable<void> supervise();

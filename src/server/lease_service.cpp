@@ -277,7 +277,7 @@ awaitable<json> node_list(Node& node) {
     co_return json{{"nodes", std::move(out)}};
 }
 
-awaitable<ResolvedOpen> resolve_open(Node& node, const Principal& who, json lp) {
+awaitable<Lease> resolve_lease(Node& node, const Principal& who, json lp) {
     // Step 2: the lease must name its plugin, provider and providerLeaseId, all strings,
     // before anything else is looked at.
     if (!lp.is_object()) params::invalid("lease", "must be an object");
@@ -333,28 +333,47 @@ awaitable<ResolvedOpen> resolve_open(Node& node, const Principal& who, json lp) 
                          {"status", std::string(to_string(lease->status))},
                          {"epoch", lease->epoch}});
     }
-    // Step 5: this node must own it (routing to another owner is not served here).
-    if (lease->owner_node_id != node.node_id) {
-        throw rpc_error(errc::owner_unavailable,
-                        "Sandbox lease " + lease->id + " is owned by node " +
-                            lease->owner_node_id + ", which this node cannot reach.",
-                        {{"ownerNodeId", lease->owner_node_id}});
-    }
+    co_return *lease;
+}
+
+std::shared_ptr<SandboxHandle> cached_sandbox(Node& node, const Lease& lease) {
     if (node.draining) {
         throw rpc_error(errc::owner_unavailable, "node " + node.node_id + " is draining",
                         {{"ownerNodeId", node.node_id}});
     }
     // Step 6: the cache must resolve the full scope; never a re-create, never a bare id.
-    auto sandbox = node.cache.find(scope_of(*lease));
+    auto sandbox = node.cache.find(scope_of(lease));
     if (!sandbox) {
         throw rpc_error(errc::sandbox_not_cached, std::string(sandbox_not_cached_message),
-                        {{"leaseId", lease->id}});
+                        {{"leaseId", lease.id}});
     }
-    ResolvedOpen resolved;
-    resolved.lease = std::move(*lease);
-    resolved.sandbox = std::move(sandbox);
-    co_return resolved;
+    return sandbox;
 }
+
+awaitable<std::shared_ptr<PeerLink>> owner_link(Node& node, const Lease& lease) {
+    auto work_owner = [&node, owner = lease.owner_node_id] { return node.registry->get_node(owner); };
+    auto record = co_await run_blocking(node.blocking, std::move(work_owner));
+    const auto now = now_ms();
+    if (!record || now - record->heartbeat_at_ms >= node.config.node_ttl_ms) {
+        throw rpc_error(errc::owner_unavailable,
+                        "Owner node " + lease.owner_node_id + " of sandbox lease " + lease.id +
+                            " is not alive.",
+                        {{"ownerNodeId", lease.owner_node_id}, {"leaseId", lease.id}});
+    }
+    if (node.config.routing_mode == "redirect") {
+        throw rpc_error(errc::owner_elsewhere,
+                        "Sandbox lease " + lease.id + " is served by node " + record->node_id + ".",
+                        {{"ownerNodeId", record->node_id}, {"ownerUrl", record->url}, {"leaseId", lease.id}});
+    }
+    if (node.peer_token.empty()) {
+        throw rpc_error(errc::owner_unavailable,
+                        "Owner node " + lease.owner_node_id + " is unavailable: this node has no "
+                        "peer token to reach it.",
+                        {{"ownerNodeId", lease.owner_node_id}});
+    }
+    co_return node.peers.get(node, *record, node.peer_token, *node.ioc);
+}
+
 
 awaitable<void> end_lease_channels(Node& node, const std::string& lease_id,
                                    std::chrono::milliseconds wait) {
@@ -369,6 +388,91 @@ awaitable<void> end_lease_channels(Node& node, const std::string& lease_id,
     while (!node.channels.of_lease(lease_id).empty() && std::chrono::steady_clock::now() < deadline) {
         timer.expires_after(std::chrono::milliseconds(10));
         co_await timer.async_wait(use_awaitable);
+    }
+}
+
+awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why) {
+    if (lease.status != lease_status::active) co_return lease;
+    Lease next = lease;
+    next.status = lease_status::pending_cleanup;
+    next.epoch = lease.epoch + 1;
+    next.cleanup_status = why;
+    next.last_used_at_ms = now_ms();
+    auto work_store = [&node, next, epoch = lease.epoch] { return node.registry->update_lease(next, epoch); };
+    bool stored = co_await run_blocking(node.blocking, std::move(work_store));
+    if (stored) {
+        spdlog::info("lease={} pending_cleanup: {}", lease.id, why);
+        co_return next;
+    }
+    auto work_get = [&node, id = lease.id] { return node.registry->get_lease(id); };
+    auto current = co_await run_blocking(node.blocking, std::move(work_get));
+    co_return current ? *current : next;
+}
+
+namespace {
+
+/// Every lease with `status`, all pages.
+awaitable<std::vector<Lease>> all_leases(Node& node, lease_status status) {
+    std::vector<Lease> out;
+    LeaseQuery q;
+    q.status = status;
+    q.limit = 1000;
+    for (;;) {
+        auto work_page = [&node, q] { return node.registry->list_leases(q); };
+        auto page = co_await run_blocking(node.blocking, std::move(work_page));
+        for (auto& l : page.leases) out.push_back(std::move(l));
+        if (page.next_cursor.empty()) break;
+        q.cursor = page.next_cursor;
+    }
+    co_return out;
+}
+
+constexpr int max_cleanup_attempts = 5;
+
+}  // namespace
+
+awaitable<void> expire_leases(Node& node);
+
+awaitable<void> sweep(Node& node) {
+    co_await expire_leases(node);
+    const auto now = now_ms();
+    auto work_nodes = [&node] { return node.registry->list_nodes(); };
+    auto nodes = co_await run_blocking(node.blocking, std::move(work_nodes));
+    auto alive = [&](const std::string& id) {
+        for (const auto& n : nodes) {
+            if (n.node_id == id) return now - n.heartbeat_at_ms < node.config.node_ttl_ms;
+        }
+        return false;
+    };
+    const bool settled = now - node.started_at_ms >= node.config.node_ttl_ms;
+    for (auto& lease : co_await all_leases(node, lease_status::active)) {
+        if (lease.owner_node_id == node.node_id) {
+            if (settled && !node.cache.find(scope_of(lease))) {
+                co_await lease_orphan(node, std::move(lease),
+                                      "owner node restarted without the sandbox");
+            }
+        } else if (!alive(lease.owner_node_id)) {
+            co_await lease_orphan(node, std::move(lease),
+                                  "owner node " + lease.owner_node_id + " is dead");
+        }
+    }
+    for (auto& lease : co_await all_leases(node, lease_status::pending_cleanup)) {
+        if (lease.owner_node_id != node.node_id) continue;  // only the owner holds its sandbox
+        if (lease.cleanup_attempts >= max_cleanup_attempts) {
+            Lease next = lease;
+            next.status = lease_status::failed;
+            next.epoch = lease.epoch + 1;
+            next.failure_reason = "teardown failed " + std::to_string(lease.cleanup_attempts) +
+                                  " times: " + lease.failure_reason.value_or("unknown");
+            auto work_fail = [&node, next, epoch = lease.epoch] { return node.registry->update_lease(next, epoch); };
+            co_await run_blocking(node.blocking, std::move(work_fail));
+            spdlog::warn("lease={} failed: {}", lease.id, *next.failure_reason);
+            continue;
+        }
+        const std::int64_t backoff = static_cast<std::int64_t>(node.config.heartbeat_ms)
+                                     << std::min(lease.cleanup_attempts, 10);
+        if (lease.cleanup_attempts > 0 && now - lease.last_used_at_ms < backoff) continue;
+        co_await teardown(node, std::move(lease), lease_status::released);
     }
 }
 

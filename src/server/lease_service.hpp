@@ -16,19 +16,33 @@ awaitable<Lease> lease_renew(Node& node, const Principal& who, std::string lease
 awaitable<Lease> lease_release(Node& node, const Principal& who, std::string lease_id);
 awaitable<nlohmann::json> node_list(Node& node);
 
-/// What the open checks resolved: the lease as registered and the cached sandbox.
-struct ResolvedOpen {
-    Lease lease;
-    std::shared_ptr<SandboxHandle> sandbox;
-};
+/// Checks 2-4 of protocol section 3 for `lease_param` (the open's `lease` object): step 2
+/// (LEASE_INCOMPLETE) before anything touches the registry or a provider, then the lease in
+/// the caller's tenants with the same scope (LEASE_NOT_FOUND), then active, unexpired and of
+/// the given epoch (LEASE_NOT_ACTIVE). Returns the registered lease.
+awaitable<Lease> resolve_lease(Node& node, const Principal& who, nlohmann::json lease_param);
 
-/// Checks 2-6 of protocol section 3 for `lease_param` (the open's `lease` object). Step 2
-/// (LEASE_INCOMPLETE) runs before anything else touches the registry or a provider.
-awaitable<ResolvedOpen> resolve_open(Node& node, const Principal& who,
-                                     nlohmann::json lease_param);
+/// Step 6 on the owner: the cached sandbox of exactly the lease's scope, else
+/// SANDBOX_NOT_CACHED; OWNER_UNAVAILABLE while this node drains.
+std::shared_ptr<SandboxHandle> cached_sandbox(Node& node, const Lease& lease);
 
-/// Releases leases of this node that expired (status `expired`); run by the sweeper.
-awaitable<void> expire_leases(Node& node);
+/// Step 5 for a lease owned by another node: the link to its live owner (proxy mode), or
+/// OWNER_ELSEWHERE with its URL (redirect mode), or OWNER_UNAVAILABLE when the owner's
+/// heartbeat is older than the liveness TTL or it has no record.
+awaitable<std::shared_ptr<PeerLink>> owner_link(Node& node, const Lease& lease);
+
+/// Moves an active lease whose owner cannot serve it to pending_cleanup (epoch + 1), with
+/// `why` as its cleanupStatus. Returns the stored lease (another writer's if it changed).
+awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why);
+
+/// One pass of the sweeper (run every heartbeat): releases this node's expired leases
+/// (status `expired`); once this process has run for a liveness TTL, moves its own active
+/// leases that its cache does not hold (a restart) to pending_cleanup; moves active leases of
+/// dead owners (no heartbeat within the TTL) to pending_cleanup; tears down this node's
+/// pending_cleanup leases through their recorded provider, at most 5 attempts, backing off
+/// (heartbeat * 2^attempts), then `failed`. It never touches a lease whose owner is alive
+/// and holds it (CASES.md B21, B23).
+awaitable<void> sweep(Node& node);
 
 /// Ends every channel of `lease_id` on this node with outcome leaseReleased and waits (at
 /// most `wait`) until their processes are gone.

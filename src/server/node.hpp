@@ -1,6 +1,7 @@
 #pragma once
 // The state one daemon process (a node) shares between its sessions.
 #include "server/net.hpp"
+#include "server/peer_link.hpp"
 
 #include <sandboxd/config.hpp>
 #include <sandboxd/handle_cache.hpp>
@@ -76,6 +77,10 @@ struct Node {
     std::atomic<std::uint64_t> channels_opened{0};
     std::atomic<std::uint64_t> rpc_errors{0};
     net::thread_pool blocking{4};
+    net::io_context* ioc = nullptr;
+    /// The secret of the first `peer` token: what this node presents to its peers.
+    std::string peer_token;
+    PeerLinks peers;
 
     /// The principal of `bearer_token`, compared in constant time against every credential;
     /// nullptr when none matches.

@@ -83,6 +83,44 @@ http::response<http::string_body> plain(http::status status, std::string body, u
     return res;
 }
 
+/// Registers this node. When the record belongs to another instance whose heartbeat is still
+/// fresh, waits one liveness TTL: a live process keeps heartbeating (then this start is
+/// refused), a dead one (e.g. killed with SIGKILL) does not, and its record is taken over.
+void register_or_take_over(Registry& registry, const NodeRecord& record, std::int64_t ttl_ms,
+                           std::int64_t heartbeat_ms) {
+    try {
+        registry.register_node(record, ttl_ms);
+        return;
+    } catch (const rpc_error& e) {
+        if (e.code() != errc::invalid_params) throw;
+    }
+    const auto seen = registry.get_node(record.node_id);
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::milliseconds(ttl_ms + heartbeat_ms);
+    spdlog::info("node={} is held by another instance; waiting up to {} ms to see if it is alive",
+                 record.node_id, ttl_ms + heartbeat_ms);
+    while (std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        const auto now = registry.get_node(record.node_id);
+        if (seen && now && now->instance_id == seen->instance_id &&
+            now->heartbeat_at_ms != seen->heartbeat_at_ms) {
+            throw rpc_error(errc::invalid_params,
+                            "node id " + record.node_id + " is already held by a live process "
+                            "(its heartbeat advanced); give this process another --node-id");
+        }
+        NodeRecord fresh = record;
+        fresh.heartbeat_at_ms = now_ms();
+        try {
+            registry.register_node(fresh, ttl_ms);
+            return;
+        } catch (const rpc_error& e) {
+            if (e.code() != errc::invalid_params) throw;
+        }
+    }
+    throw rpc_error(errc::invalid_params,
+                    "node id " + record.node_id + " is still held by another process");
+}
+
 }  // namespace
 
 struct Daemon::Impl {
@@ -116,10 +154,12 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
     node.node_id = c.node_id.empty() ? host_name() : c.node_id;
     node.instance_id = random_token(8);
 
+    node.ioc = &impl_->ioc;
     for (const auto& t : c.tokens) {
         Credential cred;
         cred.secret = t.token.empty() ? read_secret_file(t.token_file) : t.token;
         cred.principal = Principal{t.name, t.role, t.tenants};
+        if (t.role == "peer" && node.peer_token.empty()) node.peer_token = cred.secret;
         node.credentials.push_back(std::move(cred));
     }
     if (node.credentials.empty()) {
@@ -191,7 +231,7 @@ std::string Daemon::start() {
     node.started_at_ms = now_ms();
     NodeRecord record{node.node_id, node.advertise_url, node.started_at_ms, node.started_at_ms,
                       node.instance_id};
-    node.registry->register_node(record, node.config.node_ttl_ms);
+    register_or_take_over(*node.registry, record, node.config.node_ttl_ms, node.config.heartbeat_ms);
 
     auto log_failure = [](const std::exception_ptr& e) {
         if (!e) return;
@@ -376,7 +416,7 @@ awaitable<void> Daemon::Impl::heartbeat_loop() {
             };
             bool mine = co_await run_blocking(node.blocking, std::move(work2));
             if (!mine) spdlog::error("node={} lost its node record to another process", node.node_id);
-            co_await expire_leases(node);
+            co_await sweep(node);
         } catch (const std::exception& e) {
             spdlog::warn("node={} heartbeat or sweep failed: {}", node.node_id, e.what());
         }

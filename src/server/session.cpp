@@ -76,14 +76,22 @@ awaitable<void> Session::run(http::request<http::string_body> request) {
     beast::get_lowest_layer(ws_).expires_never();
     websocket::stream_base::timeout timeouts{};
     timeouts.handshake_timeout = std::chrono::seconds(30);
-    timeouts.idle_timeout = std::chrono::milliseconds(limits.idle_timeout_ms);
+    // Not Beast's idle_timeout: without its own keep-alive pings it counts from the start of
+    // each read, and the pongs that answer ping_loop's pings arrive inside a read without
+    // re-arming it, so a silent but healthy peer would be dropped. idle_loop counts from the
+    // last frame heard, pongs included.
+    timeouts.idle_timeout = websocket::stream_base::none();
     timeouts.keep_alive_pings = false;  // ping_loop pings every pingIntervalMs instead
     ws_.set_option(timeouts);
+    ws_.control_callback([this](websocket::frame_type, beast::string_view) {
+        last_heard_ = std::chrono::steady_clock::now();  // a ping, pong or close (on the strand)
+    });
     // No permessage-deflate: Beast leaves it off unless asked, so an offer is answered
     // without the extension and a frame with RSV1 set is a protocol error (1002).
     ws_.read_message_max(std::max<std::size_t>(limits.max_text_message,
                                                limits.max_data_payload + frame_header_size));
     const bool echo_subprotocol = offers_subprotocol(request[http::field::sec_websocket_protocol]);
+    if (who_.role == "peer") forwarded_by_ = std::string(request["Sandboxd-Forwarded-By"]);
     ws_.set_option(websocket::stream_base::decorator([echo_subprotocol](websocket::response_type& res) {
         res.set(http::field::server, std::string("sandboxd/") + version_string);
         if (echo_subprotocol) res.set(http::field::sec_websocket_protocol, subprotocol);
@@ -102,8 +110,10 @@ awaitable<void> Session::run(http::request<http::string_body> request) {
             spdlog::error("peer={} session task failed: {}", peer, ex.what());
         }
     };
+    last_heard_ = std::chrono::steady_clock::now();
     net::co_spawn(strand_, write_loop(), log_failure);
     net::co_spawn(strand_, ping_loop(), log_failure);
+    net::co_spawn(strand_, idle_loop(), log_failure);
     try {
         co_await read_loop();
     } catch (const std::exception& e) {
@@ -118,7 +128,9 @@ awaitable<void> Session::run(http::request<http::string_body> request) {
 awaitable<void> Session::read_loop() {
     beast::flat_buffer buffer;
     for (;;) {
+        reading_ = true;
         auto [ec, n] = co_await ws_.async_read(buffer, as_tuple_awaitable);
+        reading_ = false;
         if (ec) {
             if (ec != websocket::error::closed && ec != net::error::operation_aborted &&
                 ec != net::error::eof) {
@@ -137,6 +149,7 @@ awaitable<void> Session::read_loop() {
             co_return;
         }
         buffer.consume(buffer.size());
+        last_heard_ = std::chrono::steady_clock::now();  // silence counts from here again
         if (closing_) co_return;
     }
 }
@@ -172,6 +185,27 @@ awaitable<void> Session::ping_loop() {
     }
 }
 
+awaitable<void> Session::idle_loop() {
+    auto self = shared_from_this();
+    const auto idle = std::chrono::milliseconds(node_.config.limits.idle_timeout_ms);
+    net::steady_timer timer(strand_);
+    while (!closing_) {
+        // While a message is being handled nothing is read: that is not the peer's silence.
+        timer.expires_at(reading_ ? last_heard_ + idle : std::chrono::steady_clock::now() + idle);
+        auto [ec] = co_await timer.async_wait(as_tuple_awaitable);
+        if (ec || closing_) co_return;
+        const auto silent = std::chrono::steady_clock::now() - last_heard_;
+        if (!reading_ || silent < idle) continue;  // heard from it meanwhile
+        spdlog::info("peer={} silent for {} ms (limit {} ms): dropping the connection", peer_,
+                     std::chrono::duration_cast<std::chrono::milliseconds>(silent).count(),
+                     idle.count());
+        // The read fails, and the session ends as for any dropped connection.
+        beast::error_code ignored;
+        beast::get_lowest_layer(ws_).socket().close(ignored);
+        co_return;
+    }
+}
+
 void Session::shutdown() {
     net::post(strand_, [self = shared_from_this()] {
         if (self->closing_) return;
@@ -193,7 +227,17 @@ void Session::send_text(std::string text) {
     queue_timer_.cancel();
 }
 
-void Session::channel_finished(std::uint32_t channel) { channels_.erase(channel); }
+void Session::channel_finished(std::uint32_t channel) {
+    channels_.erase(channel);
+    // Remembered so that a write or half-close racing the exit is a harmless no-op.
+    ended_.insert(channel);
+    if (ended_.size() > 4096) ended_.erase(ended_.begin());
+}
+
+bool Session::ended(const json& p) const {
+    return p.contains("channel") && p["channel"].is_number_unsigned() &&
+           ended_.count(p["channel"].get<std::uint32_t>()) > 0;
+}
 
 void Session::respond(const json& id, json result) {
     send_text(json{{"jsonrpc", "2.0"}, {"id", id}, {"result", std::move(result)}}.dump());
@@ -208,7 +252,31 @@ void Session::respond_error(const json& id, const json& error) {
 void Session::close_all_channels() {
     for (auto& [id, channel] : channels_) channel->hangup();
     channels_.clear();
+    for (auto& [id, remote] : remote_) {
+        remote.link->close_channel(remote.remote_id);
+        remote.link->forget(remote.remote_id);
+    }
+    remote_.clear();
 }
+
+void Session::relay_binary(std::uint32_t local_channel, std::string frame) {
+    if (auto it = opening_.find(local_channel); it != opening_.end()) {
+        it->second.emplace_back(true, std::move(frame));
+        return;
+    }
+    if (remote_.count(local_channel)) send_binary(std::move(frame));
+}
+
+void Session::relay_exit(std::uint32_t local_channel, json exit_params) {
+    auto text = json{{"jsonrpc", "2.0"}, {"method", "duplexChannel.exit"}, {"params", std::move(exit_params)}}.dump();
+    if (auto it = opening_.find(local_channel); it != opening_.end()) {
+        it->second.emplace_back(false, std::move(text));
+        return;
+    }
+    if (remote_.erase(local_channel)) send_text(std::move(text));
+}
+
+net::any_io_executor Session::relay_executor() { return strand_; }
 
 awaitable<void> Session::handle_text(std::string text) {
     json request;
@@ -278,6 +346,25 @@ std::optional<websocket::close_reason> Session::handle_binary(std::string_view m
             err->too_big ? websocket::close_code::too_big : websocket::close_code::protocol_error,
             err->what);
     }
+    const std::uint32_t frame_channel = std::visit(
+        [](const auto& f) -> std::uint32_t {
+            if constexpr (std::is_same_v<std::decay_t<decltype(f)>, FrameError>) {
+                return 0;
+            } else {
+                return f.channel;
+            }
+        },
+        decoded);
+    if (auto it = remote_.find(frame_channel); it != remote_.end()) {
+        std::string copy(message);
+        const auto r = it->second.remote_id;
+        copy[1] = static_cast<char>((r >> 24) & 0xff);
+        copy[2] = static_cast<char>((r >> 16) & 0xff);
+        copy[3] = static_cast<char>((r >> 8) & 0xff);
+        copy[4] = static_cast<char>(r & 0xff);
+        it->second.link->send_frame(std::move(copy));
+        return std::nullopt;
+    }
     try {
         if (auto* data = std::get_if<DataFrame>(&decoded)) {
             auto it = channels_.find(data->channel);
@@ -303,7 +390,10 @@ std::shared_ptr<Channel> Session::find_channel(const json& p) {
     auto it = channels_.find(static_cast<std::uint32_t>(id));
     if (it == channels_.end()) {
         throw rpc_error(errc::channel_not_found,
-                        "channel " + std::to_string(id) + " is not open on this connection",
+                        "channel " + std::to_string(id) +
+                            (ended_.count(static_cast<std::uint32_t>(id))
+                                 ? " has already ended"
+                                 : " is not open on this connection"),
                         {{"channel", id}});
     }
     return it->second;
@@ -342,6 +432,25 @@ awaitable<std::optional<json>> Session::dispatch(const std::string& method, cons
         auto ttl = params::req_uint(p, "ttlMs", 1000, UINT64_MAX >> 2);
         co_return to_json(co_await lease_renew(node_, who_, lease_id, ttl));
     }
+    if (method == "leaseRelease" || method == "leaseRenew") {
+        // The owner releases or renews, so that its cache and channels follow.
+        auto lease_id = params::req_string(p, "leaseId");
+        Lease lease = co_await lease_get(node_, who_, lease_id);
+        const bool settled = lease.status == lease_status::released ||
+                             lease.status == lease_status::failed;
+        if (lease.owner_node_id != node_.node_id && !settled && forwarded_by_.empty()) {
+            std::string unavailable;
+            try {
+                auto link = co_await owner_link(node_, lease);
+                co_return co_await link->call(method, p);
+            } catch (const rpc_error& e) {
+                if (e.code() != errc::owner_unavailable || method != "leaseRelease") throw;
+                unavailable = e.what();
+            }
+            // A dead owner cannot tear down: the lease waits for cleanup instead.
+            co_return to_json(co_await lease_orphan(node_, std::move(lease), std::move(unavailable)));
+        }
+    }
     if (method == "leaseRelease") {
         params::only_keys(p, {"leaseId"});
         auto lease_id = params::req_string(p, "leaseId");
@@ -353,6 +462,23 @@ awaitable<std::optional<json>> Session::dispatch(const std::string& method, cons
         auto result = co_await open_channel(p, id, responded);
         if (responded) co_return std::nullopt;
         co_return result;
+    }
+    if (method.rfind("duplexChannel", 0) == 0 && method != "duplexChannelOpen" &&
+        p.contains("channel") && p["channel"].is_number_unsigned()) {
+        auto it = remote_.find(p["channel"].get<std::uint32_t>());
+        if (it != remote_.end()) {
+            auto remote = it->second;
+            json forwarded = p;
+            forwarded["channel"] = remote.remote_id;
+            if (method == "duplexChannelClose") {
+                remote_.erase(it);
+                remote.link->forget(remote.remote_id);
+            }
+            co_return co_await remote.link->call(method, std::move(forwarded));
+        }
+    }
+    if ((method == "duplexChannelWrite" || method == "duplexChannelCloseStdin") && ended(p)) {
+        co_return json::object();  // the command is gone: nothing left to write to
     }
     if (method == "duplexChannelWrite") {
         params::only_keys(p, {"channel", "data"});
@@ -398,7 +524,7 @@ awaitable<std::optional<json>> Session::dispatch(const std::string& method, cons
         if (auto it = channels_.find(cid); it != channels_.end()) {
             auto channel = it->second;
             channels_.erase(it);
-            channel->hangup();  // stop and forget: no exit follows
+            channel->hangup(channel_outcome::stopped);  // stop and forget: no exit follows
         }
         co_return json::object();
     }
@@ -463,9 +589,54 @@ awaitable<json> Session::open_channel(json p, const json& id, bool& responded) {
     options.stdin_window = node_.config.limits.stdin_window;
     options.hangup_grace = std::chrono::milliseconds(node_.config.limits.hangup_grace_ms);
 
-    // Steps 2-6: the lease, its scope and status, its owner, the cached sandbox.
+    // Steps 2-4: the lease, its scope and status.
     json lease_param = p["lease"];
-    auto resolved = co_await resolve_open(node_, who_, std::move(lease_param));
+    Lease lease = co_await resolve_lease(node_, who_, std::move(lease_param));
+    if (channels_.size() + remote_.size() >= node_.config.limits.channels_per_connection) {
+        throw rpc_error(errc::channel_limit,
+                        "this connection already has " + std::to_string(channels_.size()) +
+                            " channels (limit " +
+                            std::to_string(node_.config.limits.channels_per_connection) + ")");
+    }
+    // Step 5: another owner. A forwarded open is never forwarded again.
+    if (lease.owner_node_id != node_.node_id) {
+        if (!forwarded_by_.empty()) {
+            throw rpc_error(errc::routing_loop,
+                            "Sandbox lease " + lease.id + " is owned by node " +
+                                lease.owner_node_id + ", not by node " + node_.node_id +
+                                ", and this open was already forwarded by node " + forwarded_by_ + ".",
+                            {{"ownerNodeId", lease.owner_node_id}, {"forwardedBy", forwarded_by_}});
+        }
+        auto link = co_await owner_link(node_, lease);
+        const std::uint32_t local = next_channel_++;
+        opening_[local];  // frames that overtake the open's result wait here
+        json result;
+        try {
+            result = co_await link->open(p, std::weak_ptr<RelayTarget>(shared_from_this()), local);
+        } catch (...) {
+            opening_.erase(local);
+            throw;
+        }
+        remote_[local] = RemoteChannel{link, result.value("channel", 0U)};
+        result["channel"] = local;
+        result["routed"] = true;
+        spdlog::info("channel={} lease={} forwarded to node={} as channel {} peer={}", local,
+                     lease.id, lease.owner_node_id, remote_[local].remote_id, peer_);
+        respond(id, std::move(result));
+        responded = true;
+        auto early = std::move(opening_[local]);
+        opening_.erase(local);
+        for (auto& [binary, bytes] : early) (binary ? send_binary(std::move(bytes)) : send_text(std::move(bytes)));
+        if (!early.empty() && !early.back().first) remote_.erase(local);  // its exit came early
+        co_return json();
+    }
+    // Step 6: this node owns it; its cache must hold the sandbox.
+    struct {
+        Lease lease;
+        std::shared_ptr<SandboxHandle> sandbox;
+    } resolved;
+    resolved.sandbox = cached_sandbox(node_, lease);
+    resolved.lease = std::move(lease);
 
     if (channels_.size() >= node_.config.limits.channels_per_connection) {
         throw rpc_error(errc::channel_limit,

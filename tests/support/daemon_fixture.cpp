@@ -6,6 +6,11 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -51,10 +56,12 @@ void DaemonProcess::launch() {
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
     const auto log_path = dir_.path() / "daemon.log";
+    const rlimit nofile{fd_limit_, fd_limit_};
     pid_ = ::fork();
     if (pid_ == 0) {
         int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
         ::dup2(fd, 2);
+        if (fd_limit_ > 0 && ::setrlimit(RLIMIT_NOFILE, &nofile) != 0) ::_exit(126);
         ::execv(argv[0], argv.data());
         ::_exit(127);
     }
@@ -125,6 +132,124 @@ std::vector<pid_t> DaemonProcess::children() const {
         while (in >> child) out.push_back(child);
     }
     return out;
+}
+
+bool DaemonProcess::alive() const {
+    if (pid_ <= 0) return false;
+    const char state = proc_state(pid_);
+    return state != 0 && state != 'Z' && state != 'X';
+}
+
+long DaemonProcess::rss_kib() const { return proc_status_field(pid_, "VmRSS"); }
+
+long DaemonProcess::peak_rss_kib() const { return proc_status_field(pid_, "VmHWM"); }
+
+std::size_t DaemonProcess::fd_count() const { return fd_targets().size(); }
+
+std::vector<std::string> DaemonProcess::fd_targets() const {
+    std::vector<std::string> out;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator("/proc/" + std::to_string(pid_) + "/fd", ec)) {
+        std::error_code ec2;
+        out.push_back(fs::read_symlink(e.path(), ec2).string());
+    }
+    return out;
+}
+
+double DaemonProcess::metric(const std::string& name) const {
+    const auto colon = address_.rfind(':');
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(static_cast<std::uint16_t>(std::stoi(address_.substr(colon + 1))));
+    ::inet_pton(AF_INET, address_.substr(0, colon).c_str(), &sa.sin_addr);
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) throw std::runtime_error("metric: socket failed");
+    std::string body;
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0) {
+        const std::string req = "GET /metrics HTTP/1.1\r\nHost: " + address_ +
+                                "\r\nConnection: close\r\n\r\n";
+        if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
+            char buf[4096];
+            for (;;) {
+                pollfd p{fd, POLLIN, 0};
+                if (::poll(&p, 1, 10000) <= 0) break;  // bounded: 10 s per read
+                ssize_t n = ::read(fd, buf, sizeof buf);
+                if (n <= 0) break;
+                body.append(buf, static_cast<std::size_t>(n));
+            }
+        }
+    }
+    ::close(fd);
+    std::istringstream lines(body);
+    std::string line;
+    while (std::getline(lines, line)) {
+        if (line.rfind(name + " ", 0) == 0) return std::stod(line.substr(name.size() + 1));
+    }
+    return -1;
+}
+
+namespace {
+
+std::string read_cmdline(const fs::path& proc_dir) {
+    std::ifstream in(proc_dir / "cmdline", std::ios::binary);
+    std::string cmd((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (!cmd.empty() && cmd.back() == '\0') cmd.pop_back();
+    for (auto& c : cmd) {
+        if (c == '\0') c = ' ';
+    }
+    return cmd;
+}
+
+template <typename F>
+void for_each_process(F f) {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator("/proc", ec)) {
+        const auto name = entry.path().filename().string();
+        if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+        f(static_cast<pid_t>(std::stol(name)), read_cmdline(entry.path()));
+    }
+}
+
+}  // namespace
+
+int count_processes_exactly(const std::string& command) {
+    int count = 0;
+    for_each_process([&](pid_t, const std::string& cmd) { count += cmd == command ? 1 : 0; });
+    return count;
+}
+
+std::vector<pid_t> pids_with(const std::string& needle) {
+    std::vector<pid_t> out;
+    for_each_process([&](pid_t pid, const std::string& cmd) {
+        if (cmd.rfind(needle, 0) == 0) out.push_back(pid);
+    });
+    return out;
+}
+
+long proc_status_field(pid_t pid, const std::string& name) {
+    std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+    std::string line;
+    while (std::getline(in, line)) {
+        if (line.rfind(name + ":", 0) == 0) return std::stol(line.substr(name.size() + 1));
+    }
+    return -1;
+}
+
+long long proc_io_field(pid_t pid, const std::string& name) {
+    std::ifstream in("/proc/" + std::to_string(pid) + "/io");
+    std::string line;
+    while (std::getline(in, line)) {
+        if (line.rfind(name + ":", 0) == 0) return std::stoll(line.substr(name.size() + 1));
+    }
+    return -1;
+}
+
+char proc_state(pid_t pid) {
+    std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto paren = stat.rfind(')');
+    if (paren == std::string::npos || paren + 2 >= stat.size()) return 0;
+    return stat[paren + 2];
 }
 
 int count_processes_with(const std::string& needle) {

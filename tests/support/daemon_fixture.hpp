@@ -52,6 +52,20 @@ public:
     std::unique_ptr<Client> connect() const { return std::make_unique<Client>(url(), token()); }
     /// PIDs of the daemon's direct children (bubblewrap processes of running channels).
     std::vector<pid_t> children() const;
+    /// True while the daemon process runs (not exited, not a zombie).
+    bool alive() const;
+
+    /// Resident set size (VmRSS) and its peak (VmHWM) of the daemon, KiB, from
+    /// /proc/<pid>/status.
+    long rss_kib() const;
+    long peak_rss_kib() const;
+    /// Entries of /proc/<pid>/fd, and what each one points to ("pipe:[..]", "/dev/ptmx").
+    std::size_t fd_count() const;
+    std::vector<std::string> fd_targets() const;
+    /// RLIMIT_NOFILE (soft and hard) for the next start (restart()); 0 inherits the test's.
+    void set_fd_limit_for_next_start(unsigned long limit) { fd_limit_ = limit; }
+    /// The value of a sample in GET /metrics (e.g. "sandboxd_channels_open"); -1 if absent.
+    double metric(const std::string& name) const;
 
 private:
     void launch();
@@ -62,6 +76,7 @@ private:
     std::filesystem::path state_dir_;
     pid_t pid_ = -1;
     std::string address_;
+    unsigned long fd_limit_ = 0;
 };
 
 /// Waits until `pred` holds or `timeout` passes; returns whether it held.
@@ -70,6 +85,16 @@ bool eventually(Pred pred, std::chrono::milliseconds timeout);
 
 /// Number of host processes whose command line starts with `needle`.
 int count_processes_with(const std::string& needle);
+/// Number of host processes whose command line (arguments joined by spaces) is `command`.
+int count_processes_exactly(const std::string& command);
+/// PIDs of the host processes whose command line starts with `needle`.
+std::vector<pid_t> pids_with(const std::string& needle);
+/// A "Name:" field of /proc/<pid>/status as a number (e.g. "VmRSS" in KiB); -1 if absent.
+long proc_status_field(pid_t pid, const std::string& name);
+/// A field of /proc/<pid>/io (e.g. "wchar"); -1 if absent.
+long long proc_io_field(pid_t pid, const std::string& name);
+/// The one-letter state of /proc/<pid>/stat ('R', 'S', 'Z', ...); 0 if gone.
+char proc_state(pid_t pid);
 
 /// The `lease` object of a duplexChannelOpen for `lease` (as returned by leaseAcquire).
 nlohmann::json lease_ref(const nlohmann::json& lease);

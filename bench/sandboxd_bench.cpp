@@ -1,0 +1,1089 @@
+// sandboxd_bench: the load client of bench/run (issue 7).
+//
+// One subcommand per scenario; each prints one JSON object on stdout (its figures) and exits 0,
+// or prints a message on stderr and exits 1. `report` merges those objects into
+// bench/results/latest.json and prints the table. Blocking Beast WebSocket clients, one thread
+// per connection; the throughput loops read whole messages into one reused buffer, credit in
+// batches and send stdin from one static buffer (no per-frame allocation).
+//
+// Every subcommand runs under a watchdog (--deadline-s, default 600): a daemon that stops
+// answering makes the bench fail, never hang.
+
+#include <boost/asio/connect.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/websocket.hpp>
+#include <nlohmann/json.hpp>
+
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+
+namespace {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace websocket = beast::websocket;
+using tcp = net::ip::tcp;
+using json = nlohmann::json;
+using clock_type = std::chrono::steady_clock;
+
+double ms_since(clock_type::time_point t0) {
+    return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
+}
+double secs_since(clock_type::time_point t0) {
+    return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+// ---------------------------------------------------------------- options
+
+struct Args {
+    std::string command;
+    std::map<std::string, std::string> opts;
+    std::vector<std::string> positional;
+
+    bool has(const std::string& k) const { return opts.count(k) != 0; }
+    std::string str(const std::string& k, const std::string& def = {}) const {
+        auto it = opts.find(k);
+        return it == opts.end() ? def : it->second;
+    }
+    std::string need(const std::string& k) const {
+        auto it = opts.find(k);
+        if (it == opts.end()) throw std::runtime_error("missing --" + k);
+        return it->second;
+    }
+    std::uint64_t num(const std::string& k, std::uint64_t def) const {
+        auto it = opts.find(k);
+        return it == opts.end() ? def : std::stoull(it->second);
+    }
+};
+
+Args parse_args(int argc, char** argv) {
+    Args a;
+    if (argc < 2) throw std::runtime_error("usage: sandboxd_bench COMMAND [--key value]...");
+    a.command = argv[1];
+    for (int i = 2; i < argc; ++i) {
+        std::string s = argv[i];
+        if (s.rfind("--", 0) == 0) {
+            std::string key = s.substr(2);
+            if (auto eq = key.find('='); eq != std::string::npos) {
+                a.opts[key.substr(0, eq)] = key.substr(eq + 1);
+            } else if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) {
+                a.opts[key] = argv[++i];
+            } else {
+                a.opts[key] = "1";
+            }
+        } else {
+            a.positional.push_back(s);
+        }
+    }
+    return a;
+}
+
+std::string read_file(const std::string& path) {
+    std::ifstream in(path);
+    if (!in) throw std::runtime_error("cannot read " + path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::string s = ss.str();
+    while (!s.empty() && (s.back() == '\n' || s.back() == ' ' || s.back() == '\r')) s.pop_back();
+    return s;
+}
+
+// ---------------------------------------------------------------- statistics
+
+/// Nearest-rank percentile of `v` (sorted in place), p in (0, 100].
+double percentile(std::vector<double>& v, double p) {
+    if (v.empty()) return std::nan("");
+    std::sort(v.begin(), v.end());
+    auto rank = static_cast<std::size_t>(std::ceil(p / 100.0 * static_cast<double>(v.size())));
+    return v[std::clamp<std::size_t>(rank, 1, v.size()) - 1];
+}
+
+double median(std::vector<double> v) { return percentile(v, 50); }
+
+json summary(std::vector<double> v) {
+    json j;
+    j["n"] = v.size();
+    j["p50"] = percentile(v, 50);
+    j["p90"] = percentile(v, 90);
+    j["p99"] = percentile(v, 99);
+    j["max"] = v.empty() ? 0.0 : *std::max_element(v.begin(), v.end());
+    double sum = 0;
+    for (double x : v) sum += x;
+    j["mean"] = v.empty() ? 0.0 : sum / static_cast<double>(v.size());
+    return j;
+}
+
+double cpu_self_s() {
+    rusage ru{};
+    ::getrusage(RUSAGE_SELF, &ru);
+    auto tv = [](timeval t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) / 1e6; };
+    return tv(ru.ru_utime) + tv(ru.ru_stime);
+}
+
+/// utime+stime of a process in seconds (from /proc/PID/stat), or NaN.
+double cpu_of_pid(long pid) {
+    if (pid <= 0) return std::nan("");
+    std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+    std::string s;
+    std::getline(in, s);  // one line
+    auto close = s.rfind(')');
+    if (close == std::string::npos) return std::nan("");
+    std::istringstream fields(s.substr(close + 2));
+    std::string f;
+    std::vector<std::string> v;
+    while (fields >> f) v.push_back(f);
+    // Fields after the command: state(3) ... utime is field 14, stime 15 (1-based overall).
+    if (v.size() < 13) return std::nan("");
+    const double ticks = static_cast<double>(::sysconf(_SC_CLK_TCK));
+    return (std::stod(v[11]) + std::stod(v[12])) / ticks;
+}
+
+/// VmRSS of a process in KiB (from /proc/PID/status), or -1.
+long rss_kib(long pid) {
+    std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+    std::string line;
+    while (std::getline(in, line)) {
+        if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
+    }
+    return -1;
+}
+
+// ---------------------------------------------------------------- WebSocket connection
+
+struct Url {
+    std::string host, port, target;
+};
+
+Url parse_url(const std::string& url) {
+    const std::string scheme = "ws://";
+    if (url.rfind(scheme, 0) != 0) throw std::runtime_error("url must start with ws://: " + url);
+    std::string rest = url.substr(scheme.size());
+    auto slash = rest.find('/');
+    std::string hostport = rest.substr(0, slash);
+    Url u;
+    u.target = slash == std::string::npos ? "/" : rest.substr(slash);
+    auto colon = hostport.rfind(':');
+    if (colon == std::string::npos) throw std::runtime_error("url needs a port: " + url);
+    u.host = hostport.substr(0, colon);
+    u.port = hostport.substr(colon + 1);
+    return u;
+}
+
+class RpcError : public std::runtime_error {
+public:
+    RpcError(std::string reason, const std::string& message)
+        : std::runtime_error(reason + ": " + message), reason_(std::move(reason)) {}
+    const std::string& reason() const noexcept { return reason_; }
+
+private:
+    std::string reason_;
+};
+
+/// One message from the daemon. For binary frames only the header is decoded; the payload
+/// stays in the connection's buffer (valid until the next read).
+struct Msg {
+    bool text = false;
+    json j;
+    std::uint8_t kind = 0;
+    std::uint32_t channel = 0;
+    std::uint8_t stream = 0;
+    std::size_t payload = 0;
+    std::uint32_t credit = 0;
+
+    bool is_exit() const { return text && j.value("method", "") == "duplexChannel.exit"; }
+    bool is_response() const { return text && !j.contains("method"); }
+};
+
+std::uint32_t be32(const unsigned char* p) {
+    return (std::uint32_t{p[0]} << 24) | (std::uint32_t{p[1]} << 16) | (std::uint32_t{p[2]} << 8) |
+           std::uint32_t{p[3]};
+}
+void put_be32(unsigned char* p, std::uint32_t v) {
+    p[0] = static_cast<unsigned char>(v >> 24);
+    p[1] = static_cast<unsigned char>(v >> 16);
+    p[2] = static_cast<unsigned char>(v >> 8);
+    p[3] = static_cast<unsigned char>(v);
+}
+
+class Conn {
+public:
+    /// `token` empty: no Authorization header and no subprotocol (websocketd).
+    Conn(const Url& u, const std::string& token) : ws_(ioc_) {
+        tcp::resolver resolver(ioc_);
+        net::connect(ws_.next_layer(), resolver.resolve(u.host, u.port));
+        ws_.next_layer().set_option(tcp::no_delay(true));
+        // One frame per message (Beast fragments at 4 KiB by default) and a masking buffer
+        // as large as a data frame, so a 256 KiB stdin frame is one write.
+        ws_.auto_fragment(false);
+        ws_.write_buffer_bytes(512 * 1024);
+        ws_.read_message_max(64ULL << 20);
+        ws_.set_option(websocket::stream_base::decorator([token](websocket::request_type& req) {
+            if (!token.empty()) {
+                req.set(beast::http::field::authorization, "Bearer " + token);
+                req.set(beast::http::field::sec_websocket_protocol, "sandboxd.v1");
+            }
+            req.set(beast::http::field::user_agent, "sandboxd_bench");
+        }));
+        ws_.handshake(u.host + ":" + u.port, u.target);
+    }
+    Conn(const Conn&) = delete;
+    Conn& operator=(const Conn&) = delete;
+    ~Conn() {
+        beast::error_code ec;
+        ws_.next_layer().close(ec);
+    }
+
+    /// Reads one message; false when the connection closed (websocketd at process exit).
+    bool read(Msg& m, bool allow_close = false) {
+        buf_.consume(buf_.size());
+        beast::error_code ec;
+        ws_.read(buf_, ec);
+        if (ec) {
+            if (allow_close && (ec == websocket::error::closed || ec == net::error::eof ||
+                                ec == net::error::connection_reset)) {
+                return false;
+            }
+            throw std::runtime_error("websocket read: " + ec.message());
+        }
+        const auto* p = static_cast<const unsigned char*>(buf_.data().data());
+        const std::size_t n = buf_.size();
+        m = Msg{};
+        if (ws_.got_text()) {
+            m.text = true;
+            m.j = json::parse(std::string_view(reinterpret_cast<const char*>(p), n));
+            return true;
+        }
+        if (n < 6) {
+            m.kind = 0;
+            m.payload = n;  // websocketd: raw bytes
+            return true;
+        }
+        m.kind = p[0];
+        m.channel = be32(p + 1);
+        m.stream = p[5];
+        if (m.kind == 0x01) m.payload = n - 6;
+        if (m.kind == 0x02 && n == 10) m.credit = be32(p + 6);
+        return true;
+    }
+    /// Size of the last binary message (websocketd payloads have no header).
+    std::size_t last_size() const { return buf_.size(); }
+
+    std::int64_t send_request(const std::string& method, const json& params) {
+        const auto id = next_id_++;
+        const std::string text =
+            json{{"jsonrpc", "2.0"}, {"id", id}, {"method", method}, {"params", params}}.dump();
+        ws_.text(true);
+        ws_.write(net::buffer(text));
+        return id;
+    }
+
+    /// Waits for the response to `id`; other messages are queued for next().
+    json wait(std::int64_t id) {
+        for (;;) {
+            Msg m;
+            read(m);
+            if (m.is_response() && m.j.value("id", json()) == id) return result_of(m.j);
+            if (m.text) pending_.push_back(std::move(m));  // binary frames are not kept
+        }
+    }
+    json call(const std::string& method, const json& params) { return wait(send_request(method, params)); }
+
+    /// Next message: queued ones first.
+    bool next(Msg& m, bool allow_close = false) {
+        if (!pending_.empty()) {
+            m = std::move(pending_.front());
+            pending_.pop_front();
+            return true;
+        }
+        return read(m, allow_close);
+    }
+
+    static json result_of(const json& response) {
+        if (response.contains("error")) {
+            const auto& e = response["error"];
+            std::string reason = "ERROR";
+            if (e.contains("data") && e["data"].is_object()) reason = e["data"].value("reason", reason);
+            throw RpcError(reason, e.value("message", e.dump()));
+        }
+        return response.at("result");
+    }
+
+    void send_credit(std::uint32_t channel, std::uint8_t stream, std::uint32_t bytes) {
+        std::array<unsigned char, 10> f{};
+        f[0] = 0x02;
+        put_be32(f.data() + 1, channel);
+        f[5] = stream;
+        put_be32(f.data() + 6, bytes);
+        ws_.binary(true);
+        ws_.write(net::buffer(f));
+    }
+
+    void send_stdin(std::uint32_t channel, const char* data, std::size_t n) {
+        std::array<unsigned char, 6> h{};
+        h[0] = 0x01;
+        put_be32(h.data() + 1, channel);
+        h[5] = 0;
+        const std::array<net::const_buffer, 2> bufs{net::buffer(h), net::buffer(data, n)};
+        ws_.binary(true);
+        ws_.write(bufs);
+    }
+
+    void close() {
+        beast::error_code ec;
+        ws_.close(websocket::close_code::normal, ec);
+    }
+
+private:
+    net::io_context ioc_;
+    websocket::stream<tcp::socket> ws_;
+    beast::flat_buffer buf_;
+    std::deque<Msg> pending_;
+    std::int64_t next_id_ = 1;
+};
+
+// ---------------------------------------------------------------- shared helpers
+
+struct Target {
+    Url url;
+    std::string token;
+};
+
+Target target_of(const Args& a, const std::string& url_key = "url", const std::string& token_key = "token-file") {
+    return Target{parse_url(a.need(url_key)), read_file(a.need(token_key))};
+}
+
+json acquire(Conn& c, const std::string& company = "bench", const std::string& env = "bench") {
+    return c.call("leaseAcquire", {{"companyId", company}, {"environmentId", env}, {"provider", "bwrap"}});
+}
+
+json lease_ref(const json& lease) {
+    return {{"id", lease.at("id")},
+            {"providerLeaseId", lease.at("providerLeaseId")},
+            {"companyId", lease.at("companyId")},
+            {"environmentId", lease.at("environmentId")},
+            {"metadata", lease.at("metadata")}};
+}
+
+json open_params(const json& lease, std::vector<std::string> command, bool with_stdin,
+                 std::optional<std::uint64_t> window = std::nullopt) {
+    json p = {{"lease", lease_ref(lease)}, {"command", std::move(command)}, {"stdin", with_stdin}};
+    if (window) p["outputWindow"] = *window;
+    return p;
+}
+
+/// Opens a channel running `true` and waits for its exit; returns {ms to exit, ms to result}.
+std::pair<double, double> open_true_once(Conn& c, const json& lease) {
+    const auto t0 = clock_type::now();
+    const auto id = c.send_request("duplexChannelOpen", open_params(lease, {"true"}, false));
+    const json result = c.wait(id);
+    const double to_result = ms_since(t0);
+    const auto channel = result.at("channel").get<std::uint32_t>();
+    for (;;) {
+        Msg m;
+        c.next(m);
+        if (m.is_exit() && m.j["params"].value("channel", 0U) == channel) {
+            const auto& p = m.j["params"];
+            if (p.value("exitCode", json()) != 0) {
+                throw std::runtime_error("`true` did not exit 0: " + p.dump());
+            }
+            return {ms_since(t0), to_result};
+        }
+    }
+}
+
+/// Sequential opens of `true` on one connection.
+json sequential_opens(const Target& t, const json& lease, std::size_t count) {
+    Conn c(t.url, t.token);
+    open_true_once(c, lease);  // warm-up
+    std::vector<double> exit_ms, result_ms;
+    for (std::size_t i = 0; i < count; ++i) {
+        auto [e, r] = open_true_once(c, lease);
+        exit_ms.push_back(e);
+        result_ms.push_back(r);
+    }
+    c.close();
+    return {{"to_exit_ms", summary(exit_ms)}, {"to_result_ms", summary(result_ms)}};
+}
+
+/// `total` opens in flight at once, over `connections` connections (pipelined requests), for
+/// `rounds` rounds; each measured from its request to its exit.
+json concurrent_opens(const Target& t, const json& lease, std::size_t total, std::size_t connections,
+                      std::size_t rounds) {
+    std::vector<std::unique_ptr<Conn>> conns;
+    for (std::size_t i = 0; i < connections; ++i) conns.push_back(std::make_unique<Conn>(t.url, t.token));
+    std::mutex mu;
+    std::vector<double> exit_ms, result_ms;
+    std::string failure;
+    std::barrier sync(static_cast<std::ptrdiff_t>(connections));
+    double wall_s = 0;
+    std::vector<std::thread> threads;
+    for (std::size_t ci = 0; ci < connections; ++ci) {
+        const std::size_t mine = total / connections + (ci < total % connections ? 1 : 0);
+        threads.emplace_back([&, ci, mine] {
+            Conn& c = *conns[ci];
+            for (std::size_t r = 0; r < rounds; ++r) {
+                sync.arrive_and_wait();
+                const auto round_start = clock_type::now();
+                try {
+                    std::map<std::int64_t, clock_type::time_point> sent;
+                    std::map<std::uint32_t, clock_type::time_point> started;
+                    for (std::size_t i = 0; i < mine; ++i) {
+                        const auto t0 = clock_type::now();
+                        sent[c.send_request("duplexChannelOpen", open_params(lease, {"true"}, false))] = t0;
+                    }
+                    std::size_t exits = 0;
+                    std::vector<double> e_local, r_local;
+                    while (exits < mine) {
+                        Msg m;
+                        c.next(m);
+                        if (m.is_response()) {
+                            auto it = sent.find(m.j.value("id", std::int64_t{-1}));
+                            if (it == sent.end()) continue;
+                            const json res = Conn::result_of(m.j);
+                            r_local.push_back(ms_since(it->second));
+                            started[res.at("channel").get<std::uint32_t>()] = it->second;
+                        } else if (m.is_exit()) {
+                            auto it = started.find(m.j["params"].value("channel", 0U));
+                            if (it == started.end()) continue;
+                            if (m.j["params"].value("exitCode", json()) != 0) {
+                                throw std::runtime_error("`true` did not exit 0: " + m.j["params"].dump());
+                            }
+                            e_local.push_back(ms_since(it->second));
+                            ++exits;
+                        }
+                    }
+                    std::lock_guard lock(mu);
+                    exit_ms.insert(exit_ms.end(), e_local.begin(), e_local.end());
+                    result_ms.insert(result_ms.end(), r_local.begin(), r_local.end());
+                    if (ci == 0) wall_s += secs_since(round_start);
+                } catch (const std::exception& e) {
+                    std::lock_guard lock(mu);
+                    failure = e.what();
+                }
+                sync.arrive_and_wait();
+            }
+        });
+    }
+    for (auto& th : threads) th.join();
+    if (!failure.empty()) throw std::runtime_error("concurrent opens: " + failure);
+    for (auto& c : conns) c->close();
+    return {{"in_flight", total},
+            {"connections", connections},
+            {"rounds", rounds},
+            {"to_exit_ms", summary(exit_ms)},
+            {"to_result_ms", summary(result_ms)},
+            {"opens_per_s", static_cast<double>(total * rounds) / std::max(wall_s, 1e-9)}};
+}
+
+/// Streams `bytes` of zeros from `head` through a channel; returns MB/s (10^6 bytes).
+json stream_once(const Target& t, const json& lease, std::uint64_t bytes, std::uint64_t window,
+                 std::uint64_t batch, long daemon_pid) {
+    Conn c(t.url, t.token);
+    const double cpu0 = cpu_self_s();
+    const double dcpu0 = cpu_of_pid(daemon_pid);
+    const auto t0 = clock_type::now();
+    const auto id = c.send_request(
+        "duplexChannelOpen",
+        open_params(lease, {"head", "-c", std::to_string(bytes), "/dev/zero"}, false, window));
+    const json result = c.wait(id);
+    const auto channel = result.at("channel").get<std::uint32_t>();
+    std::uint64_t got = 0, uncredited = 0, frames = 0;
+    json exit;
+    for (;;) {
+        Msg m;
+        c.next(m);
+        if (!m.text && m.kind == 0x01 && m.channel == channel) {
+            got += m.payload;
+            uncredited += m.payload;
+            ++frames;
+            if (uncredited >= batch) {
+                c.send_credit(channel, m.stream, static_cast<std::uint32_t>(uncredited));
+                uncredited = 0;
+            }
+        } else if (m.is_exit() && m.j["params"].value("channel", 0U) == channel) {
+            exit = m.j["params"];
+            break;
+        }
+    }
+    const double secs = secs_since(t0);
+    const double cpu = cpu_self_s() - cpu0;
+    const double dcpu = cpu_of_pid(daemon_pid) - dcpu0;
+    c.close();
+    if (got != bytes || exit.value("exitCode", json()) != 0) {
+        throw std::runtime_error("stream: got " + std::to_string(got) + " of " + std::to_string(bytes) +
+                                 " bytes, exit " + exit.dump());
+    }
+    json j = {{"mb_s", static_cast<double>(bytes) / 1e6 / secs},
+              {"seconds", secs},
+              {"frames", frames},
+              {"avg_frame", frames ? static_cast<double>(got) / static_cast<double>(frames) : 0.0},
+              {"client_cpu_s", cpu}};
+    if (!std::isnan(dcpu)) j["daemon_cpu_s"] = dcpu;
+    return j;
+}
+
+/// Writes `bytes` of zeros as stdin into `cat > /dev/null`; returns MB/s.
+json stdin_once(const Target& t, const json& lease, std::uint64_t bytes, long daemon_pid) {
+    static const std::vector<char> zeros(16 << 20, '\0');
+    Conn c(t.url, t.token);
+    const json init = c.call("initialize", {{"protocolVersion", 1}});
+    const std::uint64_t max_payload = init["limits"].value("maxDataPayload", 262144ULL);
+    const double cpu0 = cpu_self_s();
+    const double dcpu0 = cpu_of_pid(daemon_pid);
+    const auto t0 = clock_type::now();
+    const json result = c.call("duplexChannelOpen", open_params(lease, {"sh", "-c", "cat > /dev/null"}, true));
+    const auto channel = result.at("channel").get<std::uint32_t>();
+    const std::uint64_t window = result.value("stdinWindow", 1ULL << 20);
+    const std::uint64_t chunk = std::min({max_payload, window, static_cast<std::uint64_t>(zeros.size())});
+    std::uint64_t sent = 0, unacked = 0;
+    bool closed = false;
+    json exit;
+    while (exit.is_null()) {
+        while (sent < bytes && unacked + std::min(chunk, bytes - sent) <= window) {
+            const std::uint64_t n = std::min(chunk, bytes - sent);
+            c.send_stdin(channel, zeros.data(), n);
+            sent += n;
+            unacked += n;
+        }
+        if (sent == bytes && !closed) {
+            c.send_request("duplexChannelCloseStdin", {{"channel", channel}});
+            closed = true;
+        }
+        Msg m;
+        c.next(m);
+        if (!m.text && m.kind == 0x02 && m.channel == channel && m.stream == 0) {
+            unacked -= std::min<std::uint64_t>(unacked, m.credit);
+        } else if (m.is_exit() && m.j["params"].value("channel", 0U) == channel) {
+            exit = m.j["params"];
+        } else if (m.is_response()) {
+            Conn::result_of(m.j);  // throws on an error response
+        }
+    }
+    const double secs = secs_since(t0);
+    const double cpu = cpu_self_s() - cpu0;
+    const double dcpu = cpu_of_pid(daemon_pid) - dcpu0;
+    c.close();
+    if (exit.value("stdinBytes", std::uint64_t{0}) != bytes || exit.value("exitCode", json()) != 0) {
+        throw std::runtime_error("stdin: sent " + std::to_string(bytes) + " bytes, exit " + exit.dump());
+    }
+    json j = {{"mb_s", static_cast<double>(bytes) / 1e6 / secs},
+              {"seconds", secs},
+              {"stdin_window", window},
+              {"frame_payload", chunk},
+              {"client_cpu_s", cpu}};
+    if (!std::isnan(dcpu)) j["daemon_cpu_s"] = dcpu;
+    return j;
+}
+
+json runs_summary(const std::vector<json>& runs) {
+    std::vector<double> v;
+    for (const auto& r : runs) v.push_back(r["mb_s"].get<double>());
+    return {{"median_mb_s", median(v)},
+            {"best_mb_s", *std::max_element(v.begin(), v.end())},
+            {"runs", runs}};
+}
+
+// ---------------------------------------------------------------- scenarios
+
+/// open: sequential and concurrent opens of `true`.
+json cmd_open(const Args& a) {
+    const Target t = target_of(a);
+    Conn c(t.url, t.token);
+    const json lease = acquire(c);
+    json seq = sequential_opens(t, lease, a.num("count", 500));
+    json conc = concurrent_opens(t, lease, a.num("concurrent", 100), a.num("connections", 4),
+                                 a.num("rounds", 3));
+    c.call("leaseRelease", {{"leaseId", lease["id"]}});
+    c.close();
+    return {{"open_p50_ms", seq["to_exit_ms"]["p50"]},
+            {"open_p99_ms", seq["to_exit_ms"]["p99"]},
+            {"details", {{"open_sequential", seq}, {"open_concurrent", conc}}}};
+}
+
+/// stream: head -c N /dev/zero through a channel.
+json cmd_stream(const Args& a) {
+    const Target t = target_of(a);
+    const std::uint64_t bytes = a.num("bytes", 1ULL << 30);
+    const std::uint64_t window = a.num("window", 16ULL << 20);
+    const std::uint64_t batch = a.num("credit-batch", window / 8);
+    const long pid = static_cast<long>(a.num("pid", 0));
+    Conn c(t.url, t.token);
+    const json lease = acquire(c);
+    std::vector<json> runs;
+    for (std::uint64_t i = 0; i < a.num("runs", 3); ++i) runs.push_back(stream_once(t, lease, bytes, window, batch, pid));
+    c.call("leaseRelease", {{"leaseId", lease["id"]}});
+    c.close();
+    json s = runs_summary(runs);
+    s["bytes"] = bytes;
+    s["output_window"] = window;
+    s["credit_batch"] = batch;
+    return {{a.str("key", "stream_mb_s"), s["median_mb_s"]}, {"details", {{a.str("key", "stream_mb_s"), s}}}};
+}
+
+/// stdin: N bytes into `cat > /dev/null`.
+json cmd_stdin(const Args& a) {
+    const Target t = target_of(a);
+    const std::uint64_t bytes = a.num("bytes", 1ULL << 30);
+    const long pid = static_cast<long>(a.num("pid", 0));
+    Conn c(t.url, t.token);
+    const json lease = acquire(c);
+    std::vector<json> runs;
+    for (std::uint64_t i = 0; i < a.num("runs", 3); ++i) runs.push_back(stdin_once(t, lease, bytes, pid));
+    c.call("leaseRelease", {{"leaseId", lease["id"]}});
+    c.close();
+    json s = runs_summary(runs);
+    s["bytes"] = bytes;
+    return {{"stdin_mb_s", s["median_mb_s"]}, {"details", {{"stdin_mb_s", s}}}};
+}
+
+/// pipe: `head -c N /dev/zero | cat > /dev/null`, timed here from spawn to exit.
+json cmd_pipe(const Args& a) {
+    const std::uint64_t bytes = a.num("bytes", 1ULL << 30);
+    std::vector<json> runs;
+    for (std::uint64_t i = 0; i < a.num("runs", 3); ++i) {
+        const std::string script = "head -c " + std::to_string(bytes) + " /dev/zero | cat > /dev/null";
+        const char* argv[] = {"/bin/sh", "-c", script.c_str(), nullptr};
+        const auto t0 = clock_type::now();
+        pid_t pid = 0;
+        if (::posix_spawn(&pid, "/bin/sh", nullptr, nullptr, const_cast<char**>(argv), environ) != 0) {
+            throw std::runtime_error("cannot spawn /bin/sh");
+        }
+        int status = 0;
+        while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+        }
+        const double secs = secs_since(t0);
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) throw std::runtime_error("pipe anchor failed");
+        runs.push_back({{"mb_s", static_cast<double>(bytes) / 1e6 / secs}, {"seconds", secs}});
+    }
+    json s = runs_summary(runs);
+    s["bytes"] = bytes;
+    return {{"pipe_mb_s", s["median_mb_s"]}, {"details", {{"pipe_mb_s", s}}}};
+}
+
+/// ws-open: websocketd spawning /bin/true per connection; connect to close.
+json cmd_ws_open(const Args& a) {
+    const Url u = parse_url(a.need("url"));
+    const std::size_t count = a.num("count", 500);
+    std::vector<double> ms;
+    for (std::size_t i = 0; i <= count; ++i) {
+        const auto t0 = clock_type::now();
+        Conn c(u, "");
+        Msg m;
+        while (c.read(m, true)) {
+        }
+        if (i > 0) ms.push_back(ms_since(t0));  // the first one is a warm-up
+    }
+    json s = summary(ms);
+    return {{"websocketd_open_p50_ms", s["p50"]}, {"details", {{"websocketd_open", s}}}};
+}
+
+/// ws-stream: websocketd --binary streaming `head -c N /dev/zero`; connect to close.
+json cmd_ws_stream(const Args& a) {
+    const Url u = parse_url(a.need("url"));
+    const std::uint64_t bytes = a.num("bytes", 1ULL << 30);
+    std::vector<json> runs;
+    for (std::uint64_t i = 0; i < a.num("runs", 3); ++i) {
+        const double cpu0 = cpu_self_s();
+        const auto t0 = clock_type::now();
+        Conn c(u, "");
+        std::uint64_t got = 0, frames = 0;
+        Msg m;
+        while (c.read(m, true)) {
+            got += c.last_size();
+            ++frames;
+        }
+        const double secs = secs_since(t0);
+        if (got != bytes) {
+            throw std::runtime_error("websocketd stream: got " + std::to_string(got) + " of " +
+                                     std::to_string(bytes) + " bytes");
+        }
+        runs.push_back({{"mb_s", static_cast<double>(bytes) / 1e6 / secs},
+                        {"seconds", secs},
+                        {"frames", frames},
+                        {"client_cpu_s", cpu_self_s() - cpu0}});
+    }
+    json s = runs_summary(runs);
+    s["bytes"] = bytes;
+    return {{"websocketd_stream_mb_s", s["median_mb_s"]}, {"details", {{"websocketd_stream_mb_s", s}}}};
+}
+
+/// hold: N channels of `sleep 600` at once over several connections; the daemon's RSS; open
+/// p99 of `true` while they are held; then stops them all.
+json cmd_hold(const Args& a) {
+    const Target t = target_of(a);
+    const long pid = static_cast<long>(a.num("pid", 0));
+    if (pid <= 0) throw std::runtime_error("hold needs --pid of the daemon");
+    const std::size_t total = a.num("channels", 1000);
+    const std::size_t nconn = a.num("connections", 8);
+    const std::size_t probes = a.num("probe", 200);
+
+    Conn control(t.url, t.token);
+    const json lease = acquire(control);
+    open_true_once(control, lease);  // warm the daemon's paths once
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const long rss_before = rss_kib(pid);
+
+    std::vector<std::unique_ptr<Conn>> conns;
+    for (std::size_t i = 0; i < nconn; ++i) conns.push_back(std::make_unique<Conn>(t.url, t.token));
+    std::mutex mu;
+    std::condition_variable cv;
+    std::size_t opened_conns = 0;
+    bool stop = false;
+    std::string failure;
+    std::size_t opened = 0, exits_total = 0;
+    const auto open_start = clock_type::now();
+    double open_all_s = 0, stop_all_s = 0;
+    std::vector<std::thread> threads;
+    for (std::size_t ci = 0; ci < nconn; ++ci) {
+        const std::size_t mine = total / nconn + (ci < total % nconn ? 1 : 0);
+        threads.emplace_back([&, ci, mine] {
+            Conn& c = *conns[ci];
+            std::vector<std::uint32_t> channels;
+            try {
+                std::vector<std::int64_t> ids;
+                for (std::size_t i = 0; i < mine; ++i) {
+                    ids.push_back(c.send_request("duplexChannelOpen", open_params(lease, {"sleep", "600"}, false)));
+                }
+                for (auto id : ids) channels.push_back(c.wait(id).at("channel").get<std::uint32_t>());
+            } catch (const std::exception& e) {
+                std::lock_guard lock(mu);
+                failure = "open: " + std::string(e.what());
+            }
+            {
+                std::unique_lock lock(mu);
+                opened += channels.size();
+                ++opened_conns;
+                cv.notify_all();
+                cv.wait(lock, [&] { return stop; });
+            }
+            try {
+                std::map<std::int64_t, bool> ids;
+                for (auto ch : channels) ids[c.send_request("duplexChannelStop", {{"channel", ch}})] = true;
+                std::size_t exits = 0;
+                while (exits < channels.size()) {
+                    Msg m;
+                    c.next(m);
+                    if (m.is_exit()) ++exits;
+                    if (m.is_response()) Conn::result_of(m.j);
+                }
+                std::lock_guard lock(mu);
+                exits_total += exits;
+            } catch (const std::exception& e) {
+                std::lock_guard lock(mu);
+                failure = "stop: " + std::string(e.what());
+            }
+        });
+    }
+    {
+        std::unique_lock lock(mu);
+        cv.wait(lock, [&] { return opened_conns == nconn; });
+        open_all_s = secs_since(open_start);
+    }
+    // Let the daemon settle (bwrap children finish their setup), then read its RSS.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    const long rss_held = rss_kib(pid);
+    std::vector<double> probe_ms;
+    std::string probe_failure;
+    if (failure.empty()) {
+        try {
+            for (std::size_t i = 0; i < probes; ++i) probe_ms.push_back(open_true_once(control, lease).first);
+        } catch (const std::exception& e) {
+            probe_failure = e.what();
+        }
+    }
+    const long rss_after_probe = rss_kib(pid);
+    const auto stop_start = clock_type::now();
+    {
+        std::lock_guard lock(mu);
+        stop = true;
+        cv.notify_all();
+    }
+    for (auto& th : threads) th.join();
+    stop_all_s = secs_since(stop_start);
+    for (auto& c : conns) c->close();
+    control.call("leaseRelease", {{"leaseId", lease["id"]}});
+    control.close();
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const long rss_after = rss_kib(pid);
+    if (!failure.empty()) throw std::runtime_error("hold: " + failure);
+    if (!probe_failure.empty()) throw std::runtime_error("hold probe: " + probe_failure);
+    if (opened != total || exits_total != total) {
+        throw std::runtime_error("hold: opened " + std::to_string(opened) + ", exits " +
+                                 std::to_string(exits_total) + " of " + std::to_string(total));
+    }
+    json probe = summary(probe_ms);
+    const double per_channel_kib = static_cast<double>(rss_held - rss_before) / static_cast<double>(total);
+    return {{"held_channels", opened},
+            {"held_rss_mb", static_cast<double>(rss_held) / 1024.0},
+            {"details",
+             {{"hold",
+               {{"channels", opened},
+                {"connections", nconn},
+                {"rss_before_kib", rss_before},
+                {"rss_held_kib", rss_held},
+                {"rss_after_probe_kib", rss_after_probe},
+                {"rss_after_stop_kib", rss_after},
+                {"rss_per_channel_kib", per_channel_kib},
+                {"open_all_s", open_all_s},
+                {"stop_all_s", stop_all_s},
+                {"open_while_held_ms", probe}}}}}};
+}
+
+/// lease-ops: leaseAcquire + leaseRelease pairs per second, sequential on one connection.
+json cmd_lease_ops(const Args& a) {
+    const Target t = target_of(a);
+    const double seconds = static_cast<double>(a.num("seconds", 10));
+    Conn c(t.url, t.token);
+    std::vector<double> acquire_ms, release_ms;
+    const auto t0 = clock_type::now();
+    std::size_t pairs = 0;
+    while (secs_since(t0) < seconds) {
+        auto t1 = clock_type::now();
+        const json lease = acquire(c, "bench", "ops");
+        acquire_ms.push_back(ms_since(t1));
+        t1 = clock_type::now();
+        c.call("leaseRelease", {{"leaseId", lease["id"]}});
+        release_ms.push_back(ms_since(t1));
+        ++pairs;
+    }
+    const double secs = secs_since(t0);
+    c.close();
+    const double rate = static_cast<double>(pairs) / secs;
+    return {{"lease_ops_per_s", rate},
+            {"details",
+             {{"lease_ops",
+               {{"pairs", pairs},
+                {"seconds", secs},
+                {"acquire_ms", summary(acquire_ms)},
+                {"release_ms", summary(release_ms)}}}}}};
+}
+
+/// proxy: a lease owned by node A (--owner-url), opened through node B (--url).
+json cmd_proxy(const Args& a) {
+    const Target owner = target_of(a, "owner-url", "owner-token-file");
+    const Target via = target_of(a);
+    const std::uint64_t bytes = a.num("bytes", 1ULL << 30);
+    const std::uint64_t window = a.num("window", 16ULL << 20);
+    const long pid = static_cast<long>(a.num("pid", 0));
+    Conn oc(owner.url, owner.token);
+    const json lease = acquire(oc);
+    json out;
+    try {
+        Conn c(via.url, via.token);
+        open_true_once(c, lease);  // the first open tells whether routing is there
+        c.close();
+    } catch (const RpcError& e) {
+        if (e.reason() != "OWNER_UNAVAILABLE" && e.reason() != "OWNER_ELSEWHERE") throw;
+        oc.call("leaseRelease", {{"leaseId", lease["id"]}});
+        oc.close();
+        return {{"proxy_open_p50_ms", nullptr},
+                {"proxy_stream_mb_s", nullptr},
+                {"details", {{"proxy", {{"unavailable", e.what()}}}}}};
+    }
+    json seq = sequential_opens(via, lease, a.num("count", 500));
+    std::vector<json> runs;
+    for (std::uint64_t i = 0; i < a.num("runs", 3); ++i) {
+        runs.push_back(stream_once(via, lease, bytes, window, a.num("credit-batch", window / 8), pid));
+    }
+    oc.call("leaseRelease", {{"leaseId", lease["id"]}});
+    oc.close();
+    json s = runs_summary(runs);
+    s["bytes"] = bytes;
+    return {{"proxy_open_p50_ms", seq["to_exit_ms"]["p50"]},
+            {"proxy_stream_mb_s", s["median_mb_s"]},
+            {"details", {{"proxy", {{"open_sequential", seq}, {"stream", s}}}}}};
+}
+
+/// free-port: a free TCP port on 127.0.0.1 (for websocketd, which has no port 0).
+json cmd_free_port(const Args&) {
+    net::io_context ioc;
+    tcp::acceptor acc(ioc, tcp::endpoint(net::ip::make_address("127.0.0.1"), 0));
+    std::cout << acc.local_endpoint().port() << "\n";
+    return nullptr;
+}
+
+// ---------------------------------------------------------------- report
+
+const std::vector<std::string> required_keys = {
+    "open_p50_ms",      "open_p99_ms",       "websocketd_open_p50_ms", "stream_mb_s",
+    "pipe_mb_s",        "websocketd_stream_mb_s", "stdin_mb_s",        "proxy_open_p50_ms",
+    "proxy_stream_mb_s", "held_channels",    "held_rss_mb",            "lease_ops_per_s"};
+
+std::string fmt(const json& v, int precision = 1) {
+    if (v.is_null()) return "n/a";
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.*f", precision, v.get<double>());
+    return buf;
+}
+
+std::string verdict(bool met) { return met ? "met" : "MISSED"; }
+
+/// report --out FILE --details FILE --command CMD --machine M FRAGMENT.json...
+json cmd_report(const Args& a) {
+    json all = json::object(), details = json::object();
+    for (const auto& path : a.positional) {
+        json frag = json::parse(read_file(path));
+        for (auto& [k, v] : frag.items()) {
+            if (k == "details") {
+                for (auto& [dk, dv] : v.items()) details[dk] = dv;
+            } else {
+                all[k] = v;
+            }
+        }
+    }
+    json latest = json::object();
+    for (const auto& k : required_keys) {
+        if (!all.contains(k)) throw std::runtime_error("report: no figure for " + k);
+        if (!all[k].is_number() && !(all[k].is_null() && k.rfind("proxy_", 0) == 0)) {
+            throw std::runtime_error("report: " + k + " is not a number: " + all[k].dump());
+        }
+        latest[k] = all[k];
+    }
+    latest["machine"] = a.need("machine");
+    latest["command"] = a.need("command");
+    {
+        std::ofstream out(a.need("out"));
+        out << latest.dump(2) << "\n";
+        if (!out) throw std::runtime_error("cannot write " + a.need("out"));
+    }
+    if (a.has("details")) {
+        json d = {{"machine", latest["machine"]}, {"command", latest["command"]}, {"figures", latest}, {"details", details}};
+        std::ofstream out(a.need("details"));
+        out << d.dump(2) << "\n";
+    }
+
+    // The table.
+    auto num = [&](const std::string& k) { return all[k]; };
+    auto ratio = [](const json& x, const json& y) -> json {
+        if (x.is_null() || y.is_null() || y.get<double>() == 0) return nullptr;
+        return x.get<double>() / y.get<double>();
+    };
+    std::ostringstream t;
+    char line[512];
+    auto row = [&](const std::string& what, const std::string& value, const std::string& anchor,
+                   const std::string& target, const std::string& status) {
+        std::snprintf(line, sizeof line, "| %-38s | %-16s | %-30s | %-22s | %-7s |\n", what.c_str(),
+                      value.c_str(), anchor.c_str(), target.c_str(), status.c_str());
+        t << line;
+    };
+    row("scenario", "sandboxd", "anchor", "target", "status");
+    t << "|" << std::string(40, '-') << "|" << std::string(18, '-') << "|" << std::string(32, '-') << "|"
+      << std::string(24, '-') << "|" << std::string(9, '-') << "|\n";
+
+    const json open_ratio = ratio(num("open_p50_ms"), num("websocketd_open_p50_ms"));
+    row("open `true` p50, sequential (ms)", fmt(num("open_p50_ms"), 2),
+        "websocketd /bin/true " + fmt(num("websocketd_open_p50_ms"), 2), "<= 3x websocketd",
+        open_ratio.is_null() ? "n/a" : verdict(open_ratio.get<double>() <= 3.0) + " " + fmt(open_ratio, 1) + "x");
+    row("open `true` p99, sequential (ms)", fmt(num("open_p99_ms"), 2),
+        details.contains("websocketd_open") ? "websocketd p99 " + fmt(details["websocketd_open"]["p99"], 2) : "",
+        "", "");
+    if (details.contains("open_concurrent")) {
+        const auto& c = details["open_concurrent"];
+        row("open p50 / p99, " + std::to_string(c["in_flight"].get<int>()) + " in flight (ms)",
+            fmt(c["to_exit_ms"]["p50"], 1) + " / " + fmt(c["to_exit_ms"]["p99"], 1),
+            fmt(c["opens_per_s"], 0) + " opens/s", "", "");
+    }
+    const json stream_ratio = ratio(num("stream_mb_s"), num("pipe_mb_s"));
+    row("stream head|channel (MB/s)", fmt(num("stream_mb_s"), 0), "pipe " + fmt(num("pipe_mb_s"), 0),
+        ">= 50% of pipe",
+        stream_ratio.is_null() ? "n/a" : verdict(stream_ratio.get<double>() >= 0.5) + " " + fmt(json(stream_ratio.get<double>() * 100), 0) + "%");
+    row("websocketd --binary head (MB/s)", "", fmt(num("websocketd_stream_mb_s"), 0) +
+        " (" + fmt(ratio(num("stream_mb_s"), num("websocketd_stream_mb_s")), 2) + "x of it)", "", "");
+    row("stdin into cat > /dev/null (MB/s)", fmt(num("stdin_mb_s"), 0), "pipe " + fmt(num("pipe_mb_s"), 0), "", "");
+    if (num("proxy_open_p50_ms").is_null()) {
+        row("proxied open p50 (ms)", "n/a", "routing not available", "", "n/a");
+        row("proxied stream (MB/s)", "n/a", "routing not available", ">= 80% of direct", "n/a");
+    } else {
+        const json pr = ratio(num("proxy_stream_mb_s"), num("stream_mb_s"));
+        row("proxied open p50 (ms)", fmt(num("proxy_open_p50_ms"), 2),
+            "direct " + fmt(num("open_p50_ms"), 2) + " (" + fmt(ratio(num("proxy_open_p50_ms"), num("open_p50_ms")), 2) + "x)", "", "");
+        row("proxied stream (MB/s)", fmt(num("proxy_stream_mb_s"), 0), "direct " + fmt(num("stream_mb_s"), 0),
+            ">= 80% of direct", pr.is_null() ? "n/a" : verdict(pr.get<double>() >= 0.8) + " " + fmt(json(pr.get<double>() * 100), 0) + "%");
+    }
+    std::string held_status = verdict(num("held_rss_mb").get<double>() <= 64.0);
+    if (num("held_channels").get<double>() < 1000) held_status = "n/a (<1000)";
+    row("held `sleep 600` channels: daemon RSS (MiB)", fmt(num("held_rss_mb"), 1),
+        fmt(num("held_channels"), 0) + " channels", "<= 64 MiB at 1,000", held_status);
+    if (details.contains("hold")) {
+        const auto& h = details["hold"];
+        row("  RSS per held channel (KiB)", fmt(h["rss_per_channel_kib"], 1),
+            "before " + fmt(json(h["rss_before_kib"].get<double>() / 1024.0), 1) + " MiB", "", "");
+        row("  open p50 / p99 while held (ms)",
+            fmt(h["open_while_held_ms"]["p50"], 1) + " / " + fmt(h["open_while_held_ms"]["p99"], 1),
+            "idle p99 " + fmt(num("open_p99_ms"), 1), "", "");
+    }
+    row("leaseAcquire+leaseRelease (per s)", fmt(num("lease_ops_per_s"), 0), "sqlite registry", "", "");
+    std::cout << t.str();
+    if (a.has("table")) {
+        std::ofstream out(a.need("table"));
+        out << t.str();
+    }
+    return nullptr;
+}
+
+json dispatch(const Args& a) {
+    if (a.command == "open") return cmd_open(a);
+    if (a.command == "stream") return cmd_stream(a);
+    if (a.command == "stdin") return cmd_stdin(a);
+    if (a.command == "pipe") return cmd_pipe(a);
+    if (a.command == "ws-open") return cmd_ws_open(a);
+    if (a.command == "ws-stream") return cmd_ws_stream(a);
+    if (a.command == "hold") return cmd_hold(a);
+    if (a.command == "lease-ops") return cmd_lease_ops(a);
+    if (a.command == "proxy") return cmd_proxy(a);
+    if (a.command == "free-port") return cmd_free_port(a);
+    if (a.command == "report") return cmd_report(a);
+    throw std::runtime_error("unknown command \"" + a.command +
+                             "\" (open, stream, stdin, pipe, ws-open, ws-stream, hold, lease-ops, "
+                             "proxy, free-port, report)");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    try {
+        const Args a = parse_args(argc, argv);
+        const auto deadline = std::chrono::seconds(a.num("deadline-s", 600));
+        std::thread([deadline, cmd = a.command] {
+            std::this_thread::sleep_for(deadline);
+            std::fprintf(stderr, "sandboxd_bench %s: deadline of %llds passed, giving up\n", cmd.c_str(),
+                         static_cast<long long>(deadline.count()));
+            std::_Exit(3);
+        }).detach();
+        json out = dispatch(a);
+        if (!out.is_null()) std::cout << out.dump() << std::endl;
+        return 0;
+    } catch (const std::exception& e) {
+        std::cerr << "sandboxd_bench: " << e.what() << std::endl;
+        return 1;
+    }
+}

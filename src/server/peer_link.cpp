@@ -1,0 +1,296 @@
+#include "server/peer_link.hpp"
+
+#include "server/node.hpp"
+
+#include <sandboxd/errors.hpp>
+#include <sandboxd/frame.hpp>
+#include <sandboxd/version.hpp>
+
+#include <boost/url/parse.hpp>
+#include <spdlog/spdlog.h>
+
+namespace sandboxd {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr auto connect_timeout = std::chrono::seconds(3);
+
+rpc_error unavailable(const std::string& peer, const std::string& why) {
+    return rpc_error(errc::owner_unavailable,
+                     "Owner node " + peer + " is unavailable: " + why + ".",
+                     {{"ownerNodeId", peer}});
+}
+
+errc errc_of_reason(const std::string& r) {
+    for (int i = 1; i <= static_cast<int>(errc::routing_loop); ++i) {
+        if (reason(static_cast<errc>(i)) == r) return static_cast<errc>(i);
+    }
+    return errc::internal_error;
+}
+
+std::uint32_t frame_channel(std::string_view f) {
+    auto b = [&](int i) { return static_cast<std::uint32_t>(static_cast<unsigned char>(f[i])); };
+    return (b(1) << 24) | (b(2) << 16) | (b(3) << 8) | b(4);
+}
+
+void set_frame_channel(std::string& f, std::uint32_t channel) {
+    f[1] = static_cast<char>((channel >> 24) & 0xff);
+    f[2] = static_cast<char>((channel >> 16) & 0xff);
+    f[3] = static_cast<char>((channel >> 8) & 0xff);
+    f[4] = static_cast<char>(channel & 0xff);
+}
+
+}  // namespace
+
+PeerLink::PeerLink(Node& node, NodeRecord peer, std::string peer_token, net::any_io_executor strand)
+    : node_(node),
+      peer_(std::move(peer)),
+      token_(std::move(peer_token)),
+      strand_(strand),
+      ws_(strand),
+      connect_wait_(strand),
+      out_wake_(strand) {
+    connect_wait_.expires_at(net::steady_timer::time_point::max());
+    out_wake_.expires_at(net::steady_timer::time_point::max());
+}
+
+PeerLink::~PeerLink() = default;
+
+awaitable<json> PeerLink::call(std::string method, json params) {
+    co_return co_await net::co_spawn(
+        strand_, do_call(std::move(method), std::move(params), {}, 0), use_awaitable);
+}
+
+awaitable<json> PeerLink::open(json params, std::weak_ptr<RelayTarget> target,
+                               std::uint32_t local_channel) {
+    co_return co_await net::co_spawn(
+        strand_, do_call("duplexChannelOpen", std::move(params), std::move(target), local_channel),
+        use_awaitable);
+}
+
+awaitable<void> PeerLink::ensure_connected() {
+    while (connecting_) co_await connect_wait_.async_wait(as_tuple_awaitable);
+    if (broken_) throw unavailable(peer_.node_id, broken_reason_);
+    if (connected_) co_return;
+    connecting_ = true;
+    try {
+        auto url = boost::urls::parse_uri(peer_.url);
+        if (!url || url->scheme() != "ws") throw unavailable(peer_.node_id, "its url " + peer_.url + " is not ws://");
+        const std::string host = url->host();
+        const std::string port = url->has_port() ? std::string(url->port()) : "80";
+        const std::string target = url->encoded_path().empty() ? "/v1/ws" : std::string(url->encoded_path());
+        tcp::resolver resolver(strand_);
+        auto [rec, endpoints] = co_await resolver.async_resolve(host, port, as_tuple_awaitable);
+        if (rec) throw unavailable(peer_.node_id, "cannot resolve " + host + ": " + rec.message());
+        auto& lowest = beast::get_lowest_layer(ws_);
+        lowest.expires_after(connect_timeout);
+        auto [cec, ep] = co_await lowest.async_connect(endpoints, as_tuple_awaitable);
+        if (cec) throw unavailable(peer_.node_id, "cannot connect to " + peer_.url + ": " + cec.message());
+        ws_.set_option(websocket::stream_base::decorator(
+            [token = token_, me = node_.node_id](websocket::request_type& req) {
+                req.set(http::field::authorization, "Bearer " + token);
+                req.set(http::field::sec_websocket_protocol, "sandboxd.v1");
+                req.set(http::field::user_agent, std::string("sandboxd-peer/") + version_string);
+                req.set("Sandboxd-Forwarded-By", me);
+            }));
+        ws_.read_message_max(64ULL << 20);
+        auto [hec] = co_await ws_.async_handshake(host + ":" + port, target, as_tuple_awaitable);
+        if (hec) throw unavailable(peer_.node_id, "handshake with " + peer_.url + " failed: " + hec.message());
+        lowest.expires_never();
+        websocket::stream_base::timeout timeouts{};
+        timeouts.handshake_timeout = std::chrono::seconds(10);
+        timeouts.idle_timeout = std::chrono::milliseconds(node_.config.limits.idle_timeout_ms);
+        timeouts.keep_alive_pings = true;
+        ws_.set_option(timeouts);
+        connected_ = true;
+        connecting_ = false;
+        connect_wait_.cancel();
+        auto self = shared_from_this();
+        auto log = [self](const std::exception_ptr& e) {
+            if (!e) return;
+            try {
+                std::rethrow_exception(e);
+            } catch (const std::exception& ex) {
+                spdlog::warn("peer={} link task failed: {}", self->peer_.node_id, ex.what());
+            }
+        };
+        net::co_spawn(strand_, read_loop(), log);
+        net::co_spawn(strand_, write_loop(), log);
+        spdlog::info("peer={} link up ({})", peer_.node_id, peer_.url);
+    } catch (const rpc_error& e) {
+        connecting_ = false;
+        broken_ = true;
+        broken_reason_ = e.what();
+        connect_wait_.cancel();
+        throw;
+    }
+}
+
+awaitable<json> PeerLink::do_call(std::string method, json params, std::weak_ptr<RelayTarget> target,
+                                  std::uint32_t local_channel) {
+    auto self = shared_from_this();
+    co_await ensure_connected();
+    if (broken_) throw unavailable(peer_.node_id, broken_reason_);
+    const auto id = next_id_++;
+    auto& slot = pending_[id];
+    slot.wake = std::make_unique<net::steady_timer>(strand_);
+    slot.wake->expires_at(net::steady_timer::time_point::max());
+    slot.target = std::move(target);
+    slot.local_channel = local_channel;
+    queue(false, json{{"jsonrpc", "2.0"}, {"id", id}, {"method", method}, {"params", std::move(params)}}.dump());
+    while (!pending_[id].response && !broken_) {
+        co_await pending_[id].wake->async_wait(as_tuple_awaitable);
+    }
+    auto node = pending_.extract(id);
+    if (!node.mapped().response) throw unavailable(peer_.node_id, broken_reason_);
+    json response = std::move(*node.mapped().response);
+    if (response.contains("error")) {
+        const auto& e = response["error"];
+        json data = e.value("data", json::object());
+        throw rpc_error(errc_of_reason(data.value("reason", "")), e.value("message", ""), data);
+    }
+    co_return response.value("result", json::object());
+}
+
+void PeerLink::queue(bool binary, std::string bytes) {
+    out_.emplace_back(binary, std::move(bytes));
+    out_wake_.cancel();
+}
+
+void PeerLink::send_frame(std::string frame) {
+    net::post(strand_, [self = shared_from_this(), frame = std::move(frame)]() mutable {
+        if (self->connected_ && !self->broken_) self->queue(true, std::move(frame));
+    });
+}
+
+void PeerLink::close_channel(std::uint32_t remote_channel) {
+    net::post(strand_, [self = shared_from_this(), remote_channel] {
+        if (!self->connected_ || self->broken_) return;
+        self->queue(false, json{{"jsonrpc", "2.0"},
+                                {"method", "duplexChannelClose"},
+                                {"params", {{"channel", remote_channel}}}}
+                               .dump());
+    });
+}
+
+void PeerLink::forget(std::uint32_t remote_channel) {
+    net::post(strand_, [self = shared_from_this(), remote_channel] {
+        self->routes_.erase(remote_channel);
+    });
+}
+
+awaitable<void> PeerLink::write_loop() {
+    auto self = shared_from_this();
+    while (!broken_) {
+        if (out_.empty()) {
+            co_await out_wake_.async_wait(as_tuple_awaitable);
+            continue;
+        }
+        auto item = std::move(out_.front());
+        out_.pop_front();
+        ws_.binary(item.first);
+        auto [ec, n] = co_await ws_.async_write(net::buffer(item.second), as_tuple_awaitable);
+        if (ec) {
+            fail_all("write failed: " + ec.message());
+            co_return;
+        }
+    }
+}
+
+awaitable<void> PeerLink::read_loop() {
+    auto self = shared_from_this();
+    beast::flat_buffer buffer;
+    for (;;) {
+        auto [ec, n] = co_await ws_.async_read(buffer, as_tuple_awaitable);
+        if (ec) {
+            fail_all("the link closed: " + ec.message());
+            co_return;
+        }
+        const auto data = buffer.data();
+        std::string_view message(static_cast<const char*>(data.data()), data.size());
+        if (ws_.got_text()) {
+            on_text(std::string(message));
+        } else {
+            on_binary(message);
+        }
+        buffer.consume(buffer.size());
+    }
+}
+
+void PeerLink::on_text(const std::string& text) {
+    json msg = json::parse(text, nullptr, false);
+    if (!msg.is_object()) return;
+    if (msg.contains("id") && !msg.contains("method")) {
+        auto it = pending_.find(msg["id"].is_number_integer() ? msg["id"].get<std::int64_t>() : -1);
+        if (it == pending_.end()) return;
+        // An open's route exists before the next frame is read: no data is ever unrouted.
+        if (msg.contains("result") && msg["result"].contains("channel") && !it->second.target.expired()) {
+            routes_[msg["result"]["channel"].get<std::uint32_t>()] = {it->second.target, it->second.local_channel};
+        }
+        it->second.response = std::move(msg);
+        it->second.wake->cancel();
+        return;
+    }
+    if (msg.value("method", "") != "duplexChannel.exit") return;
+    auto params = msg["params"];
+    const auto remote = params.value("channel", 0U);
+    auto it = routes_.find(remote);
+    if (it == routes_.end()) return;
+    auto route = it->second;
+    routes_.erase(it);
+    if (auto target = route.target.lock()) {
+        params["channel"] = route.local_channel;
+        net::post(target->relay_executor(), [target, local = route.local_channel, params = std::move(params)]() mutable {
+            target->relay_exit(local, std::move(params));
+        });
+    }
+}
+
+void PeerLink::on_binary(std::string_view frame) {
+    if (frame.size() < frame_header_size) return;
+    auto it = routes_.find(frame_channel(frame));
+    if (it == routes_.end()) return;
+    auto target = it->second.target.lock();
+    if (!target) return;
+    std::string copy(frame);
+    set_frame_channel(copy, it->second.local_channel);
+    net::post(target->relay_executor(), [target, local = it->second.local_channel, copy = std::move(copy)]() mutable {
+        target->relay_binary(local, std::move(copy));
+    });
+}
+
+void PeerLink::fail_all(const std::string& why) {
+    if (broken_) return;
+    broken_ = true;
+    broken_reason_ = why;
+    connected_ = false;
+    spdlog::warn("peer={} link down: {}", peer_.node_id, why);
+    for (auto& [id, p] : pending_) p.wake->cancel();
+    for (auto& [remote, route] : routes_) {
+        if (auto target = route.target.lock()) {
+            json params = {{"channel", route.local_channel}, {"exitCode", nullptr}, {"signal", nullptr},
+                           {"outcome", "transportClosed"}, {"stdoutBytes", nullptr},
+                           {"stderrBytes", nullptr}, {"stdinBytes", nullptr}, {"durationMs", nullptr}};
+            net::post(target->relay_executor(), [target, local = route.local_channel, params = std::move(params)]() mutable {
+                target->relay_exit(local, std::move(params));
+            });
+        }
+    }
+    routes_.clear();
+    out_wake_.cancel();
+    beast::error_code ec;
+    beast::get_lowest_layer(ws_).socket().close(ec);
+}
+
+std::shared_ptr<PeerLink> PeerLinks::get(Node& node, const NodeRecord& peer, const std::string& token,
+                                         net::io_context& ioc) {
+    std::lock_guard lock(mutex_);
+    auto& link = links_[peer.node_id];
+    if (!link || link->broken()) {
+        link = std::make_shared<PeerLink>(node, peer, token, net::make_strand(ioc));
+    }
+    return link;
+}
+
+}  // namespace sandboxd

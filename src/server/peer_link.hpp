@@ -1,0 +1,119 @@
+#pragma once
+// One WebSocket from this node to a peer node (docs/protocol.md section 6), multiplexing every
+// channel forwarded to that peer plus forwarded lease calls. Opened with a `peer` token and the
+// header `Sandboxd-Forwarded-By: <this node>`, so the peer never forwards again.
+//
+// Threading: a PeerLink runs on its own strand. Its public coroutines may be awaited from any
+// strand (they hop to the link's strand and back); send_frame() may be called from any thread.
+// Frames for a forwarded channel are delivered to the host session's strand.
+#include "server/net.hpp"
+
+#include <sandboxd/registry.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+namespace sandboxd {
+
+struct Node;
+
+/// Where a forwarded channel's frames go on this node: the host's session, under the channel
+/// id the host knows.
+class RelayTarget {
+public:
+    virtual ~RelayTarget() = default;
+    /// A frame from the owner, channel id already rewritten to `local_channel`. Called on the
+    /// target's strand.
+    virtual void relay_binary(std::uint32_t local_channel, std::string frame) = 0;
+    /// The owner's duplexChannel.exit (channel rewritten), or a made-up transportClosed exit
+    /// when the link died. Called on the target's strand; the route is gone afterwards.
+    virtual void relay_exit(std::uint32_t local_channel, nlohmann::json exit_params) = 0;
+    virtual net::any_io_executor relay_executor() = 0;
+};
+
+class PeerLink : public std::enable_shared_from_this<PeerLink> {
+public:
+    PeerLink(Node& node, NodeRecord peer, std::string peer_token, net::any_io_executor strand);
+    ~PeerLink();
+    PeerLink(const PeerLink&) = delete;
+    PeerLink& operator=(const PeerLink&) = delete;
+
+    const std::string& peer_id() const noexcept { return peer_.node_id; }
+    bool broken() const noexcept { return broken_; }
+
+    /// Sends a JSON-RPC request to the peer and returns its result; the peer's error is
+    /// rethrown as rpc_error with the same reason. Connects first if needed. Throws
+    /// rpc_error(errc::owner_unavailable) when the peer cannot be reached within the connect
+    /// timeout or the link drops before the response.
+    awaitable<nlohmann::json> call(std::string method, nlohmann::json params);
+
+    /// Like call("duplexChannelOpen"), and on success routes the remote channel's frames to
+    /// `target` under `local_channel` before any of them is read.
+    awaitable<nlohmann::json> open(nlohmann::json params, std::weak_ptr<RelayTarget> target,
+                                   std::uint32_t local_channel);
+
+    /// Queues a binary frame (already rewritten to the remote channel id) for the peer.
+    void send_frame(std::string frame);
+    /// Asks the peer to close a remote channel (a notification: no response awaited).
+    void close_channel(std::uint32_t remote_channel);
+    /// Forgets the route of a remote channel (after its exit or a close).
+    void forget(std::uint32_t remote_channel);
+
+private:
+    struct Pending {
+        std::optional<nlohmann::json> response;
+        std::unique_ptr<net::steady_timer> wake;
+        std::weak_ptr<RelayTarget> target;  // for opens
+        std::uint32_t local_channel = 0;
+    };
+    struct Route {
+        std::weak_ptr<RelayTarget> target;
+        std::uint32_t local_channel = 0;
+    };
+
+    awaitable<nlohmann::json> do_call(std::string method, nlohmann::json params,
+                                      std::weak_ptr<RelayTarget> target,
+                                      std::uint32_t local_channel);
+    awaitable<void> ensure_connected();
+    awaitable<void> read_loop();
+    awaitable<void> write_loop();
+    void on_text(const std::string& text);
+    void on_binary(std::string_view frame);
+    void fail_all(const std::string& why);
+    void queue(bool binary, std::string bytes);
+
+    Node& node_;
+    NodeRecord peer_;
+    std::string token_;
+    net::any_io_executor strand_;
+    websocket::stream<beast::tcp_stream> ws_;
+    bool connected_ = false;
+    bool connecting_ = false;
+    bool broken_ = false;
+    std::string broken_reason_;
+    net::steady_timer connect_wait_;
+    std::deque<std::pair<bool, std::string>> out_;
+    net::steady_timer out_wake_;
+    std::int64_t next_id_ = 1;
+    std::map<std::int64_t, Pending> pending_;
+    std::map<std::uint32_t, Route> routes_;
+};
+
+/// The links of one node, one per peer. Thread-safe.
+class PeerLinks {
+public:
+    /// The live link to `peer` (made if absent or broken).
+    std::shared_ptr<PeerLink> get(Node& node, const NodeRecord& peer, const std::string& token,
+                                  net::io_context& ioc);
+
+private:
+    std::mutex mutex_;
+    std::map<std::string, std::shared_ptr<PeerLink>> links_;
+};
+
+}  // namespace sandboxd
