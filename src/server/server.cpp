@@ -272,11 +272,6 @@ void Daemon::stop() {
                 if (auto s = weak.lock()) s->shutdown();
             }
         }
-        try {
-            node.registry->remove_node(node.node_id, node.instance_id);
-        } catch (const std::exception& e) {
-            spdlog::warn("node={} could not remove its node record: {}", node.node_id, e.what());
-        }
         // Channels get SIGHUP now and SIGKILL after the hangup grace; the io_context runs
         // until every one is reaped, then run() returns.
         net::co_spawn(impl->ioc, impl->finish_stop(), net::detached);
@@ -284,6 +279,12 @@ void Daemon::stop() {
 }
 
 awaitable<void> Daemon::Impl::finish_stop() {
+    auto work_remove = [this] { node.registry->remove_node(node.node_id, node.instance_id); };
+    try {
+        co_await run_blocking(node.blocking, std::move(work_remove));
+    } catch (const std::exception& e) {
+        spdlog::warn("node={} could not remove its node record: {}", node.node_id, e.what());
+    }
     net::steady_timer t(ioc);
     while (node.channels.size() > 0) {
         t.expires_after(std::chrono::milliseconds(20));
