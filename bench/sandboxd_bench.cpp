@@ -506,10 +506,11 @@ json concurrent_opens(const Target& t, const json& lease, std::size_t total, std
 
 /// Streams `bytes` of zeros from `head` through a channel; returns MB/s (10^6 bytes).
 json stream_once(const Target& t, const json& lease, std::uint64_t bytes, std::uint64_t window,
-                 std::uint64_t batch, long daemon_pid) {
+                 std::uint64_t batch, long daemon_pid, long relay_pid = 0) {
     Conn c(t.url, t.token);
     const double cpu0 = cpu_self_s();
     const double dcpu0 = cpu_of_pid(daemon_pid);
+    const double rcpu0 = cpu_of_pid(relay_pid);
     const auto t0 = clock_type::now();
     const auto id = c.send_request(
         "duplexChannelOpen",
@@ -537,6 +538,7 @@ json stream_once(const Target& t, const json& lease, std::uint64_t bytes, std::u
     const double secs = secs_since(t0);
     const double cpu = cpu_self_s() - cpu0;
     const double dcpu = cpu_of_pid(daemon_pid) - dcpu0;
+    const double rcpu = cpu_of_pid(relay_pid) - rcpu0;
     c.close();
     if (got != bytes || exit.value("exitCode", json()) != 0) {
         throw std::runtime_error("stream: got " + std::to_string(got) + " of " + std::to_string(bytes) +
@@ -548,6 +550,7 @@ json stream_once(const Target& t, const json& lease, std::uint64_t bytes, std::u
               {"avg_frame", frames ? static_cast<double>(got) / static_cast<double>(frames) : 0.0},
               {"client_cpu_s", cpu}};
     if (!std::isnan(dcpu)) j["daemon_cpu_s"] = dcpu;
+    if (!std::isnan(rcpu)) j["relay_daemon_cpu_s"] = rcpu;
     return j;
 }
 
@@ -638,6 +641,7 @@ json cmd_stream(const Args& a) {
     const long pid = static_cast<long>(a.num("pid", 0));
     Conn c(t.url, t.token);
     const json lease = acquire(c);
+    stream_once(t, lease, std::min<std::uint64_t>(bytes, 32ULL << 20), window, batch, pid);  // warm-up
     std::vector<json> runs;
     for (std::uint64_t i = 0; i < a.num("runs", 3); ++i) runs.push_back(stream_once(t, lease, bytes, window, batch, pid));
     c.call("leaseRelease", {{"leaseId", lease["id"]}});
@@ -656,6 +660,7 @@ json cmd_stdin(const Args& a) {
     const long pid = static_cast<long>(a.num("pid", 0));
     Conn c(t.url, t.token);
     const json lease = acquire(c);
+    stdin_once(t, lease, std::min<std::uint64_t>(bytes, 32ULL << 20), pid);  // warm-up
     std::vector<json> runs;
     for (std::uint64_t i = 0; i < a.num("runs", 3); ++i) runs.push_back(stdin_once(t, lease, bytes, pid));
     c.call("leaseRelease", {{"leaseId", lease["id"]}});
@@ -910,9 +915,11 @@ json cmd_proxy(const Args& a) {
                 {"details", {{"proxy", {{"unavailable", e.what()}}}}}};
     }
     json seq = sequential_opens(via, lease, a.num("count", 500));
+    stream_once(via, lease, std::min<std::uint64_t>(bytes, 32ULL << 20), window, window / 8, pid);  // warm-up
     std::vector<json> runs;
     for (std::uint64_t i = 0; i < a.num("runs", 3); ++i) {
-        runs.push_back(stream_once(via, lease, bytes, window, a.num("credit-batch", window / 8), pid));
+        runs.push_back(stream_once(via, lease, bytes, window, a.num("credit-batch", window / 8), pid,
+                                   static_cast<long>(a.num("via-pid", 0))));
     }
     oc.call("leaseRelease", {{"leaseId", lease["id"]}});
     oc.close();
@@ -991,13 +998,13 @@ json cmd_report(const Args& a) {
     char line[512];
     auto row = [&](const std::string& what, const std::string& value, const std::string& anchor,
                    const std::string& target, const std::string& status) {
-        std::snprintf(line, sizeof line, "| %-38s | %-16s | %-30s | %-22s | %-7s |\n", what.c_str(),
+        std::snprintf(line, sizeof line, "| %-44s | %-16s | %-32s | %-18s | %-13s |\n", what.c_str(),
                       value.c_str(), anchor.c_str(), target.c_str(), status.c_str());
         t << line;
     };
     row("scenario", "sandboxd", "anchor", "target", "status");
-    t << "|" << std::string(40, '-') << "|" << std::string(18, '-') << "|" << std::string(32, '-') << "|"
-      << std::string(24, '-') << "|" << std::string(9, '-') << "|\n";
+    t << "|" << std::string(46, '-') << "|" << std::string(18, '-') << "|" << std::string(34, '-') << "|"
+      << std::string(20, '-') << "|" << std::string(15, '-') << "|\n";
 
     const json open_ratio = ratio(num("open_p50_ms"), num("websocketd_open_p50_ms"));
     row("open `true` p50, sequential (ms)", fmt(num("open_p50_ms"), 2),
@@ -1042,6 +1049,10 @@ json cmd_report(const Args& a) {
             "idle p99 " + fmt(num("open_p99_ms"), 1), "", "");
     }
     row("leaseAcquire+leaseRelease (per s)", fmt(num("lease_ops_per_s"), 0), "sqlite registry", "", "");
+    if (details.contains("load")) {
+        t << "load average (1/5/15 min) before: " << details["load"].value("before", "?")
+          << ", after: " << details["load"].value("after", "?") << "\n";
+    }
     std::cout << t.str();
     if (a.has("table")) {
         std::ofstream out(a.need("table"));

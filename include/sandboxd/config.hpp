@@ -35,6 +35,8 @@ struct RegistryConfig {
     std::string path;             ///< sqlite file; "" = <stateDir>/registry.db
     std::vector<std::string> endpoints;  ///< etcd gateway URLs, http://host:port
     std::string prefix = "/sandboxd/v1/";
+    std::string username;       ///< etcd auth user; "" = no auth
+    std::string password_file;  ///< file holding the etcd user's password (trailing whitespace trimmed)
 };
 
 struct BwrapConfig {

@@ -108,6 +108,10 @@ public:
     /// removed) or the process cannot be started; nothing is left running then.
     virtual SpawnedProcess spawn(const SandboxHandle& sandbox, const ExecSpec& spec) = 0;
 
+    /// False while the provider cannot serve (a plugin worker that is down, restarting or
+    /// given up): create() and spawn() then throw errc::provider_not_ready. Fast; no I/O.
+    virtual bool ready() const noexcept { return true; }
+
     /// A handle good enough to destroy() the sandbox of `scope` that this process no longer
     /// caches (after a restart, for the sweeper), or nullptr when the provider cannot tear
     /// down by scope alone. Never used to open channels. Fast; no I/O.

@@ -94,4 +94,28 @@ public:
 /// cannot be opened or its schema created.
 std::unique_ptr<Registry> make_sqlite_registry(const std::string& path);
 
+/// An etcd registry, spoken to through etcd's v3 JSON gateway (HTTP POST to /v3/...) with a
+/// blocking HTTP/1.1 client; several processes on several hosts may share one `prefix`.
+///
+/// - `endpoints`: "http://HOST:PORT" URLs of the cluster's members (no TLS); each request goes
+///   to the last one that answered and fails over to the others in turn.
+/// - `prefix`: every key lives under it (`<prefix>leases/<id>`, `<prefix>idem/<company>/<env>/
+///   <key>`, `<prefix>nodes/<nodeId>`); it should end with "/".
+/// - `node_ttl_ms`: milliseconds; register_node attaches the node record to an etcd lease of
+///   this TTL (rounded up to whole seconds, at least 1; etcd itself may raise it to its
+///   minimum, about 2 s), renewed by heartbeat_node, so a node that stops heartbeating
+///   vanishes from list_nodes after it.
+/// - `username`/`password`: when `username` is not empty, the client authenticates
+///   (/v3/auth/authenticate) and sends the token, authenticating again when it is refused.
+///
+/// Every call blocks for at most 2 s per endpoint tried. Thread-safe, like every Registry.
+/// Errors: malformed `endpoints` (none, or not http://HOST:PORT) or `node_ttl_ms` <= 0 throw
+/// std::invalid_argument here; nothing is sent until the first call. Afterwards, an etcd that
+/// cannot be reached, times out, answers HTTP 5xx, an error or a malformed body makes the call
+/// throw rpc_error(errc::registry_unavailable, "registry: <op>: <detail>").
+std::unique_ptr<Registry> make_etcd_registry(std::vector<std::string> endpoints,
+                                             std::string prefix, std::int64_t node_ttl_ms,
+                                             std::string username = "",
+                                             std::string password = "");
+
 }  // namespace sandboxd

@@ -150,6 +150,8 @@ void parse_top(const json& j, Config& c) {
         o.str("path", c.registry.path);
         o.strings("endpoints", c.registry.endpoints);
         o.str("prefix", c.registry.prefix);
+        o.str("username", c.registry.username);
+        o.str("passwordFile", c.registry.password_file);
         o.done();
     }
     if (const auto* a = top.get("auth")) {
@@ -246,6 +248,24 @@ void validate_config(const Config& c) {
     if (c.registry.kind == "etcd" && c.registry.endpoints.empty()) {
         fail("registry.endpoints", "etcd needs at least one endpoint");
     }
+    for (std::size_t i = 0; i < c.registry.endpoints.size(); ++i) {
+        const auto& e = c.registry.endpoints[i];
+        std::string hp = e.rfind("http://", 0) == 0 ? e.substr(7) : std::string();
+        if (!hp.empty() && hp.back() == '/') hp.pop_back();
+        const auto pc = hp.rfind(':');
+        const std::string ep_port = pc == std::string::npos ? "" : hp.substr(pc + 1);
+        if (hp.find('/') != std::string::npos || pc == std::string::npos || pc == 0 ||
+            ep_port.empty() || ep_port.size() > 5 ||
+            ep_port.find_first_not_of("0123456789") != std::string::npos ||
+            std::stoul(ep_port) == 0 || std::stoul(ep_port) > 65535) {
+            fail("registry.endpoints[" + std::to_string(i) + "]",
+                 "must be http://HOST:PORT, got \"" + e + "\"");
+        }
+    }
+    if (c.registry.username.empty() != c.registry.password_file.empty()) {
+        fail(c.registry.username.empty() ? "registry.username" : "registry.passwordFile",
+             "registry.username and registry.passwordFile go together");
+    }
     for (std::size_t i = 0; i < c.tokens.size(); ++i) {
         const auto& t = c.tokens[i];
         const std::string p = "auth.tokens[" + std::to_string(i) + "]";
@@ -296,7 +316,9 @@ nlohmann::json config_to_json(const Config& c) {
          {{"kind", c.registry.kind},
           {"path", c.registry.path},
           {"endpoints", c.registry.endpoints},
-          {"prefix", c.registry.prefix}}},
+          {"prefix", c.registry.prefix},
+          {"username", c.registry.username},
+          {"passwordFile", c.registry.password_file}}},
         {"auth", {{"tokens", tokens}}},
         {"routing",
          {{"mode", c.routing_mode}, {"nodeTtlMs", c.node_ttl_ms}, {"heartbeatMs", c.heartbeat_ms}}},

@@ -302,6 +302,14 @@ private:
             if (sig < 1 || sig > 64) continue;
             if ((buf[i] & 0x80) != 0) {
                 ::kill(-1, sig);  // every process of the namespace but the init itself
+            } else if (sig == SIGWINCH && opts_.pty) {
+                // As the kernel does on a size change: the terminal's foreground group.
+                const pid_t fg = ::tcgetpgrp(STDIN_FILENO);
+                if (fg > 0) {
+                    ::kill(-fg, sig);
+                } else if (command_pid_ > 0) {
+                    ::kill(-command_pid_, sig);
+                }
             } else if (command_pid_ > 0) {
                 ::kill(-command_pid_, sig);
             }

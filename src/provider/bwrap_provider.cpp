@@ -193,6 +193,7 @@ public:
             }
             stdout_pipe = detail::make_pipe(detail::daemon_end::read);
             stderr_pipe = detail::make_pipe(detail::daemon_end::read);
+            ::fcntl(stdout_pipe.read_end.get(), F_SETPIPE_SZ, 1 << 20);  // fewer, larger reads
             request.fds[1] = stdout_pipe.write_end.get();
             request.fds[2] = stderr_pipe.write_end.get();
         }

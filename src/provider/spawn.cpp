@@ -20,6 +20,14 @@ namespace sandboxd::detail {
 namespace {
 
 [[noreturn]] void throw_errno(const std::string& what, int err) {
+    if (err == EMFILE || err == ENFILE) {
+        // Not the provider's fault: the node has no descriptor left for another channel
+        // (RLIMIT_NOFILE, or the system's file table). Like a full channel limit, it passes
+        // once channels end.
+        throw rpc_error(errc::channel_limit,
+                        what + ": this node has no file descriptor left for another channel (" +
+                            (err == EMFILE ? "RLIMIT_NOFILE" : "system file table") + ")");
+    }
     throw rpc_error(errc::provider_error, what + ": " + std::strerror(err));
 }
 

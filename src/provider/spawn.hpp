@@ -24,7 +24,9 @@ struct Pipe {
 /// Which end of a pipe the daemon keeps (and so makes non-blocking).
 enum class daemon_end { read, write };
 
-/// Creates a pipe; throws rpc_error(errc::provider_error) on failure.
+/// Creates a pipe; throws rpc_error(errc::provider_error) on failure, or
+/// rpc_error(errc::channel_limit) when the process is out of descriptors (EMFILE, ENFILE), as
+/// every function here does.
 Pipe make_pipe(daemon_end kept);
 
 /// A new pseudo-terminal: the master is non-blocking, both are close-on-exec, and the

@@ -18,7 +18,7 @@
 namespace sandboxd {
 namespace {
 
-constexpr std::size_t read_chunk = 64 * 1024;
+constexpr std::size_t read_chunk = 256 * 1024;
 
 struct SignalName {
     int number;
@@ -90,7 +90,7 @@ Channel::Channel(strand_t strand, ChannelOptions options, SpawnedProcess process
       sink_(std::move(sink)),
       pid_(process.pid),
       control_fd_(std::move(process.control_fd)),
-      pidfd_(strand, process.pidfd.release()),
+      pidfd_(strand),
       status_(strand, process.status_fd.release()),
       stdout_(strand),
       stderr_(strand),
@@ -101,6 +101,8 @@ Channel::Channel(strand_t strand, ChannelOptions options, SpawnedProcess process
       hangup_timer_(strand),
       done_timer_(strand),
       started_(std::chrono::steady_clock::now()) {
+    // No pidfd: a channel without a process of ours (a plugin provider's bridge).
+    if (process.pidfd) pidfd_.assign(process.pidfd.release());
     if (process.stdout_fd) stdout_.assign(process.stdout_fd.release());
     if (process.stderr_fd) stderr_.assign(process.stderr_fd.release());
     if (process.stdin_fd) stdin_.assign(process.stdin_fd.release());
@@ -167,12 +169,20 @@ awaitable<void> Channel::supervise() {
     status_line_ = co_await read_status();
     main_exited_ = true;
     deadline_.cancel();
-    // The init kills what is left of the namespace and exits; bubblewrap follows it.
-    // An error here (the descriptor was closed) still ends in waitid below.
-    co_await pidfd_.async_wait(net::posix::descriptor_base::wait_read, as_tuple_awaitable);
-    siginfo_t info{};
-    ::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(pidfd_.native_handle()), &info,
-             WEXITED);
+    if (pidfd_.is_open()) {
+        // The init kills what is left of the namespace and exits; bubblewrap follows it.
+        // An error here (the descriptor was closed) still ends in waitid below.
+        co_await pidfd_.async_wait(net::posix::descriptor_base::wait_read, as_tuple_awaitable);
+        siginfo_t info{};
+        ::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(pidfd_.native_handle()),
+                 &info, WEXITED);
+    } else {
+        // No process of ours: the channel is over when the provider closes the status pipe.
+        for (char sink[64];;) {
+            auto [ec, n] = co_await status_.async_read_some(net::buffer(sink), as_tuple_awaitable);
+            if (ec) break;
+        }
+    }
     reaped_ = true;
     hangup_timer_.cancel();
     if (options_.on_reaped) std::exchange(options_.on_reaped, nullptr)();
@@ -191,15 +201,25 @@ awaitable<void> Channel::pump_output(net::posix::stream_descriptor& fd, stream_i
         while (unacked_ >= options_.output_window && !hung_up_) {
             co_await credit_timer_.async_wait(as_tuple_awaitable);
         }
+        // No buffer while idle: wait until the pipe is readable, then size it to what is there.
+        auto [wec] = co_await fd.async_wait(net::posix::descriptor_base::wait_read, as_tuple_awaitable);
+        if (wec) break;
+        if (unacked_ >= options_.output_window && !hung_up_) continue;  // the other stream took it
         const std::size_t want = std::min<std::uint64_t>(
             read_chunk, hung_up_ ? read_chunk : options_.output_window - unacked_);
-        std::string frame(frame_header_size + want, '\0');
+        int avail = 0;
+        if (::ioctl(fd.native_handle(), FIONREAD, &avail) < 0 || avail <= 0) avail = 1;
+        const std::size_t size = std::min<std::size_t>(want, static_cast<std::size_t>(avail));
+        std::string frame(frame_header_size + size, '\0');
+        // The window is reserved before the read so that stdout and stderr together never
+        // have more than outputWindow bytes in flight.
+        if (!hung_up_) unacked_ += size;
         auto [ec, n] = co_await fd.async_read_some(
-            net::buffer(frame.data() + frame_header_size, want), as_tuple_awaitable);
+            net::buffer(frame.data() + frame_header_size, size), as_tuple_awaitable);
+        if (!hung_up_) unacked_ -= std::min<std::uint64_t>(unacked_, size - (ec ? 0 : n));
         if (ec) break;  // EOF; EIO on a PTY master once every slave is closed
         (is_stdout ? stdout_bytes_ : stderr_bytes_) += n;
         if (hung_up_) continue;  // nobody to send to: drain so that writers never block
-        unacked_ += n;
         auto sink = sink_.lock();
         if (!sink) continue;
         if (options_.base64) {
@@ -322,7 +342,8 @@ void Channel::resize(std::uint16_t cols, std::uint16_t rows) {
     if (::ioctl(master, TIOCGWINSZ, &ws) == 0 && ws.ws_col == cols && ws.ws_row == rows) {
         // The kernel signals only a change; a resize to the current size (a client that
         // re-sends its size to get a redraw) still owes the foreground group its SIGWINCH.
-        ::ioctl(master, TIOCSIG, SIGWINCH);
+        // TIOCSIG on a master sends only INT, QUIT and TSTP: the init delivers it instead.
+        send_control(static_cast<unsigned char>(SIGWINCH));
         return;
     }
     ws = winsize{};
@@ -355,7 +376,7 @@ void Channel::kill_tree() noexcept {
     if (killed_ || reaped_) return;
     killed_ = true;
     send_control(static_cast<unsigned char>(0x80 | SIGKILL));
-    ::syscall(SYS_pidfd_send_signal, pidfd_.native_handle(), SIGKILL, nullptr, 0);
+    if (pidfd_.is_open()) ::syscall(SYS_pidfd_send_signal, pidfd_.native_handle(), SIGKILL, nullptr, 0);
 }
 
 void Channel::send_control(unsigned char byte) noexcept {
@@ -380,6 +401,8 @@ void Channel::send_exit() {
     } else if (killed_) {
         signal = "KILL";
         outcome = channel_outcome::stopped;
+    } else if (!pidfd_.is_open()) {
+        outcome = channel_outcome::transport_closed;  // the provider's transport ended it
     }
     if (forced_outcome_) outcome = *forced_outcome_;
     const auto duration = std::chrono::duration_cast<std::chrono::milliseconds>(

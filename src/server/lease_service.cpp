@@ -67,6 +67,7 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
     Provider* provider = provider_of(node, lease.provider);
     if (!handle && provider) handle = provider->handle_for_teardown(scope, lease.id);
     std::optional<std::string> failure;
+    bool transient = false;  // a plugin worker that is down: no retry attempt is spent
     if (!provider) {
         failure = "no provider \"" + lease.provider + "\" on node " + node.node_id;
     } else if (!handle) {
@@ -75,6 +76,9 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
         try {
             auto work2 = [provider, handle] { provider->destroy(*handle); };
             co_await run_blocking(node.blocking, std::move(work2));
+        } catch (const rpc_error& e) {
+            failure = e.what();
+            transient = e.code() == errc::provider_not_ready;
         } catch (const std::exception& e) {
             failure = e.what();
         }
@@ -88,7 +92,7 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
         next.status = lease_status::pending_cleanup;
         next.failure_reason = *failure;
         next.cleanup_status = "teardown failed";
-        next.cleanup_attempts = lease.cleanup_attempts + 1;
+        next.cleanup_attempts = lease.cleanup_attempts + (transient ? 0 : 1);
     } else {
         next.status = final_status;
         next.released_at_ms = now;

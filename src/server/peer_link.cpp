@@ -95,6 +95,10 @@ awaitable<void> PeerLink::ensure_connected() {
                 req.set("Sandboxd-Forwarded-By", me);
             }));
         ws_.read_message_max(64ULL << 20);
+        ws_.auto_fragment(false);
+        ws_.write_buffer_bytes(512 * 1024);  // masking buffer: one write per relayed frame
+        beast::error_code nodelay_ec;
+        lowest.socket().set_option(tcp::no_delay(true), nodelay_ec);
         auto [hec] = co_await ws_.async_handshake(host + ":" + port, target, as_tuple_awaitable);
         if (hec) throw unavailable(peer_.node_id, "handshake with " + peer_.url + " failed: " + hec.message());
         lowest.expires_never();

@@ -1,5 +1,6 @@
 #include <sandboxd/server.hpp>
 
+#include "provider/plugin_worker.hpp"
 #include "server/blocking_pool.hpp"
 #include "server/lease_service.hpp"
 #include "server/node.hpp"
@@ -177,13 +178,24 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
         node.credentials.push_back({read_secret_file(impl_->token_path), Principal{"admin", "host", {"*"}}});
     }
 
-    if (c.registry.kind != "sqlite") {
-        throw config_error("config: registry.kind: \"" + c.registry.kind +
-                           "\" is not available in this build; use \"sqlite\"");
+    if (c.registry.kind == "etcd") {
+        std::string password;
+        if (!c.registry.password_file.empty()) {
+            try {
+                password = read_secret_file(c.registry.password_file);
+            } catch (const config_error&) {
+                throw config_error("config: registry.passwordFile: cannot read " +
+                                   c.registry.password_file + ", or it is empty");
+            }
+        }
+        node.registry = make_etcd_registry(c.registry.endpoints, c.registry.prefix,
+                                           c.node_ttl_ms, c.registry.username, password);
+    } else {
+        const auto db = c.registry.path.empty()
+                            ? (fs::path(c.state_dir) / "registry.db").string()
+                            : c.registry.path;
+        node.registry = make_sqlite_registry(db);
     }
-    const auto db = c.registry.path.empty() ? (fs::path(c.state_dir) / "registry.db").string()
-                                            : c.registry.path;
-    node.registry = make_sqlite_registry(db);
 
     if (c.bwrap.enabled) {
         BwrapOptions opts;
@@ -197,8 +209,13 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
         auto key = provider->key();
         node.providers.emplace(key, std::move(provider));
     }
-    if (!c.plugins.empty()) {
-        throw config_error("config: providers.plugins: plugin providers are not available in this build");
+    for (std::size_t i = 0; i < c.plugins.size(); ++i) {
+        if (node.providers.count(c.plugins[i].provider)) {
+            throw config_error("config: providers.plugins[" + std::to_string(i) +
+                               "].provider: \"" + c.plugins[i].provider + "\" is already taken");
+        }
+        auto key = c.plugins[i].provider;
+        node.providers.emplace(key, make_plugin_provider(c.plugins[i]));
     }
 }
 
@@ -243,8 +260,8 @@ std::string Daemon::start() {
     };
     net::co_spawn(impl_->ioc, impl_->accept_loop(), log_failure);
     net::co_spawn(impl_->ioc, impl_->heartbeat_loop(), log_failure);
-    spdlog::info("node={} version={} registry=sqlite providers={}", node.node_id, version_string,
-                 node.providers.size());
+    spdlog::info("node={} version={} registry={} providers={}", node.node_id, version_string,
+                 node.config.registry.kind, node.providers.size());
     return impl_->bound;
 }
 
@@ -301,6 +318,8 @@ awaitable<void> Daemon::Impl::accept_loop() {
             spdlog::warn("accept failed: {}", ec.message());
             continue;
         }
+        beast::error_code nodelay_ec;
+        socket.set_option(tcp::no_delay(true), nodelay_ec);  // no Nagle wait behind an unacked frame
         auto ex = socket.get_executor();
         net::co_spawn(ex, serve(std::move(socket)), [](const std::exception_ptr& e) {
             if (!e) return;

@@ -58,10 +58,12 @@ std::string decode_base64(const std::string& field, std::string_view text) {
 
 Session::Session(Node& node, websocket::stream<beast::tcp_stream> ws, const Principal& who)
     : node_(node),
-      ws_(std::move(ws)),
+      ws_(std::move(ws.next_layer())),  // not yet upgraded: only the TCP stream matters
       who_(who),
       strand_(ws_.get_executor()),
-      queue_timer_(strand_) {
+      queue_timer_(strand_),
+      ping_timer_(strand_),
+      idle_timer_(strand_) {
     queue_timer_.expires_at(net::steady_timer::time_point::max());
     beast::error_code ec;
     auto ep = beast::get_lowest_layer(ws_).socket().remote_endpoint(ec);
@@ -88,6 +90,7 @@ awaitable<void> Session::run(http::request<http::string_body> request) {
     });
     // No permessage-deflate: Beast leaves it off unless asked, so an offer is answered
     // without the extension and a frame with RSV1 set is a protocol error (1002).
+    ws_.auto_fragment(false);  // Beast's default splits every message into 4 KiB frames
     ws_.read_message_max(std::max<std::size_t>(limits.max_text_message,
                                                limits.max_data_payload + frame_header_size));
     const bool echo_subprotocol = offers_subprotocol(request[http::field::sec_websocket_protocol]);
@@ -121,6 +124,10 @@ awaitable<void> Session::run(http::request<http::string_body> request) {
     }
     closing_ = true;
     queue_timer_.cancel();
+    // The ping and idle loops hold the session: end them now, so that the socket and the
+    // session's memory go at once, not a ping interval or an idle timeout later.
+    ping_timer_.cancel();
+    idle_timer_.cancel();
     close_all_channels();
     spdlog::info("peer={} disconnected", peer_);
 }
@@ -175,10 +182,9 @@ awaitable<void> Session::write_loop() {
 
 awaitable<void> Session::ping_loop() {
     auto self = shared_from_this();
-    net::steady_timer timer(strand_);
     while (!closing_) {
-        timer.expires_after(std::chrono::milliseconds(node_.config.limits.ping_interval_ms));
-        auto [ec] = co_await timer.async_wait(as_tuple_awaitable);
+        ping_timer_.expires_after(std::chrono::milliseconds(node_.config.limits.ping_interval_ms));
+        auto [ec] = co_await ping_timer_.async_wait(as_tuple_awaitable);
         if (ec || closing_) co_return;
         auto [pec] = co_await ws_.async_ping({}, as_tuple_awaitable);
         if (pec) co_return;
@@ -188,11 +194,11 @@ awaitable<void> Session::ping_loop() {
 awaitable<void> Session::idle_loop() {
     auto self = shared_from_this();
     const auto idle = std::chrono::milliseconds(node_.config.limits.idle_timeout_ms);
-    net::steady_timer timer(strand_);
     while (!closing_) {
         // While a message is being handled nothing is read: that is not the peer's silence.
-        timer.expires_at(reading_ ? last_heard_ + idle : std::chrono::steady_clock::now() + idle);
-        auto [ec] = co_await timer.async_wait(as_tuple_awaitable);
+        idle_timer_.expires_at(reading_ ? last_heard_ + idle
+                                        : std::chrono::steady_clock::now() + idle);
+        auto [ec] = co_await idle_timer_.async_wait(as_tuple_awaitable);
         if (ec || closing_) co_return;
         const auto silent = std::chrono::steady_clock::now() - last_heard_;
         if (!reading_ || silent < idle) continue;  // heard from it meanwhile

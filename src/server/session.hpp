@@ -6,6 +6,7 @@
 // Threading: everything runs on the session's strand; the session is kept alive by its
 // coroutines (enable_shared_from_this); channels hold it by weak_ptr.
 #include "server/channel.hpp"
+#include "server/frame_guard.hpp"
 #include "server/node.hpp"
 
 #include <nlohmann/json.hpp>
@@ -67,11 +68,13 @@ private:
     void close_all_channels();
 
     Node& node_;
-    websocket::stream<beast::tcp_stream> ws_;
+    websocket::stream<frame_guard<beast::tcp_stream>> ws_;  // see frame_guard.hpp
     Principal who_;
     strand_t strand_;
     std::deque<Outgoing> queue_;
     net::steady_timer queue_timer_;  // woken (cancelled) when the queue gets work
+    net::steady_timer ping_timer_;   // ping_loop's; cancelled when the session ends
+    net::steady_timer idle_timer_;   // idle_loop's; cancelled when the session ends
     std::chrono::steady_clock::time_point last_heard_;  // last frame read from the peer
     bool reading_ = false;  // a read is outstanding (idle_loop counts silence only then)
     bool closing_ = false;

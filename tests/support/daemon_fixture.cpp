@@ -134,6 +134,29 @@ std::vector<pid_t> DaemonProcess::children() const {
     return out;
 }
 
+ScopedEnv::ScopedEnv(std::string name, const std::string& value) : name_(std::move(name)) {
+    if (const char* old = std::getenv(name_.c_str())) {
+        had_ = true;
+        old_ = old;
+    }
+    ::setenv(name_.c_str(), value.c_str(), 1);
+}
+
+ScopedEnv::~ScopedEnv() {
+    if (had_) {
+        ::setenv(name_.c_str(), old_.c_str(), 1);
+    } else {
+        ::unsetenv(name_.c_str());
+    }
+}
+
+ScopedEnv measure_memory_env() {
+    const char* old = std::getenv("ASAN_OPTIONS");
+    std::string value = old && *old ? std::string(old) + ":" : std::string();
+    return ScopedEnv("ASAN_OPTIONS",
+                     value + "quarantine_size_mb=0:thread_local_quarantine_size_kb=0");
+}
+
 bool DaemonProcess::alive() const {
     if (pid_ <= 0) return false;
     const char state = proc_state(pid_);

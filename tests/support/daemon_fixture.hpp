@@ -79,6 +79,25 @@ private:
     unsigned long fd_limit_ = 0;
 };
 
+/// Sets an environment variable (inherited by daemons started meanwhile) and restores it.
+class ScopedEnv {
+public:
+    ScopedEnv(std::string name, const std::string& value);
+    ~ScopedEnv();
+    ScopedEnv(const ScopedEnv&) = delete;
+    ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+private:
+    std::string name_;
+    bool had_ = false;
+    std::string old_;
+};
+
+/// For tests that measure a daemon's RSS: ASAN_OPTIONS (the current ones, if any) with
+/// AddressSanitizer's quarantine off, so that RSS shows what the daemon keeps, not the freed
+/// memory that ASan holds back (up to 256 MiB by default) to catch use-after-free.
+ScopedEnv measure_memory_env();
+
 /// Waits until `pred` holds or `timeout` passes; returns whether it held.
 template <typename Pred>
 bool eventually(Pred pred, std::chrono::milliseconds timeout);

@@ -30,14 +30,14 @@ std::string client_frame(int opcode, std::string_view payload, bool fin, std::ui
         out.push_back(static_cast<char>(0x80 | 127));
         for (int i = 7; i >= 0; --i) out.push_back(static_cast<char>((size >> (8 * i)) & 0xff));
     }
-    const unsigned char key[4] = {static_cast<unsigned char>(mask >> 24),
-                                  static_cast<unsigned char>(mask >> 16),
-                                  static_cast<unsigned char>(mask >> 8),
-                                  static_cast<unsigned char>(mask)};
+    const unsigned char key[4] = {
+        static_cast<unsigned char>(mask >> 24), static_cast<unsigned char>(mask >> 16),
+        static_cast<unsigned char>(mask >> 8), static_cast<unsigned char>(mask)};
     out.append(reinterpret_cast<const char*>(key), 4);
     const std::size_t start = out.size();
     out.append(payload);
-    for (std::size_t i = 0; i < payload.size(); ++i) out[start + i] ^= static_cast<char>(key[i % 4]);
+    for (std::size_t i = 0; i < payload.size(); ++i)
+        out[start + i] ^= static_cast<char>(key[i % 4]);
     return out;
 }
 
@@ -128,7 +128,8 @@ std::optional<RawFrame> RawWebSocket::read_frame(std::chrono::milliseconds timeo
                            static_cast<unsigned char>(buffer_[3]);
                 } else if (header == 10) {
                     size = 0;
-                    for (int i = 2; i < 10; ++i) size = size << 8 | static_cast<unsigned char>(buffer_[i]);
+                    for (int i = 2; i < 10; ++i)
+                        size = size << 8 | static_cast<unsigned char>(buffer_[i]);
                 }
                 if (buffer_.size() >= header + size) {
                     RawFrame f;

@@ -72,7 +72,8 @@ std::string sha256_hex(std::string_view bytes) {
     tail[rest] = 0x80;
     const std::size_t tail_size = rest + 9 <= 64 ? 64 : 128;
     const std::uint64_t bits = static_cast<std::uint64_t>(bytes.size()) * 8;
-    for (int i = 0; i < 8; ++i) tail[tail_size - 1 - i] = static_cast<unsigned char>(bits >> (8 * i));
+    for (int i = 0; i < 8; ++i)
+        tail[tail_size - 1 - i] = static_cast<unsigned char>(bits >> (8 * i));
     compress(h, tail);
     if (tail_size == 128) compress(h, tail + 64);
     static constexpr char digits[] = "0123456789abcdef";

@@ -1,0 +1,509 @@
+// The etcd backend of the lease registry, through etcd's v3 JSON gateway (etcd_client.hpp).
+//
+// Layout under the prefix (path components percent-encode '%' and '/'):
+//   <prefix>leases/<id>                      JSON of every Lease field (the SQLite columns)
+//   <prefix>idem/<company>/<env>/<key>       the lease id made with that idempotency key
+//   <prefix>nodes/<nodeId>                   JSON of the NodeRecord, attached to the node's
+//                                            etcd lease so that it vanishes when the node dies
+// Writes are transactions that compare create or mod revisions, so several processes may share
+// one prefix.
+#include "registry/etcd_client.hpp"
+
+#include <sandboxd/errors.hpp>
+#include <sandboxd/registry.hpp>
+
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <string_view>
+#include <utility>
+
+namespace sandboxd {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr std::size_t max_page = 1000;
+constexpr int max_cas_attempts = 8;
+constexpr std::chrono::milliseconds request_timeout{2000};
+
+[[noreturn]] void throw_unavailable(std::string_view op, std::string_view detail) {
+    throw rpc_error(errc::registry_unavailable,
+                    "registry: " + std::string(op) + ": " + std::string(detail));
+}
+
+/// Runs `f`, turning etcd error answers and malformed answers into registry_unavailable.
+template <typename F>
+auto guarded(std::string_view op, F&& f) -> decltype(f()) {
+    try {
+        return f();
+    } catch (const etcd::status_error& e) {
+        throw_unavailable(op, "etcd: " + std::string(e.what()));
+    } catch (const json::exception& e) {
+        throw_unavailable(op, std::string("malformed answer or record: ") + e.what());
+    } catch (const std::invalid_argument& e) {
+        throw_unavailable(op, std::string("malformed answer or record: ") + e.what());
+    }
+}
+
+/// Percent-encodes '%' and '/' so that a component cannot change the key's structure.
+std::string escape(std::string_view s) {
+    std::string out;
+    out.reserve(s.size());
+    for (char c : s) {
+        if (c == '%') {
+            out += "%25";
+        } else if (c == '/') {
+            out += "%2F";
+        } else {
+            out += c;
+        }
+    }
+    return out;
+}
+
+// --- records -----------------------------------------------------------------------------
+
+json opt(const std::optional<std::string>& v) { return v ? json(*v) : json(nullptr); }
+json opt(const std::optional<std::int64_t>& v) { return v ? json(*v) : json(nullptr); }
+
+std::string encode_lease(const Lease& l) {
+    json j = {
+        {"id", l.id},
+        {"company_id", l.company_id},
+        {"environment_id", l.environment_id},
+        {"run_id", opt(l.run_id)},
+        {"issue_id", opt(l.issue_id)},
+        {"heartbeat_run_id", opt(l.heartbeat_run_id)},
+        {"execution_workspace_id", opt(l.execution_workspace_id)},
+        {"status", to_string(l.status)},
+        {"provider", l.provider},
+        {"provider_lease_id", l.provider_lease_id},
+        {"owner_node_id", l.owner_node_id},
+        {"epoch", l.epoch},
+        {"acquired_at_ms", l.acquired_at_ms},
+        {"last_used_at_ms", l.last_used_at_ms},
+        {"expires_at_ms", opt(l.expires_at_ms)},
+        {"released_at_ms", opt(l.released_at_ms)},
+        {"failure_reason", opt(l.failure_reason)},
+        {"cleanup_status", opt(l.cleanup_status)},
+        {"metadata", l.metadata},
+        {"idempotency_key", opt(l.idempotency_key)},
+        {"config", l.config},
+        {"cleanup_attempts", l.cleanup_attempts},
+    };
+    return j.dump();
+}
+
+std::string get_str(const json& j, const char* name) { return j.at(name).get<std::string>(); }
+std::int64_t get_int(const json& j, const char* name) { return j.at(name).get<std::int64_t>(); }
+std::optional<std::string> get_opt_str(const json& j, const char* name) {
+    auto it = j.find(name);
+    if (it == j.end() || it->is_null()) return std::nullopt;
+    return it->get<std::string>();
+}
+std::optional<std::int64_t> get_opt_int(const json& j, const char* name) {
+    auto it = j.find(name);
+    if (it == j.end() || it->is_null()) return std::nullopt;
+    return it->get<std::int64_t>();
+}
+
+Lease decode_lease(const etcd::KeyValue& kv, std::string_view op) {
+    try {
+        json j = json::parse(kv.value);
+        Lease l;
+        l.id = get_str(j, "id");
+        l.company_id = get_str(j, "company_id");
+        l.environment_id = get_str(j, "environment_id");
+        l.run_id = get_opt_str(j, "run_id");
+        l.issue_id = get_opt_str(j, "issue_id");
+        l.heartbeat_run_id = get_opt_str(j, "heartbeat_run_id");
+        l.execution_workspace_id = get_opt_str(j, "execution_workspace_id");
+        auto status = parse_lease_status(get_str(j, "status"));
+        if (!status) throw_unavailable(op, "unknown status in lease " + l.id);
+        l.status = *status;
+        l.provider = get_str(j, "provider");
+        l.provider_lease_id = get_str(j, "provider_lease_id");
+        l.owner_node_id = get_str(j, "owner_node_id");
+        l.epoch = get_int(j, "epoch");
+        l.acquired_at_ms = get_int(j, "acquired_at_ms");
+        l.last_used_at_ms = get_int(j, "last_used_at_ms");
+        l.expires_at_ms = get_opt_int(j, "expires_at_ms");
+        l.released_at_ms = get_opt_int(j, "released_at_ms");
+        l.failure_reason = get_opt_str(j, "failure_reason");
+        l.cleanup_status = get_opt_str(j, "cleanup_status");
+        l.metadata = j.at("metadata");
+        l.idempotency_key = get_opt_str(j, "idempotency_key");
+        l.config = j.at("config");
+        l.cleanup_attempts = static_cast<int>(get_int(j, "cleanup_attempts"));
+        return l;
+    } catch (const json::exception&) {
+        throw_unavailable(op, "corrupt lease record " + kv.key);
+    }
+}
+
+std::string encode_node(const NodeRecord& n) {
+    json j = {{"node_id", n.node_id},
+              {"url", n.url},
+              {"started_at_ms", n.started_at_ms},
+              {"heartbeat_at_ms", n.heartbeat_at_ms},
+              {"instance_id", n.instance_id}};
+    return j.dump();
+}
+
+NodeRecord decode_node(const etcd::KeyValue& kv, std::string_view op) {
+    try {
+        json j = json::parse(kv.value);
+        NodeRecord n;
+        n.node_id = get_str(j, "node_id");
+        n.url = get_str(j, "url");
+        n.started_at_ms = get_int(j, "started_at_ms");
+        n.heartbeat_at_ms = get_int(j, "heartbeat_at_ms");
+        n.instance_id = get_str(j, "instance_id");
+        return n;
+    } catch (const json::exception&) {
+        throw_unavailable(op, "corrupt node record " + kv.key);
+    }
+}
+
+// --- cursor (the same format as the SQLite registry's) -----------------------------------
+
+std::string encode_cursor(const Lease& last) {
+    return std::to_string(last.acquired_at_ms) + ":" + last.id;
+}
+
+std::pair<std::int64_t, std::string> decode_cursor(const std::string& cursor) {
+    auto colon = cursor.find(':');
+    std::int64_t ms = 0;
+    if (colon == std::string::npos || colon == 0 || colon + 1 == cursor.size()) {
+        throw rpc_error(errc::invalid_params, "cursor: malformed");
+    }
+    const char* end = cursor.data() + colon;
+    auto [ptr, ec] = std::from_chars(cursor.data(), end, ms);
+    if (ec != std::errc() || ptr != end) throw rpc_error(errc::invalid_params, "cursor: malformed");
+    return {ms, cursor.substr(colon + 1)};
+}
+
+bool by_acquired(const Lease& a, const Lease& b) {
+    return std::tie(a.acquired_at_ms, a.id) < std::tie(b.acquired_at_ms, b.id);
+}
+
+/// Revokes a granted etcd lease on scope exit unless released.
+class LeaseGuard {
+public:
+    LeaseGuard(etcd::Client& client, std::string_view op) : client_(client), op_(op) {}
+    LeaseGuard(const LeaseGuard&) = delete;
+    LeaseGuard& operator=(const LeaseGuard&) = delete;
+    ~LeaseGuard() {
+        if (id_ == 0) return;
+        try {
+            client_.lease_revoke(op_, id_);
+        } catch (...) {  // best effort: it expires on its own after its TTL
+        }
+    }
+    std::int64_t get(std::int64_t ttl_s) {
+        if (id_ == 0) id_ = client_.lease_grant(op_, ttl_s);
+        return id_;
+    }
+    void release() { id_ = 0; }
+
+private:
+    etcd::Client& client_;
+    std::string_view op_;
+    std::int64_t id_ = 0;
+};
+
+class EtcdRegistry final : public Registry {
+public:
+    EtcdRegistry(std::vector<std::string> endpoints, std::string prefix, std::int64_t node_ttl_ms,
+                 std::string username, std::string password)
+        : client_(std::move(endpoints), std::move(username), std::move(password), request_timeout),
+          prefix_(std::move(prefix)),
+          node_ttl_s_(std::max<std::int64_t>(1, (node_ttl_ms + 999) / 1000)) {
+        if (node_ttl_ms <= 0) throw std::invalid_argument("etcd registry: node TTL must be > 0");
+    }
+
+    Lease create_lease(const Lease& lease) override {
+        constexpr std::string_view op = "create lease";
+        return guarded(op, [&] {
+            const std::string lk = lease_key(lease.id);
+            json compare = json::array({etcd::compare_create_revision(lk, 0)});
+            json success = json::array({etcd::request_put(lk, encode_lease(lease))});
+            json failure = json::array();
+            if (lease.idempotency_key) {
+                const std::string ik =
+                    idem_key(lease.company_id, lease.environment_id, *lease.idempotency_key);
+                compare.push_back(etcd::compare_create_revision(ik, 0));
+                success.push_back(etcd::request_put(ik, lease.id));
+                failure.push_back(etcd::request_range(ik));
+            }
+            auto result =
+                client_.txn(op, std::move(compare), std::move(success), std::move(failure));
+            if (result.succeeded) return lease;
+            if (lease.idempotency_key && !result.responses.empty()) {
+                const auto& rr = result.responses.at(0).at("response_range");
+                if (auto kvs = rr.find("kvs"); kvs != rr.end() && !kvs->empty()) {
+                    const auto existing_id = etcd::decode_kv(kvs->at(0)).value;
+                    auto existing = read_lease(existing_id, op);
+                    if (!existing) throw_unavailable(op, "idempotency clash without a lease");
+                    return std::move(*existing);
+                }
+            }
+            throw_unavailable(op, "lease id " + lease.id + " already exists");
+        });
+    }
+
+    std::optional<Lease> get_lease(const std::string& id) override {
+        constexpr std::string_view op = "get lease";
+        return guarded(op, [&] { return read_lease(id, op); });
+    }
+
+    std::optional<Lease> find_by_idempotency_key(const std::string& company_id,
+                                                 const std::string& environment_id,
+                                                 const std::string& key) override {
+        constexpr std::string_view op = "find lease by idempotency key";
+        return guarded(op, [&]() -> std::optional<Lease> {
+            auto kv = client_.get(op, idem_key(company_id, environment_id, key));
+            if (!kv) return std::nullopt;
+            auto lease = read_lease(kv->value, op);
+            if (!lease || lease->company_id != company_id ||
+                lease->environment_id != environment_id) {
+                return std::nullopt;
+            }
+            return lease;
+        });
+    }
+
+    LeasePage list_leases(const LeaseQuery& query) override {
+        constexpr std::string_view op = "list leases";
+        std::optional<std::pair<std::int64_t, std::string>> after;
+        if (!query.cursor.empty()) after = decode_cursor(query.cursor);
+        auto limit = std::clamp<std::size_t>(query.limit, 1, max_page);
+
+        auto matches = [&](const Lease& l) {
+            if (query.company_id && l.company_id != *query.company_id) return false;
+            if (query.environment_id && l.environment_id != *query.environment_id) return false;
+            if (query.status && l.status != *query.status) return false;
+            if (query.owner_node_id && l.owner_node_id != *query.owner_node_id) return false;
+            if (!query.tenants.empty() && std::find(query.tenants.begin(), query.tenants.end(),
+                                                    l.company_id) == query.tenants.end()) {
+                return false;
+            }
+            if (after &&
+                std::tie(l.acquired_at_ms, l.id) <= std::tie(after->first, after->second)) {
+                return false;
+            }
+            return true;
+        };
+        auto leases = guarded(op, [&] { return all_leases(op); });
+        std::erase_if(leases, [&](const Lease& l) { return !matches(l); });
+        std::sort(leases.begin(), leases.end(), by_acquired);
+
+        LeasePage page;
+        if (leases.size() > limit) {
+            leases.resize(limit);
+            page.next_cursor = encode_cursor(leases.back());
+        }
+        page.leases = std::move(leases);
+        return page;
+    }
+
+    bool update_lease(const Lease& next, std::int64_t expected_epoch) override {
+        constexpr std::string_view op = "update lease";
+        return guarded(op, [&] {
+            const std::string lk = lease_key(next.id);
+            for (int attempt = 0; attempt < max_cas_attempts; ++attempt) {
+                auto kv = client_.get(op, lk);
+                if (!kv) return false;
+                Lease stored = decode_lease(*kv, op);
+                if (stored.epoch != expected_epoch) return false;
+                stored.status = next.status;
+                stored.owner_node_id = next.owner_node_id;
+                stored.epoch = next.epoch;
+                stored.last_used_at_ms = next.last_used_at_ms;
+                stored.expires_at_ms = next.expires_at_ms;
+                stored.released_at_ms = next.released_at_ms;
+                stored.failure_reason = next.failure_reason;
+                stored.cleanup_status = next.cleanup_status;
+                stored.cleanup_attempts = next.cleanup_attempts;
+                stored.metadata = next.metadata;
+                auto result =
+                    client_.txn(op, json::array({etcd::compare_mod_revision(lk, kv->mod_revision)}),
+                                json::array({etcd::request_put(lk, encode_lease(stored))}));
+                if (result.succeeded) return true;
+                // Another writer came between the read and the write: read again.
+            }
+            throw_unavailable(op, "lease " + next.id + " keeps changing under contention");
+        });
+    }
+
+    std::vector<Lease> expired_leases(const std::string& owner_node_id,
+                                      std::int64_t at_ms) override {
+        constexpr std::string_view op = "expired leases";
+        auto leases = guarded(op, [&] { return all_leases(op); });
+        std::erase_if(leases, [&](const Lease& l) {
+            return !(l.owner_node_id == owner_node_id && l.status == lease_status::active &&
+                     l.expires_at_ms && *l.expires_at_ms <= at_ms);
+        });
+        std::sort(leases.begin(), leases.end(), [](const Lease& a, const Lease& b) {
+            return std::tie(*a.expires_at_ms, a.id) < std::tie(*b.expires_at_ms, b.id);
+        });
+        return leases;
+    }
+
+    void register_node(const NodeRecord& node, std::int64_t liveness_ttl_ms) override {
+        constexpr std::string_view op = "register node";
+        guarded(op, [&] {
+            const std::string nk = node_key(node.node_id);
+            LeaseGuard granted(client_, op);
+            for (int attempt = 0; attempt < max_cas_attempts; ++attempt) {
+                auto kv = client_.get(op, nk);
+                json compare;
+                std::int64_t old_lease = 0;
+                if (kv) {
+                    auto held = decode_node(*kv, op);
+                    if (held.instance_id != node.instance_id &&
+                        held.heartbeat_at_ms > node.heartbeat_at_ms - liveness_ttl_ms) {
+                        throw rpc_error(
+                            errc::invalid_params,
+                            "node id " + node.node_id +
+                                " is already held by a live process (last heartbeat " +
+                                std::to_string(node.heartbeat_at_ms - held.heartbeat_at_ms) +
+                                " ms ago)");
+                    }
+                    old_lease = kv->lease;
+                    compare = etcd::compare_mod_revision(nk, kv->mod_revision);
+                } else {
+                    compare = etcd::compare_create_revision(nk, 0);
+                }
+                const std::int64_t lease_id = granted.get(node_ttl_s_);
+                auto result =
+                    client_.txn(op, json::array({std::move(compare)}),
+                                json::array({etcd::request_put(nk, encode_node(node), lease_id)}));
+                if (!result.succeeded) continue;
+                granted.release();
+                // The record moved to the new etcd lease; the old one (a refresh of this
+                // instance, or a dead instance's) holds nothing any more.
+                if (old_lease != 0 && old_lease != lease_id) {
+                    try {
+                        client_.lease_revoke(op, old_lease);
+                    } catch (...) {  // best effort: it expires on its own
+                    }
+                }
+                return;
+            }
+            throw_unavailable(op, "node " + node.node_id + " keeps changing under contention");
+        });
+    }
+
+    bool heartbeat_node(const std::string& node_id, const std::string& instance_id,
+                        std::int64_t at_ms) override {
+        constexpr std::string_view op = "heartbeat node";
+        return guarded(op, [&] {
+            const std::string nk = node_key(node_id);
+            bool renewed = false;
+            for (int attempt = 0; attempt < max_cas_attempts; ++attempt) {
+                auto kv = client_.get(op, nk);
+                if (!kv) return false;
+                auto record = decode_node(*kv, op);
+                if (record.instance_id != instance_id) return false;
+                if (kv->lease != 0 && !renewed) {
+                    // A TTL of 0 (omitted) means the etcd lease expired: the record is gone or
+                    // about to be, and this instance has lost its membership.
+                    if (client_.lease_keepalive(op, kv->lease) <= 0) return false;
+                    renewed = true;
+                }
+                record.heartbeat_at_ms = at_ms;
+                try {
+                    auto result = client_.txn(
+                        op, json::array({etcd::compare_mod_revision(nk, kv->mod_revision)}),
+                        json::array({etcd::request_put(nk, encode_node(record), kv->lease)}));
+                    if (result.succeeded) return true;
+                } catch (const etcd::status_error& e) {
+                    if (e.code() == etcd::code_not_found) return false;  // lease expired
+                    throw;
+                }
+            }
+            throw_unavailable(op, "node " + node_id + " keeps changing under contention");
+        });
+    }
+
+    void remove_node(const std::string& node_id, const std::string& instance_id) override {
+        constexpr std::string_view op = "remove node";
+        guarded(op, [&] {
+            const std::string nk = node_key(node_id);
+            for (int attempt = 0; attempt < max_cas_attempts; ++attempt) {
+                auto kv = client_.get(op, nk);
+                if (!kv) return;
+                if (decode_node(*kv, op).instance_id != instance_id) return;
+                auto result =
+                    client_.txn(op, json::array({etcd::compare_mod_revision(nk, kv->mod_revision)}),
+                                json::array({etcd::request_delete(nk)}));
+                if (!result.succeeded) continue;
+                if (kv->lease != 0) client_.lease_revoke(op, kv->lease);
+                return;
+            }
+            throw_unavailable(op, "node " + node_id + " keeps changing under contention");
+        });
+    }
+
+    std::vector<NodeRecord> list_nodes() override {
+        constexpr std::string_view op = "list nodes";
+        return guarded(op, [&] {
+            std::vector<NodeRecord> out;
+            for (const auto& kv : client_.get_prefix(op, prefix_ + "nodes/")) {
+                out.push_back(decode_node(kv, op));
+            }
+            std::sort(out.begin(), out.end(), [](const NodeRecord& a, const NodeRecord& b) {
+                return a.node_id < b.node_id;
+            });
+            return out;
+        });
+    }
+
+    std::optional<NodeRecord> get_node(const std::string& node_id) override {
+        constexpr std::string_view op = "get node";
+        return guarded(op, [&]() -> std::optional<NodeRecord> {
+            auto kv = client_.get(op, node_key(node_id));
+            if (!kv) return std::nullopt;
+            return decode_node(*kv, op);
+        });
+    }
+
+private:
+    std::string lease_key(std::string_view id) const { return prefix_ + "leases/" + escape(id); }
+    std::string idem_key(std::string_view company, std::string_view environment,
+                         std::string_view key) const {
+        return prefix_ + "idem/" + escape(company) + "/" + escape(environment) + "/" + escape(key);
+    }
+    std::string node_key(std::string_view id) const { return prefix_ + "nodes/" + escape(id); }
+
+    std::optional<Lease> read_lease(const std::string& id, std::string_view op) {
+        auto kv = client_.get(op, lease_key(id));
+        if (!kv) return std::nullopt;
+        return decode_lease(*kv, op);
+    }
+
+    std::vector<Lease> all_leases(std::string_view op) {
+        std::vector<Lease> out;
+        for (const auto& kv : client_.get_prefix(op, prefix_ + "leases/")) {
+            out.push_back(decode_lease(kv, op));
+        }
+        return out;
+    }
+
+    etcd::Client client_;
+    const std::string prefix_;
+    const std::int64_t node_ttl_s_;
+};
+
+}  // namespace
+
+std::unique_ptr<Registry> make_etcd_registry(std::vector<std::string> endpoints, std::string prefix,
+                                             std::int64_t node_ttl_ms, std::string username,
+                                             std::string password) {
+    return std::make_unique<EtcdRegistry>(std::move(endpoints), std::move(prefix), node_ttl_ms,
+                                          std::move(username), std::move(password));
+}
+
+}  // namespace sandboxd

@@ -1,0 +1,298 @@
+#include "support/etcd_fixture.hpp"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/utsname.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+namespace sandboxd::test {
+namespace fs = std::filesystem;
+
+namespace {
+
+/// A loopback TCP port that was free a moment ago.
+unsigned short free_port() {
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) throw std::runtime_error("socket failed");
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = 0;
+    socklen_t len = sizeof addr;
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+        ::close(fd);
+        throw std::runtime_error("cannot find a free port");
+    }
+    ::close(fd);
+    return ntohs(addr.sin_port);
+}
+
+/// A fresh directory, on tmpfs (/dev/shm) when there is one: etcd fsyncs every write.
+fs::path make_temp_dir() {
+    std::vector<std::string> bases;
+    std::error_code ec;
+    if (fs::is_directory("/dev/shm", ec) && ::access("/dev/shm", W_OK) == 0) {
+        bases.emplace_back("/dev/shm");
+    }
+    const char* tmp = std::getenv("TMPDIR");
+    bases.emplace_back(tmp && *tmp ? tmp : "/tmp");
+    for (const auto& base : bases) {
+        std::string tmpl = base + "/sandboxd-etcd.XXXXXX";
+        if (::mkdtemp(tmpl.data()) != nullptr) return tmpl;
+    }
+    throw std::runtime_error("mkdtemp failed");
+}
+
+std::string etcd_binary() {
+    const char* bin = std::getenv("SANDBOXD_ETCD_BIN");
+    std::string path = bin && *bin ? bin : "/usr/bin/etcd";
+    if (::access(path.c_str(), X_OK) != 0) {
+        throw std::runtime_error(path +
+                                 " not found: install the Debian package etcd-server "
+                                 "or set SANDBOXD_ETCD_ENDPOINT");
+    }
+    return path;
+}
+
+/// Parses "http://HOST:PORT" into host and port for the health probe.
+bool split_endpoint(const std::string& endpoint, std::string& host, unsigned short& port) {
+    const std::string scheme = "http://";
+    if (endpoint.rfind(scheme, 0) != 0) return false;
+    std::string rest = endpoint.substr(scheme.size());
+    if (!rest.empty() && rest.back() == '/') rest.pop_back();
+    auto colon = rest.rfind(':');
+    if (colon == std::string::npos) return false;
+    host = rest.substr(0, colon);
+    if (host == "localhost") host = "127.0.0.1";
+    port = static_cast<unsigned short>(std::atoi(rest.c_str() + colon + 1));
+    return port != 0;
+}
+
+std::atomic<int> prefix_counter{0};
+
+}  // namespace
+
+bool etcd_healthy(const std::string& endpoint, std::chrono::milliseconds timeout) {
+    std::string host;
+    unsigned short port = 0;
+    if (!split_endpoint(endpoint, host, port)) return false;
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return false;
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(port);
+    if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1 ||
+        ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+        ::close(fd);
+        return false;
+    }
+    const std::string req = "GET /health HTTP/1.0\r\nHost: " + host + "\r\n\r\n";
+    if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size())) {
+        ::close(fd);
+        return false;
+    }
+    std::string answer;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now());
+        if (left.count() <= 0) break;
+        pollfd p{fd, POLLIN, 0};
+        if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) break;
+        char buf[4096];
+        ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+        if (n <= 0) break;
+        answer.append(buf, static_cast<std::size_t>(n));
+    }
+    ::close(fd);
+    return answer.find("\"health\":\"true\"") != std::string::npos;
+}
+
+EtcdServer::EtcdServer() : dir_(make_temp_dir()) {
+    // A free port may be taken by another process before etcd binds it: try other ports.
+    for (int attempt = 1;; ++attempt) {
+        client_port_ = free_port();
+        do {
+            peer_port_ = free_port();
+        } while (peer_port_ == client_port_);
+        endpoint_ = "http://127.0.0.1:" + std::to_string(client_port_);
+        try {
+            start();
+            return;
+        } catch (...) {
+            std::error_code ec;
+            if (attempt < 3 && log().find("address already in use") != std::string::npos) {
+                fs::remove_all(dir_ / "data", ec);
+                fs::remove(dir_ / "etcd.log", ec);
+                continue;
+            }
+            fs::remove_all(dir_, ec);
+            throw;
+        }
+    }
+}
+
+EtcdServer::EtcdServer(External, std::string endpoint)
+    : external_(true), endpoint_(std::move(endpoint)) {
+    while (!endpoint_.empty() && endpoint_.back() == '/') endpoint_.pop_back();
+}
+
+EtcdServer::~EtcdServer() {
+    if (external_) return;
+    stop();
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+}
+
+EtcdServer& EtcdServer::shared() {
+    static std::unique_ptr<EtcdServer> server = [] {
+        const char* ext = std::getenv("SANDBOXD_ETCD_ENDPOINT");
+        if (ext && *ext) {
+            auto s = std::unique_ptr<EtcdServer>(new EtcdServer(External{}, ext));
+            if (!etcd_healthy(s->endpoint(), std::chrono::seconds(5))) {
+                throw std::runtime_error("SANDBOXD_ETCD_ENDPOINT " + s->endpoint() +
+                                         " does not answer GET /health");
+            }
+            return s;
+        }
+        return std::make_unique<EtcdServer>();
+    }();
+    return *server;
+}
+
+std::string EtcdServer::unique_prefix() {
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                        std::chrono::system_clock::now().time_since_epoch())
+                        .count();
+    return "/sandboxd-test/" + std::to_string(::getpid()) + "-" +
+           std::to_string(prefix_counter.fetch_add(1)) + "-" + std::to_string(ms) + "/";
+}
+
+void EtcdServer::require_private(const char* what) const {
+    if (external_) {
+        throw std::logic_error(std::string("EtcdServer::") + what +
+                               ": not allowed on the SANDBOXD_ETCD_ENDPOINT server");
+    }
+}
+
+void EtcdServer::start() {
+    require_private("start");
+    if (pid_ > 0) return;
+    const std::string bin = etcd_binary();
+    const std::string client_url = endpoint_;
+    const std::string peer_url = "http://127.0.0.1:" + std::to_string(peer_port_);
+    // clang-format off
+    std::vector<std::string> args = {bin,
+                                     "--name", "t",
+                                     "--data-dir", (dir_ / "data").string(),
+                                     "--listen-client-urls", client_url,
+                                     "--advertise-client-urls", client_url,
+                                     "--listen-peer-urls", peer_url,
+                                     "--initial-advertise-peer-urls", peer_url,
+                                     "--initial-cluster", "t=" + peer_url};
+    // clang-format on
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const std::string log_path = (dir_ / "etcd.log").string();
+
+    const auto began = std::chrono::steady_clock::now();
+    const pid_t parent = ::getpid();
+    pid_ = ::fork();
+    if (pid_ < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
+    if (pid_ == 0) {
+        // Never outlive the test process, whatever happens to it.
+        ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (::getppid() != parent) ::_exit(125);
+        int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+        if (fd >= 0) {
+            ::dup2(fd, 1);
+            ::dup2(fd, 2);
+        }
+#if !defined(__x86_64__)
+        utsname u{};
+        if (::uname(&u) == 0) {
+            std::string arch = u.machine;
+            if (arch == "aarch64") arch = "arm64";
+            ::setenv("ETCD_UNSUPPORTED_ARCH", arch.c_str(), 1);
+        }
+#endif
+        ::execv(argv[0], argv.data());
+        ::_exit(127);
+    }
+    paused_ = false;
+    const auto deadline = began + std::chrono::seconds(30);
+    while (!etcd_healthy(endpoint_, std::chrono::milliseconds(500))) {
+        int status = 0;
+        if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+            pid_ = -1;
+            throw std::runtime_error("etcd exited during start:\n" + log());
+        }
+        if (std::chrono::steady_clock::now() >= deadline) {
+            stop();
+            throw std::runtime_error("etcd did not become healthy in 30 s:\n" + log());
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    last_start_ = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::chrono::steady_clock::now() - began);
+}
+
+void EtcdServer::stop() {
+    require_private("stop");
+    if (pid_ <= 0) return;
+    if (paused_) resume();
+    ::kill(pid_, SIGTERM);
+    int status = 0;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (::waitpid(pid_, &status, WNOHANG) != pid_) {
+        if (std::chrono::steady_clock::now() >= deadline) {
+            ::kill(pid_, SIGKILL);
+            ::waitpid(pid_, &status, 0);
+            break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    pid_ = -1;
+}
+
+void EtcdServer::pause() {
+    require_private("pause");
+    if (pid_ <= 0 || paused_) return;
+    ::kill(pid_, SIGSTOP);
+    paused_ = true;
+}
+
+void EtcdServer::resume() {
+    require_private("resume");
+    if (pid_ <= 0 || !paused_) return;
+    ::kill(pid_, SIGCONT);
+    paused_ = false;
+}
+
+std::string EtcdServer::log() const {
+    if (external_) return {};
+    std::ifstream in(dir_ / "etcd.log");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+}
+
+}  // namespace sandboxd::test

@@ -1,0 +1,70 @@
+#pragma once
+// A real etcd server for the registry tests: a private `etcd` process on free loopback ports
+// with a temporary data directory, or the server named by SANDBOXD_ETCD_ENDPOINT (CI may
+// start one). Not thread-safe; the shared() instance lives until the test process exits.
+#include <sys/types.h>
+
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+namespace sandboxd::test {
+
+class EtcdServer {
+public:
+    /// Starts a private etcd (the binary $SANDBOXD_ETCD_BIN, else /usr/bin/etcd) and waits
+    /// (at most 30 s) until GET /health answers {"health":"true"}. Throws std::runtime_error
+    /// with etcd's log when it does not come up.
+    EtcdServer();
+    /// Stops it (SIGTERM, SIGKILL after 10 s) and removes its data directory.
+    ~EtcdServer();
+    EtcdServer(const EtcdServer&) = delete;
+    EtcdServer& operator=(const EtcdServer&) = delete;
+
+    /// The server every contract test shares: SANDBOXD_ETCD_ENDPOINT when set (never stopped
+    /// by the tests), else one private etcd started on first use. Tests keep apart by
+    /// using unique_prefix().
+    static EtcdServer& shared();
+    /// A key prefix no other test (or test process) uses: "/sandboxd-test/<pid>-<n>-<ms>/".
+    static std::string unique_prefix();
+
+    /// "http://127.0.0.1:PORT".
+    const std::string& endpoint() const { return endpoint_; }
+    /// True for the SANDBOXD_ETCD_ENDPOINT server, which stop()/start()/pause() refuse.
+    bool external() const { return external_; }
+    /// True while the private process runs (it may be paused).
+    bool running() const { return pid_ > 0; }
+
+    /// SIGTERM and wait (SIGKILL after 10 s).
+    void stop();
+    /// Starts it again on the same data directory and ports; waits for /health.
+    void start();
+    /// SIGSTOP / SIGCONT: a server that accepts connections but never answers.
+    void pause();
+    void resume();
+
+    /// How long the last start() took until /health answered.
+    std::chrono::milliseconds last_start_duration() const { return last_start_; }
+    /// etcd's own log (stdout and stderr).
+    std::string log() const;
+
+private:
+    struct External {};
+    EtcdServer(External, std::string endpoint);
+    void require_private(const char* what) const;
+
+    bool external_ = false;
+    std::filesystem::path dir_;  ///< holds data/ and etcd.log
+    std::string endpoint_;
+    unsigned short client_port_ = 0;
+    unsigned short peer_port_ = 0;
+    pid_t pid_ = -1;
+    bool paused_ = false;
+    std::chrono::milliseconds last_start_{0};
+};
+
+/// True when GET `endpoint`/health answers {"health":"true"} within `timeout`.
+bool etcd_healthy(const std::string& endpoint, std::chrono::milliseconds timeout);
+
+}  // namespace sandboxd::test
