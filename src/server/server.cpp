@@ -408,6 +408,9 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
             std::string why;
             if (node.draining) why = "draining";
             else if (!co_await registry_reachable()) why = "registry unreachable";
+            for (const auto& [key, provider] : node.providers) {
+                if (why.empty() && !provider->ready()) why = "provider " + key + " not ready";
+            }
             res = why.empty() ? plain(http::status::ok, "ready\n", req.version(), keep)
                               : plain(http::status::service_unavailable, "not ready: " + why + "\n",
                                       req.version(), keep);

@@ -272,7 +272,7 @@ TEST_CASE("A forged worker frame retires the worker and reaches no other channel
     CHECK(acquire_when_ready(*c, "acme")["metadata"]["pluginId"] == "process-ref");
 }
 
-TEST_CASE("A killed worker ends its channels as transportClosed; PROVIDER_NOT_READY until "
+TEST_CASE("A killed worker ends its channels as transportClosed, and PROVIDER_NOT_READY holds until "
           "the restarted worker serves again",
           "[plugin][supervision]") {
     PluginDaemon pd;
