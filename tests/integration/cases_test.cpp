@@ -41,6 +41,14 @@ using steady = std::chrono::steady_clock;
 
 namespace {
 
+#if defined(__SANITIZE_THREAD__)
+// ThreadSanitizer's shadow memory makes RSS several times the heap: bounds on the daemon's
+// RSS are checked in the other builds (ASan with its quarantine off, release).
+constexpr bool rss_is_meaningful = false;
+#else
+constexpr bool rss_is_meaningful = true;
+#endif
+
 bool full_cases() {
     const char* v = std::getenv("SANDBOXD_FULL_CASES");
     return v != nullptr && std::string(v) == "1";
@@ -254,6 +262,24 @@ long long pipe_capacity(pid_t pid, int fd) {
     return size;
 }
 
+/// Waits (bounded) until the processes whose command line starts with `needle` have ended or
+/// stopped writing (their written byte count unchanged for 0.5 s): the daemon's memory for
+/// their channels has settled.
+bool wait_until_quiet(const std::string& needle, std::chrono::milliseconds timeout) {
+    long long last = -1;
+    int stable = 0;
+    return eventually(
+        [&] {
+            const auto pids = pids_with(needle);
+            if (pids.empty()) return true;
+            const auto now = proc_io_field(pids.front(), "wchar");
+            stable = now == last ? stable + 1 : 0;
+            last = now;
+            return stable >= 50;
+        },
+        timeout);
+}
+
 /// Waits (bounded) for one readable byte on `fd`.
 bool wait_byte(int fd, std::chrono::milliseconds timeout) {
     pollfd p{fd, POLLIN, 0};
@@ -374,14 +400,14 @@ TEST_CASE("A channel's memory is bounded by its windows when the host never read
                 return stable >= 50;  // unchanged for 0.5 s
             },
             20s));
-        // Output window + what the pipe holds + one 64 KiB read buffer, nothing more.
+        // The output window (read buffers included) + what the pipe holds, nothing more.
         const long long pipe = pipe_capacity(head.front(), 1);
         REQUIRE(pipe > 0);
         INFO("written " << last << ", window " << window << ", pipe " << pipe);
-        CHECK(last <= static_cast<long long>(window) + pipe + 64 * 1024);
+        CHECK(last <= static_cast<long long>(window) + pipe);
         const long growth = daemon.peak_rss_kib() - before;
         INFO("RSS growth " << growth << " KiB");
-        CHECK(growth < static_cast<long>(window / 1024 + 16 * 1024));
+        if (rss_is_meaningful) CHECK(growth < static_cast<long>(window / 1024 + 16 * 1024));
         c.reset();
         CHECK(eventually([] { return count_processes_with("head -c 100000000") == 0; }, 10s));
     }
@@ -403,7 +429,7 @@ TEST_CASE("A channel's memory is bounded by its windows when the host never read
         c->call("initialize", {{"protocolVersion", 1}});  // every frame above has been read
         const long growth = daemon.peak_rss_kib() - before;
         INFO("RSS growth " << growth << " KiB");
-        CHECK(growth < static_cast<long>(window / 1024 + 16 * 1024));
+        if (rss_is_meaningful) CHECK(growth < static_cast<long>(window / 1024 + 16 * 1024));
         // One byte over the window ends the channel with FLOW_CONTROL.
         c->send_stdin(ch, std::string(credited + 1, 'y'));
         auto run = collect(*c, ch);
@@ -750,14 +776,16 @@ TEST_CASE("B10: signals reach the right processes", "[cases][B10]") {
                                                  "trap \"echo got-term; exit 7\" TERM; echo ready; "
                                                  "while :; do sleep 0.1; done"}));
         steady::time_point sent{};
+        bool signalled = false;
         auto run = collect(*c, ch, [&](const ClientEvent&, const ChannelRun& r) {
-            if (r.out == "ready\n") {
+            if (!signalled && r.out == "ready\n") {
+                signalled = true;
                 sent = steady::now();
                 c->call("duplexChannelSignal", {{"channel", ch}, {"signal", "TERM"}});
             }
             return true;
         });
-        CHECK(run.out == "ready\ngot-term\n");
+        CHECK(run.out == "ready\ngot-term\n");  // (stderr may carry the shell's "Terminated")
         CHECK(run.exit["exitCode"] == 7);
         CHECK(run.exit["outcome"] == "exited");
         CHECK(ms_since(sent) < 1000);
@@ -916,9 +944,12 @@ TEST_CASE("B12: no fd leak across many channels, and none at a low RLIMIT_NOFILE
             }
             default: {  // ended with signal KILL
                 const auto ch = open_channel(*c, fit(held));
+                bool killed = false;
                 auto run = collect(*c, ch, [&](const ClientEvent&, const ChannelRun& r) {
-                    if (r.out == first)
+                    if (!killed && r.out == first) {
+                        killed = true;
                         c->call("duplexChannelSignal", {{"channel", ch}, {"signal", "KILL"}});
+                    }
                     return true;
                 });
                 if (run.out != first || run.exit["signal"] != "KILL") {
@@ -945,7 +976,7 @@ TEST_CASE("B12: no fd leak across many channels, and none at a low RLIMIT_NOFILE
     CHECK(ptys_held(daemon) == 0);
     const long growth = daemon.rss_kib() - rss_before;
     INFO("RSS growth " << growth << " KiB");
-    CHECK(growth <= 32 * 1024);
+    if (rss_is_meaningful) CHECK(growth <= 32 * 1024);
     auto next = c->run_channel(echo_pid);
     CHECK(next.out == "2\n");
     CHECK(next.exit["exitCode"] == 0);
@@ -1021,7 +1052,7 @@ TEST_CASE("B12: a node out of file descriptors refuses opens with CHANNEL_LIMIT 
 }
 
 TEST_CASE(
-    "B13: an idle period neither kills a silent command nor fakes success; a dead peer is "
+    "B13: an idle period neither kills a silent command nor fakes success and a dead peer is "
     "dropped",
     "[cases][B13]") {
     // T: pings every second, a peer silent for 3 s (three ping intervals) is dropped.
@@ -1077,6 +1108,7 @@ TEST_CASE("B15: huge or endless frames close the connection and harm nothing els
     const auto lease = acquire(*healthy);
     // The healthy channel's output is larger than its window: it is mid-flight during the attack.
     const auto ch = open_channel(*healthy, open_params(lease, {"sh", "-c", "seq 1 200000"}));
+    REQUIRE(wait_until_quiet("seq 1 200000", 20s));  // its window is full: memory settled
     const long before = daemon.rss_kib();
     RawWebSocket raw(daemon.address(), daemon.token());
     REQUIRE(raw.status() == 101);
@@ -1091,7 +1123,7 @@ TEST_CASE("B15: huge or endless frames close the connection and harm nothing els
         CHECK((code == 1009 || code == -1));
         const long growth = daemon.peak_rss_kib() - before;
         INFO("RSS growth " << growth << " KiB");
-        CHECK(growth < 16 * 1024);
+        if (rss_is_meaningful) CHECK(growth < 16 * 1024);
     }
     SECTION("case b: a declared length with the top bit set") {
         std::string bytes = {'\x82', '\xff', '\x80', 0, 0, 0, 0, 0, 0, 0};
@@ -1134,7 +1166,10 @@ TEST_CASE("B15: huge or endless frames close the connection and harm nothing els
         CHECK(sent <= 17);
         const long growth = daemon.peak_rss_kib() - before;
         INFO("RSS growth " << growth << " KiB");
-        CHECK(growth < 2 * 1024 + 4 * 1024);
+        // Twice the 1 MiB maximum, plus 4 MiB for what the allocator and the sanitizer keep
+        // and for the node's own activity meanwhile (registry heartbeats): 200 fragments
+        // held would be 200 MiB.
+        if (rss_is_meaningful) CHECK(growth < 2 * 1024 + 4 * 1024);
     }
     // In every case the healthy connection's output is exact.
     auto run = collect(*healthy, ch);
@@ -1526,7 +1561,7 @@ TEST_CASE("B18: terminal size: initial size, early resize, invalid sizes", "[cas
     }
 }
 
-TEST_CASE("B19: large stdin is never truncated; writing to an exited command is safe",
+TEST_CASE("B19: large stdin is never truncated and writing to an exited command is safe",
           "[cases][B19]") {
     const auto memory_env = measure_memory_env();
     DaemonProcess daemon;
@@ -1541,7 +1576,7 @@ TEST_CASE("B19: large stdin is never truncated; writing to an exited command is 
         CHECK(run.exit["stdinBytes"] == 8388608);
         const long growth = daemon.peak_rss_kib() - before;
         INFO("RSS growth " << growth << " KiB");
-        CHECK(growth <= 32 * 1024);
+        if (rss_is_meaningful) CHECK(growth <= 32 * 1024);
     }
     SECTION("case 2: 64 KiB in one message to a raw PTY: short writes are retried") {
         const auto ch = open_channel(

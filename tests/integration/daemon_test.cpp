@@ -336,13 +336,17 @@ TEST_CASE("sandboxctl exec streams like docker exec and exits with the status",
                              daemon.token();
     const std::string out_file = (daemon.state_dir() / "out").string();
     const std::string cmd = "printf 'abc' | " + base + " exec -i " + lease["id"].get<std::string>() +
-                            " -- sh -c 'cat; printf E >&2; exit 7' > " + out_file + " 2>&1";
+                            " -- sh -c 'cat; printf E >&2; exit 7' > " + out_file + " 2> " +
+                            out_file + ".err";
     int status = std::system(cmd.c_str());
     REQUIRE(WIFEXITED(status));
     CHECK(WEXITSTATUS(status) == 7);
     std::ifstream in(out_file);
     std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    CHECK(out == "abcE");
+    CHECK(out == "abc");  // stdout and stderr are separate streams: no order between them
+    std::ifstream err_in(out_file + ".err");
+    std::string err((std::istreambuf_iterator<char>(err_in)), std::istreambuf_iterator<char>());
+    CHECK(err == "E");
     int bad = std::system((base + " exec lse_nope -- true 2>/dev/null").c_str());
     CHECK(WEXITSTATUS(bad) == 255);
 }
