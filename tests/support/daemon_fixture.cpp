@@ -17,6 +17,27 @@
 namespace sandboxd::test {
 namespace fs = std::filesystem;
 
+namespace {
+
+/// The whole of a small /proc file, or "" when it cannot be read. Plain read(2): a process
+/// that exits meanwhile makes the read fail with ESRCH, which libstdc++'s filebuf reports by
+/// throwing from underflow() whatever the stream's exception mask.
+std::string read_proc_file(const fs::path& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return {};
+    std::string out;
+    char buf[4096];
+    for (;;) {
+        const ssize_t n = ::read(fd, buf, sizeof buf);
+        if (n <= 0) break;
+        out.append(buf, static_cast<std::size_t>(n));
+    }
+    ::close(fd);
+    return out;
+}
+
+}  // namespace
+
 TempDir::TempDir() {
     const char* base = std::getenv("TMPDIR");
     std::string tmpl = std::string(base && *base ? base : "/tmp") + "/sandboxd-test.XXXXXX";
@@ -127,7 +148,7 @@ std::vector<pid_t> DaemonProcess::children() const {
     if (pid_ <= 0) return out;
     std::error_code ec;
     for (const auto& task : fs::directory_iterator("/proc/" + std::to_string(pid_) + "/task", ec)) {
-        std::ifstream in(task.path() / "children");
+        std::istringstream in(read_proc_file(task.path() / "children"));
         pid_t child = 0;
         while (in >> child) out.push_back(child);
     }
@@ -214,8 +235,7 @@ double DaemonProcess::metric(const std::string& name) const {
 namespace {
 
 std::string read_cmdline(const fs::path& proc_dir) {
-    std::ifstream in(proc_dir / "cmdline", std::ios::binary);
-    std::string cmd((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::string cmd = read_proc_file(proc_dir / "cmdline");
     if (!cmd.empty() && cmd.back() == '\0') cmd.pop_back();
     for (auto& c : cmd) {
         if (c == '\0') c = ' ';
@@ -250,7 +270,7 @@ std::vector<pid_t> pids_with(const std::string& needle) {
 }
 
 long proc_status_field(pid_t pid, const std::string& name) {
-    std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+    std::istringstream in(read_proc_file("/proc/" + std::to_string(pid) + "/status"));
     std::string line;
     while (std::getline(in, line)) {
         if (line.rfind(name + ":", 0) == 0) return std::stol(line.substr(name.size() + 1));
@@ -259,7 +279,7 @@ long proc_status_field(pid_t pid, const std::string& name) {
 }
 
 long long proc_io_field(pid_t pid, const std::string& name) {
-    std::ifstream in("/proc/" + std::to_string(pid) + "/io");
+    std::istringstream in(read_proc_file("/proc/" + std::to_string(pid) + "/io"));
     std::string line;
     while (std::getline(in, line)) {
         if (line.rfind(name + ":", 0) == 0) return std::stoll(line.substr(name.size() + 1));
@@ -268,8 +288,7 @@ long long proc_io_field(pid_t pid, const std::string& name) {
 }
 
 char proc_state(pid_t pid) {
-    std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::string stat = read_proc_file("/proc/" + std::to_string(pid) + "/stat");
     const auto paren = stat.rfind(')');
     if (paren == std::string::npos || paren + 2 >= stat.size()) return 0;
     return stat[paren + 2];
@@ -281,8 +300,7 @@ int count_processes_with(const std::string& needle) {
     for (const auto& entry : fs::directory_iterator("/proc", ec)) {
         const auto name = entry.path().filename().string();
         if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-        std::ifstream in(entry.path() / "cmdline", std::ios::binary);
-        std::string cmd((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        std::string cmd = read_proc_file(entry.path() / "cmdline");
         for (auto& c : cmd) {
             if (c == '\0') c = ' ';
         }
