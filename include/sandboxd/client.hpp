@@ -106,6 +106,11 @@ private:
     std::unique_ptr<Impl> impl_;
 };
 
+/// One message from the daemon as an event: a text frame is a response or a notification
+/// (throws nlohmann::json::parse_error for malformed JSON); a binary frame is data or credit
+/// (throws client_error for a malformed frame). Pure; thread-safe.
+ClientEvent decode_event(bool text, std::string_view message);
+
 /// Base64 of `bytes` (RFC 4648, with padding).
 std::string base64_encode(std::string_view bytes);
 /// Decodes RFC 4648 base64; throws std::invalid_argument for malformed text.

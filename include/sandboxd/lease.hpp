@@ -23,6 +23,10 @@ std::optional<lease_status> parse_lease_status(std::string_view s) noexcept;
 
 /// Milliseconds since the Unix epoch, from the system clock.
 std::int64_t now_ms() noexcept;
+/// `bytes` random bytes from getrandom(2) as 2*bytes lowercase hex digits: the random part of
+/// lease ids, sandbox ids, node instance ids and generated tokens. Blocks only until the
+/// kernel's entropy pool is initialised (once, at boot). Thread-safe.
+std::string random_hex(std::size_t bytes);
 /// RFC 3339 UTC with milliseconds, e.g. "2026-11-30T23:49:29.123Z".
 std::string format_rfc3339(std::int64_t ms);
 

@@ -115,13 +115,9 @@ Client::~Client() {
     beast::get_lowest_layer(impl_->ws).socket().close(ec);
 }
 
-ClientEvent Client::Impl::read_one() {
-    buffer.clear();
-    run([&](auto handler) { ws.async_read(buffer, handler); });
-    const auto data = buffer.data();
-    std::string_view message(static_cast<const char*>(data.data()), data.size());
+ClientEvent decode_event(bool text, std::string_view message) {
     ClientEvent ev;
-    if (ws.got_text()) {
+    if (text) {
         ev.message = json::parse(message);
         ev.type = ev.message.contains("method") ? ClientEvent::kind::notification
                                                 : ClientEvent::kind::response;
@@ -142,6 +138,14 @@ ClientEvent Client::Impl::read_one() {
         throw client_error("daemon sent a malformed binary frame: " + std::get<FrameError>(decoded).what);
     }
     return ev;
+}
+
+ClientEvent Client::Impl::read_one() {
+    buffer.clear();
+    run([&](auto handler) { ws.async_read(buffer, handler); });
+    const auto data = buffer.data();
+    return decode_event(ws.got_text(),
+                        std::string_view(static_cast<const char*>(data.data()), data.size()));
 }
 
 std::int64_t Client::send_request(const std::string& method, const json& params) {

@@ -1,7 +1,10 @@
 #include <sandboxd/lease.hpp>
 
 #include <chrono>
+#include <cerrno>
 #include <ctime>
+
+#include <sys/random.h>
 
 namespace sandboxd {
 
@@ -42,6 +45,24 @@ std::string format_rfc3339(std::int64_t ms) {
     std::snprintf(buf, sizeof buf, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900,
                   tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, millis);
     return buf;
+}
+
+std::string random_hex(std::size_t bytes) {
+    std::string raw(bytes, '\0');
+    std::size_t done = 0;
+    while (done < bytes) {
+        auto n = ::getrandom(raw.data() + done, bytes - done, 0);
+        if (n > 0) done += static_cast<std::size_t>(n);  // EINTR: try again
+    }
+    static constexpr char digits[] = "0123456789abcdef";
+    std::string out;
+    out.reserve(bytes * 2);
+    for (char c : raw) {
+        const auto b = static_cast<unsigned char>(c);
+        out.push_back(digits[b >> 4]);
+        out.push_back(digits[b & 0xf]);
+    }
+    return out;
 }
 
 bool Lease::is_live(std::int64_t at_ms) const noexcept {

@@ -36,27 +36,6 @@ constexpr const char* init_in_sandbox = "/.sandboxd/init";
     throw rpc_error(errc::provider_error, std::move(message));
 }
 
-std::string random_hex(std::size_t bytes) {
-    std::string raw(bytes, '\0');
-    std::size_t done = 0;
-    while (done < bytes) {
-        ssize_t n = ::getrandom(raw.data() + done, bytes - done, 0);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            provider_failure(std::string("cannot mint a sandbox id: ") + std::strerror(errno));
-        }
-        done += static_cast<std::size_t>(n);
-    }
-    static constexpr char digits[] = "0123456789abcdef";
-    std::string out;
-    out.reserve(bytes * 2);
-    for (char c : raw) {
-        auto b = static_cast<unsigned char>(c);
-        out.push_back(digits[b >> 4]);
-        out.push_back(digits[b & 0x0f]);
-    }
-    return out;
-}
 
 /// The default init: next to the running executable, else the install location.
 fs::path default_init_path() {

@@ -15,21 +15,6 @@ namespace {
 
 using json = nlohmann::json;
 
-std::string random_hex(std::size_t bytes) {
-    std::string raw(bytes, '\0');
-    std::size_t got = 0;
-    while (got < bytes) {
-        auto n = ::getrandom(raw.data() + got, bytes - got, 0);
-        if (n > 0) got += static_cast<std::size_t>(n);
-    }
-    static constexpr char digits[] = "0123456789abcdef";
-    std::string out;
-    for (unsigned char c : raw) {
-        out += digits[c >> 4];
-        out += digits[c & 0xf];
-    }
-    return out;
-}
 
 [[noreturn]] void not_found(const std::string& id) {
     throw rpc_error(errc::lease_not_found, "Sandbox lease " + id + " was not found.",

@@ -25,21 +25,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string random_token(std::size_t bytes) {
-    std::string raw(bytes, '\0');
-    std::size_t got = 0;
-    while (got < bytes) {
-        auto n = ::getrandom(raw.data() + got, bytes - got, 0);
-        if (n > 0) got += static_cast<std::size_t>(n);
-    }
-    static constexpr char digits[] = "0123456789abcdef";
-    std::string out;
-    for (unsigned char c : raw) {
-        out += digits[c >> 4];
-        out += digits[c & 0xf];
-    }
-    return out;
-}
 
 std::string read_secret_file(const std::string& path) {
     std::ifstream in(path, std::ios::binary);
@@ -153,7 +138,7 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
     if (ec) throw config_error("config: stateDir: cannot create " + c.state_dir + ": " + ec.message());
     ::chmod(c.state_dir.c_str(), 0700);
     node.node_id = c.node_id.empty() ? host_name() : c.node_id;
-    node.instance_id = random_token(8);
+    node.instance_id = random_hex(8);
 
     node.ioc = &impl_->ioc;
     for (const auto& t : c.tokens) {
@@ -169,7 +154,7 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
             const auto tmp = impl_->token_path + ".tmp";
             {
                 std::ofstream out(tmp, std::ios::trunc);
-                out << random_token(24) << "\n";
+                out << random_hex(24) << "\n";
                 if (!out) throw config_error("config: stateDir: cannot write " + tmp);
             }
             ::chmod(tmp.c_str(), 0600);
