@@ -79,8 +79,11 @@ struct Config {
     /// <stateDir>/admin.token (mode 0600) on first start.
     std::vector<TokenConfig> tokens;
     std::string routing_mode = "proxy";  ///< "proxy" or "redirect"
-    std::uint32_t node_ttl_ms = 10000;     ///< a node is alive while its heartbeat is fresher
-    std::uint32_t heartbeat_ms = 2000;     ///< heartbeat and sweep period
+    /// A node is alive while its heartbeat is fresher (1000..600000 ms); a node that has not
+    /// renewed its membership for 2/3 of it fences itself (REGISTRY_UNAVAILABLE).
+    std::uint32_t node_ttl_ms = 10000;
+    /// Heartbeat (membership renewal) and sweep period, 100..60000 ms, at most nodeTtlMs / 3.
+    std::uint32_t heartbeat_ms = 2000;
     BwrapConfig bwrap;
     std::vector<PluginConfig> plugins;
     LimitsConfig limits;

@@ -30,6 +30,9 @@ public:
     /// when the scope is not cached.
     std::shared_ptr<SandboxHandle> begin_teardown(const SandboxScope& scope);
 
+    /// Like begin_teardown, but only the first caller gets the handle: nullptr when the scope
+    /// is not cached or its teardown has already begun (so a sandbox is destroyed once).
+    std::shared_ptr<SandboxHandle> try_begin_teardown(const SandboxScope& scope);
     /// Removes the entry (after release, expiry, teardown or a failed health check).
     std::shared_ptr<SandboxHandle> erase(const SandboxScope& scope);
 

@@ -12,6 +12,7 @@
 #include <sandboxd/lease.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -45,13 +46,42 @@ struct NodeRecord {
     std::string instance_id;  ///< random per process start; tells restarts apart
 };
 
+/// A running change feed of lease records (Registry::watch_leases). Destroying it stops the
+/// feed and joins its thread; no callback runs after the destructor returns.
+class LeaseWatch {
+public:
+    virtual ~LeaseWatch() = default;
+};
+
 class Registry {
 public:
     virtual ~Registry() = default;
 
+    /// Follows changes to lease records written by any process, so that an owner can evict
+    /// cached handles and end channels of leases released, expired or taken elsewhere without
+    /// waiting for its next sweep (docs/protocol.md section 8, "Change feed").
+    ///
+    /// Calls `on_change` with each lease record as written, from one background thread, one
+    /// call at a time, in revision order. When the feed breaks (the registry restarts, the
+    /// connection drops) or falls behind compaction, it lists every lease again (one
+    /// `on_change` per lease) and resumes from that listing's revision, retrying every
+    /// `retry_ms` milliseconds while the registry is unreachable. `on_change` must not block
+    /// for long and must not throw; `on_resync`, when set, is called after each listing.
+    /// Returns nullptr when the backend has no change feed (SQLite): callers then rely on
+    /// their periodic pass alone.
+    virtual std::unique_ptr<LeaseWatch> watch_leases(std::function<void(const Lease&)> on_change,
+                                                     std::function<void()> on_resync = {},
+                                                     std::int64_t retry_ms = 500) {
+        (void)on_change;
+        (void)on_resync;
+        (void)retry_ms;
+        return nullptr;
+    }
+
     /// Inserts a new lease. If the lease has an idempotency key and a lease with the same
     /// (companyId, environmentId, idempotencyKey) exists, nothing is written and that
-    /// existing lease is returned; otherwise returns `lease` as stored.
+    /// existing lease is returned; otherwise returns `lease` as stored: SQLite keeps
+    /// `lease.epoch`; etcd sets it to the revision of the creating transaction (the claim).
     virtual Lease create_lease(const Lease& lease) = 0;
 
     /// The lease with this id, or std::nullopt.
@@ -66,10 +96,17 @@ public:
     virtual LeasePage list_leases(const LeaseQuery& query) = 0;
 
     /// Compare-and-swap: stores every mutable field of `next` (status, owner, epoch, times,
-    /// failure/cleanup fields, cleanup_attempts) if the stored lease still has
-    /// `expected_epoch`. Returns false (and writes nothing) when the epoch differs or the
-    /// lease does not exist. The caller bumps `next.epoch` on owner or status changes.
-    virtual bool update_lease(const Lease& next, std::int64_t expected_epoch) = 0;
+    /// failure/cleanup fields, cleanup_attempts, metadata) if the stored lease still has
+    /// `expected_epoch`. Returns the lease as stored, or std::nullopt (and writes nothing)
+    /// when the epoch differs or the lease does not exist.
+    ///
+    /// Epochs (the fencing token of protocol section 1): the caller asks for a new epoch on an
+    /// owner or status change by passing `next.epoch != expected_epoch`, and must then use the
+    /// epoch of the returned lease: SQLite stores `next.epoch` as given (the caller passes
+    /// expected + 1); etcd stores the revision of the winning write (strictly greater than
+    /// every earlier epoch of the lease, but not + 1). `next.epoch == expected_epoch` keeps
+    /// the epoch (renewals).
+    virtual std::optional<Lease> update_lease(const Lease& next, std::int64_t expected_epoch) = 0;
 
     /// Active leases of `owner_node_id` whose expiresAt is at or before `at_ms`.
     virtual std::vector<Lease> expired_leases(const std::string& owner_node_id,

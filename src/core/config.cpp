@@ -245,6 +245,13 @@ void validate_config(const Config& c) {
         fail("advertiseUrl", "must start with ws:// or wss://");
     }
     if (c.state_dir.empty()) fail("stateDir", "must not be empty");
+    if (std::uint64_t{c.heartbeat_ms} * 3 > c.node_ttl_ms) {
+        // A node fences itself when it has not renewed for 2/3 of the TTL: it must get at
+        // least two tries within that time.
+        fail("routing.heartbeatMs", "must be at most a third of routing.nodeTtlMs (" +
+                                        std::to_string(c.node_ttl_ms) + "), got " +
+                                        std::to_string(c.heartbeat_ms));
+    }
     if (c.registry.kind == "etcd" && c.registry.endpoints.empty()) {
         fail("registry.endpoints", "etcd needs at least one endpoint");
     }

@@ -23,6 +23,14 @@ std::shared_ptr<SandboxHandle> HandleCache::begin_teardown(const SandboxScope& s
     return it->second.handle;
 }
 
+std::shared_ptr<SandboxHandle> HandleCache::try_begin_teardown(const SandboxScope& scope) {
+    std::lock_guard lock(mutex_);
+    auto it = entries_.find(scope);
+    if (it == entries_.end() || it->second.tearing_down) return nullptr;
+    it->second.tearing_down = true;
+    return it->second.handle;
+}
+
 std::shared_ptr<SandboxHandle> HandleCache::erase(const SandboxScope& scope) {
     std::lock_guard lock(mutex_);
     auto it = entries_.find(scope);

@@ -502,7 +502,8 @@ std::optional<KeyValue> Client::get(std::string_view op, std::string_view key) {
     return std::nullopt;
 }
 
-std::vector<KeyValue> Client::get_prefix(std::string_view op, std::string_view prefix) {
+std::vector<KeyValue> Client::get_prefix(std::string_view op, std::string_view prefix,
+                                         std::int64_t* revision_out) {
     const std::string end = prefix_end(prefix);
     for (int attempt = 0;; ++attempt) {
         std::vector<KeyValue> out;
@@ -513,7 +514,10 @@ std::vector<KeyValue> Client::get_prefix(std::string_view op, std::string_view p
                 auto page = range(op, from, end, range_page, revision);
                 if (revision == 0) revision = page.revision;
                 for (auto& kv : page.kvs) out.push_back(std::move(kv));
-                if (!page.more || out.empty()) return out;
+                if (!page.more || out.empty()) {
+                    if (revision_out) *revision_out = revision;
+                    return out;
+                }
                 from = out.back().key;
                 from.push_back('\0');
             }
@@ -530,6 +534,9 @@ Client::TxnResult Client::txn(std::string_view op, json compare, json success, j
     json answer = call(op, "/v3/kv/txn", body);
     TxnResult out;
     out.succeeded = answer.value("succeeded", false);
+    if (auto h = answer.find("header"); h != answer.end() && h->is_object()) {
+        out.revision = int64_field(*h, "revision");
+    }
     if (auto r = answer.find("responses"); r != answer.end() && r->is_array()) {
         out.responses = std::move(*r);
     }
@@ -558,6 +565,195 @@ void Client::lease_revoke(std::string_view op, std::int64_t id) {
     } catch (const status_error& e) {
         if (e.code() != code_not_found) throw;
     }
+}
+
+// --- watch ---------------------------------------------------------------------------------
+
+void WatchStop::stop() {
+    // Under the lock: detach() waits, so the watch's io_context outlives the interrupt.
+    std::lock_guard lock(mutex_);
+    stopped_ = true;
+    if (interrupt_) interrupt_();
+}
+
+bool WatchStop::stopped() const {
+    std::lock_guard lock(mutex_);
+    return stopped_;
+}
+
+bool WatchStop::attach(std::function<void()> interrupt) {
+    std::lock_guard lock(mutex_);
+    if (stopped_) return false;
+    interrupt_ = std::move(interrupt);
+    return true;
+}
+
+void WatchStop::detach() {
+    std::lock_guard lock(mutex_);
+    interrupt_ = nullptr;
+}
+
+namespace {
+
+WatchMessage decode_watch_message(const json& result) {
+    WatchMessage m;
+    if (auto h = result.find("header"); h != result.end() && h->is_object()) {
+        m.revision = int64_field(*h, "revision");
+    }
+    m.created = result.value("created", false);
+    m.canceled = result.value("canceled", false);
+    m.compact_revision = int64_field(result, "compact_revision");
+    if (auto r = result.find("cancel_reason"); r != result.end() && r->is_string()) {
+        m.cancel_reason = r->get<std::string>();
+    }
+    if (auto events = result.find("events"); events != result.end() && !events->is_null()) {
+        if (!events->is_array()) throw std::invalid_argument("events is not an array");
+        for (const auto& e : *events) {
+            WatchEvent ev;
+            auto type = e.find("type");
+            ev.deleted = type != e.end() && type->is_string() && *type == "DELETE";
+            if (auto kv = e.find("kv"); kv != e.end()) ev.kv = decode_kv(*kv);
+            m.events.push_back(std::move(ev));
+        }
+    }
+    return m;
+}
+
+}  // namespace
+
+void Client::watch(std::string_view op, std::string_view prefix, std::int64_t start_revision,
+                   WatchStop& stop, const std::function<void(const WatchMessage&)>& on_message) {
+    json create = {{"key", b64(prefix)}, {"range_end", b64(prefix_end(prefix))}};
+    if (start_revision > 0) create["start_revision"] = std::to_string(start_revision);
+    const std::string payload = json{{"create_request", std::move(create)}}.dump();
+    const std::size_t n = impl_->endpoints.size();
+    const std::size_t start = impl_->preferred.load(std::memory_order_relaxed) % n;
+    std::string failures;
+    for (std::size_t i = 0; i < n; ++i) {
+        const std::size_t idx = (start + i) % n;
+        const auto& ep = impl_->endpoints[idx];
+        std::string auth;
+        try {
+            auth = impl_->auth_token(idx, op, nullptr);
+        } catch (const Impl::endpoint_failure& f) {
+            failures += (failures.empty() ? "" : "; ") + f.detail;
+            continue;
+        }
+        net::io_context ioc{1};
+        beast::tcp_stream stream(ioc);
+        auto run = [&ioc] {
+            ioc.restart();
+            ioc.run();
+        };
+        if (!stop.attach([&ioc, &stream] {
+                net::post(ioc, [&stream] {
+                    beast::error_code ignored;
+                    stream.socket().shutdown(tcp::socket::shutdown_both, ignored);
+                    stream.socket().close(ignored);
+                });
+            })) {
+            return;
+        }
+        struct Detach {
+            WatchStop& s;
+            ~Detach() { s.detach(); }
+        } detach{stop};
+
+        // Connect, send the create request and read the answer's header, within the timeout.
+        beast::error_code ec;
+        tcp::resolver resolver(ioc);
+        tcp::resolver::results_type results;
+        resolver.async_resolve(ep.host, ep.port,
+                               [&](beast::error_code rec, tcp::resolver::results_type r) {
+                                   ec = rec;
+                                   results = std::move(r);
+                               });
+        run();
+        request_t req{http::verb::post, "/v3/watch", 11};
+        req.set(http::field::host, ep.host_header);
+        req.set(http::field::user_agent, "sandboxd");
+        req.set(http::field::content_type, "application/json");
+        if (!auth.empty()) req.set(http::field::authorization, auth);
+        req.body() = payload;
+        req.prepare_payload();
+        beast::flat_buffer buffer;
+        std::string pending;  // body bytes not yet split into messages
+        auto on_body = [&pending](std::uint64_t, std::string_view body,
+                                  beast::error_code&) -> std::size_t {
+            pending.append(body);
+            return body.size();
+        };
+        http::response_parser<http::empty_body> parser;
+        parser.body_limit(boost::none);
+        parser.on_chunk_body(on_body);  // kept by reference: declared before the parser
+        if (!ec) {
+            stream.expires_after(impl_->timeout);
+            stream.async_connect(results, [&](beast::error_code cec, const tcp::endpoint&) {
+                ec = cec;
+                if (cec) return;
+                http::async_write(stream, req, [&](beast::error_code wec, std::size_t) {
+                    ec = wec;
+                    if (wec) return;
+                    http::async_read_header(stream, buffer, parser,
+                                            [&](beast::error_code hec, std::size_t) { ec = hec; });
+                });
+            });
+            run();
+        }
+        if (stop.stopped()) return;
+        if (ec) {
+            failures += (failures.empty() ? "" : "; ") + ep.url + "/v3/watch: " +
+                        (ec == beast::error::timeout ? std::string("timed out") : ec.message());
+            continue;
+        }
+        if (parser.get().result() != http::status::ok || !parser.chunked()) {
+            failures += (failures.empty() ? "" : "; ") + ep.url + "/v3/watch: HTTP " +
+                        std::to_string(parser.get().result_int()) +
+                        (parser.chunked() ? "" : ", not a stream");
+            continue;
+        }
+        impl_->preferred.store(idx, std::memory_order_relaxed);
+        stream.expires_never();
+
+        // The stream: newline-delimited JSON messages inside chunks, until it ends.
+        for (;;) {
+            for (auto nl = pending.find('\n'); nl != std::string::npos; nl = pending.find('\n')) {
+                const std::string line = pending.substr(0, nl);
+                pending.erase(0, nl + 1);
+                if (line.find_first_not_of(" \r\t") == std::string::npos) continue;
+                json message;
+                try {
+                    message = json::parse(line);
+                } catch (const json::exception&) {
+                    throw_unavailable(op, ep.url + "/v3/watch: malformed message");
+                }
+                if (auto e = message.find("error"); e != message.end() && e->is_object()) {
+                    Impl::throw_status(e->value("http_code", 500),
+                                       json{{"code", e->value("grpc_code", 0)},
+                                            {"message", e->value("message", std::string())}},
+                                       "watch");
+                }
+                auto r = message.find("result");
+                if (r == message.end() || !r->is_object()) {
+                    throw_unavailable(op, ep.url + "/v3/watch: message without a result");
+                }
+                WatchMessage decoded;
+                try {
+                    decoded = decode_watch_message(*r);
+                } catch (const std::invalid_argument& e) {
+                    throw_unavailable(op, ep.url + "/v3/watch: " + e.what());
+                }
+                on_message(decoded);
+                if (decoded.canceled) return;
+            }
+            if (parser.is_done() || stop.stopped()) return;
+            http::async_read_some(stream, buffer, parser,
+                                  [&](beast::error_code rec, std::size_t) { ec = rec; });
+            run();
+            if (ec) return;  // broken, closed or stopped: the caller lists and watches again
+        }
+    }
+    throw_unavailable(op, failures);
 }
 
 }  // namespace sandboxd::etcd

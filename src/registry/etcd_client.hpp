@@ -18,7 +18,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -63,6 +65,39 @@ struct RangeResult {
     std::int64_t revision = 0;  ///< the store revision of the answer (header.revision)
 };
 
+/// One event of a watch message.
+struct WatchEvent {
+    bool deleted = false;  ///< DELETE; otherwise PUT (the gateway omits the default type)
+    KeyValue kv;           ///< for a DELETE, only key and mod_revision are set
+};
+
+/// One message of a watch stream (/v3/watch).
+struct WatchMessage {
+    std::int64_t revision = 0;          ///< header.revision
+    bool created = false;               ///< the answer to the create request
+    bool canceled = false;              ///< the server ended the watch
+    std::int64_t compact_revision = 0;  ///< > 0: the start revision was compacted
+    std::string cancel_reason;
+    std::vector<WatchEvent> events;
+};
+
+/// Stops a Client::watch() blocked in another thread. Thread-safe; stop() is idempotent and
+/// also refuses watches started after it.
+class WatchStop {
+public:
+    void stop();
+    bool stopped() const;
+
+private:
+    friend class Client;
+    /// Registers how to interrupt the running watch; false when already stopped.
+    bool attach(std::function<void()> interrupt);
+    void detach();
+    mutable std::mutex mutex_;
+    bool stopped_ = false;
+    std::function<void()> interrupt_;
+};
+
 /// Builders of the JSON pieces of a txn (/v3/kv/txn), keys and values raw (encoded here).
 nlohmann::json compare_create_revision(std::string_view key, std::int64_t revision);
 nlohmann::json compare_mod_revision(std::string_view key, std::int64_t revision);
@@ -101,11 +136,14 @@ public:
                       std::int64_t limit = 0, std::int64_t revision = 0);
     /// The one key, or std::nullopt.
     std::optional<KeyValue> get(std::string_view op, std::string_view key);
-    /// Every key starting with `prefix`, read in pages at one revision.
-    std::vector<KeyValue> get_prefix(std::string_view op, std::string_view prefix);
+    /// Every key starting with `prefix`, read in pages at one revision (stored in
+    /// `*revision` when not null).
+    std::vector<KeyValue> get_prefix(std::string_view op, std::string_view prefix,
+                                     std::int64_t* revision = nullptr);
 
     struct TxnResult {
         bool succeeded = false;
+        std::int64_t revision = 0;  ///< header.revision: of this txn's writes when it wrote
         nlohmann::json responses = nlohmann::json::array();
     };
     TxnResult txn(std::string_view op, nlohmann::json compare, nlohmann::json success,
@@ -118,6 +156,17 @@ public:
     std::int64_t lease_keepalive(std::string_view op, std::int64_t id);
     /// /v3/lease/revoke; an unknown (already expired) lease is not an error.
     void lease_revoke(std::string_view op, std::int64_t id);
+
+    /// Watches every key starting with `prefix` from `start_revision` (0 = from now) on a
+    /// connection of its own, calling `on_message` (in this thread) for each message of the
+    /// stream, the create answer included. Blocks until the stream ends: returns when the
+    /// server ends or cancels it (after passing the cancel message on), when the connection
+    /// breaks, or when `stop` is stopped. Connecting and the answer's header each take at
+    /// most the client's timeout; the stream itself has none (stop() interrupts it).
+    /// Throws rpc_error(errc::registry_unavailable) when no endpoint accepts the watch, and
+    /// etcd::status_error when the stream carries an error.
+    void watch(std::string_view op, std::string_view prefix, std::int64_t start_revision,
+               WatchStop& stop, const std::function<void(const WatchMessage&)>& on_message);
 
 private:
     struct Impl;

@@ -15,7 +15,9 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
+#include <condition_variable>
 #include <string_view>
+#include <thread>
 #include <utility>
 
 namespace sandboxd {
@@ -67,7 +69,9 @@ std::string escape(std::string_view s) {
 json opt(const std::optional<std::string>& v) { return v ? json(*v) : json(nullptr); }
 json opt(const std::optional<std::int64_t>& v) { return v ? json(*v) : json(nullptr); }
 
-std::string encode_lease(const Lease& l) {
+/// `stored_epoch` is what the record keeps as its epoch: 0 means "the revision of this very
+/// write" (an owner or status change: the fencing token is the winning revision).
+std::string encode_lease(const Lease& l, std::int64_t stored_epoch) {
     json j = {
         {"id", l.id},
         {"company_id", l.company_id},
@@ -80,7 +84,7 @@ std::string encode_lease(const Lease& l) {
         {"provider", l.provider},
         {"provider_lease_id", l.provider_lease_id},
         {"owner_node_id", l.owner_node_id},
-        {"epoch", l.epoch},
+        {"epoch", stored_epoch},
         {"acquired_at_ms", l.acquired_at_ms},
         {"last_used_at_ms", l.last_used_at_ms},
         {"expires_at_ms", opt(l.expires_at_ms)},
@@ -126,6 +130,7 @@ Lease decode_lease(const etcd::KeyValue& kv, std::string_view op) {
         l.provider_lease_id = get_str(j, "provider_lease_id");
         l.owner_node_id = get_str(j, "owner_node_id");
         l.epoch = get_int(j, "epoch");
+        if (l.epoch == 0) l.epoch = kv.mod_revision;  // set by this write: its revision
         l.acquired_at_ms = get_int(j, "acquired_at_ms");
         l.last_used_at_ms = get_int(j, "last_used_at_ms");
         l.expires_at_ms = get_opt_int(j, "expires_at_ms");
@@ -213,6 +218,75 @@ private:
     std::int64_t id_ = 0;
 };
 
+/// The change feed of one EtcdRegistry: a thread that lists the leases, then follows a watch
+/// on them from the listing's revision, listing again whenever the watch ends (broken,
+/// compacted, canceled).
+class EtcdLeaseWatch final : public LeaseWatch {
+public:
+    EtcdLeaseWatch(etcd::Client& client, std::string leases_prefix,
+                   std::function<void(const Lease&)> on_change, std::function<void()> on_resync,
+                   std::chrono::milliseconds retry)
+        : client_(client),
+          prefix_(std::move(leases_prefix)),
+          on_change_(std::move(on_change)),
+          on_resync_(std::move(on_resync)),
+          retry_(retry),
+          thread_([this] { run(); }) {}
+
+    ~EtcdLeaseWatch() override {
+        {
+            std::lock_guard lock(mutex_);
+            stopping_ = true;
+        }
+        wake_.notify_all();
+        stop_.stop();
+        thread_.join();
+    }
+
+private:
+    void run() {
+        constexpr std::string_view op = "watch leases";
+        while (!stop_.stopped()) {
+            try {
+                std::int64_t revision = 0;
+                auto kvs = client_.get_prefix(op, prefix_, &revision);
+                for (const auto& kv : kvs) deliver(kv);
+                if (on_resync_) on_resync_();
+                client_.watch(op, prefix_, revision + 1, stop_, [this](const etcd::WatchMessage& m) {
+                    for (const auto& ev : m.events) {
+                        if (!ev.deleted) deliver(ev.kv);
+                    }
+                });
+            } catch (const std::exception&) {
+                // etcd unreachable or the stream carried an error: list and watch again.
+            }
+            std::unique_lock lock(mutex_);
+            wake_.wait_for(lock, retry_, [this] { return stopping_; });
+        }
+    }
+
+    void deliver(const etcd::KeyValue& kv) {
+        std::optional<Lease> lease;
+        try {
+            lease = decode_lease(kv, "watch leases");
+        } catch (const std::exception&) {
+            return;  // a corrupt record: every other read of it fails closed as well
+        }
+        on_change_(*lease);
+    }
+
+    etcd::Client& client_;
+    const std::string prefix_;
+    const std::function<void(const Lease&)> on_change_;
+    const std::function<void()> on_resync_;
+    const std::chrono::milliseconds retry_;
+    etcd::WatchStop stop_;
+    std::mutex mutex_;
+    std::condition_variable wake_;
+    bool stopping_ = false;
+    std::thread thread_;  // last: starts after every member above exists
+};
+
 class EtcdRegistry final : public Registry {
 public:
     EtcdRegistry(std::vector<std::string> endpoints, std::string prefix, std::int64_t node_ttl_ms,
@@ -223,12 +297,21 @@ public:
         if (node_ttl_ms <= 0) throw std::invalid_argument("etcd registry: node TTL must be > 0");
     }
 
+    std::unique_ptr<LeaseWatch> watch_leases(std::function<void(const Lease&)> on_change,
+                                             std::function<void()> on_resync,
+                                             std::int64_t retry_ms) override {
+        return std::make_unique<EtcdLeaseWatch>(client_, prefix_ + "leases/", std::move(on_change),
+                                                std::move(on_resync),
+                                                std::chrono::milliseconds(std::max<std::int64_t>(
+                                                    retry_ms, 10)));
+    }
+
     Lease create_lease(const Lease& lease) override {
         constexpr std::string_view op = "create lease";
         return guarded(op, [&] {
             const std::string lk = lease_key(lease.id);
             json compare = json::array({etcd::compare_create_revision(lk, 0)});
-            json success = json::array({etcd::request_put(lk, encode_lease(lease))});
+            json success = json::array({etcd::request_put(lk, encode_lease(lease, 0))});
             json failure = json::array();
             if (lease.idempotency_key) {
                 const std::string ik =
@@ -239,7 +322,11 @@ public:
             }
             auto result =
                 client_.txn(op, std::move(compare), std::move(success), std::move(failure));
-            if (result.succeeded) return lease;
+            if (result.succeeded) {
+                Lease stored = lease;
+                stored.epoch = result.revision;  // the claim's revision is the first epoch
+                return stored;
+            }
             if (lease.idempotency_key && !result.responses.empty()) {
                 const auto& rr = result.responses.at(0).at("response_range");
                 if (auto kvs = rr.find("kvs"); kvs != rr.end() && !kvs->empty()) {
@@ -308,18 +395,18 @@ public:
         return page;
     }
 
-    bool update_lease(const Lease& next, std::int64_t expected_epoch) override {
+    std::optional<Lease> update_lease(const Lease& next, std::int64_t expected_epoch) override {
         constexpr std::string_view op = "update lease";
-        return guarded(op, [&] {
+        return guarded(op, [&]() -> std::optional<Lease> {
             const std::string lk = lease_key(next.id);
+            const bool new_epoch = next.epoch != expected_epoch;
             for (int attempt = 0; attempt < max_cas_attempts; ++attempt) {
                 auto kv = client_.get(op, lk);
-                if (!kv) return false;
+                if (!kv) return std::nullopt;
                 Lease stored = decode_lease(*kv, op);
-                if (stored.epoch != expected_epoch) return false;
+                if (stored.epoch != expected_epoch) return std::nullopt;
                 stored.status = next.status;
                 stored.owner_node_id = next.owner_node_id;
-                stored.epoch = next.epoch;
                 stored.last_used_at_ms = next.last_used_at_ms;
                 stored.expires_at_ms = next.expires_at_ms;
                 stored.released_at_ms = next.released_at_ms;
@@ -327,10 +414,14 @@ public:
                 stored.cleanup_status = next.cleanup_status;
                 stored.cleanup_attempts = next.cleanup_attempts;
                 stored.metadata = next.metadata;
-                auto result =
-                    client_.txn(op, json::array({etcd::compare_mod_revision(lk, kv->mod_revision)}),
-                                json::array({etcd::request_put(lk, encode_lease(stored))}));
-                if (result.succeeded) return true;
+                auto result = client_.txn(
+                    op, json::array({etcd::compare_mod_revision(lk, kv->mod_revision)}),
+                    json::array({etcd::request_put(
+                        lk, encode_lease(stored, new_epoch ? 0 : expected_epoch))}));
+                if (result.succeeded) {
+                    stored.epoch = new_epoch ? result.revision : expected_epoch;
+                    return stored;
+                }
                 // Another writer came between the read and the write: read again.
             }
             throw_unavailable(op, "lease " + next.id + " keeps changing under contention");

@@ -410,14 +410,15 @@ public:
         return page;
     }
 
-    bool update_lease(const Lease& next, std::int64_t expected_epoch) override {
+    std::optional<Lease> update_lease(const Lease& next, std::int64_t expected_epoch) override {
         constexpr std::string_view op = "update lease";
         std::lock_guard lock(mutex_);
         Statement s(db(),
                     "UPDATE leases SET status = ?, owner_node_id = ?, epoch = ?, "
                     "last_used_at_ms = ?, expires_at_ms = ?, released_at_ms = ?, "
                     "failure_reason = ?, cleanup_status = ?, cleanup_attempts = ?, "
-                    "metadata = ? WHERE id = ? AND epoch = ?",
+                    "metadata = ? WHERE id = ? AND epoch = ? RETURNING " +
+                        std::string(lease_columns),
                     op);
         s.bind(to_string(next.status))
             .bind(next.owner_node_id)
@@ -431,8 +432,11 @@ public:
             .bind(next.metadata.dump())
             .bind(next.id)
             .bind(expected_epoch);
-        s.run();
-        return sqlite3_changes(db()) == 1;
+        if (!s.step()) return std::nullopt;  // the epoch differs, or no such lease
+        auto stored = read_lease(s, op);
+        while (s.step()) {  // RETURNING: the statement completes when stepped to its end
+        }
+        return stored;
     }
 
     std::vector<Lease> expired_leases(const std::string& owner_node_id,

@@ -83,11 +83,12 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
         next.released_at_ms = now;
         next.cleanup_status = "destroyed";
         node.cache.erase(scope);
+        node.unclaim(lease.id);
     }
     auto work3 = [&node, next, epoch = lease.epoch] {
         return node.registry->update_lease(next, epoch);
     };
-    bool stored = co_await run_blocking(node.blocking, std::move(work3));
+    auto stored = co_await run_blocking(node.blocking, std::move(work3));
     if (!stored) {
         auto work4 = [&node, id = lease.id] {
             return node.registry->get_lease(id);
@@ -96,8 +97,8 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
         if (!current) not_found(lease.id);
         co_return *current;
     }
-    spdlog::info("lease={} {} node={}", lease.id, to_string(next.status), node.node_id);
-    co_return next;
+    spdlog::info("lease={} {} node={}", lease.id, to_string(stored->status), node.node_id);
+    co_return *stored;
 }
 
 }  // namespace
@@ -127,6 +128,7 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, json p) {
         params::invalid("companyId", "this token may not act for tenant \"" + lease.company_id + "\"");
     }
     if (node.draining) throw rpc_error(errc::owner_unavailable, "node " + node.node_id + " is draining");
+    node.require_membership();
     Provider* provider = provider_of(node, lease.provider);
     if (!provider) params::invalid("provider", "no provider \"" + lease.provider + "\" on this node");
 
@@ -169,6 +171,7 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, json p) {
         co_return stored;
     }
     node.cache.put(handle);
+    node.claim(stored.id, stored.epoch);
     spdlog::info("lease={} acquired provider={} providerLeaseId={} company={} node={}", lease.id,
                  lease.provider, lease.provider_lease_id, lease.company_id, node.node_id);
     co_return stored;
@@ -214,6 +217,7 @@ awaitable<Lease> lease_renew(Node& node, const Principal& who, std::string lease
         params::invalid("ttlMs", "must be an integer in 1000.." +
                                      std::to_string(node.config.limits.max_ttl_ms));
     }
+    node.require_membership();
     for (int attempt = 0; attempt < 5; ++attempt) {
         Lease lease = co_await load_visible(node, who, lease_id);
         const auto now = now_ms();
@@ -227,13 +231,14 @@ awaitable<Lease> lease_renew(Node& node, const Principal& who, std::string lease
         auto work10 = [&node, next] {
             return node.registry->update_lease(next, next.epoch);
         };
-        bool ok = co_await run_blocking(node.blocking, std::move(work10));
-        if (ok) co_return next;
+        auto stored = co_await run_blocking(node.blocking, std::move(work10));
+        if (stored) co_return *stored;
     }
     throw rpc_error(errc::registry_unavailable, "lease " + lease_id + " kept changing during renew");
 }
 
 awaitable<Lease> lease_release(Node& node, const Principal& who, std::string lease_id) {
+    node.require_membership();
     Lease lease = co_await load_visible(node, who, lease_id);
     if (lease.status == lease_status::released || lease.status == lease_status::failed) {
         co_return lease;  // idempotent
@@ -330,11 +335,20 @@ std::shared_ptr<SandboxHandle> cached_sandbox(Node& node, const Lease& lease) {
         throw rpc_error(errc::owner_unavailable, "node " + node.node_id + " is draining",
                         {{"ownerNodeId", node.node_id}});
     }
+    node.require_membership();
     // Step 6: the cache must resolve the full scope; never a re-create, never a bare id.
     auto sandbox = node.cache.find(scope_of(lease));
     if (!sandbox) {
         throw rpc_error(errc::sandbox_not_cached, std::string(sandbox_not_cached_message),
                         {{"leaseId", lease.id}});
+    }
+    // The fencing token: the lease must still carry the epoch this node created it under.
+    if (auto claimed = node.claim_of(lease.id); claimed && *claimed != lease.epoch) {
+        throw rpc_error(errc::lease_not_active, lease_not_active_message(lease.id),
+                        {{"leaseId", lease.id},
+                         {"status", std::string(to_string(lease.status))},
+                         {"epoch", lease.epoch},
+                         {"claimedEpoch", *claimed}});
     }
     return sandbox;
 }
@@ -380,6 +394,60 @@ awaitable<void> end_lease_channels(Node& node, const std::string& lease_id,
     }
 }
 
+namespace {
+
+/// The lease is this node's to serve: active, owned here, under the epoch it was claimed with.
+bool held_here(const Node& node, const Lease& lease) {
+    if (lease.status != lease_status::active || lease.owner_node_id != node.node_id) return false;
+    auto claimed = node.claim_of(lease.id);
+    return !claimed || *claimed == lease.epoch;
+}
+
+}  // namespace
+
+bool needs_reconcile(const Node& node, const Lease& lease) {
+    if (held_here(node, lease)) return false;
+    return node.cache.find(scope_of(lease)) != nullptr || !node.channels.of_lease(lease.id).empty();
+}
+
+awaitable<void> reconcile_lease(Node& node, Lease lease) {
+    if (!needs_reconcile(node, lease)) co_return;
+    spdlog::info("lease={} is {} on node {} (epoch {}): ending its channels here", lease.id,
+                 to_string(lease.status), lease.owner_node_id, lease.epoch);
+    co_await end_lease_channels(node, lease.id, std::chrono::milliseconds(3000));
+    if (lease.owner_node_id == node.node_id && lease.status == lease_status::pending_cleanup) {
+        co_return;  // the sweeper tears it down, counting attempts
+    }
+    // Released, expired, failed, or another node's now: nothing will ask this node to tear
+    // its sandbox down, so it does so itself, once.
+    const auto scope = scope_of(lease);
+    auto handle = node.cache.try_begin_teardown(scope);
+    if (!handle) co_return;
+    Provider* provider = provider_of(node, lease.provider);
+    try {
+        if (provider) {
+            auto work_destroy = [provider, handle] { provider->destroy(*handle); };
+            co_await run_blocking(node.blocking, std::move(work_destroy));
+        }
+        spdlog::info("lease={} evicted from the cache of node {}", lease.id, node.node_id);
+    } catch (const std::exception& e) {
+        spdlog::warn("lease={} evicted; destroying its sandbox failed: {}", lease.id, e.what());
+    }
+    node.cache.erase(scope);
+    node.unclaim(lease.id);
+}
+
+awaitable<void> reconcile_cached(Node& node) {
+    for (const auto& handle : node.cache.snapshot()) {
+        auto work_get = [&node, id = handle->lease_id] { return node.registry->get_lease(id); };
+        auto lease = co_await run_blocking(node.blocking, std::move(work_get));
+        if (lease && lease->provider == handle->scope.provider &&
+            lease->provider_lease_id == handle->scope.provider_lease_id) {
+            co_await reconcile_lease(node, std::move(*lease));
+        }
+    }
+}
+
 awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why) {
     if (lease.status != lease_status::active) co_return lease;
     Lease next = lease;
@@ -388,10 +456,10 @@ awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why) {
     next.cleanup_status = why;
     next.last_used_at_ms = now_ms();
     auto work_store = [&node, next, epoch = lease.epoch] { return node.registry->update_lease(next, epoch); };
-    bool stored = co_await run_blocking(node.blocking, std::move(work_store));
+    auto stored = co_await run_blocking(node.blocking, std::move(work_store));
     if (stored) {
         spdlog::info("lease={} pending_cleanup: {}", lease.id, why);
-        co_return next;
+        co_return *stored;
     }
     auto work_get = [&node, id = lease.id] { return node.registry->get_lease(id); };
     auto current = co_await run_blocking(node.blocking, std::move(work_get));
@@ -423,6 +491,8 @@ constexpr int max_cleanup_attempts = 5;
 awaitable<void> expire_leases(Node& node);
 
 awaitable<void> sweep(Node& node) {
+    if (node.fenced_for_ms() != 0) co_return;  // no lease changes on stale membership
+    co_await reconcile_cached(node);
     co_await expire_leases(node);
     const auto now = now_ms();
     auto work_nodes = [&node] { return node.registry->list_nodes(); };

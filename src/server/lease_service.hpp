@@ -44,6 +44,20 @@ awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why);
 /// and holds it (CASES.md B21, B23).
 awaitable<void> sweep(Node& node);
 
+/// True when this node has channels or a cached sandbox of `lease` although the lease is no
+/// longer this node's to serve (not active, owned elsewhere, or under another epoch than the
+/// one it claimed). Cheap and thread-safe: the registry's change feed calls it on its thread.
+bool needs_reconcile(const Node& node, const Lease& lease);
+
+/// Brings this node in line with `lease` as the registry holds it: when needs_reconcile(),
+/// ends the lease's channels here (outcome leaseReleased) and, unless the lease is this
+/// node's pending_cleanup (which the sweeper tears down), destroys and evicts its cached
+/// sandbox. Run for the change feed's events and, for every cached sandbox, by the sweeper.
+awaitable<void> reconcile_lease(Node& node, Lease lease);
+
+/// reconcile_lease for the registry's record of every sandbox in this node's cache.
+awaitable<void> reconcile_cached(Node& node);
+
 /// Ends every channel of `lease_id` on this node with outcome leaseReleased and waits (at
 /// most `wait`) until their processes are gone.
 awaitable<void> end_lease_channels(Node& node, const std::string& lease_id,

@@ -1,6 +1,9 @@
 #include "server/node.hpp"
 
+#include <sandboxd/errors.hpp>
+
 #include <algorithm>
+#include <chrono>
 
 namespace sandboxd {
 
@@ -73,6 +76,45 @@ std::vector<ChannelTable::Entry> ChannelTable::of_lease(const std::string& lease
         if (e.lease_id == lease_id) out.push_back(e);
     }
     return out;
+}
+
+std::int64_t steady_now_ms() {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+std::int64_t Node::fenced_for_ms() const {
+    const auto age = steady_now_ms() - renewed_at_ms.load(std::memory_order_acquire);
+    return age > static_cast<std::int64_t>(config.node_ttl_ms) * 2 / 3 ? age : 0;
+}
+
+void Node::require_membership() const {
+    if (const auto age = fenced_for_ms()) {
+        throw rpc_error(errc::registry_unavailable,
+                        "Node " + node_id + " has not renewed its registry membership for " +
+                            std::to_string(age) + " ms (fencing after 2/3 of nodeTtlMs " +
+                            std::to_string(config.node_ttl_ms) +
+                            " ms): it serves no opens and no lease changes until it renews.",
+                        {{"nodeId", node_id}});
+    }
+}
+
+void Node::claim(const std::string& lease_id, std::int64_t epoch) {
+    std::lock_guard lock(claims_mutex_);
+    claims_[lease_id] = epoch;
+}
+
+std::optional<std::int64_t> Node::claim_of(const std::string& lease_id) const {
+    std::lock_guard lock(claims_mutex_);
+    auto it = claims_.find(lease_id);
+    if (it == claims_.end()) return std::nullopt;
+    return it->second;
+}
+
+void Node::unclaim(const std::string& lease_id) {
+    std::lock_guard lock(claims_mutex_);
+    claims_.erase(lease_id);
 }
 
 }  // namespace sandboxd

@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,10 @@ private:
     std::uint64_t next_key_ = 1;
 };
 
+/// Milliseconds of the steady (monotonic) clock, which keeps counting while the process is
+/// stopped (SIGSTOP), unlike the process's own sense of time.
+std::int64_t steady_now_ms();
+
 struct Node {
     Config config;
     std::string node_id;
@@ -81,6 +86,31 @@ struct Node {
     /// The secret of the first `peer` token: what this node presents to its peers.
     std::string peer_token;
     PeerLinks peers;
+
+private:
+    mutable std::mutex claims_mutex_;
+    std::map<std::string, std::int64_t> claims_;
+
+public:
+
+    /// Self-fencing (docs/protocol.md section 8): steady-clock milliseconds at which the last
+    /// successful renewal of this node's registry membership was sent.
+    std::atomic<std::int64_t> renewed_at_ms{0};
+    /// The change feed of the registry (etcd); nullptr for SQLite.
+    std::unique_ptr<LeaseWatch> lease_watch;
+
+    /// Throws rpc_error(errc::registry_unavailable) while this node's membership has not been
+    /// renewed for more than 2/3 of nodeTtlMs: other nodes may soon (or already) consider it
+    /// dead, so it serves no open and no lease change until it renews.
+    void require_membership() const;
+    /// Milliseconds since the last renewal, when that is over the fencing limit; 0 otherwise.
+    std::int64_t fenced_for_ms() const;
+
+    /// The epoch of each lease whose sandbox this node created (its claim), compared on every
+    /// open this node serves as owner. Thread-safe.
+    void claim(const std::string& lease_id, std::int64_t epoch);
+    std::optional<std::int64_t> claim_of(const std::string& lease_id) const;
+    void unclaim(const std::string& lease_id);
 
     /// The principal of `bearer_token`, compared in constant time against every credential;
     /// nullptr when none matches.

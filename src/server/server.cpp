@@ -117,12 +117,15 @@ struct Daemon::Impl {
     std::string token_path;
     std::atomic<bool> stopping{false};
     net::steady_timer heartbeat_timer{ioc};
+    net::steady_timer sweep_timer{ioc};
     std::mutex sessions_mutex;
     std::vector<std::weak_ptr<Session>> sessions;
 
     awaitable<void> accept_loop();
     awaitable<void> serve(tcp::socket socket);
     awaitable<void> heartbeat_loop();
+    awaitable<void> sweep_loop();
+    void start_lease_watch();
     awaitable<bool> registry_reachable();
     awaitable<void> finish_stop();
     std::string metrics_text() const;
@@ -205,6 +208,7 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
 }
 
 Daemon::~Daemon() {
+    impl_->node.lease_watch.reset();
     impl_->node.blocking.join();
 }
 
@@ -233,7 +237,10 @@ std::string Daemon::start() {
     node.started_at_ms = now_ms();
     NodeRecord record{node.node_id, node.advertise_url, node.started_at_ms, node.started_at_ms,
                       node.instance_id};
+    const auto registering = steady_now_ms();
     register_or_take_over(*node.registry, record, node.config.node_ttl_ms, node.config.heartbeat_ms);
+    node.renewed_at_ms = registering;
+    impl_->start_lease_watch();
 
     auto log_failure = [](const std::exception_ptr& e) {
         if (!e) return;
@@ -245,6 +252,7 @@ std::string Daemon::start() {
     };
     net::co_spawn(impl_->ioc, impl_->accept_loop(), log_failure);
     net::co_spawn(impl_->ioc, impl_->heartbeat_loop(), log_failure);
+    net::co_spawn(impl_->ioc, impl_->sweep_loop(), log_failure);
     spdlog::info("node={} version={} registry={} providers={}", node.node_id, version_string,
                  node.config.registry.kind, node.providers.size());
     return impl_->bound;
@@ -268,6 +276,7 @@ void Daemon::stop() {
         beast::error_code ec;
         impl->acceptor.close(ec);
         impl->heartbeat_timer.cancel();
+        impl->sweep_timer.cancel();
         {
             std::lock_guard lock(impl->sessions_mutex);
             for (auto& weak : impl->sessions) {
@@ -281,6 +290,8 @@ void Daemon::stop() {
 }
 
 awaitable<void> Daemon::Impl::finish_stop() {
+    auto work_unwatch = [this] { node.lease_watch.reset(); };  // joins its thread: not here
+    co_await run_blocking(node.blocking, std::move(work_unwatch));
     auto work_remove = [this] { node.registry->remove_node(node.node_id, node.instance_id); };
     try {
         co_await run_blocking(node.blocking, std::move(work_remove));
@@ -393,6 +404,9 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
             std::string why;
             if (node.draining) why = "draining";
             else if (!co_await registry_reachable()) why = "registry unreachable";
+            else if (const auto fenced = node.fenced_for_ms()) {
+                why = "membership not renewed for " + std::to_string(fenced) + " ms (fenced)";
+            }
             for (const auto& [key, provider] : node.providers) {
                 if (why.empty() && !provider->ready()) why = "provider " + key + " not ready";
             }
@@ -413,20 +427,71 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
     }
 }
 
+void Daemon::Impl::start_lease_watch() {
+    // Events arrive on the feed's thread; only those that concern this node's cache or
+    // channels cross over to the I/O threads.
+    auto on_change = [this](const Lease& lease) {
+        if (!needs_reconcile(node, lease)) return;
+        net::co_spawn(ioc, reconcile_lease(node, lease), net::detached);
+    };
+    node.lease_watch = node.registry->watch_leases(std::move(on_change), {},
+                                                   std::max<std::int64_t>(node.config.heartbeat_ms / 2, 100));
+}
+
 awaitable<void> Daemon::Impl::heartbeat_loop() {
+    // Renews this node's membership every heartbeatMs. `renewed_at_ms` is the time a renewal
+    // that succeeded was sent: the node fences itself (Node::require_membership) when it is
+    // older than 2/3 of nodeTtlMs.
     for (;;) {
         heartbeat_timer.expires_after(std::chrono::milliseconds(node.config.heartbeat_ms));
         auto [ec] = co_await heartbeat_timer.async_wait(as_tuple_awaitable);
         if (ec || node.draining) co_return;
+        const auto sent = steady_now_ms();
+        const auto fenced = node.fenced_for_ms();
         try {
-            auto work2 = [this] {
+            auto work_beat = [this] {
                 return node.registry->heartbeat_node(node.node_id, node.instance_id, now_ms());
             };
-            bool mine = co_await run_blocking(node.blocking, std::move(work2));
-            if (!mine) spdlog::error("node={} lost its node record to another process", node.node_id);
+            bool mine = co_await run_blocking(node.blocking, std::move(work_beat));
+            if (!mine) {
+                // The record expired (the process was stopped, or the registry unreachable,
+                // past the TTL) or another process took the node id. Other nodes may have
+                // orphaned this node's leases meanwhile: register again, end what it lost,
+                // and only then serve again.
+                spdlog::warn("node={} lost its membership (not renewed for {} ms); registering again",
+                             node.node_id, steady_now_ms() - node.renewed_at_ms.load());
+                NodeRecord record;
+                record.node_id = node.node_id;
+                record.url = node.advertise_url;
+                record.started_at_ms = node.started_at_ms;
+                record.heartbeat_at_ms = now_ms();
+                record.instance_id = node.instance_id;
+                auto work_register = [this, record] {
+                    node.registry->register_node(record, node.config.node_ttl_ms);
+                };
+                co_await run_blocking(node.blocking, std::move(work_register));
+                spdlog::info("node={} registered again", node.node_id);
+            }
+            if (!mine || fenced != 0) {
+                co_await reconcile_cached(node);
+                if (fenced != 0) spdlog::info("node={} unfenced after {} ms", node.node_id, fenced);
+            }
+            node.renewed_at_ms.store(sent, std::memory_order_release);
+        } catch (const std::exception& e) {
+            spdlog::warn("node={} heartbeat failed: {}", node.node_id, e.what());
+        }
+    }
+}
+
+awaitable<void> Daemon::Impl::sweep_loop() {
+    for (;;) {
+        sweep_timer.expires_after(std::chrono::milliseconds(node.config.heartbeat_ms));
+        auto [ec] = co_await sweep_timer.async_wait(as_tuple_awaitable);
+        if (ec || node.draining) co_return;
+        try {
             co_await sweep(node);
         } catch (const std::exception& e) {
-            spdlog::warn("node={} heartbeat or sweep failed: {}", node.node_id, e.what());
+            spdlog::warn("node={} sweep failed: {}", node.node_id, e.what());
         }
     }
 }

@@ -425,6 +425,10 @@ awaitable<std::optional<json>> Session::dispatch(const std::string& method, cons
                          {"outputWindow", l.output_window},
                          {"stdinWindow", l.stdin_window}}}};
     }
+    if (method == "leaseAcquire" || method == "leaseRenew" || method == "leaseRelease" ||
+        method == "duplexChannelOpen") {
+        node_.require_membership();  // self-fencing: no opens or lease changes on stale membership
+    }
     if (method == "leaseAcquire") co_return to_json(co_await lease_acquire(node_, who_, p));
     if (method == "leaseGet") {
         params::only_keys(p, {"leaseId"});
@@ -614,6 +618,8 @@ awaitable<json> Session::open_channel(json p, const json& id, bool& responded) {
                             {{"ownerNodeId", lease.owner_node_id}, {"forwardedBy", forwarded_by_}});
         }
         auto link = co_await owner_link(node_, lease);
+        // The owner compares the epoch this node routed on with its own reading (fencing).
+        if (!p["lease"].contains("epoch")) p["lease"]["epoch"] = lease.epoch;
         const std::uint32_t local = next_channel_++;
         opening_[local];  // frames that overtake the open's result wait here
         json result;

@@ -26,6 +26,8 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <map>
+#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
@@ -40,6 +42,8 @@ namespace {
 
 /// One backend's store; open() makes another registry object on the same store.
 struct SqliteBackend {
+    /// Epochs are stored as the caller gives them (expected + 1 on a change).
+    static constexpr bool revision_epochs = false;
     test::TempDir dir;
     std::unique_ptr<Registry> open(std::int64_t /*node_ttl_ms*/ = 30000) {
         return make_sqlite_registry((dir.path() / "registry.db").string());
@@ -47,6 +51,8 @@ struct SqliteBackend {
 };
 
 struct EtcdBackend {
+    /// Epochs are the revisions of the writes that set them (registry.hpp, update_lease).
+    static constexpr bool revision_epochs = true;
     std::string prefix = EtcdServer::unique_prefix();
     std::unique_ptr<Registry> open(std::int64_t node_ttl_ms = 30000) {
         return make_etcd_registry({EtcdServer::shared().endpoint()}, prefix, node_ttl_ms);
@@ -91,6 +97,28 @@ void check_same(const Lease& got, const Lease& want) {
     CHECK(got.idempotency_key == want.idempotency_key);
     CHECK(got.config == want.config);
     CHECK(got.cleanup_attempts == want.cleanup_attempts);
+}
+
+/// The epoch contract of a write that asked for a new epoch `requested` over `previous`:
+/// SQLite stores `requested`; etcd the write's revision, greater than `previous`.
+template <typename Backend>
+void check_new_epoch(std::int64_t got, std::int64_t requested, std::int64_t previous) {
+    if constexpr (Backend::revision_epochs) {
+        CHECK(got > previous);
+    } else {
+        CHECK(got == requested);
+    }
+}
+
+/// create_lease(l), checking the returned lease against `l` and the epoch contract; returns
+/// the lease as stored (the epoch the backend chose).
+template <typename Backend>
+Lease created(Registry& registry, Lease l) {
+    Lease stored = registry.create_lease(l);
+    check_new_epoch<Backend>(stored.epoch, l.epoch, 0);
+    l.epoch = stored.epoch;
+    check_same(stored, l);
+    return stored;
 }
 
 template <typename F>
@@ -153,8 +181,8 @@ TEMPLATE_TEST_CASE("Contract: a lease round-trips every field, absent ones as nu
     Lease bare = make_lease("lease-bare");
     bare.metadata = nlohmann::json::object();
 
-    check_same(registry->create_lease(full), full);
-    check_same(registry->create_lease(bare), bare);
+    full = created<TestType>(*registry, full);
+    bare = created<TestType>(*registry, bare);
 
     auto got_full = registry->get_lease("lease-full");
     REQUIRE(got_full);
@@ -179,7 +207,7 @@ TEMPLATE_TEST_CASE("Contract: an idempotency key returns the existing lease and 
 
     Lease first = make_lease("lease-1");
     first.idempotency_key = "key-1";
-    check_same(registry->create_lease(first), first);
+    first = created<TestType>(*registry, first);
 
     Lease retry = make_lease("lease-2");
     retry.idempotency_key = "key-1";
@@ -234,9 +262,7 @@ TEMPLATE_TEST_CASE("Contract: ids and keys with slashes and percent signs stay a
     y.idempotency_key = "k/1";
     Lease z = make_lease("lease-z", "a", "b");
     z.idempotency_key = "c/k/1";
-    CHECK(registry->create_lease(x).id == "lease/x%2F");
-    CHECK(registry->create_lease(y).id == "lease%2Fx/");
-    CHECK(registry->create_lease(z).id == "lease-z");
+    for (auto* l : {&x, &y, &z}) *l = created<TestType>(*registry, *l);  // each a new lease
     check_same(*registry->get_lease("lease/x%2F"), x);
     check_same(*registry->get_lease("lease%2Fx/"), y);
     CHECK(registry->find_by_idempotency_key("a/b", "c", "k/1")->id == "lease/x%2F");
@@ -259,12 +285,13 @@ TEMPLATE_TEST_CASE("Contract: update_lease stores every mutable field when the e
     original.expires_at_ms = 5000;
     original.idempotency_key = "key-1";
     original.config = {{"image", "debian"}};
-    registry->create_lease(original);
+    original = created<TestType>(*registry, original);
+    const std::int64_t e1 = original.epoch;
 
     Lease next = original;
     next.status = lease_status::released;
     next.owner_node_id = "node-b";
-    next.epoch = 2;
+    next.epoch = e1 + 1;
     next.last_used_at_ms = 2500;
     next.expires_at_ms = std::nullopt;
     next.released_at_ms = 3000;
@@ -273,18 +300,23 @@ TEMPLATE_TEST_CASE("Contract: update_lease stores every mutable field when the e
     next.cleanup_attempts = 3;
     next.metadata["extra"] = 42;
 
-    REQUIRE(registry->update_lease(next, 1));
+    auto written = registry->update_lease(next, e1);
+    REQUIRE(written);
+    check_new_epoch<TestType>(written->epoch, e1 + 1, e1);
+    next.epoch = written->epoch;
+    check_same(*written, next);
     auto stored = registry->get_lease("lease-1");
     REQUIRE(stored);
     check_same(*stored, next);
+    const std::int64_t e2 = next.epoch;
 
     SECTION("a stale epoch writes nothing") {
         Lease stale = next;
         stale.status = lease_status::failed;
         stale.owner_node_id = "node-c";
-        stale.epoch = 3;
+        stale.epoch = e2 + 1;
         stale.cleanup_attempts = 9;
-        CHECK_FALSE(registry->update_lease(stale, 1));
+        CHECK_FALSE(registry->update_lease(stale, e1));
         auto after = registry->get_lease("lease-1");
         REQUIRE(after);
         check_same(*after, next);
@@ -292,23 +324,26 @@ TEMPLATE_TEST_CASE("Contract: update_lease stores every mutable field when the e
     SECTION("a missing lease is not updated") {
         Lease ghost = next;
         ghost.id = "no-such-lease";
-        CHECK_FALSE(registry->update_lease(ghost, 2));
+        CHECK_FALSE(registry->update_lease(ghost, e2));
         CHECK_FALSE(registry->get_lease("no-such-lease"));
     }
     SECTION("immutable fields are left alone") {
         Lease changed = next;
-        changed.epoch = 3;
+        changed.epoch = e2 + 1;
         changed.company_id = "co-other";
         changed.provider_lease_id = "pl-other";
         changed.acquired_at_ms = 1;
         changed.idempotency_key = "key-other";
         changed.config = {{"image", "alpine"}};
-        REQUIRE(registry->update_lease(changed, 2));
+        auto changed_written = registry->update_lease(changed, e2);
+        REQUIRE(changed_written);
+        check_new_epoch<TestType>(changed_written->epoch, e2 + 1, e2);
         auto after = registry->get_lease("lease-1");
         REQUIRE(after);
         Lease want = next;
-        want.epoch = 3;
+        want.epoch = changed_written->epoch;
         check_same(*after, want);
+        check_same(*changed_written, want);
         // The idempotency record still names the lease under its original key.
         CHECK(registry->find_by_idempotency_key("co-1", "env-1", "key-1")->id == "lease-1");
         CHECK_FALSE(registry->find_by_idempotency_key("co-1", "env-1", "key-other"));
@@ -320,37 +355,47 @@ TEMPLATE_TEST_CASE("Contract: concurrent updates from one epoch have exactly one
     TestType backend;
     auto first = backend.open();
     auto second = backend.open();
-    first->create_lease(make_lease("lease-1"));
+    const std::int64_t e0 = created<TestType>(*first, make_lease("lease-1")).epoch;
 
-    // Four writers race to move the lease from each epoch to the next; each epoch is won once.
+    // Four writers race to move the lease from each epoch to a new one; each epoch is won
+    // exactly once, and the wins form one chain from the first epoch to the stored one.
     constexpr int rounds = 10;
-    std::vector<std::vector<std::int64_t>> won(4);
+    std::atomic<int> wins{0};
+    std::mutex won_mutex;
+    std::map<std::int64_t, std::int64_t> won;  // from epoch -> to epoch
+    int duplicate_wins = 0;
     std::vector<std::thread> threads;
-    for (std::size_t t = 0; t < won.size(); ++t) {
+    for (int t = 0; t < 4; ++t) {
         Registry& registry = t % 2 == 0 ? *first : *second;
-        threads.emplace_back([&registry, &won, t] {
-            for (int i = 0; i < rounds * 4; ++i) {
+        threads.emplace_back([&, t] {
+            for (int i = 0; i < rounds * 4 && wins.load() < rounds; ++i) {
                 auto current = registry.get_lease("lease-1");
-                if (!current || current->epoch > rounds) return;
+                if (!current) return;
                 Lease next = *current;
                 next.epoch = current->epoch + 1;
                 next.owner_node_id = "node-" + std::to_string(t);
-                if (registry.update_lease(next, current->epoch)) won[t].push_back(next.epoch);
+                if (auto w = registry.update_lease(next, current->epoch)) {
+                    ++wins;
+                    std::lock_guard lock(won_mutex);
+                    if (!won.emplace(current->epoch, w->epoch).second) ++duplicate_wins;
+                }
             }
         });
     }
     for (auto& th : threads) th.join();
 
-    std::vector<std::int64_t> all;
-    for (const auto& w : won) all.insert(all.end(), w.begin(), w.end());
-    std::sort(all.begin(), all.end());
-    std::vector<std::int64_t> want;
-    for (std::int64_t e = 2; e <= static_cast<std::int64_t>(all.size()) + 1; ++e) want.push_back(e);
-    CHECK(all == want);  // no epoch won twice, none skipped
-    CHECK(all.size() >= static_cast<std::size_t>(rounds));
+    CHECK(duplicate_wins == 0);  // no epoch won twice
+    CHECK(won.size() >= static_cast<std::size_t>(rounds));
+    std::int64_t at = e0;  // follow the chain: none skipped
+    for (std::size_t i = 0; i < won.size(); ++i) {
+        auto it = won.find(at);
+        REQUIRE(it != won.end());
+        check_new_epoch<TestType>(it->second, at + 1, at);
+        at = it->second;
+    }
     auto final_lease = first->get_lease("lease-1");
     REQUIRE(final_lease);
-    CHECK(final_lease->epoch == static_cast<std::int64_t>(all.size()) + 1);
+    CHECK(final_lease->epoch == at);
 }
 
 TEMPLATE_TEST_CASE("Contract: list_leases filters by company, environment, status, owner, tenants",
@@ -537,8 +582,8 @@ TEMPLATE_TEST_CASE("Contract: expired_leases returns the owner's active leases e
     Lease elsewhere = make_lease("elsewhere");
     elsewhere.expires_at_ms = 1000;
     elsewhere.owner_node_id = "node-b";
-    for (const auto& l : {due, exactly, later, forever, released, elsewhere}) {
-        registry->create_lease(l);
+    for (auto* l : {&due, &exactly, &later, &forever, &released, &elsewhere}) {
+        *l = created<TestType>(*registry, *l);
     }
 
     CHECK(ids_of(registry->expired_leases("node-a", 6000)) ==
@@ -560,7 +605,7 @@ TEMPLATE_TEST_CASE("Contract: two registries on one store see each other's write
 
     Lease lease = make_lease("lease-1");
     lease.idempotency_key = "key-1";
-    first->create_lease(lease);
+    lease = created<TestType>(*first, lease);
     auto seen = second->get_lease("lease-1");
     REQUIRE(seen);
     check_same(*seen, lease);
@@ -570,12 +615,14 @@ TEMPLATE_TEST_CASE("Contract: two registries on one store see each other's write
     CHECK(second->create_lease(retry).id == "lease-1");
 
     Lease next = lease;
-    next.epoch = 2;
+    next.epoch = lease.epoch + 1;
     next.status = lease_status::expired;
-    REQUIRE(second->update_lease(next, 1));
-    CHECK_FALSE(first->update_lease(next, 1));
+    auto written = second->update_lease(next, lease.epoch);
+    REQUIRE(written);
+    check_new_epoch<TestType>(written->epoch, lease.epoch + 1, lease.epoch);
+    CHECK_FALSE(first->update_lease(next, lease.epoch));
     CHECK(first->get_lease("lease-1")->status == lease_status::expired);
-    CHECK(first->get_lease("lease-1")->epoch == 2);
+    CHECK(first->get_lease("lease-1")->epoch == written->epoch);
 
     first->register_node({"node-a", "ws://10.0.0.1:7000", 100, 200, "inst-1"}, 30000);
     auto nodes = second->list_nodes();
@@ -708,7 +755,7 @@ TEMPLATE_TEST_CASE("Contract: a lease survives closing and reopening the registr
     lease.expires_at_ms = 9000;
     {
         auto registry = backend.open();
-        registry->create_lease(lease);
+        lease = created<TestType>(*registry, lease);
         registry->register_node({"node-a", "ws://10.0.0.1:7000", 1, 2, "inst-1"}, 30000);
     }
     auto reopened = backend.open();
