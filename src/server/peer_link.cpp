@@ -137,17 +137,25 @@ awaitable<json> PeerLink::do_call(std::string method, json params, std::weak_ptr
     co_await ensure_connected();
     if (broken_) throw unavailable(peer_.node_id, broken_reason_);
     const auto id = next_id_++;
+    // A peer that does not answer within its liveness TTL (frozen, overloaded, partitioned
+    // after the handshake) is unavailable: the caller fails closed instead of waiting forever.
+    const auto answer_within = std::chrono::milliseconds(node_.config.node_ttl_ms);
+    const auto deadline = std::chrono::steady_clock::now() + answer_within;
     auto& slot = pending_[id];
     slot.wake = std::make_unique<net::steady_timer>(strand_);
-    slot.wake->expires_at(net::steady_timer::time_point::max());
+    slot.wake->expires_at(deadline);
     slot.target = std::move(target);
     slot.local_channel = local_channel;
     queue(false, json{{"jsonrpc", "2.0"}, {"id", id}, {"method", method}, {"params", std::move(params)}}.dump());
-    while (!pending_[id].response && !broken_) {
+    while (!pending_[id].response && !broken_ && std::chrono::steady_clock::now() < deadline) {
         co_await pending_[id].wake->async_wait(as_tuple_awaitable);
     }
     auto node = pending_.extract(id);
-    if (!node.mapped().response) throw unavailable(peer_.node_id, broken_reason_);
+    if (!node.mapped().response) {
+        if (broken_) throw unavailable(peer_.node_id, broken_reason_);
+        throw unavailable(peer_.node_id, "it did not answer " + method + " within " +
+                                             std::to_string(answer_within.count()) + " ms");
+    }
     json response = std::move(*node.mapped().response);
     if (response.contains("error")) {
         const auto& e = response["error"];
@@ -227,9 +235,16 @@ void PeerLink::on_text(const std::string& text) {
     if (!msg.is_object()) return;
     if (msg.contains("id") && !msg.contains("method")) {
         auto it = pending_.find(msg["id"].is_number_integer() ? msg["id"].get<std::int64_t>() : -1);
-        if (it == pending_.end()) return;
+        const bool opened = msg.contains("result") && msg["result"].is_object() &&
+                            msg["result"].contains("channel") && msg["result"]["channel"].is_number_unsigned();
+        if (it == pending_.end() || (opened && it->second.target.expired())) {
+            // An open answered after its caller gave up (timeout, host gone): nobody will
+            // read that channel, so it is closed on the owner rather than left running.
+            if (opened && it == pending_.end()) close_channel(msg["result"]["channel"].get<std::uint32_t>());
+            if (it == pending_.end()) return;
+        }
         // An open's route exists before the next frame is read: no data is ever unrouted.
-        if (msg.contains("result") && msg["result"].contains("channel") && !it->second.target.expired()) {
+        if (opened && !it->second.target.expired()) {
             routes_[msg["result"]["channel"].get<std::uint32_t>()] = {it->second.target, it->second.local_channel};
         }
         it->second.response = std::move(msg);

@@ -1,0 +1,324 @@
+// Nodes on an etcd registry under faults (issue 5): the lease change feed, etcd stopped under
+// a running daemon, and a node frozen (SIGSTOP) past its TTL that must fence itself, lose its
+// leases to the sweepers of the other nodes, end its stale channels and never serve them again.
+// Real daemons on loopback, real bubblewrap sandboxes, a real etcd (tests/support/etcd_fixture).
+#include "support/daemon_fixture.hpp"
+#include "support/etcd_fixture.hpp"
+
+#include <sandboxd/errors.hpp>
+#include <sandboxd/registry.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+
+#include <chrono>
+#include <iostream>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+using namespace sandboxd;
+using namespace sandboxd::test;
+using namespace std::chrono_literals;
+using json = nlohmann::json;
+
+namespace {
+
+const std::string host_token = "host-secret";
+const std::string peer_token = "peer-secret";
+constexpr int node_ttl_ms = 3000;
+
+std::string etcd_cluster_config(const std::string& endpoint, const std::string& prefix) {
+    return json{{"registry", {{"kind", "etcd"}, {"endpoints", {endpoint}}, {"prefix", prefix}}},
+                {"auth",
+                 {{"tokens",
+                   {{{"name", "host"}, {"token", host_token}, {"role", "host"}, {"tenants", {"*"}}},
+                    {{"name", "peer"}, {"token", peer_token}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
+                {"routing", {{"mode", "proxy"}, {"nodeTtlMs", node_ttl_ms}, {"heartbeatMs", 300}}}}
+        .dump();
+}
+
+/// The `reason` of the error `method` answers, "ok" when it succeeds.
+std::string reason_of(Client& c, const std::string& method, const json& params) {
+    try {
+        c.call(method, params);
+    } catch (const rpc_error& e) {
+        return e.data().value("reason", "");
+    }
+    return "ok";
+}
+
+json acquire(Client& c) {
+    return c.call("leaseAcquire", {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}});
+}
+
+std::string lease_status_of(Client& c, const json& lease) {
+    return c.call("leaseGet", {{"leaseId", lease["id"]}})["status"].get<std::string>();
+}
+
+/// Reads `c` until stdout of `channel` has produced exactly `want`, crediting what it reads.
+void read_until(Client& c, std::uint32_t channel, const std::string& want) {
+    std::string out;
+    while (out.size() < want.size()) {
+        auto ev = c.next_event();
+        if (ev.type == ClientEvent::kind::data && ev.channel == channel) {
+            out += ev.bytes;
+            c.send_credit(channel, ev.stream, static_cast<std::uint32_t>(ev.bytes.size()));
+        }
+    }
+    REQUIRE(out == want);
+}
+
+/// The duplexChannel.exit params of `channel`, waiting at most `wait`; null when none came.
+json wait_exit(Client& c, std::uint32_t channel, std::chrono::milliseconds wait) {
+    const auto deadline = std::chrono::steady_clock::now() + wait;
+    while (std::chrono::steady_clock::now() < deadline) {
+        auto ev = c.poll_event(100ms);
+        if (ev && ev->type == ClientEvent::kind::notification &&
+            ev->message.value("method", "") == "duplexChannel.exit" &&
+            ev->message["params"]["channel"] == channel) {
+            return ev->message["params"];
+        }
+    }
+    return nullptr;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+TEST_CASE("etcd: the lease change feed delivers every write and lists again after etcd restarts",
+          "[registry][etcd][watch]") {
+    EtcdServer etcd;  // private: this test stops and starts it
+    const auto prefix = EtcdServer::unique_prefix();
+    auto watcher = make_etcd_registry({etcd.endpoint()}, prefix, 30000);
+    auto writer = make_etcd_registry({etcd.endpoint()}, prefix, 30000);
+
+    std::mutex mutex;
+    std::vector<Lease> seen;
+    int resyncs = 0;
+    auto feed = watcher->watch_leases(
+        [&](const Lease& l) {
+            std::lock_guard lock(mutex);
+            seen.push_back(l);
+        },
+        [&] {
+            std::lock_guard lock(mutex);
+            ++resyncs;
+        },
+        100);
+    REQUIRE(feed);
+    REQUIRE(eventually([&] { std::lock_guard lock(mutex); return resyncs == 1; }, 5s));
+    auto count_of = [&](const std::string& id, lease_status status, std::int64_t epoch) {
+        std::lock_guard lock(mutex);
+        return std::count_if(seen.begin(), seen.end(), [&](const Lease& l) {
+            return l.id == id && l.status == status && l.epoch == epoch;
+        });
+    };
+
+    Lease lease;
+    lease.id = "lease-1";
+    lease.company_id = "co";
+    lease.environment_id = "env";
+    lease.provider = "bwrap";
+    lease.provider_lease_id = "pl-1";
+    lease.owner_node_id = "node-a";
+    lease.metadata = {{"pluginId", "p"}, {"provider", "bwrap"}};
+    const Lease created = writer->create_lease(lease);
+    CHECK(eventually([&] { return count_of("lease-1", lease_status::active, created.epoch) == 1; }, 5s));
+
+    Lease next = created;
+    next.status = lease_status::released;
+    next.epoch = created.epoch + 1;
+    auto released = writer->update_lease(next, created.epoch);
+    REQUIRE(released);
+    CHECK(released->epoch > created.epoch);
+    CHECK(eventually([&] { return count_of("lease-1", lease_status::released, released->epoch) == 1; }, 5s));
+
+    // etcd restarts: the feed breaks, lists every lease again, and follows new writes.
+    etcd.stop();
+    etcd.start();
+    Lease second = lease;
+    second.id = "lease-2";
+    second.provider_lease_id = "pl-2";
+    Lease second_created;
+    REQUIRE(eventually(
+        [&] {
+            try {
+                second_created = writer->create_lease(second);
+                return true;
+            } catch (const rpc_error&) {
+                return false;  // etcd still electing itself
+            }
+        },
+        10s));
+    CHECK(eventually([&] { return count_of("lease-2", lease_status::active, second_created.epoch) == 1; }, 10s));
+    {
+        std::lock_guard lock(mutex);
+        CHECK(resyncs >= 2);
+    }
+    // The re-listing delivered lease-1 again, as it now is.
+    CHECK(count_of("lease-1", lease_status::released, released->epoch) >= 2);
+    // Nothing arrives after the feed is destroyed.
+    feed.reset();
+    std::size_t before = 0;
+    {
+        std::lock_guard lock(mutex);
+        before = seen.size();
+    }
+    Lease third = lease;
+    third.id = "lease-3";
+    third.provider_lease_id = "pl-3";
+    writer->create_lease(third);
+    std::this_thread::sleep_for(300ms);
+    std::lock_guard lock(mutex);
+    CHECK(seen.size() == before);
+}
+
+TEST_CASE("etcd: a daemon whose etcd stops fails closed with REGISTRY_UNAVAILABLE and recovers",
+          "[registry][etcd][daemon][fault]") {
+    EtcdServer etcd;
+    DaemonProcess p1("node-1", etcd_cluster_config(etcd.endpoint(), EtcdServer::unique_prefix()));
+    Client c(p1.url(), host_token);
+    auto lease = acquire(c);
+    // A channel that outlives the outage: it reads one line, then answers.
+    auto open = c.call("duplexChannelOpen",
+                       open_params(lease, {"sh", "-c", "echo ready; read x; echo got $x; exit 3"}));
+    const auto channel = open["channel"].get<std::uint32_t>();
+    read_until(c, channel, "ready\n");
+
+    etcd.stop();
+    CHECK(reason_of(c, "duplexChannelOpen", open_params(lease, {"true"})) == "REGISTRY_UNAVAILABLE");
+    CHECK(reason_of(c, "leaseAcquire",
+                    {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}}) ==
+          "REGISTRY_UNAVAILABLE");
+    CHECK(reason_of(c, "leaseGet", {{"leaseId", lease["id"]}}) == "REGISTRY_UNAVAILABLE");
+    // Past 2/3 of the TTL without a renewal the node is fenced, whatever the call needs.
+    std::this_thread::sleep_for(std::chrono::milliseconds(node_ttl_ms * 2 / 3 + 300));
+    try {
+        c.call("duplexChannelOpen", open_params(lease, {"true"}));
+        FAIL("an open succeeded with etcd stopped");
+    } catch (const rpc_error& e) {
+        CHECK(e.data()["reason"] == "REGISTRY_UNAVAILABLE");
+        CHECK(std::string(e.what()).find("has not renewed its registry membership") != std::string::npos);
+    }
+    CHECK(p1.alive());
+    CHECK(p1.children().size() == 1);  // the running channel is left alone
+
+    etcd.start();
+    REQUIRE(eventually([&] { return reason_of(c, "duplexChannelOpen", open_params(lease, {"true"})) == "ok"; },
+                       15s));
+    // The channel that ran through the outage still works, end to end.
+    c.send_stdin(channel, "hello\n");
+    read_until(c, channel, "got hello\n");
+    auto exit = wait_exit(c, channel, 10s);
+    REQUIRE(exit.is_object());
+    CHECK(exit["outcome"] == "exited");
+    CHECK(exit["exitCode"] == 3);
+    auto run = c.run_channel(open_params(lease, {"sh", "-c", "echo back"}));
+    CHECK(run.out == "back\n");
+    CHECK(run.exit["exitCode"] == 0);
+    CHECK(lease_status_of(c, lease) == "active");
+}
+
+TEST_CASE("etcd: a node frozen past its TTL loses its leases, ends its stale channels and never serves them",
+          "[registry][etcd][daemon][fault][fencing]") {
+    auto& etcd = EtcdServer::shared();
+    const auto prefix = EtcdServer::unique_prefix();
+    DaemonProcess p1("node-1", etcd_cluster_config(etcd.endpoint(), prefix));
+    DaemonProcess p2("node-2", etcd_cluster_config(etcd.endpoint(), prefix));
+    Client c1(p1.url(), host_token, 30s);
+    Client c2(p2.url(), host_token, 30s);
+    auto lease = acquire(c1);
+    REQUIRE(c2.run_channel(open_params(lease, {"true"})).open_result["routed"] == true);
+    auto open = c1.call("duplexChannelOpen", open_params(lease, {"sh", "-c", "echo ready; sleep 600"}));
+    const auto stale = open["channel"].get<std::uint32_t>();
+    read_until(c1, stale, "ready\n");
+
+    // Freeze the owner. Opens through node-2 fail closed: first the peer cannot answer, then
+    // its membership has expired in etcd; then node-2's sweeper orphans the lease.
+    REQUIRE(::kill(p1.pid(), SIGSTOP) == 0);
+    const auto frozen = std::chrono::steady_clock::now();
+    double first_unavailable = -1;
+    double fast_unavailable = -1;  // answered at once from the registry, not by a timeout
+    while (seconds_since(frozen) < 15) {
+        const auto t = std::chrono::steady_clock::now();
+        const auto reason = reason_of(c2, "duplexChannelOpen", open_params(lease, {"true"}));
+        if (reason == "LEASE_NOT_ACTIVE") break;
+        REQUIRE(reason == "OWNER_UNAVAILABLE");
+        if (first_unavailable < 0) first_unavailable = seconds_since(frozen);
+        if (seconds_since(t) < 0.2 && fast_unavailable < 0) fast_unavailable = seconds_since(frozen);
+        std::this_thread::sleep_for(100ms);
+    }
+    const double orphaned = seconds_since(frozen);
+    CHECK(lease_status_of(c2, lease) == "pending_cleanup");
+    CHECK(orphaned < 10);
+    std::cout << "failover (owner frozen): first OWNER_UNAVAILABLE after " << first_unavailable
+              << " s, answered from the registry after " << fast_unavailable
+              << " s, lease orphaned (LEASE_NOT_ACTIVE) after " << orphaned << " s; nodeTtlMs "
+              << node_ttl_ms << "\n";
+
+    // Thaw it: it must not serve the lease it lost, and its stale channel ends.
+    REQUIRE(::kill(p1.pid(), SIGCONT) == 0);
+    const auto thawed = std::chrono::steady_clock::now();
+    const auto reason = reason_of(c1, "duplexChannelOpen", open_params(lease, {"true"}));
+    INFO("open on the thawed owner: " << reason);
+    CHECK((reason == "REGISTRY_UNAVAILABLE" || reason == "LEASE_NOT_ACTIVE"));
+    auto exit = wait_exit(c1, stale, 10s);
+    REQUIRE(exit.is_object());
+    CHECK(exit["outcome"] == "leaseReleased");
+    CHECK(exit["exitCode"].is_null());
+    std::cout << "stale channel ended " << seconds_since(thawed) << " s after the thaw\n";
+    CHECK(eventually([] { return count_processes_with("sleep 600") == 0; }, 10s));
+    // The owner tears the orphan down, and serves new leases again.
+    CHECK(eventually([&] { return lease_status_of(c2, lease) == "released"; }, 15s));
+    CHECK(c2.call("leaseGet", {{"leaseId", lease["id"]}})["cleanupStatus"] == "destroyed");
+    CHECK(reason_of(c1, "duplexChannelOpen", open_params(lease, {"true"})) == "LEASE_NOT_ACTIVE");
+    auto fresh = acquire(c1);
+    auto run = c2.run_channel(open_params(fresh, {"sh", "-c", "echo served"}));
+    CHECK(run.out == "served\n");
+    CHECK(run.open_result["ownerNodeId"] == "node-1");
+}
+
+TEST_CASE("etcd: failover time from the owner's death to OWNER_UNAVAILABLE on the other nodes",
+          "[registry][etcd][daemon][fault]") {
+    auto& etcd = EtcdServer::shared();
+    const auto prefix = EtcdServer::unique_prefix();
+    DaemonProcess p1("node-1", etcd_cluster_config(etcd.endpoint(), prefix));
+    DaemonProcess p2("node-2", etcd_cluster_config(etcd.endpoint(), prefix));
+    DaemonProcess p3("node-3", etcd_cluster_config(etcd.endpoint(), prefix));
+    Client c2(p2.url(), host_token);
+    Client c3(p3.url(), host_token);
+    json lease;
+    {
+        Client c1(p1.url(), host_token);
+        lease = acquire(c1);
+    }
+    REQUIRE(c2.run_channel(open_params(lease, {"true"})).exit["exitCode"] == 0);
+    p1.kill9();
+    const auto killed = std::chrono::steady_clock::now();
+    std::vector<double> answered;
+    for (Client* c : {&c2, &c3}) {
+        CHECK(reason_of(*c, "duplexChannelOpen", open_params(lease, {"true"})) == "OWNER_UNAVAILABLE");
+        answered.push_back(seconds_since(killed));
+    }
+    // Its etcd lease expires: it leaves the member list, and its lease is orphaned.
+    CHECK(eventually(
+        [&] {
+            const auto nodes = c3.call("nodeList", json::object())["nodes"];
+            for (const auto& n : nodes) {
+                if (n["nodeId"] == "node-1") return false;
+            }
+            return true;
+        },
+        10s));
+    const double gone = seconds_since(killed);
+    CHECK(eventually([&] { return lease_status_of(c2, lease) == "pending_cleanup"; }, 10s));
+    std::cout << "failover (owner killed): OWNER_UNAVAILABLE on node-2 after " << answered[0]
+              << " s, on node-3 after " << answered[1] << " s; node-1 gone from etcd after " << gone
+              << " s, lease pending_cleanup after " << seconds_since(killed) << " s\n";
+    CHECK(answered[1] < 3.0);
+}
