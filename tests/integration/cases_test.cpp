@@ -41,14 +41,6 @@ using steady = std::chrono::steady_clock;
 
 namespace {
 
-#if defined(__SANITIZE_THREAD__)
-// ThreadSanitizer's shadow memory makes RSS several times the heap: bounds on the daemon's
-// RSS are checked in the other builds (ASan with its quarantine off, release).
-constexpr bool rss_is_meaningful = false;
-#else
-constexpr bool rss_is_meaningful = true;
-#endif
-
 bool full_cases() {
     const char* v = std::getenv("SANDBOXD_FULL_CASES");
     return v != nullptr && std::string(v) == "1";
@@ -250,16 +242,6 @@ std::size_t ptys_held(const DaemonProcess& d) {
     for (const auto& t : d.fd_targets())
         n += (t == "/dev/ptmx" || t.rfind("/dev/pts/", 0) == 0) ? 1 : 0;
     return n;
-}
-
-/// The capacity of the pipe that is `fd` of process `pid` (F_GETPIPE_SZ), or -1.
-long long pipe_capacity(pid_t pid, int fd) {
-    const auto path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
-    const int own = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
-    if (own < 0) return -1;
-    const long long size = ::fcntl(own, F_GETPIPE_SZ);
-    ::close(own);
-    return size;
 }
 
 /// Waits (bounded) until the processes whose command line starts with `needle` have ended or

@@ -287,6 +287,15 @@ long long proc_io_field(pid_t pid, const std::string& name) {
     return -1;
 }
 
+long long pipe_capacity(pid_t pid, int fd) {
+    const auto path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+    const int own = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    if (own < 0) return -1;
+    const long long size = ::fcntl(own, F_GETPIPE_SZ);
+    ::close(own);
+    return size;
+}
+
 char proc_state(pid_t pid) {
     const std::string stat = read_proc_file("/proc/" + std::to_string(pid) + "/stat");
     const auto paren = stat.rfind(')');

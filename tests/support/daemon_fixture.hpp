@@ -93,6 +93,15 @@ private:
     std::string old_;
 };
 
+/// Whether a daemon's RSS says what it keeps. Not under ThreadSanitizer, whose shadow memory
+/// makes RSS several times the heap: bounds on RSS are checked in the other builds (ASan with
+/// its quarantine off, see measure_memory_env(), and release).
+#if defined(__SANITIZE_THREAD__)
+inline constexpr bool rss_is_meaningful = false;
+#else
+inline constexpr bool rss_is_meaningful = true;
+#endif
+
 /// For tests that measure a daemon's RSS: ASAN_OPTIONS (the current ones, if any) with
 /// AddressSanitizer's quarantine off, so that RSS shows what the daemon keeps, not the freed
 /// memory that ASan holds back (up to 256 MiB by default) to catch use-after-free.
@@ -112,6 +121,8 @@ std::vector<pid_t> pids_with(const std::string& needle);
 long proc_status_field(pid_t pid, const std::string& name);
 /// A field of /proc/<pid>/io (e.g. "wchar"); -1 if absent.
 long long proc_io_field(pid_t pid, const std::string& name);
+/// The capacity of the pipe that is `fd` of process `pid` (F_GETPIPE_SZ), or -1.
+long long pipe_capacity(pid_t pid, int fd);
 /// The one-letter state of /proc/<pid>/stat ('R', 'S', 'Z', ...); 0 if gone.
 char proc_state(pid_t pid);
 
