@@ -39,7 +39,9 @@ struct Lease {
     std::string provider;           ///< driver key, e.g. "bwrap"
     std::string provider_lease_id;  ///< the provider's own id of the sandbox
     std::string owner_node_id;
-    std::int64_t epoch = 1;  ///< fencing token: +1 on every owner or status change
+    /// Fencing token: grows on every owner or status change (+1 on SQLite; the revision of
+    /// the changing write on etcd; see Registry::update_lease).
+    std::int64_t epoch = 1;
     std::int64_t acquired_at_ms = 0;
     std::int64_t last_used_at_ms = 0;
     std::optional<std::int64_t> expires_at_ms;

@@ -72,11 +72,14 @@ http::response<http::string_body> plain(http::status status, std::string body, u
 /// Registers this node. When the record belongs to another instance whose heartbeat is still
 /// fresh, waits one liveness TTL: a live process keeps heartbeating (then this start is
 /// refused), a dead one (e.g. killed with SIGKILL) does not, and its record is taken over.
-void register_or_take_over(Registry& registry, const NodeRecord& record, std::int64_t ttl_ms,
+/// Returns the steady-clock time (steady_now_ms) at which the registration that succeeded was
+/// sent: the node's first renewal.
+std::int64_t register_or_take_over(Registry& registry, const NodeRecord& record, std::int64_t ttl_ms,
                            std::int64_t heartbeat_ms) {
     try {
+        const auto sent = steady_now_ms();
         registry.register_node(record, ttl_ms);
-        return;
+        return sent;
     } catch (const rpc_error& e) {
         if (e.code() != errc::invalid_params) throw;
     }
@@ -97,8 +100,9 @@ void register_or_take_over(Registry& registry, const NodeRecord& record, std::in
         NodeRecord fresh = record;
         fresh.heartbeat_at_ms = now_ms();
         try {
+            const auto sent = steady_now_ms();
             registry.register_node(fresh, ttl_ms);
-            return;
+            return sent;
         } catch (const rpc_error& e) {
             if (e.code() != errc::invalid_params) throw;
         }
@@ -237,9 +241,8 @@ std::string Daemon::start() {
     node.started_at_ms = now_ms();
     NodeRecord record{node.node_id, node.advertise_url, node.started_at_ms, node.started_at_ms,
                       node.instance_id};
-    const auto registering = steady_now_ms();
-    register_or_take_over(*node.registry, record, node.config.node_ttl_ms, node.config.heartbeat_ms);
-    node.renewed_at_ms = registering;
+    node.renewed_at_ms = register_or_take_over(*node.registry, record, node.config.node_ttl_ms,
+                                               node.config.heartbeat_ms);
     impl_->start_lease_watch();
 
     auto log_failure = [](const std::exception_ptr& e) {

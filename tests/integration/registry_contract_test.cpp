@@ -815,7 +815,7 @@ TEST_CASE("etcd stopped: every call fails closed at once, and works again after 
     auto registry = make_etcd_registry({etcd.endpoint()}, "/sandboxd/v1/", 30000);
     Lease lease = make_lease("lease-1");
     lease.idempotency_key = "key-1";
-    registry->create_lease(lease);
+    lease = created<EtcdBackend>(*registry, lease);
     registry->register_node({"node-a", "ws://a:1", 1, 1, "inst-1"}, 30000);
 
     etcd.stop();
