@@ -270,7 +270,14 @@ void Session::relay_binary(std::uint32_t local_channel, std::string frame) {
         it->second.emplace_back(true, std::move(frame));
         return;
     }
-    if (remote_.count(local_channel)) send_binary(std::move(frame));
+    auto it = remote_.find(local_channel);
+    if (it == remote_.end()) return;
+    auto decoded = decode_frame(frame, node_.config.limits.max_data_payload);
+    if (auto* credit = std::get_if<CreditFrame>(&decoded); credit && credit->stream == stream_id::stdin_) {
+        auto& r = it->second;
+        r.stdin_outstanding -= std::min<std::uint64_t>(credit->bytes, r.stdin_outstanding);
+    }
+    send_binary(std::move(frame));
 }
 
 void Session::relay_exit(std::uint32_t local_channel, json exit_params) {
@@ -362,6 +369,16 @@ std::optional<websocket::close_reason> Session::handle_binary(std::string_view m
         },
         decoded);
     if (auto it = remote_.find(frame_channel); it != remote_.end()) {
+        if (auto* data = std::get_if<DataFrame>(&decoded); data && data->stream == stream_id::stdin_) {
+            auto& r = it->second;
+            if (r.stdin_overrun) return std::nullopt;  // the owner is ending the channel
+            r.stdin_outstanding += data->payload.size();
+            if (r.stdin_window != 0 && r.stdin_outstanding > r.stdin_window) {
+                r.stdin_overrun = true;  // this frame still goes: the owner reports FLOW_CONTROL
+                spdlog::info("peer={} channel={} overran the stdin window of its owner", peer_,
+                             frame_channel);
+            }
+        }
         std::string copy(message);
         const auto r = it->second.remote_id;
         copy[1] = static_cast<char>((r >> 24) & 0xff);
@@ -629,7 +646,11 @@ awaitable<json> Session::open_channel(json p, const json& id, bool& responded) {
             opening_.erase(local);
             throw;
         }
-        remote_[local] = RemoteChannel{link, result.value("channel", 0U)};
+        RemoteChannel route;
+        route.link = link;
+        route.remote_id = result.value("channel", 0U);
+        route.stdin_window = result.value("stdinWindow", std::uint64_t{0});
+        remote_[local] = std::move(route);
         result["channel"] = local;
         result["routed"] = true;
         spdlog::info("channel={} lease={} forwarded to node={} as channel {} peer={}", local,

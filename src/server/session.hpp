@@ -84,6 +84,13 @@ private:
     struct RemoteChannel {
         std::shared_ptr<PeerLink> link;
         std::uint32_t remote_id = 0;
+        /// The owner's stdin window and the stdin bytes relayed that it has not credited back:
+        /// this relay forwards at most the window plus the one frame that overruns it (the
+        /// owner then ends the channel with FLOW_CONTROL) and drops the host's stdin after
+        /// that, so a host that ignores the window costs this node no more than the window.
+        std::uint64_t stdin_window = 0;
+        std::uint64_t stdin_outstanding = 0;
+        bool stdin_overrun = false;
     };
     std::map<std::uint32_t, RemoteChannel> remote_;
     /// Forwarded opens awaiting their result: frames that overtake it, in order.

@@ -53,20 +53,7 @@ long long ms_since(steady::time_point t) {
     return std::chrono::duration_cast<std::chrono::milliseconds>(steady::now() - t).count();
 }
 
-json acquire(Client& c) {
-    return c.call("leaseAcquire",
-                  {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}});
-}
 
-/// The `reason` of a call that must fail.
-std::string error_reason(Client& c, const std::string& method, const json& params) {
-    try {
-        c.call(method, params);
-    } catch (const rpc_error& e) {
-        return e.data().value("reason", "");
-    }
-    return "(no error)";
-}
 
 json with_pty(json params, int cols, int rows) {
     params["pty"] = {{"cols", cols}, {"rows", rows}};
@@ -287,7 +274,7 @@ TEST_CASE("cases: B02: seq output through a slow or dropped link is exact or nev
     REQUIRE(sha256_hex(expected) == seq_2m_sha);
     DaemonProcess daemon;
     auto control = daemon.connect();
-    const auto lease = acquire(*control);
+    const auto lease = acquire_lease(*control);
     const auto params = open_params(lease, {"sh", "-c", "seq 1 2000000; exit 0"});
     auto expect_exact = [&](Client& c, const ChannelRun& run) {
         CHECK(run.out.size() == 14888896);
@@ -359,7 +346,7 @@ TEST_CASE("cases: memory: a channel's memory is bounded by its windows whatever 
     const auto memory_env = measure_memory_env();
     DaemonProcess daemon;
     auto control = daemon.connect();
-    const auto lease = acquire(*control);
+    const auto lease = acquire_lease(*control);
     const long before = daemon.rss_kib();
     REQUIRE(before > 0);
 
@@ -425,7 +412,7 @@ TEST_CASE("cases: B03: the exit status never overtakes output", "[cases][B03]") 
     const int runs = reps(50, 1000);
     DaemonProcess daemon;
     auto c = daemon.connect();
-    const auto lease = acquire(*c);
+    const auto lease = acquire_lease(*c);
     SECTION("variant 1: stdout and stderr") {
         const auto params = open_params(lease, {"sh", "-c", "printf abc; printf def >&2; exit 9"});
         int mismatches = 0;
@@ -466,7 +453,7 @@ TEST_CASE("cases: B04: an unterminated last line and a trailing CRLF are preserv
     const int runs = reps(50, 500);
     DaemonProcess daemon;
     auto c = daemon.connect();
-    const auto lease = acquire(*c);
+    const auto lease = acquire_lease(*c);
     SECTION("A: pipes, no newline at the end") {
         const auto params = open_params(lease, {"sh", "-c", "printf 'line1\\nno-newline-tail'"});
         int mismatches = 0;
@@ -499,7 +486,7 @@ TEST_CASE("cases: B06: a channel opened without stdin lives as long as its comma
           "[cases][B06]") {
     DaemonProcess daemon;
     auto c = daemon.connect();
-    const auto lease = acquire(*c);
+    const auto lease = acquire_lease(*c);
     auto no_stdin = [&](std::vector<std::string> argv) {
         auto p = open_params(lease, std::move(argv));
         p["stdin"] = false;
@@ -550,7 +537,7 @@ TEST_CASE("cases: B06: a channel opened without stdin lives as long as its comma
 TEST_CASE("cases: B08: binary data is byte-exact on stdout, stderr and stdin", "[cases][B08]") {
     DaemonProcess daemon;
     auto c = daemon.connect();
-    const auto lease = acquire(*c);
+    const auto lease = acquire_lease(*c);
     std::string every;
     for (int i = 0; i < 256; ++i) every.push_back(static_cast<char>(i));
 
@@ -672,7 +659,7 @@ TEST_CASE("cases: B08: binary data is byte-exact on stdout, stderr and stdin", "
 TEST_CASE("cases: B09: a client disconnect leaves no process behind", "[cases][B09]") {
     DaemonProcess daemon;
     auto control = daemon.connect();
-    const auto lease = acquire(*control);
+    const auto lease = acquire_lease(*control);
     const std::string marker = "sleep 6091";
     const bool pty = GENERATE(false, true);
     auto params = open_params(lease, {"sleep", "6091"});
@@ -758,7 +745,7 @@ TEST_CASE("cases: B09: a client disconnect leaves no process behind", "[cases][B
 TEST_CASE("cases: B10: signals reach the right processes", "[cases][B10]") {
     DaemonProcess daemon;
     auto c = daemon.connect();
-    const auto lease = acquire(*c);
+    const auto lease = acquire_lease(*c);
     SECTION("case 1: TERM reaches a trapping shell") {
         const auto ch =
             open_channel(*c, open_params(lease, {"sh", "-c",
@@ -841,7 +828,7 @@ TEST_CASE("cases: B11: descendants are reaped and background children never hold
           "[cases][B11]") {
     DaemonProcess daemon;
     auto c = daemon.connect();
-    const auto lease = acquire(*c);
+    const auto lease = acquire_lease(*c);
     SECTION("case 1: background sleeps hold stdout; the exit does not wait for them") {
         const auto start = steady::now();
         auto run =
@@ -895,7 +882,7 @@ TEST_CASE("cases: B12: no fd leak across many channels, and none at a low RLIMIT
     const auto memory_env = measure_memory_env();
     DaemonProcess daemon;
     auto c = daemon.connect();
-    auto lease = acquire(*c);
+    auto lease = acquire_lease(*c);
     auto echo_pid = open_params(lease, {"sh", "-c", "echo $$"});
     auto held = open_params(lease, {"sh", "-c", "echo $$; exec cat"});
     // Warm up (first spawn, registry, logging), then the baseline.
@@ -984,7 +971,7 @@ TEST_CASE("cases: B12: no fd leak across many channels, and none at a low RLIMIT
                 std::string::npos);
     }
     c = daemon.connect();
-    lease = acquire(*c);
+    lease = acquire_lease(*c);
     echo_pid = open_params(lease, {"sh", "-c", "echo $$"});
     int batch_failures = 0;
     for (int done = 0; done < parallel; done += 50) {
@@ -1013,7 +1000,7 @@ TEST_CASE(
     daemon.set_fd_limit_for_next_start(64);
     daemon.restart();
     auto c = daemon.connect();
-    const auto lease = acquire(*c);
+    const auto lease = acquire_lease(*c);
     std::vector<std::uint32_t> open;
     std::string reason;
     for (int i = 0; i < 64 && reason.empty(); ++i) {
@@ -1051,7 +1038,7 @@ TEST_CASE(
     DaemonProcess daemon("node-a",
                          R"({"limits": {"pingIntervalMs": 1000, "idleTimeoutMs": 3000}})");
     auto c = daemon.connect();
-    const auto lease = acquire(*c);
+    const auto lease = acquire_lease(*c);
     SECTION("a silent command of at least 2.5 T runs to its end") {
         const int seconds = full_cases() ? 25 : 8;
         const auto start = steady::now();
@@ -1097,7 +1084,7 @@ TEST_CASE("cases: B15: huge or endless frames close the connection and harm noth
     const auto memory_env = measure_memory_env();
     DaemonProcess daemon;
     auto healthy = daemon.connect();
-    const auto lease = acquire(*healthy);
+    const auto lease = acquire_lease(*healthy);
     // The healthy channel's output is larger than its window: it is mid-flight during the attack.
     const auto ch = open_channel(*healthy, open_params(lease, {"sh", "-c", "seq 1 200000"}));
     REQUIRE(wait_until_quiet("seq 1 200000", 20s));  // its window is full: memory settled
@@ -1175,7 +1162,7 @@ TEST_CASE("cases: B16: permessage-deflate is not negotiated and RSV1 frames are 
           "[cases][B16]") {
     DaemonProcess daemon;
     auto healthy = daemon.connect();
-    const auto lease = acquire(*healthy);
+    const auto lease = acquire_lease(*healthy);
     const auto ch = open_channel(*healthy, open_params(lease, {"sh", "-c", "seq 1 200000"}));
     RawWebSocket raw(daemon.address(), daemon.token(),
                      {"Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits"});
@@ -1353,7 +1340,7 @@ TEST_CASE("cases: B17: concurrent writers on one WebSocket: pings, resizes, stdi
     // 4 I/O threads; the daemon's own keepalive pings every 100 ms (its smallest interval).
     DaemonProcess daemon("node-a", R"({"threads": 4, "limits": {"pingIntervalMs": 100}})");
     auto c = daemon.connect();
-    const auto lease = acquire(*c);
+    const auto lease = acquire_lease(*c);
     const std::string loop =
         "i=0; while [ $i -lt 20000 ]; do echo out$i; echo err$i >&2; i=$((i+1)); done; exit 0";
     struct Chan {
@@ -1476,7 +1463,7 @@ TEST_CASE("cases: B17: concurrent writers on one WebSocket: pings, resizes, stdi
 TEST_CASE("cases: B18: terminal size: initial size, early resize, invalid sizes", "[cases][B18]") {
     DaemonProcess daemon;
     auto c = daemon.connect();
-    const auto lease = acquire(*c);
+    const auto lease = acquire_lease(*c);
     SECTION("case 1: the opening size is in force before the command starts") {
         const int runs = reps(20, 200);
         const auto params = with_pty(open_params(lease, {"stty", "size"}), 132, 43);
@@ -1559,7 +1546,7 @@ TEST_CASE("cases: B19: large stdin is never truncated and writing to an exited c
     const auto memory_env = measure_memory_env();
     DaemonProcess daemon;
     auto c = daemon.connect();
-    const auto lease = acquire(*c);
+    const auto lease = acquire_lease(*c);
     SECTION("case 1: 8 MiB in 64 KiB messages to a command that reads late") {
         const long before = daemon.rss_kib();
         auto run = c->run_channel(open_params(lease, {"sh", "-c", "sleep 2; wc -c"}),
@@ -1609,7 +1596,7 @@ TEST_CASE("cases: B19: large stdin is never truncated and writing to an exited c
 TEST_CASE("cases: B22: output produced before the reader attaches is kept", "[cases][B22]") {
     DaemonProcess daemon;
     auto c = daemon.connect();
-    const auto lease = acquire(*c);
+    const auto lease = acquire_lease(*c);
     SECTION("case 1: the client reads nothing for 1 s after the open") {
         for (const bool pty : {false, true}) {
             INFO("pty " << pty);

@@ -39,19 +39,7 @@ std::string etcd_cluster_config(const std::string& endpoint, const std::string& 
         .dump();
 }
 
-/// The `reason` of the error `method` answers, "ok" when it succeeds.
-std::string reason_of(Client& c, const std::string& method, const json& params) {
-    try {
-        c.call(method, params);
-    } catch (const rpc_error& e) {
-        return e.data().value("reason", "");
-    }
-    return "ok";
-}
 
-json acquire(Client& c) {
-    return c.call("leaseAcquire", {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}});
-}
 
 std::string lease_status_of(Client& c, const json& lease) {
     return c.call("leaseGet", {{"leaseId", lease["id"]}})["status"].get<std::string>();
@@ -183,7 +171,7 @@ TEST_CASE("etcd: a daemon whose etcd stops fails closed with REGISTRY_UNAVAILABL
     EtcdServer etcd;
     DaemonProcess p1("node-1", etcd_cluster_config(etcd.endpoint(), EtcdServer::unique_prefix()));
     Client c(p1.url(), host_token);
-    auto lease = acquire(c);
+    auto lease = acquire_lease(c);
     // A channel that outlives the outage: it reads one line, then answers.
     auto open = c.call("duplexChannelOpen",
                        open_params(lease, {"sh", "-c", "echo ready; read x; echo got $x; exit 3"}));
@@ -191,11 +179,11 @@ TEST_CASE("etcd: a daemon whose etcd stops fails closed with REGISTRY_UNAVAILABL
     read_until(c, channel, "ready\n");
 
     etcd.stop();
-    CHECK(reason_of(c, "duplexChannelOpen", open_params(lease, {"true"})) == "REGISTRY_UNAVAILABLE");
-    CHECK(reason_of(c, "leaseAcquire",
+    CHECK(error_reason(c, "duplexChannelOpen", open_params(lease, {"true"})) == "REGISTRY_UNAVAILABLE");
+    CHECK(error_reason(c, "leaseAcquire",
                     {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}}) ==
           "REGISTRY_UNAVAILABLE");
-    CHECK(reason_of(c, "leaseGet", {{"leaseId", lease["id"]}}) == "REGISTRY_UNAVAILABLE");
+    CHECK(error_reason(c, "leaseGet", {{"leaseId", lease["id"]}}) == "REGISTRY_UNAVAILABLE");
     // Past 2/3 of the TTL without a renewal the node is fenced, whatever the call needs.
     std::this_thread::sleep_for(std::chrono::milliseconds(node_ttl_ms * 2 / 3 + 300));
     try {
@@ -209,7 +197,7 @@ TEST_CASE("etcd: a daemon whose etcd stops fails closed with REGISTRY_UNAVAILABL
     CHECK(p1.children().size() == 1);  // the running channel is left alone
 
     etcd.start();
-    REQUIRE(eventually([&] { return reason_of(c, "duplexChannelOpen", open_params(lease, {"true"})) == "ok"; },
+    REQUIRE(eventually([&] { return error_reason(c, "duplexChannelOpen", open_params(lease, {"true"})) == "ok"; },
                        15s));
     // The channel that ran through the outage still works, end to end.
     c.send_stdin(channel, "hello\n");
@@ -232,7 +220,7 @@ TEST_CASE("etcd: a node frozen past its TTL loses its leases, ends its stale cha
     DaemonProcess p2("node-2", etcd_cluster_config(etcd.endpoint(), prefix));
     Client c1(p1.url(), host_token, 30s);
     Client c2(p2.url(), host_token, 30s);
-    auto lease = acquire(c1);
+    auto lease = acquire_lease(c1);
     REQUIRE(c2.run_channel(open_params(lease, {"true"})).open_result["routed"] == true);
     auto open = c1.call("duplexChannelOpen", open_params(lease, {"sh", "-c", "echo ready; sleep 600"}));
     const auto stale = open["channel"].get<std::uint32_t>();
@@ -246,7 +234,7 @@ TEST_CASE("etcd: a node frozen past its TTL loses its leases, ends its stale cha
     double fast_unavailable = -1;  // answered at once from the registry, not by a timeout
     while (seconds_since(frozen) < 15) {
         const auto t = std::chrono::steady_clock::now();
-        const auto reason = reason_of(c2, "duplexChannelOpen", open_params(lease, {"true"}));
+        const auto reason = error_reason(c2, "duplexChannelOpen", open_params(lease, {"true"}));
         if (reason == "LEASE_NOT_ACTIVE") break;
         REQUIRE(reason == "OWNER_UNAVAILABLE");
         if (first_unavailable < 0) first_unavailable = seconds_since(frozen);
@@ -264,7 +252,7 @@ TEST_CASE("etcd: a node frozen past its TTL loses its leases, ends its stale cha
     // Thaw it: it must not serve the lease it lost, and its stale channel ends.
     REQUIRE(::kill(p1.pid(), SIGCONT) == 0);
     const auto thawed = std::chrono::steady_clock::now();
-    const auto reason = reason_of(c1, "duplexChannelOpen", open_params(lease, {"true"}));
+    const auto reason = error_reason(c1, "duplexChannelOpen", open_params(lease, {"true"}));
     INFO("open on the thawed owner: " << reason);
     CHECK((reason == "REGISTRY_UNAVAILABLE" || reason == "LEASE_NOT_ACTIVE"));
     auto exit = wait_exit(c1, stale, 10s);
@@ -276,8 +264,8 @@ TEST_CASE("etcd: a node frozen past its TTL loses its leases, ends its stale cha
     // The owner tears the orphan down, and serves new leases again.
     CHECK(eventually([&] { return lease_status_of(c2, lease) == "released"; }, 15s));
     CHECK(c2.call("leaseGet", {{"leaseId", lease["id"]}})["cleanupStatus"] == "destroyed");
-    CHECK(reason_of(c1, "duplexChannelOpen", open_params(lease, {"true"})) == "LEASE_NOT_ACTIVE");
-    auto fresh = acquire(c1);
+    CHECK(error_reason(c1, "duplexChannelOpen", open_params(lease, {"true"})) == "LEASE_NOT_ACTIVE");
+    auto fresh = acquire_lease(c1);
     auto run = c2.run_channel(open_params(fresh, {"sh", "-c", "echo served"}));
     CHECK(run.out == "served\n");
     CHECK(run.open_result["ownerNodeId"] == "node-1");
@@ -295,14 +283,14 @@ TEST_CASE("etcd: failover time from the owner's death to OWNER_UNAVAILABLE on th
     json lease;
     {
         Client c1(p1.url(), host_token);
-        lease = acquire(c1);
+        lease = acquire_lease(c1);
     }
     REQUIRE(c2.run_channel(open_params(lease, {"true"})).exit["exitCode"] == 0);
     p1.kill9();
     const auto killed = std::chrono::steady_clock::now();
     std::vector<double> answered;
     for (Client* c : {&c2, &c3}) {
-        CHECK(reason_of(*c, "duplexChannelOpen", open_params(lease, {"true"})) == "OWNER_UNAVAILABLE");
+        CHECK(error_reason(*c, "duplexChannelOpen", open_params(lease, {"true"})) == "OWNER_UNAVAILABLE");
         answered.push_back(seconds_since(killed));
     }
     // Its etcd lease expires: it leaves the member list, and its lease is orphaned.

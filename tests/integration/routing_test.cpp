@@ -59,18 +59,7 @@ std::string cluster_config(const Cluster& cluster, const std::string& mode = "pr
         .dump();
 }
 
-std::string reason_of(Client& c, const std::string& method, const json& params) {
-    try {
-        c.call(method, params);
-    } catch (const rpc_error& e) {
-        return e.data().value("reason", "");
-    }
-    return "no error";
-}
 
-json acquire(Client& c) {
-    return c.call("leaseAcquire", {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}});
-}
 
 std::string random_bytes(std::size_t n) {
     std::string s(n, '\0');
@@ -96,7 +85,7 @@ TEMPLATE_TEST_CASE("An open through any node runs in the owner's sandbox, byte-e
     Client c1(p1.url(), host_token);
     Client c2(p2.url(), host_token);
     Client c3(p3.url(), host_token);
-    auto lease = acquire(c1);
+    auto lease = acquire_lease(c1);
     CHECK(lease["ownerNodeId"] == "node-1");
     auto mark = c1.run_channel(open_params(lease, {"sh", "-c", "echo owner-is-p1 > marker"}));
     REQUIRE(mark.exit["exitCode"] == 0);
@@ -150,7 +139,7 @@ TEMPLATE_TEST_CASE("An open through any node runs in the owner's sandbox, byte-e
         CHECK(exit["exitCode"].is_null());
         CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(3));
         CHECK(count_processes_exactly(sleeper) == 0);
-        CHECK(reason_of(c2, "duplexChannelOpen", open_params(lease, {"true"})) == "LEASE_NOT_ACTIVE");
+        CHECK(error_reason(c2, "duplexChannelOpen", open_params(lease, {"true"})) == "LEASE_NOT_ACTIVE");
     }
 }
 
@@ -164,18 +153,18 @@ TEMPLATE_TEST_CASE("A dead owner fails closed, and a restarted owner's lease is 
     json lease;
     {
         Client c1(p1.url(), host_token);
-        lease = acquire(c1);
+        lease = acquire_lease(c1);
     }
     REQUIRE(c2.run_channel(open_params(lease, {"true"})).exit["exitCode"] == 0);
     const auto killed = std::chrono::steady_clock::now();
     p1.kill9();
-    CHECK(reason_of(c2, "duplexChannelOpen", open_params(lease, {"true"})) == "OWNER_UNAVAILABLE");
+    CHECK(error_reason(c2, "duplexChannelOpen", open_params(lease, {"true"})) == "OWNER_UNAVAILABLE");
     CHECK(std::chrono::steady_clock::now() - killed < std::chrono::seconds(3));
 
     p1.restart();  // waits out the old instance's TTL, then takes the node id over
     Client c1(p1.url(), host_token);
-    auto direct = reason_of(c1, "duplexChannelOpen", open_params(lease, {"true"}));
-    auto routed = reason_of(c2, "duplexChannelOpen", open_params(lease, {"true"}));
+    auto direct = error_reason(c1, "duplexChannelOpen", open_params(lease, {"true"}));
+    auto routed = error_reason(c2, "duplexChannelOpen", open_params(lease, {"true"}));
     CHECK((direct == "SANDBOX_NOT_CACHED" || direct == "LEASE_NOT_ACTIVE"));
     CHECK((routed == "SANDBOX_NOT_CACHED" || routed == "LEASE_NOT_ACTIVE"));
     // After one liveness TTL the restarted owner moves it to pending_cleanup and tears it down.
@@ -196,7 +185,7 @@ TEMPLATE_TEST_CASE("Redirect mode answers OWNER_ELSEWHERE with the owner's URL",
     DaemonProcess p2("node-2", cluster_config(cluster, "redirect"));
     Client c1(p1.url(), host_token);
     Client c2(p2.url(), host_token);
-    auto lease = acquire(c1);
+    auto lease = acquire_lease(c1);
     try {
         c2.call("duplexChannelOpen", open_params(lease, {"true"}));
         FAIL("open through a non-owner in redirect mode succeeded");
@@ -215,10 +204,10 @@ TEMPLATE_TEST_CASE("A forwarded open is never forwarded again", "[routing][multi
     DaemonProcess p1("node-1", cluster_config(cluster));
     DaemonProcess p2("node-2", cluster_config(cluster));
     Client c1(p1.url(), host_token);
-    auto lease = acquire(c1);
+    auto lease = acquire_lease(c1);
     Client as_peer(p2.url(), peer_token, std::chrono::seconds(10), 0,
                    {{"Sandboxd-Forwarded-By", "node-3"}});
-    CHECK(reason_of(as_peer, "duplexChannelOpen", open_params(lease, {"true"})) == "ROUTING_LOOP");
+    CHECK(error_reason(as_peer, "duplexChannelOpen", open_params(lease, {"true"})) == "ROUTING_LOOP");
     CHECK(p2.children().empty());
     CHECK(p1.children().empty());
 }
@@ -252,7 +241,7 @@ TEMPLATE_TEST_CASE(
     DaemonProcess p1("node-1", cluster_config(cluster));  // the owner
     DaemonProcess p2("node-2", cluster_config(cluster));  // the proxy the host talks to
     Client c1(p1.url(), host_token);
-    const auto lease = acquire(c1);
+    const auto lease = acquire_lease(c1);
     REQUIRE(lease["ownerNodeId"] == "node-1");
     // The host connects to the proxy and runs one channel through it before the baseline:
     // what a node spends once (its first connection, the peer link, the first use of each
@@ -403,6 +392,10 @@ TEMPLATE_TEST_CASE(
         check_growth(window);
         // One byte over the window ends the channel with FLOW_CONTROL, relayed to the host.
         c2.send_stdin(ch, std::string(credited + 1, 'y'));
+        // A host that goes on writing past the window costs neither node more: the proxy
+        // stops relaying that channel's stdin once it has overrun the owner's window.
+        const std::string more(64 * 1024, 'z');
+        for (int i = 0; i < 512; ++i) c2.send_stdin(ch, more);
         json exit;
         while (exit.is_null()) {
             auto ev = c2.next_event();
@@ -415,6 +408,8 @@ TEMPLATE_TEST_CASE(
         CHECK(exit["channel"] == ch);
         CHECK(exit["outcome"] == "error");
         CHECK(exit["error"]["data"]["reason"] == "FLOW_CONTROL");
+        c2.call("initialize", {{"protocolVersion", 1}});  // the proxy has read all 32 MiB
+        check_growth(window);
         CHECK(eventually([&] { return count_processes_exactly(sleep_command) == 0; }, 5s));
     }
 }

@@ -1,5 +1,7 @@
 #include "support/daemon_fixture.hpp"
 
+#include <sandboxd/errors.hpp>
+
 #include <csignal>
 #include <fcntl.h>
 #include <cstdlib>
@@ -331,6 +333,20 @@ nlohmann::json lease_ref(const nlohmann::json& lease) {
 
 nlohmann::json open_params(const nlohmann::json& lease, std::vector<std::string> argv) {
     return {{"lease", lease_ref(lease)}, {"command", std::move(argv)}};
+}
+
+nlohmann::json acquire_lease(Client& c) {
+    return c.call("leaseAcquire",
+                  {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}});
+}
+
+std::string error_reason(Client& c, const std::string& method, const nlohmann::json& params) {
+    try {
+        c.call(method, params);
+    } catch (const rpc_error& e) {
+        return e.data().value("reason", "");
+    }
+    return "ok";
 }
 
 }  // namespace sandboxd::test

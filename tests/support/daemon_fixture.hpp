@@ -126,6 +126,12 @@ long long pipe_capacity(pid_t pid, int fd);
 /// The one-letter state of /proc/<pid>/stat ('R', 'S', 'Z', ...); 0 if gone.
 char proc_state(pid_t pid);
 
+/// leaseAcquire of a bwrap lease for companyId "acme", environmentId "dev".
+nlohmann::json acquire_lease(Client& c);
+
+/// The `reason` of the error that `method` answers, "ok" when it succeeds.
+std::string error_reason(Client& c, const std::string& method, const nlohmann::json& params);
+
 /// The `lease` object of a duplexChannelOpen for `lease` (as returned by leaseAcquire).
 nlohmann::json lease_ref(const nlohmann::json& lease);
 
