@@ -10,6 +10,7 @@
 #include <systemd/sd-daemon.h>
 
 #include <csignal>
+#include <sys/resource.h>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -102,6 +103,12 @@ int daemon_main(int argc, char** argv) {
     // SIGTERM and SIGINT are taken by a waiting thread; every other thread (and, reset at
     // spawn, no child) has them blocked. SIGPIPE is ignored: a closed pipe is an EPIPE error.
     std::signal(SIGPIPE, SIG_IGN);
+    // Every channel holds a few pipes and every connection a socket: use the whole allowance
+    // the hard limit grants (systemd's default soft limit is 1024).
+    if (rlimit lim{}; ::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur < lim.rlim_max) {
+        lim.rlim_cur = lim.rlim_max;
+        ::setrlimit(RLIMIT_NOFILE, &lim);
+    }
     sigset_t stop_signals;
     sigemptyset(&stop_signals);
     sigaddset(&stop_signals, SIGTERM);

@@ -310,13 +310,29 @@ awaitable<void> Daemon::Impl::finish_stop() {
 }
 
 awaitable<void> Daemon::Impl::accept_loop() {
+    // A failed accept (EMFILE, ENFILE, ENOBUFS) leaves the connection in the backlog: retrying
+    // at once would spin. Back off 10 ms, doubling to 1 s, and log once per streak.
+    // (The wait sits outside the scope of the accept's structured binding: GCC 12 corrupts a
+    // binding that lives across a second suspension in a nested scope.)
+    net::steady_timer backoff(ioc);
+    std::chrono::milliseconds delay{0};
     for (;;) {
+        if (delay.count() != 0) {
+            backoff.expires_after(delay);
+            auto waited = co_await backoff.async_wait(as_tuple_awaitable);
+            if (std::get<0>(waited) || !acceptor.is_open()) co_return;
+        }
         auto [ec, socket] = co_await acceptor.async_accept(net::make_strand(ioc), as_tuple_awaitable);
         if (ec) {
             if (ec == net::error::operation_aborted || !acceptor.is_open()) co_return;
-            spdlog::warn("accept failed: {}", ec.message());
+            if (delay.count() == 0) spdlog::warn("accept failed: {}; backing off", ec.message());
+            delay = std::min<std::chrono::milliseconds>(
+                delay.count() == 0 ? std::chrono::milliseconds(10) : delay * 2,
+                std::chrono::milliseconds(1000));
             continue;
         }
+        if (delay.count() != 0) spdlog::info("accepting connections again");
+        delay = std::chrono::milliseconds(0);
         beast::error_code nodelay_ec;
         socket.set_option(tcp::no_delay(true), nodelay_ec);  // no Nagle wait behind an unacked frame
         auto ex = socket.get_executor();

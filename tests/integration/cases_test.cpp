@@ -1029,6 +1029,46 @@ TEST_CASE(
     CHECK(daemon.alive());
 }
 
+/// User plus system CPU time of `pid` in clock ticks (/proc/<pid>/stat fields 14 and 15).
+long long cpu_ticks(pid_t pid) {
+    std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::istringstream fields(stat.substr(stat.rfind(')') + 2));
+    std::string field;
+    long long utime = 0;
+    long long stime = 0;
+    for (int i = 3; i <= 15 && fields >> field; ++i) {
+        if (i == 14) utime = std::stoll(field);
+        if (i == 15) stime = std::stoll(field);
+    }
+    return utime + stime;
+}
+
+TEST_CASE("cases: B12: a node out of file descriptors at accept backs off, then accepts again",
+          "[cases][B12]") {
+    DaemonProcess daemon;
+    daemon.set_fd_limit_for_next_start(48);
+    daemon.restart();
+    std::vector<int> waiting;  // plain TCP connections: far more than the daemon may accept
+    for (int i = 0; i < 80; ++i) waiting.push_back(connect_tcp(daemon.address()));
+    REQUIRE(eventually([&] { return daemon.log().find("accept failed: Too many open files") != std::string::npos; },
+                       10s));
+    // Connections wait in the backlog; the daemon must not spin retrying accept meanwhile.
+    const auto before = cpu_ticks(daemon.pid());
+    std::this_thread::sleep_for(2s);
+    const auto spent = cpu_ticks(daemon.pid()) - before;
+    INFO("CPU ticks in 2 s: " << spent << " (" << ::sysconf(_SC_CLK_TCK) << " per second)");
+    CHECK(spent < ::sysconf(_SC_CLK_TCK) / 2);  // a spinning loop burns all 2 s
+    for (int fd : waiting) ::close(fd);
+    auto c = daemon.connect();
+    const auto lease = acquire_lease(*c);
+    auto ok = c->run_channel(open_params(lease, {"echo", "ok"}));
+    CHECK(ok.out == "ok\n");
+    CHECK(ok.exit["exitCode"] == 0);
+    CHECK(eventually([&] { return daemon.log().find("accepting connections again") != std::string::npos; }, 5s));
+    CHECK(daemon.alive());
+}
+
 TEST_CASE(
     "cases: B13: an idle period neither kills a silent command nor fakes success and a dead peer "
     "is "

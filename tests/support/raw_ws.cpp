@@ -41,19 +41,27 @@ std::string client_frame(int opcode, std::string_view payload, bool fin, std::ui
     return out;
 }
 
-RawWebSocket::RawWebSocket(const std::string& address, const std::string& token,
-                           const std::vector<std::string>& extra_headers) {
+int connect_tcp(const std::string& address) {
     const auto colon = address.rfind(':');
     sockaddr_in sa{};
     sa.sin_family = AF_INET;
     sa.sin_port = htons(static_cast<std::uint16_t>(std::stoi(address.substr(colon + 1))));
     if (::inet_pton(AF_INET, address.substr(0, colon).c_str(), &sa.sin_addr) != 1) {
-        throw std::runtime_error("raw websocket: not an IPv4 address: " + address);
+        throw std::runtime_error("connect_tcp: not an IPv4 address: " + address);
     }
-    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd_ < 0 || ::connect(fd_, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
-        throw std::runtime_error(std::string("raw websocket: connect: ") + std::strerror(errno));
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) throw std::runtime_error(std::string("connect_tcp: socket: ") + std::strerror(errno));
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
+        const int err = errno;
+        ::close(fd);
+        throw std::runtime_error(std::string("connect_tcp: connect: ") + std::strerror(err));
     }
+    return fd;
+}
+
+RawWebSocket::RawWebSocket(const std::string& address, const std::string& token,
+                           const std::vector<std::string>& extra_headers) {
+    fd_ = connect_tcp(address);
     // Every send is bounded: a daemon that stops reading makes send_raw() fail, not hang.
     timeval send_timeout{10, 0};
     ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof send_timeout);

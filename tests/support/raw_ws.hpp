@@ -24,6 +24,10 @@ struct RawFrame {
 std::string client_frame(int opcode, std::string_view payload, bool fin = true,
                          std::uint32_t mask = 0x5a17c3e9, bool rsv1 = false);
 
+/// A plain TCP connection to "IPV4:PORT" (blocking, close-on-exec); the caller closes the fd.
+/// Throws std::runtime_error when the address is not IPv4 or the connect fails.
+int connect_tcp(const std::string& address);
+
 class RawWebSocket {
 public:
     /// Connects to `address` (HOST:PORT) and sends `GET /v1/ws` with the upgrade headers, the
