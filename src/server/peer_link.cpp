@@ -312,4 +312,12 @@ std::shared_ptr<PeerLink> PeerLinks::get(Node& node, const NodeRecord& peer, con
     return link;
 }
 
+void PeerLinks::clear() {
+    std::map<std::string, std::shared_ptr<PeerLink>> links;
+    {
+        std::lock_guard lock(mutex_);
+        links.swap(links_);
+    }
+}  // the links die here, outside the lock
+
 }  // namespace sandboxd

@@ -110,6 +110,9 @@ public:
     /// The live link to `peer` (made if absent or broken).
     std::shared_ptr<PeerLink> get(Node& node, const NodeRecord& peer, const std::string& token,
                                   net::io_context& ioc);
+    /// Drops every link; called while their io_context still exists (their timers and
+    /// sockets must be destroyed before it is).
+    void clear();
 
 private:
     std::mutex mutex_;

@@ -214,6 +214,9 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
 Daemon::~Daemon() {
     impl_->node.lease_watch.reset();
     impl_->node.blocking.join();
+    // Impl destroys its io_context before the Node: what the Node holds that lives on that
+    // io_context (the peer links' sockets and timers) goes first.
+    impl_->node.peers.clear();
 }
 
 const std::string& Daemon::node_id() const noexcept { return impl_->node.node_id; }

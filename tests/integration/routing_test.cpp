@@ -141,6 +141,11 @@ TEMPLATE_TEST_CASE("An open through any node runs in the owner's sandbox, byte-e
         CHECK(count_processes_exactly(sleeper) == 0);
         CHECK(error_reason(c2, "duplexChannelOpen", open_params(lease, {"true"})) == "LEASE_NOT_ACTIVE");
     }
+    // Every node shuts down cleanly after proxying, hosts still connected: exit status 0 (a
+    // peer link once outlived its io_context at exit and crashed the forwarding nodes).
+    CHECK(p3.stop() == 0);
+    CHECK(p2.stop() == 0);
+    CHECK(p1.stop() == 0);
 }
 
 TEMPLATE_TEST_CASE("A dead owner fails closed, and a restarted owner's lease is swept",
