@@ -455,9 +455,10 @@ awaitable<std::optional<json>> Session::dispatch(const std::string& method, cons
     if (method == "leaseList") co_return co_await lease_list(node_, who_, p);
     if (method == "leaseRenew") {
         params::only_keys(p, {"leaseId", "ttlMs"});
-        auto lease_id = params::req_string(p, "leaseId");
-        auto ttl = params::req_uint(p, "ttlMs", 1000, UINT64_MAX >> 2);
-        co_return to_json(co_await lease_renew(node_, who_, lease_id, ttl));
+        params::req_string(p, "leaseId");
+        params::req_uint(p, "ttlMs", 1000, UINT64_MAX >> 2);
+    } else if (method == "leaseRelease") {
+        params::only_keys(p, {"leaseId"});
     }
     if (method == "leaseRelease" || method == "leaseRenew") {
         // The owner releases or renews, so that its cache and channels follow.
@@ -478,8 +479,12 @@ awaitable<std::optional<json>> Session::dispatch(const std::string& method, cons
             co_return to_json(co_await lease_orphan(node_, std::move(lease), std::move(unavailable)));
         }
     }
+    if (method == "leaseRenew") {
+        auto lease_id = params::req_string(p, "leaseId");
+        auto ttl = params::req_uint(p, "ttlMs", 1000, UINT64_MAX >> 2);
+        co_return to_json(co_await lease_renew(node_, who_, lease_id, ttl));
+    }
     if (method == "leaseRelease") {
-        params::only_keys(p, {"leaseId"});
         auto lease_id = params::req_string(p, "leaseId");
         co_return to_json(co_await lease_release(node_, who_, std::move(lease_id)));
     }

@@ -110,6 +110,11 @@ TEMPLATE_TEST_CASE("An open through any node runs in the owner's sandbox, byte-e
     auto nodes = c3.call("nodeList", json::object())["nodes"];
     REQUIRE(nodes.size() == 3);
     for (const auto& n : nodes) CHECK(n["alive"] == true);
+    // A renewal through another node is forwarded to the owner: new expiry, same epoch.
+    auto renewed = c3.call("leaseRenew", {{"leaseId", lease["id"]}, {"ttlMs", 120000}});
+    CHECK(renewed["epoch"] == lease["epoch"]);
+    CHECK(renewed["expiresAt"] != lease["expiresAt"]);
+    CHECK(renewed["status"] == "active");
 
     SECTION("release through another node ends the owner's channels with leaseReleased") {
         // A command line of its own: the other backend's run of this test may run meanwhile.
@@ -165,6 +170,9 @@ TEMPLATE_TEST_CASE("A dead owner fails closed, and a restarted owner's lease is 
     p1.kill9();
     CHECK(error_reason(c2, "duplexChannelOpen", open_params(lease, {"true"})) == "OWNER_UNAVAILABLE");
     CHECK(std::chrono::steady_clock::now() - killed < std::chrono::seconds(3));
+    // A renewal goes to the owner too: a dead owner's lease is not kept alive from elsewhere.
+    CHECK(error_reason(c2, "leaseRenew", {{"leaseId", lease["id"]}, {"ttlMs", 60000}}) ==
+          "OWNER_UNAVAILABLE");
 
     p1.restart();  // waits out the old instance's TTL, then takes the node id over
     Client c1(p1.url(), host_token);
