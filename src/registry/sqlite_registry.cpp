@@ -1,10 +1,11 @@
+#include "registry/cursor.hpp"
+
 #include <sandboxd/errors.hpp>
 #include <sandboxd/registry.hpp>
 
 #include <sqlite3.h>
 
 #include <algorithm>
-#include <charconv>
 #include <filesystem>
 #include <mutex>
 #include <string_view>
@@ -244,22 +245,6 @@ NodeRecord read_node(const Statement& s) {
     n.heartbeat_at_ms = s.int64(3);
     n.instance_id = s.text(4);
     return n;
-}
-
-std::string encode_cursor(const Lease& last) {
-    return std::to_string(last.acquired_at_ms) + ":" + last.id;
-}
-
-std::pair<std::int64_t, std::string> decode_cursor(const std::string& cursor) {
-    auto colon = cursor.find(':');
-    std::int64_t ms = 0;
-    if (colon == std::string::npos || colon == 0 || colon + 1 == cursor.size()) {
-        throw rpc_error(errc::invalid_params, "cursor: malformed");
-    }
-    const char* end = cursor.data() + colon;
-    auto [ptr, ec] = std::from_chars(cursor.data(), end, ms);
-    if (ec != std::errc() || ptr != end) throw rpc_error(errc::invalid_params, "cursor: malformed");
-    return {ms, cursor.substr(colon + 1)};
 }
 
 class SqliteRegistry final : public Registry {

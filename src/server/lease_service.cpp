@@ -156,14 +156,23 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, json p) {
     auto handle = co_await run_blocking(node.blocking, std::move(work6));
     lease.provider_lease_id = handle->scope.provider_lease_id;
     Lease stored;
+    std::exception_ptr not_stored;  // no co_await in a handler: the cleanup runs after it
     try {
         auto work7 = [&node, lease] {
             return node.registry->create_lease(lease);
         };
         stored = co_await run_blocking(node.blocking, std::move(work7));
     } catch (...) {
-        provider->destroy(*handle);
-        throw;
+        not_stored = std::current_exception();
+    }
+    if (not_stored) {
+        auto work_undo = [provider, handle] { provider->destroy(*handle); };  // blocking: off the I/O thread
+        try {
+            co_await run_blocking(node.blocking, std::move(work_undo));
+        } catch (const std::exception& e) {
+            spdlog::warn("lease={} not stored; destroying its sandbox failed too: {}", lease.id, e.what());
+        }
+        std::rethrow_exception(not_stored);
     }
     if (stored.id != lease.id) {  // lost an idempotency race: keep the winner's lease
         auto work8 = [provider, handle] { provider->destroy(*handle); };

@@ -272,10 +272,13 @@ void Session::relay_binary(std::uint32_t local_channel, std::string frame) {
     }
     auto it = remote_.find(local_channel);
     if (it == remote_.end()) return;
-    auto decoded = decode_frame(frame, node_.config.limits.max_data_payload);
-    if (auto* credit = std::get_if<CreditFrame>(&decoded); credit && credit->stream == stream_id::stdin_) {
-        auto& r = it->second;
-        r.stdin_outstanding -= std::min<std::uint64_t>(credit->bytes, r.stdin_outstanding);
+    // Only stdin credits change the relay's count; data frames pass without being parsed.
+    if (!frame.empty() && frame[0] == static_cast<char>(frame_kind::credit)) {
+        auto decoded = decode_frame(frame, node_.config.limits.max_data_payload);
+        if (auto* credit = std::get_if<CreditFrame>(&decoded); credit && credit->stream == stream_id::stdin_) {
+            auto& r = it->second;
+            r.stdin_outstanding -= std::min<std::uint64_t>(credit->bytes, r.stdin_outstanding);
+        }
     }
     send_binary(std::move(frame));
 }

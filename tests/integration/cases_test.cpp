@@ -1314,24 +1314,10 @@ private:
             const auto data = io_.buffer.data();
             std::string_view message(static_cast<const char*>(data.data()), data.size());
             ClientEvent ev;
-            if (io_.ws.got_text()) {
-                ev.message = json::parse(message);
-                ev.type = ev.message.contains("method") ? ClientEvent::kind::notification
-                                                        : ClientEvent::kind::response;
-            } else {
-                auto decoded = decode_frame(message, SIZE_MAX);
-                if (auto* d = std::get_if<DataFrame>(&decoded)) {
-                    ev.type = ClientEvent::kind::data;
-                    ev.channel = d->channel;
-                    ev.stream = d->stream;
-                    ev.bytes.assign(d->payload);
-                } else if (auto* cr = std::get_if<CreditFrame>(&decoded)) {
-                    ev.type = ClientEvent::kind::credit;
-                    ev.channel = cr->channel;
-                    ev.credit = cr->bytes;
-                } else {
-                    return fail("malformed binary frame");
-                }
+            try {
+                ev = decode_event(io_.ws.got_text(), message);
+            } catch (const client_error&) {
+                return fail("malformed binary frame");
             }
             on_message_(ev);
             if (done_()) {
