@@ -39,11 +39,52 @@ struct RegistryConfig {
     std::string password_file;  ///< file holding the etcd user's password (trailing whitespace trimmed)
 };
 
+/// Per-lease limits of the built-in provider (leaseAcquire's `config.limits`, and the node's
+/// `providers.bwrap.limits.defaults` and `.max`). Absent means "not given" (defaults) or "no
+/// cap" (max). docs/security.md says how each is enforced.
+struct LeaseLimits {
+    std::optional<std::uint64_t> memory_bytes;       ///< bytes, 16 MiB..2^50, tmpfs included
+    std::optional<std::uint32_t> pids;               ///< processes and threads, 8..4194304
+    std::optional<std::uint32_t> cpu_weight;         ///< 1..10000 (100: an equal share)
+    std::optional<std::uint32_t> cpu_quota_percent;  ///< of one core, 1..100000; absent: none
+    std::optional<std::uint64_t> disk_bytes;         ///< workspace bytes, 8 MiB..1 TiB
+    std::optional<std::uint32_t> open_files;         ///< RLIMIT_NOFILE per process, 16..1048576
+};
+
+struct BwrapLimitsConfig {
+    /// true: the node refuses to start unless cgroups (v2, else v1) and loop-mounted disks
+    /// can enforce the limits. false (only when set explicitly): no memory, pids, CPU or disk
+    /// limit is enforced; /readyz and the log say so.
+    bool enforce = true;
+    LeaseLimits defaults{1ULL << 30, 1024, 100, std::nullopt, 1ULL << 30, 1024};
+    LeaseLimits max{16ULL << 30, 32768, 10000, std::nullopt, 64ULL << 30, 65536};
+};
+
+struct BwrapIdentityConfig {
+    /// Host uids (and gids) [hostIdFirst, hostIdFirst + hostIdCount): one per lease.
+    std::uint32_t host_id_first = 1500000000;
+    std::uint32_t host_id_count = 1000000;
+    std::uint32_t inside_uid = 0;  ///< the uid the command sees (no capability outside)
+    std::uint32_t inside_gid = 0;
+    /// Claims shared by every daemon on the host (byte-range locks).
+    std::string lock_file = "/run/sandboxd/identities.lock";
+};
+
 struct BwrapConfig {
     bool enabled = true;
     std::string path = "/usr/bin/bwrap";
     std::string init_path;  ///< sandboxd-init; "" = next to the sandboxd executable, then libexec
     bool allow_network = false;  ///< may a lease config ask for "network": true
+    BwrapLimitsConfig limits;
+    BwrapIdentityConfig identity;
+    /// Entries of the host's /etc copied into the sandbox's generated /etc (relative paths;
+    /// missing ones skipped). passwd, group, hosts, hostname, nsswitch.conf and (with network)
+    /// resolv.conf are always generated.
+    std::vector<std::string> etc_files = {
+        "alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "ssl/certs",
+        "ca-certificates.conf", "localtime", "timezone", "os-release", "debian_version",
+        "profile", "bash.bashrc", "inputrc", "protocols", "services", "mime.types",
+        "terminfo"};
 };
 
 struct PluginConfig {

@@ -50,6 +50,13 @@ struct Lease {
     std::optional<std::string> cleanup_status;
     /// Always holds string members `pluginId` and `provider`; may hold more.
     nlohmann::json metadata = nlohmann::json::object();
+    /// The limits the provider enforces on the sandbox ({memoryBytes, pids, cpuWeight,
+    /// cpuQuotaPercent, diskBytes, openFiles}); null when it enforces none (plugin leases).
+    /// Set at creation, never changed.
+    nlohmann::json limits = nullptr;
+    /// Not stored: the sandbox's usage ({memoryBytes, pids, diskBytes, cpuMs}) as its owner
+    /// measured it for this answer; null when not measured (plugins, an unavailable owner).
+    nlohmann::json usage = nullptr;
     /// Not on the wire: the acquire's idempotency key and the provider config it was made with.
     std::optional<std::string> idempotency_key;
     nlohmann::json config = nlohmann::json::object();

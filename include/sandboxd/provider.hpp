@@ -4,23 +4,26 @@
 /// one. The built-in provider is `bwrap` (bubblewrap); docs/protocol.md section 3 and the
 /// design's "Providers" say what a sandboxed process may see.
 ///
-/// Every process is started under `sandboxd-init`, a small init that runs as PID 1 of the
-/// channel's own PID namespace. Its contract with the daemon (fds as seen by the init):
+/// The built-in provider makes each lease one long-lived sandbox (docs/security.md): its own
+/// namespaces, an unprivileged host uid, a minimal filesystem, a cgroup with the lease's
+/// limits and a workspace disk of its own, with `sandboxd-init --lease` as its supervisor. A
+/// channel is a request to that supervisor, which starts the channel's init as PID 1 of a PID
+/// namespace of the channel's own. The channel init's contract with the daemon (its fds):
 ///  - fd 3 (write end, daemon reads): one line when the command's main process ends:
-///    "exit N\n" (N 0..255) or "signal N\n" (N the signal number). Nothing else.
+///    "exit N\n" (N 0..255) or "signal N\n" (N the signal number). Nothing else. The daemon
+///    reads at most 32 bytes and accepts only those two forms; anything else is an error.
 ///  - fd 4 (read end, daemon writes): one byte per request: 1..64 sends that signal to the
-///    command's process group; 0x80|N sends signal N to every process of the namespace
+///    command's process group; 0x80|N sends signal N to every process of the channel
 ///    (kill(-1, N)). EOF on fd 4 is ignored.
-///  - Neither fd reaches the command: it sees fds 0, 1, 2 only.
-///  - If bubblewrap fails before the init runs (e.g. a bad cwd), fd 3 reaches EOF with no
-///    line; the outer process's wait status and stderr tell why.
-///  - The outer bubblewrap keeps the pipes open while it lives: stdout/stderr reach EOF only
-///    once it has exited (the init exits after the drain grace, or the daemon kills it).
-///  - Nobody in the daemon may reap with waitpid(-1) or ignore SIGCHLD: `pid` is waited for
-///    through its pidfd only.
-/// Killing the outer bubblewrap process (our direct child, `SpawnedProcess::pid`) with
-/// SIGKILL kills the init (--die-with-parent) and so every process of the channel.
+///  - Neither fd reaches the command: it sees fds 0, 1, 2 only, and the init is not dumpable.
+///  - If the channel cannot be set up (e.g. a bad cwd), fd 3 reaches EOF with no line and the
+///    reason is on stderr.
+///  - The channel's pipes reach EOF once the channel init has exited (it exits after the drain
+///    grace, or the daemon kills it).
+///  - `pid` is the channel init's host pid, not the daemon's child: it is watched and killed
+///    through `pidfd` only (never waitpid).
 
+#include <sandboxd/config.hpp>
 #include <sandboxd/lease.hpp>
 #include <sandboxd/unique_fd.hpp>
 
@@ -45,6 +48,13 @@ struct SandboxScope {
     auto operator<=>(const SandboxScope&) const = default;
 };
 
+/// What a provider keeps for one live sandbox beyond the handle's fields (the bwrap provider:
+/// its supervisor, cgroup and identity). Opaque to everyone else; released with the handle.
+class SandboxState {
+public:
+    virtual ~SandboxState() = default;
+};
+
 /// A live sandbox held by this process. Immutable after creation; shared between the cache
 /// and running channels.
 struct SandboxHandle {
@@ -52,6 +62,22 @@ struct SandboxHandle {
     std::string lease_id;
     std::filesystem::path workspace;  ///< host directory bound at /workspace
     bool network = false;             ///< share the host network (lease config "network": true)
+    /// The limits enforced on the sandbox, as the Lease's `limits` field (protocol section
+    /// 2); null when the provider enforces none.
+    nlohmann::json limits = nullptr;
+    std::shared_ptr<SandboxState> state;  ///< the provider's own; may be null
+};
+
+/// What a provider keeps for one channel beyond its descriptors (the bwrap provider: the
+/// channel's cgroup). Owned by the channel; destroying it releases them. Not thread-safe: used
+/// by the channel's strand only.
+class ChannelResources {
+public:
+    virtual ~ChannelResources() = default;
+    /// Called once, after the channel's main process has ended with `term_signal` (0 for an
+    /// exit): the limit that ended it ("memory" when its cgroup counted an OOM kill and the
+    /// signal is SIGKILL), or "". Counts the limit events of the channel. Fast; no blocking.
+    virtual std::string limit_hit(int term_signal) noexcept = 0;
 };
 
 struct PtySize {
@@ -74,7 +100,7 @@ struct ExecSpec {
 
 /// The daemon's side of a started process. Every fd is non-blocking and close-on-exec.
 struct SpawnedProcess {
-    pid_t pid = -1;    ///< the outer bubblewrap process, our direct child
+    pid_t pid = -1;    ///< the channel init's host pid (not our child: never waitpid it)
     unique_fd pidfd;   ///< pidfd of `pid`; readable when it exits
     unique_fd stdin_fd;   ///< write end of the command's stdin; the PTY master under a PTY;
                           ///< empty when !stdin_attached and no PTY
@@ -82,6 +108,13 @@ struct SpawnedProcess {
     unique_fd stderr_fd;  ///< read end of stderr; empty under a PTY (merged into stdout)
     unique_fd status_fd;  ///< read end of the init's fd 3
     unique_fd control_fd; ///< write end of the init's fd 4
+    std::unique_ptr<ChannelResources> resources;  ///< may be null
+};
+
+/// Counts of limits that sandboxes hit, for /metrics (sandboxd_limit_events_total).
+struct LimitEvents {
+    std::uint64_t memory = 0;  ///< channels whose main process was OOM-killed
+    std::uint64_t pids = 0;    ///< forks refused by a lease's pids limit
 };
 
 class Provider {
@@ -103,10 +136,26 @@ public:
     /// rpc_error(errc::provider_error) when it cannot remove it.
     virtual void destroy(const SandboxHandle& sandbox) = 0;
 
-    /// Starts `spec` in `sandbox`. Fast (one fork/exec), callable from any thread.
-    /// Throws rpc_error(errc::provider_error) if the sandbox is gone (its workspace was
-    /// removed) or the process cannot be started; nothing is left running then.
+    /// Starts `spec` in `sandbox`. Fast (one round trip to the sandbox's supervisor, which
+    /// forks; bounded by a 10 s timeout), callable from any thread. Throws
+    /// rpc_error(errc::provider_error) if the sandbox is gone or the process cannot be
+    /// started, errc::invalid_params for a spec it cannot carry; nothing is left running then.
     virtual SpawnedProcess spawn(const SandboxHandle& sandbox, const ExecSpec& spec) = 0;
+
+    /// The sandbox's current usage as the Lease's `usage` field ({memoryBytes, pids,
+    /// diskBytes, cpuMs}), or null when the provider cannot measure it. Reads a few kernel
+    /// files; does not block on other processes.
+    virtual nlohmann::json usage(const SandboxHandle& sandbox) const {
+        (void)sandbox;
+        return nullptr;
+    }
+
+    /// Limit events since start. Fast; thread-safe.
+    virtual LimitEvents limit_events() const noexcept { return {}; }
+
+    /// A sentence for /readyz and the log when the node serves with a weaker guarantee than
+    /// the operator would assume (e.g. "no limits are enforced"), else "". Fast.
+    virtual std::string degraded() const { return {}; }
 
     /// False while the provider cannot serve (a plugin worker that is down, restarting or
     /// given up): create() and spawn() then throw errc::provider_not_ready. Fast; no I/O.
@@ -126,12 +175,24 @@ public:
 struct BwrapOptions {
     std::filesystem::path bwrap_path = "/usr/bin/bwrap";
     std::filesystem::path init_path;    ///< sandboxd-init; "" = next to the running executable
-    std::filesystem::path sandboxes_dir;  ///< workspaces live in <sandboxes_dir>/<providerLeaseId>
+    /// Sandboxes live in <sandboxes_dir>/<providerLeaseId>/ (disk.img, workspace/, identity);
+    /// the generated /etc in <sandboxes_dir>/.etc/. One daemon per directory (a lock).
+    std::filesystem::path sandboxes_dir;
     bool allow_network = false;         ///< whether a lease config may ask for "network": true
-    std::vector<std::string> ro_binds = {"/usr", "/etc", "/opt"};  ///< read-only if present
+    std::vector<std::string> ro_binds = {"/usr"};  ///< read-only if present
+    BwrapLimitsConfig limits;
+    BwrapIdentityConfig identity;
+    std::vector<std::string> etc_files = BwrapConfig{}.etc_files;
+    std::filesystem::path etc_source = "/etc";        ///< where etc_files are copied from
+    std::filesystem::path cgroup_root = "/sys/fs/cgroup";
 };
 
 /// The built-in bubblewrap provider (key "bwrap", pluginId "builtin"). Thread-safe.
+/// Construction probes the machine: with limits.enforce it throws std::runtime_error naming
+/// what is missing when neither cgroup v2 nor v1 offers memory, pids and cpu, or when loop
+/// devices or mkfs.ext4 are unavailable. It kills and removes what a previous process on the
+/// same sandboxes_dir left running (orphaned cgroups), and throws when another live process
+/// holds sandboxes_dir. Logs the mechanism it uses.
 std::unique_ptr<Provider> make_bwrap_provider(BwrapOptions options);
 
 }  // namespace sandboxd

@@ -1,3 +1,4 @@
+#include <sys/stat.h>
 #include <sandboxd/app.hpp>
 #include <sandboxd/config.hpp>
 #include <sandboxd/errors.hpp>
@@ -35,6 +36,9 @@ void write_ready_file(const std::string& path, const std::string& address) {
 }  // namespace
 
 int daemon_main(int argc, char** argv) {
+    // Everything the daemon creates (registry, tokens, sandbox records) is root's alone unless
+    // it says otherwise: the leases' uids can traverse the state directory.
+    ::umask(077);
     po::options_description opts("sandboxd options");
     opts.add_options()
         ("config", po::value<std::string>(), "config file (JSON with comments)")

@@ -94,6 +94,35 @@ private:
     std::set<std::string> seen_;
 };
 
+/// One `LeaseLimits` object; null clears a key (no default, or no cap).
+void parse_lease_limits(Obj& o, LeaseLimits& l) {
+    auto one = [&o](const char* key, auto& out, std::uint64_t lo, std::uint64_t hi) {
+        const auto* v = o.get(key);
+        if (v == nullptr) return;
+        if (v->is_null()) {
+            out.reset();
+            return;
+        }
+        typename std::remove_reference_t<decltype(out)>::value_type value{};
+        o.integer(key, value, lo, hi);
+        out = value;
+    };
+    one("memoryBytes", l.memory_bytes, 16ULL << 20, 1ULL << 50);
+    one("pids", l.pids, 8, 4194304);
+    one("cpuWeight", l.cpu_weight, 1, 10000);
+    one("cpuQuotaPercent", l.cpu_quota_percent, 1, 100000);
+    one("diskBytes", l.disk_bytes, 8ULL << 20, 1ULL << 40);
+    one("openFiles", l.open_files, 16, 1048576);
+    o.done();
+}
+
+nlohmann::json lease_limits_json(const LeaseLimits& l) {
+    auto v = [](const auto& opt) { return opt ? nlohmann::json(*opt) : nlohmann::json(nullptr); };
+    return {{"memoryBytes", v(l.memory_bytes)}, {"pids", v(l.pids)},
+            {"cpuWeight", v(l.cpu_weight)},     {"cpuQuotaPercent", v(l.cpu_quota_percent)},
+            {"diskBytes", v(l.disk_bytes)},     {"openFiles", v(l.open_files)}};
+}
+
 constexpr std::uint64_t kib = 1024;
 constexpr std::uint64_t mib = 1024 * kib;
 constexpr std::uint64_t gib = 1024 * mib;
@@ -181,6 +210,30 @@ void parse_top(const json& j, Config& c) {
             bo.str("path", c.bwrap.path);
             bo.str("initPath", c.bwrap.init_path);
             bo.boolean("allowNetwork", c.bwrap.allow_network);
+            if (const auto* lim = bo.get("limits")) {
+                Obj lo(*lim, "providers.bwrap.limits");
+                lo.boolean("enforce", c.bwrap.limits.enforce);
+                if (const auto* d = lo.get("defaults")) {
+                    Obj dobj(*d, "providers.bwrap.limits.defaults");
+                    parse_lease_limits(dobj, c.bwrap.limits.defaults);
+                }
+                if (const auto* m = lo.get("max")) {
+                    Obj mobj(*m, "providers.bwrap.limits.max");
+                    parse_lease_limits(mobj, c.bwrap.limits.max);
+                }
+                lo.done();
+            }
+            if (const auto* id = bo.get("identity")) {
+                Obj io(*id, "providers.bwrap.identity");
+                auto& ic = c.bwrap.identity;
+                io.integer("hostIdFirst", ic.host_id_first, 1, 0xFFFFFFFEULL);
+                io.integer("hostIdCount", ic.host_id_count, 1, 0xFFFFFFFEULL);
+                io.integer("insideUid", ic.inside_uid, 0, 0xFFFFFFFEULL);
+                io.integer("insideGid", ic.inside_gid, 0, 0xFFFFFFFEULL);
+                io.str("lockFile", ic.lock_file);
+                io.done();
+            }
+            bo.strings("etcFiles", c.bwrap.etc_files);
             bo.done();
         }
         if (const auto* pl = o.get("plugins")) {
@@ -245,6 +298,39 @@ void validate_config(const Config& c) {
         fail("advertiseUrl", "must start with ws:// or wss://");
     }
     if (c.state_dir.empty()) fail("stateDir", "must not be empty");
+    {
+        const auto& d = c.bwrap.limits.defaults;
+        const auto& m = c.bwrap.limits.max;
+        auto check = [](const char* key, const auto& def, const auto& max, bool required) {
+            const std::string path = std::string("providers.bwrap.limits.defaults.") + key;
+            if (required && !def) fail(path, "must be set");
+            if (def && max && *def > *max) {
+                fail(path, "must not exceed providers.bwrap.limits.max." + std::string(key) +
+                               " (" + std::to_string(*max) + ")");
+            }
+        };
+        check("memoryBytes", d.memory_bytes, m.memory_bytes, true);
+        check("pids", d.pids, m.pids, true);
+        check("cpuWeight", d.cpu_weight, m.cpu_weight, true);
+        check("cpuQuotaPercent", d.cpu_quota_percent, m.cpu_quota_percent, false);
+        check("diskBytes", d.disk_bytes, m.disk_bytes, true);
+        check("openFiles", d.open_files, m.open_files, true);
+        if (m.cpu_quota_percent && !d.cpu_quota_percent) {
+            fail("providers.bwrap.limits.defaults.cpuQuotaPercent",
+                 "must be set when providers.bwrap.limits.max.cpuQuotaPercent is");
+        }
+        const auto& id = c.bwrap.identity;
+        if (std::uint64_t{id.host_id_first} + id.host_id_count > 0xFFFFFFFFULL) {
+            fail("providers.bwrap.identity.hostIdCount",
+                 "the range must end below 4294967295");
+        }
+        for (const auto& e : c.bwrap.etc_files) {
+            if (e.empty() || e.front() == '/' || e.find("..") != std::string::npos) {
+                fail("providers.bwrap.etcFiles", "entries are relative paths under /etc, got \"" +
+                                                     e + "\"");
+            }
+        }
+    }
     if (std::uint64_t{c.heartbeat_ms} * 3 > c.node_ttl_ms) {
         // A node fences itself when it has not renewed for 2/3 of the TTL: it must get at
         // least two tries within that time.
@@ -334,7 +420,18 @@ nlohmann::json config_to_json(const Config& c) {
            {{"enabled", c.bwrap.enabled},
             {"path", c.bwrap.path},
             {"initPath", c.bwrap.init_path},
-            {"allowNetwork", c.bwrap.allow_network}}},
+            {"allowNetwork", c.bwrap.allow_network},
+            {"limits",
+             {{"enforce", c.bwrap.limits.enforce},
+              {"defaults", lease_limits_json(c.bwrap.limits.defaults)},
+              {"max", lease_limits_json(c.bwrap.limits.max)}}},
+            {"identity",
+             {{"hostIdFirst", c.bwrap.identity.host_id_first},
+              {"hostIdCount", c.bwrap.identity.host_id_count},
+              {"insideUid", c.bwrap.identity.inside_uid},
+              {"insideGid", c.bwrap.identity.inside_gid},
+              {"lockFile", c.bwrap.identity.lock_file}}},
+            {"etcFiles", c.bwrap.etc_files}}},
           {"plugins", plugins}}},
         {"limits",
          {{"maxTextMessage", l.max_text_message},

@@ -92,6 +92,8 @@ nlohmann::json to_json(const Lease& l) {
         {"failureReason", opt_str(l.failure_reason)},
         {"cleanupStatus", opt_str(l.cleanup_status)},
         {"metadata", l.metadata},
+        {"limits", l.limits},
+        {"usage", l.usage},
     };
     if (l.run_id) j["runId"] = *l.run_id;
     if (l.issue_id) j["issueId"] = *l.issue_id;

@@ -1,25 +1,45 @@
 /// @file init_main.cpp
-/// sandboxd-init: PID 1 of a channel's PID namespace (bwrap --unshare-pid --as-pid-1).
+/// sandboxd-init: the supervisor of a lease's sandbox and the init of each of its channels.
 ///
-/// Usage: sandboxd-init [--pty] [--grace-ms N] -- CMD [ARG...]
+/// Usage: sandboxd-init --lease   (run by bubblewrap as PID 1 of the lease's PID namespace)
 ///
-/// With --grace-ms, once CMD's main process has ended the init waits until no other process
-/// is left or N ms have passed, kills what remains (kill(-1, SIGKILL)), reaps it and exits:
-/// the daemon's drain grace (docs/protocol.md section 3). The outer bubblewrap then exits
-/// and every copy of the channel's pipes closes, so the daemon reads output to EOF.
+/// As the **supervisor** it reads the seccomp program from fd 4 (supervisor_protocol.hpp),
+/// then serves channel requests on the SOCK_SEQPACKET socket at fd 3 until the daemon closes
+/// it; it reaps every process reparented to it. For each request it clones a **channel init**
+/// in a new PID and mount namespace (so channels of one lease cannot see or signal each
+/// other), and answers with a pidfd of it.
 ///
-/// It starts CMD in its own process group, forwards the signals it receives to that group,
-/// obeys the daemon's control bytes on fd 4, reaps every process reparented to it and
-/// reports the end of CMD's main process on fd 3 ("exit N\n" or "signal N\n"); see
-/// include/sandboxd/provider.hpp. After that report it keeps running (reaping, obeying fd 4)
-/// so that background descendants may finish their output; the daemon kills the namespace.
-/// It exits early only when fd 3's reader is gone or fd 4 reaches EOF after CMD ended.
+/// The **channel init** mounts the channel's own /proc, joins the channel's cgroup through the
+/// cgroup.procs descriptors the daemon opened, takes the channel's fds (0-2 for the command,
+/// 3 for the status line, 4 for control bytes), makes itself non-dumpable (the command, same
+/// uid without capabilities, cannot open its descriptors or trace it), changes to the working
+/// directory and starts the command in its own process group: capabilities dropped from every
+/// set, RLIMIT_NOFILE and RLIMIT_CORE set, no_new_privs and the seccomp filter applied, then
+/// exec. It forwards the signals it receives to that group, obeys the daemon's control bytes
+/// on fd 4, reaps every process reparented to it and reports the end of the command's main
+/// process on fd 3 ("exit N\n" or "signal N\n"; see include/sandboxd/provider.hpp).
+///
+/// With a drain grace, once the command's main process has ended the channel init waits until
+/// no other process is left or the grace has passed, kills what remains (kill(-1, SIGKILL)),
+/// reaps it and exits; as PID 1 of the channel's namespace its exit kills anything left, and
+/// every copy of the channel's pipes closes, so the daemon reads output to EOF. It exits early
+/// only when fd 3's reader is gone or fd 4 reaches EOF after the command ended.
 ///
 /// Built static and self-contained: libc and libstdc++ only.
 
+#include "init/supervisor_protocol.hpp"
+#include "provider/seccomp_filter.hpp"
+
 #include <fcntl.h>
+#include <linux/capability.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/signalfd.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
@@ -33,6 +53,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <memory>
+#include <string>
+#include <vector>
 
 namespace {
 
@@ -71,36 +94,43 @@ struct Options {
     bool pty = false;
     long grace_ms = -1;  // < 0: keep running after the report (the daemon kills the namespace)
     char** command = nullptr;
+    char** envp = nullptr;
+    std::uint64_t open_files = 0;  // RLIMIT_NOFILE of the command; 0: inherited
+    const std::string* program = nullptr;  // seccomp BPF; empty: none
 };
 
-bool parse_args(int argc, char** argv, Options& opts) {
-    int i = 1;
-    for (; i < argc; ++i) {
-        if (std::strcmp(argv[i], "--pty") == 0) {
-            opts.pty = true;
-        } else if (std::strcmp(argv[i], "--grace-ms") == 0 && i + 1 < argc) {
-            char* end = nullptr;
-            opts.grace_ms = std::strtol(argv[++i], &end, 10);
-            if (end == argv[i] || *end != '\0' || opts.grace_ms < 0) return false;
-        } else if (std::strcmp(argv[i], "--") == 0) {
-            ++i;
-            break;
-        } else {
-            return false;
-        }
-    }
-    if (i >= argc) return false;
-    opts.command = argv + i;
-    return true;
-}
-
-// In the forked child: becomes its own group, takes the terminal if any, restores default
-// signal handling and execs. Never returns.
+// In the forked child: becomes its own group, takes the terminal if any, sheds every
+// privilege, restores default signal handling and execs. Never returns.
 [[noreturn]] void exec_command(const Options& opts) {
     ::setpgid(0, 0);
     if (opts.pty) {
         // SIGTTOU is blocked (inherited mask), so this works from a background group.
         ::tcsetpgrp(STDIN_FILENO, ::getpid());
+    }
+    // No capability survives: the bounding set is emptied (so that exec as uid 0 grants
+    // none), then the ambient, effective, permitted and inheritable sets.
+    for (int cap = 0; cap <= 63; ++cap) {
+        if (::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno == EINVAL) break;
+    }
+    ::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+    __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+    __user_cap_data_struct data[2] = {};
+    if (::syscall(SYS_capset, &header, data) < 0) {
+        print_error("cannot drop capabilities", "", errno);
+        ::_exit(126);
+    }
+    struct rlimit no_core {0, 0};
+    ::setrlimit(RLIMIT_CORE, &no_core);
+    if (opts.open_files > 0) {
+        struct rlimit files {};
+        ::getrlimit(RLIMIT_NOFILE, &files);
+        rlim_t want = static_cast<rlim_t>(opts.open_files);
+        if (files.rlim_max != RLIM_INFINITY && want > files.rlim_max) want = files.rlim_max;
+        files.rlim_cur = files.rlim_max = want;
+        if (::setrlimit(RLIMIT_NOFILE, &files) < 0) {
+            print_error("cannot limit open files", "", errno);
+            ::_exit(126);
+        }
     }
     struct sigaction dfl {};
     dfl.sa_handler = SIG_DFL;
@@ -109,10 +139,20 @@ bool parse_args(int argc, char** argv, Options& opts) {
         if (sig == SIGKILL || sig == SIGSTOP) continue;
         ::sigaction(sig, &dfl, nullptr);  // fails harmlessly for libc-reserved signals
     }
+    if (opts.program != nullptr && !opts.program->empty()) {
+        if (int err = sandboxd::detail::apply_seccomp_filter(opts.program->data(),
+                                                             opts.program->size());
+            err != 0) {
+            print_error("cannot apply the syscall filter", "", err);
+            ::_exit(126);
+        }
+    }
     sigset_t empty;
     ::sigemptyset(&empty);
     ::sigprocmask(SIG_SETMASK, &empty, nullptr);
 
+    // execvp searches the command's own PATH, from the environment it will have.
+    environ = opts.envp;
     ::execvp(opts.command[0], opts.command);
     int err = errno;
     print_error("cannot run ", opts.command[0], err);
@@ -347,20 +387,274 @@ private:
 
 }  // namespace
 
-int main(int argc, char** argv) {
-    // Keep only the protocol fds: nothing else may reach the command.
+namespace {
+
+namespace proto = sandboxd::supervisor;
+
+// --- The channel init, in the child of clone(CLONE_NEWPID | CLONE_NEWNS). ---
+
+struct ChannelRequest {
+    proto::Request header;
+    std::vector<int> fds;  // channel_fds, then header.cgroup_fds
+    const char* cwd = nullptr;
+    std::vector<char*> argv;  // null-terminated
+    std::vector<char*> envp;  // null-terminated
+};
+
+// Moves `fds` (channel_fds of them) to 0..4, closing every other descriptor.
+bool take_channel_fds(const std::vector<int>& fds) {
+    int moved[proto::channel_fds];
+    for (std::size_t i = 0; i < proto::channel_fds; ++i) {
+        moved[i] = ::fcntl(fds[i], F_DUPFD, 16);
+        if (moved[i] < 0) return false;
+    }
+    for (std::size_t i = 0; i < proto::channel_fds; ++i) {
+        if (::dup2(moved[i], static_cast<int>(i)) < 0) return false;
+    }
     ::fcntl(status_fd, F_SETFD, FD_CLOEXEC);
     ::fcntl(control_fd, F_SETFD, FD_CLOEXEC);
-    ::syscall(SYS_close_range, 5U, ~0U, 0U);
+    return ::syscall(SYS_close_range, 5U, ~0U, 0U) == 0;
+}
 
+[[noreturn]] void run_channel_init(const ChannelRequest& req, const std::string& program) {
+    // A /proc of this channel's own PID namespace, in a mount namespace of its own, mounted
+    // over the lease's (which stays hidden below it: nothing here can unmount).
+    if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) < 0 ||
+        ::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) < 0) {
+        print_error("cannot mount the channel's /proc", "", errno);
+        ::_exit(125);
+    }
+    // Join the channel's cgroup: the daemon opened these files, so the kernel checks its
+    // credentials, not ours.
+    for (std::uint32_t i = 0; i < req.header.cgroup_fds; ++i) {
+        if (::write(req.fds[proto::channel_fds + i], "0", 1) != 1) {
+            print_error("cannot join the channel's cgroup", "", errno);
+            ::_exit(125);
+        }
+    }
+    if (::setsid() < 0 || !take_channel_fds(req.fds)) {
+        print_error("cannot set up the channel", "", errno);
+        ::_exit(125);
+    }
+    const bool pty = (req.header.flags & proto::flag_pty) != 0;
+    if (pty && ::ioctl(STDIN_FILENO, TIOCSCTTY, 0) < 0) {
+        print_error("cannot take the terminal", "", errno);
+        ::_exit(125);
+    }
+    // From here on the command shares our uid: keep it out of our descriptors and memory.
+    ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    if (::chdir(req.cwd) < 0) {
+        // No status line: the daemon reports the channel as failed, with this on stderr.
+        print_error("cannot change to directory ", req.cwd, errno);
+        ::_exit(125);
+    }
     Options opts;
-    if (!parse_args(argc, argv, opts)) {
-        static const char usage[] = "usage: sandboxd-init [--pty] -- CMD [ARG...]\n";
+    opts.pty = pty;
+    opts.grace_ms = req.header.grace_ms;
+    opts.command = const_cast<char**>(req.argv.data());
+    opts.envp = const_cast<char**>(req.envp.data());
+    opts.open_files = req.header.open_files;
+    opts.program = &program;
+    ::_exit(Init(opts).run());
+}
+
+// --- The supervisor. ---
+
+class Supervisor {
+public:
+    int run() {
+        if (!read_program()) return 1;
+        ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+        struct sigaction ign {};
+        ign.sa_handler = SIG_IGN;
+        ::sigemptyset(&ign.sa_mask);
+        ::sigaction(SIGPIPE, &ign, nullptr);
+        sigset_t mask;
+        ::sigemptyset(&mask);
+        ::sigaddset(&mask, SIGCHLD);
+        struct sigaction handler {};
+        handler.sa_handler = ignore_signal;
+        ::sigaction(SIGCHLD, &handler, nullptr);
+        ::sigprocmask(SIG_BLOCK, &mask, nullptr);
+        signal_fd_ = ::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+        if (signal_fd_ < 0) {
+            print_error("signalfd", "", errno);
+            return 1;
+        }
+        ::fcntl(proto::socket_fd, F_SETFD, FD_CLOEXEC);
+        send_reply(proto::Reply{}, -1);  // hello (id 0): the sandbox is up and serving
+        // Not zero-filled: pages are touched only as large requests need them.
+        buffer_.reset(new char[buffer_size]);
+        for (;;) {
+            pollfd fds[2] = {{proto::socket_fd, POLLIN, 0}, {signal_fd_, POLLIN, 0}};
+            if (::poll(fds, 2, -1) < 0) {
+                if (errno == EINTR) continue;
+                return 1;
+            }
+            if (fds[1].revents != 0) reap();
+            if (fds[0].revents != 0 && !serve_one()) return 0;  // the daemon let go
+        }
+    }
+
+private:
+    bool read_program() {
+        struct stat st {};
+        if (::fstat(proto::program_fd, &st) < 0) return true;  // no filter given
+        if (st.st_size < 0 || static_cast<std::size_t>(st.st_size) > proto::max_program) {
+            print_error("the syscall filter is too large", "", E2BIG);
+            return false;
+        }
+        program_.resize(static_cast<std::size_t>(st.st_size));
+        std::size_t done = 0;
+        while (done < program_.size()) {
+            ssize_t n = ::pread(proto::program_fd, program_.data() + done, program_.size() - done,
+                                static_cast<off_t>(done));
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) {
+                print_error("cannot read the syscall filter", "", n < 0 ? errno : EIO);
+                return false;
+            }
+            done += static_cast<std::size_t>(n);
+        }
+        ::close(proto::program_fd);
+        return true;
+    }
+
+    void reap() {
+        signalfd_siginfo info[16];
+        while (::read(signal_fd_, info, sizeof info) > 0) {
+        }
+        for (;;) {
+            pid_t pid = ::waitpid(-1, nullptr, WNOHANG);
+            if (pid < 0 && errno == EINTR) continue;
+            if (pid <= 0) return;
+        }
+    }
+
+    // Receives and serves one request; false once the daemon's end is closed.
+    bool serve_one() {
+        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * proto::max_fds)];
+        iovec iov{buffer_.get(), buffer_size};
+        msghdr msg{};
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control;
+        msg.msg_controllen = sizeof control;
+        ssize_t n = ::recvmsg(proto::socket_fd, &msg, MSG_CMSG_CLOEXEC);
+        if (n < 0) return errno == EINTR || errno == EAGAIN;
+        if (n == 0) return false;
+
+        ChannelRequest req;
+        for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+            std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (std::size_t i = 0; i < count; ++i) {
+                int fd = -1;
+                std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+                req.fds.push_back(fd);
+            }
+        }
+        proto::Reply reply;
+        int err = parse(buffer_.get(), static_cast<std::size_t>(n), msg.msg_flags, req);
+        reply.id = req.header.id;
+        int pidfd = -1;
+        if (err == 0) err = start_channel(req, pidfd);
+        for (int fd : req.fds) ::close(fd);
+        reply.error = err;
+        send_reply(reply, pidfd);
+        if (pidfd >= 0) ::close(pidfd);
+        return true;
+    }
+
+    // Validates a request in place (the strings point into buffer_). Returns 0 or an errno.
+    static int parse(char* data, std::size_t size, int msg_flags, ChannelRequest& req) {
+        if ((msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0) return EMSGSIZE;
+        if (size < sizeof(proto::Request)) return EPROTO;
+        std::memcpy(&req.header, data, sizeof req.header);
+        const auto& h = req.header;
+        if (h.magic != proto::request_magic || h.argc == 0 ||
+            h.payload_size != size - sizeof h || h.cgroup_fds > proto::max_cgroup_fds ||
+            req.fds.size() != proto::channel_fds + h.cgroup_fds ||
+            static_cast<std::uint64_t>(h.argc) + h.envc > proto::max_strings) {
+            return EPROTO;
+        }
+        char* p = data + sizeof h;
+        char* end = p + h.payload_size;
+        auto next = [&p, end]() -> char* {
+            char* s = p;
+            auto* nul = static_cast<char*>(std::memchr(p, '\0', static_cast<std::size_t>(end - p)));
+            if (nul == nullptr) return nullptr;
+            p = nul + 1;
+            return s;
+        };
+        req.cwd = next();
+        if (req.cwd == nullptr) return EPROTO;
+        for (std::uint32_t i = 0; i < h.argc; ++i) {
+            char* s = next();
+            if (s == nullptr) return EPROTO;
+            req.argv.push_back(s);
+        }
+        req.argv.push_back(nullptr);
+        for (std::uint32_t i = 0; i < h.envc; ++i) {
+            char* s = next();
+            if (s == nullptr) return EPROTO;
+            req.envp.push_back(s);
+        }
+        req.envp.push_back(nullptr);
+        return p == end ? 0 : EPROTO;
+    }
+
+    int start_channel(const ChannelRequest& req, int& pidfd) {
+        // A raw clone without a new stack returns twice, like fork; CLONE_PIDFD stores the
+        // child's pidfd in the parent_tid argument. This process is single-threaded.
+        long pid = ::syscall(SYS_clone, CLONE_NEWPID | CLONE_NEWNS | CLONE_PIDFD | SIGCHLD,
+                             nullptr, &pidfd, nullptr, 0L);
+        if (pid < 0) return errno;
+        if (pid == 0) {
+            ::close(signal_fd_);
+            run_channel_init(req, program_);
+        }
+        ::fcntl(pidfd, F_SETFD, FD_CLOEXEC);
+        return 0;
+    }
+
+    static void send_reply(const proto::Reply& reply, int pidfd) {
+        iovec iov{const_cast<proto::Reply*>(&reply), sizeof reply};
+        msghdr msg{};
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+        if (pidfd >= 0) {
+            msg.msg_control = control;
+            msg.msg_controllen = sizeof control;
+            cmsghdr* c = CMSG_FIRSTHDR(&msg);
+            c->cmsg_level = SOL_SOCKET;
+            c->cmsg_type = SCM_RIGHTS;
+            c->cmsg_len = CMSG_LEN(sizeof(int));
+            std::memcpy(CMSG_DATA(c), &pidfd, sizeof pidfd);
+        }
+        while (::sendmsg(proto::socket_fd, &msg, MSG_NOSIGNAL) < 0 && errno == EINTR) {
+        }
+    }
+
+    static constexpr std::size_t buffer_size = sizeof(proto::Request) + proto::max_payload + 1;
+    std::unique_ptr<char[]> buffer_;
+    std::string program_;
+    int signal_fd_ = -1;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    if (argc != 2 || std::strcmp(argv[1], "--lease") != 0) {
+        static const char usage[] =
+            "usage: sandboxd-init --lease  (started by sandboxd inside a lease's sandbox)\n";
         write_all(STDERR_FILENO, usage, sizeof usage - 1);
         return 2;
     }
-    // bwrap exports PWD after --chdir; the command's environment is exactly what the daemon
-    // asked for.
+    // Keep only the protocol fds.
+    ::syscall(SYS_close_range, 5U, ~0U, 0U);
+    // bwrap exports PWD after --chdir; every command's environment is exactly the daemon's.
     ::unsetenv("PWD");
-    return Init(opts).run();
+    return Supervisor().run();
 }

@@ -1,21 +1,43 @@
 /// @file bwrap_provider.cpp
-/// The built-in bubblewrap provider: a sandbox is a workspace directory on the host; every
-/// process runs in fresh namespaces under sandboxd-init (see provider.hpp for the fds).
+/// The built-in bubblewrap provider: a lease is one long-lived sandbox (docs/security.md).
+///
+/// create() gives the lease a host uid of its own (IdentityPool), a workspace disk
+/// (lease_disk.hpp), a cgroup with its limits (cgroups.hpp) and starts bubblewrap as that uid:
+/// new user (uid mapped to the configured inside uid), mount, PID, IPC, UTS, cgroup and
+/// (unless allowed) network namespaces over a minimal root (read-only /usr, a generated /etc,
+/// private /tmp, /run and /dev/shm, the workspace at /workspace), with `sandboxd-init --lease`
+/// as PID 1: the supervisor (src/init/supervisor_protocol.hpp). spawn() asks the supervisor
+/// for a channel; destroy() kills the cgroup, unmounts the disk and returns the uid.
 
 #include <sandboxd/errors.hpp>
 #include <sandboxd/provider.hpp>
 
+#include "init/supervisor_protocol.hpp"
+#include "provider/cgroups.hpp"
+#include "provider/identity_pool.hpp"
+#include "provider/lease_disk.hpp"
+#include "provider/seccomp_filter.hpp"
 #include "provider/spawn.hpp"
 
+#include <spdlog/spdlog.h>
+
 #include <fcntl.h>
-#include <sys/random.h>
+#include <poll.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstring>
+#include <fstream>
+#include <mutex>
 #include <string_view>
 #include <system_error>
 
@@ -27,15 +49,21 @@ namespace sandboxd {
 namespace {
 
 namespace fs = std::filesystem;
+namespace proto = supervisor;
+using nlohmann::json;
 
 constexpr std::string_view sandbox_path =
     "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 constexpr const char* init_in_sandbox = "/.sandboxd/init";
+constexpr int supervisor_timeout_ms = 10000;
 
 [[noreturn]] void provider_failure(std::string message) {
     throw rpc_error(errc::provider_error, std::move(message));
 }
 
+[[noreturn]] void invalid_field(const std::string& field, const std::string& why) {
+    throw rpc_error(errc::invalid_params, field + ": " + why, {{"field", field}});
+}
 
 /// The default init: next to the running executable, else the install location.
 fs::path default_init_path() {
@@ -72,126 +100,354 @@ std::string sandbox_cwd(const std::string& cwd) {
     return "/workspace/" + cwd;
 }
 
+unique_fd open_path(const fs::path& path, const char* what) {
+    unique_fd fd(::open(path.c_str(), O_PATH | O_CLOEXEC));
+    if (!fd) provider_failure(std::string("cannot open ") + what + " " + path.string() + ": " +
+                              std::strerror(errno));
+    return fd;
+}
+
+void write_file(const fs::path& path, std::string_view text) {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << text;
+    if (!out) throw std::runtime_error("cannot write " + path.string());
+}
+
+/// FNV-1a, for a stable short name of the sandboxes directory.
+std::string short_hash(std::string_view text) {
+    std::uint64_t h = 1469598103934665603ULL;
+    for (unsigned char c : text) h = (h ^ c) * 1099511628211ULL;
+    char out[17];
+    std::snprintf(out, sizeof out, "%016llx", static_cast<unsigned long long>(h));
+    return std::string(out, 8);
+}
+
+// --- Limits -------------------------------------------------------------------------------
+
+struct LimitField {
+    const char* name;
+    std::uint64_t min;
+    std::uint64_t max;
+};
+constexpr LimitField memory_field{"memoryBytes", 16ULL << 20, 1ULL << 50};
+constexpr LimitField pids_field{"pids", 8, 4194304};
+constexpr LimitField cpu_weight_field{"cpuWeight", 1, 10000};
+constexpr LimitField cpu_quota_field{"cpuQuotaPercent", 1, 100000};
+constexpr LimitField disk_field{"diskBytes", detail::min_disk_bytes, detail::max_disk_bytes};
+constexpr LimitField open_files_field{"openFiles", 16, 1048576};
+
+/// The limits a lease runs with: every one set.
+struct EffectiveLimits {
+    std::uint64_t memory_bytes = 0;
+    std::uint32_t pids = 0;
+    std::uint32_t cpu_weight = 100;
+    std::optional<std::uint32_t> cpu_quota_percent;
+    std::uint64_t disk_bytes = 0;
+    std::uint32_t open_files = 0;
+
+    json to_json() const {
+        return {{"memoryBytes", memory_bytes},
+                {"pids", pids},
+                {"cpuWeight", cpu_weight},
+                {"cpuQuotaPercent", cpu_quota_percent ? json(*cpu_quota_percent) : json(nullptr)},
+                {"diskBytes", disk_bytes},
+                {"openFiles", open_files}};
+    }
+};
+
+struct LeaseConfig {
+    bool network = false;
+    EffectiveLimits limits;
+};
+
+class BwrapSandbox;
+
+/// Counters shared by the provider and its channels' resources.
+struct Counters {
+    std::atomic<std::uint64_t> memory{0};
+    std::atomic<std::uint64_t> pids{0};
+};
+
+/// A running sandbox: its supervisor, cgroup and identity.
+class BwrapSandbox final : public SandboxState {
+public:
+    ~BwrapSandbox() override { shutdown(); }
+
+    /// Ends every process of the sandbox and reaps bubblewrap. Idempotent. May block briefly
+    /// (the cgroup kill waits for the processes to go).
+    void shutdown() noexcept {
+        std::lock_guard lock(mutex);
+        socket.reset();  // the supervisor exits, and with it the lease's PID namespace
+        if (cgroup) cgroup->kill();
+        if (pid > 0) {
+            ::syscall(SYS_pidfd_send_signal, pidfd.get(), SIGKILL, nullptr, 0);
+            while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+            }
+            pid = -1;
+        }
+    }
+
+    std::mutex mutex;  ///< one request in flight on the socket; guards the fields below
+    pid_t pid = -1;    ///< bubblewrap, our child
+    unique_fd pidfd;
+    unique_fd socket;  ///< the daemon's end of the supervisor's socket pair
+    std::uint64_t next_request = 1;
+    bool broken = false;  ///< a request timed out: the replies may be out of step
+
+    std::unique_ptr<detail::LeaseCgroup> cgroup;  ///< null when limits are not enforced
+    EffectiveLimits limits;
+    std::atomic<std::uint64_t> pids_hits_seen{0};
+    std::atomic<std::uint64_t> channels{0};
+};
+
+class BwrapChannelResources final : public ChannelResources {
+public:
+    BwrapChannelResources(std::unique_ptr<detail::ChannelCgroup> cgroup,
+                          std::shared_ptr<BwrapSandbox> sandbox, std::shared_ptr<Counters> counters)
+        : cgroup_(std::move(cgroup)), sandbox_(std::move(sandbox)), counters_(std::move(counters)) {}
+
+    std::string limit_hit(int term_signal) noexcept override {
+        if (sandbox_->cgroup) {
+            const auto hits = sandbox_->cgroup->pids_limit_hits();
+            const auto seen = sandbox_->pids_hits_seen.exchange(hits);
+            if (hits > seen) counters_->pids += hits - seen;
+        }
+        if (cgroup_ && term_signal == SIGKILL && cgroup_->oom_kills() > 0) {
+            ++counters_->memory;
+            return "memory";
+        }
+        return {};
+    }
+
+private:
+    std::unique_ptr<detail::ChannelCgroup> cgroup_;
+    std::shared_ptr<BwrapSandbox> sandbox_;
+    std::shared_ptr<Counters> counters_;
+};
+
 class BwrapProvider final : public Provider {
 public:
     explicit BwrapProvider(BwrapOptions options)
         : options_(std::move(options)),
-          init_path_(options_.init_path.empty() ? default_init_path() : options_.init_path) {}
+          init_path_(options_.init_path.empty() ? default_init_path() : options_.init_path),
+          pool_(options_.identity.host_id_first, options_.identity.host_id_count,
+                options_.identity.lock_file) {
+        std::error_code ec;
+        fs::create_directories(options_.sandboxes_dir, ec);
+        // Traversable by the leases' uids (bubblewrap resolves its bind sources by path as
+        // that uid); each sandbox's own directory is open to its uid's group only.
+        ::chmod(options_.sandboxes_dir.c_str(), 0711);
+        lock_dir();
+        if (options_.limits.enforce) probe_enforcement();
+        program_ = make_program_fd();
+        init_path_ = install_init();
+        write_etc(options_.sandboxes_dir / ".etc" / "private", false);
+        write_etc(options_.sandboxes_dir / ".etc" / "net", true);
+        reclaim_identities();
+    }
 
     const std::string& key() const noexcept override { return key_; }
     const std::string& plugin_id() const noexcept override { return plugin_id_; }
 
+    std::string degraded() const override {
+        return options_.limits.enforce ? std::string()
+                                       : "no limits are enforced (providers.bwrap.limits.enforce "
+                                         "is false)";
+    }
+
+    LimitEvents limit_events() const noexcept override {
+        return {counters_->memory.load(), counters_->pids.load()};
+    }
+
     std::shared_ptr<SandboxHandle> create(SandboxScope scope, const std::string& lease_id,
-                                          const nlohmann::json& config) override {
-        bool network = check_network(parse_config(config));
-
-        std::error_code ec;
-        fs::create_directories(options_.sandboxes_dir, ec);
-        if (ec) {
-            provider_failure("cannot create " + options_.sandboxes_dir.string() + ": " +
-                             ec.message());
-        }
-        for (int attempt = 0;; ++attempt) {
-            std::string id = "bw-" + random_hex(8);
-            fs::path workspace = options_.sandboxes_dir / id;
-            if (::mkdir(workspace.c_str(), 0700) == 0) {
-                auto handle = std::make_shared<SandboxHandle>();
-                scope.provider_lease_id = id;
-                handle->scope = std::move(scope);
-                handle->lease_id = lease_id;
-                handle->workspace = std::move(workspace);
-                handle->network = network;
-                return handle;
-            }
-            if (errno != EEXIST || attempt >= 8) {
-                provider_failure("cannot create workspace " + workspace.string() + ": " +
-                                 std::strerror(errno));
-            }
-        }
-    }
-
-    std::shared_ptr<SandboxHandle> handle_for_teardown(const SandboxScope& scope,
-                                                       const std::string& lease_id) override {
-        // Only ids this provider mints ("bw-" and 16 hex digits) name a workspace: anything
-        // else (a path, "..") is refused rather than trusted.
-        const auto& id = scope.provider_lease_id;
-        if (id.size() != 19 || id.rfind("bw-", 0) != 0 ||
-            id.find_first_not_of("0123456789abcdef", 3) != std::string::npos) {
-            return nullptr;
-        }
-        auto handle = std::make_shared<SandboxHandle>();
-        handle->scope = scope;
-        handle->lease_id = lease_id;
-        handle->workspace = options_.sandboxes_dir / id;
-        return handle;
-    }
-
-    void destroy(const SandboxHandle& sandbox) override {
-        if (sandbox.workspace.empty()) return;
-        std::error_code ec;
-        fs::remove_all(sandbox.workspace, ec);
-        if (ec && ec != std::errc::no_such_file_or_directory) {
-            // A sandbox may leave directories without write permission: open them up, retry.
-            make_writable(sandbox.workspace);
-            ec.clear();
-            fs::remove_all(sandbox.workspace, ec);
-        }
-        if (ec && ec != std::errc::no_such_file_or_directory) {
-            provider_failure("cannot remove sandbox " + sandbox.scope.provider_lease_id + ": " +
-                             ec.message());
-        }
-    }
-
-    SpawnedProcess spawn(const SandboxHandle& sandbox, const ExecSpec& spec) override {
-        validate_spec(spec);
-        std::error_code ec;
-        if (!fs::is_directory(sandbox.workspace, ec)) {
-            provider_failure("sandbox " + sandbox.scope.provider_lease_id +
-                             " is gone: its workspace no longer exists");
-        }
+                                          const json& config) override {
+        const LeaseConfig cfg = parse_config(config);
         if (::access(init_path_.c_str(), X_OK) != 0) {
             provider_failure("sandboxd-init is missing: " + init_path_.string() + ": " +
                              std::strerror(errno));
         }
+        std::string id;
+        fs::path dir;
+        for (int attempt = 0;; ++attempt) {
+            id = "bw-" + random_hex(8);
+            dir = options_.sandboxes_dir / id;
+            if (::mkdir(dir.c_str(), 0700) == 0) break;  // root's until the uid is known
+            if (errno != EEXIST || attempt >= 8) {
+                provider_failure("cannot create sandbox directory " + dir.string() + ": " +
+                                 std::strerror(errno));
+            }
+        }
+        auto handle = std::make_shared<SandboxHandle>();
+        scope.provider_lease_id = id;
+        handle->scope = std::move(scope);
+        handle->lease_id = lease_id;
+        handle->workspace = dir / "workspace";
+        handle->network = cfg.network;
+        handle->limits = options_.limits.enforce ? cfg.limits.to_json() : json(nullptr);
 
-        detail::SpawnRequest request;
-        request.argv = bwrap_argv(sandbox, spec);
-        request.envp = {"PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"};
+        uid_t uid = 0;
+        try {
+            uid = pool_.acquire();
+            write_file(dir / "identity", std::to_string(uid) + "\n");
+            ::chmod((dir / "identity").c_str(), 0600);
+            // root:<the lease's gid> 0750: the lease's bubblewrap may enter, no other uid may.
+            if (::chown(dir.c_str(), 0, uid) < 0 || ::chmod(dir.c_str(), 0750) < 0) {
+                provider_failure("cannot open " + dir.string() + " to its lease: " +
+                                 std::strerror(errno));
+            }
+            auto sandbox = std::make_shared<BwrapSandbox>();
+            sandbox->limits = cfg.limits;
+            if (options_.limits.enforce) {
+                detail::create_lease_disk(dir, cfg.limits.disk_bytes, uid, uid);
+                detail::CgroupLimits cl;
+                cl.memory_bytes = cfg.limits.memory_bytes;
+                cl.pids = cfg.limits.pids;
+                cl.cpu_weight = cfg.limits.cpu_weight;
+                cl.cpu_quota_percent = cfg.limits.cpu_quota_percent;
+                sandbox->cgroup = cgroups_->create_lease(id, cl);
+            } else {
+                fs::create_directory(handle->workspace);
+                if (::chown(handle->workspace.c_str(), uid, uid) < 0) {
+                    provider_failure("cannot give the workspace to uid " + std::to_string(uid) +
+                                     ": " + std::strerror(errno));
+                }
+                ::chmod(handle->workspace.c_str(), 0755);
+            }
+            start_supervisor(*sandbox, dir, uid, cfg);
+            handle->state = std::move(sandbox);
+        } catch (...) {
+            // Nothing may be left: no process, no mount, no cgroup, no claimed id.
+            if (handle->state) std::static_pointer_cast<BwrapSandbox>(handle->state)->shutdown();
+            try {
+                teardown_files(*handle, nullptr);
+            } catch (const std::exception& e) {
+                spdlog::warn("sandbox {}: cleanup after a failed create: {}", id, e.what());
+            }
+            throw;
+        }
+        spdlog::debug("sandbox {} created uid={} lease={}", id, uid, lease_id);
+        return handle;
+    }
+
+    std::shared_ptr<SandboxHandle> handle_for_teardown(const SandboxScope& scope,
+                                                       const std::string& lease_id) override {
+        // Only ids this provider mints ("bw-" and 16 hex digits) name a sandbox: anything
+        // else (a path, "..") is refused rather than trusted.
+        const auto& id = scope.provider_lease_id;
+        if (!is_sandbox_id(id)) return nullptr;
+        auto handle = std::make_shared<SandboxHandle>();
+        handle->scope = scope;
+        handle->lease_id = lease_id;
+        handle->workspace = options_.sandboxes_dir / id / "workspace";
+        return handle;
+    }
+
+    void destroy(const SandboxHandle& sandbox) override {
+        if (!is_sandbox_id(sandbox.scope.provider_lease_id)) return;
+        auto state = std::static_pointer_cast<BwrapSandbox>(sandbox.state);
+        std::unique_ptr<detail::LeaseCgroup> left_behind;
+        if (state) {
+            state->shutdown();
+        } else if (cgroups_) {
+            // A sandbox of an earlier process: its cgroup may still hold processes.
+            left_behind = cgroups_->find_lease(sandbox.scope.provider_lease_id);
+            if (left_behind) left_behind->kill();
+        }
+        teardown_files(sandbox, state.get());
+        left_behind.reset();
+        if (state) state->cgroup.reset();
+    }
+
+    SpawnedProcess spawn(const SandboxHandle& sandbox, const ExecSpec& spec) override {
+        validate_spec(spec);
+        auto state = std::static_pointer_cast<BwrapSandbox>(sandbox.state);
+        if (!state) {
+            provider_failure("sandbox " + sandbox.scope.provider_lease_id +
+                             " has no supervisor in this process");
+        }
+        // The request's payload: cwd, argv, then the environment, NUL-terminated.
+        std::map<std::string, std::string> env = {
+            {"PATH", std::string(sandbox_path)},
+            {"HOME", "/workspace"},
+            {"TERM", spec.pty ? "xterm-256color" : "dumb"},
+            {"LANG", "C.UTF-8"}};
+        for (const auto& [name, value] : spec.env) env[name] = value;
+        proto::Request request;
+        std::string payload = sandbox_cwd(spec.cwd);
+        payload.push_back('\0');
+        for (const auto& arg : spec.argv) {
+            payload += arg;
+            payload.push_back('\0');
+        }
+        for (const auto& [name, value] : env) {
+            payload += name;
+            payload.push_back('=');
+            payload += value;
+            payload.push_back('\0');
+        }
+        if (payload.size() > proto::max_payload) {
+            throw rpc_error(errc::invalid_params,
+                            "argv, env and cwd: " + std::to_string(payload.size()) +
+                                " bytes, more than the " + std::to_string(proto::max_payload) +
+                                " a command may be given");
+        }
+        request.argc = static_cast<std::uint32_t>(spec.argv.size());
+        request.envc = static_cast<std::uint32_t>(env.size());
+        request.payload_size = static_cast<std::uint32_t>(payload.size());
+        request.grace_ms = spec.drain_grace_ms ? static_cast<std::int32_t>(std::min<std::uint32_t>(
+                                                     *spec.drain_grace_ms, INT32_MAX))
+                                               : -1;
+        request.open_files = state->limits.open_files;
 
         SpawnedProcess out;
         detail::Pty pty;
         detail::Pipe stdin_pipe, stdout_pipe, stderr_pipe;
+        unique_fd dev_null;
+        std::vector<int> fds;
         if (spec.pty) {
             pty = detail::open_pty(*spec.pty);
-            request.fds[0] = request.fds[1] = request.fds[2] = pty.slave.get();
-            request.controlling_tty = pty.slave.get();
+            fds = {pty.slave.get(), pty.slave.get(), pty.slave.get()};
+            request.flags |= proto::flag_pty;
         } else {
             if (spec.stdin_attached) {
                 stdin_pipe = detail::make_pipe(detail::daemon_end::write);
-                request.fds[0] = stdin_pipe.read_end.get();
+                fds.push_back(stdin_pipe.read_end.get());
+            } else {
+                dev_null.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+                if (!dev_null) provider_failure(std::string("cannot open /dev/null: ") +
+                                                std::strerror(errno));
+                fds.push_back(dev_null.get());
             }
             stdout_pipe = detail::make_pipe(detail::daemon_end::read);
             stderr_pipe = detail::make_pipe(detail::daemon_end::read);
             ::fcntl(stdout_pipe.read_end.get(), F_SETPIPE_SZ, 1 << 20);  // fewer, larger reads
-            request.fds[1] = stdout_pipe.write_end.get();
-            request.fds[2] = stderr_pipe.write_end.get();
+            fds.push_back(stdout_pipe.write_end.get());
+            fds.push_back(stderr_pipe.write_end.get());
         }
         detail::Pipe status_pipe = detail::make_pipe(detail::daemon_end::read);
         detail::Pipe control_pipe = detail::make_pipe(detail::daemon_end::write);
-        request.fds[3] = status_pipe.write_end.get();
-        request.fds[4] = control_pipe.read_end.get();
+        fds.push_back(status_pipe.write_end.get());
+        fds.push_back(control_pipe.read_end.get());
 
-        detail::SpawnResult child = detail::spawn_process(request, "bubblewrap");
-        out.pid = child.pid;
-        out.pidfd = std::move(child.pidfd);
+        std::unique_ptr<detail::ChannelCgroup> channel_cgroup;
+        std::vector<unique_fd> procs;
+        if (state->cgroup) {
+            channel_cgroup =
+                state->cgroup->create_channel("ch-" + std::to_string(++state->channels));
+            procs = channel_cgroup->open_procs();
+            for (const auto& fd : procs) fds.push_back(fd.get());
+        }
+        request.cgroup_fds = static_cast<std::uint32_t>(procs.size());
+
+        unique_fd init_pidfd = ask_supervisor(*state, sandbox, request, payload, fds);
+        out.pid = pid_of(init_pidfd.get());
+        out.pidfd = std::move(init_pidfd);
         if (spec.pty) {
             int dup = ::fcntl(pty.master.get(), F_DUPFD_CLOEXEC, 0);
             if (dup < 0) {
-                // Nothing may be left running: the caller never sees this pid.
                 int err = errno;
-                ::kill(out.pid, SIGKILL);
-                while (::waitpid(out.pid, nullptr, 0) < 0 && errno == EINTR) {
-                }
+                // Nothing may be left running: the caller never sees this channel.
+                ::syscall(SYS_pidfd_send_signal, out.pidfd.get(), SIGKILL, nullptr, 0);
                 provider_failure(std::string("cannot set up a pty: ") + std::strerror(err));
             }
             out.stdout_fd.reset(dup);
@@ -203,75 +459,301 @@ public:
         }
         out.status_fd = std::move(status_pipe.read_end);
         out.control_fd = std::move(control_pipe.write_end);
+        out.resources = std::make_unique<BwrapChannelResources>(std::move(channel_cgroup), state,
+                                                                counters_);
         return out;  // the child's ends are closed with their holders here
     }
 
+    json usage(const SandboxHandle& sandbox) const override {
+        auto state = std::static_pointer_cast<BwrapSandbox>(sandbox.state);
+        if (!state || !state->cgroup) return nullptr;
+        const auto u = state->cgroup->usage();
+        return {{"memoryBytes", u.memory_bytes},
+                {"pids", u.pids},
+                {"diskBytes", detail::disk_used_bytes(sandbox.workspace)},
+                {"cpuMs", u.cpu_ms}};
+    }
+
 private:
-    static bool parse_config(const nlohmann::json& config) {
-        if (config.is_null()) return false;
-        if (!config.is_object()) {
-            throw rpc_error(errc::invalid_params, "config: must be an object");
-        }
-        bool network = false;
-        for (const auto& [name, value] : config.items()) {
-            if (name != "network") {
-                throw rpc_error(errc::invalid_params, "config." + name + ": unknown key");
-            }
-            if (!value.is_boolean()) {
-                throw rpc_error(errc::invalid_params, "config.network: must be a boolean");
-            }
-            network = value.get<bool>();
-        }
-        return network;
+    static bool is_sandbox_id(const std::string& id) {
+        return id.size() == 19 && id.rfind("bw-", 0) == 0 &&
+               id.find_first_not_of("0123456789abcdef", 3) == std::string::npos;
     }
 
-    bool check_network(bool network) const {
-        if (network && !options_.allow_network) {
-            throw rpc_error(errc::invalid_params, "config.network: not allowed on this node");
+    /// One daemon per sandboxes directory: a second one would kill the first one's sandboxes
+    /// as orphans.
+    void lock_dir() {
+        const fs::path lock_path = options_.sandboxes_dir / ".lock";
+        dir_lock_.reset(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+        if (!dir_lock_) {
+            throw std::runtime_error("cannot open " + lock_path.string() + ": " +
+                                     std::strerror(errno));
         }
-        return network;
+        if (::flock(dir_lock_.get(), LOCK_EX | LOCK_NB) < 0) {
+            throw std::runtime_error("another live sandboxd process uses " +
+                                     options_.sandboxes_dir.string());
+        }
     }
 
-    static void make_writable(const fs::path& root) {
+    void probe_enforcement() {
         std::error_code ec;
-        fs::permissions(root, fs::perms::owner_all, fs::perm_options::add, ec);
-        for (fs::recursive_directory_iterator it(root, ec), end; !ec && it != end;
-             it.increment(ec)) {
+        const std::string instance =
+            "sandboxd-" + short_hash(fs::weakly_canonical(options_.sandboxes_dir, ec).string());
+        cgroups_ = detail::probe_cgroups(instance, options_.cgroup_root);
+        if (cgroups_->mode() == detail::cgroup_mode::none) {
+            throw std::runtime_error(
+                "providers.bwrap.limits.enforce: no cgroup mechanism can enforce the limits (" +
+                cgroups_->describe() +
+                "); on a systemd host give the unit Delegate=yes, or set "
+                "providers.bwrap.limits.enforce: false to run without limits");
+        }
+        if (::access("/dev/loop-control", R_OK | W_OK) != 0) {
+            throw std::runtime_error(
+                "providers.bwrap.limits.enforce: workspace disks need loop devices, and "
+                "/dev/loop-control is not usable: " + std::string(std::strerror(errno)) +
+                " (or set providers.bwrap.limits.enforce: false)");
+        }
+        if (::access("/usr/sbin/mkfs.ext4", X_OK) != 0 && ::access("/sbin/mkfs.ext4", X_OK) != 0) {
+            throw std::runtime_error(
+                "providers.bwrap.limits.enforce: workspace disks need mkfs.ext4 (Debian "
+                "package e2fsprogs)");
+        }
+        const auto removed = cgroups_->remove_orphans();
+        spdlog::info("bwrap provider: limits enforced with {}; workspace disks: loop-mounted "
+                     "ext4{}",
+                     cgroups_->describe(),
+                     removed > 0 ? "; killed and removed " + std::to_string(removed) +
+                                       " orphaned sandbox cgroup(s) of an earlier process"
+                                 : std::string());
+    }
+
+    /// A copy of sandboxd-init that every lease's uid can reach by path (bubblewrap resolves
+    /// its bind sources as that uid), and that nothing can replace while the daemon runs.
+    fs::path install_init() const {
+        const fs::path dir = options_.sandboxes_dir / ".init";
+        const fs::path target = dir / "sandboxd-init";
+        std::error_code ec;
+        fs::create_directories(dir, ec);
+        ::chmod(dir.c_str(), 0711);
+        const fs::path tmp = dir / "sandboxd-init.tmp";
+        fs::copy_file(init_path_, tmp, fs::copy_options::overwrite_existing, ec);
+        if (ec) {
+            throw std::runtime_error("cannot copy sandboxd-init from " + init_path_.string() +
+                                     ": " + ec.message());
+        }
+        ::chmod(tmp.c_str(), 0755);
+        fs::rename(tmp, target);
+        return target;
+    }
+
+    static unique_fd make_program_fd() {
+        const std::string program = detail::build_seccomp_filter();
+        unique_fd fd(static_cast<int>(::syscall(SYS_memfd_create, "sandboxd-seccomp",
+                                                MFD_CLOEXEC | MFD_ALLOW_SEALING)));
+        if (!fd || ::write(fd.get(), program.data(), program.size()) !=
+                       static_cast<ssize_t>(program.size())) {
+            throw std::runtime_error(std::string("cannot hold the syscall filter: ") +
+                                     std::strerror(errno));
+        }
+        // Sealed: nothing may change the filter that every later sandbox reads.
+        ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE);
+        return fd;
+    }
+
+    /// The generated /etc: fixed files naming the sandbox user, plus copies of the configured
+    /// host entries. Written at start, read-only in every sandbox.
+    void write_etc(const fs::path& dir, bool network) const {
+        std::error_code ec;
+        fs::remove_all(dir, ec);
+        fs::create_directories(dir);
+        fs::permissions(dir.parent_path(), fs::perms::owner_all | fs::perms::group_exec |
+                                               fs::perms::others_exec);
+        fs::permissions(dir, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                                 fs::perms::others_read | fs::perms::others_exec);
+        for (const auto& entry : options_.etc_files) {
+            const fs::path source = options_.etc_source / entry;
+            if (!fs::exists(fs::symlink_status(source, ec))) continue;
+            fs::create_directories((dir / entry).parent_path(), ec);
+            fs::copy(source, dir / entry,
+                     fs::copy_options::recursive | fs::copy_options::copy_symlinks |
+                         fs::copy_options::overwrite_existing,
+                     ec);
+            if (ec) spdlog::warn("bwrap provider: cannot copy {} into the sandbox /etc: {}",
+                                 source.string(), ec.message());
+        }
+        const auto uid = options_.identity.inside_uid;
+        const auto gid = options_.identity.inside_gid;
+        std::string passwd = "root:x:0:0:root:/workspace:/bin/sh\n";
+        std::string group = "root:x:0:\n";
+        if (uid != 0) passwd += "sandbox:x:" + std::to_string(uid) + ":" + std::to_string(gid) +
+                                ":sandbox:/workspace:/bin/sh\n";
+        if (gid != 0) group += "sandbox:x:" + std::to_string(gid) + ":\n";
+        passwd += "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n";
+        group += "nogroup:x:65534:\n";
+        write_file(dir / "passwd", passwd);
+        write_file(dir / "group", group);
+        write_file(dir / "hostname", "sandbox\n");
+        write_file(dir / "hosts", "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost "
+                                  "ip6-loopback\n");
+        write_file(dir / "nsswitch.conf", "passwd: files\ngroup: files\nshadow: files\n"
+                                          "hosts: files dns\nnetworks: files\nprotocols: files\n"
+                                          "services: files\n");
+        if (network) {
+            std::ifstream in(options_.etc_source / "resolv.conf", std::ios::binary);
+            std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+            write_file(dir / "resolv.conf", text);
+        }
+        // Readable by the sandbox's uid: world-readable files, traversable directories.
+        for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
             std::error_code ignored;
-            if (it->is_directory(ignored) && !it->is_symlink(ignored)) {
-                fs::permissions(it->path(), fs::perms::owner_all, fs::perm_options::add, ignored);
+            if (it->is_symlink(ignored)) continue;
+            fs::permissions(it->path(),
+                            it->is_directory(ignored) ? fs::perms(0755) : fs::perms(0644), ignored);
+        }
+    }
+
+    /// Claims the ids of the sandboxes an earlier process left on disk, so that no new lease
+    /// gets a uid that still owns files.
+    void reclaim_identities() {
+        std::error_code ec;
+        for (const auto& entry : fs::directory_iterator(options_.sandboxes_dir, ec)) {
+            const auto name = entry.path().filename().string();
+            if (!is_sandbox_id(name)) continue;
+            const auto uid = read_identity(entry.path());
+            if (uid && !pool_.claim_existing(*uid)) {
+                spdlog::warn("sandbox {}: its uid {} is held by another process or outside the "
+                             "configured range",
+                             name, *uid);
             }
         }
     }
 
-    std::vector<std::string> bwrap_argv(const SandboxHandle& sandbox, const ExecSpec& spec) const {
-        std::vector<std::string> a = {
-            options_.bwrap_path.string(),
-            "--die-with-parent",
-            "--unshare-pid",
-            "--unshare-ipc",
-            "--unshare-uts",
-            "--unshare-cgroup-try",
-        };
-        if (!sandbox.network) a.emplace_back("--unshare-net");
-        for (const char* arg : {"--as-pid-1", "--cap-drop", "ALL", "--clearenv"}) {
-            a.emplace_back(arg);
-        }
-        auto setenv = [&a](const std::string& name, const std::string& value) {
-            a.insert(a.end(), {"--setenv", name, value});
-        };
-        setenv("PATH", std::string(sandbox_path));
-        setenv("HOME", "/workspace");
-        setenv("TERM", spec.pty ? "xterm-256color" : "dumb");
-        setenv("LANG", "C.UTF-8");
-        for (const auto& [name, value] : spec.env) setenv(name, value);
+    static std::optional<uid_t> read_identity(const fs::path& dir) {
+        std::ifstream in(dir / "identity");
+        unsigned long long uid = 0;
+        if (!(in >> uid) || uid == 0 || uid > 0xFFFFFFFEULL) return std::nullopt;
+        return static_cast<uid_t>(uid);
+    }
 
+    /// Unmounts and removes a sandbox's files, then returns its uid. Its processes are gone.
+    void teardown_files(const SandboxHandle& sandbox, BwrapSandbox* state) {
+        (void)state;
+        const fs::path dir = options_.sandboxes_dir / sandbox.scope.provider_lease_id;
+        std::error_code ec;
+        if (!fs::exists(fs::symlink_status(dir, ec))) return;
+        const auto uid = read_identity(dir);
+        detail::destroy_lease_disk(dir);
+        if (fs::exists(fs::symlink_status(dir / "workspace", ec))) {
+            detail::remove_tree_bounded(dir / "workspace");
+        }
+        fs::remove(dir / "identity", ec);
+        if (::rmdir(dir.c_str()) < 0 && errno != ENOENT) {
+            provider_failure("cannot remove sandbox " + sandbox.scope.provider_lease_id + ": " +
+                             std::strerror(errno));
+        }
+        if (uid) pool_.release(*uid);
+    }
+
+    LeaseConfig parse_config(const json& config) const {
+        LeaseConfig out;
+        const auto& defaults = options_.limits.defaults;
+        out.limits.memory_bytes = defaults.memory_bytes.value_or(1ULL << 30);
+        out.limits.pids = defaults.pids.value_or(1024);
+        out.limits.cpu_weight = defaults.cpu_weight.value_or(100);
+        out.limits.cpu_quota_percent = defaults.cpu_quota_percent;
+        out.limits.disk_bytes = defaults.disk_bytes.value_or(1ULL << 30);
+        out.limits.open_files = defaults.open_files.value_or(1024);
+        if (config.is_null()) return out;
+        if (!config.is_object()) invalid_field("config", "must be an object");
+        for (const auto& [name, value] : config.items()) {
+            if (name == "network") {
+                if (!value.is_boolean()) invalid_field("config.network", "must be a boolean");
+                out.network = value.get<bool>();
+                if (out.network && !options_.allow_network) {
+                    invalid_field("config.network", "not allowed on this node");
+                }
+            } else if (name == "limits") {
+                parse_limits(value, out.limits);
+            } else {
+                invalid_field("config." + name, "unknown key");
+            }
+        }
+        return out;
+    }
+
+    void parse_limits(const json& limits, EffectiveLimits& out) const {
+        if (!limits.is_object()) invalid_field("config.limits", "must be an object");
+        const auto& max = options_.limits.max;
+        for (const auto& [name, value] : limits.items()) {
+            if (name == memory_field.name) {
+                out.memory_bytes = limit_value(value, memory_field, max.memory_bytes);
+            } else if (name == pids_field.name) {
+                out.pids = static_cast<std::uint32_t>(limit_value(value, pids_field, max.pids));
+            } else if (name == cpu_weight_field.name) {
+                out.cpu_weight =
+                    static_cast<std::uint32_t>(limit_value(value, cpu_weight_field, max.cpu_weight));
+            } else if (name == cpu_quota_field.name) {
+                if (value.is_null()) {
+                    if (max.cpu_quota_percent) {
+                        invalid_field("config.limits.cpuQuotaPercent",
+                                      "must be set on this node (at most " +
+                                          std::to_string(*max.cpu_quota_percent) + ")");
+                    }
+                    out.cpu_quota_percent.reset();
+                } else {
+                    out.cpu_quota_percent = static_cast<std::uint32_t>(
+                        limit_value(value, cpu_quota_field, max.cpu_quota_percent));
+                }
+            } else if (name == disk_field.name) {
+                out.disk_bytes = limit_value(value, disk_field, max.disk_bytes);
+            } else if (name == open_files_field.name) {
+                out.open_files =
+                    static_cast<std::uint32_t>(limit_value(value, open_files_field, max.open_files));
+            } else {
+                invalid_field("config.limits." + name, "unknown key");
+            }
+        }
+    }
+
+    template <class T>
+    static std::uint64_t limit_value(const json& value, const LimitField& field,
+                                     const std::optional<T>& node_max) {
+        const std::string path = std::string("config.limits.") + field.name;
+        if (!value.is_number_unsigned() && !(value.is_number_integer() && value.get<std::int64_t>() >= 0)) {
+            invalid_field(path, "must be an integer in " + std::to_string(field.min) + ".." +
+                                    std::to_string(field.max));
+        }
+        const auto v = value.get<std::uint64_t>();
+        if (v < field.min || v > field.max) {
+            invalid_field(path, "must be an integer in " + std::to_string(field.min) + ".." +
+                                    std::to_string(field.max));
+        }
+        if (node_max && v > static_cast<std::uint64_t>(*node_max)) {
+            invalid_field(path, std::to_string(v) + " is above this node's maximum of " +
+                                    std::to_string(*node_max));
+        }
+        return v;
+    }
+
+    std::vector<std::string> bwrap_argv(const LeaseConfig& cfg) const {
+        const auto& id = options_.identity;
+        std::vector<std::string> a = {
+            options_.bwrap_path.string(), "--die-with-parent", "--unshare-user",
+            "--uid", std::to_string(id.inside_uid), "--gid", std::to_string(id.inside_gid),
+            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        };
+        if (!cfg.network) a.emplace_back("--unshare-net");
+        // The supervisor needs these two inside the lease's user namespace only: to make each
+        // channel's PID and mount namespaces and mount its /proc, and to empty the bounding
+        // set of every command (which then runs with no capability at all).
+        a.insert(a.end(), {"--as-pid-1", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP",
+                           "--clearenv", "--setenv", "PATH", "/usr/bin:/bin"});
         std::error_code ec;
         for (const auto& dir : options_.ro_binds) {
             if (fs::exists(dir, ec)) a.insert(a.end(), {"--ro-bind", dir, dir});
         }
         // The merged-/usr links of the host, or the real directories where there are some.
-        for (const char* dir : {"/bin", "/sbin", "/lib", "/lib64"}) {
+        for (const char* dir : {"/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"}) {
             auto status = fs::symlink_status(dir, ec);
             if (fs::is_symlink(status)) {
                 fs::path target = fs::read_symlink(dir, ec);
@@ -280,29 +762,173 @@ private:
                 a.insert(a.end(), {"--ro-bind", dir, dir});
             }
         }
-        // bwrap covers /proc/sys only when access(W_OK) says it is writable, which it never
-        // says for that directory; yet the command, uid 0 without a user namespace, could
-        // write most host sysctls (e.g. kernel.core_pattern: root on the host). Cover it.
-        a.insert(a.end(), {"--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev",
-                           "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"});
-        a.insert(a.end(), {"--bind", sandbox.workspace.string(), "/workspace"});
-        a.insert(a.end(), {"--ro-bind", init_path_.string(), init_in_sandbox});
-        a.insert(a.end(), {"--chdir", sandbox_cwd(spec.cwd), "--hostname", "sandbox"});
-        a.insert(a.end(), {"--", init_in_sandbox});
-        if (spec.pty) a.emplace_back("--pty");
-        if (spec.drain_grace_ms) {
-            a.emplace_back("--grace-ms");
-            a.emplace_back(std::to_string(*spec.drain_grace_ms));
+        // tmpfs pages are charged to the lease's memory; the size makes a full one ENOSPC.
+        const std::string tmpfs_size = std::to_string(cfg.limits.memory_bytes);
+        a.insert(a.end(), {"--ro-bind-fd", "6", "/etc", "--proc", "/proc", "--dev", "/dev"});
+        for (const char* dir : {"/tmp", "/run", "/dev/shm"}) {
+            if (options_.limits.enforce) a.insert(a.end(), {"--size", tmpfs_size});
+            a.insert(a.end(), {"--tmpfs", dir});
         }
-        a.emplace_back("--");
-        a.insert(a.end(), spec.argv.begin(), spec.argv.end());
+        a.insert(a.end(), {"--bind-fd", "5", "/workspace", "--ro-bind-fd", "7", init_in_sandbox,
+                           "--chdir", "/workspace", "--hostname", "sandbox", "--", init_in_sandbox,
+                           "--lease"});
         return a;
+    }
+
+    void start_supervisor(BwrapSandbox& sandbox, const fs::path& dir, uid_t uid,
+                          const LeaseConfig& cfg) {
+        int sv[2];
+        if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
+            provider_failure(std::string("cannot create the supervisor's socket: ") +
+                             std::strerror(errno));
+        }
+        unique_fd ours(sv[0]);
+        unique_fd theirs(sv[1]);
+        // Room for the largest request (execve's own limit on argv and env).
+        const int sndbuf = static_cast<int>(proto::max_payload + (64 << 10));
+        ::setsockopt(ours.get(), SOL_SOCKET, SO_SNDBUFFORCE, &sndbuf, sizeof sndbuf);
+        const timeval tv{supervisor_timeout_ms / 1000, 0};
+        ::setsockopt(ours.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        ::setsockopt(ours.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+
+        unique_fd workspace = open_path(dir / "workspace", "the workspace");
+        unique_fd etc = open_path(options_.sandboxes_dir / ".etc" / (cfg.network ? "net" : "private"),
+                                  "the sandbox /etc");
+        unique_fd init = open_path(init_path_, "sandboxd-init");
+        detail::Pipe errors = detail::make_pipe(detail::daemon_end::read);
+
+        detail::SpawnRequest request;
+        request.argv = bwrap_argv(cfg);
+        request.envp = {"PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"};
+        request.fds = {-1, -1, errors.write_end.get(), theirs.get(), program_.get(),
+                       workspace.get(), etc.get(), init.get()};
+        std::vector<unique_fd> procs;
+        if (sandbox.cgroup) procs = sandbox.cgroup->open_procs();
+        for (const auto& fd : procs) request.join_cgroups.push_back(fd.get());
+        request.run_as = std::make_pair(uid, static_cast<gid_t>(uid));
+        auto child = detail::spawn_process(request, "bubblewrap");
+        sandbox.pid = child.pid;
+        sandbox.pidfd = std::move(child.pidfd);
+        errors.write_end.reset();
+        theirs.reset();
+
+        // The supervisor says hello (a reply with id 0) once it serves; EOF means bubblewrap
+        // failed, and its stderr says why.
+        proto::Reply hello{};
+        ssize_t n = ::recv(ours.get(), &hello, sizeof hello, 0);
+        if (n != static_cast<ssize_t>(sizeof hello) || hello.magic != proto::reply_magic ||
+            hello.id != 0 || hello.error != 0) {
+            const int err = n < 0 ? errno : 0;
+            char text[2048];
+            ssize_t got = ::read(errors.read_end.get(), text, sizeof text - 1);
+            std::string why = got > 0 ? std::string(text, static_cast<std::size_t>(got)) : "";
+            while (!why.empty() && (why.back() == '\n' || why.back() == '\r')) why.pop_back();
+            if (why.empty()) why = err != 0 ? std::strerror(err) : "no answer from its supervisor";
+            sandbox.shutdown();
+            provider_failure("cannot start the sandbox: " + why);
+        }
+        sandbox.socket = std::move(ours);
+    }
+
+    /// Sends one request with its descriptors and returns the channel init's pidfd.
+    unique_fd ask_supervisor(BwrapSandbox& sandbox, const SandboxHandle& handle,
+                             proto::Request request, const std::string& payload,
+                             const std::vector<int>& fds) {
+        std::lock_guard lock(sandbox.mutex);
+        const auto& name = handle.scope.provider_lease_id;
+        if (!sandbox.socket || sandbox.broken) {
+            provider_failure("sandbox " + name + " is gone: its supervisor has exited");
+        }
+        request.id = sandbox.next_request++;
+        iovec iov[2] = {{&request, sizeof request},
+                        {const_cast<char*>(payload.data()), payload.size()}};
+        std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()), '\0');
+        msghdr msg{};
+        msg.msg_iov = iov;
+        msg.msg_iovlen = 2;
+        msg.msg_control = control.data();
+        msg.msg_controllen = control.size();
+        cmsghdr* c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+        std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+        ssize_t sent;
+        do {
+            sent = ::sendmsg(sandbox.socket.get(), &msg, MSG_NOSIGNAL);
+        } while (sent < 0 && errno == EINTR);
+        if (sent < 0) fail_supervisor(sandbox, name, errno);
+
+        proto::Reply reply{};
+        alignas(cmsghdr) char reply_control[CMSG_SPACE(sizeof(int))];
+        iovec riov{&reply, sizeof reply};
+        msghdr rmsg{};
+        rmsg.msg_iov = &riov;
+        rmsg.msg_iovlen = 1;
+        rmsg.msg_control = reply_control;
+        rmsg.msg_controllen = sizeof reply_control;
+        ssize_t got;
+        do {
+            got = ::recvmsg(sandbox.socket.get(), &rmsg, MSG_CMSG_CLOEXEC);
+        } while (got < 0 && errno == EINTR);
+        if (got <= 0) fail_supervisor(sandbox, name, got < 0 ? errno : EPIPE);
+        unique_fd pidfd;
+        for (cmsghdr* rc = CMSG_FIRSTHDR(&rmsg); rc != nullptr; rc = CMSG_NXTHDR(&rmsg, rc)) {
+            if (rc->cmsg_level == SOL_SOCKET && rc->cmsg_type == SCM_RIGHTS &&
+                rc->cmsg_len >= CMSG_LEN(sizeof(int))) {
+                int fd = -1;
+                std::memcpy(&fd, CMSG_DATA(rc), sizeof fd);
+                pidfd.reset(fd);
+            }
+        }
+        if (got != static_cast<ssize_t>(sizeof reply) || reply.magic != proto::reply_magic ||
+            reply.id != request.id || (reply.error == 0) != static_cast<bool>(pidfd)) {
+            fail_supervisor(sandbox, name, EPROTO);
+        }
+        if (reply.error != 0) {
+            if (reply.error == EMFILE || reply.error == ENFILE || reply.error == EAGAIN) {
+                throw rpc_error(errc::channel_limit,
+                                "sandbox " + name + " cannot start another process: " +
+                                    std::strerror(reply.error));
+            }
+            provider_failure("sandbox " + name + " could not start the channel: " +
+                             std::strerror(reply.error));
+        }
+        ::fcntl(pidfd.get(), F_SETFL, O_NONBLOCK);
+        return pidfd;
+    }
+
+    [[noreturn]] static void fail_supervisor(BwrapSandbox& sandbox, const std::string& name,
+                                             int err) {
+        // The supervisor is gone or out of step: no later request could be trusted.
+        sandbox.broken = true;
+        if (err == EAGAIN || err == EWOULDBLOCK) {
+            provider_failure("the supervisor of sandbox " + name + " did not answer within " +
+                             std::to_string(supervisor_timeout_ms) + " ms");
+        }
+        provider_failure("sandbox " + name + " is gone: its supervisor has exited (" +
+                         std::strerror(err) + ")");
+    }
+
+    /// The host pid of a pidfd (its fdinfo's "Pid:" line); -1 when unknown.
+    static pid_t pid_of(int pidfd) {
+        std::ifstream in("/proc/self/fdinfo/" + std::to_string(pidfd));
+        std::string line;
+        while (std::getline(in, line)) {
+            if (line.rfind("Pid:", 0) == 0) return static_cast<pid_t>(std::stol(line.substr(4)));
+        }
+        return -1;
     }
 
     const std::string key_ = "bwrap";
     const std::string plugin_id_ = "builtin";
     const BwrapOptions options_;
-    const fs::path init_path_;
+    fs::path init_path_;
+    detail::IdentityPool pool_;
+    unique_fd dir_lock_;
+    unique_fd program_;
+    std::unique_ptr<detail::CgroupManager> cgroups_;
+    std::shared_ptr<Counters> counters_ = std::make_shared<Counters>();
 };
 
 }  // namespace

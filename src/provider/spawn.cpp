@@ -50,8 +50,16 @@ int close_fds_from(unsigned first, unsigned last) {
     return static_cast<int>(::syscall(SYS_close_range, first, last, 0U));
 }
 
-[[noreturn]] void child_main(char* const* argv, char* const* envp, const std::array<int, 5>& fds,
-                             int controlling_tty, int err_fd) {
+constexpr int child_fds = 8;
+
+[[noreturn]] void child_main(char* const* argv, char* const* envp,
+                             const std::array<int, child_fds>& fds, int controlling_tty,
+                             const int* cgroups, std::size_t cgroup_count,
+                             const std::pair<uid_t, gid_t>* run_as, int err_fd) {
+    // Into the cgroups before anything else, so that nothing of the child runs outside them.
+    for (std::size_t i = 0; i < cgroup_count; ++i) {
+        if (::write(cgroups[i], "0", 1) != 1) child_fail(err_fd);
+    }
     // Every signal to its default while all are still blocked (the parent blocked them
     // around fork, so none of its handlers can run here).
     struct sigaction dfl {};
@@ -64,20 +72,20 @@ int close_fds_from(unsigned first, unsigned last) {
 
     // Move everything above the target range first, so that no dup2 below can clobber a
     // source that happens to live in 0..4.
-    if (err_fd < 5) {
-        err_fd = ::fcntl(err_fd, F_DUPFD_CLOEXEC, 5);
+    if (err_fd < child_fds) {
+        err_fd = ::fcntl(err_fd, F_DUPFD_CLOEXEC, child_fds);
         if (err_fd < 0) ::_exit(127);
     }
-    int moved[5];
-    for (int i = 0; i < 5; ++i) {
+    int moved[child_fds];
+    for (int i = 0; i < child_fds; ++i) {
         moved[i] = -1;
         if (fds[i] >= 0) {
-            moved[i] = ::fcntl(fds[i], F_DUPFD_CLOEXEC, 5);
+            moved[i] = ::fcntl(fds[i], F_DUPFD_CLOEXEC, child_fds);
             if (moved[i] < 0) child_fail(err_fd);
         }
     }
     if (controlling_tty >= 0 && ::ioctl(controlling_tty, TIOCSCTTY, 0) < 0) child_fail(err_fd);
-    for (int i = 0; i < 5; ++i) {
+    for (int i = 0; i < child_fds; ++i) {
         if (moved[i] >= 0) {
             if (::dup2(moved[i], i) < 0) child_fail(err_fd);
         } else {
@@ -86,8 +94,17 @@ int close_fds_from(unsigned first, unsigned last) {
     }
     // Close everything else but the error pipe (close-on-exec: it goes away with the exec).
     auto err = static_cast<unsigned>(err_fd);
-    if (close_fds_from(5, err - 1) < 0 || close_fds_from(err + 1, UINT_MAX) < 0) {
+    if (close_fds_from(child_fds, err - 1) < 0 || close_fds_from(err + 1, UINT_MAX) < 0) {
         child_fail(err_fd);
+    }
+    if (run_as != nullptr) {
+        // Raw syscalls: glibc's setresuid would signal every thread of the parent's image to
+        // change credentials too (setxid broadcast), which must not run in a forked child.
+        if (::syscall(SYS_setgroups, 0, nullptr) < 0 ||
+            ::syscall(SYS_setresgid, run_as->second, run_as->second, run_as->second) < 0 ||
+            ::syscall(SYS_setresuid, run_as->first, run_as->first, run_as->first) < 0) {
+            child_fail(err_fd);
+        }
     }
 
     sigset_t empty;
@@ -154,7 +171,7 @@ SpawnResult spawn_process(const SpawnRequest& request, const std::string& what) 
     std::vector<char*> argv = pointers(argv_storage);
     std::vector<char*> envp = pointers(envp_storage);
 
-    std::array<int, 5> fds = request.fds;
+    std::array<int, child_fds> fds = request.fds;
     unique_fd dev_null;
     for (int i = 0; i < 3; ++i) {
         if (fds[i] >= 0) continue;
@@ -176,7 +193,9 @@ SpawnResult spawn_process(const SpawnRequest& request, const std::string& what) 
     ::pthread_sigmask(SIG_SETMASK, &all, &old);
     pid_t pid = ::fork();
     if (pid == 0) {
-        child_main(argv.data(), envp.data(), fds, request.controlling_tty, err_write.get());
+        child_main(argv.data(), envp.data(), fds, request.controlling_tty,
+                   request.join_cgroups.data(), request.join_cgroups.size(),
+                   request.run_as ? &*request.run_as : nullptr, err_write.get());
     }
     int fork_errno = errno;
     ::pthread_sigmask(SIG_SETMASK, &old, nullptr);

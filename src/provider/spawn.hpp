@@ -9,6 +9,8 @@
 #include <sys/types.h>
 
 #include <array>
+#include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -44,11 +46,16 @@ struct SpawnRequest {
     std::vector<std::string> argv;
     /// The complete environment, "NAME=value" entries.
     std::vector<std::string> envp;
-    /// The child's fds 0..4; -1 means /dev/null for 0..2 and closed for 3 and 4.
+    /// The child's fds 0..7; -1 means /dev/null for 0..2 and closed for 3..7.
     /// The fds stay owned by the caller (close the child's ends after spawn returns).
-    std::array<int, 5> fds = {-1, -1, -1, -1, -1};
+    std::array<int, 8> fds = {-1, -1, -1, -1, -1, -1, -1, -1};
     /// If >= 0, a PTY slave to make the child's controlling terminal (after setsid).
     int controlling_tty = -1;
+    /// cgroup.procs files opened by the caller: the child writes "0" to each first, so that
+    /// it (and everything it starts) is in those cgroups before it runs anything.
+    std::vector<int> join_cgroups;
+    /// If set, the child drops to this uid and gid (no supplementary groups) before exec.
+    std::optional<std::pair<uid_t, gid_t>> run_as;
 };
 
 struct SpawnResult {
@@ -56,7 +63,7 @@ struct SpawnResult {
     unique_fd pidfd;  ///< close-on-exec and non-blocking
 };
 
-/// Starts `request` in a new session: the child gets exactly fds 0..4, an empty signal mask
+/// Starts `request` in a new session: the child gets exactly the fds asked for, an empty signal mask
 /// and default dispositions. Only async-signal-safe calls run between fork and exec.
 /// Returns once the exec has succeeded. If it fails, the child is reaped and
 /// rpc_error(errc::provider_error, "cannot start <what>: <strerror>") is thrown.

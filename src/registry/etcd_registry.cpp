@@ -95,6 +95,7 @@ std::string encode_lease(const Lease& l, std::int64_t stored_epoch) {
         {"metadata", l.metadata},
         {"idempotency_key", opt(l.idempotency_key)},
         {"config", l.config},
+        {"limits", l.limits},
         {"cleanup_attempts", l.cleanup_attempts},
     };
     return j.dump();
@@ -141,6 +142,7 @@ Lease decode_lease(const etcd::KeyValue& kv, std::string_view op) {
         l.metadata = j.at("metadata");
         l.idempotency_key = get_opt_str(j, "idempotency_key");
         l.config = j.at("config");
+        l.limits = j.value("limits", json(nullptr));  // absent in records of older versions
         l.cleanup_attempts = static_cast<int>(get_int(j, "cleanup_attempts"));
         return l;
     } catch (const json::exception&) {

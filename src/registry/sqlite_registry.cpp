@@ -15,7 +15,7 @@
 namespace sandboxd {
 namespace {
 
-constexpr int schema_version = 1;
+constexpr int schema_version = 2;
 constexpr int busy_timeout_ms = 5000;
 constexpr std::size_t max_page = 1000;
 
@@ -162,7 +162,8 @@ CREATE TABLE IF NOT EXISTS leases (
     metadata TEXT NOT NULL,
     idempotency_key TEXT,
     config TEXT NOT NULL,
-    cleanup_attempts INTEGER NOT NULL DEFAULT 0
+    cleanup_attempts INTEGER NOT NULL DEFAULT 0,
+    limits TEXT NOT NULL DEFAULT 'null'
 ) STRICT;
 CREATE UNIQUE INDEX IF NOT EXISTS leases_idempotency
     ON leases (company_id, environment_id, idempotency_key)
@@ -178,7 +179,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     heartbeat_at_ms INTEGER NOT NULL,
     instance_id TEXT NOT NULL
 ) STRICT;
-PRAGMA user_version = 1;
+PRAGMA user_version = 2;
 )sql";
 
 // Column order of read_lease().
@@ -186,7 +187,7 @@ constexpr std::string_view lease_columns =
     "id, company_id, environment_id, run_id, issue_id, heartbeat_run_id, "
     "execution_workspace_id, status, provider, provider_lease_id, owner_node_id, epoch, "
     "acquired_at_ms, last_used_at_ms, expires_at_ms, released_at_ms, failure_reason, "
-    "cleanup_status, metadata, idempotency_key, config, cleanup_attempts";
+    "cleanup_status, metadata, idempotency_key, config, cleanup_attempts, limits";
 
 constexpr std::string_view node_columns =
     "node_id, url, started_at_ms, heartbeat_at_ms, instance_id";
@@ -234,6 +235,7 @@ Lease read_lease(const Statement& s, std::string_view op) {
     l.idempotency_key = s.opt_text(19);
     l.config = parse_json_column(s, 20, op, l.id);
     l.cleanup_attempts = static_cast<int>(s.int64(21));
+    l.limits = parse_json_column(s, 22, op, l.id);
     return l;
 }
 
@@ -285,6 +287,11 @@ public:
             throw_unavailable(schema_op, "schema version " + std::to_string(found) +
                                              " is newer than " + std::to_string(schema_version));
         }
+        if (found == 1) {
+            // Version 1 had no limits column (issue 11 added it).
+            exec(db(), "ALTER TABLE leases ADD COLUMN limits TEXT NOT NULL DEFAULT 'null'",
+                 schema_op);
+        }
         exec(db(), schema_sql, schema_op);
         tx.commit();
     }
@@ -298,9 +305,10 @@ public:
                          "heartbeat_run_id, execution_workspace_id, status, provider, "
                          "provider_lease_id, owner_node_id, epoch, acquired_at_ms, "
                          "last_used_at_ms, expires_at_ms, released_at_ms, failure_reason, "
-                         "cleanup_status, metadata, idempotency_key, config, cleanup_attempts) "
+                         "cleanup_status, metadata, idempotency_key, config, cleanup_attempts, "
+                         "limits) "
                          "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
-                         "?) ON CONFLICT (company_id, environment_id, idempotency_key) "
+                         "?, ?) ON CONFLICT (company_id, environment_id, idempotency_key) "
                          "WHERE idempotency_key IS NOT NULL DO NOTHING",
                          op);
         insert.bind(lease.id)
@@ -324,7 +332,8 @@ public:
             .bind(lease.metadata.dump())
             .bind(lease.idempotency_key)
             .bind(lease.config.dump())
-            .bind(std::int64_t{lease.cleanup_attempts});
+            .bind(std::int64_t{lease.cleanup_attempts})
+            .bind(lease.limits.dump());
         insert.run();
         if (sqlite3_changes(db()) == 1) {
             tx.commit();

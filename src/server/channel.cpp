@@ -19,6 +19,7 @@ namespace sandboxd {
 namespace {
 
 constexpr std::size_t read_chunk = 256 * 1024;
+constexpr std::size_t max_status_line = 32;  // "signal 64\n" is 10 bytes
 
 struct SignalName {
     int number;
@@ -101,6 +102,7 @@ Channel::Channel(strand_t strand, ChannelOptions options, SpawnedProcess process
       hangup_timer_(strand),
       done_timer_(strand),
       started_(std::chrono::steady_clock::now()) {
+    resources_ = std::move(process.resources);
     // No pidfd: a channel without a process of ours (a plugin provider's bridge).
     if (process.pidfd) pidfd_.assign(process.pidfd.release());
     if (process.stdout_fd) stdout_.assign(process.stdout_fd.release());
@@ -155,20 +157,52 @@ void Channel::start() {
     net::co_spawn(strand_, supervise(), log_failure);
 }
 
-awaitable<std::string> Channel::read_status() {
+awaitable<void> Channel::read_status() {
+    // The line comes from a process of ours (the channel's init, or a plugin bridge), yet it
+    // is read as untrusted input: bounded, and only "exit N" (0..255) or "signal N" (1..64).
     std::string line;
-    auto [ec, n] = co_await net::async_read_until(status_, net::dynamic_buffer(line), '\n',
-                                                  as_tuple_awaitable);
-    if (ec && n == 0) co_return std::string();
-    line.resize(n > 0 ? n - 1 : 0);
-    co_return line;
+    auto [ec, n] = co_await net::async_read_until(
+        status_, net::dynamic_buffer(line, max_status_line), '\n', as_tuple_awaitable);
+    if (ec && n == 0) {
+        // EOF with no line (the channel could not be set up, or its init was killed), or a
+        // line too long to be one.
+        if (ec != net::error::eof && !line.empty()) {
+            error_ = rpc_error(errc::provider_error, "the channel's init sent an invalid status")
+                         .to_json();
+        }
+        co_return;
+    }
+    line.resize(n - 1);
+    auto number = [](std::string_view digits, int max) -> std::optional<int> {
+        if (digits.empty() || digits.size() > 3) return std::nullopt;
+        int value = 0;
+        for (char c : digits) {
+            if (c < '0' || c > '9') return std::nullopt;
+            value = value * 10 + (c - '0');
+        }
+        if (value > max) return std::nullopt;
+        return value;
+    };
+    const std::string_view text(line);
+    if (text.rfind("exit ", 0) == 0) {
+        exit_code_ = number(text.substr(5), 255);
+        if (exit_code_) co_return;
+    } else if (text.rfind("signal ", 0) == 0) {
+        if (auto sig = number(text.substr(7), 64); sig && *sig > 0) {
+            term_signal_ = *sig;
+            co_return;
+        }
+    }
+    error_ = rpc_error(errc::provider_error, "the channel's init sent an invalid status").to_json();
 }
 
 awaitable<void> Channel::supervise() {
     auto self = shared_from_this();
-    status_line_ = co_await read_status();
+    co_await read_status();
     main_exited_ = true;
     deadline_.cancel();
+    if (error_) kill_tree();  // an init that says nonsense is not waited for
+    if (resources_) limit_ = resources_->limit_hit(term_signal_);
     if (pidfd_.is_open()) {
         // The init kills what is left of the namespace and exits; bubblewrap follows it.
         // An error here (the descriptor was closed) still ends in waitid below.
@@ -392,12 +426,14 @@ void Channel::send_exit() {
     nlohmann::json exit_code = nullptr;
     nlohmann::json signal = nullptr;
     channel_outcome outcome = channel_outcome::error;
-    if (status_line_.rfind("exit ", 0) == 0) {
-        exit_code = std::stoi(status_line_.substr(5));
+    if (exit_code_) {
+        exit_code = *exit_code_;
         outcome = channel_outcome::exited;
-    } else if (status_line_.rfind("signal ", 0) == 0) {
-        signal = signal_name(std::stoi(status_line_.substr(7)));
+    } else if (term_signal_ > 0) {
+        signal = signal_name(term_signal_);
         outcome = channel_outcome::signaled;
+    } else if (error_) {
+        outcome = channel_outcome::error;
     } else if (killed_) {
         signal = "KILL";
         outcome = channel_outcome::stopped;
@@ -407,9 +443,12 @@ void Channel::send_exit() {
     if (forced_outcome_) outcome = *forced_outcome_;
     const auto duration = std::chrono::duration_cast<std::chrono::milliseconds>(
         std::chrono::steady_clock::now() - started_);
-    spdlog::info("channel={} lease={} ended: outcome={} status=\"{}\" stdout={} stderr={} "
-                 "stdin={} duration_ms={}",
-                 options_.id, options_.lease_id, to_string(outcome), status_line_,
+    spdlog::info("channel={} lease={} ended: outcome={} exit={} signal={}{}{} stdout={} "
+                 "stderr={} stdin={} duration_ms={}",
+                 options_.id, options_.lease_id, to_string(outcome),
+                 exit_code_ ? std::to_string(*exit_code_) : std::string("-"),
+                 term_signal_ > 0 ? signal_name(term_signal_) : std::string("-"),
+                 limit_.empty() ? "" : " limit=", limit_,
                  stdout_bytes_, stderr_bytes_, stdin_bytes_, duration.count());
     auto sink = sink_.lock();
     if (!sink) return;
@@ -422,6 +461,7 @@ void Channel::send_exit() {
                              {"stderrBytes", stderr_bytes_},
                              {"stdinBytes", stdin_bytes_},
                              {"durationMs", duration.count()}};
+    if (!limit_.empty()) params["limit"] = limit_;
     if (error_) params["error"] = *error_;
     sink->send_text(
         nlohmann::json{{"jsonrpc", "2.0"}, {"method", "duplexChannel.exit"}, {"params", params}}

@@ -99,7 +99,8 @@ private:
     awaitable<void> supervise();
     awaitable<void> pump_output(net::posix::stream_descriptor& fd, stream_id stream);
     awaitable<void> pump_stdin();
-    awaitable<std::string> read_status();
+    /// Reads and validates the init's one status line (at most max_status_line bytes).
+    awaitable<void> read_status();
     void kill_tree() noexcept;
     void send_control(unsigned char byte) noexcept;
     static void wake(net::steady_timer& t) { t.cancel(); }
@@ -136,7 +137,12 @@ private:
     bool reaped_ = false;
     std::optional<channel_outcome> forced_outcome_;
     std::uint64_t stdout_bytes_ = 0, stderr_bytes_ = 0, stdin_bytes_ = 0;
-    std::string status_line_;
+    /// The end of the main process as the channel's init reported it, once parsed:
+    /// exited with exit_code_, or killed by term_signal_ (> 0). Neither: no valid report.
+    std::optional<int> exit_code_;
+    int term_signal_ = 0;
+    std::string limit_;  ///< the limit that ended it ("memory"), from resources_
+    std::unique_ptr<ChannelResources> resources_;
     std::optional<nlohmann::json> error_;
 };
 

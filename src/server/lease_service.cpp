@@ -155,6 +155,7 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, json p) {
     };
     auto handle = co_await run_blocking(node.blocking, std::move(work6));
     lease.provider_lease_id = handle->scope.provider_lease_id;
+    lease.limits = handle->limits;
     Lease stored;
     std::exception_ptr not_stored;  // no co_await in a handler: the cleanup runs after it
     try {
@@ -188,6 +189,13 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, json p) {
 
 awaitable<Lease> lease_get(Node& node, const Principal& who, std::string lease_id) {
     co_return co_await load_visible(node, who, lease_id);
+}
+
+void attach_usage(Node& node, Lease& lease) {
+    if (lease.owner_node_id != node.node_id || lease.status != lease_status::active) return;
+    Provider* provider = provider_of(node, lease.provider);
+    auto handle = provider ? node.cache.find(scope_of(lease)) : nullptr;
+    if (handle) lease.usage = provider->usage(*handle);
 }
 
 awaitable<json> lease_list(Node& node, const Principal& who, json p) {

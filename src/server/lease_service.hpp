@@ -10,6 +10,9 @@ namespace sandboxd {
 
 awaitable<Lease> lease_acquire(Node& node, const Principal& who, nlohmann::json params);
 awaitable<Lease> lease_get(Node& node, const Principal& who, std::string lease_id);
+/// Sets `lease.usage` from its provider when this node owns the active lease and holds its
+/// sandbox (protocol section 2); leaves it null otherwise. Reads a few kernel files; fast.
+void attach_usage(Node& node, Lease& lease);
 awaitable<nlohmann::json> lease_list(Node& node, const Principal& who, nlohmann::json params);
 awaitable<Lease> lease_renew(Node& node, const Principal& who, std::string lease_id,
                              std::uint64_t ttl_ms);

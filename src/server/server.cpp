@@ -143,7 +143,10 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
     std::error_code ec;
     fs::create_directories(c.state_dir, ec);
     if (ec) throw config_error("config: stateDir: cannot create " + c.state_dir + ": " + ec.message());
-    ::chmod(c.state_dir.c_str(), 0700);
+    // Traversable, not listable: each sandbox's bubblewrap (running as the lease's uid) must
+    // reach its own directory below <stateDir>/sandboxes; every file here is 0600 (umask 077
+    // in sandboxd's main, and explicit modes), so the registry and tokens stay root's.
+    ::chmod(c.state_dir.c_str(), 0711);
     node.node_id = c.node_id.empty() ? host_name() : c.node_id;
     node.instance_id = random_hex(8);
 
@@ -195,9 +198,24 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
         opts.init_path = c.bwrap.init_path;
         opts.sandboxes_dir = fs::path(c.state_dir) / "sandboxes";
         opts.allow_network = c.bwrap.allow_network;
+        opts.limits = c.bwrap.limits;
+        opts.identity = c.bwrap.identity;
+        opts.etc_files = c.bwrap.etc_files;
         fs::create_directories(opts.sandboxes_dir, ec);
         if (ec) throw config_error("config: stateDir: cannot create " + opts.sandboxes_dir.string());
-        auto provider = make_bwrap_provider(opts);
+        std::unique_ptr<Provider> provider;
+        try {
+            provider = make_bwrap_provider(opts);
+        } catch (const rpc_error& e) {
+            throw config_error(std::string("providers.bwrap: ") + e.what());
+        } catch (const std::invalid_argument& e) {
+            throw config_error(std::string("config: providers.bwrap.identity: ") + e.what());
+        } catch (const std::runtime_error& e) {
+            throw config_error(e.what());
+        }
+        if (auto note = provider->degraded(); !note.empty()) {
+            spdlog::warn("provider bwrap: {}", note);
+        }
         auto key = provider->key();
         node.providers.emplace(key, std::move(provider));
     }
@@ -362,6 +380,17 @@ awaitable<bool> Daemon::Impl::registry_reachable() {
 
 std::string Daemon::Impl::metrics_text() const {
     std::ostringstream m;
+    LimitEvents limit_events;
+    for (const auto& [key, provider] : node.providers) {
+        const auto e = provider->limit_events();
+        limit_events.memory += e.memory;
+        limit_events.pids += e.pids;
+    }
+    m << "# HELP sandboxd_limit_events_total Limits that sandboxes hit: channels OOM-killed "
+         "(memory), forks refused (pids).\n"
+      << "# TYPE sandboxd_limit_events_total counter\n"
+      << "sandboxd_limit_events_total{kind=\"memory\"} " << limit_events.memory << "\n"
+      << "sandboxd_limit_events_total{kind=\"pids\"} " << limit_events.pids << "\n";
     m << "# HELP sandboxd_channels_open Channels running on this node.\n"
       << "# TYPE sandboxd_channels_open gauge\n"
       << "sandboxd_channels_open " << node.channels.size() << "\n"
@@ -429,10 +458,14 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
             else if (const auto fenced = node.fenced_for_ms()) {
                 why = "membership not renewed for " + std::to_string(fenced) + " ms (fenced)";
             }
+            std::string notes;
             for (const auto& [key, provider] : node.providers) {
                 if (why.empty() && !provider->ready()) why = "provider " + key + " not ready";
+                if (auto note = provider->degraded(); !note.empty()) {
+                    notes += "warning: provider " + key + ": " + note + "\n";
+                }
             }
-            res = why.empty() ? plain(http::status::ok, "ready\n", req.version(), keep)
+            res = why.empty() ? plain(http::status::ok, "ready\n" + notes, req.version(), keep)
                               : plain(http::status::service_unavailable, "not ready: " + why + "\n",
                                       req.version(), keep);
         } else if (target == "/metrics") {

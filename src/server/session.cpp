@@ -453,7 +453,21 @@ awaitable<std::optional<json>> Session::dispatch(const std::string& method, cons
     if (method == "leaseGet") {
         params::only_keys(p, {"leaseId"});
         auto lease_id = params::req_string(p, "leaseId");
-        co_return to_json(co_await lease_get(node_, who_, std::move(lease_id)));
+        Lease lease = co_await lease_get(node_, who_, std::move(lease_id));
+        if (lease.owner_node_id != node_.node_id && lease.status == lease_status::active &&
+            forwarded_by_.empty()) {
+            // The owner answers, so that `usage` is current; without it, usage is null.
+            try {
+                auto link = co_await owner_link(node_, lease);
+                co_return co_await link->call(method, p);
+            } catch (const rpc_error& e) {
+                if (e.code() != errc::owner_unavailable && e.code() != errc::owner_elsewhere) {
+                    throw;
+                }
+            }
+        }
+        attach_usage(node_, lease);
+        co_return to_json(lease);
     }
     if (method == "leaseList") co_return co_await lease_list(node_, who_, p);
     if (method == "leaseRenew") {

@@ -1,0 +1,63 @@
+#pragma once
+/// @file supervisor_protocol.hpp
+/// The wire between the daemon and a lease's supervisor (`sandboxd-init --lease`, PID 1 of the
+/// lease's long-lived sandbox). Shared by the daemon (src/provider/bwrap_provider.cpp) and the
+/// init (src/init/init_main.cpp); plain structs, no library beyond libc.
+///
+/// Transport: one AF_UNIX SOCK_SEQPACKET socket pair per lease; the supervisor holds its end at
+/// fd `socket_fd`. Each message is one packet: a fixed header, then for a request the payload
+/// (cwd, argv and env as NUL-terminated strings), with descriptors passed by SCM_RIGHTS.
+///  - Request (daemon -> supervisor): `Request` + payload; SCM_RIGHTS carries, in this order,
+///    the channel's stdin, stdout and stderr (under a PTY, the slave three times), the status
+///    pipe's write end, the control pipe's read end, then `cgroup_fds` cgroup.procs files
+///    opened by the daemon (the channel's child cgroup, one per hierarchy).
+///  - Reply (supervisor -> daemon): `Reply`; when `error` is 0, SCM_RIGHTS carries one pidfd of
+///    the channel's init (PID 1 of the channel's own PID namespace). Replies come in request
+///    order, one per request.
+/// Nothing here is parsed from the sandbox's commands: the supervisor and each channel's init
+/// are not dumpable, so a command (same uid, no capabilities) cannot open their descriptors,
+/// and this socket is closed in every channel before its command runs.
+///
+/// The supervisor exits when the daemon's end closes; as PID 1 of the lease's PID namespace,
+/// its exit kills every process of the lease.
+
+#include <cstddef>
+#include <cstdint>
+
+namespace sandboxd::supervisor {
+
+inline constexpr std::uint32_t request_magic = 0x53425251;  // "SBRQ"
+inline constexpr std::uint32_t reply_magic = 0x53425250;    // "SBRP"
+inline constexpr int socket_fd = 3;   ///< the supervisor's end of the socket pair
+inline constexpr int program_fd = 4;  ///< memfd holding the seccomp BPF program (read at start)
+inline constexpr std::size_t max_payload = 2U << 20;  ///< cwd + argv + env, as execve allows
+inline constexpr std::size_t max_cgroup_fds = 8;
+inline constexpr std::size_t channel_fds = 5;
+inline constexpr std::size_t max_fds = channel_fds + max_cgroup_fds;
+inline constexpr std::size_t max_program = 64U << 10;  ///< bytes of BPF
+inline constexpr std::uint32_t max_strings = 1U << 16; ///< argc + envc
+
+enum request_flags : std::uint32_t {
+    flag_pty = 1U << 0,  ///< fd 0 is a PTY slave: make it the controlling terminal
+};
+
+struct Request {
+    std::uint32_t magic = request_magic;
+    std::uint32_t flags = 0;
+    std::uint64_t id = 0;            ///< echoed in the reply
+    std::int32_t grace_ms = -1;      ///< drain grace after the main process ends; < 0: none
+    std::uint32_t argc = 0;          ///< >= 1
+    std::uint32_t envc = 0;
+    std::uint32_t cgroup_fds = 0;    ///< <= max_cgroup_fds
+    std::uint64_t open_files = 0;    ///< RLIMIT_NOFILE of the command; 0: inherited
+    std::uint32_t payload_size = 0;  ///< bytes following this header, <= max_payload
+    std::uint32_t reserved = 0;
+};
+
+struct Reply {
+    std::uint32_t magic = reply_magic;
+    std::int32_t error = 0;  ///< 0, or the errno of what failed (the channel was not started)
+    std::uint64_t id = 0;
+};
+
+}  // namespace sandboxd::supervisor

@@ -1,0 +1,794 @@
+/// @file cgroups.cpp
+/// Lease and channel cgroups (see cgroups.hpp). probe_cgroups() fixes a Layout once: where the
+/// instance subtree lives in each hierarchy used and which hierarchy carries which controller.
+/// A lease or channel object is then only a path relative to that subtree.
+///
+/// Killing on v2 is one write to cgroup.kill. v1 has no such file, and signalling pids one by
+/// one races with forks, so the subtree is frozen first (freezer.state), every pid in it is
+/// signalled while frozen, and it is thawed so that the pending SIGKILLs land; repeated until
+/// the subtree is empty. Signals go through pidfds, and only to pids still seen in the subtree
+/// after their pidfd was opened, so a pid recycled by an unrelated process is never signalled.
+
+#include "provider/cgroups.hpp"
+
+#include <sandboxd/errors.hpp>
+
+#include <spdlog/spdlog.h>
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/syscall.h>
+#include <sys/sysinfo.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <ranges>
+#include <string_view>
+#include <thread>
+
+namespace sandboxd::detail {
+namespace {
+
+namespace fs = std::filesystem;
+using steady = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+// A lease has one level of channel children; these bounds only keep a walk of a subtree that
+// something else filled finite.
+constexpr std::size_t max_walk_dirs = 1024;
+constexpr int max_walk_depth = 4;
+// v2 forbids processes in a cgroup that enables controllers for its children, so the lease's
+// own processes (the supervisor) live in this leaf. The dot keeps it apart from channel names.
+constexpr const char* v2_lease_leaf = "lease.self";
+constexpr const char* v2_controllers = "+memory +pids +cpu";
+constexpr std::uint64_t cpu_period_us = 100000;
+
+bool valid_name(std::string_view name) {
+    return !name.empty() && name.size() <= 64 && std::all_of(name.begin(), name.end(), [](char c) {
+        return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+               c == '_' || c == '-';
+    });
+}
+
+[[noreturn]] void fail(const std::string& message) {
+    throw rpc_error(errc::provider_error, message);
+}
+
+[[noreturn]] void throw_errno(const std::string& what, int err) {
+    if (err == EMFILE || err == ENFILE) {
+        // Not the provider's fault: the node has no descriptor left (RLIMIT_NOFILE or the
+        // system's file table), which passes once channels end.
+        throw rpc_error(errc::channel_limit,
+                        what + ": this node has no file descriptor left (" +
+                            (err == EMFILE ? "RLIMIT_NOFILE" : "system file table") + ")");
+    }
+    fail(what + ": " + std::strerror(err));
+}
+
+void check_name(const std::string& name, const char* what) {
+    if (!valid_name(name)) {
+        fail(std::string("invalid ") + what + " cgroup name '" + name.substr(0, 80) +
+             "' (1..64 of A-Z a-z 0-9 _ -)");
+    }
+}
+
+// --- Small cgroupfs and procfs files. ---
+
+/// The whole file; nullopt (errno set) when it cannot be read.
+std::optional<std::string> read_text(const fs::path& path) {
+    unique_fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) return std::nullopt;
+    std::string text;
+    char buf[4096];
+    for (;;) {
+        ssize_t n = ::read(fd.get(), buf, sizeof buf);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) return std::nullopt;
+        if (n == 0) return text;
+        text.append(buf, static_cast<std::size_t>(n));
+    }
+}
+
+/// 0 or the errno of opening or writing. cgroupfs takes a value in one write.
+int try_write(const fs::path& path, std::string_view value) noexcept {
+    unique_fd fd(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
+    if (!fd) return errno;
+    return ::write(fd.get(), value.data(), value.size()) < 0 ? errno : 0;
+}
+
+void write_value(const fs::path& path, std::string_view value) {
+    if (int err = try_write(path, value); err != 0) {
+        throw_errno("cannot write '" + std::string(value) + "' to " + path.string(), err);
+    }
+}
+
+std::uint64_t parse_u64(std::string_view s) noexcept {
+    std::uint64_t v = 0;
+    std::from_chars(s.data(), s.data() + s.size(), v);
+    return v;
+}
+
+/// The number after `key ` on a line of a flat-keyed file (memory.events, cpu.stat, ...).
+std::uint64_t keyed_value(const fs::path& path, std::string_view key) noexcept {
+    auto text = read_text(path);
+    if (!text) return 0;
+    std::string_view rest = *text;
+    while (!rest.empty()) {
+        std::string_view line = rest.substr(0, rest.find('\n'));
+        rest.remove_prefix(std::min(rest.size(), line.size() + 1));
+        if (line.size() > key.size() && line.substr(0, key.size()) == key &&
+            line[key.size()] == ' ') {
+            return parse_u64(line.substr(key.size() + 1));
+        }
+    }
+    return 0;
+}
+
+std::uint64_t read_u64(const fs::path& path) noexcept {
+    auto text = read_text(path);
+    return text ? parse_u64(*text) : 0;
+}
+
+bool is_dir(const fs::path& path) {
+    struct stat st {};
+    return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+/// The non-empty parts of `s` between any of `seps`.
+std::vector<std::string> split(std::string_view s, std::string_view seps) {
+    std::vector<std::string> out;
+    while (!s.empty()) {
+        auto part = s.substr(0, s.find_first_of(seps));
+        if (!part.empty()) out.emplace_back(part);
+        s.remove_prefix(std::min(s.size(), part.size() + 1));
+    }
+    return out;
+}
+
+bool has_token(std::string_view list, std::string_view token, std::string_view seps) {
+    auto tokens = split(list, seps);
+    return std::find(tokens.begin(), tokens.end(), token) != tokens.end();
+}
+
+/// The names of the subdirectories of `dir` (none when it cannot be read), at most `limit`.
+std::vector<std::string> child_dirs(const fs::path& dir, std::size_t limit = max_walk_dirs) {
+    std::vector<std::string> names;
+    std::unique_ptr<DIR, int (*)(DIR*)> d(::opendir(dir.c_str()), ::closedir);
+    if (!d) return names;
+    while (dirent* e = ::readdir(d.get())) {
+        std::string_view name = e->d_name;
+        if (e->d_type != DT_DIR || name == "." || name == "..") continue;
+        if (names.size() == limit) break;
+        names.emplace_back(name);
+    }
+    return names;
+}
+
+/// `top` and the directories below it, parents before children. Bounded in depth and count
+/// (breadth first), whatever someone else made there.
+std::vector<fs::path> subtree_dirs(const fs::path& top) {
+    std::vector<fs::path> dirs;
+    if (!is_dir(top)) return dirs;
+    dirs.push_back(top);
+    std::size_t level_begin = 0;
+    for (int depth = 0; depth < max_walk_depth && level_begin < dirs.size(); ++depth) {
+        std::size_t level_end = dirs.size();
+        for (std::size_t i = level_begin; i < level_end; ++i) {
+            for (auto& name : child_dirs(dirs[i], max_walk_dirs - dirs.size())) {
+                dirs.push_back(dirs[i] / name);
+            }
+        }
+        level_begin = level_end;
+    }
+    return dirs;
+}
+
+// --- The layout fixed by the probe. ---
+
+struct Hierarchy {
+    std::string controllers;  // "memory", "cpu,cpuacct", ... ("" for v2)
+    fs::path instance;        // <this process's cgroup>/<instance> in this hierarchy
+};
+
+struct Layout {
+    cgroup_mode mode = cgroup_mode::none;
+    std::vector<Hierarchy> hierarchies;
+    // Indexes into hierarchies (all 0 on v2).
+    std::size_t memory = 0, pids = 0, cpu = 0, cpuacct = 0, freezer = 0;
+    bool memsw = false;  // v1: memory.memsw.* exist (swap accounting on)
+
+    fs::path dir(std::size_t h, const std::string& rel) const {
+        return hierarchies[h].instance / rel;
+    }
+};
+
+/// Every pid in cgroup.procs of `rel` and its descendants, in every hierarchy (a process
+/// that joined only some hierarchies is found too), sorted.
+std::vector<pid_t> subtree_pids(const Layout& layout, const std::string& rel) {
+    std::vector<pid_t> pids;
+    for (std::size_t h = 0; h < layout.hierarchies.size(); ++h) {
+        for (const auto& dir : subtree_dirs(layout.dir(h, rel))) {
+            auto text = read_text(dir / "cgroup.procs");
+            if (!text) continue;
+            for (const auto& line : split(*text, "\n")) {
+                pids.push_back(static_cast<pid_t>(parse_u64(line)));
+            }
+        }
+    }
+    std::sort(pids.begin(), pids.end());
+    pids.erase(std::unique(pids.begin(), pids.end()), pids.end());
+    pids.erase(std::remove(pids.begin(), pids.end(), 0), pids.end());
+    return pids;
+}
+
+/// Polls `done` until it holds or `deadline`. cgroupfs v1 has no event for "empty" or
+/// "frozen", so short sleeps it is.
+template <class Pred>
+bool poll_until(Pred done, steady::time_point deadline) {
+    auto pause = 200us;
+    for (;;) {
+        if (done()) return true;
+        if (steady::now() >= deadline) return false;
+        std::this_thread::sleep_for(pause);
+        pause = std::min<std::chrono::microseconds>(pause * 2, 10ms);
+    }
+}
+
+void signal_pids(const Layout& layout, const std::string& rel, const std::vector<pid_t>& pids) {
+    std::vector<std::pair<pid_t, unique_fd>> pidfds;
+    for (pid_t pid : pids) {
+        long fd = ::syscall(SYS_pidfd_open, pid, 0);
+        if (fd >= 0) pidfds.emplace_back(pid, unique_fd(static_cast<int>(fd)));
+    }
+    // A pid read from cgroup.procs may have been reaped and recycled before its pidfd was
+    // opened. Seen in the subtree again now, it names the process the pidfd holds (or that
+    // process is gone and the signal fails with ESRCH).
+    auto again = subtree_pids(layout, rel);
+    for (const auto& [pid, fd] : pidfds) {
+        if (std::binary_search(again.begin(), again.end(), pid)) {
+            ::syscall(SYS_pidfd_send_signal, fd.get(), SIGKILL, nullptr, 0);
+        }
+    }
+}
+
+/// Kills everything in `rel` and below; true when it is empty within `budget`.
+bool kill_subtree(const Layout& layout, const std::string& rel, steady::duration budget) {
+    auto deadline = steady::now() + budget;
+    auto empty = [&] { return subtree_pids(layout, rel).empty(); };
+    if (layout.mode == cgroup_mode::v2) {
+        // cgroup.kill (5.14+) kills the subtree atomically; without it, the loop below.
+        fs::path dir = layout.dir(0, rel);
+        int err = try_write(dir / "cgroup.kill", "1");
+        if (err == 0) return poll_until(empty, deadline);
+        if (!is_dir(dir)) return true;
+    }
+    fs::path state;
+    if (layout.mode == cgroup_mode::v1) state = layout.dir(layout.freezer, rel) / "freezer.state";
+    for (;;) {
+        // Frozen, nothing in the subtree forks; if freezing stalls (a task in D state), kill
+        // anyway and let the next round pick up what was forked meanwhile.
+        bool freezing = !state.empty() && try_write(state, "FROZEN") == 0;
+        if (freezing) {
+            poll_until([&] { return read_text(state).value_or("").starts_with("FROZEN"); },
+                       std::min(deadline, steady::now() + 200ms));
+        }
+        auto pids = subtree_pids(layout, rel);
+        if (!pids.empty()) signal_pids(layout, rel, pids);
+        // Frozen tasks act on SIGKILL only once thawed.
+        if (freezing) try_write(state, "THAWED");
+        if (pids.empty()) return true;
+        if (poll_until(empty, std::min(deadline, steady::now() + 100ms))) return true;
+        if (steady::now() >= deadline) return false;
+    }
+}
+
+void kill_logged(const Layout& layout, const std::string& rel,
+                 std::chrono::seconds budget) noexcept {
+    try {
+        if (!kill_subtree(layout, rel, budget)) {
+            spdlog::warn("cgroup={} still has processes after {} s of killing", rel,
+                         budget.count());
+        }
+    } catch (const std::exception& e) {
+        spdlog::warn("cgroup={} kill failed: {}", rel, e.what());
+    }
+}
+
+/// rmdir of `rel` and its descendants, children first, in hierarchy `h`. 0 or the first errno
+/// (with the directory in `failed`).
+int remove_in(const Layout& layout, std::size_t h, const std::string& rel, fs::path& failed) {
+    auto dirs = subtree_dirs(layout.dir(h, rel));
+    int first_err = 0;
+    for (const auto& dir : std::views::reverse(dirs)) {
+        if (::rmdir(dir.c_str()) != 0 && errno != ENOENT && first_err == 0) {
+            first_err = errno;
+            failed = dir;
+        }
+    }
+    return first_err;
+}
+
+/// Removes `rel` everywhere; false (logged at `level`) when something is left.
+bool remove_subtree(const Layout& layout, const std::string& rel, spdlog::level::level_enum level) {
+    fs::path failed;
+    int err = 0;
+    for (std::size_t h = 0; h < layout.hierarchies.size(); ++h) {
+        int e = remove_in(layout, h, rel, failed);
+        if (err == 0) err = e;
+    }
+    if (err != 0)
+        spdlog::log(level, "cannot remove cgroup {}: {}", failed.string(), std::strerror(err));
+    return err == 0;
+}
+
+/// Makes `rel` in every hierarchy; on failure removes what it made and throws.
+void make_everywhere(const Layout& layout, const std::string& rel) {
+    for (std::size_t h = 0; h < layout.hierarchies.size(); ++h) {
+        fs::path dir = layout.dir(h, rel);
+        if (::mkdir(dir.c_str(), 0755) != 0) {
+            int err = errno;
+            fs::path ignored;
+            for (std::size_t made = 0; made < h; ++made) remove_in(layout, made, rel, ignored);
+            throw_errno("cannot make cgroup " + dir.string(), err);
+        }
+    }
+}
+
+std::vector<unique_fd> open_procs_of(const Layout& layout, const std::string& rel) {
+    std::vector<unique_fd> fds;
+    for (std::size_t h = 0; h < layout.hierarchies.size(); ++h) {
+        fs::path path = layout.dir(h, rel) / "cgroup.procs";
+        unique_fd fd(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
+        if (!fd) throw_errno("cannot open " + path.string(), errno);
+        fds.push_back(std::move(fd));
+    }
+    return fds;
+}
+
+void write_limits(const Layout& layout, const std::string& rel, const CgroupLimits& limits) {
+    auto file = [&](std::size_t h, const char* name) { return layout.dir(h, rel) / name; };
+    std::uint32_t weight = limits.cpu_weight;
+    if (layout.mode == cgroup_mode::v2) {
+        if (limits.memory_bytes) {
+            write_value(file(layout.memory, "memory.max"), std::to_string(*limits.memory_bytes));
+            // Missing without swap accounting (swapaccount=0): then no cgroup file can keep
+            // swap from extending the limit, and memory.max alone has to do.
+            int err = try_write(file(layout.memory, "memory.swap.max"), "0");
+            if (err != 0 && err != ENOENT) {
+                throw_errno(
+                    "cannot write '0' to " + file(layout.memory, "memory.swap.max").string(), err);
+            }
+        }
+        if (limits.pids) write_value(file(layout.pids, "pids.max"), std::to_string(*limits.pids));
+        write_value(file(layout.cpu, "cpu.weight"), std::to_string(weight));
+        if (limits.cpu_quota_percent) {
+            write_value(file(layout.cpu, "cpu.max"),
+                        std::to_string(std::uint64_t{*limits.cpu_quota_percent} * 1000) + " " +
+                            std::to_string(cpu_period_us));
+        }
+        return;
+    }
+    if (limits.memory_bytes) {
+        // limit_in_bytes first: memsw may never be below it.
+        auto bytes = std::to_string(*limits.memory_bytes);
+        write_value(file(layout.memory, "memory.limit_in_bytes"), bytes);
+        if (layout.memsw) write_value(file(layout.memory, "memory.memsw.limit_in_bytes"), bytes);
+    }
+    if (limits.pids) write_value(file(layout.pids, "pids.max"), std::to_string(*limits.pids));
+    auto shares = std::clamp<std::uint64_t>(std::uint64_t{weight} * 1024 / 100, 2, 262144);
+    write_value(file(layout.cpu, "cpu.shares"), std::to_string(shares));
+    if (limits.cpu_quota_percent) {
+        write_value(file(layout.cpu, "cpu.cfs_period_us"), std::to_string(cpu_period_us));
+        write_value(file(layout.cpu, "cpu.cfs_quota_us"),
+                    std::to_string(std::uint64_t{*limits.cpu_quota_percent} * 1000));
+    }
+}
+
+void check_limits(const CgroupLimits& limits) {
+    if (limits.cpu_weight < 1 || limits.cpu_weight > 10000) {
+        fail("cpu weight " + std::to_string(limits.cpu_weight) + " is outside 1..10000");
+    }
+    auto cores = static_cast<std::uint32_t>(std::max(1, ::get_nprocs()));
+    if (limits.cpu_quota_percent &&
+        (*limits.cpu_quota_percent < 1 || *limits.cpu_quota_percent > 100 * cores)) {
+        fail("cpu quota " + std::to_string(*limits.cpu_quota_percent) + "% is outside 1.." +
+             std::to_string(100 * cores) + "%");
+    }
+}
+
+// --- Leases and channels. ---
+
+class Channel final : public ChannelCgroup {
+public:
+    Channel(std::shared_ptr<const Layout> layout, std::string rel)
+        : layout_(std::move(layout)), rel_(std::move(rel)) {}
+    Channel(const Channel&) = delete;
+    Channel& operator=(const Channel&) = delete;
+    ~Channel() override {
+        kill();
+        // Debug only: whatever is left goes with the lease.
+        remove_subtree(*layout_, rel_, spdlog::level::debug);
+    }
+
+    std::vector<unique_fd> open_procs() const override { return open_procs_of(*layout_, rel_); }
+
+    std::uint64_t oom_kills() const noexcept override {
+        if (layout_->mode == cgroup_mode::v2) {
+            return keyed_value(layout_->dir(0, rel_) / "memory.events", "oom_kill");
+        }
+        return keyed_value(layout_->dir(layout_->memory, rel_) / "memory.oom_control", "oom_kill");
+    }
+
+    void kill() noexcept override { kill_logged(*layout_, rel_, 1s); }
+
+private:
+    std::shared_ptr<const Layout> layout_;
+    std::string rel_;
+};
+
+class Lease final : public LeaseCgroup {
+public:
+    Lease(std::shared_ptr<const Layout> layout, std::string name)
+        : layout_(std::move(layout)), name_(std::move(name)) {}
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    ~Lease() override { destroy(); }
+
+    /// Kills and removes the lease; false when something is left (logged).
+    bool destroy() noexcept {
+        kill();
+        try {
+            return remove_subtree(*layout_, name_, spdlog::level::warn);
+        } catch (const std::exception& e) {
+            spdlog::warn("cgroup={} removal failed: {}", name_, e.what());
+            return false;
+        }
+    }
+
+    std::vector<unique_fd> open_procs() const override {
+        bool v2 = layout_->mode == cgroup_mode::v2;
+        return open_procs_of(*layout_, v2 ? name_ + "/" + v2_lease_leaf : name_);
+    }
+
+    std::unique_ptr<ChannelCgroup> create_channel(const std::string& name) override {
+        check_name(name, "channel");
+        std::string rel = name_ + "/" + name;
+        make_everywhere(*layout_, rel);
+        return std::make_unique<Channel>(layout_, std::move(rel));
+    }
+
+    CgroupUsage usage() const noexcept override {
+        const Layout& l = *layout_;
+        CgroupUsage u;
+        u.pids = static_cast<std::uint32_t>(read_u64(l.dir(l.pids, name_) / "pids.current"));
+        if (l.mode == cgroup_mode::v2) {
+            u.memory_bytes = read_u64(l.dir(0, name_) / "memory.current");
+            u.cpu_ms = keyed_value(l.dir(0, name_) / "cpu.stat", "usage_usec") / 1000;
+        } else {
+            u.memory_bytes = read_u64(l.dir(l.memory, name_) / "memory.usage_in_bytes");
+            u.cpu_ms = read_u64(l.dir(l.cpuacct, name_) / "cpuacct.usage") / 1000000;
+        }
+        return u;
+    }
+
+    std::uint64_t pids_limit_hits() const noexcept override {
+        const Layout& l = *layout_;
+        if (l.mode == cgroup_mode::v2) return keyed_value(l.dir(0, name_) / "pids.events", "max");
+        // v1 counts a failed fork in the forking task's own cgroup (kernels differ on whether
+        // the limiting ancestor counts too), so the lease's count is the sum over its subtree.
+        std::uint64_t hits = 0;
+        for (const auto& dir : subtree_dirs(l.dir(l.pids, name_))) {
+            hits += keyed_value(dir / "pids.events", "max");
+        }
+        return hits;
+    }
+
+    void kill() noexcept override { kill_logged(*layout_, name_, 2s); }
+
+private:
+    std::shared_ptr<const Layout> layout_;
+    std::string name_;
+};
+
+class Manager final : public CgroupManager {
+public:
+    Manager(std::shared_ptr<const Layout> layout, std::string description)
+        : layout_(std::move(layout)), description_(std::move(description)) {}
+    Manager(const Manager&) = delete;
+    Manager& operator=(const Manager&) = delete;
+
+    ~Manager() override {
+        // A clean exit leaves no empty instance directory behind; one that still holds
+        // leases (EBUSY, ENOTEMPTY) stays for the next process's remove_orphans().
+        for (const auto& h : layout_->hierarchies) ::rmdir(h.instance.c_str());
+    }
+
+    cgroup_mode mode() const noexcept override { return layout_->mode; }
+    std::string describe() const override { return description_; }
+
+    std::size_t remove_orphans() override {
+        std::vector<std::string> names;
+        for (const auto& h : layout_->hierarchies) {
+            for (auto& name : child_dirs(h.instance)) names.push_back(std::move(name));
+        }
+        std::sort(names.begin(), names.end());
+        names.erase(std::unique(names.begin(), names.end()), names.end());
+        std::size_t removed = 0;
+        for (auto& name : names) {
+            if (Lease(layout_, std::move(name)).destroy()) ++removed;
+        }
+        return removed;
+    }
+
+    std::unique_ptr<LeaseCgroup> create_lease(const std::string& name,
+                                              const CgroupLimits& limits) override {
+        check_name(name, "lease");
+        if (layout_->mode == cgroup_mode::none) fail("no usable cgroups: " + description_);
+        check_limits(limits);
+        make_everywhere(*layout_, name);
+        try {
+            if (layout_->mode == cgroup_mode::v2) {
+                write_value(layout_->dir(0, name) / "cgroup.subtree_control", v2_controllers);
+                fs::path leaf = layout_->dir(0, name) / v2_lease_leaf;
+                if (::mkdir(leaf.c_str(), 0755) != 0) {
+                    throw_errno("cannot make cgroup " + leaf.string(), errno);
+                }
+            }
+            write_limits(*layout_, name, limits);
+        } catch (...) {
+            remove_subtree(*layout_, name, spdlog::level::warn);
+            throw;
+        }
+        return std::make_unique<Lease>(layout_, name);
+    }
+
+    std::unique_ptr<LeaseCgroup> find_lease(const std::string& name) override {
+        check_name(name, "lease");
+        for (std::size_t h = 0; h < layout_->hierarchies.size(); ++h) {
+            if (is_dir(layout_->dir(h, name))) return std::make_unique<Lease>(layout_, name);
+        }
+        return nullptr;
+    }
+
+private:
+    std::shared_ptr<const Layout> layout_;
+    std::string description_;
+};
+
+// --- Probing. ---
+
+struct Mount {
+    std::string root, point, fstype, options;
+};
+
+/// /proc/self/mountinfo fields use octal escapes for space, tab, newline and backslash.
+std::string unescape(std::string_view s) {
+    std::string out;
+    for (std::size_t i = 0; i < s.size(); ++i) {
+        if (s[i] == '\\' && i + 3 < s.size()) {
+            int v = 0;
+            auto [p, ec] = std::from_chars(s.data() + i + 1, s.data() + i + 4, v, 8);
+            if (ec == std::errc() && p == s.data() + i + 4) {
+                out.push_back(static_cast<char>(v));
+                i += 3;
+                continue;
+            }
+        }
+        out.push_back(s[i]);
+    }
+    return out;
+}
+
+std::vector<Mount> cgroup_mounts() {
+    std::vector<Mount> mounts;
+    for (const auto& line : split(read_text("/proc/self/mountinfo").value_or(""), "\n")) {
+        // id parent dev root point options [optional...] - fstype source super-options
+        auto f = split(line, " ");
+        auto dash = std::find(f.begin(), f.end(), "-");
+        if (f.size() < 5 || dash == f.end() || f.end() - dash < 4) continue;
+        if (dash[1] != "cgroup" && dash[1] != "cgroup2") continue;
+        mounts.push_back({unescape(f[3]), unescape(f[4]), dash[1], dash[3]});
+    }
+    return mounts;
+}
+
+/// "controllers" -> cgroup path lines of /proc/self/cgroup ("" controllers: the v2 line).
+std::vector<std::pair<std::string, std::string>> own_cgroups() {
+    std::vector<std::pair<std::string, std::string>> out;
+    for (const auto& line : split(read_text("/proc/self/cgroup").value_or(""), "\n")) {
+        auto first = line.find(':');
+        auto second = line.find(':', first + 1);
+        if (first == std::string::npos || second == std::string::npos) continue;
+        out.emplace_back(line.substr(first + 1, second - first - 1), line.substr(second + 1));
+    }
+    return out;
+}
+
+/// Where cgroup `path` of a hierarchy shows in `mount` (whose root may be a subdirectory).
+std::optional<fs::path> place(const Mount& mount, const std::string& path) {
+    std::string_view rest = path;
+    if (mount.root != "/") {
+        if (path != mount.root && !path.starts_with(mount.root + "/")) return std::nullopt;
+        rest.remove_prefix(mount.root.size());
+    }
+    auto below = fs::path(rest).relative_path();
+    return below.empty() ? fs::path(mount.point) : fs::path(mount.point) / below;
+}
+
+/// `root` as mountinfo spells mount points (no trailing slash).
+std::string mount_point_of(const fs::path& root) {
+    auto r = root.lexically_normal().string();
+    while (r.size() > 1 && r.back() == '/') r.pop_back();
+    return r;
+}
+
+std::optional<Layout> probe_v2(const std::string& instance, const fs::path& root,
+                               std::string& why) {
+    struct statfs sfs {};
+    if (::statfs(root.c_str(), &sfs) != 0 || sfs.f_type != CGROUP2_SUPER_MAGIC) {
+        why = root.string() + " is not a cgroup2 mount";
+        return std::nullopt;
+    }
+    std::optional<std::string> path;
+    for (const auto& [controllers, p] : own_cgroups()) {
+        if (controllers.empty()) path = p;
+    }
+    std::optional<fs::path> own;
+    for (const auto& m : cgroup_mounts()) {
+        if (m.fstype == "cgroup2" && path && m.point == mount_point_of(root)) own = place(m, *path);
+    }
+    if (!own) {
+        why = "this process's cgroup is not visible under " + root.string();
+        return std::nullopt;
+    }
+    // An earlier probe of this process moved it into <own>/daemon already.
+    auto enabled = [](const fs::path& dir) {
+        auto text = read_text(dir / "cgroup.subtree_control").value_or("");
+        return has_token(text, "memory", " \n") && has_token(text, "pids", " \n") &&
+               has_token(text, "cpu", " \n");
+    };
+    if (own->filename() == "daemon" && enabled(own->parent_path())) own = own->parent_path();
+    auto available = read_text(*own / "cgroup.controllers").value_or("");
+    for (const char* c : {"memory", "pids", "cpu"}) {
+        if (!has_token(available, c, " \n")) {
+            why = own->string() + " does not offer the " + c + " controller (Delegate=yes?)";
+            return std::nullopt;
+        }
+    }
+    if (::access(own->c_str(), W_OK) != 0) {
+        why = own->string() + " is not writable";
+        return std::nullopt;
+    }
+    Layout layout;
+    layout.mode = cgroup_mode::v2;
+    layout.hierarchies.push_back({"", *own / instance});
+    return layout;
+}
+
+void setup_v2(const Layout& layout) {
+    fs::path own = layout.hierarchies[0].instance.parent_path();
+    fs::path leaf = own / "daemon";
+    if (::mkdir(leaf.c_str(), 0755) != 0 && errno != EEXIST) {
+        throw_errno("cannot make cgroup " + leaf.string(), errno);
+    }
+    // "No internal processes": <own> may enable controllers for its children only once every
+    // process of it (this one, and whatever else the delegated unit runs) sits in a leaf.
+    for (int round = 0; round < 10; ++round) {
+        auto text = read_text(own / "cgroup.procs");
+        if (!text) throw_errno("cannot read " + (own / "cgroup.procs").string(), errno);
+        auto pids = split(*text, "\n");
+        if (pids.empty()) break;
+        for (const auto& pid : pids) {
+            int err = try_write(leaf / "cgroup.procs", pid);
+            if (err != 0 && err != ESRCH) {
+                throw_errno("cannot move pid " + pid + " to " + leaf.string(), err);
+            }
+        }
+    }
+    write_value(own / "cgroup.subtree_control", v2_controllers);
+    fs::path inst = layout.hierarchies[0].instance;
+    if (::mkdir(inst.c_str(), 0755) != 0 && errno != EEXIST) {
+        throw_errno("cannot make cgroup " + inst.string(), errno);
+    }
+    write_value(inst / "cgroup.subtree_control", v2_controllers);
+}
+
+std::optional<Layout> probe_v1(const std::string& instance, const fs::path& root,
+                               std::string& why) {
+    auto mounts = cgroup_mounts();
+    auto own = own_cgroups();
+    Layout layout;
+    std::vector<std::string> points;
+    const std::pair<const char*, std::size_t Layout::*> roles[] = {{"memory", &Layout::memory},
+                                                                   {"pids", &Layout::pids},
+                                                                   {"cpu", &Layout::cpu},
+                                                                   {"cpuacct", &Layout::cpuacct},
+                                                                   {"freezer", &Layout::freezer}};
+    for (const auto& [c, role] : roles) {
+        const std::string* path = nullptr;
+        for (const auto& [controllers, p] : own) {
+            if (has_token(controllers, c, ",")) path = &p;
+        }
+        const Mount* mount = nullptr;
+        for (const auto& m : mounts) {
+            auto below = fs::path(m.point).lexically_relative(root.lexically_normal());
+            if (m.fstype == "cgroup" && has_token(m.options, c, ",") && !below.empty() &&
+                *below.begin() != "..") {
+                mount = &m;
+                break;
+            }
+        }
+        auto dir = mount && path ? place(*mount, *path) : std::nullopt;
+        if (!dir) {
+            why = std::string("no cgroup v1 hierarchy with ") + c + " under " + root.string() +
+                  " shows this process's cgroup";
+            return std::nullopt;
+        }
+        if (::access(dir->c_str(), W_OK) != 0) {
+            why = dir->string() + " is not writable";
+            return std::nullopt;
+        }
+        // Co-mounted controllers ("cpu,cpuacct") share one hierarchy.
+        auto at = std::find(points.begin(), points.end(), mount->point);
+        layout.*role = static_cast<std::size_t>(at - points.begin());
+        if (at == points.end()) {
+            points.push_back(mount->point);
+            layout.hierarchies.push_back({c, *dir / instance});
+        } else {
+            layout.hierarchies[layout.*role].controllers += std::string(",") + c;
+        }
+    }
+    layout.mode = cgroup_mode::v1;
+    return layout;
+}
+
+void setup_v1(Layout& layout) {
+    for (const auto& h : layout.hierarchies) {
+        if (::mkdir(h.instance.c_str(), 0755) != 0 && errno != EEXIST) {
+            throw_errno("cannot make cgroup " + h.instance.string(), errno);
+        }
+    }
+    // Channel cgroups must count against their lease's limit. Current kernels are always
+    // hierarchical; older ones inherit the flag at mkdir, so set it on the instance directory.
+    fs::path mem = layout.hierarchies[layout.memory].instance;
+    if (read_text(mem / "memory.use_hierarchy").value_or("1").starts_with("0")) {
+        write_value(mem / "memory.use_hierarchy", "1");
+    }
+    layout.memsw = ::access((mem / "memory.memsw.limit_in_bytes").c_str(), F_OK) == 0;
+}
+
+}  // namespace
+
+std::unique_ptr<CgroupManager> probe_cgroups(const std::string& instance,
+                                             const std::filesystem::path& root) {
+    check_name(instance, "instance");
+    std::string why_v2, why_v1;
+    if (auto layout = probe_v2(instance, root, why_v2)) {
+        setup_v2(*layout);
+        auto where = layout->hierarchies[0].instance.string();
+        return std::make_unique<Manager>(std::make_shared<const Layout>(std::move(*layout)),
+                                         "cgroup v2 (memory, pids, cpu) under " + where);
+    }
+    if (auto layout = probe_v1(instance, root, why_v1)) {
+        setup_v1(*layout);
+        std::string hierarchies;
+        for (const auto& h : layout->hierarchies) {
+            hierarchies += (hierarchies.empty() ? "" : ", ") + h.controllers;
+        }
+        auto where = layout->hierarchies[layout->memory].instance.string();
+        return std::make_unique<Manager>(std::make_shared<const Layout>(std::move(*layout)),
+                                         "cgroup v1 (" + hierarchies + ") under " + where);
+    }
+    return std::make_unique<Manager>(std::make_shared<const Layout>(),
+                                     "no usable cgroups: v2: " + why_v2 + "; v1: " + why_v1);
+}
+
+}  // namespace sandboxd::detail
