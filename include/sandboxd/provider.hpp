@@ -175,9 +175,13 @@ public:
 struct BwrapOptions {
     std::filesystem::path bwrap_path = "/usr/bin/bwrap";
     std::filesystem::path init_path;    ///< sandboxd-init; "" = next to the running executable
-    /// Sandboxes live in <sandboxes_dir>/<providerLeaseId>/ (disk.img, workspace/, identity);
-    /// the generated /etc in <sandboxes_dir>/.etc/. One daemon per directory (a lock).
+    /// Each sandbox's records live in <sandboxes_dir>/<providerLeaseId>/ (disk.img,
+    /// identity), root's alone. One daemon per directory (a lock).
     std::filesystem::path sandboxes_dir;
+    /// What bubblewrap binds, which the lease's uid must reach by path: the workspace mount
+    /// points (<runtime_dir>/<providerLeaseId>/workspace), the generated /etc and a copy of
+    /// sandboxd-init. "" = /run/sandboxd/<a name derived from sandboxes_dir>.
+    std::filesystem::path runtime_dir;
     bool allow_network = false;         ///< whether a lease config may ask for "network": true
     std::vector<std::string> ro_binds = {"/usr"};  ///< read-only if present
     BwrapLimitsConfig limits;

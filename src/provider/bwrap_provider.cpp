@@ -25,6 +25,7 @@
 #include <poll.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -171,11 +172,12 @@ struct Counters {
 /// A running sandbox: its supervisor, cgroup and identity.
 class BwrapSandbox final : public SandboxState {
 public:
-    ~BwrapSandbox() override { shutdown(); }
+    ~BwrapSandbox() override { shutdown(true); }
 
-    /// Ends every process of the sandbox and reaps bubblewrap. Idempotent. May block briefly
-    /// (the cgroup kill waits for the processes to go).
-    void shutdown() noexcept {
+    /// Ends every process of the sandbox and reaps bubblewrap; with `unmount`, also unmounts
+    /// the workspace disk (its image stays, for a later teardown). Idempotent. May block
+    /// briefly (the cgroup kill waits for the processes to go).
+    void shutdown(bool unmount = false) noexcept {
         std::lock_guard lock(mutex);
         socket.reset();  // the supervisor exits, and with it the lease's PID namespace
         if (cgroup) cgroup->kill();
@@ -185,7 +187,13 @@ public:
             }
             pid = -1;
         }
+        // A sandbox dropped without a teardown (the daemon stops): nothing can use it again
+        // in this process, so its loop device and mount go now; a later teardown removes
+        // the rest.
+        if (unmount && !workspace.empty()) ::umount2(workspace.c_str(), MNT_DETACH);
     }
+
+    fs::path workspace;  ///< the mount point on the host
 
     std::mutex mutex;  ///< one request in flight on the socket; guards the fields below
     pid_t pid = -1;    ///< bubblewrap, our child
@@ -234,16 +242,36 @@ public:
                 options_.identity.lock_file) {
         std::error_code ec;
         fs::create_directories(options_.sandboxes_dir, ec);
-        // Traversable by the leases' uids (bubblewrap resolves its bind sources by path as
-        // that uid); each sandbox's own directory is open to its uid's group only.
-        ::chmod(options_.sandboxes_dir.c_str(), 0711);
+        ::chmod(options_.sandboxes_dir.c_str(), 0700);
         lock_dir();
+        instance_ = "sandboxd-" +
+                    short_hash(fs::weakly_canonical(options_.sandboxes_dir, ec).string());
+        runtime_dir_ = options_.runtime_dir.empty() ? fs::path("/run/sandboxd") / instance_
+                                                    : options_.runtime_dir;
+        // Traversable by the leases' uids (bubblewrap resolves its bind sources by path, as
+        // that uid); each sandbox's own directory there is open to its uid's group only.
+        fs::create_directories(runtime_dir_, ec);
+        if (ec) {
+            throw std::runtime_error("cannot create " + runtime_dir_.string() + ": " +
+                                     ec.message());
+        }
+        ::chmod(runtime_dir_.c_str(), 0711);
+        if (options_.runtime_dir.empty()) ::chmod(runtime_dir_.parent_path().c_str(), 0711);
+        for (fs::path p = runtime_dir_; p != p.root_path(); p = p.parent_path()) {
+            struct stat st {};
+            if (::stat(p.c_str(), &st) == 0 && (st.st_mode & S_IXOTH) == 0) {
+                throw std::runtime_error("providers.bwrap: the sandboxes' uids cannot reach " +
+                                         runtime_dir_.string() + ": " + p.string() +
+                                         " is not searchable by others");
+            }
+        }
         if (options_.limits.enforce) probe_enforcement();
         program_ = make_program_fd();
         init_path_ = install_init();
-        write_etc(options_.sandboxes_dir / ".etc" / "private", false);
-        write_etc(options_.sandboxes_dir / ".etc" / "net", true);
+        write_etc(runtime_dir_ / ".etc" / "private", false);
+        write_etc(runtime_dir_ / ".etc" / "net", true);
         reclaim_identities();
+        release_stale_mounts();
     }
 
     const std::string& key() const noexcept override { return key_; }
@@ -281,7 +309,8 @@ public:
         scope.provider_lease_id = id;
         handle->scope = std::move(scope);
         handle->lease_id = lease_id;
-        handle->workspace = dir / "workspace";
+        const fs::path run_dir = runtime_dir_ / id;
+        handle->workspace = run_dir / "workspace";
         handle->network = cfg.network;
         handle->limits = options_.limits.enforce ? cfg.limits.to_json() : json(nullptr);
 
@@ -291,14 +320,17 @@ public:
             write_file(dir / "identity", std::to_string(uid) + "\n");
             ::chmod((dir / "identity").c_str(), 0600);
             // root:<the lease's gid> 0750: the lease's bubblewrap may enter, no other uid may.
-            if (::chown(dir.c_str(), 0, uid) < 0 || ::chmod(dir.c_str(), 0750) < 0) {
-                provider_failure("cannot open " + dir.string() + " to its lease: " +
+            if (::mkdir(run_dir.c_str(), 0700) < 0 || ::chown(run_dir.c_str(), 0, uid) < 0 ||
+                ::chmod(run_dir.c_str(), 0750) < 0) {
+                provider_failure("cannot make " + run_dir.string() + " for its lease: " +
                                  std::strerror(errno));
             }
             auto sandbox = std::make_shared<BwrapSandbox>();
             sandbox->limits = cfg.limits;
+            if (options_.limits.enforce) sandbox->workspace = handle->workspace;
             if (options_.limits.enforce) {
-                detail::create_lease_disk(dir, cfg.limits.disk_bytes, uid, uid);
+                detail::create_lease_disk(dir / "disk.img", handle->workspace,
+                                          cfg.limits.disk_bytes, uid, uid);
                 detail::CgroupLimits cl;
                 cl.memory_bytes = cfg.limits.memory_bytes;
                 cl.pids = cfg.limits.pids;
@@ -313,7 +345,7 @@ public:
                 }
                 ::chmod(handle->workspace.c_str(), 0755);
             }
-            start_supervisor(*sandbox, dir, uid, cfg);
+            start_supervisor(*sandbox, handle->workspace, uid, cfg);
             handle->state = std::move(sandbox);
         } catch (...) {
             // Nothing may be left: no process, no mount, no cgroup, no claimed id.
@@ -338,7 +370,7 @@ public:
         auto handle = std::make_shared<SandboxHandle>();
         handle->scope = scope;
         handle->lease_id = lease_id;
-        handle->workspace = options_.sandboxes_dir / id / "workspace";
+        handle->workspace = runtime_dir_ / id / "workspace";
         return handle;
     }
 
@@ -497,9 +529,7 @@ private:
 
     void probe_enforcement() {
         std::error_code ec;
-        const std::string instance =
-            "sandboxd-" + short_hash(fs::weakly_canonical(options_.sandboxes_dir, ec).string());
-        cgroups_ = detail::probe_cgroups(instance, options_.cgroup_root);
+        cgroups_ = detail::probe_cgroups(instance_, options_.cgroup_root);
         if (cgroups_->mode() == detail::cgroup_mode::none) {
             throw std::runtime_error(
                 "providers.bwrap.limits.enforce: no cgroup mechanism can enforce the limits (" +
@@ -530,7 +560,7 @@ private:
     /// A copy of sandboxd-init that every lease's uid can reach by path (bubblewrap resolves
     /// its bind sources as that uid), and that nothing can replace while the daemon runs.
     fs::path install_init() const {
-        const fs::path dir = options_.sandboxes_dir / ".init";
+        const fs::path dir = runtime_dir_ / ".init";
         const fs::path target = dir / "sandboxd-init";
         std::error_code ec;
         fs::create_directories(dir, ec);
@@ -628,6 +658,21 @@ private:
         }
     }
 
+    /// The workspaces of an earlier process (killed, so it could not unmount them) can never
+    /// be used again: unmount them now, freeing their loop devices. Their images and records
+    /// stay until the sweeper tears the leases down.
+    void release_stale_mounts() const {
+        std::error_code ec;
+        for (const auto& entry : fs::directory_iterator(runtime_dir_, ec)) {
+            if (!is_sandbox_id(entry.path().filename().string())) continue;
+            const fs::path ws = entry.path() / "workspace";
+            if (::umount2(ws.c_str(), MNT_DETACH) == 0) {
+                spdlog::info("sandbox {}: unmounted the workspace an earlier process left",
+                             entry.path().filename().string());
+            }
+        }
+    }
+
     static std::optional<uid_t> read_identity(const fs::path& dir) {
         std::ifstream in(dir / "identity");
         unsigned long long uid = 0;
@@ -639,17 +684,23 @@ private:
     void teardown_files(const SandboxHandle& sandbox, BwrapSandbox* state) {
         (void)state;
         const fs::path dir = options_.sandboxes_dir / sandbox.scope.provider_lease_id;
+        const fs::path run_dir = runtime_dir_ / sandbox.scope.provider_lease_id;
+        const fs::path workspace = run_dir / "workspace";
         std::error_code ec;
-        if (!fs::exists(fs::symlink_status(dir, ec))) return;
-        const auto uid = read_identity(dir);
-        detail::destroy_lease_disk(dir);
-        if (fs::exists(fs::symlink_status(dir / "workspace", ec))) {
-            detail::remove_tree_bounded(dir / "workspace");
+        const bool have_dir = fs::exists(fs::symlink_status(dir, ec));
+        if (!have_dir && !fs::exists(fs::symlink_status(run_dir, ec))) return;
+        const auto uid = have_dir ? read_identity(dir) : std::nullopt;
+        detail::destroy_lease_disk(dir / "disk.img", workspace);
+        if (fs::exists(fs::symlink_status(workspace, ec))) {
+            // No disk of its own (limits not enforced): a bounded walk, off this process.
+            detail::remove_tree_bounded(workspace);
         }
-        fs::remove(dir / "identity", ec);
-        if (::rmdir(dir.c_str()) < 0 && errno != ENOENT) {
-            provider_failure("cannot remove sandbox " + sandbox.scope.provider_lease_id + ": " +
-                             std::strerror(errno));
+        for (const auto& d : {run_dir, dir}) {
+            fs::remove(d / "identity", ec);
+            if (::rmdir(d.c_str()) < 0 && errno != ENOENT) {
+                provider_failure("cannot remove sandbox " + sandbox.scope.provider_lease_id +
+                                 ": " + d.string() + ": " + std::strerror(errno));
+            }
         }
         if (uid) pool_.release(*uid);
     }
@@ -703,6 +754,13 @@ private:
                 } else {
                     out.cpu_quota_percent = static_cast<std::uint32_t>(
                         limit_value(value, cpu_quota_field, max.cpu_quota_percent));
+                    const long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
+                    if (cores > 0 && *out.cpu_quota_percent > 100 * cores) {
+                        invalid_field("config.limits.cpuQuotaPercent",
+                                      std::to_string(*out.cpu_quota_percent) +
+                                          " is more than this node's " + std::to_string(cores) +
+                                          " cores (at most " + std::to_string(100 * cores) + ")");
+                    }
                 }
             } else if (name == disk_field.name) {
                 out.disk_bytes = limit_value(value, disk_field, max.disk_bytes);
@@ -775,7 +833,7 @@ private:
         return a;
     }
 
-    void start_supervisor(BwrapSandbox& sandbox, const fs::path& dir, uid_t uid,
+    void start_supervisor(BwrapSandbox& sandbox, const fs::path& workspace, uid_t uid,
                           const LeaseConfig& cfg) {
         int sv[2];
         if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
@@ -791,8 +849,8 @@ private:
         ::setsockopt(ours.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
         ::setsockopt(ours.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
 
-        unique_fd workspace = open_path(dir / "workspace", "the workspace");
-        unique_fd etc = open_path(options_.sandboxes_dir / ".etc" / (cfg.network ? "net" : "private"),
+        unique_fd workspace_fd = open_path(workspace, "the workspace");
+        unique_fd etc = open_path(runtime_dir_ / ".etc" / (cfg.network ? "net" : "private"),
                                   "the sandbox /etc");
         unique_fd init = open_path(init_path_, "sandboxd-init");
         detail::Pipe errors = detail::make_pipe(detail::daemon_end::read);
@@ -801,7 +859,7 @@ private:
         request.argv = bwrap_argv(cfg);
         request.envp = {"PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"};
         request.fds = {-1, -1, errors.write_end.get(), theirs.get(), program_.get(),
-                       workspace.get(), etc.get(), init.get()};
+                       workspace_fd.get(), etc.get(), init.get()};
         std::vector<unique_fd> procs;
         if (sandbox.cgroup) procs = sandbox.cgroup->open_procs();
         for (const auto& fd : procs) request.join_cgroups.push_back(fd.get());
@@ -926,6 +984,8 @@ private:
     fs::path init_path_;
     detail::IdentityPool pool_;
     unique_fd dir_lock_;
+    std::string instance_;   ///< this daemon's name in cgroups and /run
+    fs::path runtime_dir_;
     unique_fd program_;
     std::unique_ptr<detail::CgroupManager> cgroups_;
     std::shared_ptr<Counters> counters_ = std::make_shared<Counters>();

@@ -30,7 +30,6 @@
 #include <chrono>
 #include <csignal>
 #include <cstring>
-#include <ranges>
 #include <string_view>
 #include <thread>
 
@@ -110,6 +109,17 @@ void write_value(const fs::path& path, std::string_view value) {
     }
 }
 
+/// The non-empty parts of `s` between any of `seps`.
+std::vector<std::string> split(std::string_view s, std::string_view seps) {
+    std::vector<std::string> out;
+    while (!s.empty()) {
+        auto part = s.substr(0, s.find_first_of(seps));
+        if (!part.empty()) out.emplace_back(part);
+        s.remove_prefix(std::min(s.size(), part.size() + 1));
+    }
+    return out;
+}
+
 std::uint64_t parse_u64(std::string_view s) noexcept {
     std::uint64_t v = 0;
     std::from_chars(s.data(), s.data() + s.size(), v);
@@ -118,14 +128,8 @@ std::uint64_t parse_u64(std::string_view s) noexcept {
 
 /// The number after `key ` on a line of a flat-keyed file (memory.events, cpu.stat, ...).
 std::uint64_t keyed_value(const fs::path& path, std::string_view key) noexcept {
-    auto text = read_text(path);
-    if (!text) return 0;
-    std::string_view rest = *text;
-    while (!rest.empty()) {
-        std::string_view line = rest.substr(0, rest.find('\n'));
-        rest.remove_prefix(std::min(rest.size(), line.size() + 1));
-        if (line.size() > key.size() && line.substr(0, key.size()) == key &&
-            line[key.size()] == ' ') {
+    for (std::string_view line : split(read_text(path).value_or(""), "\n")) {
+        if (line.starts_with(key) && line.size() > key.size() && line[key.size()] == ' ') {
             return parse_u64(line.substr(key.size() + 1));
         }
     }
@@ -140,17 +144,6 @@ std::uint64_t read_u64(const fs::path& path) noexcept {
 bool is_dir(const fs::path& path) {
     struct stat st {};
     return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-
-/// The non-empty parts of `s` between any of `seps`.
-std::vector<std::string> split(std::string_view s, std::string_view seps) {
-    std::vector<std::string> out;
-    while (!s.empty()) {
-        auto part = s.substr(0, s.find_first_of(seps));
-        if (!part.empty()) out.emplace_back(part);
-        s.remove_prefix(std::min(s.size(), part.size() + 1));
-    }
-    return out;
 }
 
 bool has_token(std::string_view list, std::string_view token, std::string_view seps) {
@@ -307,10 +300,10 @@ void kill_logged(const Layout& layout, const std::string& rel,
 int remove_in(const Layout& layout, std::size_t h, const std::string& rel, fs::path& failed) {
     auto dirs = subtree_dirs(layout.dir(h, rel));
     int first_err = 0;
-    for (const auto& dir : std::views::reverse(dirs)) {
-        if (::rmdir(dir.c_str()) != 0 && errno != ENOENT && first_err == 0) {
+    for (std::size_t i = dirs.size(); i-- > 0;) {
+        if (::rmdir(dirs[i].c_str()) != 0 && errno != ENOENT && first_err == 0) {
             first_err = errno;
-            failed = dir;
+            failed = dirs[i];
         }
     }
     return first_err;
@@ -412,6 +405,8 @@ public:
         : layout_(std::move(layout)), rel_(std::move(rel)) {}
     Channel(const Channel&) = delete;
     Channel& operator=(const Channel&) = delete;
+    Channel(Channel&&) = delete;
+    Channel& operator=(Channel&&) = delete;
     ~Channel() override {
         kill();
         // Debug only: whatever is left goes with the lease.
@@ -440,6 +435,8 @@ public:
         : layout_(std::move(layout)), name_(std::move(name)) {}
     Lease(const Lease&) = delete;
     Lease& operator=(const Lease&) = delete;
+    Lease(Lease&&) = delete;
+    Lease& operator=(Lease&&) = delete;
     ~Lease() override { destroy(); }
 
     /// Kills and removes the lease; false when something is left (logged).
@@ -504,6 +501,8 @@ public:
         : layout_(std::move(layout)), description_(std::move(description)) {}
     Manager(const Manager&) = delete;
     Manager& operator=(const Manager&) = delete;
+    Manager(Manager&&) = delete;
+    Manager& operator=(Manager&&) = delete;
 
     ~Manager() override {
         // A clean exit leaves no empty instance directory behind; one that still holds

@@ -1,6 +1,8 @@
 /// @file lease_disk.cpp
 /// A lease's workspace as a loop-mounted ext4 image (see lease_disk.hpp), and the bounded
-/// removal of a plain tree. Everything here runs on the caller's thread and blocks.
+/// removal of a plain tree. Everything here runs on the caller's thread and blocks. Teardown
+/// never walks the tenant's files: it shuts the filesystem down (so that nothing is written
+/// back), detaches the mount and deletes the image.
 ///
 /// Helper programs (mkfs.ext4, rm) are started with posix_spawn: glibc starts them with
 /// clone(CLONE_VM | CLONE_VFORK), which is safe in a multi-threaded daemon without any code
@@ -36,6 +38,7 @@
 #include <initializer_list>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <vector>
 
 namespace sandboxd::detail {
@@ -173,11 +176,11 @@ std::string describe(const tool_result& result) {
 // The filesystem is throwaway (nothing ever mounts an image again after a crash or a
 // reboot: the lease is gone), so it gets no journal: mkfs writes 140 KiB into a 64 MiB image
 // instead of 4 MiB (1 GiB for 1 TiB), the tenant gets the whole size, and no jbd2 thread
-// runs per lease. No lazy_itable_init either: mke2fs sees that the sparse file reads back as
-// zeros, marks the inode tables zeroed and so the kernel's ext4lazyinit thread never fills
-// the image in the background. Block size, inode size and ratio are explicit because
-// mke2fs.conf's "small" type (under 512 MiB) would otherwise pick 1 KiB blocks and an inode
-// per 4 KiB.
+// runs per lease. No lazy_itable_init option either: mke2fs discards the file first (punching
+// holes, which read back as zeros), so it marks the inode tables zeroed without writing them
+// and the kernel's ext4lazyinit thread never fills the image in behind us. Block size, inode
+// size and ratio are explicit because mke2fs.conf's "small" type (under 512 MiB) would
+// otherwise pick 1 KiB blocks and an inode per 4 KiB.
 void make_filesystem(const std::string& image, uid_t uid, gid_t gid) {
     const std::string mkfs = find_program({"/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4"});
     const std::string owner = std::to_string(uid) + ":" + std::to_string(gid);
@@ -280,7 +283,10 @@ void shut_down_disk(const fs::path& workspace, const fs::path& image) {
     unique_fd backing(::open(sys.c_str(), O_RDONLY | O_CLOEXEC));
     char name[PATH_MAX + 2];
     ssize_t n = backing ? ::read(backing.get(), name, sizeof name) : -1;
-    if (n <= 0 || std::string_view(name, static_cast<std::size_t>(n)) != image.string() + "\n") {
+    std::error_code ec;
+    const fs::path canonical = fs::canonical(image, ec);  // as the kernel names it
+    if (ec || n <= 0 ||
+        std::string_view(name, static_cast<std::size_t>(n)) != canonical.string() + "\n") {
         return;
     }
     std::uint32_t flags = ext4_going_flags_nologflush;
@@ -311,14 +317,16 @@ struct creation_undo {
 
 }  // namespace
 
-fs::path create_lease_disk(const fs::path& dir, std::uint64_t bytes, uid_t uid, gid_t gid) {
+// The image and its mountpoint may live apart (the image in a directory that is root's alone,
+// the mountpoint where the lease's uid can reach it by path). The forms of lease_disk.hpp
+// keep both in one directory; these two take both paths and are otherwise the same.
+void create_lease_disk(const fs::path& image, const fs::path& workspace, std::uint64_t bytes,
+                       uid_t uid, gid_t gid) {
     bytes &= ~std::uint64_t{4095};
     if (bytes < min_disk_bytes || bytes > max_disk_bytes) {
         throw rpc_error(errc::provider_error, "a lease disk of " + std::to_string(bytes) +
                                                   " bytes is outside [8 MiB, 1 TiB]");
     }
-    const fs::path image = dir / image_name;
-    fs::path workspace = dir / workspace_name;
     creation_undo undo(image, workspace);
 
     // O_EXCL is the "no disk yet" check: an existing disk is left exactly as it was.
@@ -326,7 +334,8 @@ fs::path create_lease_disk(const fs::path& dir, std::uint64_t bytes, uid_t uid, 
         ::open(image.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
     if (!image_fd) {
         if (errno == EEXIST) {
-            throw rpc_error(errc::provider_error, dir.string() + " already holds a disk");
+            throw rpc_error(errc::provider_error,
+                            image.parent_path().string() + " already holds a disk");
         }
         fail("cannot create " + image.string(), errno);
     }
@@ -358,15 +367,18 @@ fs::path create_lease_disk(const fs::path& dir, std::uint64_t bytes, uid_t uid, 
         }
     }
     undo.image_created = undo.workspace_created = undo.mounted = false;
+}
+
+fs::path create_lease_disk(const fs::path& dir, std::uint64_t bytes, uid_t uid, gid_t gid) {
+    fs::path workspace = dir / workspace_name;
+    create_lease_disk(dir / image_name, workspace, bytes, uid, gid);
     return workspace;
 }
 
-void destroy_lease_disk(const fs::path& dir) {
-    const fs::path workspace = dir / workspace_name;
-    const fs::path image = dir / image_name;
+void destroy_lease_disk(const fs::path& image, const fs::path& workspace) {
     if (is_mountpoint(workspace)) shut_down_disk(workspace, image);
-    // Lazily: a process still inside cannot block teardown. The kernel drops the filesystem
-    // (and autoclear the loop device) once its last user goes, without our walking it.
+    // Lazily: a process still inside cannot block teardown. The kernel drops the filesystem,
+    // and autoclear the loop device, once its last user goes, without our walking it.
     for (int layer = 0; is_mountpoint(workspace); ++layer) {
         if (layer == max_stacked_mounts) {
             throw rpc_error(errc::provider_error,
@@ -376,14 +388,20 @@ void destroy_lease_disk(const fs::path& dir) {
             fail("cannot unmount " + workspace.string(), errno);
         }
     }
-    // The image goes even when the mountpoint cannot: it holds the space.
+    // The image goes even when the mountpoint cannot: it holds the space. A workspace that
+    // is a plain directory with something in it (a lease without a disk) is left to the
+    // caller's remove_tree_bounded.
     int rmdir_err = ::rmdir(workspace.c_str()) == 0 ? 0 : errno;
     if (::unlink(image.c_str()) != 0 && errno != ENOENT) {
         fail("cannot delete " + image.string(), errno);
     }
-    if (rmdir_err != 0 && rmdir_err != ENOENT) {
+    if (rmdir_err != 0 && rmdir_err != ENOENT && rmdir_err != ENOTEMPTY && rmdir_err != EEXIST) {
         fail("cannot remove the mountpoint " + workspace.string(), rmdir_err);
     }
+}
+
+void destroy_lease_disk(const fs::path& dir) {
+    destroy_lease_disk(dir / image_name, dir / workspace_name);
 }
 
 std::uint64_t disk_used_bytes(const fs::path& mountpoint) noexcept {

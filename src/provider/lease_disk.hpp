@@ -33,6 +33,17 @@ inline constexpr std::uint64_t max_disk_bytes = 1ULL << 40;
 std::filesystem::path create_lease_disk(const std::filesystem::path& dir, std::uint64_t bytes,
                                         uid_t uid, gid_t gid);
 
+/// The same with the image and the mount point named apart (the image among the daemon's
+/// private records, the mount point where the lease's bubblewrap can reach it by path).
+/// `workspace` is created (mode 0755, root) if missing; its parent must exist.
+void create_lease_disk(const std::filesystem::path& image, const std::filesystem::path& workspace,
+                       std::uint64_t bytes, uid_t uid, gid_t gid);
+
+/// The same with the image and the mount point named apart. Removes `workspace` when it is an
+/// empty directory after the unmount; a plain directory with contents (a lease without a disk)
+/// is left for remove_tree_bounded().
+void destroy_lease_disk(const std::filesystem::path& image, const std::filesystem::path& workspace);
+
 /// Unmounts `<dir>/workspace` if mounted (lazily: MNT_DETACH, so a process still holding it
 /// cannot block teardown) and deletes `<dir>/disk.img`. Idempotent: missing parts are fine.
 /// Costs O(1) memory and descriptors whatever is inside the filesystem.

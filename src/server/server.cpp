@@ -143,10 +143,7 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
     std::error_code ec;
     fs::create_directories(c.state_dir, ec);
     if (ec) throw config_error("config: stateDir: cannot create " + c.state_dir + ": " + ec.message());
-    // Traversable, not listable: each sandbox's bubblewrap (running as the lease's uid) must
-    // reach its own directory below <stateDir>/sandboxes; every file here is 0600 (umask 077
-    // in sandboxd's main, and explicit modes), so the registry and tokens stay root's.
-    ::chmod(c.state_dir.c_str(), 0711);
+    ::chmod(c.state_dir.c_str(), 0700);
     node.node_id = c.node_id.empty() ? host_name() : c.node_id;
     node.instance_id = random_hex(8);
 

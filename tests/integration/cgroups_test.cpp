@@ -15,6 +15,7 @@
 #include <sched.h>
 #include <sys/prctl.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -45,7 +46,7 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 constexpr milliseconds step_timeout{10000};
-constexpr std::uint64_t mib = 1024 * 1024;
+constexpr std::uint64_t mib = std::uint64_t{1024} * 1024;
 const std::vector<std::string> controllers = {"memory", "pids", "cpu", "cpuacct", "freezer"};
 
 std::string read_text(const fs::path& path) {
@@ -71,6 +72,16 @@ fs::path own_dir(const std::string& controller) {
         }
     }
     return {};
+}
+
+/// The descriptors open in this process (without the one that listed them).
+std::vector<int> open_fds() {
+    std::vector<int> fds;
+    for (const auto& entry : fs::directory_iterator("/proc/self/fd")) {
+        fds.push_back(std::stoi(entry.path().filename().string()));
+    }
+    std::erase_if(fds, [](int fd) { return ::fcntl(fd, F_GETFD) < 0; });
+    return fds;
 }
 
 /// Waits until `fd` is readable; false on timeout.
@@ -126,6 +137,8 @@ public:
     }
     Fixture(const Fixture&) = delete;
     Fixture& operator=(const Fixture&) = delete;
+    Fixture(Fixture&&) = delete;
+    Fixture& operator=(Fixture&&) = delete;
     ~Fixture() { cleanup(); }
 
     CgroupManager& manager() { return *manager_; }
@@ -359,6 +372,17 @@ TEST_CASE("A lease is made with its limits written to the cgroup files", "[cgrou
         bad.cpu_quota_percent = 0;
         require_provider_error([&] { f.manager().create_lease("bad", bad); });
         CHECK_FALSE(exists_anywhere(f, "bad"));
+        // Refused by the kernel half way through: the error names the file, nothing is left.
+        bad.cpu_quota_percent.reset();
+        bad.pids = 4'000'000'000U;
+        try {
+            f.manager().create_lease("bad", bad);
+            FAIL("the kernel took pids.max 4000000000");
+        } catch (const rpc_error& e) {
+            CHECK(e.code() == errc::provider_error);
+            CHECK_THAT(e.what(), Contains("/bad/pids.max") && Contains("Invalid argument"));
+        }
+        CHECK_FALSE(exists_anywhere(f, "bad"));
         CHECK(f.manager().create_lease(std::string(64, 'a'), {}) != nullptr);
     }
     SECTION("channels are child cgroups with unique names") {
@@ -382,9 +406,10 @@ TEST_CASE("A lease is made with its limits written to the cgroup files", "[cgrou
 TEST_CASE("A forked child that writes 0 to the open procs descriptors joins the cgroup",
           "[cgroup]") {
     Fixture f;
+    Pipe ready;
+    auto fds_before = open_fds();
     auto lease = f.manager().create_lease("join", {});
     auto channel = lease->create_channel("ch");
-    Pipe ready;
     bool in_user_namespace = false;
     SECTION("as root") {}
     SECTION("as an unprivileged user inside a new user namespace") { in_user_namespace = true; }
@@ -420,6 +445,35 @@ TEST_CASE("A forked child that writes 0 to the open procs descriptors joins the 
     CHECK(killed_by_sigkill(f.wait_exit(in_channel)));
     channel.reset();
     CHECK_FALSE(exists_anywhere(f, "join"));
+    CHECK(open_fds() == fds_before);
+}
+
+TEST_CASE("open_procs without a descriptor left fails with channel_limit", "[cgroup]") {
+    Fixture f;
+    auto lease = f.manager().create_lease("nofile", {});
+    auto fds_before = open_fds();
+    rlimit saved{};
+    REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved) == 0);
+    // Room for two of the (at least four) descriptors: open_procs fails half way.
+    int limit = 0;
+    while (limit - std::count_if(fds_before.begin(), fds_before.end(),
+                                 [&](int fd) { return fd < limit; }) <
+           2) {
+        ++limit;
+    }
+    rlimit low = saved;
+    low.rlim_cur = static_cast<rlim_t>(limit);
+    REQUIRE(::setrlimit(RLIMIT_NOFILE, &low) == 0);
+    std::optional<errc> code;
+    try {
+        lease->open_procs();
+    } catch (const rpc_error& e) {
+        code = e.code();
+    }
+    REQUIRE(::setrlimit(RLIMIT_NOFILE, &saved) == 0);
+    auto fds_after = open_fds();
+    CHECK(code == errc::channel_limit);
+    CHECK(fds_after == fds_before);
 }
 
 TEST_CASE("A pids limit of 20 makes the 21st fork of the lease fail", "[cgroup]") {
@@ -476,9 +530,9 @@ TEST_CASE("A channel child that buffers 300 MiB under a 64 MiB lease limit is OO
     pid_t hog = f.spawn([&] {
         if (!join(fds)) return 3;
         std::size_t size = 300 * mib;
-        auto* buffer = static_cast<volatile char*>(std::malloc(size));
-        if (buffer == nullptr) return 4;
-        for (std::size_t i = 0; i < size; i += 4096) buffer[i] = 1;
+        auto buffer = std::make_unique<char[]>(size);  // zeroed: every page touched
+        volatile char* bytes = buffer.get();
+        for (std::size_t i = 0; i < size; i += 4096) bytes[i] = 1;
         return 0;
     });
     fds.clear();
@@ -620,9 +674,9 @@ TEST_CASE("usage reports the memory and CPU time of a lease", "[cgroup]") {
     pid_t burner = f.spawn([&] {
         if (!join(fds)) return 3;
         std::size_t size = 16 * mib;
-        auto* buffer = static_cast<volatile char*>(std::malloc(size));
-        if (buffer == nullptr) return 4;
-        for (std::size_t i = 0; i < size; i += 4096) buffer[i] = 1;
+        auto buffer = std::make_unique<char[]>(size);  // zeroed: every page touched
+        volatile char* bytes = buffer.get();
+        for (std::size_t i = 0; i < size; i += 4096) bytes[i] = 1;
         timespec t{};
         do {
             ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);

@@ -1,0 +1,529 @@
+// The hostile-tenant suite (issue 11): a real daemon, real bubblewrap, real cgroups, and
+// commands that try to get out of their lease, read what is not theirs, exhaust the node or
+// lie to the daemon. Every test is tagged [hostile] (run them alone with
+// `integration_tests '[hostile]'`). docs/security.md names the test behind each claim.
+//
+// Processes are found only as descendants of the daemon this test started (by pid), and
+// cgroups only as the ones those processes are in.
+#include "support/daemon_fixture.hpp"
+
+#include <sandboxd/errors.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/inotify.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+using namespace sandboxd;
+using namespace sandboxd::test;
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::string read_file(const fs::path& path) {
+    std::ifstream in(path, std::ios::binary);
+    std::ostringstream s;
+    s << in.rdbuf();
+    return s.str();
+}
+
+json acquire_with(Client& c, const json& limits = json::object(),
+                  const std::string& company = "acme") {
+    json params = {{"companyId", company}, {"environmentId", "dev"}, {"provider", "bwrap"}};
+    if (!limits.empty()) params["config"] = {{"limits", limits}};
+    return c.call("leaseAcquire", params);
+}
+
+ChannelRun run(Client& c, const json& lease, std::vector<std::string> argv,
+               const std::string& stdin_data = {}, json extra = json::object()) {
+    json params = open_params(lease, std::move(argv));
+    for (auto& [k, v] : extra.items()) params[k] = v;
+    return c.run_channel(params, stdin_data, true);
+}
+
+ChannelRun sh(Client& c, const json& lease, const std::string& script) {
+    return run(c, lease, {"sh", "-c", script});
+}
+
+/// Every live descendant of `root` (children of every thread, recursively).
+std::vector<pid_t> descendants(pid_t root) {
+    std::vector<pid_t> out;
+    std::vector<pid_t> todo = {root};
+    while (!todo.empty()) {
+        const pid_t p = todo.back();
+        todo.pop_back();
+        std::error_code ec;
+        for (const auto& task : fs::directory_iterator("/proc/" + std::to_string(p) + "/task", ec)) {
+            std::istringstream in(read_file(task.path() / "children"));
+            for (pid_t child = 0; in >> child;) {
+                out.push_back(child);
+                todo.push_back(child);
+            }
+        }
+    }
+    return out;
+}
+
+std::vector<std::string> cmdline(pid_t pid) {
+    const std::string raw = read_file("/proc/" + std::to_string(pid) + "/cmdline");
+    std::vector<std::string> args;
+    std::string cur;
+    for (char ch : raw) {
+        if (ch == '\0') {
+            args.push_back(cur);
+            cur.clear();
+        } else {
+            cur += ch;
+        }
+    }
+    return args;
+}
+
+/// The descendant of the daemon whose argv is exactly `argv` (waits up to 10 s).
+pid_t find_command(const DaemonProcess& d, const std::vector<std::string>& argv) {
+    pid_t found = -1;
+    eventually(
+        [&] {
+            for (pid_t p : descendants(d.pid())) {
+                if (cmdline(p) == argv) {
+                    found = p;
+                    return true;
+                }
+            }
+            return false;
+        },
+        10s);
+    return found;
+}
+
+/// The cgroup of `pid` in the v1 pids hierarchy (host path), "" when unknown.
+fs::path pids_cgroup_of(pid_t pid) {
+    std::istringstream in(read_file("/proc/" + std::to_string(pid) + "/cgroup"));
+    for (std::string line; std::getline(in, line);) {
+        const auto a = line.find(':');
+        const auto b = line.find(':', a + 1);
+        if (a == std::string::npos || b == std::string::npos) continue;
+        const std::string controllers = line.substr(a + 1, b - a - 1);
+        if (controllers == "pids" || controllers.find("pids,") == 0 ||
+            controllers.find(",pids") != std::string::npos) {
+            return fs::path("/sys/fs/cgroup/pids") / line.substr(b + 2);
+        }
+        if (controllers.empty()) return fs::path("/sys/fs/cgroup") / line.substr(b + 2);  // v2
+    }
+    return {};
+}
+
+/// Processes in `cgroup` and every cgroup below it.
+std::size_t processes_in(const fs::path& cgroup) {
+    std::size_t n = 0;
+    std::error_code ec;
+    if (!fs::exists(cgroup, ec)) return 0;
+    std::istringstream top(read_file(cgroup / "cgroup.procs"));
+    for (pid_t p = 0; top >> p;) ++n;
+    for (const auto& e : fs::recursive_directory_iterator(cgroup, ec)) {
+        if (!e.is_directory()) continue;
+        std::istringstream in(read_file(e.path() / "cgroup.procs"));
+        for (pid_t p = 0; in >> p;) ++n;
+    }
+    return n;
+}
+
+/// The "Uid:" line of /proc/<pid>/status: real, effective, saved, fs.
+std::vector<long> uids_of(pid_t pid) {
+    std::istringstream in(read_file("/proc/" + std::to_string(pid) + "/status"));
+    for (std::string line; std::getline(in, line);) {
+        if (line.rfind("Uid:", 0) != 0) continue;
+        std::istringstream f(line.substr(4));
+        std::vector<long> out;
+        for (long v = 0; f >> v;) out.push_back(v);
+        return out;
+    }
+    return {};
+}
+
+std::string exit_outcome(const ChannelRun& r) { return r.exit.value("outcome", ""); }
+
+/// Opens a channel and returns its number without waiting for its exit.
+std::uint32_t open_only(Client& c, const json& params) {
+    return c.call("duplexChannelOpen", params)["channel"].get<std::uint32_t>();
+}
+
+/// Reads events until the exit of `channel`; returns its params. Bounded by the client's
+/// timeout (30 s) per event.
+json wait_exit(Client& c, std::uint32_t channel) {
+    for (;;) {
+        auto ev = c.next_event();
+        if (ev.message.is_object() && ev.message.value("method", "") == "duplexChannel.exit" &&
+            ev.message["params"]["channel"] == channel) {
+            return ev.message["params"];
+        }
+    }
+}
+
+}  // namespace
+
+TEST_CASE("hostile: host secrets, tokens and the registry are unreachable from inside",
+          "[hostile]") {
+    TempDir etc_dir;  // like /etc/sandboxd: token files outside the state directory
+    const fs::path host_token = etc_dir.path() / "host.token";
+    std::ofstream(host_token) << "host-token-0123456789abcdef\n";
+    fs::permissions(host_token, fs::perms::owner_read | fs::perms::owner_write);
+    const json config = {{"auth",
+                          {{"tokens",
+                            {{{"name", "host"}, {"tokenFile", host_token.string()},
+                              {"role", "host"}, {"tenants", {"*"}}}}}}}};
+    DaemonProcess configured("node-a", config.dump());
+    DaemonProcess generated("node-b");  // makes <stateDir>/admin.token
+    REQUIRE(fs::exists(generated.state_dir() / "admin.token"));
+
+    for (DaemonProcess* d : {&configured, &generated}) {
+        auto c = d == &configured
+                     ? std::make_unique<Client>(d->url(), "host-token-0123456789abcdef")
+                     : d->connect();
+        const auto lease = acquire_lease(*c);
+        const std::vector<fs::path> secrets = {
+            "/etc/shadow", host_token, d->state_dir() / "admin.token",
+            d->state_dir() / "registry.db", d->state_dir()};
+        for (const auto& path : secrets) {
+            INFO("path " << path);
+            // By path, through the channel init's /proc entries, and through any process's root.
+            auto r = sh(*c, lease,
+                        "for p in '" + path.string() + "' '/proc/1/root" + path.string() +
+                            "' /proc/*/root'" + path.string() +
+                            "'; do cat \"$p\" 2>/dev/null && echo LEAKED; ls \"$p\" "
+                            "2>/dev/null && echo LISTED; done; exit 0");
+            CHECK(r.out.find("LEAKED") == std::string::npos);
+            CHECK(r.out.find("LISTED") == std::string::npos);
+            CHECK(r.out.find("host-token-0123456789abcdef") == std::string::npos);
+            CHECK(exit_outcome(r) == "exited");
+        }
+        // The sandbox's /etc is the generated one.
+        auto passwd = run(*c, lease, {"cat", "/etc/passwd"});
+        CHECK(passwd.out.rfind("root:x:0:0:root:/workspace:/bin/sh\n", 0) == 0);
+        CHECK(passwd.out.find(":/root:") == std::string::npos);
+        auto ls = run(*c, lease, {"ls", "/"});
+        CHECK(ls.out.find("home") == std::string::npos);
+        CHECK(ls.out.find("root") == std::string::npos);
+        CHECK(ls.out.find("var") == std::string::npos);
+        CHECK(ls.out.find("sys") == std::string::npos);
+    }
+}
+
+TEST_CASE("hostile: another lease's workspace is unreachable by path and through /proc",
+          "[hostile]") {
+    DaemonProcess d;
+    auto c = d.connect();
+    const auto a = acquire_lease(*c);
+    const auto b = acquire_lease(*c);
+    const std::string a_id = a["providerLeaseId"];
+    REQUIRE(sh(*c, a, "echo secret-of-a > /workspace/marker-a").exit["exitCode"] == 0);
+
+    // A holds a process open in its workspace while B looks.
+    const std::vector<std::string> holder = {"sleep", "7311"};
+    auto ca = d.connect();
+    const auto held = open_only(*ca, open_params(a, holder));
+    REQUIRE(find_command(d, holder) > 0);
+
+    auto r = sh(*c, b,
+                "ls -a /workspace; for p in /proc/*/root/workspace /proc/*/cwd; do ls -a \"$p\"; "
+                "done 2>/dev/null; cat /proc/self/mountinfo; "
+                "grep -rs secret-of-a /workspace /tmp /run /proc/*/root/workspace; exit 0");
+    CHECK(r.out.find("marker-a") == std::string::npos);
+    CHECK(r.out.find("secret-of-a") == std::string::npos);
+    CHECK(r.out.find(a_id) == std::string::npos);
+    // B sees no process but its own channel's: its init (1) and itself.
+    auto ps = run(*c, b, {"sh", "-c", "ls -d /proc/[0-9]*"});
+    CHECK(ps.out == "/proc/1\n/proc/2\n");  // sh expands the glob before it starts ls
+    ca->call("duplexChannelStop", {{"channel", held}});
+    CHECK(wait_exit(*ca, held).value("outcome", "") == "stopped");
+}
+
+TEST_CASE("hostile: seen from the host, a command runs as its lease's unprivileged uid",
+          "[hostile]") {
+    DaemonProcess d;
+    auto c = d.connect();
+    const auto a = acquire_lease(*c);
+    const auto b = acquire_lease(*c);
+    std::vector<long> uids[2];
+    const json* leases[2] = {&a, &b};
+    for (int i = 0; i < 2; ++i) {
+        const std::vector<std::string> marker = {"sleep", i == 0 ? "7321" : "7322"};
+        auto ci = d.connect();
+        const auto ch = open_only(*ci, open_params(*leases[i], marker));
+        const pid_t pid = find_command(d, marker);
+        REQUIRE(pid > 0);
+        uids[i] = uids_of(pid);
+        REQUIRE(uids[i].size() == 4);
+        ci->call("duplexChannelStop", {{"channel", ch}});
+        CHECK(wait_exit(*ci, ch).value("outcome", "") == "stopped");
+    }
+    for (const auto& u : uids) {
+        CHECK(u[0] >= 1500000000);  // the default identity range
+        CHECK(std::all_of(u.begin(), u.end(), [&](long v) { return v == u[0]; }));
+    }
+    CHECK(uids[0][0] != uids[1][0]);  // one uid per lease
+    // Inside, it is uid 0 of its own user namespace, with no capability.
+    auto r = run(*c, a, {"sh", "-c", "id -u; grep CapEff /proc/self/status"});
+    CHECK(r.out == "0\nCapEff:\t0000000000000000\n");
+}
+
+TEST_CASE("hostile: a fork bomb at a pids limit of 128 leaves the node and other leases working",
+          "[hostile]") {
+    DaemonProcess d;
+    auto c = d.connect();
+    const auto bomb_lease = acquire_with(*c, {{"pids", 128}});
+    CHECK(bomb_lease["limits"]["pids"] == 128);
+    const auto other = acquire_lease(*c);
+
+    auto cb = d.connect();
+    // Forks busy children for ever; a refused fork (EAGAIN at the limit) is simply retried.
+    const std::vector<std::string> bomb = {
+        "perl", "-e", "while (1) { my $p = fork; if (defined $p && $p == 0) { 1 while 1; } }"};
+    const auto ch = open_only(*cb, open_params(bomb_lease, bomb));
+    const pid_t bomber = find_command(d, bomb);
+    REQUIRE(bomber > 0);
+    const fs::path channel_cgroup = pids_cgroup_of(bomber);
+    REQUIRE(!channel_cgroup.empty());
+    const fs::path lease_cgroup = channel_cgroup.parent_path();
+    // The bomb reaches its limit...
+    REQUIRE(eventually([&] { return processes_in(lease_cgroup) >= 120; }, 20s));
+
+    // ...while the daemon answers at once and another lease streams 16 MiB exactly.
+    for (int i = 0; i < 3; ++i) {
+        const auto began = std::chrono::steady_clock::now();
+        auto got = c->call("leaseGet", {{"leaseId", bomb_lease["id"]}});
+        CHECK(std::chrono::steady_clock::now() - began < 1s);
+        CHECK(got["usage"]["pids"].get<long>() >= 100);
+        CHECK(got["usage"]["pids"].get<long>() <= 128);
+    }
+    std::string data(16 << 20, '\0');
+    for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>((i * 7 + i / 251) & 0xff);
+    auto streamed = run(*c, other, {"cat"}, data);
+    CHECK(streamed.out.size() == data.size());
+    CHECK(streamed.out == data);
+    CHECK(streamed.exit["exitCode"] == 0);
+
+    cb->call("duplexChannelStop", {{"channel", ch}});
+    const auto exit = wait_exit(*cb, ch);
+    CHECK(exit.value("outcome", "") == "stopped");
+    // Nothing of the bomb is left: the lease holds its supervisor (and bubblewrap) only.
+    CHECK(eventually([&] { return processes_in(channel_cgroup) == 0; }, 10s));
+    CHECK(processes_in(lease_cgroup) <= 2);
+    CHECK(d.metric("sandboxd_limit_events_total{kind=\"pids\"}") >= 1);
+}
+
+TEST_CASE("hostile: allocating 1 GiB under a 128 MiB limit is killed and reported as memory",
+          "[hostile]") {
+    const auto memory_env = measure_memory_env();
+    DaemonProcess d;
+    auto c = d.connect();
+    const auto lease = acquire_with(*c, {{"memoryBytes", 128 << 20}});
+    CHECK(lease["limits"]["memoryBytes"] == (128 << 20));
+    sh(*c, lease, "true");  // first use of every code path before the baseline
+    const long before = d.rss_kib();
+    // awk doubles a string until the kernel stops it.
+    auto r = run(*c, lease, {"awk", "BEGIN { s = \"x\"; while (1) s = s s }"});
+    CHECK(r.exit["signal"] == "KILL");
+    CHECK(r.exit["outcome"] == "signaled");
+    CHECK(r.exit.value("limit", "") == "memory");
+    CHECK(r.exit["exitCode"].is_null());
+    if (rss_is_meaningful) CHECK(d.peak_rss_kib() - before < 4 * 1024);
+    CHECK(d.metric("sandboxd_limit_events_total{kind=\"memory\"}") == 1);
+    // The lease goes on working after the kill.
+    CHECK(sh(*c, lease, "echo alive").out == "alive\n");
+}
+
+TEST_CASE("hostile: writing 200 MiB into a 64 MiB disk fails inside and costs the host at most "
+          "the limit",
+          "[hostile]") {
+    DaemonProcess d;
+    auto c = d.connect();
+    struct statvfs before {};
+    REQUIRE(::statvfs(d.state_dir().c_str(), &before) == 0);
+    const auto lease = acquire_with(*c, {{"diskBytes", 64 << 20}});
+    auto r = sh(*c, lease, "head -c 209715200 /dev/zero > /workspace/big; echo rc=$?");
+    CHECK(r.out == "rc=1\n");
+    CHECK(r.err.find("No space left on device") != std::string::npos);
+    struct statvfs after {};
+    REQUIRE(::statvfs(d.state_dir().c_str(), &after) == 0);
+    const double fell = (static_cast<double>(before.f_bavail) - static_cast<double>(after.f_bavail)) *
+                        static_cast<double>(before.f_frsize);
+    CHECK(fell <= (64 << 20) + (1 << 20));
+    auto got = c->call("leaseGet", {{"leaseId", lease["id"]}});
+    CHECK(got["usage"]["diskBytes"].get<double>() > 50.0 * (1 << 20));
+    CHECK(got["limits"]["diskBytes"] == (64 << 20));
+    // Another lease writes as usual.
+    const auto other = acquire_lease(*c);
+    CHECK(sh(*c, other, "head -c 1048576 /dev/zero > /workspace/f && echo ok").out == "ok\n");
+}
+
+#if defined(__x86_64__)
+TEST_CASE("hostile: user namespaces, keyrings and TIOCSTI are refused with EPERM", "[hostile]") {
+    DaemonProcess d;
+    auto c = d.connect();
+    const auto lease = acquire_lease(*c);
+    auto userns = run(*c, lease, {"unshare", "-U", "true"});
+    CHECK(userns.exit["exitCode"] != 0);
+    CHECK(userns.err.find("Operation not permitted") != std::string::npos);
+    // x86_64 numbers: add_key 248, request_key 249, keyctl 250. errno 1 is EPERM.
+    auto keys = run(*c, lease,
+                    {"perl", "-e",
+                     "my ($t, $d, $p) = ('user', 'sandboxd', 'secret'); "
+                     "syscall(248, $t, $d, $p, 6, -4); print $! + 0, ' '; "
+                     "syscall(249, $t, $d, 0, 0); print $! + 0, ' '; "
+                     "syscall(250, 0, -4, 0); print $! + 0, qq(\\n);"});
+    CHECK(keys.out == "1 1 1\n");
+    json pty_open = open_params(lease, {"perl", "-e",
+                                        "my $c = 'x'; ioctl(STDIN, 0x5412, $c) and print qq(ok\\n); "
+                                        "print $! + 0, qq(\\n);"});
+    pty_open["pty"] = {{"cols", 80}, {"rows", 24}};
+    auto tiocsti = c->run_channel(pty_open, "", false);
+    CHECK(tiocsti.out == "1\r\n");
+}
+#endif
+
+TEST_CASE("hostile: with the network unshared the daemon's own port is unreachable", "[hostile]") {
+    DaemonProcess d;
+    auto c = d.connect();
+    const auto lease = acquire_lease(*c);
+    const std::string port = d.address().substr(d.address().rfind(':') + 1);
+    auto r = run(*c, lease,
+                 {"bash", "-c", "echo > /dev/tcp/127.0.0.1/" + port + " && echo CONNECTED; exit 0"});
+    CHECK(r.out.find("CONNECTED") == std::string::npos);
+    CHECK(r.err.find("Connection refused") != std::string::npos);
+}
+
+TEST_CASE("hostile: after kill -9 of the daemon and a restart no process of an old sandbox is "
+          "left",
+          "[hostile]") {
+    DaemonProcess d;
+    fs::path cgroups[2];
+    {
+        auto c = d.connect();
+        for (int i = 0; i < 2; ++i) {
+            const auto lease = acquire_lease(*c);
+            // A channel, and a background process of it that tries to outlive everything.
+            const std::vector<std::string> marker = {"sleep", i == 0 ? "7331" : "7332"};
+            open_only(*c, open_params(lease, {"sh", "-c", "setsid sleep 7339 & exec sleep " +
+                                                              marker[1]}));
+            const pid_t pid = find_command(d, marker);
+            REQUIRE(pid > 0);
+            cgroups[i] = pids_cgroup_of(pid).parent_path();
+            REQUIRE(processes_in(cgroups[i]) >= 3);  // supervisor, init, sleeps
+        }
+        d.kill9();
+    }
+    d.restart();
+    for (const auto& cg : cgroups) {
+        INFO("cgroup " << cg);
+        CHECK(processes_in(cg) == 0);
+    }
+    // The node serves again.
+    auto c = d.connect();
+    const auto lease = acquire_lease(*c);
+    CHECK(sh(*c, lease, "echo up").out == "up\n");
+}
+
+TEST_CASE("hostile: a forged exit status is never believed and the timeout holds", "[hostile]") {
+    DaemonProcess d;
+    auto c = d.connect();
+    const auto lease = acquire_lease(*c);
+    const auto began = std::chrono::steady_clock::now();
+    auto r = run(*c, lease,
+                 {"sh", "-c",
+                  "for f in /proc/1/fd/* /proc/*/fd/* /proc/1/task/*/fd/*; do "
+                  "printf 'exit 0\\nexit 99999999999999\\nsignal 0\\n' > \"$f\" 2>/dev/null; "
+                  "done; echo tried; sleep 6; exit 7"},
+                 "", {{"timeoutMs", 2000}});
+    CHECK(r.exit["outcome"] == "timedOut");
+    CHECK(r.exit["exitCode"].is_null());
+    CHECK(std::chrono::steady_clock::now() - began < 5s);
+    // The log reports the channel without anything it could have read from the sandbox.
+    const std::string log = d.log();
+    const auto at = log.find("channel=" + std::to_string(r.channel) + " lease=");
+    REQUIRE(at != std::string::npos);
+    const auto ended = log.find("ended:", at);
+    REQUIRE(ended != std::string::npos);
+    const std::string line = log.substr(ended, log.find('\n', ended) - ended);
+    CHECK(line.find("outcome=timedOut exit=- signal=-") != std::string::npos);
+    CHECK(log.find("99999999999999") == std::string::npos);
+    // The slot is free: more channels run.
+    CHECK(sh(*c, lease, "exit 4").exit["exitCode"] == 4);
+}
+
+TEST_CASE("hostile: a 30,000-level tree and 200,000 files cost the daemon nothing at teardown",
+          "[hostile]") {
+    const auto memory_env = measure_memory_env();
+    DaemonProcess d;
+    auto c = d.connect();
+    const auto lease = acquire_with(*c, {{"diskBytes", 4ULL << 30}});
+    auto made = run(*c, lease,
+                    {"perl", "-e",
+                     "mkdir 'deep' or die; chdir 'deep' or die; "
+                     "for (1..30000) { mkdir 'd' or die qq(mkdir: $!); chdir 'd' or die; } "
+                     "chdir '/workspace' or die; mkdir 'many' or die; "
+                     "for (1..200000) { open(my $h, '>', qq(many/$_)) or die qq(open: $!); } "
+                     "mkdir 'locked'; chmod 0, 'locked'; symlink '/usr', 'link'; "
+                     "print qq(made\\n);"});
+    REQUIRE(made.out == "made\n");
+    const long rss_before = d.rss_kib();
+    const auto fds_before = d.fd_count();
+    auto released = c->call("leaseRelease", {{"leaseId", lease["id"]}});
+    CHECK(released["status"] == "released");
+    if (rss_is_meaningful) CHECK(d.peak_rss_kib() - rss_before < 16 * 1024);
+    CHECK(d.fd_count() < fds_before + 16);
+    std::error_code ec;
+    CHECK_FALSE(fs::exists(d.state_dir() / "sandboxes" / lease["providerLeaseId"].get<std::string>(), ec));
+}
+
+#if defined(__x86_64__)
+TEST_CASE("hostile: keyrings and inotify instances are not shared between leases or with root",
+          "[hostile]") {
+    DaemonProcess d;
+    auto c = d.connect();
+    const auto a = acquire_lease(*c);
+    const auto b = acquire_lease(*c);
+    // add_key (248) in A, then keyctl(KEYCTL_SEARCH = 10) for it from B: both refused.
+    auto add = run(*c, a, {"perl", "-e",
+                           "my ($t, $d, $p) = ('user', 'shared-key', 'secret'); "
+                           "my $r = syscall(248, $t, $d, $p, 6, -4); print $r, ' ', $! + 0;"});
+    CHECK(add.out == "-1 1");
+    auto find = run(*c, b, {"perl", "-e",
+                            "my ($t, $d) = ('user', 'shared-key'); "
+                            "my $r = syscall(250, 10, -4, $t, $d, 0); print $r, ' ', $! + 0;"});
+    CHECK(find.out == "-1 1");
+    // 128 inotify instances held in A (inotify_init1 is 294) while root makes its own.
+    auto ca = d.connect();
+    const std::vector<std::string> holder = {
+        "perl", "-e",
+        "$| = 1; my @fds; for (1..128) { my $fd = syscall(294, 0); push @fds, $fd if $fd >= 0; } "
+        "print scalar(@fds), qq(\\n); sleep 7341;"};
+    const auto ch = open_only(*ca, open_params(a, holder));
+    REQUIRE(find_command(d, holder) > 0);
+    std::string held;
+    while (held.find('\n') == std::string::npos) {
+        auto ev = ca->next_event();  // bounded by the client's timeout
+        if (ev.type == ClientEvent::kind::data) held += ev.bytes;
+    }
+    CHECK(std::stoi(held) >= 1);
+    const int fd = ::inotify_init1(IN_CLOEXEC);
+    CHECK(fd >= 0);
+    if (fd >= 0) ::close(fd);
+    ca->call("duplexChannelStop", {{"channel", ch}});
+    CHECK(wait_exit(*ca, ch).value("outcome", "") == "stopped");
+}
+#endif
