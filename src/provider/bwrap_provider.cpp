@@ -32,6 +32,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -398,12 +399,22 @@ public:
                              " has no supervisor in this process");
         }
         // The request's payload: cwd, argv, then the environment, NUL-terminated.
-        std::map<std::string, std::string> env = {
+        // The fixed variables first, in this order, then spec.env (sorted); a spec.env entry
+        // of a fixed name replaces its value in place, as setenv(3) does.
+        std::vector<std::pair<std::string, std::string>> env = {
             {"PATH", std::string(sandbox_path)},
             {"HOME", "/workspace"},
             {"TERM", spec.pty ? "xterm-256color" : "dumb"},
             {"LANG", "C.UTF-8"}};
-        for (const auto& [name, value] : spec.env) env[name] = value;
+        for (const auto& [name, value] : spec.env) {
+            auto it = std::find_if(env.begin(), env.end(),
+                                   [&name](const auto& e) { return e.first == name; });
+            if (it != env.end()) {
+                it->second = value;
+            } else {
+                env.emplace_back(name, value);
+            }
+        }
         proto::Request request;
         std::string payload = sandbox_cwd(spec.cwd);
         payload.push_back('\0');

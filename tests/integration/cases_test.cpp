@@ -720,15 +720,11 @@ TEST_CASE("cases: B09: a client disconnect leaves no process behind", "[cases][B
         // covers that case; this section checks the HUP itself.
         REQUIRE(eventually([&] { return count_processes_with(marker) == 1; }, 10s));
         c.reset();
-        const auto file =
-            daemon.state_dir() / "sandboxes" / lease["providerLeaseId"].get<std::string>() / "hup";
-        CHECK(eventually([&] { return std::filesystem::exists(file); }, 5s));
+        // The trap's file, read from inside the lease (the workspace is the lease's own disk).
         CHECK(eventually(
             [&] {
-                std::ifstream in(file);
-                std::string text((std::istreambuf_iterator<char>(in)),
-                                 std::istreambuf_iterator<char>());
-                return text == "hup\n";
+                auto r = control->run_channel(open_params(lease, {"cat", "/workspace/hup"}));
+                return r.out == "hup\n";
             },
             5s));
     }
@@ -736,7 +732,7 @@ TEST_CASE("cases: B09: a client disconnect leaves no process behind", "[cases][B
     CHECK(eventually([&] { return count_processes_with(marker) == 0; }, 5s));
     INFO("gone after " << ms_since(dropped) << " ms");
     CHECK(eventually([&] { return daemon.metric("sandboxd_channels_open") == baseline; }, 5s));
-    CHECK(eventually([&] { return daemon.children().empty(); }, 5s));
+    CHECK(eventually([&] { return daemon.channel_processes().empty(); }, 5s));
     auto ok = control->run_channel(open_params(lease, {"echo", "ok"}));
     CHECK(ok.out == "ok\n");
     CHECK(ok.exit["exitCode"] == 0);
@@ -860,9 +856,9 @@ TEST_CASE("cases: B11: descendants are reaped and background children never hold
             auto run = c->run_channel(open_params(lease, {"sh", "-c", "true & exit 0"}));
             REQUIRE(run.exit["exitCode"] == 0);
         }
-        CHECK(eventually([&] { return daemon.children().empty(); }, 5s));
+        CHECK(eventually([&] { return daemon.channel_processes().empty(); }, 5s));
         int zombies = 0;
-        for (pid_t child : daemon.children()) zombies += proc_state(child) == 'Z' ? 1 : 0;
+        for (pid_t child : daemon.channel_processes()) zombies += proc_state(child) == 'Z' ? 1 : 0;
         CHECK(zombies == 0);
     }
     SECTION("case 3: a setsid'd descendant is gone at the latest when the lease is released") {
@@ -871,7 +867,7 @@ TEST_CASE("cases: B11: descendants are reaped and background children never hold
         CHECK(eventually([] { return count_processes_exactly("sleep 500") == 0; }, 5s));
         c->call("leaseRelease", {{"leaseId", lease["id"]}});
         CHECK(count_processes_exactly("sleep 500") == 0);
-        CHECK(eventually([&] { return daemon.children().empty(); }, 5s));
+        CHECK(eventually([&] { return daemon.channel_processes().empty(); }, 5s));
     }
 }
 
@@ -939,7 +935,7 @@ TEST_CASE("cases: B12: no fd leak across many channels, and none at a low RLIMIT
     CHECK(failures == 0);
     // 5 s after quiescence: fds back to the baseline (+8), no PTY held, RSS bounded.
     CHECK(eventually(
-        [&] { return daemon.children().empty() && daemon.metric("sandboxd_channels_open") == 0; },
+        [&] { return daemon.channel_processes().empty() && daemon.metric("sandboxd_channels_open") == 0; },
         10s));
     const bool fds_back = eventually([&] { return daemon.fd_count() <= fds_before + 8; }, 5s);
     {
@@ -990,7 +986,7 @@ TEST_CASE("cases: B12: no fd leak across many channels, and none at a low RLIMIT
     }
     CHECK(batch_failures == 0);
     CHECK(daemon.log().find("Too many open files") == std::string::npos);
-    CHECK(eventually([&] { return daemon.children().empty(); }, 10s));
+    CHECK(eventually([&] { return daemon.channel_processes().empty(); }, 10s));
 }
 
 TEST_CASE(

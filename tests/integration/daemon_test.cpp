@@ -46,7 +46,9 @@ std::string all_bytes(std::size_t size) {
 std::size_t count_sandboxes(const DaemonProcess& d) {
     std::size_t n = 0;
     std::error_code ec;
-    for ([[maybe_unused]] const auto& e : fs::directory_iterator(d.state_dir() / "sandboxes", ec)) ++n;
+    for (const auto& e : fs::directory_iterator(d.state_dir() / "sandboxes", ec)) {
+        n += e.path().filename().string().rfind("bw-", 0) == 0 ? 1 : 0;  // not .lock
+    }
     return n;
 }
 
@@ -211,7 +213,7 @@ TEST_CASE("Every fail-closed check returns its code and message and starts no pr
         CHECK(reason2 == "LEASE_NOT_ACTIVE");
         CHECK(message2 == message);
     }
-    CHECK(daemon.children().empty());
+    CHECK(daemon.channel_processes().empty());
     CHECK(count_sandboxes(daemon) <= before);
 }
 
@@ -230,7 +232,7 @@ TEST_CASE("Another tenant's lease is reported as not found", "[daemon][failclose
     CHECK(a.call("leaseList", json::object())["leases"].size() == 1);
     CHECK(call_error(b, "leaseAcquire", {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}}).first ==
           "INVALID_PARAMS");
-    CHECK(daemon.children().empty());
+    CHECK(daemon.channel_processes().empty());
 }
 
 TEST_CASE("After a restart a lease survives and fails closed with SANDBOX_NOT_CACHED",
@@ -250,7 +252,7 @@ TEST_CASE("After a restart a lease survives and fails closed with SANDBOX_NOT_CA
     auto [reason, message] = call_error(*c, "duplexChannelOpen", open_params(lease, {"echo", "hi"}));
     CHECK(reason == "SANDBOX_NOT_CACHED");
     CHECK(message == "Sandbox duplex channel: no cached sandbox resolves the provider lease.");
-    CHECK(daemon.children().empty());
+    CHECK(daemon.channel_processes().empty());
     CHECK(count_sandboxes(daemon) == sandboxes);
     // Releasing it still tears the old sandbox down through its provider.
     auto released = c->call("leaseRelease", {{"leaseId", lease["id"]}});
@@ -309,7 +311,7 @@ TEST_CASE("A dropped connection leaves no process of its channels behind", "[dae
                            std::chrono::seconds(10)));
     }  // the client's socket closes without a WebSocket close
     CHECK(eventually([] { return count_processes_with("sleep 6009") == 0; }, std::chrono::seconds(6)));
-    CHECK(eventually([&] { return daemon.children().empty(); }, std::chrono::seconds(6)));
+    CHECK(eventually([&] { return daemon.channel_processes().empty(); }, std::chrono::seconds(6)));
 }
 
 TEST_CASE("leaseAcquire with an idempotency key returns the same lease", "[daemon][lease]") {

@@ -194,7 +194,7 @@ TEST_CASE("etcd: a daemon whose etcd stops fails closed with REGISTRY_UNAVAILABL
         CHECK(std::string(e.what()).find("has not renewed its registry membership") != std::string::npos);
     }
     CHECK(p1.alive());
-    CHECK(p1.children().size() == 1);  // the running channel is left alone
+    CHECK(p1.channel_processes().size() == 1);  // the running channel is left alone
 
     etcd.start();
     REQUIRE(eventually([&] { return error_reason(c, "duplexChannelOpen", open_params(lease, {"true"})) == "ok"; },

@@ -207,7 +207,7 @@ TEMPLATE_TEST_CASE("Redirect mode answers OWNER_ELSEWHERE with the owner's URL",
         CHECK(e.data()["ownerNodeId"] == "node-1");
         CHECK(e.data()["ownerUrl"] == p1.url());
     }
-    CHECK(p2.children().empty());
+    CHECK(p2.channel_processes().empty());
 }
 
 TEMPLATE_TEST_CASE("A forwarded open is never forwarded again", "[routing][multinode]",
@@ -221,8 +221,8 @@ TEMPLATE_TEST_CASE("A forwarded open is never forwarded again", "[routing][multi
     Client as_peer(p2.url(), peer_token, std::chrono::seconds(10), 0,
                    {{"Sandboxd-Forwarded-By", "node-3"}});
     CHECK(error_reason(as_peer, "duplexChannelOpen", open_params(lease, {"true"})) == "ROUTING_LOOP");
-    CHECK(p2.children().empty());
-    CHECK(p1.children().empty());
+    CHECK(p2.channel_processes().empty());
+    CHECK(p1.channel_processes().empty());
 }
 
 TEMPLATE_TEST_CASE("A second live process with the same node id refuses to start",

@@ -157,6 +157,32 @@ std::vector<pid_t> DaemonProcess::children() const {
     return out;
 }
 
+namespace {
+std::vector<pid_t> children_of(pid_t pid) {
+    std::vector<pid_t> out;
+    std::error_code ec;
+    for (const auto& task : fs::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
+        std::istringstream in(read_proc_file(task.path() / "children"));
+        pid_t child = 0;
+        while (in >> child) out.push_back(child);
+    }
+    return out;
+}
+}  // namespace
+
+std::vector<pid_t> DaemonProcess::channel_processes() const {
+    std::vector<pid_t> out;
+    for (pid_t child : children()) {
+        std::error_code ec;
+        const auto exe = fs::read_symlink("/proc/" + std::to_string(child) + "/exe", ec);
+        if (ec || exe.filename() != "bwrap") continue;
+        for (pid_t supervisor : children_of(child)) {
+            for (pid_t init : children_of(supervisor)) out.push_back(init);
+        }
+    }
+    return out;
+}
+
 ScopedEnv::ScopedEnv(std::string name, const std::string& value) : name_(std::move(name)) {
     if (const char* old = std::getenv(name_.c_str())) {
         had_ = true;

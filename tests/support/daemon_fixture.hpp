@@ -50,8 +50,11 @@ public:
     const std::filesystem::path& state_dir() const { return state_dir_; }
     std::string log() const;
     std::unique_ptr<Client> connect() const { return std::make_unique<Client>(url(), token()); }
-    /// PIDs of the daemon's direct children (bubblewrap processes of running channels).
+    /// PIDs of the daemon's direct children (a bubblewrap per lease sandbox, plugin workers).
     std::vector<pid_t> children() const;
+    /// PIDs of the channels' inits: the children of each lease sandbox's supervisor (itself
+    /// the child of the daemon's bubblewrap child). Empty when no channel process is left.
+    std::vector<pid_t> channel_processes() const;
     /// True while the daemon process runs (not exited, not a zombie).
     bool alive() const;
 
