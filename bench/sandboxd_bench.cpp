@@ -381,8 +381,11 @@ Target target_of(const Args& a, const std::string& url_key = "url", const std::s
     return Target{parse_url(a.need(url_key)), read_file(a.need(token_key))};
 }
 
-json acquire(Conn& c, const std::string& company = "bench", const std::string& env = "bench") {
-    return c.call("leaseAcquire", {{"companyId", company}, {"environmentId", env}, {"provider", "bwrap"}});
+json acquire(Conn& c, const std::string& company = "bench", const std::string& env = "bench",
+             const json& limits = json::object()) {
+    json params = {{"companyId", company}, {"environmentId", env}, {"provider", "bwrap"}};
+    if (!limits.empty()) params["config"] = {{"limits", limits}};
+    return c.call("leaseAcquire", params);
 }
 
 json lease_ref(const json& lease) {
@@ -752,7 +755,9 @@ json cmd_hold(const Args& a) {
     const std::size_t probes = a.num("probe", 200);
 
     Conn control(t.url, t.token);
-    const json lease = acquire(control);
+    // Every held channel is two processes of the lease (its init and the command): room for
+    // them all above the default pids limit (1024).
+    const json lease = acquire(control, "bench", "bench", {{"pids", 2 * total + 64}});
     open_true_once(control, lease);  // warm the daemon's paths once
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     const long rss_before = rss_kib(pid);

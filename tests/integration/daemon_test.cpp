@@ -352,3 +352,79 @@ TEST_CASE("sandboxctl exec streams like docker exec and exits with the status",
     int bad = std::system((base + " exec lse_nope -- true 2>/dev/null").c_str());
     CHECK(WEXITSTATUS(bad) == 255);
 }
+
+TEST_CASE("Lease limits above the node's maximum are refused with the field named",
+          "[lease][limits]") {
+    const json config = {
+        {"providers",
+         {{"bwrap",
+           {{"limits",
+             {{"defaults", {{"memoryBytes", 268435456}}}, {"max", {{"memoryBytes", 268435456}}}}}}}}}};
+    DaemonProcess daemon("node-a", config.dump());
+    auto c = daemon.connect();
+    const json base = {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}};
+    auto refused = [&](const json& limits) -> std::pair<std::string, json> {
+        json p = base;
+        p["config"] = {{"limits", limits}};
+        try {
+            c->call("leaseAcquire", p);
+        } catch (const rpc_error& e) {
+            return {e.what(), e.data()};
+        }
+        FAIL("leaseAcquire accepted " << limits.dump());
+        return {};
+    };
+    auto [message, data] = refused({{"memoryBytes", 536870912}});
+    CHECK(message == "config.limits.memoryBytes: 536870912 is above this node's maximum of "
+                     "268435456");
+    CHECK(data["reason"] == "INVALID_PARAMS");
+    CHECK(data["field"] == "config.limits.memoryBytes");
+    std::tie(message, data) = refused({{"pids", 0}});
+    CHECK(message == "config.limits.pids: must be an integer in 8..4194304");
+    CHECK(data["field"] == "config.limits.pids");
+    std::tie(message, data) = refused({{"swap", 1}});
+    CHECK(message == "config.limits.swap: unknown key");
+    std::tie(message, data) = refused({{"cpuQuotaPercent", 100000}});
+    CHECK(data["field"] == "config.limits.cpuQuotaPercent");
+    // Nothing was made for the refused requests.
+    CHECK(count_sandboxes(daemon) == 0);
+    CHECK(c->call("leaseList", json::object())["leases"].empty());
+
+    json ok = base;
+    ok["config"] = {{"limits", {{"memoryBytes", 134217728}, {"pids", 64}, {"cpuQuotaPercent", 50}}}};
+    const auto lease = c->call("leaseAcquire", ok);
+    CHECK(lease["limits"] == json{{"memoryBytes", 134217728}, {"pids", 64}, {"cpuWeight", 100},
+                                  {"cpuQuotaPercent", 50}, {"diskBytes", 1073741824},
+                                  {"openFiles", 1024}});
+    auto got = c->call("leaseGet", {{"leaseId", lease["id"]}});
+    CHECK(got["limits"] == lease["limits"]);
+    CHECK(got["usage"]["pids"].get<int>() >= 1);  // the supervisor
+    CHECK(got["usage"]["memoryBytes"].get<long>() > 0);
+    auto nofile = c->run_channel(open_params(lease, {"sh", "-c", "ulimit -n; ulimit -c"}));
+    CHECK(nofile.out == "1024\n0\n");
+    // Released: the lease keeps its limits, and has no usage.
+    c->call("leaseRelease", {{"leaseId", lease["id"]}});
+    got = c->call("leaseGet", {{"leaseId", lease["id"]}});
+    CHECK(got["limits"] == lease["limits"]);
+    CHECK(got["usage"].is_null());
+}
+
+TEST_CASE("With limits not enforced the node serves, says so, and removes a plain workspace",
+          "[lease][limits]") {
+    const json config = {{"providers", {{"bwrap", {{"limits", {{"enforce", false}}}}}}}};
+    DaemonProcess daemon("node-a", config.dump());
+    CHECK(daemon.log().find("no limits are enforced") != std::string::npos);
+    auto [status, body] = http_get(daemon.address(), "/readyz");
+    CHECK(status == 200);
+    CHECK(body == "ready\nwarning: provider bwrap: no limits are enforced "
+                  "(providers.bwrap.limits.enforce is false)\n");
+    auto c = daemon.connect();
+    const auto lease = acquire(*c);
+    CHECK(lease["limits"].is_null());
+    auto r = c->run_channel(open_params(
+        lease, {"sh", "-c", "mkdir -p a/b/c && echo x > a/b/c/f && chmod 0 a/b && id -u"}));
+    CHECK(r.out == "0\n");
+    CHECK(c->call("leaseGet", {{"leaseId", lease["id"]}})["usage"].is_null());
+    c->call("leaseRelease", {{"leaseId", lease["id"]}});
+    CHECK(count_sandboxes(daemon) == 0);
+}

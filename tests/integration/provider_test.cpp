@@ -1,5 +1,9 @@
-// The bubblewrap provider and sandboxd-init against the real bwrap. Every fd is driven with
-// plain poll()/read() loops; every wait is bounded.
+// The bubblewrap provider and sandboxd-init against the real bwrap. A lease is one long-lived
+// sandbox (its supervisor `sandboxd-init --lease` as PID 1, running as the lease's own host
+// uid); a channel is a channel init that the supervisor starts as PID 1 of a PID namespace of
+// the channel's own. The channel init is not this process's child: it is watched and killed
+// through its pidfd only. Every fd is driven with plain poll()/read() loops; every wait is
+// bounded; processes are found by the pids and namespaces of our own channels, never by name.
 
 #include <sandboxd/errors.hpp>
 #include <sandboxd/provider.hpp>
@@ -9,6 +13,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -18,6 +23,7 @@
 #include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstdint>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -34,11 +40,15 @@ namespace {
 
 using namespace sandboxd;
 namespace fs = std::filesystem;
+using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 constexpr milliseconds status_timeout{20000};
 constexpr milliseconds teardown_timeout{10000};
+constexpr std::uint64_t mib = std::uint64_t{1} << 20;
+/// BwrapIdentityConfig's default range starts here.
+constexpr uid_t first_lease_uid = 1500000000;
 
 int open_fd_count() {
     int n = 0;
@@ -73,19 +83,18 @@ std::string cmdline_of(pid_t pid) {
     return cmdline;
 }
 
-/// True for a zombie: dead, waiting to be reaped by whoever inherited it (for a sandbox's
-/// init that is the host's PID 1, which may take its time).
-bool is_zombie(const fs::path& proc_dir) {
+/// True for a process that has not exited: false once it is gone, a zombie waiting for its
+/// parent ("Z"), or being reaped by its parent right now ("X").
+bool is_live(const fs::path& proc_dir) {
     std::string stat = read_text(proc_dir / "stat");
     auto paren = stat.rfind(')');
-    return paren != std::string::npos && stat.compare(paren, 4, ") Z ") == 0;
+    return paren != std::string::npos && stat.compare(paren, 4, ") Z ") != 0 &&
+           stat.compare(paren, 4, ") X ") != 0;
 }
 
-/// Whether `pid` is alive (not a zombie) with a command line that starts with `prefix`.
+/// Whether `pid` is alive (not exited) with a command line that starts with `prefix`.
 bool running_as(pid_t pid, const std::string& prefix) {
-    const fs::path dir = "/proc/" + std::to_string(pid);
-    std::error_code ec;
-    return fs::exists(dir, ec) && !is_zombie(dir) && cmdline_of(pid).rfind(prefix, 0) == 0;
+    return is_live("/proc/" + std::to_string(pid)) && cmdline_of(pid).rfind(prefix, 0) == 0;
 }
 
 /// Inode of the PID namespace `pid` is in; 0 if it is gone.
@@ -95,7 +104,7 @@ ino_t pid_ns_of(pid_t pid) {
     return st.st_ino;
 }
 
-/// Host pids of the live (non-zombie) processes in the PID namespace of inode `ns_inode`.
+/// Host pids of the live (not exited) processes in the PID namespace of inode `ns_inode`.
 std::vector<pid_t> processes_in_pid_ns(ino_t ns_inode) {
     std::vector<pid_t> out;
     std::error_code ec;
@@ -103,10 +112,117 @@ std::vector<pid_t> processes_in_pid_ns(ino_t ns_inode) {
         const std::string name = entry.path().filename().string();
         if (name.empty() || !std::all_of(name.begin(), name.end(), ::isdigit)) continue;
         pid_t pid = std::stoi(name);
-        if (pid_ns_of(pid) == ns_inode && !is_zombie(entry.path())) out.push_back(pid);
+        if (pid_ns_of(pid) == ns_inode && is_live(entry.path())) out.push_back(pid);
     }
     return out;
 }
+
+/// Host pids of the children of `pid`'s main thread.
+std::vector<pid_t> children_of(pid_t pid) {
+    std::istringstream in(
+        read_text("/proc/" + std::to_string(pid) + "/task/" + std::to_string(pid) + "/children"));
+    std::vector<pid_t> out;
+    for (pid_t child; in >> child;) out.push_back(child);
+    return out;
+}
+
+/// The fields of the "<key>:" line of /proc/<pid>/status (e.g. "Uid": real, effective, saved,
+/// filesystem); empty when the process is gone.
+std::vector<std::string> status_field(pid_t pid, const std::string& key) {
+    std::istringstream in(read_text("/proc/" + std::to_string(pid) + "/status"));
+    for (std::string line; std::getline(in, line);) {
+        if (line.rfind(key + ":", 0) != 0) continue;
+        std::istringstream fields(line.substr(key.size() + 1));
+        std::vector<std::string> out;
+        for (std::string f; fields >> f;) out.push_back(f);
+        return out;
+    }
+    return {};
+}
+
+/// The parent of `pid` as this process sees it (-1 if it is gone).
+pid_t parent_of(pid_t pid) {
+    auto f = status_field(pid, "PPid");
+    return f.size() == 1 ? static_cast<pid_t>(std::stol(f[0])) : -1;
+}
+
+/// The host directory of `pid`'s cgroup in the memory hierarchy (cgroup v1) or the unified
+/// one (v2); empty if it is gone.
+fs::path memory_cgroup_of(pid_t pid) {
+    std::istringstream in(read_text("/proc/" + std::to_string(pid) + "/cgroup"));
+    fs::path unified;
+    for (std::string line; std::getline(in, line);) {
+        // "<id>:<controllers>:<path>"
+        auto first = line.find(':');
+        auto second = line.find(':', first + 1);
+        if (first == std::string::npos || second == std::string::npos) continue;
+        std::string controllers = line.substr(first + 1, second - first - 1);
+        std::string path = line.substr(second + 1);
+        std::istringstream list(controllers);
+        for (std::string c; std::getline(list, c, ',');) {
+            if (c == "memory") return fs::path("/sys/fs/cgroup/memory") / path.substr(1);
+        }
+        if (line.rfind("0::", 0) == 0) unified = fs::path("/sys/fs/cgroup") / path.substr(1);
+    }
+    return unified;
+}
+
+/// The mount points in this process's mount namespace, with their filesystem types.
+std::vector<std::pair<std::string, std::string>> mounts() {
+    std::vector<std::pair<std::string, std::string>> out;
+    std::istringstream in(read_text("/proc/self/mountinfo"));
+    for (std::string line; std::getline(in, line);) {
+        // id parent major:minor root mount-point options [optional...] - fstype source ...
+        std::istringstream fields(line);
+        std::string id, parent, dev, root, point;
+        fields >> id >> parent >> dev >> root >> point;
+        auto dash = line.find(" - ");
+        std::string fstype;
+        if (dash != std::string::npos) std::istringstream(line.substr(dash + 3)) >> fstype;
+        out.emplace_back(point, fstype);
+    }
+    return out;
+}
+
+/// Mounts at `path` or below it.
+std::vector<std::string> mounts_under(const fs::path& path) {
+    std::vector<std::string> out;
+    const std::string prefix = path.string();
+    for (const auto& [point, type] : mounts()) {
+        if (point == prefix || point.rfind(prefix + "/", 0) == 0) out.push_back(point + " " + type);
+    }
+    return out;
+}
+
+/// Entries of `dir` that name a sandbox ("bw-..."); none if `dir` is missing.
+std::vector<std::string> sandbox_entries(const fs::path& dir) {
+    std::vector<std::string> out;
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+        const auto name = entry.path().filename().string();
+        if (name.rfind("bw-", 0) == 0) out.push_back(name);
+    }
+    return out;
+}
+
+/// Subdirectories of `dir` (a cgroup's children); none if it is missing.
+std::vector<std::string> subdirectories(const fs::path& dir) {
+    std::vector<std::string> out;
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+        if (entry.is_directory(ec)) out.push_back(entry.path().filename().string());
+    }
+    return out;
+}
+
+struct stat stat_of(const fs::path& path) {
+    struct stat st {};
+    REQUIRE(::stat(path.c_str(), &st) == 0);
+    return st;
+}
+
+/// The host uid a lease runs as: the owner of its workspace.
+uid_t lease_uid(const SandboxHandle& sandbox) { return stat_of(sandbox.workspace).st_uid; }
 
 std::vector<std::string> sorted_lines(const std::string& text) {
     std::vector<std::string> lines;
@@ -134,30 +250,96 @@ struct TempDir {
     TempDir& operator=(TempDir&&) = delete;
 };
 
-/// A provider on a temporary sandboxes dir and one sandbox in it.
+/// Removes what a provider that is gone left for its leases' uids to reach (the directory its
+/// workspaces are in, with its generated /etc and copy of sandboxd-init) when that is outside
+/// the test's own directory (the default is under /run) and no lease is left in it.
+void remove_lease_root(const fs::path& lease_root, const TempDir& dir) {
+    const auto rel = lease_root.lexically_relative(dir.path);
+    if (lease_root.empty() || rel.empty() || *rel.begin() != "..") return;
+    if (!sandbox_entries(lease_root).empty() || !mounts_under(lease_root).empty()) {
+        FAIL_CHECK("leases left in " << lease_root);
+        return;
+    }
+    std::error_code ec;
+    fs::remove_all(lease_root, ec);
+}
+
+BwrapOptions test_options(const fs::path& sandboxes_dir) {
+    BwrapOptions options;
+    options.init_path = SANDBOXD_INIT_BIN;
+    options.sandboxes_dir = sandboxes_dir;
+    return options;
+}
+
+/// Destroys a sandbox when the test leaves the scope, however it leaves (its disk is a mount).
+class LeaseGuard {
+public:
+    LeaseGuard(Provider& provider, std::shared_ptr<SandboxHandle> sandbox)
+        : provider_(provider), sandbox_(std::move(sandbox)) {}
+    ~LeaseGuard() {
+        try {
+            provider_.destroy(*sandbox_);  // idempotent: the test may have destroyed it
+        } catch (const std::exception& e) {
+            FAIL_CHECK("destroy failed: " << e.what());
+        }
+    }
+    LeaseGuard(const LeaseGuard&) = delete;
+    LeaseGuard& operator=(const LeaseGuard&) = delete;
+    LeaseGuard(LeaseGuard&&) = delete;
+    LeaseGuard& operator=(LeaseGuard&&) = delete;
+
+private:
+    Provider& provider_;
+    std::shared_ptr<SandboxHandle> sandbox_;
+};
+
+/// A provider on a temporary sandboxes dir and one sandbox in it, destroyed at the end.
 struct Fixture {
     TempDir dir;
     std::unique_ptr<Provider> provider;
     std::shared_ptr<SandboxHandle> sandbox;
 
-    explicit Fixture(bool allow_network = false,
-                     const nlohmann::json& config = nlohmann::json::object()) {
+    explicit Fixture(bool allow_network = false, const json& config = json::object()) {
         ::signal(SIGPIPE, SIG_IGN);  // the tests write to pipes whose readers may be gone
-        BwrapOptions options;
-        options.init_path = SANDBOXD_INIT_BIN;
-        options.sandboxes_dir = dir.path / "sandboxes";
+        auto options = test_options(dir.path / "sandboxes");
         options.allow_network = allow_network;
         provider = make_bwrap_provider(std::move(options));
         sandbox =
             provider->create(SandboxScope{"bwrap", "company-1", "env-1", ""}, "lease-1", config);
     }
+    ~Fixture() {
+        // Its disk is a mount: it must not outlive the test.
+        try {
+            provider->destroy(*sandbox);
+        } catch (const std::exception& e) {
+            FAIL_CHECK("destroy failed: " << e.what());
+        }
+        provider.reset();
+        remove_lease_root(sandbox->workspace.parent_path().parent_path(), dir);
+    }
+    Fixture(const Fixture&) = delete;
+    Fixture& operator=(const Fixture&) = delete;
+    Fixture(Fixture&&) = delete;
+    Fixture& operator=(Fixture&&) = delete;
 };
 
-/// One spawned process, driven to completion by hand.
+/// One spawned channel, driven to completion by hand. Its init is not our child: it is
+/// watched through its pidfd and killed with pidfd_send_signal.
 class Channel {
 public:
-    Channel(Provider& provider, const SandboxHandle& sandbox, const ExecSpec& spec)
-        : proc_(provider.spawn(sandbox, spec)) {}
+    /// `may_end_at_once`: the channel's set-up is meant to fail, so its init may already be
+    /// gone (and its pid unknown, -1) when spawn() returns. Otherwise the init lives until we
+    /// kill it or let go of it, and its pid is known.
+    Channel(Provider& provider, const SandboxHandle& sandbox, const ExecSpec& spec,
+            bool may_end_at_once = false)
+        : proc_(provider.spawn(sandbox, spec)) {
+        REQUIRE(proc_.pidfd);
+        if (!may_end_at_once) REQUIRE(proc_.pid > 0);
+        // The channel's PID namespace, known only while the pidfd says the init has not
+        // exited (after that the pid could name another process).
+        if (proc_.pid > 0) ns_ = pid_ns_of(proc_.pid);
+        if (wait_readable(proc_.pidfd.get(), milliseconds{0})) ns_ = 0;
+    }
 
     Channel(const Channel&) = delete;
     Channel& operator=(const Channel&) = delete;
@@ -191,28 +373,32 @@ public:
     }
 
     bool status_done() const { return !proc_.status_fd || status_.find('\n') != std::string::npos; }
-    bool output_eof() const { return !proc_.stdout_fd && !proc_.stderr_fd; }
+    /// stdout, stderr and the status pipe have all reached EOF.
+    bool output_eof() const { return !proc_.stdout_fd && !proc_.stderr_fd && !proc_.status_fd; }
 
-    /// Waits for the status line, kills bubblewrap, reads the output to EOF, reaps it and
-    /// waits for the namespace's init to be gone. Returns false on any timeout.
+    /// Waits for the status line, kills the channel init, reads the output (and the status
+    /// pipe) to EOF and checks the channel's namespace is empty. False on any timeout.
     bool finish(milliseconds timeout = status_timeout) {
         if (!pump_until([this] { return status_done(); }, timeout)) return false;
         kill_and_reap();
         return pump_until([this] { return output_eof(); }, teardown_timeout) && reap_ok_;
     }
 
-    /// Host pid of the namespace's init (bubblewrap's only child), -1 if there is none.
-    pid_t init_pid() const {
-        std::string children = read_text("/proc/" + std::to_string(proc_.pid) + "/task/" +
-                                         std::to_string(proc_.pid) + "/children");
-        return children.empty() ? -1 : std::stoi(children);
+    /// Host pid of the channel's init (PID 1 of the channel's namespace).
+    pid_t init_pid() const { return proc_.pid; }
+
+    /// Host pid of the command's main process (the channel init's only child), -1 if none.
+    pid_t command_pid() const {
+        auto children = children_of(proc_.pid);
+        return children.size() == 1 ? children.front() : -1;
     }
 
-    /// Host pids of the live processes of the sandbox (before finish()).
+    /// Inode of the channel's PID namespace (0 if the init had exited by the time we looked).
+    ino_t pid_ns() const { return ns_; }
+
+    /// Host pids of the live processes of the channel (before finish()).
     std::vector<pid_t> members() const {
-        pid_t init = init_pid();
-        ino_t ns = init > 0 ? pid_ns_of(init) : 0;
-        return ns != 0 ? processes_in_pid_ns(ns) : std::vector<pid_t>{};
+        return ns_ != 0 ? processes_in_pid_ns(ns_) : std::vector<pid_t>{};
     }
 
     SpawnedProcess& proc() { return proc_; }
@@ -220,34 +406,29 @@ public:
     const std::string& err() const { return err_; }
     /// The status line without its newline.
     std::string status() const { return status_.substr(0, status_.find('\n')); }
-    /// Processes of the sandbox's PID namespace still alive after finish().
+    /// Every byte read from the status pipe.
+    const std::string& raw_status() const { return status_; }
+    /// Processes of the channel's PID namespace still alive once its init had exited.
     const std::vector<pid_t>& leftovers() const { return leftovers_; }
-    int bwrap_wait_status() const { return wait_status_; }
 
-    /// Waits for bubblewrap to exit on its own (no kill) and reaps it.
+    /// Waits for the channel init to exit on its own (no signal from us), then records what
+    /// is left of its namespace.
     bool wait_exit(milliseconds timeout) {
         if (!wait_readable(proc_.pidfd.get(), timeout)) return false;
-        REQUIRE(::waitpid(proc_.pid, &wait_status_, 0) == proc_.pid);
         reaped_ = true;
+        if (ns_ != 0) leftovers_ = processes_in_pid_ns(ns_);
         return true;
     }
 
 private:
     void kill_and_reap() {
-        // Find the init first, so that its death (and so the namespace's) can be awaited.
-        pid_t init = init_pid();
-        unique_fd init_fd;
-        ino_t ns_inode = 0;
-        if (init > 0) {
-            init_fd.reset(static_cast<int>(::syscall(SYS_pidfd_open, init, 0)));
-            ns_inode = pid_ns_of(init);
-        }
-        ::kill(proc_.pid, SIGKILL);
-        reap_ok_ = wait_readable(proc_.pidfd.get(), teardown_timeout) &&
-                   ::waitpid(proc_.pid, &wait_status_, 0) == proc_.pid;
+        // ESRCH when it has exited already: then the wait below returns at once.
+        ::syscall(SYS_pidfd_send_signal, proc_.pidfd.get(), SIGKILL, nullptr, 0);
+        // Readable once the init has exited, which the kernel lets happen only after every
+        // other process of its namespace is gone.
+        reap_ok_ = wait_readable(proc_.pidfd.get(), teardown_timeout);
         reaped_ = true;
-        if (init_fd) reap_ok_ = wait_readable(init_fd.get(), teardown_timeout) && reap_ok_;
-        if (ns_inode != 0) leftovers_ = processes_in_pid_ns(ns_inode);
+        if (ns_ != 0) leftovers_ = processes_in_pid_ns(ns_);
     }
 
     void flush_stdin() {
@@ -287,22 +468,22 @@ private:
         if (!pending_in_.empty()) add(proc_.stdin_fd, POLLOUT);
         add(proc_.stdout_fd, POLLIN);
         add(proc_.stderr_fd, POLLIN);
-        if (!status_done()) add(proc_.status_fd, POLLIN);
+        add(proc_.status_fd, POLLIN);  // to EOF: nothing may follow the line
         int r = ::poll(fds.data(), fds.size(), static_cast<int>(timeout.count()));
         if (r <= 0) return;
         flush_stdin();
         if (proc_.stdout_fd) drain(proc_.stdout_fd, out_);
         if (proc_.stderr_fd) drain(proc_.stderr_fd, err_);
-        if (!status_done()) drain(proc_.status_fd, status_);
+        if (proc_.status_fd) drain(proc_.status_fd, status_);
     }
 
     SpawnedProcess proc_;
+    ino_t ns_ = 0;
     std::string pending_in_;
     bool close_in_ = false;
     std::string out_, err_, status_;
     bool reaped_ = false;
     bool reap_ok_ = false;
-    int wait_status_ = 0;
     std::vector<pid_t> leftovers_;
 };
 
@@ -322,7 +503,21 @@ Result run(Fixture& fx, const ExecSpec& spec, const std::string& input = "") {
     ch.send(input, true);
     REQUIRE(ch.finish());
     CHECK(ch.leftovers().empty());
+    CHECK(ch.raw_status() == ch.status() + "\n");  // exactly one line, nothing after it
     return {ch.out(), ch.err(), ch.status()};
+}
+
+/// Host uids of `pid` (real, effective, saved, filesystem) as one string.
+std::string uids_of(pid_t pid) {
+    auto f = status_field(pid, "Uid");
+    std::string out;
+    for (const auto& v : f) out += (out.empty() ? "" : " ") + v;
+    return out;
+}
+
+std::string four_times(uid_t id) {
+    const auto s = std::to_string(id);
+    return s + " " + s + " " + s + " " + s;
 }
 
 }  // namespace
@@ -367,8 +562,14 @@ TEST_CASE("the command has no capabilities", "[provider]") {
     const int fds_before = open_fd_count();
     {
         Fixture fx;
-        auto r = run(fx, command({"grep", "CapEff", "/proc/self/status"}));
-        CHECK(r.out == "CapEff:\t0000000000000000\n");
+        // None in any set, not even in the bounding set (so exec as uid 0 grants none).
+        auto r = run(fx, command({"grep", "^Cap", "/proc/self/status"}));
+        CHECK(r.out ==
+              "CapInh:\t0000000000000000\n"
+              "CapPrm:\t0000000000000000\n"
+              "CapEff:\t0000000000000000\n"
+              "CapBnd:\t0000000000000000\n"
+              "CapAmb:\t0000000000000000\n");
         CHECK(r.status == "exit 0");
     }
     CHECK(open_fd_count() == fds_before);
@@ -429,9 +630,14 @@ TEST_CASE("the workspace is the host workspace dir at /workspace", "[provider]")
         CHECK(r.out == "/workspace\n");
         CHECK(r.status == "exit 0");
 
+        // The lease's host uid is root inside.
+        r = run(fx, command({"stat", "-c", "%u %g %a", "/workspace"}));
+        CHECK(r.out == "0 0 755\n");
+
         r = run(fx, command({"sh", "-c", "echo data > file.txt && mkdir sub"}));
         CHECK(r.status == "exit 0");
         CHECK(read_text(fx.sandbox->workspace / "file.txt") == "data\n");
+        CHECK(stat_of(fx.sandbox->workspace / "file.txt").st_uid == lease_uid(*fx.sandbox));
 
         auto spec = command({"pwd"});
         spec.cwd = "sub";
@@ -480,42 +686,147 @@ TEST_CASE("the network is private unless the lease asks for it", "[provider]") {
 }
 
 TEST_CASE("create validates the lease config", "[provider]") {
+    const int fds_before = open_fd_count();
     TempDir dir;
-    BwrapOptions options;
-    options.init_path = SANDBOXD_INIT_BIN;
-    options.sandboxes_dir = dir.path;
-    auto provider = make_bwrap_provider(options);
-    CHECK(provider->key() == "bwrap");
-    CHECK(provider->plugin_id() == "builtin");
-    SandboxScope scope{"bwrap", "c", "e", ""};
-    auto expect_invalid = [&](const nlohmann::json& config, const std::string& message) {
-        try {
-            provider->create(scope, "lease", config);
-            FAIL("create accepted " << config.dump());
-        } catch (const rpc_error& e) {
-            CHECK(e.code() == errc::invalid_params);
-            CHECK(std::string(e.what()) == message);
+    const fs::path sandboxes = dir.path / "sandboxes";
+    fs::path lease_root;  // where the leases' own directories are
+    {
+        auto options = test_options(sandboxes);
+        options.limits.max.memory_bytes = 2048 * mib;
+        auto provider = make_bwrap_provider(options);
+        CHECK(provider->key() == "bwrap");
+        CHECK(provider->plugin_id() == "builtin");
+        SandboxScope scope{"bwrap", "c", "e", ""};
+        auto expect_invalid = [&](const json& config, const std::string& message,
+                                  const std::string& field) {
+            try {
+                provider->create(scope, "lease", config);
+                FAIL("create accepted " << config.dump());
+            } catch (const rpc_error& e) {
+                CHECK(e.code() == errc::invalid_params);
+                CHECK(std::string(e.what()) == message);
+                CHECK(e.data().value("field", "") == field);
+            }
+        };
+        expect_invalid({{"network", true}}, "config.network: not allowed on this node",
+                       "config.network");
+        expect_invalid({{"network", 1}}, "config.network: must be a boolean", "config.network");
+        expect_invalid({{"disk", 1}}, "config.disk: unknown key", "config.disk");
+        expect_invalid(json::array(), "config: must be an object", "config");
+        expect_invalid({{"limits", 5}}, "config.limits: must be an object", "config.limits");
+        const std::string memory_range =
+            "config.limits.memoryBytes: must be an integer in 16777216..1125899906842624";
+        expect_invalid({{"limits", {{"memoryBytes", 1}}}}, memory_range,
+                       "config.limits.memoryBytes");
+        expect_invalid({{"limits", {{"memoryBytes", -1}}}}, memory_range,
+                       "config.limits.memoryBytes");
+        expect_invalid({{"limits", {{"memoryBytes", 64.5 * mib}}}}, memory_range,
+                       "config.limits.memoryBytes");
+        expect_invalid({{"limits", {{"memoryBytes", "64M"}}}}, memory_range,
+                       "config.limits.memoryBytes");
+        expect_invalid({{"limits", {{"memoryBytes", 4096 * mib}}}},
+                       "config.limits.memoryBytes: 4294967296 is above this node's maximum of "
+                       "2147483648",
+                       "config.limits.memoryBytes");
+        expect_invalid({{"limits", {{"pids", 7}}}},
+                       "config.limits.pids: must be an integer in 8..4194304",
+                       "config.limits.pids");
+        expect_invalid({{"limits", {{"x", 1}}}}, "config.limits.x: unknown key", "config.limits.x");
+        // A refused config leaves nothing behind.
+        CHECK(sandbox_entries(sandboxes).empty());
+
+        auto handle = provider->create(scope, "lease", nullptr);
+        LeaseGuard handle_guard(*provider, handle);
+        const std::string id = handle->scope.provider_lease_id;
+        CHECK(id.rfind("bw-", 0) == 0);
+        CHECK(id.size() == 19);
+        CHECK(handle->scope.company_id == "c");
+        CHECK(handle->lease_id == "lease");
+        CHECK_FALSE(handle->network);
+        CHECK(handle->limits == json{{"memoryBytes", 1024 * mib},
+                                     {"pids", 1024},
+                                     {"cpuWeight", 100},
+                                     {"cpuQuotaPercent", nullptr},
+                                     {"diskBytes", 1024 * mib},
+                                     {"openFiles", 1024}});
+
+        // The workspace: the mount point of the lease's own ext4 disk, in the lease's own
+        // directory, owned by the lease's host uid.
+        const fs::path workspace = handle->workspace;
+        const fs::path lease_dir = workspace.parent_path();
+        lease_root = lease_dir.parent_path();
+        CHECK(workspace.filename() == "workspace");
+        CHECK(lease_dir.filename() == id);
+        CHECK(fs::is_directory(sandboxes / id));  // the lease's records (disk image, uid)
+        CHECK(mounts_under(workspace) == std::vector<std::string>{workspace.string() + " ext4"});
+        const auto ws = stat_of(workspace);
+        const uid_t uid = ws.st_uid;
+        CHECK(uid >= first_lease_uid);
+        CHECK(ws.st_gid == uid);
+        CHECK((ws.st_mode & 07777) == 0755);
+        // root:<the lease's gid> 0750: the lease's bubblewrap may enter, no other uid may.
+        const auto ld = stat_of(lease_dir);
+        CHECK(ld.st_uid == 0);
+        CHECK(ld.st_gid == uid);
+        CHECK((ld.st_mode & 07777) == 0750);
+        struct statvfs vfs {};
+        REQUIRE(::statvfs(workspace.c_str(), &vfs) == 0);
+        const auto disk_size = std::uint64_t{vfs.f_blocks} * vfs.f_frsize;
+        CHECK(disk_size <= 1024 * mib);
+        CHECK(disk_size >= 900 * mib);
+
+        // The lease's cgroup: where its channels' inits are (ch-1 under the lease's).
+        fs::path lease_cgroup;
+        {
+            Channel ch(*provider, *handle, command({"true"}));
+            REQUIRE(ch.pump_until([&] { return ch.status_done(); }, status_timeout));
+            CHECK(ch.status() == "exit 0");
+            // The init joined the channel's cgroup before it started the command.
+            const fs::path channel_cgroup = memory_cgroup_of(ch.init_pid());
+            lease_cgroup = channel_cgroup.parent_path();
+            CHECK(lease_cgroup.filename() == id);
+            CHECK(fs::is_directory(lease_cgroup));
+            REQUIRE(ch.finish());
+            CHECK(ch.leftovers().empty());
         }
-    };
-    expect_invalid({{"network", true}}, "config.network: not allowed on this node");
-    expect_invalid({{"disk", 1}}, "config.disk: unknown key");
-    expect_invalid(nlohmann::json::array(), "config: must be an object");
-    CHECK(fs::is_empty(dir.path));
 
-    auto handle = provider->create(scope, "lease", nullptr);
-    CHECK(handle->scope.provider_lease_id.rfind("bw-", 0) == 0);
-    CHECK(handle->scope.provider_lease_id.size() == 19);
-    CHECK(handle->scope.company_id == "c");
-    CHECK(handle->lease_id == "lease");
-    CHECK(handle->workspace == dir.path / handle->scope.provider_lease_id);
-    CHECK((fs::status(handle->workspace).permissions() & fs::perms::all) == fs::perms::owner_all);
-    auto other = provider->create(scope, "lease", {{"network", false}});
-    CHECK(other->scope.provider_lease_id != handle->scope.provider_lease_id);
+        // Limits given by the lease are those it runs with.
+        auto other = provider->create(scope, "lease",
+                                      {{"network", false},
+                                       {"limits",
+                                        {{"memoryBytes", 64 * mib},
+                                         {"pids", 64},
+                                         {"cpuQuotaPercent", 50},
+                                         {"diskBytes", 64 * mib}}}});
+        LeaseGuard other_guard(*provider, other);
+        CHECK(other->scope.provider_lease_id != id);
+        CHECK(lease_uid(*other) != uid);
+        CHECK(other->limits == json{{"memoryBytes", 64 * mib},
+                                    {"pids", 64},
+                                    {"cpuWeight", 100},
+                                    {"cpuQuotaPercent", 50},
+                                    {"diskBytes", 64 * mib},
+                                    {"openFiles", 1024}});
+        REQUIRE(::statvfs(other->workspace.c_str(), &vfs) == 0);
+        CHECK(std::uint64_t{vfs.f_blocks} * vfs.f_frsize <= 64 * mib);
 
-    provider->destroy(*handle);
-    CHECK_FALSE(fs::exists(handle->workspace));
-    provider->destroy(*handle);  // idempotent
-    CHECK(fs::exists(other->workspace));
+        provider->destroy(*handle);
+        CHECK_FALSE(fs::exists(workspace));
+        CHECK_FALSE(fs::exists(lease_dir));
+        CHECK_FALSE(fs::exists(sandboxes / id));
+        CHECK(mounts_under(lease_dir).empty());
+        CHECK_FALSE(fs::exists(lease_cgroup));
+        provider->destroy(*handle);  // idempotent
+        CHECK(fs::exists(other->workspace));
+        CHECK(mounts_under(other->workspace).size() == 1);
+
+        provider->destroy(*other);
+        CHECK(sandbox_entries(sandboxes).empty());
+        CHECK(sandbox_entries(lease_root).empty());
+        CHECK(mounts_under(other->workspace).empty());
+    }
+    remove_lease_root(lease_root, dir);
+    CHECK(open_fd_count() == fds_before);
 }
 
 TEST_CASE("the root file system is read-only", "[provider]") {
@@ -534,12 +845,17 @@ TEST_CASE("host sysctls are read-only", "[provider]") {
     const int fds_before = open_fd_count();
     {
         Fixture fx;
+        const std::string host_value = read_text("/proc/sys/kernel/core_pattern");
         // Writes the current value back: harmless should the protection ever be missing.
         auto r = run(fx, command({"sh", "-c",
                                   "v=$(cat /proc/sys/kernel/core_pattern) && "
                                   "printf '%s\\n' \"$v\" > /proc/sys/kernel/core_pattern"}));
         CHECK(r.status != "exit 0");
-        CHECK(r.err.find("Read-only file system") != std::string::npos);
+        // A read-only /proc/sys, or (the sysctl belongs to the host's user namespace) EACCES.
+        INFO(r.err);
+        CHECK((r.err.find("Read-only file system") != std::string::npos ||
+               r.err.find("Permission denied") != std::string::npos));
+        CHECK(read_text("/proc/sys/kernel/core_pattern") == host_value);
     }
     CHECK(open_fd_count() == fds_before);
 }
@@ -635,7 +951,7 @@ TEST_CASE("Ctrl-C on the PTY interrupts the foreground command", "[provider]") {
     CHECK(open_fd_count() == fds_before);
 }
 
-TEST_CASE("SIGKILL by control byte, and no process outlives bubblewrap", "[provider]") {
+TEST_CASE("SIGKILL by control byte, and no process outlives the channel init", "[provider]") {
     const int fds_before = open_fd_count();
     {
         Fixture fx;
@@ -707,16 +1023,21 @@ TEST_CASE("the init exits once the daemon lets go after the command ended", "[pr
             REQUIRE(ch.pump_until([&] { return ch.status_done(); }, status_timeout));
             CHECK(ch.status() == "exit 0");
             ch.proc().control_fd.reset();
+            // We send no signal: the init exits by itself, and with it the namespace.
             REQUIRE(ch.wait_exit(teardown_timeout));
-            CHECK(WIFEXITED(ch.bwrap_wait_status()));  // not killed: the init ended it all
+            CHECK(ch.leftovers().empty());
+            REQUIRE(ch.pump_until([&] { return ch.output_eof(); }, teardown_timeout));
+            CHECK(ch.raw_status() == "exit 0\n");
         }
         SECTION("status fd closed") {
             Channel ch(*fx.provider, *fx.sandbox, command({"true"}));
             REQUIRE(ch.pump_until([&] { return ch.status_done(); }, status_timeout));
             CHECK(ch.status() == "exit 0");
             ch.proc().status_fd.reset();
+            // We send no signal: the init exits by itself, and with it the namespace.
             REQUIRE(ch.wait_exit(teardown_timeout));
-            CHECK(WIFEXITED(ch.bwrap_wait_status()));  // not killed: the init ended it all
+            CHECK(ch.leftovers().empty());
+            REQUIRE(ch.pump_until([&] { return ch.output_eof(); }, teardown_timeout));
         }
         SECTION("control fd closed before the command ended is ignored") {
             Channel ch(*fx.provider, *fx.sandbox, command({"sh", "-c", "read x; exit 5"}));
@@ -724,6 +1045,7 @@ TEST_CASE("the init exits once the daemon lets go after the command ended", "[pr
             ch.send("go\n", true);
             REQUIRE(ch.finish());
             CHECK(ch.status() == "exit 5");
+            CHECK(ch.leftovers().empty());
         }
     }
     CHECK(open_fd_count() == fds_before);
@@ -756,12 +1078,81 @@ TEST_CASE("spawning into a destroyed sandbox fails and starts nothing", "[provid
         } catch (const rpc_error& e) {
             CHECK(e.code() == errc::provider_error);
             CHECK(std::string(e.what()) == "sandbox " + fx.sandbox->scope.provider_lease_id +
-                                               " is gone: its workspace no longer exists");
+                                               " is gone: its supervisor has exited");
         }
         errno = 0;
-        CHECK(::waitpid(-1, nullptr, WNOHANG) == -1);  // no child at all
+        CHECK(::waitpid(-1, nullptr, WNOHANG) == -1);  // no child at all (bubblewrap reaped)
         CHECK(errno == ECHILD);
         CHECK_FALSE(fs::exists(fx.sandbox->workspace));
+    }
+    CHECK(open_fd_count() == fds_before);
+}
+
+TEST_CASE("destroy ends every process of the lease", "[provider]") {
+    const int fds_before = open_fd_count();
+    {
+        Fixture fx;
+        // A descendant that left the command's process group, and the command, both alive.
+        Channel ch(*fx.provider, *fx.sandbox,
+                   command({"sh", "-c", "setsid sleep 304 >/dev/null 2>&1 & echo ready; read x"}));
+        REQUIRE(ch.pump_until([&] { return ch.out() == "ready\n"; }, status_timeout));
+        // The tree: this process -> bubblewrap -> the supervisor (PID 1 of the lease's
+        // namespace) -> the channel init (PID 1 of the channel's).
+        const pid_t supervisor = parent_of(ch.init_pid());
+        REQUIRE(supervisor > 0);
+        const pid_t bwrap = parent_of(supervisor);
+        CHECK(parent_of(bwrap) == ::getpid());
+        unique_fd supervisor_fd(static_cast<int>(::syscall(SYS_pidfd_open, supervisor, 0)));
+        REQUIRE(supervisor_fd);
+        const ino_t lease_ns = pid_ns_of(supervisor);
+        REQUIRE(lease_ns != 0);
+        CHECK(lease_ns != pid_ns_of(::getpid()));
+        CHECK(lease_ns != ch.pid_ns());
+        CHECK(ch.members().size() == 3);                   // the init, sh and the escaped sleep
+        CHECK(processes_in_pid_ns(lease_ns).size() == 1);  // the supervisor alone
+        const fs::path lease_cgroup = memory_cgroup_of(ch.init_pid()).parent_path();
+        CHECK(lease_cgroup.filename() == fx.sandbox->scope.provider_lease_id);
+
+        fx.provider->destroy(*fx.sandbox);
+        // The supervisor's pidfd is readable once its namespace is empty.
+        CHECK(wait_readable(supervisor_fd.get(), teardown_timeout));
+        CHECK(wait_readable(ch.proc().pidfd.get(), teardown_timeout));
+        CHECK(processes_in_pid_ns(lease_ns).empty());
+        CHECK(ch.members().empty());
+        errno = 0;
+        CHECK(::waitpid(-1, nullptr, WNOHANG) == -1);  // bubblewrap was reaped
+        CHECK(errno == ECHILD);
+        CHECK_FALSE(fs::exists(lease_cgroup));
+        CHECK(mounts_under(fx.sandbox->workspace).empty());
+        // Every copy of the channel's pipes is closed: the output reaches EOF.
+        REQUIRE(ch.pump_until([&] { return ch.output_eof(); }, teardown_timeout));
+        CHECK(ch.out() == "ready\n");
+        CHECK(ch.raw_status().empty());  // killed before the command ended: no line
+    }
+    CHECK(open_fd_count() == fds_before);
+}
+
+TEST_CASE("a channel that cannot be set up has no status line", "[provider]") {
+    const int fds_before = open_fd_count();
+    {
+        Fixture fx;
+        {
+            auto spec = command({"true"});
+            spec.cwd = "/no-such-dir";
+            Channel ch(*fx.provider, *fx.sandbox, spec, true);
+            // The init gives up by itself: every pipe reaches EOF, the status one empty.
+            REQUIRE(ch.pump_until([&] { return ch.output_eof(); }, status_timeout));
+            CHECK(ch.raw_status().empty());
+            CHECK(ch.out().empty());
+            CHECK(ch.err() ==
+                  "sandboxd-init: cannot change to directory /no-such-dir: No such "
+                  "file or directory\n");
+            REQUIRE(ch.wait_exit(teardown_timeout));
+            CHECK(ch.leftovers().empty());
+        }
+        // The sandbox serves on.
+        auto r = run(fx, command({"true"}));
+        CHECK(r.status == "exit 0");
     }
     CHECK(open_fd_count() == fds_before);
 }
@@ -782,26 +1173,188 @@ TEST_CASE("a missing bubblewrap or init is a provider error", "[provider]") {
     const int fds_before = open_fd_count();
     {
         TempDir dir;
-        for (int which = 0; which < 2; ++which) {
-            BwrapOptions options;
-            options.init_path = SANDBOXD_INIT_BIN;
-            options.sandboxes_dir = dir.path;
-            if (which == 0) options.bwrap_path = dir.path / "no-bwrap";
-            if (which == 1) options.init_path = dir.path / "no-init";
-            auto provider = make_bwrap_provider(options);
-            auto handle = provider->create({"bwrap", "c", "e", ""}, "lease", nullptr);
+        const fs::path sandboxes = dir.path / "sandboxes";
+        {
+            // A missing init: the provider cannot even be made.
+            auto options = test_options(sandboxes);
+            options.init_path = dir.path / "no-init";
             try {
-                provider->spawn(*handle, command({"true"}));
-                FAIL("spawn succeeded");
+                make_bwrap_provider(options);
+                FAIL("make_bwrap_provider accepted a missing init");
+            } catch (const rpc_error& e) {
+                FAIL("an rpc_error, not a construction error: " << e.what());
+            } catch (const std::runtime_error& e) {
+                CHECK(std::string(e.what()).find((dir.path / "no-init").string()) !=
+                      std::string::npos);
+            }
+        }
+        // Where this sandboxes dir's leases live (their directories and cgroups), learnt
+        // from a lease that works.
+        fs::path leases_dir, instance_cgroup;
+        {
+            auto provider = make_bwrap_provider(test_options(sandboxes));
+            auto handle = provider->create({"bwrap", "c", "e", ""}, "lease", nullptr);
+            LeaseGuard guard(*provider, handle);
+            leases_dir = handle->workspace.parent_path().parent_path();
+            {
+                Channel ch(*provider, *handle, command({"true"}));
+                REQUIRE(ch.pump_until([&] { return ch.status_done(); }, status_timeout));
+                instance_cgroup = memory_cgroup_of(ch.init_pid()).parent_path().parent_path();
+                REQUIRE(ch.finish());
+            }
+            provider->destroy(*handle);
+        }
+        REQUIRE_FALSE(instance_cgroup.empty());
+        {
+            // A missing bubblewrap: create fails, and leaves no process, directory, mount or
+            // cgroup.
+            // Searchable by the lease's uid (which execs bubblewrap): ENOENT, not EACCES.
+            fs::permissions(dir.path, fs::perms(0711));
+            auto options = test_options(sandboxes);
+            options.bwrap_path = dir.path / "no-bwrap";
+            auto provider = make_bwrap_provider(options);
+            try {
+                provider->create({"bwrap", "c", "e", ""}, "lease", nullptr);
+                FAIL("create succeeded");
             } catch (const rpc_error& e) {
                 CHECK(e.code() == errc::provider_error);
-                std::string expected = which == 0 ? "cannot start bubblewrap: " : "sandboxd-init";
-                CHECK(std::string(e.what()).find(expected) != std::string::npos);
+                CHECK(std::string(e.what()) ==
+                      "cannot start bubblewrap: No such file or directory");
             }
             errno = 0;
             CHECK(::waitpid(-1, nullptr, WNOHANG) == -1);
             CHECK(errno == ECHILD);
+            CHECK(sandbox_entries(sandboxes).empty());
+            CHECK(sandbox_entries(leases_dir).empty());
+            CHECK(mounts_under(sandboxes).empty());
+            CHECK(mounts_under(leases_dir).empty());
+            CHECK(subdirectories(instance_cgroup).empty());
         }
+        remove_lease_root(leases_dir, dir);
+    }
+    CHECK(open_fd_count() == fds_before);
+}
+
+TEST_CASE("the command runs as the lease's unprivileged host uid", "[provider]") {
+    const int fds_before = open_fd_count();
+    {
+        Fixture fx;
+        const uid_t uid = lease_uid(*fx.sandbox);
+        REQUIRE(uid >= first_lease_uid);
+        Channel ch(*fx.provider, *fx.sandbox, command({"sh", "-c", "id -u; id -g; read x"}));
+        REQUIRE(ch.pump_until([&] { return ch.out() == "0\n0\n"; }, status_timeout));
+        // Root inside; the lease's uid on the host, for the command and the init alike.
+        const pid_t cmd = ch.command_pid();
+        REQUIRE(cmd > 0);
+        CHECK(uids_of(cmd) == four_times(uid));
+        CHECK(status_field(cmd, "Gid") == std::vector<std::string>(4, std::to_string(uid)));
+        CHECK(uids_of(ch.init_pid()) == four_times(uid));
+        CHECK(uids_of(parent_of(ch.init_pid())) == four_times(uid));  // the supervisor
+        ch.send("\n", true);
+        REQUIRE(ch.finish());
+        CHECK(ch.status() == "exit 0");
+        CHECK(ch.leftovers().empty());
+    }
+    CHECK(open_fd_count() == fds_before);
+}
+
+TEST_CASE("two sandboxes of one provider run as different uids", "[provider]") {
+    const int fds_before = open_fd_count();
+    {
+        Fixture fx;
+        auto second = fx.provider->create(SandboxScope{"bwrap", "company-1", "env-1", ""},
+                                          "lease-2", nullptr);
+        LeaseGuard second_guard(*fx.provider, second);
+        const uid_t first_uid = lease_uid(*fx.sandbox);
+        const uid_t second_uid = lease_uid(*second);
+        CHECK(first_uid >= first_lease_uid);
+        CHECK(second_uid >= first_lease_uid);
+        CHECK(first_uid != second_uid);
+        {
+            Channel a(*fx.provider, *fx.sandbox, command({"sh", "-c", "echo a; read x"}));
+            Channel b(*fx.provider, *second, command({"sh", "-c", "echo b; read x"}));
+            REQUIRE(a.pump_until([&] { return a.out() == "a\n"; }, status_timeout));
+            REQUIRE(b.pump_until([&] { return b.out() == "b\n"; }, status_timeout));
+            CHECK(uids_of(a.command_pid()) == four_times(first_uid));
+            CHECK(uids_of(b.command_pid()) == four_times(second_uid));
+            // Different leases: different namespaces all the way up.
+            CHECK(pid_ns_of(parent_of(a.init_pid())) != pid_ns_of(parent_of(b.init_pid())));
+            a.send("\n", true);
+            b.send("\n", true);
+            REQUIRE(a.finish());
+            REQUIRE(b.finish());
+            CHECK(a.status() == "exit 0");
+            CHECK(b.status() == "exit 0");
+        }
+        fx.provider->destroy(*second);
+        CHECK_FALSE(fs::exists(second->workspace));
+    }
+    CHECK(open_fd_count() == fds_before);
+}
+
+TEST_CASE("a channel cannot see another channel's processes", "[provider]") {
+    const int fds_before = open_fd_count();
+    {
+        Fixture fx;
+        Channel other(*fx.provider, *fx.sandbox, command({"sh", "-c", "echo ready; read x"}));
+        REQUIRE(other.pump_until([&] { return other.out() == "ready\n"; }, status_timeout));
+        REQUIRE(other.members().size() == 2);  // its init and sh
+
+        // Only its own init (1) and itself (2).
+        auto r = run(fx, command({"ps", "-A", "-o", "pid=,comm="}));
+        std::vector<std::string> lines;
+        for (auto line : sorted_lines(r.out)) {
+            line.erase(0, line.find_first_not_of(' '));
+            lines.push_back(line);
+        }
+        CHECK(lines == std::vector<std::string>{"1 init", "2 ps"});
+        CHECK(r.status == "exit 0");
+
+        r = run(fx, command({"ls", "/proc"}));
+        std::vector<std::string> pids;
+        for (const auto& entry : sorted_lines(r.out)) {
+            if (std::all_of(entry.begin(), entry.end(), ::isdigit)) pids.push_back(entry);
+        }
+        CHECK(pids == std::vector<std::string>{"1", "2"});
+
+        // kill -1 (every process but the caller and PID 1) reaches its own namespace only.
+        r = run(fx, command({"sh", "-c", "kill -9 -1; echo survived"}));
+        CHECK(r.out == "survived\n");
+        CHECK(r.status == "exit 0");
+        CHECK(other.members().size() == 2);
+
+        other.send("\n", true);
+        REQUIRE(other.finish());
+        CHECK(other.status() == "exit 0");
+        CHECK(other.out() == "ready\n");
+    }
+    CHECK(open_fd_count() == fds_before);
+}
+
+TEST_CASE("the sandbox's /etc is the generated one", "[provider]") {
+    const int fds_before = open_fd_count();
+    {
+        Fixture fx;
+        auto r = run(fx, command({"cat", "/etc/shadow"}));
+        CHECK(r.status == "exit 1");
+        CHECK(r.err == "cat: /etc/shadow: No such file or directory\n");
+        CHECK(r.out.empty());
+
+        r = run(fx, command({"cat", "/etc/passwd"}));
+        CHECK(r.status == "exit 0");
+        std::vector<std::string> root_lines;
+        for (const auto& line : sorted_lines(r.out)) {
+            if (line.rfind("root:", 0) == 0) root_lines.push_back(line);
+        }
+        CHECK(root_lines == std::vector<std::string>{"root:x:0:0:root:/workspace:/bin/sh"});
+
+        r = run(fx, command({"id", "-un"}));
+        CHECK(r.out == "root\n");
+        CHECK(r.status == "exit 0");
+
+        r = run(fx, command({"sh", "-c", "echo x > /etc/sandboxd-probe"}));
+        CHECK(r.status != "exit 0");
+        CHECK(r.err.find("Read-only file system") != std::string::npos);
     }
     CHECK(open_fd_count() == fds_before);
 }

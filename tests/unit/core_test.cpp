@@ -171,3 +171,41 @@ TEST_CASE("Leases serialise with RFC 3339 times and nulls", "[lease]") {
     CHECK(parse_lease_status("pending_cleanup") == lease_status::pending_cleanup);
     CHECK_FALSE(parse_lease_status("gone"));
 }
+
+TEST_CASE("providers.bwrap limits, identity and etcFiles are parsed and checked", "[config]") {
+    auto c = sandboxd::parse_config(R"({"providers": {"bwrap": {
+        "limits": {"enforce": false, "defaults": {"pids": 64, "cpuQuotaPercent": 50},
+                   "max": {"diskBytes": null}},
+        "identity": {"hostIdFirst": 200000, "hostIdCount": 10, "insideUid": 1000},
+        "etcFiles": ["hosts.allow"]}}})");
+    CHECK_FALSE(c.bwrap.limits.enforce);
+    CHECK(c.bwrap.limits.defaults.pids == 64u);
+    CHECK(c.bwrap.limits.defaults.cpu_quota_percent == 50u);
+    CHECK(c.bwrap.limits.defaults.memory_bytes == 1ULL << 30);  // untouched keys keep defaults
+    CHECK_FALSE(c.bwrap.limits.max.disk_bytes.has_value());     // null: no cap
+    CHECK(c.bwrap.identity.host_id_first == 200000u);
+    CHECK(c.bwrap.identity.inside_uid == 1000u);
+    CHECK(c.bwrap.etc_files == std::vector<std::string>{"hosts.allow"});
+
+    auto error_of = [](const char* text) {
+        try {
+            sandboxd::parse_config(text);
+        } catch (const sandboxd::config_error& e) {
+            return std::string(e.what());
+        }
+        return std::string("accepted");
+    };
+    CHECK(error_of(R"({"providers": {"bwrap": {"limits": {"defaults": {"pids": 4}}}}})") ==
+          "config: providers.bwrap.limits.defaults.pids: must be an integer in 8..4194304, got 4");
+    CHECK(error_of(R"({"providers": {"bwrap": {"limits": {"max": {"memoryBytes": 16777216}}}}})") ==
+          "config: providers.bwrap.limits.defaults.memoryBytes: must not exceed "
+          "providers.bwrap.limits.max.memoryBytes (16777216)");
+    CHECK(error_of(R"({"providers": {"bwrap": {"limits": {"defaults": {"swap": 1}}}}})") ==
+          "config: providers.bwrap.limits.defaults.swap: unknown key");
+    CHECK(error_of(R"({"providers": {"bwrap": {"etcFiles": ["../shadow"]}}})") ==
+          "config: providers.bwrap.etcFiles: entries are relative paths under /etc, got "
+          "\"../shadow\"");
+    CHECK(error_of(R"({"providers": {"bwrap": {"identity": {"hostIdFirst": 4294967000,
+          "hostIdCount": 1000}}}})") ==
+          "config: providers.bwrap.identity.hostIdCount: the range must end below 4294967295");
+}
