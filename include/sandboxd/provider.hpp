@@ -100,7 +100,9 @@ struct ExecSpec {
 
 /// The daemon's side of a started process. Every fd is non-blocking and close-on-exec.
 struct SpawnedProcess {
-    pid_t pid = -1;    ///< the channel init's host pid (not our child: never waitpid it)
+    /// The channel init's host pid (not our child: never waitpid it); -1 when it had already
+    /// ended before spawn() returned (its set-up failed). For diagnostics only.
+    pid_t pid = -1;
     unique_fd pidfd;   ///< pidfd of `pid`; readable when it exits
     unique_fd stdin_fd;   ///< write end of the command's stdin; the PTY master under a PTY;
                           ///< empty when !stdin_attached and no PTY
@@ -173,6 +175,8 @@ public:
 };
 
 struct BwrapOptions {
+    /// Run as each lease's uid: it must be reachable (every directory above it searchable)
+    /// and executable by others.
     std::filesystem::path bwrap_path = "/usr/bin/bwrap";
     std::filesystem::path init_path;    ///< sandboxd-init; "" = next to the running executable
     /// Each sandbox's records live in <sandboxes_dir>/<providerLeaseId>/ (disk.img,

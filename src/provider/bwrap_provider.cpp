@@ -275,6 +275,23 @@ public:
         release_stale_mounts();
     }
 
+    ~BwrapProvider() override {
+        // What only this process used: the generated /etc, the init's copy, and the mount
+        // points of sandboxes already unmounted (their records stay in sandboxes_dir for a
+        // later teardown). A directory still in use is left alone.
+        std::error_code ec;
+        for (const auto& entry : fs::directory_iterator(runtime_dir_, ec)) {
+            const auto name = entry.path().filename().string();
+            if (is_sandbox_id(name)) {
+                ::rmdir((entry.path() / "workspace").c_str());
+                ::rmdir(entry.path().c_str());
+            }
+        }
+        fs::remove_all(runtime_dir_ / ".etc", ec);
+        fs::remove_all(runtime_dir_ / ".init", ec);
+        ::rmdir(runtime_dir_.c_str());
+    }
+
     const std::string& key() const noexcept override { return key_; }
     const std::string& plugin_id() const noexcept override { return plugin_id_; }
 
@@ -568,9 +585,19 @@ private:
                                  : std::string());
     }
 
-    /// A copy of sandboxd-init that every lease's uid can reach by path (bubblewrap resolves
-    /// its bind sources as that uid), and that nothing can replace while the daemon runs.
+    /// sandboxd-init where every lease's uid can reach it by path (bubblewrap resolves its
+    /// bind sources as that uid): where it is, when every directory above it is searchable by
+    /// others and it is root's (so no lease can replace it), else a copy in the runtime dir.
     fs::path install_init() const {
+        bool reachable = true;
+        for (fs::path p = init_path_; reachable && !p.empty(); p = p.parent_path()) {
+            struct stat st {};
+            reachable = ::stat(p.c_str(), &st) == 0 && st.st_uid == 0 &&
+                        (st.st_mode & S_IXOTH) != 0 &&
+                        (st.st_mode & S_IWOTH) == 0;
+            if (p == p.root_path()) break;
+        }
+        if (reachable) return init_path_;
         const fs::path dir = runtime_dir_ / ".init";
         const fs::path target = dir / "sandboxd-init";
         std::error_code ec;

@@ -204,8 +204,9 @@ awaitable<void> Channel::supervise() {
     if (error_) kill_tree();  // an init that says nonsense is not waited for
     if (resources_) limit_ = resources_->limit_hit(term_signal_);
     if (pidfd_.is_open()) {
-        // The init kills what is left of the namespace and exits; bubblewrap follows it.
-        // An error here (the descriptor was closed) still ends in waitid below.
+        // The channel's init kills what is left of its namespace and exits. It is the lease
+        // supervisor's child, not ours (the supervisor reaps it): waitid below only reaps a
+        // process of ours (a plugin provider's), and otherwise fails at once with ECHILD.
         co_await pidfd_.async_wait(net::posix::descriptor_base::wait_read, as_tuple_awaitable);
         siginfo_t info{};
         ::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(pidfd_.native_handle()),
