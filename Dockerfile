@@ -6,6 +6,10 @@
 # namespaces (unshare/clone with CLONE_NEW*, mount). Default Docker/podman seccomp and AppArmor
 # profiles forbid that: run with --privileged, or with a seccomp profile and AppArmor/SELinux
 # policy that allow unshare, clone3, mount and pivot_root (plus --cap-add SYS_ADMIN).
+# The lease limits (docs/security.md) also need cgroups the container may write (cgroup v2
+# with the memory, pids and cpu controllers, e.g. --cgroupns=private on a delegated host) and
+# loop devices for the workspace disks (--privileged gives both); without them the daemon
+# refuses to start unless the config sets providers.bwrap.limits.enforce to false.
 # --init puts a minimal init at PID 1 to reap stray zombies; sandboxd itself waits on its own
 # children through pidfds, not on orphans reparented to it.
 # With no tokens in the config, the first start writes an admin token to
@@ -17,7 +21,7 @@ ARG DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
       build-essential cmake ninja-build pkg-config \
-      libboost1.81-dev libboost-program-options1.81-dev nlohmann-json3-dev libspdlog-dev libsqlite3-dev libsystemd-dev catch2 \
+      libboost1.81-dev libboost-program-options1.81-dev nlohmann-json3-dev libspdlog-dev libsqlite3-dev libsystemd-dev libseccomp-dev catch2 \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
@@ -30,11 +34,12 @@ RUN cmake --preset release -DSANDBOXD_BUILD_TESTS=OFF -DCMAKE_INSTALL_PREFIX=/us
 FROM debian:bookworm-slim
 ARG DEBIAN_FRONTEND=noninteractive
 # Shared libraries of the release build (Boost, Asio, Beast and nlohmann-json are header-only
-# or compiled in): spdlog and its fmt, sqlite, libsystemd (sd_notify). bubblewrap is the
-# sandbox provider; ca-certificates for an etcd registry reached over TLS.
+# or compiled in): spdlog and its fmt, sqlite, libsystemd (sd_notify), libseccomp (the
+# sandboxes' syscall filter). bubblewrap is the sandbox provider; e2fsprogs formats the
+# workspace disks; ca-certificates for an etcd registry reached over TLS.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
-      bubblewrap libspdlog1.10 libfmt9 libboost-program-options1.81.0 libsqlite3-0 libsystemd0 ca-certificates \
+      bubblewrap e2fsprogs libseccomp2 libspdlog1.10 libfmt9 libboost-program-options1.81.0 libsqlite3-0 libsystemd0 ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 # sandboxd, sandboxctl and /usr/local/libexec/sandboxd/sandboxd-init.
 COPY --from=build /usr/local /usr/local

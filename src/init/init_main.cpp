@@ -86,6 +86,14 @@ void print_error(const char* what, const char* detail, int err) {
     }
 }
 
+// Writes to a pipe whose reader is gone fail with EPIPE instead of killing us.
+void ignore_sigpipe() {
+    struct sigaction ign {};
+    ign.sa_handler = SIG_IGN;
+    ::sigemptyset(&ign.sa_mask);
+    ::sigaction(SIGPIPE, &ign, nullptr);
+}
+
 // An empty handler: PID 1 of a namespace only receives signals it has a handler for. The
 // signals are blocked and read from the signalfd, so this never runs in practice.
 void ignore_signal(int) {}
@@ -172,10 +180,7 @@ public:
 
 private:
     bool setup_signals() {
-        struct sigaction ign {};
-        ign.sa_handler = SIG_IGN;
-        ::sigemptyset(&ign.sa_mask);
-        ::sigaction(SIGPIPE, &ign, nullptr);
+        ignore_sigpipe();
 
         sigset_t mask;
         ::sigemptyset(&mask);
@@ -465,10 +470,7 @@ public:
     int run() {
         if (!read_program()) return 1;
         ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
-        struct sigaction ign {};
-        ign.sa_handler = SIG_IGN;
-        ::sigemptyset(&ign.sa_mask);
-        ::sigaction(SIGPIPE, &ign, nullptr);
+        ignore_sigpipe();
         sigset_t mask;
         ::sigemptyset(&mask);
         ::sigaddset(&mask, SIGCHLD);

@@ -426,3 +426,29 @@ TEMPLATE_TEST_CASE(
         CHECK(eventually([&] { return count_processes_exactly(sleep_command) == 0; }, 5s));
     }
 }
+
+TEMPLATE_TEST_CASE("leaseGet through any node is answered by the owner, with the usage it measures",
+                   "[routing][multinode][limits]", SqliteCluster, EtcdCluster) {
+    TestType cluster;
+    INFO("registry: " << TestType::kind);
+    DaemonProcess p1("node-1", cluster_config(cluster));
+    DaemonProcess p2("node-2", cluster_config(cluster));
+    Client c1(p1.url(), host_token);
+    Client c2(p2.url(), host_token);
+    auto lease = acquire_lease(c1);
+    REQUIRE(c1.run_channel(open_params(lease, {"sh", "-c", "head -c 3000000 /dev/zero > f"}))
+                .exit["exitCode"] == 0);
+    // Through node-2: forwarded to node-1, whose provider measures the sandbox.
+    auto got = c2.call("leaseGet", {{"leaseId", lease["id"]}});
+    CHECK(got["ownerNodeId"] == "node-1");
+    REQUIRE(got["usage"].is_object());
+    CHECK(got["usage"]["diskBytes"].get<long>() >= 3000000);
+    CHECK(got["usage"]["pids"].get<long>() >= 1);
+    CHECK(got["limits"] == lease["limits"]);
+    // The owner gone: the registry's lease, without usage, and no error.
+    p1.kill9();
+    got = c2.call("leaseGet", {{"leaseId", lease["id"]}});
+    CHECK(got["id"] == lease["id"]);
+    CHECK(got["usage"].is_null());
+    CHECK(got["limits"] == lease["limits"]);
+}
