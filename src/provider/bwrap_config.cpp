@@ -1,0 +1,134 @@
+/// @file bwrap_config.cpp
+#include "provider/bwrap_config.hpp"
+
+#include <sandboxd/errors.hpp>
+
+#include "provider/lease_disk.hpp"
+
+#include <unistd.h>
+
+#include <string>
+
+namespace sandboxd::detail {
+namespace {
+
+using json = nlohmann::json;
+
+[[noreturn]] void invalid_field(const std::string& field, const std::string& why) {
+    throw rpc_error(errc::invalid_params, field + ": " + why, {{"field", field}});
+}
+
+struct LimitField {
+    const char* name;
+    std::uint64_t min;
+    std::uint64_t max;
+};
+constexpr LimitField memory_field{"memoryBytes", 16ULL << 20, 1ULL << 50};
+constexpr LimitField pids_field{"pids", 8, 4194304};
+constexpr LimitField cpu_weight_field{"cpuWeight", 1, 10000};
+constexpr LimitField cpu_quota_field{"cpuQuotaPercent", 1, 100000};
+constexpr LimitField disk_field{"diskBytes", detail::min_disk_bytes, detail::max_disk_bytes};
+constexpr LimitField open_files_field{"openFiles", 16, 1048576};
+
+template <class T>
+std::uint64_t limit_value(const json& value, const LimitField& field,
+                          const std::optional<T>& node_max) {
+    const std::string path = std::string("config.limits.") + field.name;
+    if (!value.is_number_unsigned() &&
+        !(value.is_number_integer() && value.get<std::int64_t>() >= 0)) {
+        invalid_field(path, "must be an integer in " + std::to_string(field.min) + ".." +
+                                std::to_string(field.max));
+    }
+    const auto v = value.get<std::uint64_t>();
+    if (v < field.min || v > field.max) {
+        invalid_field(path, "must be an integer in " + std::to_string(field.min) + ".." +
+                                std::to_string(field.max));
+    }
+    if (node_max && v > static_cast<std::uint64_t>(*node_max)) {
+        invalid_field(path, std::to_string(v) + " is above this node's maximum of " +
+                                std::to_string(*node_max));
+    }
+    return v;
+}
+
+void parse_limits(const json& limits, const BwrapLimitsConfig& node, EffectiveLimits& out) {
+    if (!limits.is_object()) invalid_field("config.limits", "must be an object");
+    const auto& max = node.max;
+    for (const auto& [name, value] : limits.items()) {
+        if (name == memory_field.name) {
+            out.memory_bytes = limit_value(value, memory_field, max.memory_bytes);
+        } else if (name == pids_field.name) {
+            out.pids = static_cast<std::uint32_t>(limit_value(value, pids_field, max.pids));
+        } else if (name == cpu_weight_field.name) {
+            out.cpu_weight =
+                static_cast<std::uint32_t>(limit_value(value, cpu_weight_field, max.cpu_weight));
+        } else if (name == cpu_quota_field.name) {
+            if (value.is_null()) {
+                if (max.cpu_quota_percent) {
+                    invalid_field("config.limits.cpuQuotaPercent",
+                                  "must be set on this node (at most " +
+                                      std::to_string(*max.cpu_quota_percent) + ")");
+                }
+                out.cpu_quota_percent.reset();
+            } else {
+                out.cpu_quota_percent = static_cast<std::uint32_t>(
+                    limit_value(value, cpu_quota_field, max.cpu_quota_percent));
+                const long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
+                if (cores > 0 && *out.cpu_quota_percent > 100 * cores) {
+                    invalid_field("config.limits.cpuQuotaPercent",
+                                  std::to_string(*out.cpu_quota_percent) +
+                                      " is more than this node's " + std::to_string(cores) +
+                                      " cores (at most " + std::to_string(100 * cores) + ")");
+                }
+            }
+        } else if (name == disk_field.name) {
+            out.disk_bytes = limit_value(value, disk_field, max.disk_bytes);
+        } else if (name == open_files_field.name) {
+            out.open_files =
+                static_cast<std::uint32_t>(limit_value(value, open_files_field, max.open_files));
+        } else {
+            invalid_field("config.limits." + name, "unknown key");
+        }
+    }
+}
+
+}  // namespace
+
+json EffectiveLimits::to_json() const {
+    return {{"memoryBytes", memory_bytes},
+            {"pids", pids},
+            {"cpuWeight", cpu_weight},
+            {"cpuQuotaPercent", cpu_quota_percent ? json(*cpu_quota_percent) : json(nullptr)},
+            {"diskBytes", disk_bytes},
+            {"openFiles", open_files}};
+}
+
+LeaseConfig parse_lease_config(const json& config, const BwrapLimitsConfig& node,
+                               bool allow_network) {
+    LeaseConfig out;
+    const auto& defaults = node.defaults;
+    out.limits.memory_bytes = defaults.memory_bytes.value_or(1ULL << 30);
+    out.limits.pids = defaults.pids.value_or(1024);
+    out.limits.cpu_weight = defaults.cpu_weight.value_or(100);
+    out.limits.cpu_quota_percent = defaults.cpu_quota_percent;
+    out.limits.disk_bytes = defaults.disk_bytes.value_or(1ULL << 30);
+    out.limits.open_files = defaults.open_files.value_or(1024);
+    if (config.is_null()) return out;
+    if (!config.is_object()) invalid_field("config", "must be an object");
+    for (const auto& [name, value] : config.items()) {
+        if (name == "network") {
+            if (!value.is_boolean()) invalid_field("config.network", "must be a boolean");
+            out.network = value.get<bool>();
+            if (out.network && !allow_network) {
+                invalid_field("config.network", "not allowed on this node");
+            }
+        } else if (name == "limits") {
+            parse_limits(value, node, out.limits);
+        } else {
+            invalid_field("config." + name, "unknown key");
+        }
+    }
+    return out;
+}
+
+}  // namespace sandboxd::detail
