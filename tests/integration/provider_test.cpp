@@ -1358,3 +1358,28 @@ TEST_CASE("the sandbox's /etc is the generated one", "[provider]") {
     }
     CHECK(open_fd_count() == fds_before);
 }
+
+TEST_CASE("without a cgroup mechanism the provider refuses to start unless told not to enforce",
+          "[provider]") {
+    TempDir dir;
+    const fs::path no_cgroups = dir.path / "cgroup";  // an empty directory: neither v2 nor v1
+    fs::create_directories(no_cgroups);
+    auto options = test_options(dir.path / "sandboxes");
+    options.cgroup_root = no_cgroups;
+    try {
+        make_bwrap_provider(options);
+        FAIL("a provider started with no way to enforce its limits");
+    } catch (const std::runtime_error& e) {
+        const std::string what = e.what();
+        CHECK(what.find("no cgroup mechanism can enforce the limits") != std::string::npos);
+        CHECK(what.find("providers.bwrap.limits.enforce: false") != std::string::npos);
+    }
+    options.limits.enforce = false;
+    auto provider = make_bwrap_provider(options);
+    CHECK(provider->degraded() ==
+          "no limits are enforced (providers.bwrap.limits.enforce is false)");
+    auto sandbox = provider->create(SandboxScope{"bwrap", "c", "e", ""}, "lease", nullptr);
+    LeaseGuard guard(*provider, sandbox);
+    CHECK(sandbox->limits.is_null());
+    CHECK(provider->usage(*sandbox).is_null());
+}
