@@ -219,14 +219,10 @@ public:
         }
         ::chmod(runtime_dir_.c_str(), 0711);
         if (options_.runtime_dir.empty()) ::chmod(runtime_dir_.parent_path().c_str(), 0711);
-        for (fs::path p = runtime_dir_; p != p.root_path(); p = p.parent_path()) {
-            struct stat st {};
-            if (::stat(p.c_str(), &st) == 0 && (st.st_mode & S_IXOTH) == 0) {
-                throw std::runtime_error("providers.bwrap: the sandboxes' uids cannot reach " +
-                                         runtime_dir_.string() + ": " + p.string() +
-                                         " is not searchable by others");
-            }
-        }
+        // bubblewrap runs as each lease's uid and reaches these by path.
+        std::vector<fs::path> reached = {runtime_dir_, options_.bwrap_path};
+        reached.insert(reached.end(), options_.ro_binds.begin(), options_.ro_binds.end());
+        for (const auto& target : reached) require_reachable(target);
         if (options_.limits.enforce) probe_enforcement();
         program_ = make_program_fd();
         init_path_ = install_init();
@@ -544,6 +540,23 @@ private:
                      removed > 0 ? "; killed and removed " + std::to_string(removed) +
                                        " orphaned sandbox cgroup(s) of an earlier process"
                                  : std::string());
+    }
+
+    /// Throws, naming the directory, when an unprivileged uid cannot search every directory
+    /// from / down to `target` (e.g. a root file system whose / is 0700).
+    static void require_reachable(const fs::path& target) {
+        for (fs::path p = target.parent_path();; p = p.parent_path()) {
+            struct stat st {};
+            if (::stat(p.c_str(), &st) == 0 && (st.st_mode & S_IXOTH) == 0) {
+                char mode[8];
+                std::snprintf(mode, sizeof mode, "%04o", st.st_mode & 07777);
+                throw std::runtime_error("providers.bwrap: the sandboxes' uids cannot reach " +
+                                         target.string() + ": " + p.string() +
+                                         " is not searchable by others (mode " + mode +
+                                         "; every directory above it needs o+x)");
+            }
+            if (p == p.root_path() || p.empty()) break;
+        }
     }
 
     /// sandboxd-init where every lease's uid can reach it by path (bubblewrap resolves its

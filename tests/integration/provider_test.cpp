@@ -1383,3 +1383,22 @@ TEST_CASE("without a cgroup mechanism the provider refuses to start unless told 
     CHECK(sandbox->limits.is_null());
     CHECK(provider->usage(*sandbox).is_null());
 }
+
+TEST_CASE("a runtime directory the leases' uids cannot reach is a start-up error naming it",
+          "[provider]") {
+    TempDir dir;
+    const fs::path closed = dir.path / "closed";
+    fs::create_directories(closed);
+    fs::permissions(closed, fs::perms::owner_all);  // 0700: no search for others
+    auto options = test_options(dir.path / "sandboxes");
+    options.runtime_dir = closed / "run";
+    try {
+        make_bwrap_provider(options);
+        FAIL("a provider started with bind sources its sandboxes cannot reach");
+    } catch (const std::runtime_error& e) {
+        CHECK(std::string(e.what()) ==
+              "providers.bwrap: the sandboxes' uids cannot reach " + (closed / "run").string() +
+                  ": " + closed.string() +
+                  " is not searchable by others (mode 0700; every directory above it needs o+x)");
+    }
+}
