@@ -8,6 +8,8 @@
 
 #include <sandboxd/errors.hpp>
 
+#include "support/wait_readable.hpp"
+
 #include <catch2/catch.hpp>
 
 #include <fcntl.h>
@@ -84,18 +86,7 @@ std::vector<int> open_fds() {
     return fds;
 }
 
-/// Waits until `fd` is readable; false on timeout.
-bool wait_readable(int fd, milliseconds timeout) {
-    auto deadline = Clock::now() + timeout;
-    for (;;) {
-        auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
-        if (left.count() < 0) return false;
-        pollfd p{fd, POLLIN, 0};
-        int r = ::poll(&p, 1, static_cast<int>(left.count()));
-        if (r > 0) return true;
-        if (r < 0 && errno != EINTR) return false;
-    }
-}
+using sandboxd::test::wait_readable;
 
 /// Writes "0" to each descriptor: the calling process joins those cgroups.
 bool join(const std::vector<unique_fd>& fds) {
@@ -228,6 +219,8 @@ private:
             return a.string().size() > b.string().size();
         });
         for (const auto& d : dirs) ::rmdir(d.c_str());
+        // Later tests in this process must not inherit other programs' orphans.
+        ::prctl(PR_SET_CHILD_SUBREAPER, 0);
     }
 
     std::string instance_;

@@ -8,6 +8,8 @@
 #include <sandboxd/errors.hpp>
 #include <sandboxd/provider.hpp>
 
+#include "support/wait_readable.hpp"
+
 #include <catch2/catch.hpp>
 
 #include <fcntl.h>
@@ -56,18 +58,7 @@ int open_fd_count() {
     return n;
 }
 
-/// Waits until `fd` is readable; false on timeout.
-bool wait_readable(int fd, milliseconds timeout) {
-    auto deadline = Clock::now() + timeout;
-    for (;;) {
-        auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
-        if (left.count() < 0) return false;
-        pollfd p{fd, POLLIN, 0};
-        int r = ::poll(&p, 1, static_cast<int>(left.count()));
-        if (r > 0) return true;
-        if (r < 0 && errno != EINTR) return false;
-    }
-}
+using sandboxd::test::wait_readable;
 
 std::string read_text(const fs::path& path) {
     std::ifstream in(path, std::ios::binary);
