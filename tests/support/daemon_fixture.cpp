@@ -145,19 +145,8 @@ std::string DaemonProcess::log() const {
     return ss.str();
 }
 
-std::vector<pid_t> DaemonProcess::children() const {
-    std::vector<pid_t> out;
-    if (pid_ <= 0) return out;
-    std::error_code ec;
-    for (const auto& task : fs::directory_iterator("/proc/" + std::to_string(pid_) + "/task", ec)) {
-        std::istringstream in(read_proc_file(task.path() / "children"));
-        pid_t child = 0;
-        while (in >> child) out.push_back(child);
-    }
-    return out;
-}
-
 namespace {
+/// The children of every thread of `pid`.
 std::vector<pid_t> children_of(pid_t pid) {
     std::vector<pid_t> out;
     std::error_code ec;
@@ -169,6 +158,10 @@ std::vector<pid_t> children_of(pid_t pid) {
     return out;
 }
 }  // namespace
+
+std::vector<pid_t> DaemonProcess::children() const {
+    return pid_ > 0 ? children_of(pid_) : std::vector<pid_t>{};
+}
 
 std::vector<pid_t> DaemonProcess::channel_processes() const {
     std::vector<pid_t> out;
