@@ -223,6 +223,11 @@ public:
         std::vector<fs::path> reached = {runtime_dir_, options_.bwrap_path};
         reached.insert(reached.end(), options_.ro_binds.begin(), options_.ro_binds.end());
         for (const auto& target : reached) require_reachable(target);
+        // Where this directory's mounts live, for an operator (or a test) cleaning up after a
+        // daemon that was killed and not restarted.
+        const fs::path link = options_.sandboxes_dir / ".runtime";
+        fs::remove(link, ec);
+        fs::create_symlink(runtime_dir_, link, ec);
         if (options_.limits.enforce) probe_enforcement();
         program_ = make_program_fd();
         init_path_ = install_init();

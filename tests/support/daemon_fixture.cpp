@@ -3,6 +3,7 @@
 #include <sandboxd/errors.hpp>
 
 #include <csignal>
+#include <sys/mount.h>
 #include <fcntl.h>
 #include <cstdlib>
 #include <fstream>
@@ -61,6 +62,16 @@ DaemonProcess::DaemonProcess(std::string node_id, std::string config_json,
 
 DaemonProcess::~DaemonProcess() {
     if (pid_ > 0) stop();
+    // A daemon killed with SIGKILL (and not restarted) leaves its sandboxes' disks mounted
+    // under its runtime directory, which a restart would unmount; nothing will restart it.
+    std::error_code ec;
+    const auto runtime = fs::read_symlink(state_dir_ / "sandboxes" / ".runtime", ec);
+    if (ec || runtime.empty()) return;
+    for (const auto& entry : fs::directory_iterator(runtime, ec)) {
+        if (entry.path().filename().string().rfind("bw-", 0) != 0) continue;
+        ::umount2((entry.path() / "workspace").c_str(), MNT_DETACH);
+    }
+    fs::remove_all(runtime, ec);
 }
 
 void DaemonProcess::launch() {
