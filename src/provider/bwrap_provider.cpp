@@ -331,7 +331,7 @@ public:
             // Nothing may be left: no process, no mount, no cgroup, no claimed id.
             if (handle->state) std::static_pointer_cast<BwrapSandbox>(handle->state)->shutdown();
             try {
-                teardown_files(*handle, nullptr);
+                teardown_files(*handle);
             } catch (const std::exception& e) {
                 spdlog::warn("sandbox {}: cleanup after a failed create: {}", id, e.what());
             }
@@ -365,7 +365,7 @@ public:
             left_behind = cgroups_->find_lease(sandbox.scope.provider_lease_id);
             if (left_behind) left_behind->kill();
         }
-        teardown_files(sandbox, state.get());
+        teardown_files(sandbox);
         left_behind.reset();
         if (state) state->cgroup.reset();
     }
@@ -698,8 +698,7 @@ private:
     }
 
     /// Unmounts and removes a sandbox's files, then returns its uid. Its processes are gone.
-    void teardown_files(const SandboxHandle& sandbox, BwrapSandbox* state) {
-        (void)state;
+    void teardown_files(const SandboxHandle& sandbox) {
         const fs::path dir = options_.sandboxes_dir / sandbox.scope.provider_lease_id;
         const fs::path run_dir = runtime_dir_ / sandbox.scope.provider_lease_id;
         const fs::path workspace = run_dir / "workspace";
