@@ -21,7 +21,7 @@ ARG DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
       build-essential cmake ninja-build pkg-config \
-      libboost1.81-dev libboost-program-options1.81-dev nlohmann-json3-dev libspdlog-dev libsqlite3-dev libsystemd-dev libseccomp-dev catch2 \
+      libboost1.81-dev libboost-program-options1.81-dev nlohmann-json3-dev libspdlog-dev libsqlite3-dev libsystemd-dev libseccomp-dev libssl-dev catch2 \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
@@ -35,11 +35,12 @@ FROM debian:bookworm-slim
 ARG DEBIAN_FRONTEND=noninteractive
 # Shared libraries of the release build (Boost, Asio, Beast and nlohmann-json are header-only
 # or compiled in): spdlog and its fmt, sqlite, libsystemd (sd_notify), libseccomp (the
-# sandboxes' syscall filter). bubblewrap is the sandbox provider; e2fsprogs formats the
-# workspace disks; ca-certificates for an etcd registry reached over TLS.
+# sandboxes' syscall filter), libssl3 (libcrypto: base64, TLS later). bubblewrap is the sandbox
+# provider; e2fsprogs formats the workspace disks; ca-certificates for an etcd registry reached
+# over TLS.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
-      bubblewrap e2fsprogs libseccomp2 libspdlog1.10 libfmt9 libboost-program-options1.81.0 libsqlite3-0 libsystemd0 ca-certificates \
+      bubblewrap e2fsprogs libseccomp2 libspdlog1.10 libfmt9 libboost-program-options1.81.0 libsqlite3-0 libsystemd0 libssl3 ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 # sandboxd, sandboxctl and /usr/local/libexec/sandboxd/sandboxd-init.
 COPY --from=build /usr/local /usr/local

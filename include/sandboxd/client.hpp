@@ -111,9 +111,4 @@ private:
 /// (throws client_error for a malformed frame). Pure; thread-safe.
 ClientEvent decode_event(bool text, std::string_view message);
 
-/// Base64 of `bytes` (RFC 4648, with padding).
-std::string base64_encode(std::string_view bytes);
-/// Decodes RFC 4648 base64; throws std::invalid_argument for malformed text.
-std::string base64_decode(std::string_view text);
-
 }  // namespace sandboxd

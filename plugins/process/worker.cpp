@@ -18,6 +18,8 @@
 //       Then it runs `sleep 60`.
 //   __duplicate_reply__              answers the open twice, then runs `sleep 60`.
 
+#include <sandboxd/base64.hpp>
+
 #include <nlohmann/json.hpp>
 
 #include <fcntl.h>
@@ -54,66 +56,13 @@ namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+using sandboxd::base64_decode;
+using sandboxd::base64_encode;
 using Clock = std::chrono::steady_clock;
 
 constexpr std::chrono::milliseconds drain_grace{250};
 constexpr std::size_t read_chunk = 64 * 1024;
 constexpr std::size_t max_stdin_queue = 4U << 20;
-
-// --- base64 (RFC 4648) ---
-
-constexpr char b64_alphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
-std::string base64_encode(std::string_view in) {
-    std::string out;
-    out.reserve((in.size() + 2) / 3 * 4);
-    std::size_t i = 0;
-    for (; i + 2 < in.size(); i += 3) {
-        unsigned v = (static_cast<unsigned char>(in[i]) << 16) |
-                     (static_cast<unsigned char>(in[i + 1]) << 8) | static_cast<unsigned char>(in[i + 2]);
-        for (int s = 18; s >= 0; s -= 6) out.push_back(b64_alphabet[(v >> s) & 63]);
-    }
-    if (i < in.size()) {
-        unsigned v = static_cast<unsigned char>(in[i]) << 16;
-        if (i + 1 < in.size()) v |= static_cast<unsigned char>(in[i + 1]) << 8;
-        out.push_back(b64_alphabet[(v >> 18) & 63]);
-        out.push_back(b64_alphabet[(v >> 12) & 63]);
-        out.push_back(i + 1 < in.size() ? b64_alphabet[(v >> 6) & 63] : '=');
-        out.push_back('=');
-    }
-    return out;
-}
-
-std::optional<std::string> base64_decode(std::string_view in) {
-    if (in.size() % 4 != 0) return std::nullopt;
-    auto value = [](char c) -> int {
-        if (c >= 'A' && c <= 'Z') return c - 'A';
-        if (c >= 'a' && c <= 'z') return c - 'a' + 26;
-        if (c >= '0' && c <= '9') return c - '0' + 52;
-        if (c == '+') return 62;
-        if (c == '/') return 63;
-        return -1;
-    };
-    std::string out;
-    for (std::size_t i = 0; i < in.size(); i += 4) {
-        int v[4];
-        int pad = 0;
-        for (int k = 0; k < 4; ++k) {
-            char c = in[i + k];
-            if (c == '=' && i + 4 == in.size() && k >= 2) {
-                v[k] = 0;
-                ++pad;
-            } else if (pad > 0 || (v[k] = value(c)) < 0) {
-                return std::nullopt;
-            }
-        }
-        unsigned n = (v[0] << 18) | (v[1] << 12) | (v[2] << 6) | v[3];
-        out.push_back(static_cast<char>((n >> 16) & 0xff));
-        if (pad < 2) out.push_back(static_cast<char>((n >> 8) & 0xff));
-        if (pad < 1) out.push_back(static_cast<char>(n & 0xff));
-    }
-    return out;
-}
 
 // --- output ---
 
@@ -479,11 +428,15 @@ json Worker::dispatch(const std::string& method, const json& p, const json& id, 
     if (method == "duplexChannelOpen") return open(p, id, answered);
     if (method == "duplexChannelWrite") {
         Session& s = session_of(p);
-        auto data = base64_decode(str_param(p, "data"));
-        if (!data) fail(-32602, "data: not base64");
+        std::string data;
+        try {
+            data = base64_decode(str_param(p, "data"));
+        } catch (const sandboxd::base64_error&) {
+            fail(-32602, "data: not base64");
+        }
         if (s.in_fd < 0 || s.close_stdin) fail(-32000, "stdin is closed");
-        if (s.stdin_queue.size() + data->size() > max_stdin_queue) fail(-32000, "stdin queue full");
-        s.stdin_queue += *data;
+        if (s.stdin_queue.size() + data.size() > max_stdin_queue) fail(-32000, "stdin queue full");
+        s.stdin_queue += data;
         s.write_ids.push_back(id);  // answered once written
         answered = true;
         flush_stdin(s);

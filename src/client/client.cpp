@@ -2,9 +2,9 @@
 
 #include "client/client_impl.hpp"
 
+#include <sandboxd/base64.hpp>
 #include <sandboxd/errors.hpp>
 
-#include <boost/beast/core/detail/base64.hpp>
 #include <boost/url/parse.hpp>
 
 #include <algorithm>
@@ -12,25 +12,6 @@
 namespace sandboxd {
 
 using json = nlohmann::json;
-
-std::string base64_encode(std::string_view bytes) {
-    namespace b64 = boost::beast::detail::base64;
-    std::string out(b64::encoded_size(bytes.size()), '\0');
-    out.resize(b64::encode(out.data(), bytes.data(), bytes.size()));
-    return out;
-}
-
-std::string base64_decode(std::string_view text) {
-    namespace b64 = boost::beast::detail::base64;
-    if (text.size() % 4 != 0) throw std::invalid_argument("base64: length is not a multiple of 4");
-    std::size_t padding = 0;
-    while (padding < 2 && padding < text.size() && text[text.size() - 1 - padding] == '=') ++padding;
-    std::string out(b64::decoded_size(text.size()), '\0');
-    auto [written, read] = b64::decode(out.data(), text.data(), text.size());
-    if (read != text.size() - padding) throw std::invalid_argument("base64: invalid character");
-    out.resize(written);
-    return out;
-}
 
 template <typename Start>
 void Client::Impl::run(Start start) {

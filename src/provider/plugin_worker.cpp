@@ -12,7 +12,7 @@
 #include "provider/spawn.hpp"
 #include "server/net.hpp"
 
-#include <sandboxd/client.hpp>
+#include <sandboxd/base64.hpp>
 #include <sandboxd/errors.hpp>
 
 #include <spdlog/spdlog.h>

@@ -2,7 +2,7 @@
 
 #include "server/net.hpp"
 
-#include <sandboxd/client.hpp>  // base64_encode, base64_decode
+#include <sandboxd/base64.hpp>
 #include <sandboxd/errors.hpp>
 
 #include <atomic>

@@ -1,8 +1,8 @@
 #include "server/channel.hpp"
 
+#include <sandboxd/base64.hpp>
 #include <sandboxd/errors.hpp>
 
-#include <boost/beast/core/detail/base64.hpp>
 #include <spdlog/spdlog.h>
 
 #include <csignal>
@@ -35,13 +35,6 @@ constexpr SignalName signal_names[] = {
     {SIGVTALRM, "VTALRM"}, {SIGPROF, "PROF"}, {SIGWINCH, "WINCH"}, {SIGIO, "IO"},
     {SIGPWR, "PWR"},   {SIGSYS, "SYS"},
 };
-
-std::string to_base64(std::string_view bytes) {
-    namespace b64 = boost::beast::detail::base64;
-    std::string out(b64::encoded_size(bytes.size()), '\0');
-    out.resize(b64::encode(out.data(), bytes.data(), bytes.size()));
-    return out;
-}
 
 std::string_view stream_name(stream_id s) {
     return s == stream_id::stderr_ ? "stderr" : "stdout";
@@ -264,7 +257,7 @@ awaitable<void> Channel::pump_output(net::posix::stream_descriptor& fd, stream_i
                 {"params",
                  {{"channel", options_.id},
                   {"stream", stream_name(stream)},
-                  {"chunk", to_base64(std::string_view(frame).substr(frame_header_size, n))}}}};
+                  {"chunk", base64_encode(std::string_view(frame).substr(frame_header_size, n))}}}};
             sink->send_text(note.dump());
         } else {
             frame.resize(frame_header_size + n);

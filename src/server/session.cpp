@@ -3,11 +3,11 @@
 #include "server/lease_service.hpp"
 #include "server/params.hpp"
 
+#include <sandboxd/base64.hpp>
 #include <sandboxd/errors.hpp>
 #include <sandboxd/frame.hpp>
 #include <sandboxd/version.hpp>
 
-#include <boost/beast/core/detail/base64.hpp>
 #include <spdlog/spdlog.h>
 
 namespace sandboxd {
@@ -43,15 +43,11 @@ bool offers_subprotocol(std::string_view header) {
 }
 
 std::string decode_base64(const std::string& field, std::string_view text) {
-    namespace b64 = boost::beast::detail::base64;
-    if (text.size() % 4 != 0) params::invalid(field, "is not valid base64");
-    std::size_t padding = 0;
-    while (padding < 2 && padding < text.size() && text[text.size() - 1 - padding] == '=') ++padding;
-    std::string out(b64::decoded_size(text.size()), '\0');
-    auto [written, read] = b64::decode(out.data(), text.data(), text.size());
-    if (read != text.size() - padding) params::invalid(field, "is not valid base64");
-    out.resize(written);
-    return out;
+    try {
+        return base64_decode(text);
+    } catch (const base64_error&) {
+        params::invalid(field, "is not valid base64");
+    }
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include "support/raw_ws.hpp"
 #include "support/sha256.hpp"
 
+#include <sandboxd/base64.hpp>
 #include <sandboxd/errors.hpp>
 
 #include <catch2/catch.hpp>
