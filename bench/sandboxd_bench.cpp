@@ -9,6 +9,8 @@
 // Every subcommand runs under a watchdog (--deadline-s, default 600): a daemon that stops
 // answering makes the bench fail, never hang.
 
+#include <sandboxd/address.hpp>
+
 #include <boost/asio/connect.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
@@ -184,18 +186,8 @@ struct Url {
 };
 
 Url parse_url(const std::string& url) {
-    const std::string scheme = "ws://";
-    if (url.rfind(scheme, 0) != 0) throw std::runtime_error("url must start with ws://: " + url);
-    std::string rest = url.substr(scheme.size());
-    auto slash = rest.find('/');
-    std::string hostport = rest.substr(0, slash);
-    Url u;
-    u.target = slash == std::string::npos ? "/" : rest.substr(slash);
-    auto colon = hostport.rfind(':');
-    if (colon == std::string::npos) throw std::runtime_error("url needs a port: " + url);
-    u.host = hostport.substr(0, colon);
-    u.port = hostport.substr(colon + 1);
-    return u;
+    const auto parsed = sandboxd::parse_ws_url(url);  // throws sandboxd::address_error
+    return Url{parsed.endpoint.host, parsed.endpoint.port_text(), parsed.target};
 }
 
 class RpcError : public std::runtime_error {

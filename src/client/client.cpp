@@ -2,10 +2,9 @@
 
 #include "client/client_impl.hpp"
 
+#include <sandboxd/address.hpp>
 #include <sandboxd/base64.hpp>
 #include <sandboxd/errors.hpp>
-
-#include <boost/url/parse.hpp>
 
 #include <algorithm>
 
@@ -30,20 +29,18 @@ Client::Client(const std::string& url, const std::string& token, std::chrono::mi
                const std::vector<std::pair<std::string, std::string>>& extra_headers)
     : impl_(std::make_unique<Impl>()) {
     impl_->timeout = timeout;
-    auto parsed = boost::urls::parse_uri(url);
-    if (!parsed || parsed->scheme() != "ws") {
-        throw client_error("url must be ws://HOST:PORT/PATH, got \"" + url + "\"");
+    WsUrl parsed;
+    try {
+        parsed = parse_ws_url(url);
+    } catch (const address_error& e) {
+        throw client_error(std::string("url ") + e.what());
     }
-    const std::string host = parsed->host();
-    const std::string port = parsed->has_port() ? std::string(parsed->port()) : "80";
-    std::string target = parsed->encoded_target().empty() ? "/v1/ws" : std::string(parsed->encoded_target());
-    if (target == "/") target = "/v1/ws";
+    const std::string authority = parsed.endpoint.authority();
+    const std::string& target = parsed.target;
     tcp::resolver resolver(impl_->ioc);
     beast::error_code ec;
-    std::string bare = host;
-    if (bare.size() > 2 && bare.front() == '[') bare = bare.substr(1, bare.size() - 2);
-    auto endpoints = resolver.resolve(bare, port, ec);
-    if (ec) throw client_error("cannot resolve " + host + ": " + ec.message());
+    auto endpoints = resolver.resolve(parsed.endpoint.host, parsed.endpoint.port_text(), ec);
+    if (ec) throw client_error("cannot resolve " + parsed.endpoint.host + ": " + ec.message());
     auto& lowest = beast::get_lowest_layer(impl_->ws);
     if (receive_buffer > 0) {
         // SO_RCVBUF must be set before connect() to bound the window the kernel advertises.
@@ -63,7 +60,7 @@ Client::Client(const std::string& url, const std::string& token, std::chrono::mi
                 last = net::error::connection_refused;
             }
         }
-        if (last) throw client_error("cannot connect to " + host + ":" + port);
+        if (last) throw client_error("cannot connect to " + authority);
     } else {
         impl_->run([&](auto handler) { lowest.async_connect(endpoints, handler); });
     }
@@ -76,9 +73,8 @@ Client::Client(const std::string& url, const std::string& token, std::chrono::mi
     impl_->ws.read_message_max(64ULL << 20);
     websocket::response_type response;
     try {
-        impl_->run([&](auto handler) {
-            impl_->ws.async_handshake(response, host + ":" + port, target, handler);
-        });
+        impl_->run(
+            [&](auto handler) { impl_->ws.async_handshake(response, authority, target, handler); });
     } catch (const client_error& e) {
         const int status = static_cast<int>(response.result_int());
         if (status != 0 && status != 101) {

@@ -1,5 +1,7 @@
 #include <sandboxd/config.hpp>
 
+#include <sandboxd/address.hpp>
+
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -284,14 +286,10 @@ Config load_config_file(const std::string& path) {
 }
 
 void validate_config(const Config& c) {
-    auto colon = c.listen.rfind(':');
-    if (colon == std::string::npos || colon == 0 || colon + 1 == c.listen.size()) {
-        fail("listen", "must be HOST:PORT, got \"" + c.listen + "\"");
-    }
-    const std::string port = c.listen.substr(colon + 1);
-    if (port.find_first_not_of("0123456789") != std::string::npos || port.size() > 5 ||
-        std::stoul(port) > 65535) {
-        fail("listen", "port must be 0..65535, got \"" + port + "\"");
+    try {
+        parse_host_port(c.listen);
+    } catch (const address_error& e) {
+        fail("listen", e.what());
     }
     if (!c.advertise_url.empty() && c.advertise_url.rfind("ws://", 0) != 0 &&
         c.advertise_url.rfind("wss://", 0) != 0) {
@@ -342,17 +340,10 @@ void validate_config(const Config& c) {
         fail("registry.endpoints", "etcd needs at least one endpoint");
     }
     for (std::size_t i = 0; i < c.registry.endpoints.size(); ++i) {
-        const auto& e = c.registry.endpoints[i];
-        std::string hp = e.rfind("http://", 0) == 0 ? e.substr(7) : std::string();
-        if (!hp.empty() && hp.back() == '/') hp.pop_back();
-        const auto pc = hp.rfind(':');
-        const std::string ep_port = pc == std::string::npos ? "" : hp.substr(pc + 1);
-        if (hp.find('/') != std::string::npos || pc == std::string::npos || pc == 0 ||
-            ep_port.empty() || ep_port.size() > 5 ||
-            ep_port.find_first_not_of("0123456789") != std::string::npos ||
-            std::stoul(ep_port) == 0 || std::stoul(ep_port) > 65535) {
-            fail("registry.endpoints[" + std::to_string(i) + "]",
-                 "must be http://HOST:PORT, got \"" + e + "\"");
+        try {
+            parse_http_endpoint(c.registry.endpoints[i]);
+        } catch (const address_error& e) {
+            fail("registry.endpoints[" + std::to_string(i) + "]", e.what());
         }
     }
     if (c.registry.username.empty() != c.registry.password_file.empty()) {

@@ -2,6 +2,7 @@
 
 #include "server/net.hpp"
 
+#include <sandboxd/address.hpp>
 #include <sandboxd/base64.hpp>
 #include <sandboxd/errors.hpp>
 
@@ -34,36 +35,17 @@ struct Endpoint {
 };
 
 Endpoint parse_endpoint(const std::string& text) {
-    auto bad = [&]() -> std::invalid_argument {
-        return std::invalid_argument("etcd endpoint \"" + text + "\": must be http://HOST:PORT");
-    };
-    constexpr std::string_view scheme = "http://";
-    if (text.rfind(scheme, 0) != 0) throw bad();
-    std::string rest = text.substr(scheme.size());
-    if (!rest.empty() && rest.back() == '/') rest.pop_back();
-    if (rest.empty() || rest.find('/') != std::string::npos) throw bad();
+    HostPort parsed;
+    try {
+        parsed = parse_http_endpoint(text);
+    } catch (const address_error& e) {
+        throw std::invalid_argument("etcd endpoint: " + std::string(e.what()));
+    }
     Endpoint ep;
-    ep.url = std::string(scheme) + rest;
-    ep.host_header = rest;
-    std::string::size_type colon;
-    if (rest.front() == '[') {
-        auto close = rest.find(']');
-        if (close == std::string::npos || close + 1 >= rest.size() || rest[close + 1] != ':') {
-            throw bad();
-        }
-        ep.host = rest.substr(1, close - 1);
-        colon = close + 1;
-    } else {
-        colon = rest.rfind(':');
-        if (colon == std::string::npos || colon == 0) throw bad();
-        ep.host = rest.substr(0, colon);
-    }
-    ep.port = rest.substr(colon + 1);
-    if (ep.port.empty() || ep.port.size() > 5 ||
-        ep.port.find_first_not_of("0123456789") != std::string::npos ||
-        std::stoul(ep.port) > 65535 || std::stoul(ep.port) == 0) {
-        throw bad();
-    }
+    ep.url = text.back() == '/' ? text.substr(0, text.size() - 1) : text;
+    ep.host = parsed.host;
+    ep.port = parsed.port_text();
+    ep.host_header = parsed.authority();
     return ep;
 }
 

@@ -2,11 +2,11 @@
 
 #include "server/node.hpp"
 
+#include <sandboxd/address.hpp>
 #include <sandboxd/errors.hpp>
 #include <sandboxd/frame.hpp>
 #include <sandboxd/version.hpp>
 
-#include <boost/url/parse.hpp>
 #include <spdlog/spdlog.h>
 
 namespace sandboxd {
@@ -75,13 +75,16 @@ awaitable<void> PeerLink::ensure_connected() {
     if (connected_) co_return;
     connecting_ = true;
     try {
-        auto url = boost::urls::parse_uri(peer_.url);
-        if (!url || url->scheme() != "ws") throw unavailable(peer_.node_id, "its url " + peer_.url + " is not ws://");
-        const std::string host = url->host();
-        const std::string port = url->has_port() ? std::string(url->port()) : "80";
-        const std::string target = url->encoded_path().empty() ? "/v1/ws" : std::string(url->encoded_path());
+        WsUrl url;
+        try {
+            url = parse_ws_url(peer_.url);
+        } catch (const address_error& e) {
+            throw unavailable(peer_.node_id, "its url " + std::string(e.what()));
+        }
+        const std::string& host = url.endpoint.host;
         tcp::resolver resolver(strand_);
-        auto [rec, endpoints] = co_await resolver.async_resolve(host, port, as_tuple_awaitable);
+        auto [rec, endpoints] =
+            co_await resolver.async_resolve(host, url.endpoint.port_text(), as_tuple_awaitable);
         if (rec) throw unavailable(peer_.node_id, "cannot resolve " + host + ": " + rec.message());
         auto& lowest = beast::get_lowest_layer(ws_);
         lowest.expires_after(connect_timeout);
@@ -99,7 +102,8 @@ awaitable<void> PeerLink::ensure_connected() {
         ws_.write_buffer_bytes(512 * 1024);  // masking buffer: one write per relayed frame
         beast::error_code nodelay_ec;
         lowest.socket().set_option(tcp::no_delay(true), nodelay_ec);
-        auto [hec] = co_await ws_.async_handshake(host + ":" + port, target, as_tuple_awaitable);
+        auto [hec] =
+            co_await ws_.async_handshake(url.endpoint.authority(), url.target, as_tuple_awaitable);
         if (hec) throw unavailable(peer_.node_id, "handshake with " + peer_.url + " failed: " + hec.message());
         lowest.expires_never();
         websocket::stream_base::timeout timeouts{};

@@ -6,6 +6,7 @@
 #include "server/node.hpp"
 #include "server/session.hpp"
 
+#include <sandboxd/address.hpp>
 #include <sandboxd/errors.hpp>
 #include <sandboxd/version.hpp>
 
@@ -43,13 +44,6 @@ std::string host_name() {
     char buf[256] = {};
     if (::gethostname(buf, sizeof buf - 1) != 0 || buf[0] == '\0') return "node";
     return buf;
-}
-
-std::pair<std::string, std::string> split_host_port(const std::string& listen) {
-    auto colon = listen.rfind(':');
-    std::string host = listen.substr(0, colon);
-    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-    return {host, listen.substr(colon + 1)};
 }
 
 std::string format_endpoint(const tcp::endpoint& ep) {
@@ -239,10 +233,11 @@ const std::string& Daemon::generated_token_path() const noexcept { return impl_-
 
 std::string Daemon::start() {
     auto& node = impl_->node;
-    const auto [host, port] = split_host_port(node.config.listen);
+    const auto listen = parse_host_port(node.config.listen);  // validate_config checked it
     tcp::resolver resolver(impl_->ioc);
     beast::error_code ec;
-    auto results = resolver.resolve(host, port, tcp::resolver::passive | tcp::resolver::numeric_service, ec);
+    auto results = resolver.resolve(listen.host, listen.port_text(),
+                                    tcp::resolver::passive | tcp::resolver::numeric_service, ec);
     if (ec || results.empty()) {
         throw config_error("config: listen: cannot resolve " + node.config.listen + ": " + ec.message());
     }

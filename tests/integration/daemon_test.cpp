@@ -1,6 +1,7 @@
 // The real daemon on 127.0.0.1:0, a real WebSocket client, real bubblewrap.
 #include "support/daemon_fixture.hpp"
 
+#include <sandboxd/address.hpp>
 #include <sandboxd/errors.hpp>
 
 #include <boost/asio/connect.hpp>
@@ -60,9 +61,9 @@ std::pair<int, std::string> http_get(const std::string& address, const std::stri
     namespace http = boost::beast::http;
     net::io_context ioc;
     net::ip::tcp::resolver resolver(ioc);
-    auto colon = address.rfind(':');
+    const auto parsed = sandboxd::parse_host_port(address);
     net::ip::tcp::socket socket(ioc);
-    net::connect(socket, resolver.resolve(address.substr(0, colon), address.substr(colon + 1)));
+    net::connect(socket, resolver.resolve(parsed.host, parsed.port_text()));
     http::request<http::empty_body> req{http::verb::get, target, 11};
     req.set(http::field::host, address);
     if (!authorization.empty()) req.set(http::field::authorization, authorization);

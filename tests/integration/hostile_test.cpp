@@ -7,6 +7,7 @@
 // cgroups only as the ones those processes are in.
 #include "support/daemon_fixture.hpp"
 
+#include <sandboxd/address.hpp>
 #include <sandboxd/errors.hpp>
 
 #include <catch2/catch.hpp>
@@ -400,7 +401,7 @@ TEST_CASE("hostile: with the network unshared the daemon's own port is unreachab
     DaemonProcess d;
     auto c = d.connect();
     const auto lease = acquire_lease(*c);
-    const std::string port = d.address().substr(d.address().rfind(':') + 1);
+    const std::string port = parse_host_port(d.address()).port_text();
     auto r = run(*c, lease,
                  {"bash", "-c", "echo > /dev/tcp/127.0.0.1/" + port + " && echo CONNECTED; exit 0"});
     CHECK(r.out.find("CONNECTED") == std::string::npos);

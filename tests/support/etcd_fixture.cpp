@@ -1,5 +1,7 @@
 #include "support/etcd_fixture.hpp"
 
+#include <sandboxd/address.hpp>
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -73,16 +75,15 @@ std::string etcd_binary() {
 
 /// Parses "http://HOST:PORT" into host and port for the health probe.
 bool split_endpoint(const std::string& endpoint, std::string& host, unsigned short& port) {
-    const std::string scheme = "http://";
-    if (endpoint.rfind(scheme, 0) != 0) return false;
-    std::string rest = endpoint.substr(scheme.size());
-    if (!rest.empty() && rest.back() == '/') rest.pop_back();
-    auto colon = rest.rfind(':');
-    if (colon == std::string::npos) return false;
-    host = rest.substr(0, colon);
-    if (host == "localhost") host = "127.0.0.1";
-    port = static_cast<unsigned short>(std::atoi(rest.c_str() + colon + 1));
-    return port != 0;
+    HostPort parsed;
+    try {
+        parsed = parse_http_endpoint(endpoint);
+    } catch (const address_error&) {
+        return false;
+    }
+    host = parsed.host == "localhost" ? "127.0.0.1" : parsed.host;
+    port = parsed.port;
+    return true;
 }
 
 std::atomic<int> prefix_counter{0};

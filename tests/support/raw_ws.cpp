@@ -1,5 +1,7 @@
 #include "support/raw_ws.hpp"
 
+#include <sandboxd/address.hpp>
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -42,11 +44,11 @@ std::string client_frame(int opcode, std::string_view payload, bool fin, std::ui
 }
 
 int connect_tcp(const std::string& address) {
-    const auto colon = address.rfind(':');
+    const auto parsed = parse_host_port(address);
     sockaddr_in sa{};
     sa.sin_family = AF_INET;
-    sa.sin_port = htons(static_cast<std::uint16_t>(std::stoi(address.substr(colon + 1))));
-    if (::inet_pton(AF_INET, address.substr(0, colon).c_str(), &sa.sin_addr) != 1) {
+    sa.sin_port = htons(parsed.port);
+    if (::inet_pton(AF_INET, parsed.host.c_str(), &sa.sin_addr) != 1) {
         throw std::runtime_error("connect_tcp: not an IPv4 address: " + address);
     }
     const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
