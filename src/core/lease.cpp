@@ -1,4 +1,5 @@
 #include <sandboxd/lease.hpp>
+#include <sandboxd/lease_fields.hpp>
 
 #include <chrono>
 #include <cerrno>
@@ -69,37 +70,82 @@ bool Lease::is_live(std::int64_t at_ms) const noexcept {
     return status == lease_status::active && (!expires_at_ms || *expires_at_ms > at_ms);
 }
 
-nlohmann::json to_json(const Lease& l) {
-    auto opt_time = [](const std::optional<std::int64_t>& t) -> nlohmann::json {
-        return t ? nlohmann::json(format_rfc3339(*t)) : nlohmann::json(nullptr);
-    };
-    auto opt_str = [](const std::optional<std::string>& s) -> nlohmann::json {
-        return s ? nlohmann::json(*s) : nlohmann::json(nullptr);
-    };
-    nlohmann::json j = {
-        {"id", l.id},
-        {"companyId", l.company_id},
-        {"environmentId", l.environment_id},
-        {"status", std::string(to_string(l.status))},
-        {"provider", l.provider},
-        {"providerLeaseId", l.provider_lease_id},
-        {"ownerNodeId", l.owner_node_id},
-        {"epoch", l.epoch},
-        {"acquiredAt", format_rfc3339(l.acquired_at_ms)},
-        {"lastUsedAt", format_rfc3339(l.last_used_at_ms)},
-        {"expiresAt", opt_time(l.expires_at_ms)},
-        {"releasedAt", opt_time(l.released_at_ms)},
-        {"failureReason", opt_str(l.failure_reason)},
-        {"cleanupStatus", opt_str(l.cleanup_status)},
-        {"metadata", l.metadata},
-        {"limits", l.limits},
-        {"usage", l.usage},
-    };
-    if (l.run_id) j["runId"] = *l.run_id;
-    if (l.issue_id) j["issueId"] = *l.issue_id;
-    if (l.heartbeat_run_id) j["heartbeatRunId"] = *l.heartbeat_run_id;
-    if (l.execution_workspace_id) j["executionWorkspaceId"] = *l.execution_workspace_id;
+namespace {
+
+using json = nlohmann::json;
+
+// The wire value of one member; std::nullopt for an absent optional.
+std::optional<json> wire_value(const std::string& v, const LeaseField&) { return json(v); }
+std::optional<json> wire_value(const lease_status& v, const LeaseField&) {
+    return json(std::string(to_string(v)));
+}
+std::optional<json> wire_value(std::int64_t v, const LeaseField& f) {
+    return f.has(lease_field_flags::wire_time) ? json(format_rfc3339(v)) : json(v);
+}
+std::optional<json> wire_value(int v, const LeaseField&) { return json(v); }
+std::optional<json> wire_value(const json& v, const LeaseField&) { return v; }
+template <typename T>
+std::optional<json> wire_value(const std::optional<T>& v, const LeaseField& f) {
+    if (!v) return std::nullopt;
+    return wire_value(*v, f);
+}
+
+std::string_view sql_type(const LeaseMember& m) {
+    struct {
+        std::string_view operator()(std::string Lease::*) const { return "TEXT NOT NULL"; }
+        std::string_view operator()(std::optional<std::string> Lease::*) const { return "TEXT"; }
+        std::string_view operator()(lease_status Lease::*) const { return "TEXT NOT NULL"; }
+        std::string_view operator()(std::int64_t Lease::*) const { return "INTEGER NOT NULL"; }
+        std::string_view operator()(std::optional<std::int64_t> Lease::*) const {
+            return "INTEGER";
+        }
+        std::string_view operator()(int Lease::*) const { return "INTEGER NOT NULL"; }
+        std::string_view operator()(json Lease::*) const { return "TEXT NOT NULL"; }
+    } visitor;
+    return std::visit(visitor, m);
+}
+
+}  // namespace
+
+json to_json(const Lease& l) {
+    json j = json::object();
+    for (const auto& f : lease_fields) {
+        if (!f.on_wire()) continue;
+        auto value = std::visit([&](auto member) { return wire_value(l.*member, f); }, f.member);
+        if (value) {
+            j[std::string(f.wire)] = std::move(*value);
+        } else if (!f.has(lease_field_flags::omit_if_absent)) {
+            j[std::string(f.wire)] = nullptr;
+        }
+    }
     return j;
+}
+
+const std::string& lease_column_list() {
+    static const std::string list = [] {
+        std::string out;
+        for (const auto& f : lease_fields) {
+            if (!f.stored()) continue;
+            if (!out.empty()) out += ", ";
+            out += f.column;
+        }
+        return out;
+    }();
+    return list;
+}
+
+const std::string& lease_column_definitions() {
+    static const std::string definitions = [] {
+        std::string out;
+        for (const auto& f : lease_fields) {
+            if (!f.stored()) continue;
+            if (!out.empty()) out += ",\n    ";
+            out += std::string(f.column) + " " + std::string(sql_type(f.member));
+            if (!f.sql_extra.empty()) out += " " + std::string(f.sql_extra);
+        }
+        return out;
+    }();
+    return definitions;
 }
 
 }  // namespace sandboxd

@@ -1,7 +1,7 @@
 // The etcd backend of the lease registry, through etcd's v3 JSON gateway (etcd_client.hpp).
 //
 // Layout under the prefix (path components percent-encode '%' and '/'):
-//   <prefix>leases/<id>                      JSON of every Lease field (the SQLite columns)
+//   <prefix>leases/<id>                      JSON of every stored Lease field (lease_fields.hpp)
 //   <prefix>idem/<company>/<env>/<key>       the lease id made with that idempotency key
 //   <prefix>nodes/<nodeId>                   JSON of the NodeRecord, attached to the node's
 //                                            etcd lease so that it vanishes when the node dies
@@ -12,6 +12,7 @@
 #include "registry/cursor.hpp"
 
 #include <sandboxd/errors.hpp>
+#include <sandboxd/lease_fields.hpp>
 #include <sandboxd/registry.hpp>
 
 #include <algorithm>
@@ -67,88 +68,85 @@ std::string escape(std::string_view s) {
 
 // --- records -----------------------------------------------------------------------------
 
-json opt(const std::optional<std::string>& v) { return v ? json(*v) : json(nullptr); }
-json opt(const std::optional<std::int64_t>& v) { return v ? json(*v) : json(nullptr); }
+// A lease record is a JSON object with one key per stored field of lease_fields
+// (sandboxd/lease_fields.hpp), named like the SQLite columns.
+
+json record_value(const std::string& v) { return v; }
+json record_value(lease_status v) { return std::string(to_string(v)); }
+json record_value(std::int64_t v) { return v; }
+json record_value(int v) { return v; }
+json record_value(const json& v) { return v; }
+template <typename T>
+json record_value(const std::optional<T>& v) {
+    return v ? record_value(*v) : json(nullptr);
+}
 
 /// `stored_epoch` is what the record keeps as its epoch: 0 means "the revision of this very
 /// write" (an owner or status change: the fencing token is the winning revision).
 std::string encode_lease(const Lease& l, std::int64_t stored_epoch) {
-    json j = {
-        {"id", l.id},
-        {"company_id", l.company_id},
-        {"environment_id", l.environment_id},
-        {"run_id", opt(l.run_id)},
-        {"issue_id", opt(l.issue_id)},
-        {"heartbeat_run_id", opt(l.heartbeat_run_id)},
-        {"execution_workspace_id", opt(l.execution_workspace_id)},
-        {"status", to_string(l.status)},
-        {"provider", l.provider},
-        {"provider_lease_id", l.provider_lease_id},
-        {"owner_node_id", l.owner_node_id},
-        {"epoch", stored_epoch},
-        {"acquired_at_ms", l.acquired_at_ms},
-        {"last_used_at_ms", l.last_used_at_ms},
-        {"expires_at_ms", opt(l.expires_at_ms)},
-        {"released_at_ms", opt(l.released_at_ms)},
-        {"failure_reason", opt(l.failure_reason)},
-        {"cleanup_status", opt(l.cleanup_status)},
-        {"metadata", l.metadata},
-        {"idempotency_key", opt(l.idempotency_key)},
-        {"config", l.config},
-        {"limits", l.limits},
-        {"cleanup_attempts", l.cleanup_attempts},
-    };
+    json j = json::object();
+    for (const auto& f : lease_fields) {
+        if (!f.stored()) continue;
+        j[std::string(f.column)] = std::visit([&](auto m) { return record_value(l.*m); }, f.member);
+    }
+    j["epoch"] = stored_epoch;
     return j.dump();
 }
 
-std::string get_str(const json& j, const char* name) { return j.at(name).get<std::string>(); }
-std::int64_t get_int(const json& j, const char* name) { return j.at(name).get<std::int64_t>(); }
-std::optional<std::string> get_opt_str(const json& j, const char* name) {
-    auto it = j.find(name);
-    if (it == j.end() || it->is_null()) return std::nullopt;
-    return it->get<std::string>();
-}
-std::optional<std::int64_t> get_opt_int(const json& j, const char* name) {
-    auto it = j.find(name);
-    if (it == j.end() || it->is_null()) return std::nullopt;
-    return it->get<std::int64_t>();
-}
+/// Reads one key of a record into a member (throws json::exception when it is missing or of
+/// the wrong type); `l.id` is read first, for error messages.
+struct RecordReader {
+    const json& j;
+    const LeaseField& f;
+    std::string_view op;
+    Lease& l;
+    std::string key = std::string(f.column);
+
+    const json* find() const {
+        auto it = j.find(key);
+        return it == j.end() || it->is_null() ? nullptr : &*it;
+    }
+    void operator()(std::string Lease::*m) const { l.*m = j.at(key).get<std::string>(); }
+    void operator()(std::optional<std::string> Lease::*m) const {
+        const json* v = find();
+        l.*m = v ? std::optional(v->get<std::string>()) : std::nullopt;
+    }
+    void operator()(lease_status Lease::*m) const {
+        auto status = parse_lease_status(j.at(key).get<std::string>());
+        if (!status) throw_unavailable(op, "unknown status in lease " + l.id);
+        l.*m = *status;
+    }
+    void operator()(std::int64_t Lease::*m) const { l.*m = j.at(key).get<std::int64_t>(); }
+    void operator()(std::optional<std::int64_t> Lease::*m) const {
+        const json* v = find();
+        l.*m = v ? std::optional(v->get<std::int64_t>()) : std::nullopt;
+    }
+    void operator()(int Lease::*m) const { l.*m = static_cast<int>(j.at(key).get<std::int64_t>()); }
+    void operator()(json Lease::*m) const {
+        if (f.has(lease_field_flags::added_later) && !j.contains(key)) {
+            l.*m = nullptr;
+        } else {
+            l.*m = j.at(key);
+        }
+    }
+};
 
 Lease decode_lease(const etcd::KeyValue& kv, std::string_view op) {
     try {
         json j = json::parse(kv.value);
         Lease l;
-        l.id = get_str(j, "id");
-        l.company_id = get_str(j, "company_id");
-        l.environment_id = get_str(j, "environment_id");
-        l.run_id = get_opt_str(j, "run_id");
-        l.issue_id = get_opt_str(j, "issue_id");
-        l.heartbeat_run_id = get_opt_str(j, "heartbeat_run_id");
-        l.execution_workspace_id = get_opt_str(j, "execution_workspace_id");
-        auto status = parse_lease_status(get_str(j, "status"));
-        if (!status) throw_unavailable(op, "unknown status in lease " + l.id);
-        l.status = *status;
-        l.provider = get_str(j, "provider");
-        l.provider_lease_id = get_str(j, "provider_lease_id");
-        l.owner_node_id = get_str(j, "owner_node_id");
-        l.epoch = get_int(j, "epoch");
+        for (const auto& f : lease_fields) {
+            if (f.stored()) std::visit(RecordReader{j, f, op, l}, f.member);
+        }
         if (l.epoch == 0) l.epoch = kv.mod_revision;  // set by this write: its revision
-        l.acquired_at_ms = get_int(j, "acquired_at_ms");
-        l.last_used_at_ms = get_int(j, "last_used_at_ms");
-        l.expires_at_ms = get_opt_int(j, "expires_at_ms");
-        l.released_at_ms = get_opt_int(j, "released_at_ms");
-        l.failure_reason = get_opt_str(j, "failure_reason");
-        l.cleanup_status = get_opt_str(j, "cleanup_status");
-        l.metadata = j.at("metadata");
-        l.idempotency_key = get_opt_str(j, "idempotency_key");
-        l.config = j.at("config");
-        l.limits = j.value("limits", json(nullptr));  // absent in records of older versions
-        l.cleanup_attempts = static_cast<int>(get_int(j, "cleanup_attempts"));
         return l;
     } catch (const json::exception&) {
         throw_unavailable(op, "corrupt lease record " + kv.key);
     }
 }
+
+std::string get_str(const json& j, const char* name) { return j.at(name).get<std::string>(); }
+std::int64_t get_int(const json& j, const char* name) { return j.at(name).get<std::int64_t>(); }
 
 std::string encode_node(const NodeRecord& n) {
     json j = {{"node_id", n.node_id},

@@ -1,6 +1,7 @@
 #include "registry/cursor.hpp"
 
 #include <sandboxd/errors.hpp>
+#include <sandboxd/lease_fields.hpp>
 #include <sandboxd/registry.hpp>
 
 #include <sqlite3.h>
@@ -139,32 +140,15 @@ private:
     bool done_ = false;
 };
 
+/// CREATE TABLE leases, its columns from lease_fields (sandboxd/lease_fields.hpp).
+const std::string& leases_table_sql() {
+    static const std::string sql =
+        "CREATE TABLE IF NOT EXISTS leases (\n    " + lease_column_definitions() + "\n) STRICT;";
+    return sql;
+}
+
+// The rest of the schema, run after leases_table_sql().
 constexpr const char* schema_sql = R"sql(
-CREATE TABLE IF NOT EXISTS leases (
-    id TEXT PRIMARY KEY NOT NULL,
-    company_id TEXT NOT NULL,
-    environment_id TEXT NOT NULL,
-    run_id TEXT,
-    issue_id TEXT,
-    heartbeat_run_id TEXT,
-    execution_workspace_id TEXT,
-    status TEXT NOT NULL,
-    provider TEXT NOT NULL,
-    provider_lease_id TEXT NOT NULL,
-    owner_node_id TEXT NOT NULL,
-    epoch INTEGER NOT NULL,
-    acquired_at_ms INTEGER NOT NULL,
-    last_used_at_ms INTEGER NOT NULL,
-    expires_at_ms INTEGER,
-    released_at_ms INTEGER,
-    failure_reason TEXT,
-    cleanup_status TEXT,
-    metadata TEXT NOT NULL,
-    idempotency_key TEXT,
-    config TEXT NOT NULL,
-    cleanup_attempts INTEGER NOT NULL DEFAULT 0,
-    limits TEXT NOT NULL DEFAULT 'null'
-) STRICT;
 CREATE UNIQUE INDEX IF NOT EXISTS leases_idempotency
     ON leases (company_id, environment_id, idempotency_key)
     WHERE idempotency_key IS NOT NULL;
@@ -182,12 +166,8 @@ CREATE TABLE IF NOT EXISTS nodes (
 PRAGMA user_version = 2;
 )sql";
 
-// Column order of read_lease().
-constexpr std::string_view lease_columns =
-    "id, company_id, environment_id, run_id, issue_id, heartbeat_run_id, "
-    "execution_workspace_id, status, provider, provider_lease_id, owner_node_id, epoch, "
-    "acquired_at_ms, last_used_at_ms, expires_at_ms, released_at_ms, failure_reason, "
-    "cleanup_status, metadata, idempotency_key, config, cleanup_attempts, limits";
+// Column order of read_lease() and bind_lease(): lease_fields order.
+const std::string lease_columns = lease_column_list();
 
 constexpr std::string_view node_columns =
     "node_id, url, started_at_ms, heartbeat_at_ms, instance_id";
@@ -200,6 +180,51 @@ std::string select_leases(std::string_view where) {
     return sql;
 }
 
+// --- a lease row, generated from lease_fields ---------------------------------------------
+
+/// The stored fields, all of them or only those update_lease sets.
+enum class lease_columns_of { all, updatable };
+
+bool selected(const LeaseField& f, lease_columns_of which) {
+    return f.stored() && (which == lease_columns_of::all || f.has(lease_field_flags::updatable));
+}
+
+/// "INSERT INTO leases (<every column>) VALUES (?, ..., ?)"; bind with bind_lease(all).
+std::string insert_lease_sql() {
+    std::string marks;
+    for (const auto& f : lease_fields) {
+        if (selected(f, lease_columns_of::all)) marks += marks.empty() ? "?" : ", ?";
+    }
+    return "INSERT INTO leases (" + lease_columns + ") VALUES (" + marks + ")";
+}
+
+/// "status = ?, owner_node_id = ?, ..." for UPDATE; bind with bind_lease(updatable).
+std::string update_lease_set_sql() {
+    std::string out;
+    for (const auto& f : lease_fields) {
+        if (!selected(f, lease_columns_of::updatable)) continue;
+        if (!out.empty()) out += ", ";
+        out += std::string(f.column) + " = ?";
+    }
+    return out;
+}
+
+void bind_value(Statement& s, const std::string& v) { s.bind(v); }
+void bind_value(Statement& s, const std::optional<std::string>& v) { s.bind(v); }
+void bind_value(Statement& s, lease_status v) { s.bind(to_string(v)); }
+void bind_value(Statement& s, std::int64_t v) { s.bind(v); }
+void bind_value(Statement& s, const std::optional<std::int64_t>& v) { s.bind(v); }
+void bind_value(Statement& s, int v) { s.bind(std::int64_t{v}); }
+void bind_value(Statement& s, const nlohmann::json& v) { s.bind(v.dump()); }
+
+/// Binds the selected fields of `l` as the next parameters, in lease_fields order.
+void bind_lease(Statement& s, const Lease& l, lease_columns_of which) {
+    for (const auto& f : lease_fields) {
+        if (!selected(f, which)) continue;
+        std::visit([&](auto member) { bind_value(s, l.*member); }, f.member);
+    }
+}
+
 nlohmann::json parse_json_column(const Statement& s, int col, std::string_view op,
                                  const std::string& lease_id) {
     try {
@@ -209,33 +234,34 @@ nlohmann::json parse_json_column(const Statement& s, int col, std::string_view o
     }
 }
 
+/// Reads one column into a member; `l.id` (column 0) is read first, for error messages.
+struct ColumnReader {
+    const Statement& s;
+    std::string_view op;
+    Lease& l;
+    int col;
+
+    void operator()(std::string Lease::*m) const { l.*m = s.text(col); }
+    void operator()(std::optional<std::string> Lease::*m) const { l.*m = s.opt_text(col); }
+    void operator()(lease_status Lease::*m) const {
+        auto status = parse_lease_status(s.text(col));
+        if (!status) throw_unavailable(op, "unknown status in lease " + l.id);
+        l.*m = *status;
+    }
+    void operator()(std::int64_t Lease::*m) const { l.*m = s.int64(col); }
+    void operator()(std::optional<std::int64_t> Lease::*m) const { l.*m = s.opt_int64(col); }
+    void operator()(int Lease::*m) const { l.*m = static_cast<int>(s.int64(col)); }
+    void operator()(nlohmann::json Lease::*m) const { l.*m = parse_json_column(s, col, op, l.id); }
+};
+
+/// A row selected with lease_columns.
 Lease read_lease(const Statement& s, std::string_view op) {
     Lease l;
-    l.id = s.text(0);
-    l.company_id = s.text(1);
-    l.environment_id = s.text(2);
-    l.run_id = s.opt_text(3);
-    l.issue_id = s.opt_text(4);
-    l.heartbeat_run_id = s.opt_text(5);
-    l.execution_workspace_id = s.opt_text(6);
-    auto status = parse_lease_status(s.text(7));
-    if (!status) throw_unavailable(op, "unknown status in lease " + l.id);
-    l.status = *status;
-    l.provider = s.text(8);
-    l.provider_lease_id = s.text(9);
-    l.owner_node_id = s.text(10);
-    l.epoch = s.int64(11);
-    l.acquired_at_ms = s.int64(12);
-    l.last_used_at_ms = s.int64(13);
-    l.expires_at_ms = s.opt_int64(14);
-    l.released_at_ms = s.opt_int64(15);
-    l.failure_reason = s.opt_text(16);
-    l.cleanup_status = s.opt_text(17);
-    l.metadata = parse_json_column(s, 18, op, l.id);
-    l.idempotency_key = s.opt_text(19);
-    l.config = parse_json_column(s, 20, op, l.id);
-    l.cleanup_attempts = static_cast<int>(s.int64(21));
-    l.limits = parse_json_column(s, 22, op, l.id);
+    int col = 0;
+    for (const auto& f : lease_fields) {
+        if (!f.stored()) continue;
+        std::visit(ColumnReader{s, op, l, col++}, f.member);
+    }
     return l;
 }
 
@@ -292,6 +318,7 @@ public:
             exec(db(), "ALTER TABLE leases ADD COLUMN limits TEXT NOT NULL DEFAULT 'null'",
                  schema_op);
         }
+        exec(db(), leases_table_sql().c_str(), schema_op);
         exec(db(), schema_sql, schema_op);
         tx.commit();
     }
@@ -301,39 +328,11 @@ public:
         std::lock_guard lock(mutex_);
         Transaction tx(db(), op);
         Statement insert(db(),
-                         "INSERT INTO leases (id, company_id, environment_id, run_id, issue_id, "
-                         "heartbeat_run_id, execution_workspace_id, status, provider, "
-                         "provider_lease_id, owner_node_id, epoch, acquired_at_ms, "
-                         "last_used_at_ms, expires_at_ms, released_at_ms, failure_reason, "
-                         "cleanup_status, metadata, idempotency_key, config, cleanup_attempts, "
-                         "limits) "
-                         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
-                         "?, ?) ON CONFLICT (company_id, environment_id, idempotency_key) "
-                         "WHERE idempotency_key IS NOT NULL DO NOTHING",
+                         insert_lease_sql() +
+                             " ON CONFLICT (company_id, environment_id, idempotency_key) "
+                             "WHERE idempotency_key IS NOT NULL DO NOTHING",
                          op);
-        insert.bind(lease.id)
-            .bind(lease.company_id)
-            .bind(lease.environment_id)
-            .bind(lease.run_id)
-            .bind(lease.issue_id)
-            .bind(lease.heartbeat_run_id)
-            .bind(lease.execution_workspace_id)
-            .bind(to_string(lease.status))
-            .bind(lease.provider)
-            .bind(lease.provider_lease_id)
-            .bind(lease.owner_node_id)
-            .bind(lease.epoch)
-            .bind(lease.acquired_at_ms)
-            .bind(lease.last_used_at_ms)
-            .bind(lease.expires_at_ms)
-            .bind(lease.released_at_ms)
-            .bind(lease.failure_reason)
-            .bind(lease.cleanup_status)
-            .bind(lease.metadata.dump())
-            .bind(lease.idempotency_key)
-            .bind(lease.config.dump())
-            .bind(std::int64_t{lease.cleanup_attempts})
-            .bind(lease.limits.dump());
+        bind_lease(insert, lease, lease_columns_of::all);
         insert.run();
         if (sqlite3_changes(db()) == 1) {
             tx.commit();
@@ -408,24 +407,11 @@ public:
         constexpr std::string_view op = "update lease";
         std::lock_guard lock(mutex_);
         Statement s(db(),
-                    "UPDATE leases SET status = ?, owner_node_id = ?, epoch = ?, "
-                    "last_used_at_ms = ?, expires_at_ms = ?, released_at_ms = ?, "
-                    "failure_reason = ?, cleanup_status = ?, cleanup_attempts = ?, "
-                    "metadata = ? WHERE id = ? AND epoch = ? RETURNING " +
-                        std::string(lease_columns),
+                    "UPDATE leases SET " + update_lease_set_sql() +
+                        " WHERE id = ? AND epoch = ? RETURNING " + lease_columns,
                     op);
-        s.bind(to_string(next.status))
-            .bind(next.owner_node_id)
-            .bind(next.epoch)
-            .bind(next.last_used_at_ms)
-            .bind(next.expires_at_ms)
-            .bind(next.released_at_ms)
-            .bind(next.failure_reason)
-            .bind(next.cleanup_status)
-            .bind(std::int64_t{next.cleanup_attempts})
-            .bind(next.metadata.dump())
-            .bind(next.id)
-            .bind(expected_epoch);
+        bind_lease(s, next, lease_columns_of::updatable);
+        s.bind(next.id).bind(expected_epoch);
         if (!s.step()) return std::nullopt;  // the epoch differs, or no such lease
         auto stored = read_lease(s, op);
         while (s.step()) {  // RETURNING: the statement completes when stepped to its end
