@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
+#include <future>
 #include <stdexcept>
 
 using namespace sandboxd;
@@ -160,14 +161,18 @@ TEST_CASE("With 20,000 leases, leaseGet, an open by providerLeaseId and a sweep 
     TempDir dir;
     const auto path = dir.file("registry.db");
     {
-        // Written straight to the registry: node-b (alive) owns 20,000 active leases, node-c
-        // (whose membership lapsed: no record) two.
+        // Written straight to the registry: node-b owns 20,000 active leases, node-c (whose
+        // membership lapsed: no record) two.
+        // All queued at once: the writer lane takes them one after the other.
         auto writer = sync_sqlite(path);
-        const auto now = now_ms();
-        writer->register_node({"node-b", "ws://127.0.0.1:1/v1/ws", now, now, "inst-b"}, 1000);
-        for (int i = 0; i < many; ++i) writer->create_lease(record(i, "node-b"));
-        writer->create_lease(record(many, "node-c"));
-        writer->create_lease(record(many + 1, "node-c"));
+        std::vector<std::future<Lease>> writes;
+        for (int i = 0; i < many + 2; ++i) {
+            writes.push_back(boost::asio::co_spawn(
+                writer->executor(),
+                writer->async().create_lease(record(i, i < many ? "node-b" : "node-c")),
+                boost::asio::use_future));
+        }
+        for (auto& w : writes) w.get();
     }
 
     Node node;
@@ -199,8 +204,11 @@ TEST_CASE("With 20,000 leases, leaseGet, an open by providerLeaseId and a sweep 
     CHECK(counts.records.load() == 1);
 
     // A sweep reads only the leases of the owner whose membership lapsed: node-c's two, read
-    // once and stored once each as pending_cleanup; nothing of node-b's 20,000 and nothing of
-    // node-a's (it has none).
+    // once and stored once each as pending_cleanup; nothing of node-b's 20,000 (node-b is
+    // alive: it has just registered) and nothing of node-a's (it has none).
+    const auto now = now_ms();
+    NodeRecord b{"node-b", "ws://127.0.0.1:1/v1/ws", now, now, "inst-b"};
+    run(node.registry->register_node(b, 1000));
     counts.reset();
     run(sweep(node));
     CHECK(counts.records.load() == 4);
