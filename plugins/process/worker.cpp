@@ -9,6 +9,9 @@
 //   PROCESS_PLUGIN_ROOT        required: leases live in <root>/<providerLeaseId>/
 //   PROCESS_PLUGIN_TEST_HOOKS  "1" enables the test hooks below (never in production)
 //   PROCESS_PLUGIN_FAIL_FILE   with hooks: if this file exists at start, exit 3 at once
+//   PROCESS_PLUGIN_DESTROY_HOLD_FILE with hooks: while this file exists, environmentDestroyLease
+//                              waits (at most 60 s) before it destroys: a teardown that hangs.
+//                              The worker serves nothing else meanwhile (one thread).
 //   PROCESS_PLUGIN_TEST_NO_CHANNELS  with hooks, when set: supportedMethods lists no
 //                              duplexChannel* method (a lease-only worker)
 // Test hooks (only with PROCESS_PLUGIN_TEST_HOOKS=1), chosen by the command's argv[0]:
@@ -265,6 +268,14 @@ json Worker::release(const json& p, bool destroy) {
         if (s->provider_lease_id == id && !s->reaped) kill_session(*s, SIGKILL);
     }
     if (destroy) {
+        const char* hold = hooks_ ? std::getenv("PROCESS_PLUGIN_DESTROY_HOLD_FILE") : nullptr;
+        if (hold != nullptr && fs::exists(hold, ec)) {
+            log_line("holding destroy " + id);
+            const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+            while (fs::exists(hold, ec) && std::chrono::steady_clock::now() < limit) {
+                ::poll(nullptr, 0, 10);  // a test hook: the test removes the file to release it
+            }
+        }
         fs::remove_all(dir, ec);
         if (ec) fail(-32000, "cannot remove " + dir.string() + ": " + ec.message());
         log_line("destroyed " + id);

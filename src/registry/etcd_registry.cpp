@@ -9,11 +9,15 @@
 // one prefix.
 #include "registry/etcd_client.hpp"
 
+#include "core/offload.hpp"
 #include "registry/cursor.hpp"
 
 #include <sandboxd/errors.hpp>
 #include <sandboxd/lease_fields.hpp>
 #include <sandboxd/registry.hpp>
+
+#include <boost/asio/any_io_executor.hpp>
+#include <boost/asio/strand.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -26,6 +30,7 @@ namespace sandboxd {
 namespace {
 
 using json = nlohmann::json;
+namespace net = boost::asio;
 
 constexpr std::size_t max_page = 1000;
 constexpr int max_cas_attempts = 8;
@@ -270,10 +275,12 @@ private:
     std::thread thread_;  // last: starts after every member above exists
 };
 
-class EtcdRegistry final : public Registry {
+/// The registry's calls, blocking (etcd_client.hpp); EtcdRegistry below runs them off the
+/// awaiting thread.
+class BlockingEtcdRegistry {
 public:
-    EtcdRegistry(std::vector<std::string> endpoints, std::string prefix, std::int64_t node_ttl_ms,
-                 std::string username, std::string password)
+    BlockingEtcdRegistry(std::vector<std::string> endpoints, std::string prefix,
+                         std::int64_t node_ttl_ms, std::string username, std::string password)
         : client_(std::move(endpoints), std::move(username), std::move(password), request_timeout),
           prefix_(std::move(prefix)),
           node_ttl_s_(std::max<std::int64_t>(1, (node_ttl_ms + 999) / 1000)) {
@@ -282,14 +289,14 @@ public:
 
     std::unique_ptr<LeaseWatch> watch_leases(std::function<void(const Lease&)> on_change,
                                              std::function<void()> on_resync,
-                                             std::int64_t retry_ms) override {
+                                             std::int64_t retry_ms) {
         return std::make_unique<EtcdLeaseWatch>(client_, prefix_ + "leases/", std::move(on_change),
                                                 std::move(on_resync),
                                                 std::chrono::milliseconds(std::max<std::int64_t>(
                                                     retry_ms, 10)));
     }
 
-    Lease create_lease(const Lease& lease) override {
+    Lease create_lease(const Lease& lease) {
         constexpr std::string_view op = "create lease";
         return guarded(op, [&] {
             const std::string lk = lease_key(lease.id);
@@ -323,14 +330,14 @@ public:
         });
     }
 
-    std::optional<Lease> get_lease(const std::string& id) override {
+    std::optional<Lease> get_lease(const std::string& id) {
         constexpr std::string_view op = "get lease";
         return guarded(op, [&] { return read_lease(id, op); });
     }
 
     std::optional<Lease> find_by_idempotency_key(const std::string& company_id,
                                                  const std::string& environment_id,
-                                                 const std::string& key) override {
+                                                 const std::string& key) {
         constexpr std::string_view op = "find lease by idempotency key";
         return guarded(op, [&]() -> std::optional<Lease> {
             auto kv = client_.get(op, idem_key(company_id, environment_id, key));
@@ -344,7 +351,7 @@ public:
         });
     }
 
-    LeasePage list_leases(const LeaseQuery& query) override {
+    LeasePage list_leases(const LeaseQuery& query) {
         constexpr std::string_view op = "list leases";
         std::optional<std::pair<std::int64_t, std::string>> after;
         if (!query.cursor.empty()) after = decode_cursor(query.cursor);
@@ -378,7 +385,7 @@ public:
         return page;
     }
 
-    std::optional<Lease> update_lease(const Lease& next, std::int64_t expected_epoch) override {
+    std::optional<Lease> update_lease(const Lease& next, std::int64_t expected_epoch) {
         constexpr std::string_view op = "update lease";
         return guarded(op, [&]() -> std::optional<Lease> {
             const std::string lk = lease_key(next.id);
@@ -412,7 +419,7 @@ public:
     }
 
     std::vector<Lease> expired_leases(const std::string& owner_node_id,
-                                      std::int64_t at_ms) override {
+                                      std::int64_t at_ms) {
         constexpr std::string_view op = "expired leases";
         auto leases = guarded(op, [&] { return all_leases(op); });
         std::erase_if(leases, [&](const Lease& l) {
@@ -425,7 +432,7 @@ public:
         return leases;
     }
 
-    void register_node(const NodeRecord& node, std::int64_t liveness_ttl_ms) override {
+    void register_node(const NodeRecord& node, std::int64_t liveness_ttl_ms) {
         constexpr std::string_view op = "register node";
         guarded(op, [&] {
             const std::string nk = node_key(node.node_id);
@@ -471,7 +478,7 @@ public:
     }
 
     bool heartbeat_node(const std::string& node_id, const std::string& instance_id,
-                        std::int64_t at_ms) override {
+                        std::int64_t at_ms) {
         constexpr std::string_view op = "heartbeat node";
         return guarded(op, [&] {
             const std::string nk = node_key(node_id);
@@ -502,7 +509,7 @@ public:
         });
     }
 
-    void remove_node(const std::string& node_id, const std::string& instance_id) override {
+    void remove_node(const std::string& node_id, const std::string& instance_id) {
         constexpr std::string_view op = "remove node";
         guarded(op, [&] {
             const std::string nk = node_key(node_id);
@@ -521,7 +528,7 @@ public:
         });
     }
 
-    std::vector<NodeRecord> list_nodes() override {
+    std::vector<NodeRecord> list_nodes() {
         constexpr std::string_view op = "list nodes";
         return guarded(op, [&] {
             std::vector<NodeRecord> out;
@@ -535,14 +542,39 @@ public:
         });
     }
 
-    std::optional<NodeRecord> get_node(const std::string& node_id) override {
+    std::optional<NodeRecord> get_node(const std::string& node_id) {
         constexpr std::string_view op = "get node";
         return guarded(op, [&]() -> std::optional<NodeRecord> {
             auto kv = client_.get(op, node_key(node_id));
             if (!kv) return std::nullopt;
             return decode_node(*kv, op);
         });
+    }    // No index keys in this version: both scan the leases (the native client replaces it).
+    std::optional<Lease> find_by_provider_lease(const std::string& provider,
+                                                const std::string& provider_lease_id) {
+        constexpr std::string_view op = "find lease by provider lease id";
+        return guarded(op, [&]() -> std::optional<Lease> {
+            for (auto& l : all_leases(op)) {
+                if (l.provider == provider && l.provider_lease_id == provider_lease_id) return l;
+            }
+            return std::nullopt;
+        });
     }
+
+    std::vector<std::string> active_owner_nodes() {
+        constexpr std::string_view op = "active owner nodes";
+        return guarded(op, [&] {
+            std::vector<std::string> out;
+            for (const auto& l : all_leases(op)) {
+                if (l.status == lease_status::active) out.push_back(l.owner_node_id);
+            }
+            std::sort(out.begin(), out.end());
+            out.erase(std::unique(out.begin(), out.end()), out.end());
+            return out;
+        });
+    }
+
+
 
 private:
     std::string lease_key(std::string_view id) const { return prefix_ + "leases/" + escape(id); }
@@ -571,11 +603,157 @@ private:
     const std::int64_t node_ttl_s_;
 };
 
+
+/// Delivers the callbacks of the blocking feed on `ex`, one at a time and in order (a strand).
+/// The gate makes sure no callback runs once the destructor returned, from any thread.
+class PostedLeaseWatch final : public LeaseWatch {
+public:
+    PostedLeaseWatch(BlockingEtcdRegistry& registry, net::any_io_executor ex,
+                     std::function<void(const Lease&)> on_change, std::function<void()> on_resync,
+                     std::int64_t retry_ms)
+        : gate_(std::make_shared<Gate>()) {
+        auto strand = net::make_strand(std::move(ex));
+        auto changed = [gate = gate_, strand,
+                        f = std::make_shared<std::function<void(const Lease&)>>(
+                            std::move(on_change))](const Lease& lease) {
+            net::post(strand, [gate, f, lease] {
+                std::lock_guard lock(gate->mutex);
+                if (gate->open) (*f)(lease);
+            });
+        };
+        std::function<void()> resynced;
+        if (on_resync) {
+            resynced = [gate = gate_, strand,
+                        f = std::make_shared<std::function<void()>>(std::move(on_resync))] {
+                net::post(strand, [gate, f] {
+                    std::lock_guard lock(gate->mutex);
+                    if (gate->open) (*f)();
+                });
+            };
+        }
+        feed_ = registry.watch_leases(std::move(changed), std::move(resynced), retry_ms);
+    }
+
+    ~PostedLeaseWatch() override {
+        feed_.reset();  // joins the feed's thread
+        std::lock_guard lock(gate_->mutex);
+        gate_->open = false;
+    }
+
+private:
+    struct Gate {
+        std::mutex mutex;
+        bool open = true;
+    };
+    std::shared_ptr<Gate> gate_;
+    std::unique_ptr<LeaseWatch> feed_;
+};
+
+/// The blocking registry behind the awaitable interface: lease calls on a lane of four
+/// threads, membership calls on a lane of their own, so that a lease backlog never delays a
+/// heartbeat. Interim: the native asynchronous client replaces this.
+class EtcdRegistry final : public Registry {
+public:
+    EtcdRegistry(std::vector<std::string> endpoints, std::string prefix, std::int64_t node_ttl_ms,
+                 std::string username, std::string password)
+        : blocking_(std::move(endpoints), std::move(prefix), node_ttl_ms, std::move(username),
+                    std::move(password)) {}
+
+    std::unique_ptr<LeaseWatch> watch_leases(net::any_io_executor ex,
+                                             std::function<void(const Lease&)> on_change,
+                                             std::function<void()> on_resync,
+                                             std::int64_t retry_ms) override {
+        return std::make_unique<PostedLeaseWatch>(blocking_, std::move(ex), std::move(on_change),
+                                                  std::move(on_resync), retry_ms);
+    }
+
+    awaitable<Lease> create_lease(Lease lease) override {
+        auto work = [this, lease = std::move(lease)] { return blocking_.create_lease(lease); };
+        co_return co_await leases_.run(std::move(work));
+    }
+    awaitable<std::optional<Lease>> get_lease(std::string id) override {
+        auto work = [this, id = std::move(id)] { return blocking_.get_lease(id); };
+        co_return co_await leases_.run(std::move(work));
+    }
+    awaitable<std::optional<Lease>> find_by_idempotency_key(std::string company_id,
+                                                            std::string environment_id,
+                                                            std::string key) override {
+        auto work = [this, company_id = std::move(company_id),
+                     environment_id = std::move(environment_id), key = std::move(key)] {
+            return blocking_.find_by_idempotency_key(company_id, environment_id, key);
+        };
+        co_return co_await leases_.run(std::move(work));
+    }
+    awaitable<std::optional<Lease>> find_by_provider_lease(
+        std::string provider, std::string provider_lease_id) override {
+        auto work = [this, provider = std::move(provider),
+                     provider_lease_id = std::move(provider_lease_id)] {
+            return blocking_.find_by_provider_lease(provider, provider_lease_id);
+        };
+        co_return co_await leases_.run(std::move(work));
+    }
+    awaitable<LeasePage> list_leases(LeaseQuery query) override {
+        auto work = [this, query = std::move(query)] { return blocking_.list_leases(query); };
+        co_return co_await leases_.run(std::move(work));
+    }
+    awaitable<std::optional<Lease>> update_lease(Lease next,
+                                                 std::int64_t expected_epoch) override {
+        auto work = [this, next = std::move(next), expected_epoch] {
+            return blocking_.update_lease(next, expected_epoch);
+        };
+        co_return co_await leases_.run(std::move(work));
+    }
+    awaitable<std::vector<Lease>> expired_leases(std::string owner_node_id,
+                                                 std::int64_t at_ms) override {
+        auto work = [this, owner_node_id = std::move(owner_node_id), at_ms] {
+            return blocking_.expired_leases(owner_node_id, at_ms);
+        };
+        co_return co_await leases_.run(std::move(work));
+    }
+    awaitable<std::vector<std::string>> active_owner_nodes() override {
+        auto work = [this] { return blocking_.active_owner_nodes(); };
+        co_return co_await leases_.run(std::move(work));
+    }
+    awaitable<void> register_node(NodeRecord node, std::int64_t liveness_ttl_ms) override {
+        auto work = [this, node = std::move(node), liveness_ttl_ms] {
+            blocking_.register_node(node, liveness_ttl_ms);
+        };
+        co_await membership_.run(std::move(work));
+    }
+    awaitable<bool> heartbeat_node(std::string node_id, std::string instance_id,
+                                   std::int64_t at_ms) override {
+        auto work = [this, node_id = std::move(node_id), instance_id = std::move(instance_id),
+                     at_ms] { return blocking_.heartbeat_node(node_id, instance_id, at_ms); };
+        co_return co_await membership_.run(std::move(work));
+    }
+    awaitable<void> remove_node(std::string node_id, std::string instance_id) override {
+        auto work = [this, node_id = std::move(node_id), instance_id = std::move(instance_id)] {
+            blocking_.remove_node(node_id, instance_id);
+        };
+        co_await membership_.run(std::move(work));
+    }
+    awaitable<std::vector<NodeRecord>> list_nodes() override {
+        auto work = [this] { return blocking_.list_nodes(); };
+        co_return co_await membership_.run(std::move(work));
+    }
+    awaitable<std::optional<NodeRecord>> get_node(std::string node_id) override {
+        auto work = [this, node_id = std::move(node_id)] { return blocking_.get_node(node_id); };
+        co_return co_await membership_.run(std::move(work));
+    }
+
+private:
+    BlockingEtcdRegistry blocking_;
+    WorkLane leases_{4};
+    WorkLane membership_{1};  // last: joined first
+};
+
 }  // namespace
 
-std::unique_ptr<Registry> make_etcd_registry(std::vector<std::string> endpoints, std::string prefix,
+std::unique_ptr<Registry> make_etcd_registry(boost::asio::any_io_executor ex,
+                                             std::vector<std::string> endpoints, std::string prefix,
                                              std::int64_t node_ttl_ms, std::string username,
                                              std::string password) {
+    (void)ex;  // the blocking client runs on the registry's own lanes
     return std::make_unique<EtcdRegistry>(std::move(endpoints), std::move(prefix), node_ttl_ms,
                                           std::move(username), std::move(password));
 }

@@ -1,3 +1,4 @@
+#include "core/offload.hpp"
 #include "registry/cursor.hpp"
 
 #include <sandboxd/errors.hpp>
@@ -7,16 +8,18 @@
 #include <sqlite3.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <filesystem>
 #include <mutex>
 #include <string_view>
 #include <system_error>
 #include <utility>
+#include <vector>
 
 namespace sandboxd {
 namespace {
 
-constexpr int schema_version = 2;
+constexpr int schema_version = 3;
 constexpr int busy_timeout_ms = 5000;
 constexpr std::size_t max_page = 1000;
 
@@ -156,6 +159,8 @@ CREATE INDEX IF NOT EXISTS leases_by_acquired ON leases (acquired_at_ms, id);
 CREATE INDEX IF NOT EXISTS leases_by_company ON leases (company_id, acquired_at_ms, id);
 CREATE INDEX IF NOT EXISTS leases_by_owner ON leases (owner_node_id, status, expires_at_ms);
 CREATE INDEX IF NOT EXISTS leases_by_expiry ON leases (status, expires_at_ms);
+CREATE UNIQUE INDEX IF NOT EXISTS leases_by_provider_lease ON leases (provider, provider_lease_id);
+CREATE INDEX IF NOT EXISTS leases_by_status_owner ON leases (status, owner_node_id);
 CREATE TABLE IF NOT EXISTS nodes (
     node_id TEXT PRIMARY KEY NOT NULL,
     url TEXT NOT NULL,
@@ -163,7 +168,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     heartbeat_at_ms INTEGER NOT NULL,
     instance_id TEXT NOT NULL
 ) STRICT;
-PRAGMA user_version = 2;
+PRAGMA user_version = 3;
 )sql";
 
 // Column order of read_lease() and bind_lease(): lease_fields order.
@@ -275,11 +280,313 @@ NodeRecord read_node(const Statement& s) {
     return n;
 }
 
+/// Opens one connection to `path` with the pragmas every connection needs.
+db_ptr open_connection(const std::string& path) {
+    constexpr std::string_view op = "open";
+    sqlite3* raw = nullptr;
+    int rc = sqlite3_open_v2(path.c_str(), &raw,
+                             SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX,
+                             nullptr);
+    db_ptr db(raw);
+    if (rc != SQLITE_OK) {
+        throw_unavailable(
+            op, path + ": " + (raw != nullptr ? sqlite3_errmsg(raw) : sqlite3_errstr(rc)));
+    }
+    sqlite3_busy_timeout(db.get(), busy_timeout_ms);
+    // journal_mode answers with a row (the resulting mode), so it is stepped, not exec'd.
+    Statement(db.get(), "PRAGMA journal_mode=WAL", op).run();
+    exec(db.get(), "PRAGMA synchronous=NORMAL", op);
+    exec(db.get(), "PRAGMA foreign_keys=ON", op);
+    return db;
+}
+
+/// Creates the schema, or migrates an older one in place (version 1 lacked `limits`;
+/// version 2 lacked the provider and status-owner indexes, which CREATE ... IF NOT EXISTS
+/// adds).
+void create_schema(sqlite3* db) {
+    constexpr std::string_view op = "create schema";
+    Transaction tx(db, op);
+    Statement version(db, "PRAGMA user_version", op);
+    std::int64_t found = version.step() ? version.int64(0) : 0;
+    if (found > schema_version) {
+        throw_unavailable(op, "schema version " + std::to_string(found) + " is newer than " +
+                                  std::to_string(schema_version));
+    }
+    if (found == 1) {
+        // Version 1 had no limits column (issue 11 added it).
+        exec(db, "ALTER TABLE leases ADD COLUMN limits TEXT NOT NULL DEFAULT 'null'", op);
+    }
+    exec(db, leases_table_sql().c_str(), op);
+    exec(db, schema_sql, op);
+    tx.commit();
+}
+
+/// Reader connections, each lent to one reader thread at a time.
+class ReaderConnections {
+public:
+    /// A connection lent for one call; returned when destroyed.
+    class Lent {
+    public:
+        Lent(ReaderConnections& owner, db_ptr db) : owner_(owner), db_(std::move(db)) {}
+        Lent(const Lent&) = delete;
+        Lent& operator=(const Lent&) = delete;
+        ~Lent() { owner_.give_back(std::move(db_)); }
+        sqlite3* get() const noexcept { return db_.get(); }
+
+    private:
+        ReaderConnections& owner_;
+        db_ptr db_;
+    };
+
+    void add(db_ptr db) {
+        std::lock_guard lock(mutex_);
+        free_.push_back(std::move(db));
+    }
+
+    /// Blocks until a connection is free: there are as many as reader threads, so only a
+    /// moment at most.
+    Lent lend() {
+        std::unique_lock lock(mutex_);
+        returned_.wait(lock, [this] { return !free_.empty(); });
+        db_ptr db = std::move(free_.back());
+        free_.pop_back();
+        return Lent(*this, std::move(db));
+    }
+
+private:
+    void give_back(db_ptr db) {
+        {
+            std::lock_guard lock(mutex_);
+            free_.push_back(std::move(db));
+        }
+        returned_.notify_one();
+    }
+
+    std::mutex mutex_;
+    std::condition_variable returned_;
+    std::vector<db_ptr> free_;
+};
+
+// The blocking bodies of the registry calls, each on the connection it is given.
+
+std::optional<Lease> find_by_key(sqlite3* db, const std::string& company_id,
+                                 const std::string& environment_id, const std::string& key,
+                                 std::string_view op) {
+    Statement s(db,
+                select_leases("WHERE company_id = ? AND environment_id = ? "
+                              "AND idempotency_key = ?"),
+                op);
+    s.bind(company_id).bind(environment_id).bind(key);
+    if (!s.step()) return std::nullopt;
+    return read_lease(s, op);
+}
+
+Lease create_lease_on(sqlite3* db, const Lease& lease) {
+    constexpr std::string_view op = "create lease";
+    Transaction tx(db, op);
+    Statement insert(db,
+                     insert_lease_sql() +
+                         " ON CONFLICT (company_id, environment_id, idempotency_key) "
+                         "WHERE idempotency_key IS NOT NULL DO NOTHING",
+                     op);
+    bind_lease(insert, lease, lease_columns_of::all);
+    insert.run();
+    if (sqlite3_changes(db) == 1) {
+        tx.commit();
+        return lease;
+    }
+    // Only the idempotency index has DO NOTHING, so the key is set and its lease exists.
+    auto existing =
+        find_by_key(db, lease.company_id, lease.environment_id, *lease.idempotency_key, op);
+    if (!existing) throw_unavailable(op, "idempotency clash without a lease");
+    tx.commit();
+    return std::move(*existing);
+}
+
+std::optional<Lease> get_lease_on(sqlite3* db, const std::string& id) {
+    constexpr std::string_view op = "get lease";
+    Statement s(db, select_leases("WHERE id = ?"), op);
+    s.bind(id);
+    if (!s.step()) return std::nullopt;
+    return read_lease(s, op);
+}
+
+std::optional<Lease> find_by_provider_lease_on(sqlite3* db, const std::string& provider,
+                                               const std::string& provider_lease_id) {
+    constexpr std::string_view op = "find lease by provider lease id";
+    Statement s(db, select_leases("WHERE provider = ? AND provider_lease_id = ?"), op);
+    s.bind(provider).bind(provider_lease_id);
+    if (!s.step()) return std::nullopt;
+    return read_lease(s, op);
+}
+
+LeasePage list_leases_on(sqlite3* db, const LeaseQuery& query) {
+    constexpr std::string_view op = "list leases";
+    std::optional<std::pair<std::int64_t, std::string>> after;
+    if (!query.cursor.empty()) after = decode_cursor(query.cursor);
+    auto limit = std::clamp<std::size_t>(query.limit, 1, max_page);
+
+    // Only placeholders are appended; every value is bound below in the same order.
+    std::string where = "WHERE 1";
+    if (query.company_id) where += " AND company_id = ?";
+    if (query.environment_id) where += " AND environment_id = ?";
+    if (query.status) where += " AND status = ?";
+    if (query.owner_node_id) where += " AND owner_node_id = ?";
+    if (!query.tenants.empty()) {
+        where += " AND company_id IN (?";
+        for (std::size_t i = 1; i < query.tenants.size(); ++i) where += ", ?";
+        where += ")";
+    }
+    if (after) where += " AND (acquired_at_ms, id) > (?, ?)";
+    where += " ORDER BY acquired_at_ms, id LIMIT ?";
+
+    Statement s(db, select_leases(where), op);
+    if (query.company_id) s.bind(*query.company_id);
+    if (query.environment_id) s.bind(*query.environment_id);
+    if (query.status) s.bind(to_string(*query.status));
+    if (query.owner_node_id) s.bind(*query.owner_node_id);
+    for (const auto& tenant : query.tenants) s.bind(tenant);
+    if (after) s.bind(after->first).bind(after->second);
+    s.bind(static_cast<std::int64_t>(limit + 1));
+
+    LeasePage page;
+    while (s.step()) {
+        if (page.leases.size() == limit) {
+            page.next_cursor = encode_cursor(page.leases.back());
+            break;
+        }
+        page.leases.push_back(read_lease(s, op));
+    }
+    return page;
+}
+
+std::optional<Lease> update_lease_on(sqlite3* db, const Lease& next, std::int64_t expected_epoch) {
+    constexpr std::string_view op = "update lease";
+    Statement s(db,
+                "UPDATE leases SET " + update_lease_set_sql() +
+                    " WHERE id = ? AND epoch = ? RETURNING " + lease_columns,
+                op);
+    bind_lease(s, next, lease_columns_of::updatable);
+    s.bind(next.id).bind(expected_epoch);
+    if (!s.step()) return std::nullopt;  // the epoch differs, or no such lease
+    auto stored = read_lease(s, op);
+    while (s.step()) {  // RETURNING: the statement completes when stepped to its end
+    }
+    return stored;
+}
+
+std::vector<Lease> expired_leases_on(sqlite3* db, const std::string& owner_node_id,
+                                     std::int64_t at_ms) {
+    constexpr std::string_view op = "expired leases";
+    Statement s(db,
+                select_leases("WHERE owner_node_id = ? AND status = 'active' "
+                              "AND expires_at_ms IS NOT NULL AND expires_at_ms <= ? "
+                              "ORDER BY expires_at_ms, id"),
+                op);
+    s.bind(owner_node_id).bind(at_ms);
+    std::vector<Lease> out;
+    while (s.step()) out.push_back(read_lease(s, op));
+    return out;
+}
+
+std::vector<std::string> active_owner_nodes_on(sqlite3* db) {
+    constexpr std::string_view op = "active owner nodes";
+    // A skip scan of leases_by_status_owner: one index seek per distinct owner, however many
+    // active leases each one holds.
+    Statement first(db,
+                    "SELECT owner_node_id FROM leases WHERE status = 'active' "
+                    "ORDER BY owner_node_id LIMIT 1",
+                    op);
+    std::vector<std::string> out;
+    if (!first.step()) return out;
+    out.push_back(first.text(0));
+    for (;;) {
+        Statement next(db,
+                       "SELECT owner_node_id FROM leases WHERE status = 'active' "
+                       "AND owner_node_id > ? ORDER BY owner_node_id LIMIT 1",
+                       op);
+        next.bind(out.back());
+        if (!next.step()) return out;
+        out.push_back(next.text(0));
+    }
+}
+
+void register_node_on(sqlite3* db, const NodeRecord& node, std::int64_t liveness_ttl_ms) {
+    constexpr std::string_view op = "register node";
+    Transaction tx(db, op);
+    {
+        Statement s(db, "SELECT instance_id, heartbeat_at_ms FROM nodes WHERE node_id = ?", op);
+        s.bind(node.node_id);
+        if (s.step()) {
+            auto instance = s.text(0);
+            auto heartbeat = s.int64(1);
+            if (instance != node.instance_id &&
+                heartbeat > node.heartbeat_at_ms - liveness_ttl_ms) {
+                throw rpc_error(errc::invalid_params,
+                                "node id " + node.node_id +
+                                    " is already held by a live process (last heartbeat " +
+                                    std::to_string(node.heartbeat_at_ms - heartbeat) + " ms ago)");
+            }
+        }
+    }
+    Statement upsert(db,
+                     "INSERT INTO nodes (node_id, url, started_at_ms, heartbeat_at_ms, "
+                     "instance_id) VALUES (?, ?, ?, ?, ?) ON CONFLICT (node_id) DO UPDATE "
+                     "SET url = excluded.url, started_at_ms = excluded.started_at_ms, "
+                     "heartbeat_at_ms = excluded.heartbeat_at_ms, "
+                     "instance_id = excluded.instance_id",
+                     op);
+    upsert.bind(node.node_id)
+        .bind(node.url)
+        .bind(node.started_at_ms)
+        .bind(node.heartbeat_at_ms)
+        .bind(node.instance_id);
+    upsert.run();
+    tx.commit();
+}
+
+bool heartbeat_node_on(sqlite3* db, const std::string& node_id, const std::string& instance_id,
+                       std::int64_t at_ms) {
+    Statement s(db, "UPDATE nodes SET heartbeat_at_ms = ? WHERE node_id = ? AND instance_id = ?",
+                "heartbeat node");
+    s.bind(at_ms).bind(node_id).bind(instance_id);
+    s.run();
+    return sqlite3_changes(db) == 1;
+}
+
+void remove_node_on(sqlite3* db, const std::string& node_id, const std::string& instance_id) {
+    Statement s(db, "DELETE FROM nodes WHERE node_id = ? AND instance_id = ?", "remove node");
+    s.bind(node_id).bind(instance_id);
+    s.run();
+}
+
+std::vector<NodeRecord> list_nodes_on(sqlite3* db) {
+    Statement s(db, "SELECT " + std::string(node_columns) + " FROM nodes ORDER BY node_id",
+                "list nodes");
+    std::vector<NodeRecord> out;
+    while (s.step()) out.push_back(read_node(s));
+    return out;
+}
+
+std::optional<NodeRecord> get_node_on(sqlite3* db, const std::string& node_id) {
+    Statement s(db, "SELECT " + std::string(node_columns) + " FROM nodes WHERE node_id = ?",
+                "get node");
+    s.bind(node_id);
+    if (!s.step()) return std::nullopt;
+    return read_node(s);
+}
+
+/// Three lanes, each with threads and connections of its own (registry.hpp): reads in
+/// parallel on `readers` connections (WAL lets them run beside a writer), lease writes on one
+/// writer connection, and membership on one more. SQLite serialises writers per file, so a
+/// heartbeat may wait for one lease write transaction in progress (a few milliseconds), but
+/// never for the lease writes queued behind it.
 class SqliteRegistry final : public Registry {
 public:
-    explicit SqliteRegistry(const std::string& path) {
+    SqliteRegistry(const std::string& path, int readers) {
         constexpr std::string_view op = "open";
         if (path.empty()) throw_unavailable(op, "empty path");
+        if (readers < 1 || readers > 16) throw_unavailable(op, "readers must be in 1..16");
         auto parent = std::filesystem::path(path).parent_path();
         if (!parent.empty()) {
             std::error_code ec;
@@ -289,248 +596,133 @@ public:
                     op, "cannot create directory " + parent.string() + ": " + ec.message());
             }
         }
-
-        sqlite3* raw = nullptr;
-        int rc = sqlite3_open_v2(path.c_str(), &raw,
-                                 SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX,
-                                 nullptr);
-        db_.reset(raw);
-        if (rc != SQLITE_OK) {
-            throw_unavailable(
-                op, path + ": " + (raw != nullptr ? sqlite3_errmsg(raw) : sqlite3_errstr(rc)));
-        }
-        sqlite3_busy_timeout(db(), busy_timeout_ms);
-        // journal_mode answers with a row (the resulting mode), so it is stepped, not exec'd.
-        Statement(db(), "PRAGMA journal_mode=WAL", op).run();
-        exec(db(), "PRAGMA synchronous=NORMAL", op);
-        exec(db(), "PRAGMA foreign_keys=ON", op);
-
-        constexpr std::string_view schema_op = "create schema";
-        Transaction tx(db(), schema_op);
-        Statement version(db(), "PRAGMA user_version", schema_op);
-        std::int64_t found = version.step() ? version.int64(0) : 0;
-        if (found > schema_version) {
-            throw_unavailable(schema_op, "schema version " + std::to_string(found) +
-                                             " is newer than " + std::to_string(schema_version));
-        }
-        if (found == 1) {
-            // Version 1 had no limits column (issue 11 added it).
-            exec(db(), "ALTER TABLE leases ADD COLUMN limits TEXT NOT NULL DEFAULT 'null'",
-                 schema_op);
-        }
-        exec(db(), leases_table_sql().c_str(), schema_op);
-        exec(db(), schema_sql, schema_op);
-        tx.commit();
+        writer_ = open_connection(path);
+        create_schema(writer_.get());
+        membership_db_ = open_connection(path);
+        for (int i = 0; i < readers; ++i) reader_dbs_.add(open_connection(path));
+        reads_.emplace(static_cast<std::size_t>(readers));
     }
 
-    Lease create_lease(const Lease& lease) override {
-        constexpr std::string_view op = "create lease";
-        std::lock_guard lock(mutex_);
-        Transaction tx(db(), op);
-        Statement insert(db(),
-                         insert_lease_sql() +
-                             " ON CONFLICT (company_id, environment_id, idempotency_key) "
-                             "WHERE idempotency_key IS NOT NULL DO NOTHING",
-                         op);
-        bind_lease(insert, lease, lease_columns_of::all);
-        insert.run();
-        if (sqlite3_changes(db()) == 1) {
-            tx.commit();
-            return lease;
-        }
-        // Only the idempotency index has DO NOTHING, so the key is set and its lease exists.
-        auto existing =
-            find_by_key(lease.company_id, lease.environment_id, *lease.idempotency_key, op);
-        if (!existing) throw_unavailable(op, "idempotency clash without a lease");
-        tx.commit();
-        return std::move(*existing);
+    awaitable<Lease> create_lease(Lease lease) override {
+        auto work = [this, lease = std::move(lease)] {
+            return create_lease_on(writer_.get(), lease);
+        };
+        co_return co_await writes_.run(std::move(work));
     }
 
-    std::optional<Lease> get_lease(const std::string& id) override {
-        constexpr std::string_view op = "get lease";
-        std::lock_guard lock(mutex_);
-        Statement s(db(), select_leases("WHERE id = ?"), op);
-        s.bind(id);
-        if (!s.step()) return std::nullopt;
-        return read_lease(s, op);
+    awaitable<std::optional<Lease>> get_lease(std::string id) override {
+        auto work = [this, id = std::move(id)] {
+            auto db = reader_dbs_.lend();
+            return get_lease_on(db.get(), id);
+        };
+        co_return co_await reads_->run(std::move(work));
     }
 
-    std::optional<Lease> find_by_idempotency_key(const std::string& company_id,
-                                                 const std::string& environment_id,
-                                                 const std::string& key) override {
-        std::lock_guard lock(mutex_);
-        return find_by_key(company_id, environment_id, key, "find lease by idempotency key");
+    awaitable<std::optional<Lease>> find_by_idempotency_key(std::string company_id,
+                                                            std::string environment_id,
+                                                            std::string key) override {
+        auto work = [this, company_id = std::move(company_id),
+                     environment_id = std::move(environment_id), key = std::move(key)] {
+            auto db = reader_dbs_.lend();
+            return find_by_key(db.get(), company_id, environment_id, key,
+                               "find lease by idempotency key");
+        };
+        co_return co_await reads_->run(std::move(work));
     }
 
-    LeasePage list_leases(const LeaseQuery& query) override {
-        constexpr std::string_view op = "list leases";
-        std::optional<std::pair<std::int64_t, std::string>> after;
-        if (!query.cursor.empty()) after = decode_cursor(query.cursor);
-        auto limit = std::clamp<std::size_t>(query.limit, 1, max_page);
-
-        // Only placeholders are appended; every value is bound below in the same order.
-        std::string where = "WHERE 1";
-        if (query.company_id) where += " AND company_id = ?";
-        if (query.environment_id) where += " AND environment_id = ?";
-        if (query.status) where += " AND status = ?";
-        if (query.owner_node_id) where += " AND owner_node_id = ?";
-        if (!query.tenants.empty()) {
-            where += " AND company_id IN (?";
-            for (std::size_t i = 1; i < query.tenants.size(); ++i) where += ", ?";
-            where += ")";
-        }
-        if (after) where += " AND (acquired_at_ms, id) > (?, ?)";
-        where += " ORDER BY acquired_at_ms, id LIMIT ?";
-
-        std::lock_guard lock(mutex_);
-        Statement s(db(), select_leases(where), op);
-        if (query.company_id) s.bind(*query.company_id);
-        if (query.environment_id) s.bind(*query.environment_id);
-        if (query.status) s.bind(to_string(*query.status));
-        if (query.owner_node_id) s.bind(*query.owner_node_id);
-        for (const auto& tenant : query.tenants) s.bind(tenant);
-        if (after) s.bind(after->first).bind(after->second);
-        s.bind(static_cast<std::int64_t>(limit + 1));
-
-        LeasePage page;
-        while (s.step()) {
-            if (page.leases.size() == limit) {
-                page.next_cursor = encode_cursor(page.leases.back());
-                break;
-            }
-            page.leases.push_back(read_lease(s, op));
-        }
-        return page;
+    awaitable<std::optional<Lease>> find_by_provider_lease(std::string provider,
+                                                           std::string provider_lease_id) override {
+        auto work = [this, provider = std::move(provider),
+                     provider_lease_id = std::move(provider_lease_id)] {
+            auto db = reader_dbs_.lend();
+            return find_by_provider_lease_on(db.get(), provider, provider_lease_id);
+        };
+        co_return co_await reads_->run(std::move(work));
     }
 
-    std::optional<Lease> update_lease(const Lease& next, std::int64_t expected_epoch) override {
-        constexpr std::string_view op = "update lease";
-        std::lock_guard lock(mutex_);
-        Statement s(db(),
-                    "UPDATE leases SET " + update_lease_set_sql() +
-                        " WHERE id = ? AND epoch = ? RETURNING " + lease_columns,
-                    op);
-        bind_lease(s, next, lease_columns_of::updatable);
-        s.bind(next.id).bind(expected_epoch);
-        if (!s.step()) return std::nullopt;  // the epoch differs, or no such lease
-        auto stored = read_lease(s, op);
-        while (s.step()) {  // RETURNING: the statement completes when stepped to its end
-        }
-        return stored;
+    awaitable<LeasePage> list_leases(LeaseQuery query) override {
+        auto work = [this, query = std::move(query)] {
+            auto db = reader_dbs_.lend();
+            return list_leases_on(db.get(), query);
+        };
+        co_return co_await reads_->run(std::move(work));
     }
 
-    std::vector<Lease> expired_leases(const std::string& owner_node_id,
-                                      std::int64_t at_ms) override {
-        constexpr std::string_view op = "expired leases";
-        std::lock_guard lock(mutex_);
-        Statement s(db(),
-                    select_leases("WHERE owner_node_id = ? AND status = 'active' "
-                                  "AND expires_at_ms IS NOT NULL AND expires_at_ms <= ? "
-                                  "ORDER BY expires_at_ms, id"),
-                    op);
-        s.bind(owner_node_id).bind(at_ms);
-        std::vector<Lease> out;
-        while (s.step()) out.push_back(read_lease(s, op));
-        return out;
+    awaitable<std::optional<Lease>> update_lease(Lease next, std::int64_t expected_epoch) override {
+        auto work = [this, next = std::move(next), expected_epoch] {
+            return update_lease_on(writer_.get(), next, expected_epoch);
+        };
+        co_return co_await writes_.run(std::move(work));
     }
 
-    void register_node(const NodeRecord& node, std::int64_t liveness_ttl_ms) override {
-        constexpr std::string_view op = "register node";
-        std::lock_guard lock(mutex_);
-        Transaction tx(db(), op);
-        {
-            Statement s(db(), "SELECT instance_id, heartbeat_at_ms FROM nodes WHERE node_id = ?",
-                        op);
-            s.bind(node.node_id);
-            if (s.step()) {
-                auto instance = s.text(0);
-                auto heartbeat = s.int64(1);
-                if (instance != node.instance_id &&
-                    heartbeat > node.heartbeat_at_ms - liveness_ttl_ms) {
-                    throw rpc_error(errc::invalid_params,
-                                    "node id " + node.node_id +
-                                        " is already held by a live process (last heartbeat " +
-                                        std::to_string(node.heartbeat_at_ms - heartbeat) +
-                                        " ms ago)");
-                }
-            }
-        }
-        Statement upsert(db(),
-                         "INSERT INTO nodes (node_id, url, started_at_ms, heartbeat_at_ms, "
-                         "instance_id) VALUES (?, ?, ?, ?, ?) ON CONFLICT (node_id) DO UPDATE "
-                         "SET url = excluded.url, started_at_ms = excluded.started_at_ms, "
-                         "heartbeat_at_ms = excluded.heartbeat_at_ms, "
-                         "instance_id = excluded.instance_id",
-                         op);
-        upsert.bind(node.node_id)
-            .bind(node.url)
-            .bind(node.started_at_ms)
-            .bind(node.heartbeat_at_ms)
-            .bind(node.instance_id);
-        upsert.run();
-        tx.commit();
+    awaitable<std::vector<Lease>> expired_leases(std::string owner_node_id,
+                                                 std::int64_t at_ms) override {
+        auto work = [this, owner_node_id = std::move(owner_node_id), at_ms] {
+            auto db = reader_dbs_.lend();
+            return expired_leases_on(db.get(), owner_node_id, at_ms);
+        };
+        co_return co_await reads_->run(std::move(work));
     }
 
-    bool heartbeat_node(const std::string& node_id, const std::string& instance_id,
-                        std::int64_t at_ms) override {
-        std::lock_guard lock(mutex_);
-        Statement s(db(),
-                    "UPDATE nodes SET heartbeat_at_ms = ? WHERE node_id = ? AND instance_id = ?",
-                    "heartbeat node");
-        s.bind(at_ms).bind(node_id).bind(instance_id);
-        s.run();
-        return sqlite3_changes(db()) == 1;
+    awaitable<std::vector<std::string>> active_owner_nodes() override {
+        auto work = [this] {
+            auto db = reader_dbs_.lend();
+            return active_owner_nodes_on(db.get());
+        };
+        co_return co_await reads_->run(std::move(work));
     }
 
-    void remove_node(const std::string& node_id, const std::string& instance_id) override {
-        std::lock_guard lock(mutex_);
-        Statement s(db(), "DELETE FROM nodes WHERE node_id = ? AND instance_id = ?", "remove node");
-        s.bind(node_id).bind(instance_id);
-        s.run();
+    awaitable<void> register_node(NodeRecord node, std::int64_t liveness_ttl_ms) override {
+        auto work = [this, node = std::move(node), liveness_ttl_ms] {
+            register_node_on(membership_db_.get(), node, liveness_ttl_ms);
+        };
+        co_await membership_.run(std::move(work));
     }
 
-    std::vector<NodeRecord> list_nodes() override {
-        std::lock_guard lock(mutex_);
-        Statement s(db(), "SELECT " + std::string(node_columns) + " FROM nodes ORDER BY node_id",
-                    "list nodes");
-        std::vector<NodeRecord> out;
-        while (s.step()) out.push_back(read_node(s));
-        return out;
+    awaitable<bool> heartbeat_node(std::string node_id, std::string instance_id,
+                                   std::int64_t at_ms) override {
+        auto work = [this, node_id = std::move(node_id), instance_id = std::move(instance_id),
+                     at_ms] {
+            return heartbeat_node_on(membership_db_.get(), node_id, instance_id, at_ms);
+        };
+        co_return co_await membership_.run(std::move(work));
     }
 
-    std::optional<NodeRecord> get_node(const std::string& node_id) override {
-        std::lock_guard lock(mutex_);
-        Statement s(db(), "SELECT " + std::string(node_columns) + " FROM nodes WHERE node_id = ?",
-                    "get node");
-        s.bind(node_id);
-        if (!s.step()) return std::nullopt;
-        return read_node(s);
+    awaitable<void> remove_node(std::string node_id, std::string instance_id) override {
+        auto work = [this, node_id = std::move(node_id), instance_id = std::move(instance_id)] {
+            remove_node_on(membership_db_.get(), node_id, instance_id);
+        };
+        co_await membership_.run(std::move(work));
+    }
+
+    awaitable<std::vector<NodeRecord>> list_nodes() override {
+        auto work = [this] { return list_nodes_on(membership_db_.get()); };
+        co_return co_await membership_.run(std::move(work));
+    }
+
+    awaitable<std::optional<NodeRecord>> get_node(std::string node_id) override {
+        auto work = [this, node_id = std::move(node_id)] {
+            return get_node_on(membership_db_.get(), node_id);
+        };
+        co_return co_await membership_.run(std::move(work));
     }
 
 private:
-    sqlite3* db() const noexcept { return db_.get(); }
-
-    // Caller holds mutex_.
-    std::optional<Lease> find_by_key(const std::string& company_id,
-                                     const std::string& environment_id, const std::string& key,
-                                     std::string_view op) {
-        Statement s(db(),
-                    select_leases("WHERE company_id = ? AND environment_id = ? "
-                                  "AND idempotency_key = ?"),
-                    op);
-        s.bind(company_id).bind(environment_id).bind(key);
-        if (!s.step()) return std::nullopt;
-        return read_lease(s, op);
-    }
-
-    std::mutex mutex_;
-    db_ptr db_;
+    // Connections first, lanes last: the lanes are joined before a connection closes. Each
+    // connection is used by one thread at a time: the writer and membership lanes have one
+    // thread each, and reader connections are lent per call.
+    db_ptr writer_;
+    db_ptr membership_db_;
+    ReaderConnections reader_dbs_;
+    WorkLane writes_{1};
+    WorkLane membership_{1};
+    std::optional<WorkLane> reads_;  // sized at construction
 };
 
 }  // namespace
 
-std::unique_ptr<Registry> make_sqlite_registry(const std::string& path) {
-    return std::make_unique<SqliteRegistry>(path);
+std::unique_ptr<Registry> make_sqlite_registry(const std::string& path, int readers) {
+    return std::make_unique<SqliteRegistry>(path, readers);
 }
 
 }  // namespace sandboxd

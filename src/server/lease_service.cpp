@@ -10,6 +10,8 @@
 
 #include <sys/random.h>
 
+#include <set>
+
 namespace sandboxd {
 namespace {
 
@@ -24,10 +26,7 @@ using json = nlohmann::json;
 /// The lease if it exists and the caller may see it; LEASE_NOT_FOUND otherwise (another
 /// tenant's lease is reported exactly like a missing one).
 awaitable<Lease> load_visible(Node& node, const Principal& who, std::string id) {
-    auto work1 = [&node, id] {
-        return node.registry->get_lease(id);
-    };
-    auto lease = co_await run_blocking(node.blocking, std::move(work1));
+    auto lease = co_await node.registry->get_lease(id);
     if (!lease || !who.allows(lease->company_id)) not_found(id);
     co_return *lease;
 }
@@ -85,15 +84,9 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
         node.cache.erase(scope);
         node.unclaim(lease.id);
     }
-    auto work3 = [&node, next, epoch = lease.epoch] {
-        return node.registry->update_lease(next, epoch);
-    };
-    auto stored = co_await run_blocking(node.blocking, std::move(work3));
+    auto stored = co_await node.registry->update_lease(next, lease.epoch);
     if (!stored) {
-        auto work4 = [&node, id = lease.id] {
-            return node.registry->get_lease(id);
-        };
-        auto current = co_await run_blocking(node.blocking, std::move(work4));
+        auto current = co_await node.registry->get_lease(lease.id);
         if (!current) not_found(lease.id);
         co_return *current;
     }
@@ -133,11 +126,8 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, json p) {
     if (!provider) params::invalid("provider", "no provider \"" + lease.provider + "\" on this node");
 
     if (lease.idempotency_key) {
-        auto work5 = [&node, lease] {
-            return node.registry->find_by_idempotency_key(lease.company_id, lease.environment_id,
-                                                          *lease.idempotency_key);
-        };
-        auto existing = co_await run_blocking(node.blocking, std::move(work5));
+        auto existing = co_await node.registry->find_by_idempotency_key(
+            lease.company_id, lease.environment_id, *lease.idempotency_key);
         if (existing) co_return *existing;
     }
 
@@ -159,10 +149,7 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, json p) {
     Lease stored;
     std::exception_ptr not_stored;  // no co_await in a handler: the cleanup runs after it
     try {
-        auto work7 = [&node, lease] {
-            return node.registry->create_lease(lease);
-        };
-        stored = co_await run_blocking(node.blocking, std::move(work7));
+        stored = co_await node.registry->create_lease(lease);
     } catch (...) {
         not_stored = std::current_exception();
     }
@@ -218,10 +205,7 @@ awaitable<json> lease_list(Node& node, const Principal& who, json p) {
     if (q.company_id && !who.allows(*q.company_id)) {
         co_return json{{"leases", json::array()}, {"nextCursor", nullptr}};
     }
-    auto work9 = [&node, q] {
-        return node.registry->list_leases(q);
-    };
-    auto page = co_await run_blocking(node.blocking, std::move(work9));
+    auto page = co_await node.registry->list_leases(q);
     json leases = json::array();
     for (const auto& l : page.leases) leases.push_back(to_json(l));
     co_return json{{"leases", std::move(leases)},
@@ -245,10 +229,7 @@ awaitable<Lease> lease_renew(Node& node, const Principal& who, std::string lease
         Lease next = lease;
         next.expires_at_ms = now + static_cast<std::int64_t>(ttl_ms);
         next.last_used_at_ms = now;
-        auto work10 = [&node, next] {
-            return node.registry->update_lease(next, next.epoch);
-        };
-        auto stored = co_await run_blocking(node.blocking, std::move(work10));
+        auto stored = co_await node.registry->update_lease(next, next.epoch);
         if (stored) co_return *stored;
     }
     throw rpc_error(errc::registry_unavailable, "lease " + lease_id + " kept changing during renew");
@@ -264,8 +245,7 @@ awaitable<Lease> lease_release(Node& node, const Principal& who, std::string lea
 }
 
 awaitable<json> node_list(Node& node) {
-    auto work11 = [&node] { return node.registry->list_nodes(); };
-    auto nodes = co_await run_blocking(node.blocking, std::move(work11));
+    auto nodes = co_await node.registry->list_nodes();
     const auto now = now_ms();
     json out = json::array();
     for (const auto& n : nodes) {
@@ -273,8 +253,7 @@ awaitable<json> node_list(Node& node) {
         q.owner_node_id = n.node_id;
         q.status = lease_status::active;
         q.limit = 1000;
-        auto work12 = [&node, q] { return node.registry->list_leases(q); };
-        auto page = co_await run_blocking(node.blocking, std::move(work12));
+        auto page = co_await node.registry->list_leases(q);
         const bool alive = now - n.heartbeat_at_ms < node.config.node_ttl_ms;
         json entry = {{"nodeId", n.node_id},
                       {"url", n.url},
@@ -311,24 +290,10 @@ awaitable<Lease> resolve_lease(Node& node, const Principal& who, json lp) {
     // Step 3: the registry's lease, in the caller's tenants, with the same scope.
     std::optional<Lease> lease;
     if (lease_id) {
-        auto work13 = [&node, id = *lease_id] {
-            return node.registry->get_lease(id);
-        };
-        lease = co_await run_blocking(node.blocking, std::move(work13));
+        lease = co_await node.registry->get_lease(*lease_id);
     } else {
-        LeaseQuery q;
-        q.company_id = company;
-        q.environment_id = environment;
-        q.limit = 1000;
-        q.tenants = who.query_tenants();
-        auto work14 = [&node, q] { return node.registry->list_leases(q); };
-        auto page = co_await run_blocking(node.blocking, std::move(work14));
-        for (auto& l : page.leases) {
-            if (l.provider_lease_id == provider_lease_id && l.provider == provider_key) {
-                lease = std::move(l);
-                break;
-            }
-        }
+        // By index: (provider, providerLeaseId) names at most one lease in the registry.
+        lease = co_await node.registry->find_by_provider_lease(provider_key, provider_lease_id);
     }
     const std::string shown_id = lease_id.value_or(provider_lease_id);
     if (!lease || !who.allows(lease->company_id) || lease->company_id != company ||
@@ -371,8 +336,7 @@ std::shared_ptr<SandboxHandle> cached_sandbox(Node& node, const Lease& lease) {
 }
 
 awaitable<std::shared_ptr<PeerLink>> owner_link(Node& node, const Lease& lease) {
-    auto work_owner = [&node, owner = lease.owner_node_id] { return node.registry->get_node(owner); };
-    auto record = co_await run_blocking(node.blocking, std::move(work_owner));
+    auto record = co_await node.registry->get_node(lease.owner_node_id);
     const auto now = now_ms();
     if (!record || now - record->heartbeat_at_ms >= node.config.node_ttl_ms) {
         throw rpc_error(errc::owner_unavailable,
@@ -403,11 +367,18 @@ awaitable<void> end_lease_channels(Node& node, const std::string& lease_id,
             if (auto ch = weak.lock()) ch->stop(channel_outcome::lease_released);
         });
     }
-    net::steady_timer timer(co_await net::this_coro::executor);
-    const auto deadline = std::chrono::steady_clock::now() + wait;
-    while (!node.channels.of_lease(lease_id).empty() && std::chrono::steady_clock::now() < deadline) {
-        timer.expires_after(std::chrono::milliseconds(10));
-        co_await timer.async_wait(use_awaitable);
+    // Woken by each channel that ends (ChannelTable::watch_removals), not by polling.
+    using namespace net::experimental::awaitable_operators;
+    if (node.channels.of_lease(lease_id).empty()) co_return;
+    auto ex = co_await net::this_coro::executor;
+    auto removed = std::make_shared<ChannelTable::RemovalSignal>(ex, 1);
+    node.channels.watch_removals(removed);
+    net::steady_timer deadline(ex);
+    deadline.expires_after(wait);
+    while (!node.channels.of_lease(lease_id).empty()) {
+        auto woken = co_await (removed->async_receive(as_tuple_awaitable) ||
+                               deadline.async_wait(as_tuple_awaitable));
+        if (woken.index() == 1) break;  // the wait is over
     }
 }
 
@@ -456,8 +427,7 @@ awaitable<void> reconcile_lease(Node& node, Lease lease) {
 
 awaitable<void> reconcile_cached(Node& node) {
     for (const auto& handle : node.cache.snapshot()) {
-        auto work_get = [&node, id = handle->lease_id] { return node.registry->get_lease(id); };
-        auto lease = co_await run_blocking(node.blocking, std::move(work_get));
+        auto lease = co_await node.registry->get_lease(handle->lease_id);
         if (lease && lease->provider == handle->scope.provider &&
             lease->provider_lease_id == handle->scope.provider_lease_id) {
             co_await reconcile_lease(node, std::move(*lease));
@@ -472,28 +442,27 @@ awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why) {
     next.epoch = lease.epoch + 1;
     next.cleanup_status = why;
     next.last_used_at_ms = now_ms();
-    auto work_store = [&node, next, epoch = lease.epoch] { return node.registry->update_lease(next, epoch); };
-    auto stored = co_await run_blocking(node.blocking, std::move(work_store));
+    auto stored = co_await node.registry->update_lease(next, lease.epoch);
     if (stored) {
         spdlog::info("lease={} pending_cleanup: {}", lease.id, why);
         co_return *stored;
     }
-    auto work_get = [&node, id = lease.id] { return node.registry->get_lease(id); };
-    auto current = co_await run_blocking(node.blocking, std::move(work_get));
+    auto current = co_await node.registry->get_lease(lease.id);
     co_return current ? *current : next;
 }
 
 namespace {
 
-/// Every lease with `status`, all pages.
-awaitable<std::vector<Lease>> all_leases(Node& node, lease_status status) {
+/// Every lease of `owner_node_id` with `status`, all pages (by the owner index).
+awaitable<std::vector<Lease>> leases_of(Node& node, std::string owner_node_id,
+                                        lease_status status) {
     std::vector<Lease> out;
     LeaseQuery q;
+    q.owner_node_id = std::move(owner_node_id);
     q.status = status;
     q.limit = 1000;
     for (;;) {
-        auto work_page = [&node, q] { return node.registry->list_leases(q); };
-        auto page = co_await run_blocking(node.blocking, std::move(work_page));
+        auto page = co_await node.registry->list_leases(q);
         for (auto& l : page.leases) out.push_back(std::move(l));
         if (page.next_cursor.empty()) break;
         q.cursor = page.next_cursor;
@@ -512,36 +481,42 @@ awaitable<void> sweep(Node& node) {
     co_await reconcile_cached(node);
     co_await expire_leases(node);
     const auto now = now_ms();
-    auto work_nodes = [&node] { return node.registry->list_nodes(); };
-    auto nodes = co_await run_blocking(node.blocking, std::move(work_nodes));
+    auto nodes = co_await node.registry->list_nodes();
     auto alive = [&](const std::string& id) {
         for (const auto& n : nodes) {
             if (n.node_id == id) return now - n.heartbeat_at_ms < node.config.node_ttl_ms;
         }
         return false;
     };
+    // Scale: only this node's leases, and those of owners whose membership lapsed; the
+    // active leases of live owners are never read (owners come from an index).
     const bool settled = now - node.started_at_ms >= node.config.node_ttl_ms;
-    for (auto& lease : co_await all_leases(node, lease_status::active)) {
-        if (lease.owner_node_id == node.node_id) {
-            if (settled && !node.cache.find(scope_of(lease))) {
+    if (settled) {
+        // Sandboxes held here, including those tearing down (a slow release is not a lost one).
+        std::set<std::string> held;
+        for (const auto& handle : node.cache.snapshot()) held.insert(handle->lease_id);
+        for (auto& lease : co_await leases_of(node, node.node_id, lease_status::active)) {
+            if (!held.count(lease.id) && !node.cache.find(scope_of(lease))) {
                 co_await lease_orphan(node, std::move(lease),
                                       "owner node restarted without the sandbox");
             }
-        } else if (!alive(lease.owner_node_id)) {
-            co_await lease_orphan(node, std::move(lease),
-                                  "owner node " + lease.owner_node_id + " is dead");
         }
     }
-    for (auto& lease : co_await all_leases(node, lease_status::pending_cleanup)) {
-        if (lease.owner_node_id != node.node_id) continue;  // only the owner holds its sandbox
+    for (const auto& owner : co_await node.registry->active_owner_nodes()) {
+        if (owner == node.node_id || alive(owner)) continue;
+        for (auto& lease : co_await leases_of(node, owner, lease_status::active)) {
+            co_await lease_orphan(node, std::move(lease), "owner node " + owner + " is dead");
+        }
+    }
+    // Only the owner holds the sandbox of a lease pending cleanup.
+    for (auto& lease : co_await leases_of(node, node.node_id, lease_status::pending_cleanup)) {
         if (lease.cleanup_attempts >= max_cleanup_attempts) {
             Lease next = lease;
             next.status = lease_status::failed;
             next.epoch = lease.epoch + 1;
             next.failure_reason = "teardown failed " + std::to_string(lease.cleanup_attempts) +
                                   " times: " + lease.failure_reason.value_or("unknown");
-            auto work_fail = [&node, next, epoch = lease.epoch] { return node.registry->update_lease(next, epoch); };
-            co_await run_blocking(node.blocking, std::move(work_fail));
+            co_await node.registry->update_lease(next, lease.epoch);
             spdlog::warn("lease={} failed: {}", lease.id, *next.failure_reason);
             continue;
         }
@@ -553,10 +528,7 @@ awaitable<void> sweep(Node& node) {
 }
 
 awaitable<void> expire_leases(Node& node) {
-    auto work15 = [&node] {
-        return node.registry->expired_leases(node.node_id, now_ms());
-    };
-    auto expired = co_await run_blocking(node.blocking, std::move(work15));
+    auto expired = co_await node.registry->expired_leases(node.node_id, now_ms());
     for (auto& lease : expired) {
         spdlog::info("lease={} expired", lease.id);
         co_await teardown(node, std::move(lease), lease_status::expired);

@@ -1,7 +1,8 @@
 #pragma once
 // The lease methods of docs/protocol.md section 2 and the fail-closed checks of section 3.
-// Coroutines run on the caller's strand; blocking registry and provider calls run on the
-// node's blocking pool. Errors are thrown as rpc_error with the protocol's reasons.
+// Coroutines run on the caller's strand; registry calls are awaited (the registry does its
+// I/O off this thread, registry.hpp); provider create/destroy run on the node's blocking
+// pool. Errors are thrown as rpc_error with the protocol's reasons.
 #include "server/node.hpp"
 
 #include <nlohmann/json.hpp>
@@ -44,7 +45,9 @@ awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why);
 /// dead owners (no heartbeat within the TTL) to pending_cleanup; tears down this node's
 /// pending_cleanup leases through their recorded provider, at most 5 attempts, backing off
 /// (heartbeat * 2^attempts), then `failed`. It never touches a lease whose owner is alive
-/// and holds it (CASES.md B21, B23).
+/// and holds it (CASES.md B21, B23). Reads only this node's leases (owner index) and those
+/// of owners whose membership lapsed (Registry::active_owner_nodes against list_nodes),
+/// never the leases of live owners.
 awaitable<void> sweep(Node& node);
 
 /// True when this node has channels or a cached sandbox of `lease` although the lease is no

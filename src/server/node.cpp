@@ -60,8 +60,24 @@ std::uint64_t ChannelTable::add(Entry entry) {
 }
 
 void ChannelTable::remove(std::uint64_t key) {
+    std::vector<std::shared_ptr<RemovalSignal>> wake;
+    {
+        std::lock_guard lock(mutex_);
+        entries_.erase(key);
+        std::erase_if(removal_watchers_, [&](const std::weak_ptr<RemovalSignal>& w) {
+            auto signal = w.lock();
+            if (!signal) return true;
+            wake.push_back(std::move(signal));
+            return false;
+        });
+    }
+    for (auto& signal : wake) signal->try_send(boost::system::error_code{});  // full: coalesced
+}
+
+void ChannelTable::watch_removals(const std::shared_ptr<RemovalSignal>& signal) {
     std::lock_guard lock(mutex_);
-    entries_.erase(key);
+    std::erase_if(removal_watchers_, [](const auto& w) { return w.expired(); });
+    removal_watchers_.push_back(signal);
 }
 
 std::size_t ChannelTable::size() const {

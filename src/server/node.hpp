@@ -3,6 +3,8 @@
 #include "server/net.hpp"
 #include "server/peer_link.hpp"
 
+#include <boost/asio/experimental/concurrent_channel.hpp>
+
 #include <sandboxd/config.hpp>
 #include <sandboxd/handle_cache.hpp>
 #include <sandboxd/provider.hpp>
@@ -56,8 +58,15 @@ public:
     std::size_t size() const;
     std::vector<Entry> of_lease(const std::string& lease_id) const;
 
+    /// A signal that remove() sends (without waiting: capacity 1, so removals coalesce) to
+    /// every watcher still alive; awaited on the watcher's own executor.
+    using RemovalSignal = net::experimental::concurrent_channel<void(boost::system::error_code)>;
+    /// Sends on `signal` after each remove() until it is destroyed.
+    void watch_removals(const std::shared_ptr<RemovalSignal>& signal);
+
 private:
     mutable std::mutex mutex_;
+    std::vector<std::weak_ptr<RemovalSignal>> removal_watchers_;
     std::map<std::uint64_t, Entry> entries_;
     std::size_t reserved_ = 0;
     std::uint64_t next_key_ = 1;

@@ -18,6 +18,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <sstream>
 #include <thread>
 
@@ -68,23 +69,25 @@ http::response<http::string_body> plain(http::status status, std::string body, u
 /// refused), a dead one (e.g. killed with SIGKILL) does not, and its record is taken over.
 /// Returns the steady-clock time (steady_now_ms) at which the registration that succeeded was
 /// sent: the node's first renewal.
-std::int64_t register_or_take_over(Registry& registry, const NodeRecord& record, std::int64_t ttl_ms,
-                           std::int64_t heartbeat_ms) {
+awaitable<std::int64_t> register_or_take_over(Registry& registry, NodeRecord record,
+                                              std::int64_t ttl_ms, std::int64_t heartbeat_ms) {
     try {
         const auto sent = steady_now_ms();
-        registry.register_node(record, ttl_ms);
-        return sent;
+        co_await registry.register_node(record, ttl_ms);
+        co_return sent;
     } catch (const rpc_error& e) {
         if (e.code() != errc::invalid_params) throw;
     }
-    const auto seen = registry.get_node(record.node_id);
+    const auto seen = co_await registry.get_node(record.node_id);
     const auto deadline = std::chrono::steady_clock::now() +
                           std::chrono::milliseconds(ttl_ms + heartbeat_ms);
     spdlog::info("node={} is held by another instance; waiting up to {} ms to see if it is alive",
                  record.node_id, ttl_ms + heartbeat_ms);
+    net::steady_timer pause(co_await net::this_coro::executor);
     while (std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
-        const auto now = registry.get_node(record.node_id);
+        pause.expires_after(std::chrono::milliseconds(100));
+        co_await pause.async_wait(use_awaitable);
+        const auto now = co_await registry.get_node(record.node_id);
         if (seen && now && now->instance_id == seen->instance_id &&
             now->heartbeat_at_ms != seen->heartbeat_at_ms) {
             throw rpc_error(errc::invalid_params,
@@ -95,8 +98,8 @@ std::int64_t register_or_take_over(Registry& registry, const NodeRecord& record,
         fresh.heartbeat_at_ms = now_ms();
         try {
             const auto sent = steady_now_ms();
-            registry.register_node(fresh, ttl_ms);
-            return sent;
+            co_await registry.register_node(fresh, ttl_ms);
+            co_return sent;
         } catch (const rpc_error& e) {
             if (e.code() != errc::invalid_params) throw;
         }
@@ -122,6 +125,11 @@ struct Daemon::Impl {
     awaitable<void> accept_loop();
     awaitable<void> serve(tcp::socket socket);
     awaitable<void> heartbeat_loop();
+    awaitable<void> rejoin();
+    /// Steady-clock time at which the last heartbeat that succeeded was sent.
+    std::atomic<std::int64_t> beat_sent_ms{0};
+    /// A rejoin() runs: the node stays fenced until it ended what it lost.
+    std::atomic<bool> rejoining{false};
     awaitable<void> sweep_loop();
     void start_lease_watch();
     awaitable<bool> registry_reachable();
@@ -174,7 +182,8 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
                                    c.registry.password_file + ", or it is empty");
             }
         }
-        node.registry = make_etcd_registry(c.registry.endpoints, c.registry.prefix,
+        node.registry = make_etcd_registry(impl_->ioc.get_executor(), c.registry.endpoints,
+                                           c.registry.prefix,
                                            c.node_ttl_ms, c.registry.username, password);
     } else {
         const auto db = c.registry.path.empty()
@@ -223,6 +232,7 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
 Daemon::~Daemon() {
     impl_->node.lease_watch.reset();
     impl_->node.blocking.join();
+    impl_->node.registry.reset();  // its lanes finish while the io_context still exists
     // Impl destroys its io_context before the Node: what the Node holds that lives on that
     // io_context (the peer links' sockets and timers) goes first.
     impl_->node.peers.clear();
@@ -254,8 +264,21 @@ std::string Daemon::start() {
     node.started_at_ms = now_ms();
     NodeRecord record{node.node_id, node.advertise_url, node.started_at_ms, node.started_at_ms,
                       node.instance_id};
-    node.renewed_at_ms = register_or_take_over(*node.registry, record, node.config.node_ttl_ms,
-                                               node.config.heartbeat_ms);
+    {
+        // The io_context does not run yet: drive it here until the registration finished.
+        auto registered = net::co_spawn(impl_->ioc,
+                                        register_or_take_over(*node.registry, record,
+                                                              node.config.node_ttl_ms,
+                                                              node.config.heartbeat_ms),
+                                        net::use_future);
+        auto busy = net::make_work_guard(impl_->ioc);
+        while (registered.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+            impl_->ioc.run_one_for(std::chrono::milliseconds(100));
+        }
+        busy.reset();
+        impl_->ioc.restart();
+        node.renewed_at_ms = registered.get();
+    }
     impl_->start_lease_watch();
 
     auto log_failure = [](const std::exception_ptr& e) {
@@ -308,9 +331,8 @@ void Daemon::stop() {
 awaitable<void> Daemon::Impl::finish_stop() {
     auto work_unwatch = [this] { node.lease_watch.reset(); };  // joins its thread: not here
     co_await run_blocking(node.blocking, std::move(work_unwatch));
-    auto work_remove = [this] { node.registry->remove_node(node.node_id, node.instance_id); };
     try {
-        co_await run_blocking(node.blocking, std::move(work_remove));
+        co_await node.registry->remove_node(node.node_id, node.instance_id);
     } catch (const std::exception& e) {
         spdlog::warn("node={} could not remove its node record: {}", node.node_id, e.what());
     }
@@ -362,8 +384,7 @@ awaitable<void> Daemon::Impl::accept_loop() {
 
 awaitable<bool> Daemon::Impl::registry_reachable() {
     try {
-        auto work1 = [this] { return node.registry->get_node(node.node_id); };
-        co_await run_blocking(node.blocking, std::move(work1));
+        co_await node.registry->get_node(node.node_id);
         co_return true;
     } catch (const std::exception&) {
         co_return false;
@@ -475,20 +496,22 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
 }
 
 void Daemon::Impl::start_lease_watch() {
-    // Events arrive on the feed's thread; only those that concern this node's cache or
-    // channels cross over to the I/O threads.
+    // Events arrive on an I/O thread; only those that concern this node's cache or channels
+    // start a reconciliation.
     auto on_change = [this](const Lease& lease) {
         if (!needs_reconcile(node, lease)) return;
         net::co_spawn(ioc, reconcile_lease(node, lease), net::detached);
     };
-    node.lease_watch = node.registry->watch_leases(std::move(on_change), {},
+    node.lease_watch = node.registry->watch_leases(ioc.get_executor(), std::move(on_change), {},
                                                    std::max<std::int64_t>(node.config.heartbeat_ms / 2, 100));
 }
 
 awaitable<void> Daemon::Impl::heartbeat_loop() {
     // Renews this node's membership every heartbeatMs. `renewed_at_ms` is the time a renewal
     // that succeeded was sent: the node fences itself (Node::require_membership) when it is
-    // older than 2/3 of nodeTtlMs.
+    // older than 2/3 of nodeTtlMs. The membership lane: this loop awaits only the registry's
+    // membership calls (registry.hpp), never lease work or a provider, so no backlog there
+    // can delay a renewal. Ending what the node lost runs beside it, in rejoin().
     for (;;) {
         heartbeat_timer.expires_after(std::chrono::milliseconds(node.config.heartbeat_ms));
         auto [ec] = co_await heartbeat_timer.async_wait(as_tuple_awaitable);
@@ -496,10 +519,8 @@ awaitable<void> Daemon::Impl::heartbeat_loop() {
         const auto sent = steady_now_ms();
         const auto fenced = node.fenced_for_ms();
         try {
-            auto work_beat = [this] {
-                return node.registry->heartbeat_node(node.node_id, node.instance_id, now_ms());
-            };
-            bool mine = co_await run_blocking(node.blocking, std::move(work_beat));
+            bool mine = co_await node.registry->heartbeat_node(node.node_id, node.instance_id,
+                                                                now_ms());
             if (!mine) {
                 // The record expired (the process was stopped, or the registry unreachable,
                 // past the TTL) or another process took the node id. Other nodes may have
@@ -513,21 +534,34 @@ awaitable<void> Daemon::Impl::heartbeat_loop() {
                 record.started_at_ms = node.started_at_ms;
                 record.heartbeat_at_ms = now_ms();
                 record.instance_id = node.instance_id;
-                auto work_register = [this, record] {
-                    node.registry->register_node(record, node.config.node_ttl_ms);
-                };
-                co_await run_blocking(node.blocking, std::move(work_register));
+                co_await node.registry->register_node(record, node.config.node_ttl_ms);
                 spdlog::info("node={} registered again", node.node_id);
             }
-            if (!mine || fenced != 0) {
-                co_await reconcile_cached(node);
-                if (fenced != 0) spdlog::info("node={} unfenced after {} ms", node.node_id, fenced);
+            beat_sent_ms.store(sent, std::memory_order_release);
+            if (!mine || fenced != 0 || rejoining.load()) {
+                if (!rejoining.exchange(true)) net::co_spawn(ioc, rejoin(), net::detached);
+            } else {
+                node.renewed_at_ms.store(sent, std::memory_order_release);
             }
-            node.renewed_at_ms.store(sent, std::memory_order_release);
         } catch (const std::exception& e) {
             spdlog::warn("node={} heartbeat failed: {}", node.node_id, e.what());
         }
     }
+}
+
+awaitable<void> Daemon::Impl::rejoin() {
+    // Ends the channels and sandboxes of leases this node lost while fenced, then lets it
+    // serve again from the last renewal that succeeded (the heartbeat loop keeps renewing).
+    const auto since = steady_now_ms() - node.renewed_at_ms.load();
+    try {
+        co_await reconcile_cached(node);
+        node.renewed_at_ms.store(beat_sent_ms.load(std::memory_order_acquire),
+                                 std::memory_order_release);
+        spdlog::info("node={} unfenced after {} ms", node.node_id, since);
+    } catch (const std::exception& e) {
+        spdlog::warn("node={} could not reconcile its sandboxes: {}", node.node_id, e.what());
+    }
+    rejoining.store(false);
 }
 
 awaitable<void> Daemon::Impl::sweep_loop() {

@@ -53,33 +53,6 @@ std::size_t count_sandboxes(const DaemonProcess& d) {
     return n;
 }
 
-/// Raw HTTP GET on the daemon's port: status and body.
-std::pair<int, std::string> http_get(const std::string& address, const std::string& target,
-                                     const std::string& authorization = "",
-                                     bool upgrade = false) {
-    namespace net = boost::asio;
-    namespace http = boost::beast::http;
-    net::io_context ioc;
-    net::ip::tcp::resolver resolver(ioc);
-    const auto parsed = sandboxd::parse_host_port(address);
-    net::ip::tcp::socket socket(ioc);
-    net::connect(socket, resolver.resolve(parsed.host, parsed.port_text()));
-    http::request<http::empty_body> req{http::verb::get, target, 11};
-    req.set(http::field::host, address);
-    if (!authorization.empty()) req.set(http::field::authorization, authorization);
-    if (upgrade) {
-        req.set(http::field::connection, "Upgrade");
-        req.set(http::field::upgrade, "websocket");
-        req.set(http::field::sec_websocket_key, "dGhlIHNhbXBsZSBub25jZQ==");
-        req.set(http::field::sec_websocket_version, "13");
-    }
-    http::write(socket, req);
-    boost::beast::flat_buffer buffer;
-    http::response<http::string_body> res;
-    http::read(socket, buffer, res);
-    return {static_cast<int>(res.result_int()), res.body()};
-}
-
 }  // namespace
 
 TEST_CASE("A command's stdout, stderr and exit code arrive exactly", "[daemon][channel]") {

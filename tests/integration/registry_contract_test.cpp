@@ -5,6 +5,7 @@
 // daemon itself on etcd.
 #include "support/daemon_fixture.hpp"
 #include "support/etcd_fixture.hpp"
+#include "support/sync_registry.hpp"
 
 #include "registry/etcd_client.hpp"
 
@@ -34,6 +35,7 @@
 #include <vector>
 
 using namespace sandboxd;
+using namespace sandboxd::test;
 using namespace std::chrono_literals;
 using json = nlohmann::json;
 using test::EtcdServer;
@@ -45,8 +47,8 @@ struct SqliteBackend {
     /// Epochs are stored as the caller gives them (expected + 1 on a change).
     static constexpr bool revision_epochs = false;
     test::TempDir dir;
-    std::unique_ptr<Registry> open(std::int64_t /*node_ttl_ms*/ = 30000) {
-        return make_sqlite_registry((dir.path() / "registry.db").string());
+    std::unique_ptr<SyncRegistry> open(std::int64_t /*node_ttl_ms*/ = 30000) {
+        return sync_sqlite((dir.path() / "registry.db").string());
     }
 };
 
@@ -54,8 +56,8 @@ struct EtcdBackend {
     /// Epochs are the revisions of the writes that set them (registry.hpp, update_lease).
     static constexpr bool revision_epochs = true;
     std::string prefix = EtcdServer::unique_prefix();
-    std::unique_ptr<Registry> open(std::int64_t node_ttl_ms = 30000) {
-        return make_etcd_registry({EtcdServer::shared().endpoint()}, prefix, node_ttl_ms);
+    std::unique_ptr<SyncRegistry> open(std::int64_t node_ttl_ms = 30000) {
+        return sync_etcd({EtcdServer::shared().endpoint()}, prefix, node_ttl_ms);
     }
 };
 
@@ -113,7 +115,7 @@ void check_new_epoch(std::int64_t got, std::int64_t requested, std::int64_t prev
 /// create_lease(l), checking the returned lease against `l` and the epoch contract; returns
 /// the lease as stored (the epoch the backend chose).
 template <typename Backend>
-Lease created(Registry& registry, Lease l) {
+Lease created(SyncRegistry& registry, Lease l) {
     Lease stored = registry.create_lease(l);
     check_new_epoch<Backend>(stored.epoch, l.epoch, 0);
     l.epoch = stored.epoch;
@@ -137,7 +139,7 @@ std::vector<std::string> ids_of(const std::vector<Lease>& leases) {
     return ids;
 }
 
-std::vector<std::string> ids_of(Registry& registry, LeaseQuery query) {
+std::vector<std::string> ids_of(SyncRegistry& registry, LeaseQuery query) {
     query.limit = 1000;
     return ids_of(registry.list_leases(query).leases);
 }
@@ -198,6 +200,41 @@ TEMPLATE_TEST_CASE("Contract: a lease round-trips every field, absent ones as nu
     CHECK(got_bare->config == nlohmann::json::object());
 
     CHECK_FALSE(registry->get_lease("no-such-lease"));
+}
+
+TEMPLATE_TEST_CASE("Contract: leases by providerLeaseId, and each owner of active leases once",
+                   "[registry][contract]", SqliteBackend, EtcdBackend) {
+    TestType backend;
+    auto registry = backend.open();
+    CHECK(registry->active_owner_nodes().empty());
+
+    Lease a = created<TestType>(*registry, make_lease("lease-a"));
+    Lease b = make_lease("lease-b");
+    b.provider = "process";
+    b.provider_lease_id = "pl-lease-a";  // the same id minted by another provider
+    b.owner_node_id = "node-b";
+    b = created<TestType>(*registry, b);
+    Lease c = make_lease("lease-c");
+    c.owner_node_id = "node-b";
+    c = created<TestType>(*registry, c);
+
+    auto found = registry->find_by_provider_lease("bwrap", "pl-lease-a");
+    REQUIRE(found);
+    check_same(*found, a);
+    CHECK(registry->find_by_provider_lease("process", "pl-lease-a")->id == "lease-b");
+    CHECK_FALSE(registry->find_by_provider_lease("bwrap", "pl-lease-b"));
+    CHECK_FALSE(registry->find_by_provider_lease("", "pl-lease-a"));
+    CHECK(registry->active_owner_nodes() == std::vector<std::string>{"node-a", "node-b"});
+
+    // Released: still found by its provider lease, no longer an active owner's.
+    Lease next = a;
+    next.status = lease_status::released;
+    next.epoch = a.epoch + 1;
+    auto released = registry->update_lease(next, a.epoch);
+    REQUIRE(released);
+    CHECK(registry->find_by_provider_lease("bwrap", "pl-lease-a")->status ==
+          lease_status::released);
+    CHECK(registry->active_owner_nodes() == std::vector<std::string>{"node-b"});
 }
 
 TEMPLATE_TEST_CASE("Contract: an idempotency key returns the existing lease and writes nothing",
@@ -366,7 +403,7 @@ TEMPLATE_TEST_CASE("Contract: concurrent updates from one epoch have exactly one
     int duplicate_wins = 0;
     std::vector<std::thread> threads;
     for (int t = 0; t < 4; ++t) {
-        Registry& registry = t % 2 == 0 ? *first : *second;
+        SyncRegistry& registry = t % 2 == 0 ? *first : *second;
         threads.emplace_back([&, t] {
             for (int i = 0; i < rounds * 4 && wins.load() < rounds; ++i) {
                 auto current = registry.get_lease("lease-1");
@@ -646,7 +683,7 @@ TEMPLATE_TEST_CASE("Contract: concurrent creates with one idempotency key make e
     std::vector<std::vector<std::string>> results(4);
     std::vector<std::thread> threads;
     for (std::size_t t = 0; t < results.size(); ++t) {
-        Registry& registry = t % 2 == 0 ? *first : *second;
+        SyncRegistry& registry = t % 2 == 0 ? *first : *second;
         threads.emplace_back([&registry, &results, t] {
             for (int i = 0; i < per_thread; ++i) {
                 Lease keyed = make_lease("keyed-" + std::to_string(t) + "-" + std::to_string(i));
@@ -776,7 +813,7 @@ namespace {
 
 /// Calls every Registry method once; returns how many threw registry_unavailable, failing the
 /// test for any other outcome.
-int count_unavailable(Registry& registry) {
+int count_unavailable(SyncRegistry& registry) {
     int unavailable = 0;
     std::vector<std::pair<std::string, std::function<void()>>> calls = {
         {"create_lease", [&] { registry.create_lease(make_lease("lease-x")); }},
@@ -812,7 +849,7 @@ int count_unavailable(Registry& registry) {
 TEST_CASE("etcd stopped: every call fails closed at once, and works again after a restart",
           "[registry][etcd]") {
     EtcdServer etcd;
-    auto registry = make_etcd_registry({etcd.endpoint()}, "/sandboxd/v1/", 30000);
+    auto registry = sync_etcd({etcd.endpoint()}, "/sandboxd/v1/", 30000);
     Lease lease = make_lease("lease-1");
     lease.idempotency_key = "key-1";
     lease = created<EtcdBackend>(*registry, lease);
@@ -837,7 +874,7 @@ TEST_CASE("etcd stopped: every call fails closed at once, and works again after 
 
 TEST_CASE("etcd frozen: calls time out after 2 s, then recover", "[registry][etcd]") {
     EtcdServer etcd;
-    auto registry = make_etcd_registry({etcd.endpoint()}, "/sandboxd/v1/", 30000);
+    auto registry = sync_etcd({etcd.endpoint()}, "/sandboxd/v1/", 30000);
     registry->create_lease(make_lease("lease-1"));
 
     etcd.pause();
@@ -868,11 +905,11 @@ TEST_CASE("etcd: requests fail over to the next endpoint", "[registry][etcd]") {
     // A loopback port nobody listens on comes first.
     const std::string dead = "http://127.0.0.1:1";
     auto prefix = EtcdServer::unique_prefix();
-    auto registry = make_etcd_registry({dead, etcd.endpoint()}, prefix, 30000);
+    auto registry = sync_etcd({dead, etcd.endpoint()}, prefix, 30000);
     CHECK(registry->create_lease(make_lease("lease-1")).id == "lease-1");
     CHECK(registry->get_lease("lease-1"));
 
-    auto only_dead = make_etcd_registry({dead, "http://127.0.0.1:2"}, prefix, 30000);
+    auto only_dead = sync_etcd({dead, "http://127.0.0.1:2"}, prefix, 30000);
     auto err = rpc_error_of([&] { only_dead->get_lease("lease-1"); });
     REQUIRE(err);
     CHECK(err->code() == errc::registry_unavailable);
@@ -976,7 +1013,7 @@ TEST_CASE("etcd: a gateway answering 5xx, garbage or an error fails closed", "[r
     for (const auto& c : cases) {
         CAPTURE(c.response);
         CannedServer server(c.response);
-        auto registry = make_etcd_registry({server.endpoint()}, "/p/", 30000);
+        auto registry = sync_etcd({server.endpoint()}, "/p/", 30000);
         auto err = rpc_error_of([&] { registry->get_lease("lease-1"); });
         REQUIRE(err);
         CHECK(err->code() == errc::registry_unavailable);
@@ -989,7 +1026,7 @@ TEST_CASE("etcd: a gateway answering 5xx, garbage or an error fails closed", "[r
     // A bad answer from one endpoint fails over to the next.
     CannedServer broken(canned("503 Service Unavailable", "{}"));
     auto registry =
-        make_etcd_registry({broken.endpoint(), EtcdServer::shared().endpoint()}, "/p/", 30000);
+        sync_etcd({broken.endpoint(), EtcdServer::shared().endpoint()}, "/p/", 30000);
     CHECK_FALSE(registry->get_lease("no-such-lease"));
 }
 
@@ -997,17 +1034,17 @@ TEST_CASE("etcd: bad endpoints are rejected when the registry is made", "[regist
     for (std::string bad : {"127.0.0.1:2379", "https://127.0.0.1:2379", "http://", "http://host",
                             "http://host:0", "http://host:99999", "http://host:2379/path"}) {
         CAPTURE(bad);
-        CHECK_THROWS_AS(make_etcd_registry({bad}, "/p/", 1000), std::invalid_argument);
+        CHECK_THROWS_AS(sync_etcd({bad}, "/p/", 1000), std::invalid_argument);
     }
-    CHECK_THROWS_AS(make_etcd_registry({}, "/p/", 1000), std::invalid_argument);
-    CHECK_THROWS_AS(make_etcd_registry({"http://127.0.0.1:2379"}, "/p/", 0), std::invalid_argument);
-    CHECK_NOTHROW(make_etcd_registry({"http://localhost:2379/", "http://[::1]:2379"}, "/p/", 1));
+    CHECK_THROWS_AS(sync_etcd({}, "/p/", 1000), std::invalid_argument);
+    CHECK_THROWS_AS(sync_etcd({"http://127.0.0.1:2379"}, "/p/", 0), std::invalid_argument);
+    CHECK_NOTHROW(sync_etcd({"http://localhost:2379/", "http://[::1]:2379"}, "/p/", 1));
 }
 
 TEST_CASE("etcd: a node record vanishes after its TTL once heartbeats stop", "[registry][etcd]") {
     auto prefix = EtcdServer::unique_prefix();
-    auto registry = make_etcd_registry({EtcdServer::shared().endpoint()}, prefix, 2000);
-    auto other = make_etcd_registry({EtcdServer::shared().endpoint()}, prefix, 2000);
+    auto registry = sync_etcd({EtcdServer::shared().endpoint()}, prefix, 2000);
+    auto other = sync_etcd({EtcdServer::shared().endpoint()}, prefix, 2000);
     registry->register_node({"node-a", "ws://a:1", 1, 1, "inst-1"}, 2000);
 
     // Heartbeats keep it alive well past the TTL.
@@ -1048,18 +1085,18 @@ TEST_CASE("etcd: token auth, re-authenticating after the server forgets the toke
         admin.call("test", "/v3/auth/user/grant", {{"user", "root"}, {"role", "root"}});
         admin.call("test", "/v3/auth/enable", json::object());
     }
-    auto registry = make_etcd_registry({etcd.endpoint()}, "/sandboxd/v1/", 30000, "root", "rootpw");
+    auto registry = sync_etcd({etcd.endpoint()}, "/sandboxd/v1/", 30000, "root", "rootpw");
     CHECK(registry->create_lease(make_lease("lease-1")).id == "lease-1");
     registry->register_node({"node-a", "ws://a:1", 1, 1, "inst-1"}, 30000);
     CHECK(registry->heartbeat_node("node-a", "inst-1", 2));
 
-    auto anonymous = make_etcd_registry({etcd.endpoint()}, "/sandboxd/v1/", 30000);
+    auto anonymous = sync_etcd({etcd.endpoint()}, "/sandboxd/v1/", 30000);
     auto err = rpc_error_of([&] { anonymous->get_lease("lease-1"); });
     REQUIRE(err);
     CHECK(err->code() == errc::registry_unavailable);
     CHECK(std::string(err->what()).find("user name is empty") != std::string::npos);
 
-    auto wrong = make_etcd_registry({etcd.endpoint()}, "/sandboxd/v1/", 30000, "root", "nope");
+    auto wrong = sync_etcd({etcd.endpoint()}, "/sandboxd/v1/", 30000, "root", "nope");
     err = rpc_error_of([&] { wrong->get_lease("lease-1"); });
     REQUIRE(err);
     CHECK(err->code() == errc::registry_unavailable);
@@ -1096,7 +1133,7 @@ TEST_CASE("etcd: the daemon runs on an etcd registry", "[registry][etcd][daemon]
     CHECK(nodes[0]["nodeId"] == "node-etcd");
 
     // What the daemon wrote is in etcd under the prefix.
-    auto registry = make_etcd_registry({EtcdServer::shared().endpoint()}, prefix, 30000);
+    auto registry = sync_etcd({EtcdServer::shared().endpoint()}, prefix, 30000);
     auto stored = registry->get_lease(lease["id"].get<std::string>());
     REQUIRE(stored);
     CHECK(stored->owner_node_id == "node-etcd");
@@ -1115,7 +1152,7 @@ TEST_CASE("etcd: measured times", "[.][bench][etcd-bench]") {
     if (!etcd.external()) {
         std::cout << "etcd fixture start: " << etcd.last_start_duration().count() << " ms\n";
     }
-    auto registry = make_etcd_registry({etcd.endpoint()}, EtcdServer::unique_prefix(), 30000);
+    auto registry = sync_etcd({etcd.endpoint()}, EtcdServer::unique_prefix(), 30000);
     registry->get_lease("warm-up");
     constexpr int n = 200;
     auto began = std::chrono::steady_clock::now();

@@ -2,6 +2,11 @@
 
 #include <sandboxd/errors.hpp>
 
+#include <boost/asio/connect.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+
 #include <csignal>
 #include <sys/mount.h>
 #include <fcntl.h>
@@ -377,6 +382,31 @@ std::string error_reason(Client& c, const std::string& method, const nlohmann::j
         return e.data().value("reason", "");
     }
     return "ok";
+}
+
+std::pair<int, std::string> http_get(const std::string& address, const std::string& target,
+                                     const std::string& authorization, bool upgrade) {
+    namespace net = boost::asio;
+    namespace http = boost::beast::http;
+    net::io_context ioc;
+    net::ip::tcp::resolver resolver(ioc);
+    auto colon = address.rfind(':');
+    net::ip::tcp::socket socket(ioc);
+    net::connect(socket, resolver.resolve(address.substr(0, colon), address.substr(colon + 1)));
+    http::request<http::empty_body> req{http::verb::get, target, 11};
+    req.set(http::field::host, address);
+    if (!authorization.empty()) req.set(http::field::authorization, authorization);
+    if (upgrade) {
+        req.set(http::field::connection, "Upgrade");
+        req.set(http::field::upgrade, "websocket");
+        req.set(http::field::sec_websocket_key, "dGhlIHNhbXBsZSBub25jZQ==");
+        req.set(http::field::sec_websocket_version, "13");
+    }
+    http::write(socket, req);
+    boost::beast::flat_buffer buffer;
+    http::response<http::string_body> res;
+    http::read(socket, buffer, res);
+    return {static_cast<int>(res.result_int()), res.body()};
 }
 
 }  // namespace sandboxd::test

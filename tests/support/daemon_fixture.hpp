@@ -141,6 +141,11 @@ nlohmann::json lease_ref(const nlohmann::json& lease);
 /// Open params running `argv` on `lease`.
 nlohmann::json open_params(const nlohmann::json& lease, std::vector<std::string> argv);
 
+/// Raw HTTP GET on the daemon's port (`address` is host:port): status and body.
+std::pair<int, std::string> http_get(const std::string& address, const std::string& target,
+                                     const std::string& authorization = "",
+                                     bool upgrade = false);
+
 }  // namespace sandboxd::test
 
 #include "support/daemon_fixture_impl.hpp"

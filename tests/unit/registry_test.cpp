@@ -1,3 +1,5 @@
+#include "support/sync_registry.hpp"
+
 #include <sandboxd/errors.hpp>
 #include <sandboxd/registry.hpp>
 
@@ -15,6 +17,7 @@
 #include <vector>
 
 using namespace sandboxd;
+using namespace sandboxd::test;
 
 namespace {
 
@@ -94,7 +97,33 @@ std::vector<std::string> ids_of(const std::vector<Lease>& leases) {
     return ids;
 }
 
-std::vector<std::string> ids_of(Registry& registry, LeaseQuery query) {
+/// The first column of the first row of `sql`, as text ("" when there is none).
+std::string scalar_of(sqlite3* db, const char* sql) {
+    sqlite3_stmt* s = nullptr;
+    std::string out;
+    if (sqlite3_prepare_v2(db, sql, -1, &s, nullptr) == SQLITE_OK && sqlite3_step(s) == SQLITE_ROW) {
+        const auto* text = sqlite3_column_text(s, 0);
+        if (text != nullptr) out = reinterpret_cast<const char*>(text);
+    }
+    sqlite3_finalize(s);
+    return out;
+}
+
+/// A database as version 2 left it: today's schema without the indexes version 3 added, with
+/// lease "lease-1" in it.
+void registry_of_version_2(const std::string& path) {
+    sync_sqlite(path)->create_lease(make_lease("lease-1"));
+    sqlite3* db = nullptr;
+    REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
+    REQUIRE(sqlite3_exec(db,
+                         "DROP INDEX leases_by_provider_lease; DROP INDEX leases_by_status_owner; "
+                         "PRAGMA user_version = 2;",
+                         nullptr, nullptr, nullptr) == SQLITE_OK);
+    REQUIRE(scalar_of(db, "PRAGMA user_version") == "2");
+    sqlite3_close(db);
+}
+
+std::vector<std::string> ids_of(SyncRegistry& registry, LeaseQuery query) {
     query.limit = 1000;
     return ids_of(registry.list_leases(query).leases);
 }
@@ -103,7 +132,7 @@ std::vector<std::string> ids_of(Registry& registry, LeaseQuery query) {
 
 TEST_CASE("A lease round-trips every field, absent ones as nulls", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = sync_sqlite(dir.file("registry.db"));
 
     Lease full = make_lease("lease-full");
     full.run_id = "run-1";
@@ -150,7 +179,7 @@ TEST_CASE("A lease round-trips every field, absent ones as nulls", "[registry]")
 
 TEST_CASE("An idempotency key returns the existing lease and writes nothing new", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = sync_sqlite(dir.file("registry.db"));
 
     Lease first = make_lease("lease-1");
     first.idempotency_key = "key-1";
@@ -175,7 +204,7 @@ TEST_CASE("An idempotency key returns the existing lease and writes nothing new"
 
 TEST_CASE("The same idempotency key in another scope makes a new lease", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = sync_sqlite(dir.file("registry.db"));
 
     Lease a = make_lease("lease-a", "co-1", "env-1");
     Lease b = make_lease("lease-b", "co-2", "env-1");
@@ -198,7 +227,7 @@ TEST_CASE("The same idempotency key in another scope makes a new lease", "[regis
 
 TEST_CASE("update_lease stores every mutable field when the epoch matches", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = sync_sqlite(dir.file("registry.db"));
     Lease original = make_lease("lease-1");
     original.expires_at_ms = 5000;
     original.idempotency_key = "key-1";
@@ -258,7 +287,7 @@ TEST_CASE("update_lease stores every mutable field when the epoch matches", "[re
 
 TEST_CASE("list_leases filters by company, environment, status, owner and tenants", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = sync_sqlite(dir.file("registry.db"));
 
     Lease l1 = make_lease("l1", "co-1", "env-1", 100);
     Lease l2 = make_lease("l2", "co-1", "env-2", 200);
@@ -319,7 +348,7 @@ TEST_CASE("list_leases filters by company, environment, status, owner and tenant
 
 TEST_CASE("list_leases pages through 250 leases exactly once, in order", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = sync_sqlite(dir.file("registry.db"));
 
     // Three leases share each acquiredAt, so the id breaks ties; inserted in reverse order.
     std::vector<std::string> want;
@@ -371,7 +400,7 @@ TEST_CASE("list_leases pages through 250 leases exactly once, in order", "[regis
 
 TEST_CASE("list_leases clamps the limit to 1..1000", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = sync_sqlite(dir.file("registry.db"));
     for (int i = 0; i < 1001; ++i) {
         registry->create_lease(
             make_lease("lease-" + std::to_string(10000 + i), "co-1", "env-1", i));
@@ -396,7 +425,7 @@ TEST_CASE("list_leases clamps the limit to 1..1000", "[registry]") {
 
 TEST_CASE("A malformed cursor is rejected with invalid_params", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = sync_sqlite(dir.file("registry.db"));
     registry->create_lease(make_lease("lease-1"));
 
     for (std::string cursor : {"garbage", "123", ":lease-1", "123:", "12x:lease-1", " 1:lease-1",
@@ -421,7 +450,7 @@ TEST_CASE("A malformed cursor is rejected with invalid_params", "[registry]") {
 TEST_CASE("expired_leases returns the owner's active leases expiring at or before a time",
           "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = sync_sqlite(dir.file("registry.db"));
 
     Lease due = make_lease("due");
     due.expires_at_ms = 5000;
@@ -453,8 +482,8 @@ TEST_CASE("expired_leases returns the owner's active leases expiring at or befor
 
 TEST_CASE("Two registries on the same file see each other's writes", "[registry]") {
     TempDir dir;
-    auto first = make_sqlite_registry(dir.file("registry.db"));
-    auto second = make_sqlite_registry(dir.file("registry.db"));
+    auto first = sync_sqlite(dir.file("registry.db"));
+    auto second = sync_sqlite(dir.file("registry.db"));
 
     Lease lease = make_lease("lease-1");
     lease.idempotency_key = "key-1";
@@ -484,14 +513,14 @@ TEST_CASE("Two registries on the same file see each other's writes", "[registry]
 
 TEST_CASE("Concurrent creates with one idempotency key make exactly one lease", "[registry]") {
     TempDir dir;
-    auto first = make_sqlite_registry(dir.file("registry.db"));
-    auto second = make_sqlite_registry(dir.file("registry.db"));
+    auto first = sync_sqlite(dir.file("registry.db"));
+    auto second = sync_sqlite(dir.file("registry.db"));
 
     constexpr int per_thread = 25;
     std::vector<std::vector<std::string>> results(4);
     std::vector<std::thread> threads;
     for (std::size_t t = 0; t < results.size(); ++t) {
-        Registry& registry = t % 2 == 0 ? *first : *second;
+        SyncRegistry& registry = t % 2 == 0 ? *first : *second;
         threads.emplace_back([&registry, &results, t] {
             for (int i = 0; i < per_thread; ++i) {
                 Lease keyed = make_lease("keyed-" + std::to_string(t) + "-" + std::to_string(i));
@@ -518,7 +547,7 @@ TEST_CASE("Concurrent creates with one idempotency key make exactly one lease", 
 
 TEST_CASE("A node registers, heartbeats and is removed", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = sync_sqlite(dir.file("registry.db"));
     CHECK(registry->list_nodes().empty());
     CHECK_FALSE(registry->get_node("node-a"));
 
@@ -557,7 +586,7 @@ TEST_CASE("A node registers, heartbeats and is removed", "[registry]") {
 
 TEST_CASE("A second live instance of a node id is refused until the TTL passes", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = sync_sqlite(dir.file("registry.db"));
     constexpr std::int64_t ttl = 30000;
     registry->register_node({"node-a", "ws://10.0.0.1:7000", 1000, 1000, "inst-1"}, ttl);
 
@@ -590,7 +619,7 @@ TEST_CASE("A second live instance of a node id is refused until the TTL passes",
 
 TEST_CASE("A registry whose directory cannot be created is unavailable", "[registry]") {
     auto err =
-        rpc_error_of([] { make_sqlite_registry("/proc/sandboxd-registry-test/sub/registry.db"); });
+        rpc_error_of([] { sync_sqlite("/proc/sandboxd-registry-test/sub/registry.db"); });
     REQUIRE(err);
     CHECK(err->code() == errc::registry_unavailable);
     CHECK(std::string(err->what()).rfind("registry: open: ", 0) == 0);
@@ -601,7 +630,7 @@ TEST_CASE("A file that is not a database makes the registry unavailable", "[regi
     auto path = dir.file("registry.db");
     std::ofstream(path) << "this is not an SQLite database, not even close to one...\n"
                         << std::string(4096, 'x');
-    auto err = rpc_error_of([&] { make_sqlite_registry(path); });
+    auto err = rpc_error_of([&] { sync_sqlite(path); });
     REQUIRE(err);
     CHECK(err->code() == errc::registry_unavailable);
     CHECK(std::string(err->what()) == "registry: open: file is not a database");
@@ -610,7 +639,7 @@ TEST_CASE("A file that is not a database makes the registry unavailable", "[regi
 TEST_CASE("The registry creates a missing parent directory", "[registry]") {
     TempDir dir;
     auto path = dir.file("a/b/registry.db");
-    auto registry = make_sqlite_registry(path);
+    auto registry = sync_sqlite(path);
     registry->create_lease(make_lease("lease-1"));
     CHECK(std::filesystem::exists(path));
 }
@@ -621,11 +650,11 @@ TEST_CASE("A lease survives closing and reopening the registry", "[registry]") {
     lease.idempotency_key = "key-1";
     lease.expires_at_ms = 9000;
     {
-        auto registry = make_sqlite_registry(dir.file("registry.db"));
+        auto registry = sync_sqlite(dir.file("registry.db"));
         registry->create_lease(lease);
         registry->register_node({"node-a", "ws://10.0.0.1:7000", 1, 2, "inst-1"}, 30000);
     }
-    auto reopened = make_sqlite_registry(dir.file("registry.db"));
+    auto reopened = sync_sqlite(dir.file("registry.db"));
     auto got = reopened->get_lease("lease-1");
     REQUIRE(got);
     check_same(*got, lease);
@@ -641,7 +670,7 @@ TEST_CASE("A write blocked past the busy timeout is unavailable and leaves no tr
           "[registry]") {
     TempDir dir;
     auto path = dir.file("registry.db");
-    auto registry = make_sqlite_registry(path);
+    auto registry = sync_sqlite(path);
     registry->create_lease(make_lease("lease-1"));
 
     // Another "process" holds the write lock for longer than the 5 s busy timeout.
@@ -661,4 +690,73 @@ TEST_CASE("A write blocked past the busy timeout is unavailable and leaves no tr
 
     CHECK(registry->create_lease(make_lease("lease-2")).id == "lease-2");
     CHECK(ids_of(*registry, {}) == std::vector<std::string>{"lease-1", "lease-2"});
+}
+
+TEST_CASE("A lease is found by its provider and providerLeaseId, and by nothing less",
+          "[registry]") {
+    TempDir dir;
+    auto registry = sync_sqlite(dir.file("registry.db"));
+    registry->create_lease(make_lease("lease-1"));
+    Lease other = make_lease("lease-2");
+    other.provider = "process";
+    other.provider_lease_id = "pl-lease-1";  // the same id minted by another provider
+    registry->create_lease(other);
+
+    auto found = registry->find_by_provider_lease("bwrap", "pl-lease-1");
+    REQUIRE(found);
+    CHECK(found->id == "lease-1");
+    CHECK(registry->find_by_provider_lease("process", "pl-lease-1")->id == "lease-2");
+    CHECK_FALSE(registry->find_by_provider_lease("bwrap", "pl-lease-2"));
+    CHECK_FALSE(registry->find_by_provider_lease("other", "pl-lease-1"));
+
+    // A provider never mints one id twice: a second lease with the pair is refused.
+    Lease twin = make_lease("lease-3");
+    twin.provider_lease_id = "pl-lease-1";
+    auto err = rpc_error_of([&] { registry->create_lease(twin); });
+    REQUIRE(err);
+    CHECK(err->code() == errc::registry_unavailable);
+    CHECK_FALSE(registry->get_lease("lease-3"));
+}
+
+TEST_CASE("active_owner_nodes names each owner of an active lease once", "[registry]") {
+    TempDir dir;
+    auto registry = sync_sqlite(dir.file("registry.db"));
+    CHECK(registry->active_owner_nodes().empty());
+    int n = 0;
+    for (const char* owner : {"node-b", "node-a", "node-b", "node-c", "node-a"}) {
+        Lease l = make_lease("lease-" + std::to_string(++n));
+        l.owner_node_id = owner;
+        registry->create_lease(l);
+    }
+    Lease released = make_lease("lease-released");
+    released.owner_node_id = "node-d";
+    released.status = lease_status::released;
+    registry->create_lease(released);
+    CHECK(registry->active_owner_nodes() == std::vector<std::string>{"node-a", "node-b", "node-c"});
+}
+
+TEST_CASE("A version 2 database is migrated in place and keeps its leases", "[registry]") {
+    TempDir dir;
+    const auto path = dir.file("registry.db");
+    registry_of_version_2(path);
+    auto registry = sync_sqlite(path);
+    REQUIRE(registry->get_lease("lease-1"));
+    CHECK(registry->find_by_provider_lease("bwrap", "pl-lease-1")->id == "lease-1");
+
+    sqlite3* db = nullptr;
+    REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
+    CHECK(scalar_of(db, "PRAGMA user_version") == "3");
+    CHECK(scalar_of(db, "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name IN "
+                        "('leases_by_provider_lease', 'leases_by_status_owner')") == "2");
+    sqlite3_close(db);
+}
+
+TEST_CASE("The number of reader connections is checked", "[registry]") {
+    TempDir dir;
+    for (int readers : {0, 17}) {
+        auto err = rpc_error_of([&] { make_sqlite_registry(dir.file("registry.db"), readers); });
+        REQUIRE(err);
+        CHECK(std::string(err->what()) == "registry: open: readers must be in 1..16");
+    }
+    CHECK_FALSE(std::filesystem::exists(dir.file("registry.db")));
 }
