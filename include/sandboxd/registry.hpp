@@ -3,12 +3,25 @@
 /// The lease registry: the source of truth for leases and nodes, shared by every node
 /// process (docs/protocol.md sections 2 and 6; ../DESIGN "Registry").
 ///
-/// Every call is blocking (disk or network I/O) and must not run on an I/O thread: the
-/// server runs them on its blocking pool. Implementations are thread-safe: any method may
-/// be called from several threads at once, and several processes may share one store.
+/// Every call is an awaitable (async.hpp): it runs on the awaiting coroutine's executor and
+/// never blocks that thread. SQLite does its file I/O on a small pool of its own (readers in
+/// parallel under WAL, one writer); etcd speaks HTTP/1.1 natively on the executor given at
+/// construction. Implementations are thread-safe: calls may be awaited from several
+/// coroutines and threads at once, and several processes may share one store.
+///
+/// Membership lane: register_node, heartbeat_node, remove_node, get_node and list_nodes never
+/// wait behind lease calls (SQLite: a connection and thread of their own; etcd: a connection
+/// of its own), so a backlog of lease work cannot delay a heartbeat past the node TTL.
+///
+/// Scale: every lookup below is served by an index (id, idempotency key, provider and
+/// providerLeaseId, owner node and status): no call reads more records than it returns, plus
+/// a constant, except list_leases filters that no index serves (documented there).
+///
 /// Errors: a store that cannot be read or written throws rpc_error(errc::registry_unavailable)
-/// with a message that names the operation; the caller fails closed.
+/// with a message that names the operation; the caller fails closed. Cancelling an awaiting
+/// coroutine (e.g. `op || timer`) abandons the wait; a write already sent may still land.
 
+#include <sandboxd/async.hpp>
 #include <sandboxd/lease.hpp>
 
 #include <cstdint>
@@ -22,6 +35,10 @@ namespace sandboxd {
 
 /// Filter of leaseList. Empty optionals match everything. `tenants` restricts to these
 /// companyIds; empty means every tenant (a `*` token).
+/// Filter of leaseList. Served by an index when it names owner_node_id (with or without
+/// status) or company_id (with or without environment_id); a query with only `status` or
+/// only `tenants` scans the leases in (acquiredAt, id) order and reads at most `limit`
+/// matching records per page.
 struct LeaseQuery {
     std::optional<std::string> company_id;
     std::optional<std::string> environment_id;
@@ -47,7 +64,7 @@ struct NodeRecord {
 };
 
 /// A running change feed of lease records (Registry::watch_leases). Destroying it stops the
-/// feed and joins its thread; no callback runs after the destructor returns.
+/// feed (see watch_leases for when callbacks may still run).
 class LeaseWatch {
 public:
     virtual ~LeaseWatch() = default;
@@ -61,17 +78,22 @@ public:
     /// cached handles and end channels of leases released, expired or taken elsewhere without
     /// waiting for its next sweep (docs/protocol.md section 8, "Change feed").
     ///
-    /// Calls `on_change` with each lease record as written, from one background thread, one
-    /// call at a time, in revision order. When the feed breaks (the registry restarts, the
-    /// connection drops) or falls behind compaction, it lists every lease again (one
-    /// `on_change` per lease) and resumes from that listing's revision, retrying every
-    /// `retry_ms` milliseconds while the registry is unreachable. `on_change` must not block
-    /// for long and must not throw; `on_resync`, when set, is called after each listing.
+    /// Runs as a coroutine on `ex` (no thread of its own) and calls `on_change` there with
+    /// each lease record as written, one call at a time, in revision order. When the feed
+    /// breaks (the registry restarts, the connection drops) or falls behind compaction, it
+    /// lists every lease again (one `on_change` per lease) and resumes from that listing's
+    /// revision, retrying every `retry_ms` milliseconds while the registry is unreachable.
+    /// `on_change` must not block and must not throw; `on_resync`, when set, is called after
+    /// each listing. Destroying the returned LeaseWatch stops the feed: no callback runs after
+    /// the destructor returns when it is destroyed on `ex`'s thread (the daemon's io_context
+    /// runs on its threads; the watch is destroyed at shutdown after it stopped).
     /// Returns nullptr when the backend has no change feed (SQLite): callers then rely on
     /// their periodic pass alone.
-    virtual std::unique_ptr<LeaseWatch> watch_leases(std::function<void(const Lease&)> on_change,
+    virtual std::unique_ptr<LeaseWatch> watch_leases(boost::asio::any_io_executor ex,
+                                                     std::function<void(const Lease&)> on_change,
                                                      std::function<void()> on_resync = {},
                                                      std::int64_t retry_ms = 500) {
+        (void)ex;
         (void)on_change;
         (void)on_resync;
         (void)retry_ms;
@@ -82,18 +104,23 @@ public:
     /// (companyId, environmentId, idempotencyKey) exists, nothing is written and that
     /// existing lease is returned; otherwise returns `lease` as stored: SQLite keeps
     /// `lease.epoch`; etcd sets it to the revision of the creating transaction (the claim).
-    virtual Lease create_lease(const Lease& lease) = 0;
+    virtual awaitable<Lease> create_lease(Lease lease) = 0;
 
     /// The lease with this id, or std::nullopt.
-    virtual std::optional<Lease> get_lease(const std::string& id) = 0;
+    virtual awaitable<std::optional<Lease>> get_lease(std::string id) = 0;
 
     /// The lease made with this idempotency key in this scope, or std::nullopt.
-    virtual std::optional<Lease> find_by_idempotency_key(const std::string& company_id,
-                                                         const std::string& environment_id,
-                                                         const std::string& key) = 0;
+    virtual awaitable<std::optional<Lease>> find_by_idempotency_key(std::string company_id,
+                                                                    std::string environment_id,
+                                                                    std::string key) = 0;
+
+    /// The lease whose sandbox `provider` made as `provider_lease_id` (both unique together
+    /// across the registry: a provider never mints one id twice), or std::nullopt. By index.
+    virtual awaitable<std::optional<Lease>> find_by_provider_lease(
+        std::string provider, std::string provider_lease_id) = 0;
 
     /// One page of leases matching `query`.
-    virtual LeasePage list_leases(const LeaseQuery& query) = 0;
+    virtual awaitable<LeasePage> list_leases(LeaseQuery query) = 0;
 
     /// Compare-and-swap: stores every mutable field of `next` (status, owner, epoch, times,
     /// failure/cleanup fields, cleanup_attempts, metadata) if the stored lease still has
@@ -106,38 +133,48 @@ public:
     /// expected + 1); etcd stores the revision of the winning write (strictly greater than
     /// every earlier epoch of the lease, but not + 1). `next.epoch == expected_epoch` keeps
     /// the epoch (renewals).
-    virtual std::optional<Lease> update_lease(const Lease& next, std::int64_t expected_epoch) = 0;
+    virtual awaitable<std::optional<Lease>> update_lease(Lease next,
+                                                         std::int64_t expected_epoch) = 0;
 
     /// Active leases of `owner_node_id` whose expiresAt is at or before `at_ms`.
-    virtual std::vector<Lease> expired_leases(const std::string& owner_node_id,
-                                              std::int64_t at_ms) = 0;
+    virtual awaitable<std::vector<Lease>> expired_leases(std::string owner_node_id,
+                                                         std::int64_t at_ms) = 0;
+
+    /// The distinct owner node ids of active leases (for the sweeper, to find owners whose
+    /// membership lapsed without reading their leases). By index; reads no lease records.
+    virtual awaitable<std::vector<std::string>> active_owner_nodes() = 0;
 
     /// Registers or refreshes this node. Throws rpc_error(errc::invalid_params) when another
     /// instance of the same nodeId has heartbeated within `liveness_ttl_ms` (two live
     /// processes must not claim one nodeId).
-    virtual void register_node(const NodeRecord& node, std::int64_t liveness_ttl_ms) = 0;
+    virtual awaitable<void> register_node(NodeRecord node, std::int64_t liveness_ttl_ms) = 0;
     /// Sets heartbeatAt of this node instance; returns false if the record now belongs to
     /// another instance (this process lost its nodeId).
-    virtual bool heartbeat_node(const std::string& node_id, const std::string& instance_id,
-                                std::int64_t at_ms) = 0;
+    virtual awaitable<bool> heartbeat_node(std::string node_id, std::string instance_id,
+                                           std::int64_t at_ms) = 0;
     /// Removes this instance's node record (clean shutdown).
-    virtual void remove_node(const std::string& node_id, const std::string& instance_id) = 0;
-    virtual std::vector<NodeRecord> list_nodes() = 0;
-    virtual std::optional<NodeRecord> get_node(const std::string& node_id) = 0;
+    virtual awaitable<void> remove_node(std::string node_id, std::string instance_id) = 0;
+    virtual awaitable<std::vector<NodeRecord>> list_nodes() = 0;
+    virtual awaitable<std::optional<NodeRecord>> get_node(std::string node_id) = 0;
 };
 
 /// Opens (creating if needed) a SQLite registry at `path` in WAL mode, with a busy timeout so
-/// several processes can share it. Throws rpc_error(errc::registry_unavailable) if the file
-/// cannot be opened or its schema created.
-std::unique_ptr<Registry> make_sqlite_registry(const std::string& path);
+/// several processes can share it. Its file I/O runs on threads of its own: `readers`
+/// connections (1..16) for reads in parallel, one writer connection for lease writes, and one
+/// connection for membership (the lane above). Throws rpc_error(errc::registry_unavailable) if
+/// the file cannot be opened or its schema created or migrated. Blocking (call at start).
+std::unique_ptr<Registry> make_sqlite_registry(const std::string& path, int readers = 2);
 
-/// An etcd registry, spoken to through etcd's v3 JSON gateway (HTTP POST to /v3/...) with a
-/// blocking HTTP/1.1 client; several processes on several hosts may share one `prefix`.
+/// An etcd registry, spoken to through etcd's v3 JSON gateway (HTTP POST to /v3/...) with an
+/// asynchronous HTTP/1.1 client on `ex` (keep-alive, one connection per endpoint for calls,
+/// one for membership, one long-lived stream for the watch); several processes on several
+/// hosts may share one `prefix`.
 ///
 /// - `endpoints`: "http://HOST:PORT" URLs of the cluster's members (no TLS); each request goes
 ///   to the last one that answered and fails over to the others in turn.
 /// - `prefix`: every key lives under it (`<prefix>leases/<id>`, `<prefix>idem/<company>/<env>/
-///   <key>`, `<prefix>nodes/<nodeId>`); it should end with "/".
+///   <key>`, `<prefix>nodes/<nodeId>`, and the index keys docs/protocol.md section 8 lists);
+///   it should end with "/".
 /// - `node_ttl_ms`: milliseconds; register_node attaches the node record to an etcd lease of
 ///   this TTL (rounded up to whole seconds, at least 1; etcd itself may raise it to its
 ///   minimum, about 2 s), renewed by heartbeat_node, so a node that stops heartbeating
@@ -145,12 +182,13 @@ std::unique_ptr<Registry> make_sqlite_registry(const std::string& path);
 /// - `username`/`password`: when `username` is not empty, the client authenticates
 ///   (/v3/auth/authenticate) and sends the token, authenticating again when it is refused.
 ///
-/// Every call blocks for at most 2 s per endpoint tried. Thread-safe, like every Registry.
+/// Each call waits at most 2 s per endpoint tried. Thread-safe, like every Registry.
 /// Errors: malformed `endpoints` (none, or not http://HOST:PORT) or `node_ttl_ms` <= 0 throw
 /// std::invalid_argument here; nothing is sent until the first call. Afterwards, an etcd that
 /// cannot be reached, times out, answers HTTP 5xx, an error or a malformed body makes the call
 /// throw rpc_error(errc::registry_unavailable, "registry: <op>: <detail>").
-std::unique_ptr<Registry> make_etcd_registry(std::vector<std::string> endpoints,
+std::unique_ptr<Registry> make_etcd_registry(boost::asio::any_io_executor ex,
+                                             std::vector<std::string> endpoints,
                                              std::string prefix, std::int64_t node_ttl_ms,
                                              std::string username = "",
                                              std::string password = "");

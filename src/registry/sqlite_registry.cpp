@@ -249,9 +249,9 @@ NodeRecord read_node(const Statement& s) {
     return n;
 }
 
-class SqliteRegistry final : public Registry {
+class SqliteStore {
 public:
-    explicit SqliteRegistry(const std::string& path) {
+    explicit SqliteStore(const std::string& path) {
         constexpr std::string_view op = "open";
         if (path.empty()) throw_unavailable(op, "empty path");
         auto parent = std::filesystem::path(path).parent_path();
@@ -296,7 +296,7 @@ public:
         tx.commit();
     }
 
-    Lease create_lease(const Lease& lease) override {
+    Lease create_lease(const Lease& lease) {
         constexpr std::string_view op = "create lease";
         std::lock_guard lock(mutex_);
         Transaction tx(db(), op);
@@ -347,7 +347,7 @@ public:
         return std::move(*existing);
     }
 
-    std::optional<Lease> get_lease(const std::string& id) override {
+    std::optional<Lease> get_lease(const std::string& id) {
         constexpr std::string_view op = "get lease";
         std::lock_guard lock(mutex_);
         Statement s(db(), select_leases("WHERE id = ?"), op);
@@ -358,12 +358,12 @@ public:
 
     std::optional<Lease> find_by_idempotency_key(const std::string& company_id,
                                                  const std::string& environment_id,
-                                                 const std::string& key) override {
+                                                 const std::string& key) {
         std::lock_guard lock(mutex_);
         return find_by_key(company_id, environment_id, key, "find lease by idempotency key");
     }
 
-    LeasePage list_leases(const LeaseQuery& query) override {
+    LeasePage list_leases(const LeaseQuery& query) {
         constexpr std::string_view op = "list leases";
         std::optional<std::pair<std::int64_t, std::string>> after;
         if (!query.cursor.empty()) after = decode_cursor(query.cursor);
@@ -404,7 +404,7 @@ public:
         return page;
     }
 
-    std::optional<Lease> update_lease(const Lease& next, std::int64_t expected_epoch) override {
+    std::optional<Lease> update_lease(const Lease& next, std::int64_t expected_epoch) {
         constexpr std::string_view op = "update lease";
         std::lock_guard lock(mutex_);
         Statement s(db(),
@@ -433,8 +433,7 @@ public:
         return stored;
     }
 
-    std::vector<Lease> expired_leases(const std::string& owner_node_id,
-                                      std::int64_t at_ms) override {
+    std::vector<Lease> expired_leases(const std::string& owner_node_id, std::int64_t at_ms) {
         constexpr std::string_view op = "expired leases";
         std::lock_guard lock(mutex_);
         Statement s(db(),
@@ -448,7 +447,7 @@ public:
         return out;
     }
 
-    void register_node(const NodeRecord& node, std::int64_t liveness_ttl_ms) override {
+    void register_node(const NodeRecord& node, std::int64_t liveness_ttl_ms) {
         constexpr std::string_view op = "register node";
         std::lock_guard lock(mutex_);
         Transaction tx(db(), op);
@@ -486,7 +485,7 @@ public:
     }
 
     bool heartbeat_node(const std::string& node_id, const std::string& instance_id,
-                        std::int64_t at_ms) override {
+                        std::int64_t at_ms) {
         std::lock_guard lock(mutex_);
         Statement s(db(),
                     "UPDATE nodes SET heartbeat_at_ms = ? WHERE node_id = ? AND instance_id = ?",
@@ -496,14 +495,14 @@ public:
         return sqlite3_changes(db()) == 1;
     }
 
-    void remove_node(const std::string& node_id, const std::string& instance_id) override {
+    void remove_node(const std::string& node_id, const std::string& instance_id) {
         std::lock_guard lock(mutex_);
         Statement s(db(), "DELETE FROM nodes WHERE node_id = ? AND instance_id = ?", "remove node");
         s.bind(node_id).bind(instance_id);
         s.run();
     }
 
-    std::vector<NodeRecord> list_nodes() override {
+    std::vector<NodeRecord> list_nodes() {
         std::lock_guard lock(mutex_);
         Statement s(db(), "SELECT " + std::string(node_columns) + " FROM nodes ORDER BY node_id",
                     "list nodes");
@@ -512,13 +511,35 @@ public:
         return out;
     }
 
-    std::optional<NodeRecord> get_node(const std::string& node_id) override {
+    std::optional<NodeRecord> get_node(const std::string& node_id) {
         std::lock_guard lock(mutex_);
         Statement s(db(), "SELECT " + std::string(node_columns) + " FROM nodes WHERE node_id = ?",
                     "get node");
         s.bind(node_id);
         if (!s.step()) return std::nullopt;
         return read_node(s);
+    }
+
+    std::optional<Lease> find_by_provider_lease(const std::string& provider,
+                                                const std::string& provider_lease_id) {
+        constexpr std::string_view op = "find lease by provider lease id";
+        std::lock_guard lock(mutex_);
+        Statement s(db(), select_leases("WHERE provider = ? AND provider_lease_id = ?"), op);
+        s.bind(provider).bind(provider_lease_id);
+        if (!s.step()) return std::nullopt;
+        return read_lease(s, op);
+    }
+
+    std::vector<std::string> active_owner_nodes() {
+        constexpr std::string_view op = "active owner nodes";
+        std::lock_guard lock(mutex_);
+        Statement s(db(),
+                    "SELECT DISTINCT owner_node_id FROM leases WHERE status = 'active' "
+                    "ORDER BY owner_node_id",
+                    op);
+        std::vector<std::string> out;
+        while (s.step()) out.push_back(s.text(0));
+        return out;
     }
 
 private:
@@ -541,9 +562,61 @@ private:
     db_ptr db_;
 };
 
+/// The interface over SqliteStore. Interim (branch i12-etcd only): each call still runs the
+/// blocking SQLite work on the awaiting thread; the SQLite pool of Deliver 1 replaces this.
+class SqliteRegistry final : public Registry {
+public:
+    explicit SqliteRegistry(const std::string& path) : store_(path) {}
+    awaitable<Lease> create_lease(Lease lease) override { co_return store_.create_lease(lease); }
+    awaitable<std::optional<Lease>> get_lease(std::string id) override {
+        co_return store_.get_lease(id);
+    }
+    awaitable<std::optional<Lease>> find_by_idempotency_key(std::string company_id,
+                                                            std::string environment_id,
+                                                            std::string key) override {
+        co_return store_.find_by_idempotency_key(company_id, environment_id, key);
+    }
+    awaitable<std::optional<Lease>> find_by_provider_lease(std::string provider,
+                                                           std::string provider_lease_id) override {
+        co_return store_.find_by_provider_lease(provider, provider_lease_id);
+    }
+    awaitable<LeasePage> list_leases(LeaseQuery query) override {
+        co_return store_.list_leases(query);
+    }
+    awaitable<std::optional<Lease>> update_lease(Lease next, std::int64_t expected_epoch) override {
+        co_return store_.update_lease(next, expected_epoch);
+    }
+    awaitable<std::vector<Lease>> expired_leases(std::string owner_node_id,
+                                                 std::int64_t at_ms) override {
+        co_return store_.expired_leases(owner_node_id, at_ms);
+    }
+    awaitable<std::vector<std::string>> active_owner_nodes() override {
+        co_return store_.active_owner_nodes();
+    }
+    awaitable<void> register_node(NodeRecord node, std::int64_t liveness_ttl_ms) override {
+        store_.register_node(node, liveness_ttl_ms);
+        co_return;
+    }
+    awaitable<bool> heartbeat_node(std::string node_id, std::string instance_id,
+                                   std::int64_t at_ms) override {
+        co_return store_.heartbeat_node(node_id, instance_id, at_ms);
+    }
+    awaitable<void> remove_node(std::string node_id, std::string instance_id) override {
+        store_.remove_node(node_id, instance_id);
+        co_return;
+    }
+    awaitable<std::vector<NodeRecord>> list_nodes() override { co_return store_.list_nodes(); }
+    awaitable<std::optional<NodeRecord>> get_node(std::string node_id) override {
+        co_return store_.get_node(node_id);
+    }
+
+private:
+    SqliteStore store_;
+};
+
 }  // namespace
 
-std::unique_ptr<Registry> make_sqlite_registry(const std::string& path) {
+std::unique_ptr<Registry> make_sqlite_registry(const std::string& path, int /*readers*/) {
     return std::make_unique<SqliteRegistry>(path);
 }
 

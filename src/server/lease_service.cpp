@@ -3,6 +3,7 @@
 #include "server/blocking_pool.hpp"
 #include "server/channel.hpp"
 #include "server/params.hpp"
+#include "server/registry_bridge.hpp"
 
 #include <sandboxd/errors.hpp>
 
@@ -25,7 +26,7 @@ using json = nlohmann::json;
 /// tenant's lease is reported exactly like a missing one).
 awaitable<Lease> load_visible(Node& node, const Principal& who, std::string id) {
     auto work1 = [&node, id] {
-        return node.registry->get_lease(id);
+        return block_on(node, node.registry->get_lease(id));
     };
     auto lease = co_await run_blocking(node.blocking, std::move(work1));
     if (!lease || !who.allows(lease->company_id)) not_found(id);
@@ -86,12 +87,12 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
         node.unclaim(lease.id);
     }
     auto work3 = [&node, next, epoch = lease.epoch] {
-        return node.registry->update_lease(next, epoch);
+        return block_on(node, node.registry->update_lease(next, epoch));
     };
     auto stored = co_await run_blocking(node.blocking, std::move(work3));
     if (!stored) {
         auto work4 = [&node, id = lease.id] {
-            return node.registry->get_lease(id);
+            return block_on(node, node.registry->get_lease(id));
         };
         auto current = co_await run_blocking(node.blocking, std::move(work4));
         if (!current) not_found(lease.id);
@@ -134,8 +135,8 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, json p) {
 
     if (lease.idempotency_key) {
         auto work5 = [&node, lease] {
-            return node.registry->find_by_idempotency_key(lease.company_id, lease.environment_id,
-                                                          *lease.idempotency_key);
+            return block_on(node, node.registry->find_by_idempotency_key(lease.company_id, lease.environment_id,
+                                                          *lease.idempotency_key));
         };
         auto existing = co_await run_blocking(node.blocking, std::move(work5));
         if (existing) co_return *existing;
@@ -160,7 +161,7 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, json p) {
     std::exception_ptr not_stored;  // no co_await in a handler: the cleanup runs after it
     try {
         auto work7 = [&node, lease] {
-            return node.registry->create_lease(lease);
+            return block_on(node, node.registry->create_lease(lease));
         };
         stored = co_await run_blocking(node.blocking, std::move(work7));
     } catch (...) {
@@ -219,7 +220,7 @@ awaitable<json> lease_list(Node& node, const Principal& who, json p) {
         co_return json{{"leases", json::array()}, {"nextCursor", nullptr}};
     }
     auto work9 = [&node, q] {
-        return node.registry->list_leases(q);
+        return block_on(node, node.registry->list_leases(q));
     };
     auto page = co_await run_blocking(node.blocking, std::move(work9));
     json leases = json::array();
@@ -246,7 +247,7 @@ awaitable<Lease> lease_renew(Node& node, const Principal& who, std::string lease
         next.expires_at_ms = now + static_cast<std::int64_t>(ttl_ms);
         next.last_used_at_ms = now;
         auto work10 = [&node, next] {
-            return node.registry->update_lease(next, next.epoch);
+            return block_on(node, node.registry->update_lease(next, next.epoch));
         };
         auto stored = co_await run_blocking(node.blocking, std::move(work10));
         if (stored) co_return *stored;
@@ -264,7 +265,7 @@ awaitable<Lease> lease_release(Node& node, const Principal& who, std::string lea
 }
 
 awaitable<json> node_list(Node& node) {
-    auto work11 = [&node] { return node.registry->list_nodes(); };
+    auto work11 = [&node] { return block_on(node, node.registry->list_nodes()); };
     auto nodes = co_await run_blocking(node.blocking, std::move(work11));
     const auto now = now_ms();
     json out = json::array();
@@ -273,7 +274,7 @@ awaitable<json> node_list(Node& node) {
         q.owner_node_id = n.node_id;
         q.status = lease_status::active;
         q.limit = 1000;
-        auto work12 = [&node, q] { return node.registry->list_leases(q); };
+        auto work12 = [&node, q] { return block_on(node, node.registry->list_leases(q)); };
         auto page = co_await run_blocking(node.blocking, std::move(work12));
         const bool alive = now - n.heartbeat_at_ms < node.config.node_ttl_ms;
         json entry = {{"nodeId", n.node_id},
@@ -312,7 +313,7 @@ awaitable<Lease> resolve_lease(Node& node, const Principal& who, json lp) {
     std::optional<Lease> lease;
     if (lease_id) {
         auto work13 = [&node, id = *lease_id] {
-            return node.registry->get_lease(id);
+            return block_on(node, node.registry->get_lease(id));
         };
         lease = co_await run_blocking(node.blocking, std::move(work13));
     } else {
@@ -321,7 +322,7 @@ awaitable<Lease> resolve_lease(Node& node, const Principal& who, json lp) {
         q.environment_id = environment;
         q.limit = 1000;
         q.tenants = who.query_tenants();
-        auto work14 = [&node, q] { return node.registry->list_leases(q); };
+        auto work14 = [&node, q] { return block_on(node, node.registry->list_leases(q)); };
         auto page = co_await run_blocking(node.blocking, std::move(work14));
         for (auto& l : page.leases) {
             if (l.provider_lease_id == provider_lease_id && l.provider == provider_key) {
@@ -371,7 +372,7 @@ std::shared_ptr<SandboxHandle> cached_sandbox(Node& node, const Lease& lease) {
 }
 
 awaitable<std::shared_ptr<PeerLink>> owner_link(Node& node, const Lease& lease) {
-    auto work_owner = [&node, owner = lease.owner_node_id] { return node.registry->get_node(owner); };
+    auto work_owner = [&node, owner = lease.owner_node_id] { return block_on(node, node.registry->get_node(owner)); };
     auto record = co_await run_blocking(node.blocking, std::move(work_owner));
     const auto now = now_ms();
     if (!record || now - record->heartbeat_at_ms >= node.config.node_ttl_ms) {
@@ -456,7 +457,7 @@ awaitable<void> reconcile_lease(Node& node, Lease lease) {
 
 awaitable<void> reconcile_cached(Node& node) {
     for (const auto& handle : node.cache.snapshot()) {
-        auto work_get = [&node, id = handle->lease_id] { return node.registry->get_lease(id); };
+        auto work_get = [&node, id = handle->lease_id] { return block_on(node, node.registry->get_lease(id)); };
         auto lease = co_await run_blocking(node.blocking, std::move(work_get));
         if (lease && lease->provider == handle->scope.provider &&
             lease->provider_lease_id == handle->scope.provider_lease_id) {
@@ -472,13 +473,13 @@ awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why) {
     next.epoch = lease.epoch + 1;
     next.cleanup_status = why;
     next.last_used_at_ms = now_ms();
-    auto work_store = [&node, next, epoch = lease.epoch] { return node.registry->update_lease(next, epoch); };
+    auto work_store = [&node, next, epoch = lease.epoch] { return block_on(node, node.registry->update_lease(next, epoch)); };
     auto stored = co_await run_blocking(node.blocking, std::move(work_store));
     if (stored) {
         spdlog::info("lease={} pending_cleanup: {}", lease.id, why);
         co_return *stored;
     }
-    auto work_get = [&node, id = lease.id] { return node.registry->get_lease(id); };
+    auto work_get = [&node, id = lease.id] { return block_on(node, node.registry->get_lease(id)); };
     auto current = co_await run_blocking(node.blocking, std::move(work_get));
     co_return current ? *current : next;
 }
@@ -492,7 +493,7 @@ awaitable<std::vector<Lease>> all_leases(Node& node, lease_status status) {
     q.status = status;
     q.limit = 1000;
     for (;;) {
-        auto work_page = [&node, q] { return node.registry->list_leases(q); };
+        auto work_page = [&node, q] { return block_on(node, node.registry->list_leases(q)); };
         auto page = co_await run_blocking(node.blocking, std::move(work_page));
         for (auto& l : page.leases) out.push_back(std::move(l));
         if (page.next_cursor.empty()) break;
@@ -512,7 +513,7 @@ awaitable<void> sweep(Node& node) {
     co_await reconcile_cached(node);
     co_await expire_leases(node);
     const auto now = now_ms();
-    auto work_nodes = [&node] { return node.registry->list_nodes(); };
+    auto work_nodes = [&node] { return block_on(node, node.registry->list_nodes()); };
     auto nodes = co_await run_blocking(node.blocking, std::move(work_nodes));
     auto alive = [&](const std::string& id) {
         for (const auto& n : nodes) {
@@ -540,7 +541,7 @@ awaitable<void> sweep(Node& node) {
             next.epoch = lease.epoch + 1;
             next.failure_reason = "teardown failed " + std::to_string(lease.cleanup_attempts) +
                                   " times: " + lease.failure_reason.value_or("unknown");
-            auto work_fail = [&node, next, epoch = lease.epoch] { return node.registry->update_lease(next, epoch); };
+            auto work_fail = [&node, next, epoch = lease.epoch] { return block_on(node, node.registry->update_lease(next, epoch)); };
             co_await run_blocking(node.blocking, std::move(work_fail));
             spdlog::warn("lease={} failed: {}", lease.id, *next.failure_reason);
             continue;
@@ -554,7 +555,7 @@ awaitable<void> sweep(Node& node) {
 
 awaitable<void> expire_leases(Node& node) {
     auto work15 = [&node] {
-        return node.registry->expired_leases(node.node_id, now_ms());
+        return block_on(node, node.registry->expired_leases(node.node_id, now_ms()));
     };
     auto expired = co_await run_blocking(node.blocking, std::move(work15));
     for (auto& lease : expired) {

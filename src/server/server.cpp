@@ -4,6 +4,7 @@
 #include "server/blocking_pool.hpp"
 #include "server/lease_service.hpp"
 #include "server/node.hpp"
+#include "server/registry_bridge.hpp"
 #include "server/session.hpp"
 
 #include <sandboxd/errors.hpp>
@@ -74,23 +75,23 @@ http::response<http::string_body> plain(http::status status, std::string body, u
 /// refused), a dead one (e.g. killed with SIGKILL) does not, and its record is taken over.
 /// Returns the steady-clock time (steady_now_ms) at which the registration that succeeded was
 /// sent: the node's first renewal.
-std::int64_t register_or_take_over(Registry& registry, const NodeRecord& record, std::int64_t ttl_ms,
+std::int64_t register_or_take_over(Node& node, const NodeRecord& record, std::int64_t ttl_ms,
                            std::int64_t heartbeat_ms) {
     try {
         const auto sent = steady_now_ms();
-        registry.register_node(record, ttl_ms);
+        block_on(node, node.registry->register_node(record, ttl_ms));
         return sent;
     } catch (const rpc_error& e) {
         if (e.code() != errc::invalid_params) throw;
     }
-    const auto seen = registry.get_node(record.node_id);
+    const auto seen = block_on(node, node.registry->get_node(record.node_id));
     const auto deadline = std::chrono::steady_clock::now() +
                           std::chrono::milliseconds(ttl_ms + heartbeat_ms);
     spdlog::info("node={} is held by another instance; waiting up to {} ms to see if it is alive",
                  record.node_id, ttl_ms + heartbeat_ms);
     while (std::chrono::steady_clock::now() < deadline) {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
-        const auto now = registry.get_node(record.node_id);
+        const auto now = block_on(node, node.registry->get_node(record.node_id));
         if (seen && now && now->instance_id == seen->instance_id &&
             now->heartbeat_at_ms != seen->heartbeat_at_ms) {
             throw rpc_error(errc::invalid_params,
@@ -101,7 +102,7 @@ std::int64_t register_or_take_over(Registry& registry, const NodeRecord& record,
         fresh.heartbeat_at_ms = now_ms();
         try {
             const auto sent = steady_now_ms();
-            registry.register_node(fresh, ttl_ms);
+            block_on(node, node.registry->register_node(fresh, ttl_ms));
             return sent;
         } catch (const rpc_error& e) {
             if (e.code() != errc::invalid_params) throw;
@@ -180,7 +181,7 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
                                    c.registry.password_file + ", or it is empty");
             }
         }
-        node.registry = make_etcd_registry(c.registry.endpoints, c.registry.prefix,
+        node.registry = make_etcd_registry(impl_->ioc.get_executor(), c.registry.endpoints, c.registry.prefix,
                                            c.node_ttl_ms, c.registry.username, password);
     } else {
         const auto db = c.registry.path.empty()
@@ -229,6 +230,8 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
 Daemon::~Daemon() {
     impl_->node.lease_watch.reset();
     impl_->node.blocking.join();
+    // The etcd registry's sockets live on the io_context: they go before it.
+    impl_->node.registry.reset();
     // Impl destroys its io_context before the Node: what the Node holds that lives on that
     // io_context (the peer links' sockets and timers) goes first.
     impl_->node.peers.clear();
@@ -259,8 +262,26 @@ std::string Daemon::start() {
     node.started_at_ms = now_ms();
     NodeRecord record{node.node_id, node.advertise_url, node.started_at_ms, node.started_at_ms,
                       node.instance_id};
-    node.renewed_at_ms = register_or_take_over(*node.registry, record, node.config.node_ttl_ms,
-                                               node.config.heartbeat_ms);
+    {
+        // The etcd registry runs on the io_context, which run() has not started yet: one
+        // thread runs it while this one registers (interim, branch i12-etcd).
+        auto work = net::make_work_guard(impl_->ioc);
+        std::thread runner([this] { impl_->ioc.run(); });
+        try {
+            node.renewed_at_ms = register_or_take_over(node, record, node.config.node_ttl_ms,
+                                                       node.config.heartbeat_ms);
+        } catch (...) {
+            work.reset();
+            impl_->ioc.stop();
+            runner.join();
+            impl_->ioc.restart();
+            throw;
+        }
+        work.reset();
+        impl_->ioc.stop();
+        runner.join();
+        impl_->ioc.restart();
+    }
     impl_->start_lease_watch();
 
     auto log_failure = [](const std::exception_ptr& e) {
@@ -313,7 +334,7 @@ void Daemon::stop() {
 awaitable<void> Daemon::Impl::finish_stop() {
     auto work_unwatch = [this] { node.lease_watch.reset(); };  // joins its thread: not here
     co_await run_blocking(node.blocking, std::move(work_unwatch));
-    auto work_remove = [this] { node.registry->remove_node(node.node_id, node.instance_id); };
+    auto work_remove = [this] { block_on(node, node.registry->remove_node(node.node_id, node.instance_id)); };
     try {
         co_await run_blocking(node.blocking, std::move(work_remove));
     } catch (const std::exception& e) {
@@ -367,7 +388,7 @@ awaitable<void> Daemon::Impl::accept_loop() {
 
 awaitable<bool> Daemon::Impl::registry_reachable() {
     try {
-        auto work1 = [this] { return node.registry->get_node(node.node_id); };
+        auto work1 = [this] { return block_on(node, node.registry->get_node(node.node_id)); };
         co_await run_blocking(node.blocking, std::move(work1));
         co_return true;
     } catch (const std::exception&) {
@@ -486,7 +507,7 @@ void Daemon::Impl::start_lease_watch() {
         if (!needs_reconcile(node, lease)) return;
         net::co_spawn(ioc, reconcile_lease(node, lease), net::detached);
     };
-    node.lease_watch = node.registry->watch_leases(std::move(on_change), {},
+    node.lease_watch = node.registry->watch_leases(ioc.get_executor(), std::move(on_change), {},
                                                    std::max<std::int64_t>(node.config.heartbeat_ms / 2, 100));
 }
 
@@ -502,7 +523,7 @@ awaitable<void> Daemon::Impl::heartbeat_loop() {
         const auto fenced = node.fenced_for_ms();
         try {
             auto work_beat = [this] {
-                return node.registry->heartbeat_node(node.node_id, node.instance_id, now_ms());
+                return block_on(node, node.registry->heartbeat_node(node.node_id, node.instance_id, now_ms()));
             };
             bool mine = co_await run_blocking(node.blocking, std::move(work_beat));
             if (!mine) {
@@ -519,7 +540,7 @@ awaitable<void> Daemon::Impl::heartbeat_loop() {
                 record.heartbeat_at_ms = now_ms();
                 record.instance_id = node.instance_id;
                 auto work_register = [this, record] {
-                    node.registry->register_node(record, node.config.node_ttl_ms);
+                    block_on(node, node.registry->register_node(record, node.config.node_ttl_ms));
                 };
                 co_await run_blocking(node.blocking, std::move(work_register));
                 spdlog::info("node={} registered again", node.node_id);

@@ -8,6 +8,8 @@
 #include <sandboxd/errors.hpp>
 #include <sandboxd/registry.hpp>
 
+#include "support/sync_registry.hpp"
+
 #include <catch2/catch.hpp>
 
 #include <signal.h>
@@ -82,8 +84,8 @@ TEST_CASE("etcd: the lease change feed delivers every write and lists again afte
           "[registry][etcd][watch]") {
     EtcdServer etcd;  // private: this test stops and starts it
     const auto prefix = EtcdServer::unique_prefix();
-    auto watcher = make_etcd_registry({etcd.endpoint()}, prefix, 30000);
-    auto writer = make_etcd_registry({etcd.endpoint()}, prefix, 30000);
+    auto watcher = test::open_etcd({etcd.endpoint()}, prefix, 30000);
+    auto writer = test::open_etcd({etcd.endpoint()}, prefix, 30000);
 
     std::mutex mutex;
     std::vector<Lease> seen;

@@ -1,6 +1,8 @@
 #include <sandboxd/errors.hpp>
 #include <sandboxd/registry.hpp>
 
+#include "support/sync_registry.hpp"
+
 #include <sqlite3.h>
 #include <catch2/catch.hpp>
 
@@ -94,7 +96,7 @@ std::vector<std::string> ids_of(const std::vector<Lease>& leases) {
     return ids;
 }
 
-std::vector<std::string> ids_of(Registry& registry, LeaseQuery query) {
+std::vector<std::string> ids_of(test::SyncRegistry& registry, LeaseQuery query) {
     query.limit = 1000;
     return ids_of(registry.list_leases(query).leases);
 }
@@ -103,7 +105,7 @@ std::vector<std::string> ids_of(Registry& registry, LeaseQuery query) {
 
 TEST_CASE("A lease round-trips every field, absent ones as nulls", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = test::open_sqlite(dir.file("registry.db"));
 
     Lease full = make_lease("lease-full");
     full.run_id = "run-1";
@@ -150,7 +152,7 @@ TEST_CASE("A lease round-trips every field, absent ones as nulls", "[registry]")
 
 TEST_CASE("An idempotency key returns the existing lease and writes nothing new", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = test::open_sqlite(dir.file("registry.db"));
 
     Lease first = make_lease("lease-1");
     first.idempotency_key = "key-1";
@@ -175,7 +177,7 @@ TEST_CASE("An idempotency key returns the existing lease and writes nothing new"
 
 TEST_CASE("The same idempotency key in another scope makes a new lease", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = test::open_sqlite(dir.file("registry.db"));
 
     Lease a = make_lease("lease-a", "co-1", "env-1");
     Lease b = make_lease("lease-b", "co-2", "env-1");
@@ -198,7 +200,7 @@ TEST_CASE("The same idempotency key in another scope makes a new lease", "[regis
 
 TEST_CASE("update_lease stores every mutable field when the epoch matches", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = test::open_sqlite(dir.file("registry.db"));
     Lease original = make_lease("lease-1");
     original.expires_at_ms = 5000;
     original.idempotency_key = "key-1";
@@ -258,7 +260,7 @@ TEST_CASE("update_lease stores every mutable field when the epoch matches", "[re
 
 TEST_CASE("list_leases filters by company, environment, status, owner and tenants", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = test::open_sqlite(dir.file("registry.db"));
 
     Lease l1 = make_lease("l1", "co-1", "env-1", 100);
     Lease l2 = make_lease("l2", "co-1", "env-2", 200);
@@ -319,7 +321,7 @@ TEST_CASE("list_leases filters by company, environment, status, owner and tenant
 
 TEST_CASE("list_leases pages through 250 leases exactly once, in order", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = test::open_sqlite(dir.file("registry.db"));
 
     // Three leases share each acquiredAt, so the id breaks ties; inserted in reverse order.
     std::vector<std::string> want;
@@ -371,7 +373,7 @@ TEST_CASE("list_leases pages through 250 leases exactly once, in order", "[regis
 
 TEST_CASE("list_leases clamps the limit to 1..1000", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = test::open_sqlite(dir.file("registry.db"));
     for (int i = 0; i < 1001; ++i) {
         registry->create_lease(
             make_lease("lease-" + std::to_string(10000 + i), "co-1", "env-1", i));
@@ -396,7 +398,7 @@ TEST_CASE("list_leases clamps the limit to 1..1000", "[registry]") {
 
 TEST_CASE("A malformed cursor is rejected with invalid_params", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = test::open_sqlite(dir.file("registry.db"));
     registry->create_lease(make_lease("lease-1"));
 
     for (std::string cursor : {"garbage", "123", ":lease-1", "123:", "12x:lease-1", " 1:lease-1",
@@ -421,7 +423,7 @@ TEST_CASE("A malformed cursor is rejected with invalid_params", "[registry]") {
 TEST_CASE("expired_leases returns the owner's active leases expiring at or before a time",
           "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = test::open_sqlite(dir.file("registry.db"));
 
     Lease due = make_lease("due");
     due.expires_at_ms = 5000;
@@ -453,8 +455,8 @@ TEST_CASE("expired_leases returns the owner's active leases expiring at or befor
 
 TEST_CASE("Two registries on the same file see each other's writes", "[registry]") {
     TempDir dir;
-    auto first = make_sqlite_registry(dir.file("registry.db"));
-    auto second = make_sqlite_registry(dir.file("registry.db"));
+    auto first = test::open_sqlite(dir.file("registry.db"));
+    auto second = test::open_sqlite(dir.file("registry.db"));
 
     Lease lease = make_lease("lease-1");
     lease.idempotency_key = "key-1";
@@ -484,14 +486,14 @@ TEST_CASE("Two registries on the same file see each other's writes", "[registry]
 
 TEST_CASE("Concurrent creates with one idempotency key make exactly one lease", "[registry]") {
     TempDir dir;
-    auto first = make_sqlite_registry(dir.file("registry.db"));
-    auto second = make_sqlite_registry(dir.file("registry.db"));
+    auto first = test::open_sqlite(dir.file("registry.db"));
+    auto second = test::open_sqlite(dir.file("registry.db"));
 
     constexpr int per_thread = 25;
     std::vector<std::vector<std::string>> results(4);
     std::vector<std::thread> threads;
     for (std::size_t t = 0; t < results.size(); ++t) {
-        Registry& registry = t % 2 == 0 ? *first : *second;
+        test::SyncRegistry& registry = t % 2 == 0 ? *first : *second;
         threads.emplace_back([&registry, &results, t] {
             for (int i = 0; i < per_thread; ++i) {
                 Lease keyed = make_lease("keyed-" + std::to_string(t) + "-" + std::to_string(i));
@@ -518,7 +520,7 @@ TEST_CASE("Concurrent creates with one idempotency key make exactly one lease", 
 
 TEST_CASE("A node registers, heartbeats and is removed", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = test::open_sqlite(dir.file("registry.db"));
     CHECK(registry->list_nodes().empty());
     CHECK_FALSE(registry->get_node("node-a"));
 
@@ -557,7 +559,7 @@ TEST_CASE("A node registers, heartbeats and is removed", "[registry]") {
 
 TEST_CASE("A second live instance of a node id is refused until the TTL passes", "[registry]") {
     TempDir dir;
-    auto registry = make_sqlite_registry(dir.file("registry.db"));
+    auto registry = test::open_sqlite(dir.file("registry.db"));
     constexpr std::int64_t ttl = 30000;
     registry->register_node({"node-a", "ws://10.0.0.1:7000", 1000, 1000, "inst-1"}, ttl);
 
@@ -590,7 +592,7 @@ TEST_CASE("A second live instance of a node id is refused until the TTL passes",
 
 TEST_CASE("A registry whose directory cannot be created is unavailable", "[registry]") {
     auto err =
-        rpc_error_of([] { make_sqlite_registry("/proc/sandboxd-registry-test/sub/registry.db"); });
+        rpc_error_of([] { test::open_sqlite("/proc/sandboxd-registry-test/sub/registry.db"); });
     REQUIRE(err);
     CHECK(err->code() == errc::registry_unavailable);
     CHECK(std::string(err->what()).rfind("registry: open: ", 0) == 0);
@@ -601,7 +603,7 @@ TEST_CASE("A file that is not a database makes the registry unavailable", "[regi
     auto path = dir.file("registry.db");
     std::ofstream(path) << "this is not an SQLite database, not even close to one...\n"
                         << std::string(4096, 'x');
-    auto err = rpc_error_of([&] { make_sqlite_registry(path); });
+    auto err = rpc_error_of([&] { test::open_sqlite(path); });
     REQUIRE(err);
     CHECK(err->code() == errc::registry_unavailable);
     CHECK(std::string(err->what()) == "registry: open: file is not a database");
@@ -610,7 +612,7 @@ TEST_CASE("A file that is not a database makes the registry unavailable", "[regi
 TEST_CASE("The registry creates a missing parent directory", "[registry]") {
     TempDir dir;
     auto path = dir.file("a/b/registry.db");
-    auto registry = make_sqlite_registry(path);
+    auto registry = test::open_sqlite(path);
     registry->create_lease(make_lease("lease-1"));
     CHECK(std::filesystem::exists(path));
 }
@@ -621,11 +623,11 @@ TEST_CASE("A lease survives closing and reopening the registry", "[registry]") {
     lease.idempotency_key = "key-1";
     lease.expires_at_ms = 9000;
     {
-        auto registry = make_sqlite_registry(dir.file("registry.db"));
+        auto registry = test::open_sqlite(dir.file("registry.db"));
         registry->create_lease(lease);
         registry->register_node({"node-a", "ws://10.0.0.1:7000", 1, 2, "inst-1"}, 30000);
     }
-    auto reopened = make_sqlite_registry(dir.file("registry.db"));
+    auto reopened = test::open_sqlite(dir.file("registry.db"));
     auto got = reopened->get_lease("lease-1");
     REQUIRE(got);
     check_same(*got, lease);
@@ -641,7 +643,7 @@ TEST_CASE("A write blocked past the busy timeout is unavailable and leaves no tr
           "[registry]") {
     TempDir dir;
     auto path = dir.file("registry.db");
-    auto registry = make_sqlite_registry(path);
+    auto registry = test::open_sqlite(path);
     registry->create_lease(make_lease("lease-1"));
 
     // Another "process" holds the write lock for longer than the 5 s busy timeout.
