@@ -10,6 +10,7 @@
 #include <charconv>
 #include <mutex>
 #include <utility>
+#include <variant>
 
 namespace sandboxd::etcd {
 namespace {
@@ -18,7 +19,6 @@ using json = nlohmann::json;
 using request_t = http::request<http::string_body>;
 using response_t = http::response<http::string_body>;
 
-constexpr std::size_t max_idle_per_endpoint = 16;
 constexpr std::uint64_t max_body_bytes = 256ULL << 20;
 constexpr std::int64_t range_page = 500;
 
@@ -49,90 +49,19 @@ Endpoint parse_endpoint(const std::string& text) {
     return ep;
 }
 
-/// One keep-alive HTTP connection with its own io_context, used by one thread at a time.
-class Connection {
-public:
-    Connection() = default;
-    Connection(const Connection&) = delete;
-    Connection& operator=(const Connection&) = delete;
+/// One keep-alive HTTP connection, used by one call at a time (taken from the pool).
+struct Connection {
+    explicit Connection(net::any_io_executor ex) : stream(std::move(ex)) {}
+    beast::tcp_stream stream;
+    beast::flat_buffer buffer;
 
-    bool is_open() const { return stream_.socket().is_open(); }
-
-    /// Sends `req` and reads the answer, all within `timeout` (connecting first when needed).
-    beast::error_code exchange(const Endpoint& ep, request_t& req, response_t& res,
-                               std::chrono::milliseconds timeout) {
-        const auto deadline = std::chrono::steady_clock::now() + timeout;
-        beast::error_code ec;
-        if (!is_open()) {
-            buffer_.clear();
-            tcp::resolver resolver(ioc_);
-            tcp::resolver::results_type results;
-            net::steady_timer timer(ioc_, deadline);
-            bool resolved = false;
-            resolver.async_resolve(ep.host, ep.port,
-                                   [&](beast::error_code rec, tcp::resolver::results_type r) {
-                                       resolved = true;
-                                       ec = rec;
-                                       results = std::move(r);
-                                       timer.cancel();
-                                   });
-            timer.async_wait([&](beast::error_code tec) {
-                if (!tec && !resolved) resolver.cancel();
-            });
-            run();
-            if (!resolved || ec == net::error::operation_aborted) return net::error::timed_out;
-            if (ec) return ec;
-            stream_.expires_at(deadline);
-            stream_.async_connect(results,
-                                  [&](beast::error_code cec, const tcp::endpoint&) { ec = cec; });
-            run();
-            if (ec) return close(ec);
-            stream_.socket().set_option(tcp::no_delay(true), ec);
-            ec = {};
-        }
-        stream_.expires_at(deadline);
-        http::response_parser<http::string_body> parser;
-        parser.body_limit(max_body_bytes);
-        parser.eager(true);
-        http::async_write(stream_, req, [&](beast::error_code wec, std::size_t) {
-            ec = wec;
-            if (wec) return;
-            http::async_read(stream_, buffer_, parser,
-                             [&](beast::error_code rec, std::size_t) { ec = rec; });
-        });
-        run();
-        if (ec) return close(ec);
-        res = parser.release();
-        stream_.expires_never();
-        if (!res.keep_alive()) close({});
-        return {};
-    }
-
-private:
-    void run() {
-        ioc_.restart();
-        ioc_.run();
-    }
-    beast::error_code close(beast::error_code ec) {
+    bool is_open() const { return stream.socket().is_open(); }
+    void close() {
         beast::error_code ignored;
-        stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
-        stream_.socket().close(ignored);
-        buffer_.clear();
-        if (ec == beast::error::timeout) return net::error::timed_out;
-        return ec;
+        stream.socket().shutdown(tcp::socket::shutdown_both, ignored);
+        stream.socket().close(ignored);
+        buffer.clear();
     }
-
-    net::io_context ioc_{1};
-    beast::tcp_stream stream_{ioc_};
-    beast::flat_buffer buffer_;
-};
-
-/// An answer of one endpoint: an HTTP response, or why there was none.
-struct Exchange {
-    bool ok = false;
-    int status = 0;
-    std::string body;
-    std::string failure;  ///< when !ok
 };
 
 json parse_body(const std::string& body) {
@@ -226,229 +155,298 @@ KeyValue decode_kv(const json& kv) {
     return out;
 }
 
+std::vector<KeyValue> txn_range_kvs(const json& response) {
+    std::vector<KeyValue> out;
+    const auto& rr = response.at("response_range");
+    if (auto kvs = rr.find("kvs"); kvs != rr.end() && !kvs->is_null()) {
+        if (!kvs->is_array()) throw std::invalid_argument("kvs is not an array");
+        for (const auto& kv : *kvs) out.push_back(decode_kv(kv));
+    }
+    return out;
+}
+
 // --- Client --------------------------------------------------------------------------------
 
 struct Client::Impl {
-    std::vector<Endpoint> endpoints;
+    net::any_io_executor ex;
+    std::vector<Endpoint> endpoints;  // immutable after construction
     std::string username;
     std::string password;
-    std::chrono::milliseconds timeout;
-
-    std::mutex pool_mutex;
-    std::vector<std::vector<std::unique_ptr<Connection>>> idle;  // per endpoint
+    std::chrono::milliseconds timeout{0};
     std::atomic<std::size_t> preferred{0};
 
-    std::mutex auth_mutex;  // held while authenticating; guards token
+    std::mutex mutex;  // guards idle and token; never held across a co_await
+    std::vector<std::vector<std::shared_ptr<Connection>>> idle;  // per endpoint
     std::string token;
 
-    std::unique_ptr<Connection> take(std::size_t idx) {
-        std::lock_guard lock(pool_mutex);
+    std::shared_ptr<Connection> take(std::size_t idx) {
+        std::lock_guard lock(mutex);
         auto& list = idle[idx];
-        if (list.empty()) return std::make_unique<Connection>();
+        if (list.empty()) return std::make_shared<Connection>(ex);
         auto conn = std::move(list.back());
         list.pop_back();
         return conn;
     }
-    void give_back(std::size_t idx, std::unique_ptr<Connection> conn) {
+    void give_back(std::size_t idx, std::shared_ptr<Connection> conn) {
         if (!conn->is_open()) return;
-        std::lock_guard lock(pool_mutex);
+        std::lock_guard lock(mutex);
         if (idle[idx].size() < max_idle_per_endpoint) idle[idx].push_back(std::move(conn));
     }
-
-    /// One HTTP POST to one endpoint. A pooled connection the server has closed meanwhile is
-    /// retried once on a fresh one.
-    Exchange post(std::size_t idx, std::string_view path, const std::string& payload,
-                  const std::string& auth) {
-        const auto& ep = endpoints[idx];
-        request_t req{http::verb::post, path, 11};
-        req.set(http::field::host, ep.host_header);
-        req.set(http::field::user_agent, "sandboxd");
-        req.set(http::field::content_type, "application/json");
-        if (!auth.empty()) req.set(http::field::authorization, auth);
-        req.keep_alive(true);
-        req.body() = payload;
-        req.prepare_payload();
-
-        Exchange out;
-        for (int attempt = 0; attempt < 2; ++attempt) {
-            auto conn = attempt == 0 ? take(idx) : std::make_unique<Connection>();
-            const bool reused = conn->is_open();
-            response_t res;
-            auto ec = conn->exchange(ep, req, res, timeout);
-            if (!ec) {
-                out.ok = true;
-                out.status = static_cast<int>(res.result_int());
-                out.body = std::move(res.body());
-                give_back(idx, std::move(conn));
-                return out;
-            }
-            if (ec == net::error::timed_out) {
-                out.failure = ep.url + std::string(path) + ": timed out after " +
-                              std::to_string(timeout.count()) + " ms";
-                return out;
-            }
-            out.failure = ep.url + std::string(path) + ": " + ec.message();
-            if (!reused) return out;
-            // The server closed a pooled connection (e.g. it restarted): so it did the others.
-            std::lock_guard lock(pool_mutex);
-            idle[idx].clear();
+    void clear_idle(std::size_t idx) {
+        std::vector<std::shared_ptr<Connection>> dropped;
+        {
+            std::lock_guard lock(mutex);
+            dropped.swap(idle[idx]);
         }
-        return out;
+        for (auto& c : dropped) c->close();
     }
+    std::string current_token() {
+        std::lock_guard lock(mutex);
+        return token;
+    }
+    void set_token(std::string t) {
+        std::lock_guard lock(mutex);
+        token = std::move(t);
+    }
+};
 
-    /// The token to send: empty without a username; authenticates when there is none or
-    /// when `refused` is the one in use.
-    std::string auth_token(std::size_t idx, std::string_view op, const std::string* refused) {
-        if (username.empty()) return {};
-        std::lock_guard lock(auth_mutex);
-        if (!token.empty() && (refused == nullptr || token != *refused)) return token;
-        token.clear();
-        json body = {{"name", username}, {"password", password}};
-        auto ex = post(idx, "/v3/auth/authenticate", body.dump(), "");
+namespace {
+
+using Impl = Client::Impl;
+
+struct endpoint_failure {
+    std::string detail;
+};
+
+[[noreturn]] void throw_status(int http_status, const json& answer, const std::string& context) {
+    int code = 0;
+    std::string message;
+    if (answer.is_object()) {
+        auto c = answer.find("code");
+        if (c != answer.end() && c->is_number_integer()) code = c->get<int>();
+        for (const char* key : {"message", "error"}) {
+            auto m = answer.find(key);
+            if (m != answer.end() && m->is_string()) {
+                message = m->get<std::string>();
+                break;
+            }
+        }
+    }
+    if (message.empty()) message = "HTTP " + std::to_string(http_status);
+    if (!context.empty()) message = context + ": " + message;
+    throw status_error(code, http_status, message);
+}
+
+bool is_auth_error(int http_status, const json& answer) {
+    if (http_status == 401) return true;
+    if (!answer.is_object()) return false;
+    auto c = answer.find("code");
+    if (c != answer.end() && c->is_number_integer() && c->get<int>() == code_unauthenticated) {
+        return true;
+    }
+    // etcd answers InvalidArgument "user name is empty" when auth is on and no (or an
+    // unknown) token is sent; a fresh token cures it.
+    auto m = answer.find("message");
+    return m != answer.end() && m->is_string() &&
+           m->get_ref<const std::string&>().find("user name is empty") != std::string::npos;
+}
+
+request_t make_request(const Endpoint& ep, const std::string& path, std::string payload,
+                       const std::string& auth) {
+    request_t req{http::verb::post, path, 11};
+    req.set(http::field::host, ep.host_header);
+    req.set(http::field::user_agent, "sandboxd");
+    req.set(http::field::content_type, "application/json");
+    if (!auth.empty()) req.set(http::field::authorization, auth);
+    req.keep_alive(true);
+    req.body() = std::move(payload);
+    req.prepare_payload();
+    return req;
+}
+
+/// The outcome of one exchange: an error, or the response.
+struct Attempt {
+    beast::error_code ec;
+    response_t res;
+};
+
+/// Connects `conn` when it is closed, writes `req` and reads the answer. Errors come back in
+/// the result, not as exceptions: `exchange || timer` completes on the first operation that
+/// succeeds (wait_for_one_success), so a throwing exchange would wait out the timer.
+awaitable<Attempt> exchange(std::shared_ptr<Connection> conn, Endpoint ep, request_t req) {
+    Attempt out;
+    try {
+        if (!conn->is_open()) {
+            conn->buffer.clear();
+            tcp::resolver resolver(conn->stream.get_executor());
+            auto results = co_await resolver.async_resolve(ep.host, ep.port, use_awaitable);
+            co_await conn->stream.async_connect(results, use_awaitable);
+            beast::error_code ignored;
+            conn->stream.socket().set_option(tcp::no_delay(true), ignored);
+        }
+        co_await http::async_write(conn->stream, req, use_awaitable);
+        http::response_parser<http::string_body> parser;
+        parser.body_limit(max_body_bytes);
+        parser.eager(true);
+        co_await http::async_read(conn->stream, conn->buffer, parser, use_awaitable);
+        out.res = parser.release();
+    } catch (const boost::system::system_error& e) {
+        out.ec = e.code();
+    }
+    co_return out;
+}
+
+/// An answer of one endpoint: an HTTP response, or why there was none.
+struct Exchange {
+    bool ok = false;
+    int status = 0;
+    std::string body;
+    std::string failure;  ///< when !ok
+};
+
+/// One HTTP POST to endpoint `idx`, within the client's timeout (`exchange || timer`). A
+/// pooled connection that the server closed meanwhile (it restarted) is retried once on a
+/// fresh one, and the endpoint's other idle connections are dropped with it.
+awaitable<Exchange> post(std::shared_ptr<Impl> impl, std::size_t idx, std::string path,
+                         std::string payload, std::string auth) {
+    const Endpoint& ep = impl->endpoints[idx];
+    const request_t req = make_request(ep, path, std::move(payload), auth);
+    Exchange out;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+        auto conn = attempt == 0 ? impl->take(idx) : std::make_shared<Connection>(impl->ex);
+        const bool reused = conn->is_open();
+        net::steady_timer timer(co_await net::this_coro::executor, impl->timeout);
+        beast::error_code ec;
+        std::optional<response_t> res;
+        using namespace net::experimental::awaitable_operators;
+        auto won = co_await (exchange(conn, ep, req) || timer.async_wait(as_tuple_awaitable));
+        if (won.index() == 0) {
+            ec = std::get<0>(won).ec;
+            if (!ec) res.emplace(std::move(std::get<0>(won).res));
+        } else {
+            ec = net::error::timed_out;
+        }
+        if (!ec) {
+            out.ok = true;
+            out.status = static_cast<int>(res->result_int());
+            out.body = std::move(res->body());
+            if (res->keep_alive()) {
+                impl->give_back(idx, std::move(conn));
+            } else {
+                conn->close();
+            }
+            co_return out;
+        }
+        conn->close();
+        if (ec == net::error::timed_out) {
+            out.failure = ep.url + path + ": timed out after " +
+                          std::to_string(impl->timeout.count()) + " ms";
+            co_return out;
+        }
+        out.failure = ep.url + path + ": " + ec.message();
+        if (!reused) co_return out;
+        impl->clear_idle(idx);
+    }
+    co_return out;
+}
+
+/// The token to send: empty without a username; authenticates when there is none or when
+/// `refused` is the one in use. Calls that find no token at once may each authenticate (the
+/// last token stored wins; etcd keeps the others valid until their TTL).
+awaitable<std::string> auth_token(std::shared_ptr<Impl> impl, std::size_t idx, std::string op,
+                                  std::optional<std::string> refused) {
+    if (impl->username.empty()) co_return std::string();
+    if (auto t = impl->current_token(); !t.empty() && (!refused || t != *refused)) co_return t;
+    json body = {{"name", impl->username}, {"password", impl->password}};
+    auto ex = co_await post(impl, idx, "/v3/auth/authenticate", body.dump(), "");
+    if (!ex.ok) throw endpoint_failure{ex.failure};
+    json answer;
+    try {
+        answer = parse_body(ex.body);
+    } catch (const json::exception&) {
+        throw endpoint_failure{impl->endpoints[idx].url +
+                               "/v3/auth/authenticate: malformed answer"};
+    }
+    if (ex.status != 200) {
+        if (ex.status >= 500) {
+            throw endpoint_failure{impl->endpoints[idx].url + "/v3/auth/authenticate: HTTP " +
+                                   std::to_string(ex.status)};
+        }
+        throw_status(ex.status, answer, "authenticate as " + impl->username);
+    }
+    auto it = answer.find("token");
+    if (it == answer.end() || !it->is_string() || it->get_ref<const std::string&>().empty()) {
+        throw_unavailable(op, "authenticate as " + impl->username + ": no token in the answer");
+    }
+    impl->set_token(it->get<std::string>());
+    co_return it->get<std::string>();
+}
+
+/// POST to one endpoint with auth; returns the answer or throws endpoint_failure (try the
+/// next endpoint) or status_error (etcd's answer).
+awaitable<json> call_endpoint(std::shared_ptr<Impl> impl, std::size_t idx, std::string op,
+                              std::string path, std::string payload) {
+    const auto& url = impl->endpoints[idx].url;
+    std::string used = co_await auth_token(impl, idx, op, std::nullopt);
+    for (int attempt = 0;; ++attempt) {
+        auto ex = co_await post(impl, idx, path, payload, used);
         if (!ex.ok) throw endpoint_failure{ex.failure};
         json answer;
         try {
             answer = parse_body(ex.body);
         } catch (const json::exception&) {
-            throw endpoint_failure{endpoints[idx].url + "/v3/auth/authenticate: malformed answer"};
-        }
-        if (ex.status != 200) {
             if (ex.status >= 500) {
-                throw endpoint_failure{endpoints[idx].url + "/v3/auth/authenticate: HTTP " +
-                                       std::to_string(ex.status)};
+                throw endpoint_failure{url + path + ": HTTP " + std::to_string(ex.status)};
             }
-            throw_status(ex.status, answer, "authenticate as " + username);
+            throw endpoint_failure{url + path + ": malformed answer (HTTP " +
+                                   std::to_string(ex.status) + ")"};
         }
-        auto it = answer.find("token");
-        if (it == answer.end() || !it->is_string() || it->get_ref<const std::string&>().empty()) {
-            throw_unavailable(op, "authenticate as " + username + ": no token in the answer");
+        if (ex.status == 200 && answer.is_object()) {
+            // A streaming answer wraps the message in "result", or an error in "error".
+            if (auto r = answer.find("result"); r != answer.end() && r->is_object()) {
+                co_return std::move(*r);
+            }
+            if (auto e = answer.find("error"); e != answer.end() && e->is_object()) {
+                json flat = {{"code", e->value("grpc_code", 0)},
+                             {"message", e->value("message", std::string())}};
+                int http_status = e->value("http_code", 500);
+                if (http_status >= 500) {
+                    throw endpoint_failure{url + path + ": " + flat["message"].get<std::string>()};
+                }
+                throw_status(http_status, flat, "");
+            }
+            co_return answer;
         }
-        token = it->get<std::string>();
-        return token;
+        if (ex.status == 200) throw endpoint_failure{url + path + ": malformed answer"};
+        if (attempt == 0 && !impl->username.empty() && is_auth_error(ex.status, answer)) {
+            used = co_await auth_token(impl, idx, op, used);
+            continue;
+        }
+        if (ex.status >= 500) {
+            std::string message;
+            if (answer.is_object() && answer.contains("message") && answer["message"].is_string()) {
+                message = answer["message"].get<std::string>();
+            }
+            throw endpoint_failure{url + path + ": HTTP " + std::to_string(ex.status) +
+                                   (message.empty() ? "" : ": " + message)};
+        }
+        throw_status(ex.status, answer, "");
     }
-
-    struct endpoint_failure {
-        std::string detail;
-    };
-
-    [[noreturn]] static void throw_status(int http_status, const json& answer,
-                                          const std::string& context) {
-        int code = 0;
-        std::string message;
-        if (answer.is_object()) {
-            auto c = answer.find("code");
-            if (c != answer.end() && c->is_number_integer()) code = c->get<int>();
-            for (const char* key : {"message", "error"}) {
-                auto m = answer.find(key);
-                if (m != answer.end() && m->is_string()) {
-                    message = m->get<std::string>();
-                    break;
-                }
-            }
-        }
-        if (message.empty()) message = "HTTP " + std::to_string(http_status);
-        if (!context.empty()) message = context + ": " + message;
-        throw status_error(code, http_status, message);
-    }
-
-    static bool is_auth_error(int http_status, const json& answer) {
-        if (http_status == 401) return true;
-        if (!answer.is_object()) return false;
-        auto c = answer.find("code");
-        if (c != answer.end() && c->is_number_integer() && c->get<int>() == code_unauthenticated) {
-            return true;
-        }
-        // etcd answers InvalidArgument "user name is empty" when auth is on and no (or an
-        // unknown) token is sent; a fresh token cures it.
-        auto m = answer.find("message");
-        return m != answer.end() && m->is_string() &&
-               m->get_ref<const std::string&>().find("user name is empty") != std::string::npos;
-    }
-
-    /// POST to one endpoint with auth; returns the answer or throws endpoint_failure (try the
-    /// next endpoint) or status_error (etcd's answer).
-    json call_endpoint(std::size_t idx, std::string_view op, std::string_view path,
-                       const std::string& payload) {
-        const auto& url = endpoints[idx].url;
-        std::string used = auth_token(idx, op, nullptr);
-        for (int attempt = 0;; ++attempt) {
-            auto ex = post(idx, path, payload, used);
-            if (!ex.ok) throw endpoint_failure{ex.failure};
-            json answer;
-            try {
-                answer = parse_body(ex.body);
-            } catch (const json::exception&) {
-                if (ex.status >= 500) {
-                    throw endpoint_failure{url + std::string(path) + ": HTTP " +
-                                           std::to_string(ex.status)};
-                }
-                throw endpoint_failure{url + std::string(path) + ": malformed answer (HTTP " +
-                                       std::to_string(ex.status) + ")"};
-            }
-            if (ex.status == 200 && answer.is_object()) {
-                // A streaming answer wraps the message in "result", or an error in "error".
-                if (auto r = answer.find("result"); r != answer.end() && r->is_object()) {
-                    return std::move(*r);
-                }
-                if (auto e = answer.find("error"); e != answer.end() && e->is_object()) {
-                    json flat = {{"code", e->value("grpc_code", 0)},
-                                 {"message", e->value("message", std::string())}};
-                    int http_status = e->value("http_code", 500);
-                    if (http_status >= 500) {
-                        throw endpoint_failure{url + std::string(path) + ": " +
-                                               flat["message"].get<std::string>()};
-                    }
-                    throw_status(http_status, flat, "");
-                }
-                return answer;
-            }
-            if (ex.status == 200) {
-                throw endpoint_failure{url + std::string(path) + ": malformed answer"};
-            }
-            if (attempt == 0 && !username.empty() && is_auth_error(ex.status, answer)) {
-                used = auth_token(idx, op, &used);
-                continue;
-            }
-            if (ex.status >= 500) {
-                std::string message;
-                if (answer.is_object() && answer.contains("message") &&
-                    answer["message"].is_string()) {
-                    message = answer["message"].get<std::string>();
-                }
-                throw endpoint_failure{url + std::string(path) + ": HTTP " +
-                                       std::to_string(ex.status) +
-                                       (message.empty() ? "" : ": " + message)};
-            }
-            throw_status(ex.status, answer, "");
-        }
-    }
-};
-
-Client::Client(std::vector<std::string> endpoints, std::string username, std::string password,
-               std::chrono::milliseconds timeout)
-    : impl_(std::make_unique<Impl>()) {
-    if (endpoints.empty()) throw std::invalid_argument("etcd: no endpoints");
-    for (const auto& e : endpoints) impl_->endpoints.push_back(parse_endpoint(e));
-    impl_->username = std::move(username);
-    impl_->password = std::move(password);
-    impl_->timeout = timeout;
-    impl_->idle.resize(impl_->endpoints.size());
 }
 
-Client::~Client() = default;
-
-json Client::call(std::string_view op, std::string_view path, const json& body) {
-    const std::string payload = body.dump();
-    const std::size_t n = impl_->endpoints.size();
-    const std::size_t start = impl_->preferred.load(std::memory_order_relaxed) % n;
+/// Tries every endpoint in turn, from the one that last answered.
+awaitable<json> call_any(std::shared_ptr<Impl> impl, std::string op, std::string path,
+                         std::string payload) {
+    const std::size_t n = impl->endpoints.size();
+    const std::size_t start = impl->preferred.load(std::memory_order_relaxed) % n;
     std::string failures;
     for (std::size_t i = 0; i < n; ++i) {
         const std::size_t idx = (start + i) % n;
         try {
-            json answer = impl_->call_endpoint(idx, op, path, payload);
-            if (idx != start) impl_->preferred.store(idx, std::memory_order_relaxed);
-            return answer;
-        } catch (const Impl::endpoint_failure& f) {
+            json answer = co_await call_endpoint(impl, idx, op, path, payload);
+            if (idx != start) impl->preferred.store(idx, std::memory_order_relaxed);
+            co_return answer;
+        } catch (const endpoint_failure& f) {
             if (!failures.empty()) failures += "; ";
             failures += f.detail;
         }
@@ -456,13 +454,41 @@ json Client::call(std::string_view op, std::string_view path, const json& body) 
     throw_unavailable(op, failures);
 }
 
-RangeResult Client::range(std::string_view op, std::string_view key, std::string_view range_end,
-                          std::int64_t limit, std::int64_t revision) {
+}  // namespace
+
+Client::Client(net::any_io_executor ex, std::vector<std::string> endpoints, std::string username,
+               std::string password, std::chrono::milliseconds timeout)
+    : impl_(std::make_shared<Impl>()) {
+    if (endpoints.empty()) throw std::invalid_argument("etcd: no endpoints");
+    for (const auto& e : endpoints) impl_->endpoints.push_back(parse_endpoint(e));
+    impl_->ex = std::move(ex);
+    impl_->username = std::move(username);
+    impl_->password = std::move(password);
+    impl_->timeout = timeout;
+    impl_->idle.resize(impl_->endpoints.size());
+}
+
+Client::~Client() {
+    // Idle connections close now; calls still in flight hold their own and the Impl.
+    for (std::size_t i = 0; i < impl_->idle.size(); ++i) impl_->clear_idle(i);
+}
+
+awaitable<json> Client::call(std::string op, std::string path, json body) {
+    // On a strand of its own: the attempt's `exchange || timer` and the socket's handlers
+    // never run at once on two threads of a multi-threaded io_context.
+    co_return co_await net::co_spawn(net::make_strand(impl_->ex),
+                                     call_any(impl_, std::move(op), std::move(path), body.dump()),
+                                     use_awaitable);
+}
+
+awaitable<RangeResult> Client::range(std::string op, std::string key, std::string range_end,
+                                     std::int64_t limit, std::int64_t revision, bool keys_only) {
     json body = {{"key", b64(key)}};
     if (!range_end.empty()) body["range_end"] = b64(range_end);
     if (limit > 0) body["limit"] = std::to_string(limit);
     if (revision > 0) body["revision"] = std::to_string(revision);
-    json answer = call(op, "/v3/kv/range", body);
+    if (keys_only) body["keys_only"] = true;
+    json answer = co_await call(op, "/v3/kv/range", std::move(body));
     RangeResult out;
     if (auto h = answer.find("header"); h != answer.end() && h->is_object()) {
         out.revision = int64_field(*h, "revision");
@@ -473,34 +499,29 @@ RangeResult Client::range(std::string_view op, std::string_view key, std::string
     }
     out.count = int64_field(answer, "count");
     out.more = answer.value("more", false);
-    return out;
+    co_return out;
 }
 
-std::optional<KeyValue> Client::get(std::string_view op, std::string_view key) {
-    auto r = range(op, key);
+awaitable<std::optional<KeyValue>> Client::get(std::string op, std::string key) {
+    auto r = co_await range(op, key);
     for (auto& kv : r.kvs) {
-        if (kv.key == key) return std::move(kv);
+        if (kv.key == key) co_return std::move(kv);
     }
-    return std::nullopt;
+    co_return std::nullopt;
 }
 
-std::vector<KeyValue> Client::get_prefix(std::string_view op, std::string_view prefix,
-                                         std::int64_t* revision_out) {
+awaitable<PrefixResult> Client::get_prefix(std::string op, std::string prefix) {
     const std::string end = prefix_end(prefix);
     for (int attempt = 0;; ++attempt) {
-        std::vector<KeyValue> out;
+        PrefixResult out;
         std::string from(prefix);
-        std::int64_t revision = 0;
         try {
             for (;;) {
-                auto page = range(op, from, end, range_page, revision);
-                if (revision == 0) revision = page.revision;
-                for (auto& kv : page.kvs) out.push_back(std::move(kv));
-                if (!page.more || out.empty()) {
-                    if (revision_out) *revision_out = revision;
-                    return out;
-                }
-                from = out.back().key;
+                auto page = co_await range(op, from, end, range_page, out.revision);
+                if (out.revision == 0) out.revision = page.revision;
+                for (auto& kv : page.kvs) out.kvs.push_back(std::move(kv));
+                if (!page.more || out.kvs.empty()) co_return out;
+                from = out.kvs.back().key;
                 from.push_back('\0');
             }
         } catch (const status_error& e) {
@@ -510,10 +531,10 @@ std::vector<KeyValue> Client::get_prefix(std::string_view op, std::string_view p
     }
 }
 
-Client::TxnResult Client::txn(std::string_view op, json compare, json success, json failure) {
+awaitable<Client::TxnResult> Client::txn(std::string op, json compare, json success, json failure) {
     json body = {{"compare", std::move(compare)}, {"success", std::move(success)}};
     if (!failure.empty()) body["failure"] = std::move(failure);
-    json answer = call(op, "/v3/kv/txn", body);
+    json answer = co_await call(op, "/v3/kv/txn", std::move(body));
     TxnResult out;
     out.succeeded = answer.value("succeeded", false);
     if (auto h = answer.find("header"); h != answer.end() && h->is_object()) {
@@ -522,58 +543,37 @@ Client::TxnResult Client::txn(std::string_view op, json compare, json success, j
     if (auto r = answer.find("responses"); r != answer.end() && r->is_array()) {
         out.responses = std::move(*r);
     }
-    return out;
+    co_return out;
 }
 
-std::int64_t Client::lease_grant(std::string_view op, std::int64_t ttl_s) {
-    json answer = call(op, "/v3/lease/grant", {{"TTL", std::to_string(ttl_s)}, {"ID", "0"}});
+awaitable<std::int64_t> Client::lease_grant(std::string op, std::int64_t ttl_s) {
+    json body = {{"TTL", std::to_string(ttl_s)}, {"ID", "0"}};
+    json answer = co_await call(op, "/v3/lease/grant", std::move(body));
     if (auto e = answer.find("error");
         e != answer.end() && e->is_string() && !e->get<std::string>().empty()) {
         throw_unavailable(op, "lease grant: " + e->get<std::string>());
     }
     auto id = int64_field(answer, "ID");
     if (id == 0) throw std::invalid_argument("lease grant answer has no ID");
-    return id;
+    co_return id;
 }
 
-std::int64_t Client::lease_keepalive(std::string_view op, std::int64_t id) {
-    json answer = call(op, "/v3/lease/keepalive", {{"ID", std::to_string(id)}});
-    return int64_field(answer, "TTL");
+awaitable<std::int64_t> Client::lease_keepalive(std::string op, std::int64_t id) {
+    json body = {{"ID", std::to_string(id)}};
+    json answer = co_await call(op, "/v3/lease/keepalive", std::move(body));
+    co_return int64_field(answer, "TTL");
 }
 
-void Client::lease_revoke(std::string_view op, std::int64_t id) {
+awaitable<void> Client::lease_revoke(std::string op, std::int64_t id) {
+    json body = {{"ID", std::to_string(id)}};
     try {
-        call(op, "/v3/lease/revoke", {{"ID", std::to_string(id)}});
+        co_await call(op, "/v3/lease/revoke", std::move(body));
     } catch (const status_error& e) {
         if (e.code() != code_not_found) throw;
     }
 }
 
 // --- watch ---------------------------------------------------------------------------------
-
-void WatchStop::stop() {
-    // Under the lock: detach() waits, so the watch's io_context outlives the interrupt.
-    std::lock_guard lock(mutex_);
-    stopped_ = true;
-    if (interrupt_) interrupt_();
-}
-
-bool WatchStop::stopped() const {
-    std::lock_guard lock(mutex_);
-    return stopped_;
-}
-
-bool WatchStop::attach(std::function<void()> interrupt) {
-    std::lock_guard lock(mutex_);
-    if (stopped_) return false;
-    interrupt_ = std::move(interrupt);
-    return true;
-}
-
-void WatchStop::detach() {
-    std::lock_guard lock(mutex_);
-    interrupt_ = nullptr;
-}
 
 namespace {
 
@@ -601,63 +601,49 @@ WatchMessage decode_watch_message(const json& result) {
     return m;
 }
 
+/// Connects, sends the create request and reads the answer's header. The references are to
+/// the awaiting frame of Client::watch, which outlives this call (it awaits it directly).
+/// Errors come back in the result (see exchange()).
+awaitable<beast::error_code> open_stream(beast::tcp_stream& stream, Endpoint ep,
+                                         const request_t& req, beast::flat_buffer& buffer,
+                                         http::response_parser<http::empty_body>& parser) {
+    try {
+        tcp::resolver resolver(stream.get_executor());
+        auto results = co_await resolver.async_resolve(ep.host, ep.port, use_awaitable);
+        co_await stream.async_connect(results, use_awaitable);
+        co_await http::async_write(stream, req, use_awaitable);
+        co_await http::async_read_header(stream, buffer, parser, use_awaitable);
+    } catch (const boost::system::system_error& e) {
+        co_return e.code();
+    }
+    co_return beast::error_code{};
+}
+
 }  // namespace
 
-void Client::watch(std::string_view op, std::string_view prefix, std::int64_t start_revision,
-                   WatchStop& stop, const std::function<void(const WatchMessage&)>& on_message) {
+awaitable<void> Client::watch(std::string op, std::string prefix, std::int64_t start_revision,
+                              std::function<void(const WatchMessage&)> on_message) {
+    using namespace net::experimental::awaitable_operators;
+    auto impl = impl_;  // the stream may outlive nothing, but keep what it reads alive
     json create = {{"key", b64(prefix)}, {"range_end", b64(prefix_end(prefix))}};
     if (start_revision > 0) create["start_revision"] = std::to_string(start_revision);
     const std::string payload = json{{"create_request", std::move(create)}}.dump();
-    const std::size_t n = impl_->endpoints.size();
-    const std::size_t start = impl_->preferred.load(std::memory_order_relaxed) % n;
+    const std::size_t n = impl->endpoints.size();
+    const std::size_t start = impl->preferred.load(std::memory_order_relaxed) % n;
     std::string failures;
     for (std::size_t i = 0; i < n; ++i) {
         const std::size_t idx = (start + i) % n;
-        const auto& ep = impl_->endpoints[idx];
+        const Endpoint& ep = impl->endpoints[idx];
         std::string auth;
         try {
-            auth = impl_->auth_token(idx, op, nullptr);
-        } catch (const Impl::endpoint_failure& f) {
+            auth = co_await net::co_spawn(net::make_strand(impl->ex),
+                                          auth_token(impl, idx, op, std::nullopt), use_awaitable);
+        } catch (const endpoint_failure& f) {
             failures += (failures.empty() ? "" : "; ") + f.detail;
             continue;
         }
-        net::io_context ioc{1};
-        beast::tcp_stream stream(ioc);
-        auto run = [&ioc] {
-            ioc.restart();
-            ioc.run();
-        };
-        if (!stop.attach([&ioc, &stream] {
-                net::post(ioc, [&stream] {
-                    beast::error_code ignored;
-                    stream.socket().shutdown(tcp::socket::shutdown_both, ignored);
-                    stream.socket().close(ignored);
-                });
-            })) {
-            return;
-        }
-        struct Detach {
-            WatchStop& s;
-            ~Detach() { s.detach(); }
-        } detach{stop};
-
-        // Connect, send the create request and read the answer's header, within the timeout.
-        beast::error_code ec;
-        tcp::resolver resolver(ioc);
-        tcp::resolver::results_type results;
-        resolver.async_resolve(ep.host, ep.port,
-                               [&](beast::error_code rec, tcp::resolver::results_type r) {
-                                   ec = rec;
-                                   results = std::move(r);
-                               });
-        run();
-        request_t req{http::verb::post, "/v3/watch", 11};
-        req.set(http::field::host, ep.host_header);
-        req.set(http::field::user_agent, "sandboxd");
-        req.set(http::field::content_type, "application/json");
-        if (!auth.empty()) req.set(http::field::authorization, auth);
-        req.body() = payload;
-        req.prepare_payload();
+        beast::tcp_stream stream(co_await net::this_coro::executor);
+        const request_t req = make_request(ep, "/v3/watch", payload, auth);
         beast::flat_buffer buffer;
         std::string pending;  // body bytes not yet split into messages
         auto on_body = [&pending](std::uint64_t, std::string_view body,
@@ -668,24 +654,18 @@ void Client::watch(std::string_view op, std::string_view prefix, std::int64_t st
         http::response_parser<http::empty_body> parser;
         parser.body_limit(boost::none);
         parser.on_chunk_body(on_body);  // kept by reference: declared before the parser
-        if (!ec) {
-            stream.expires_after(impl_->timeout);
-            stream.async_connect(results, [&](beast::error_code cec, const tcp::endpoint&) {
-                ec = cec;
-                if (cec) return;
-                http::async_write(stream, req, [&](beast::error_code wec, std::size_t) {
-                    ec = wec;
-                    if (wec) return;
-                    http::async_read_header(stream, buffer, parser,
-                                            [&](beast::error_code hec, std::size_t) { ec = hec; });
-                });
-            });
-            run();
+
+        std::string failure;
+        net::steady_timer timer(co_await net::this_coro::executor, impl->timeout);
+        auto won = co_await (open_stream(stream, ep, req, buffer, parser) ||
+                             timer.async_wait(as_tuple_awaitable));
+        if (won.index() == 1) {
+            failure = "timed out";
+        } else if (auto ec = std::get<0>(won)) {
+            failure = ec.message();
         }
-        if (stop.stopped()) return;
-        if (ec) {
-            failures += (failures.empty() ? "" : "; ") + ep.url + "/v3/watch: " +
-                        (ec == beast::error::timeout ? std::string("timed out") : ec.message());
+        if (!failure.empty()) {
+            failures += (failures.empty() ? "" : "; ") + ep.url + "/v3/watch: " + failure;
             continue;
         }
         if (parser.get().result() != http::status::ok || !parser.chunked()) {
@@ -694,8 +674,7 @@ void Client::watch(std::string_view op, std::string_view prefix, std::int64_t st
                         (parser.chunked() ? "" : ", not a stream");
             continue;
         }
-        impl_->preferred.store(idx, std::memory_order_relaxed);
-        stream.expires_never();
+        impl->preferred.store(idx, std::memory_order_relaxed);
 
         // The stream: newline-delimited JSON messages inside chunks, until it ends.
         for (;;) {
@@ -710,10 +689,10 @@ void Client::watch(std::string_view op, std::string_view prefix, std::int64_t st
                     throw_unavailable(op, ep.url + "/v3/watch: malformed message");
                 }
                 if (auto e = message.find("error"); e != message.end() && e->is_object()) {
-                    Impl::throw_status(e->value("http_code", 500),
-                                       json{{"code", e->value("grpc_code", 0)},
-                                            {"message", e->value("message", std::string())}},
-                                       "watch");
+                    throw_status(e->value("http_code", 500),
+                                 json{{"code", e->value("grpc_code", 0)},
+                                      {"message", e->value("message", std::string())}},
+                                 "watch");
                 }
                 auto r = message.find("result");
                 if (r == message.end() || !r->is_object()) {
@@ -726,13 +705,13 @@ void Client::watch(std::string_view op, std::string_view prefix, std::int64_t st
                     throw_unavailable(op, ep.url + "/v3/watch: " + e.what());
                 }
                 on_message(decoded);
-                if (decoded.canceled) return;
+                if (decoded.canceled) co_return;
             }
-            if (parser.is_done() || stop.stopped()) return;
-            http::async_read_some(stream, buffer, parser,
-                                  [&](beast::error_code rec, std::size_t) { ec = rec; });
-            run();
-            if (ec) return;  // broken, closed or stopped: the caller lists and watches again
+            if (parser.is_done()) co_return;
+            auto [ec, bytes] =
+                co_await http::async_read_some(stream, buffer, parser, as_tuple_awaitable);
+            (void)bytes;
+            if (ec) co_return;  // broken, closed or cancelled: the caller lists and watches again
         }
     }
     throw_unavailable(op, failures);

@@ -1,51 +1,68 @@
-// The etcd backend of the lease registry, through etcd's v3 JSON gateway (etcd_client.hpp).
+// The etcd backend of the lease registry, through etcd's v3 JSON gateway (etcd_client.hpp),
+// natively asynchronous on the daemon's io_context.
 //
-// Layout under the prefix (path components percent-encode '%' and '/'):
+// Layout under the prefix (path components percent-encode '%' and '/'; docs/protocol.md
+// section 8):
 //   <prefix>leases/<id>                      JSON of every stored Lease field (lease_fields.hpp)
 //   <prefix>idem/<company>/<env>/<key>       the lease id made with that idempotency key
+//   <prefix>plid/<provider>/<providerLeaseId>
+//                                            the lease id of that provider's sandbox
+//   <prefix>owner/<status>/<nodeId>/<acquired>/<id>
+//                                            {"expiresAtMs": n|null}: one key per lease, at
+//                                            its current status and owner; <acquired> is
+//                                            acquiredAt as 20 digits (offset by 2^63), so
+//                                            keys sort by (acquiredAt, id) like leaseList
+//   <prefix>meta/indexes                     "1" once every lease has its index keys
 //   <prefix>nodes/<nodeId>                   JSON of the NodeRecord, attached to the node's
 //                                            etcd lease so that it vanishes when the node dies
 // Writes are transactions that compare create or mod revisions, so several processes may share
-// one prefix.
+// one prefix; the index keys change in the same transaction as the lease record. Reads through
+// an index fetch the records and check them again, so a stale index key (left by a version
+// without indexes) is skipped, never returned.
 #include "registry/etcd_client.hpp"
 
-#include "core/offload.hpp"
 #include "registry/cursor.hpp"
+#include "server/net.hpp"
 
 #include <sandboxd/errors.hpp>
 #include <sandboxd/lease_fields.hpp>
 #include <sandboxd/registry.hpp>
 
-#include <boost/asio/any_io_executor.hpp>
-#include <boost/asio/strand.hpp>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
-#include <condition_variable>
+#include <cstdio>
+#include <mutex>
 #include <string_view>
-#include <thread>
 #include <utility>
 
 namespace sandboxd {
 namespace {
 
 using json = nlohmann::json;
-namespace net = boost::asio;
 
 constexpr std::size_t max_page = 1000;
 constexpr int max_cas_attempts = 8;
 constexpr std::chrono::milliseconds request_timeout{2000};
+/// Operations per txn: etcd's default --max-txn-ops is 128.
+constexpr std::size_t txn_ops = 100;
+constexpr std::array all_statuses = {lease_status::active, lease_status::released,
+                                     lease_status::expired, lease_status::failed,
+                                     lease_status::pending_cleanup};
 
 [[noreturn]] void throw_unavailable(std::string_view op, std::string_view detail) {
     throw rpc_error(errc::registry_unavailable,
                     "registry: " + std::string(op) + ": " + std::string(detail));
 }
 
-/// Runs `f`, turning etcd error answers and malformed answers into registry_unavailable.
-template <typename F>
-auto guarded(std::string_view op, F&& f) -> decltype(f()) {
+/// Awaits `a`, turning etcd error answers and malformed answers into registry_unavailable.
+template <typename T>
+awaitable<T> guarded(std::string op, awaitable<T> a) {
     try {
-        return f();
+        co_return co_await std::move(a);
     } catch (const etcd::status_error& e) {
         throw_unavailable(op, "etcd: " + std::string(e.what()));
     } catch (const json::exception& e) {
@@ -53,6 +70,28 @@ auto guarded(std::string_view op, F&& f) -> decltype(f()) {
     } catch (const std::invalid_argument& e) {
         throw_unavailable(op, std::string("malformed answer or record: ") + e.what());
     }
+}
+
+template <>
+awaitable<void> guarded(std::string op, awaitable<void> a) {
+    try {
+        co_await std::move(a);
+    } catch (const etcd::status_error& e) {
+        throw_unavailable(op, "etcd: " + std::string(e.what()));
+    } catch (const json::exception& e) {
+        throw_unavailable(op, std::string("malformed answer or record: ") + e.what());
+    } catch (const std::invalid_argument& e) {
+        throw_unavailable(op, std::string("malformed answer or record: ") + e.what());
+    }
+}
+
+/// A JSON array of `items`. Inside a co_await expression instead of json::array({...}): GCC 12
+/// rejects an initializer list there ("array used as initializer").
+template <typename... J>
+json array_of(J&&... items) {
+    json a = json::array();
+    (a.push_back(std::forward<J>(items)), ...);
+    return a;
 }
 
 /// Percent-encodes '%' and '/' so that a component cannot change the key's structure.
@@ -69,6 +108,32 @@ std::string escape(std::string_view s) {
         }
     }
     return out;
+}
+
+/// Inverse of escape().
+std::string unescape(std::string_view s) {
+    std::string out;
+    out.reserve(s.size());
+    for (std::size_t i = 0; i < s.size(); ++i) {
+        if (s[i] == '%' && s.substr(i, 3) == "%25") {
+            out += '%';
+            i += 2;
+        } else if (s[i] == '%' && s.substr(i, 3) == "%2F") {
+            out += '/';
+            i += 2;
+        } else {
+            out += s[i];
+        }
+    }
+    return out;
+}
+
+/// acquiredAt as 20 decimal digits that sort like the signed value.
+std::string sortable(std::int64_t v) {
+    char buf[24];
+    std::snprintf(buf, sizeof buf, "%020llu",
+                  static_cast<unsigned long long>(static_cast<std::uint64_t>(v) + (1ULL << 63)));
+    return buf;
 }
 
 // --- records -----------------------------------------------------------------------------
@@ -181,181 +246,354 @@ bool by_acquired(const Lease& a, const Lease& b) {
     return std::tie(a.acquired_at_ms, a.id) < std::tie(b.acquired_at_ms, b.id);
 }
 
-/// Revokes a granted etcd lease on scope exit unless released.
-class LeaseGuard {
-public:
-    LeaseGuard(etcd::Client& client, std::string_view op) : client_(client), op_(op) {}
-    LeaseGuard(const LeaseGuard&) = delete;
-    LeaseGuard& operator=(const LeaseGuard&) = delete;
-    ~LeaseGuard() {
-        if (id_ == 0) return;
-        try {
-            client_.lease_revoke(op_, id_);
-        } catch (...) {  // best effort: it expires on its own after its TTL
-        }
-    }
-    std::int64_t get(std::int64_t ttl_s) {
-        if (id_ == 0) id_ = client_.lease_grant(op_, ttl_s);
-        return id_;
-    }
-    void release() { id_ = 0; }
-
-private:
-    etcd::Client& client_;
-    std::string_view op_;
-    std::int64_t id_ = 0;
+/// One entry of the owner index.
+struct OwnerEntry {
+    std::string suffix;  ///< "<acquired>/<escaped id>": the key below the node's prefix
+    std::string id;
+    std::optional<std::int64_t> expires_at_ms;
 };
 
-/// The change feed of one EtcdRegistry: a thread that lists the leases, then follows a watch
-/// on them from the listing's revision, listing again whenever the watch ends (broken,
-/// compacted, canceled).
+/// What a LeaseWatch and its coroutine share: the coroutine keeps it alive until it ends.
+struct WatchState {
+    WatchState(net::any_io_executor ex, std::function<void(const Lease&)> change,
+               std::function<void()> resync)
+        : strand(net::make_strand(std::move(ex))),
+          stop_timer(strand, std::chrono::steady_clock::time_point::max()),
+          on_change(std::move(change)),
+          on_resync(std::move(resync)) {}
+
+    net::strand<net::any_io_executor> strand;
+    /// Expires (at once, and for every later wait) when the watch stops; only on `strand`.
+    net::steady_timer stop_timer;
+    std::mutex mutex;  // held while a callback runs, so the destructor waits for it
+    bool stopped = false;
+    const std::function<void(const Lease&)> on_change;
+    const std::function<void()> on_resync;
+
+    bool is_stopped() {
+        std::lock_guard lock(mutex);
+        return stopped;
+    }
+    void deliver(const etcd::KeyValue& kv);
+    void resynced() {
+        std::lock_guard lock(mutex);
+        if (!stopped && on_resync) on_resync();
+    }
+};
+
+/// The change feed of one EtcdRegistry: a coroutine on a strand of the registry's executor
+/// that lists the leases, then follows a watch on them from the listing's revision, listing
+/// again whenever the watch ends (broken, compacted, canceled).
 class EtcdLeaseWatch final : public LeaseWatch {
 public:
-    EtcdLeaseWatch(etcd::Client& client, std::string leases_prefix,
-                   std::function<void(const Lease&)> on_change, std::function<void()> on_resync,
-                   std::chrono::milliseconds retry)
-        : client_(client),
-          prefix_(std::move(leases_prefix)),
-          on_change_(std::move(on_change)),
-          on_resync_(std::move(on_resync)),
-          retry_(retry),
-          thread_([this] { run(); }) {}
-
+    explicit EtcdLeaseWatch(std::shared_ptr<WatchState> state) : state_(std::move(state)) {}
     ~EtcdLeaseWatch() override {
         {
-            std::lock_guard lock(mutex_);
-            stopping_ = true;
+            // Waits for a callback in progress; none starts after this.
+            std::lock_guard lock(state_->mutex);
+            state_->stopped = true;
         }
-        wake_.notify_all();
-        stop_.stop();
-        thread_.join();
+        net::post(state_->strand, [state = state_] {
+            state->stop_timer.expires_at(std::chrono::steady_clock::time_point::min());
+        });
     }
 
 private:
-    void run() {
-        constexpr std::string_view op = "watch leases";
-        while (!stop_.stopped()) {
-            try {
-                std::int64_t revision = 0;
-                auto kvs = client_.get_prefix(op, prefix_, &revision);
-                for (const auto& kv : kvs) deliver(kv);
-                if (on_resync_) on_resync_();
-                client_.watch(op, prefix_, revision + 1, stop_, [this](const etcd::WatchMessage& m) {
-                    for (const auto& ev : m.events) {
-                        if (!ev.deleted) deliver(ev.kv);
-                    }
-                });
-            } catch (const std::exception&) {
-                // etcd unreachable or the stream carried an error: list and watch again.
-            }
-            std::unique_lock lock(mutex_);
-            wake_.wait_for(lock, retry_, [this] { return stopping_; });
-        }
-    }
-
-    void deliver(const etcd::KeyValue& kv) {
-        std::optional<Lease> lease;
-        try {
-            lease = decode_lease(kv, "watch leases");
-        } catch (const std::exception&) {
-            return;  // a corrupt record: every other read of it fails closed as well
-        }
-        on_change_(*lease);
-    }
-
-    etcd::Client& client_;
-    const std::string prefix_;
-    const std::function<void(const Lease&)> on_change_;
-    const std::function<void()> on_resync_;
-    const std::chrono::milliseconds retry_;
-    etcd::WatchStop stop_;
-    std::mutex mutex_;
-    std::condition_variable wake_;
-    bool stopping_ = false;
-    std::thread thread_;  // last: starts after every member above exists
+    std::shared_ptr<WatchState> state_;
 };
 
-/// The registry's calls, blocking (etcd_client.hpp); EtcdRegistry below runs them off the
-/// awaiting thread.
-class BlockingEtcdRegistry {
+awaitable<void> run_watch(std::shared_ptr<etcd::Client> client, std::shared_ptr<WatchState> state,
+                          std::string prefix, std::chrono::milliseconds retry);
+
+class EtcdRegistry final : public Registry {
 public:
-    BlockingEtcdRegistry(std::vector<std::string> endpoints, std::string prefix,
-                         std::int64_t node_ttl_ms, std::string username, std::string password)
-        : client_(std::move(endpoints), std::move(username), std::move(password), request_timeout),
+    EtcdRegistry(net::any_io_executor ex, std::vector<std::string> endpoints, std::string prefix,
+                 std::int64_t node_ttl_ms, std::string username, std::string password)
+        : ex_(ex),
+          client_(
+              std::make_shared<etcd::Client>(ex, endpoints, username, password, request_timeout)),
+          membership_(std::make_shared<etcd::Client>(ex, std::move(endpoints), std::move(username),
+                                                     std::move(password), request_timeout)),
           prefix_(std::move(prefix)),
           node_ttl_s_(std::max<std::int64_t>(1, (node_ttl_ms + 999) / 1000)) {
         if (node_ttl_ms <= 0) throw std::invalid_argument("etcd registry: node TTL must be > 0");
     }
 
-    std::unique_ptr<LeaseWatch> watch_leases(std::function<void(const Lease&)> on_change,
+    std::unique_ptr<LeaseWatch> watch_leases(net::any_io_executor ex,
+                                             std::function<void(const Lease&)> on_change,
                                              std::function<void()> on_resync,
-                                             std::int64_t retry_ms) {
-        return std::make_unique<EtcdLeaseWatch>(client_, prefix_ + "leases/", std::move(on_change),
-                                                std::move(on_resync),
-                                                std::chrono::milliseconds(std::max<std::int64_t>(
-                                                    retry_ms, 10)));
+                                             std::int64_t retry_ms) override {
+        auto state =
+            std::make_shared<WatchState>(std::move(ex), std::move(on_change), std::move(on_resync));
+        net::co_spawn(state->strand,
+                      run_watch(client_, state, prefix_ + "leases/",
+                                std::chrono::milliseconds(std::max<std::int64_t>(retry_ms, 10))),
+                      net::detached);
+        return std::make_unique<EtcdLeaseWatch>(std::move(state));
     }
 
-    Lease create_lease(const Lease& lease) {
-        constexpr std::string_view op = "create lease";
-        return guarded(op, [&] {
-            const std::string lk = lease_key(lease.id);
-            json compare = json::array({etcd::compare_create_revision(lk, 0)});
-            json success = json::array({etcd::request_put(lk, encode_lease(lease, 0))});
-            json failure = json::array();
-            if (lease.idempotency_key) {
-                const std::string ik =
-                    idem_key(lease.company_id, lease.environment_id, *lease.idempotency_key);
-                compare.push_back(etcd::compare_create_revision(ik, 0));
-                success.push_back(etcd::request_put(ik, lease.id));
-                failure.push_back(etcd::request_range(ik));
+    awaitable<Lease> create_lease(Lease lease) override {
+        return guarded<Lease>("create lease", do_create(std::move(lease)));
+    }
+    awaitable<std::optional<Lease>> get_lease(std::string id) override {
+        return guarded<std::optional<Lease>>("get lease", read_lease(std::move(id), "get lease"));
+    }
+    awaitable<std::optional<Lease>> find_by_idempotency_key(std::string company_id,
+                                                            std::string environment_id,
+                                                            std::string key) override {
+        return guarded<std::optional<Lease>>(
+            "find lease by idempotency key",
+            do_find_idem(std::move(company_id), std::move(environment_id), std::move(key)));
+    }
+    awaitable<std::optional<Lease>> find_by_provider_lease(std::string provider,
+                                                           std::string provider_lease_id) override {
+        return guarded<std::optional<Lease>>(
+            "find lease by provider lease id",
+            do_find_plid(std::move(provider), std::move(provider_lease_id)));
+    }
+    awaitable<LeasePage> list_leases(LeaseQuery query) override {
+        return guarded<LeasePage>("list leases", do_list(std::move(query)));
+    }
+    awaitable<std::optional<Lease>> update_lease(Lease next, std::int64_t expected_epoch) override {
+        return guarded<std::optional<Lease>>("update lease",
+                                             do_update(std::move(next), expected_epoch));
+    }
+    awaitable<std::vector<Lease>> expired_leases(std::string owner_node_id,
+                                                 std::int64_t at_ms) override {
+        return guarded<std::vector<Lease>>("expired leases",
+                                           do_expired(std::move(owner_node_id), at_ms));
+    }
+    awaitable<std::vector<std::string>> active_owner_nodes() override {
+        return guarded<std::vector<std::string>>("active owner nodes", do_active_owners());
+    }
+    awaitable<void> register_node(NodeRecord node, std::int64_t liveness_ttl_ms) override {
+        return guarded<void>("register node", do_register(std::move(node), liveness_ttl_ms));
+    }
+    awaitable<bool> heartbeat_node(std::string node_id, std::string instance_id,
+                                   std::int64_t at_ms) override {
+        return guarded<bool>("heartbeat node",
+                             do_heartbeat(std::move(node_id), std::move(instance_id), at_ms));
+    }
+    awaitable<void> remove_node(std::string node_id, std::string instance_id) override {
+        return guarded<void>("remove node", do_remove(std::move(node_id), std::move(instance_id)));
+    }
+    awaitable<std::vector<NodeRecord>> list_nodes() override {
+        return guarded<std::vector<NodeRecord>>("list nodes", do_list_nodes());
+    }
+    awaitable<std::optional<NodeRecord>> get_node(std::string node_id) override {
+        return guarded<std::optional<NodeRecord>>("get node", do_get_node(std::move(node_id)));
+    }
+
+private:
+    // --- keys ------------------------------------------------------------------------------
+    std::string lease_key(std::string_view id) const { return prefix_ + "leases/" + escape(id); }
+    std::string idem_key(std::string_view company, std::string_view environment,
+                         std::string_view key) const {
+        return prefix_ + "idem/" + escape(company) + "/" + escape(environment) + "/" + escape(key);
+    }
+    std::string plid_key(std::string_view provider, std::string_view provider_lease_id) const {
+        return prefix_ + "plid/" + escape(provider) + "/" + escape(provider_lease_id);
+    }
+    std::string owner_base(lease_status status) const {
+        return prefix_ + "owner/" + std::string(to_string(status)) + "/";
+    }
+    std::string owner_prefix(lease_status status, std::string_view node) const {
+        return owner_base(status) + escape(node) + "/";
+    }
+    static std::string owner_suffix(std::int64_t acquired_at_ms, std::string_view id) {
+        return sortable(acquired_at_ms) + "/" + escape(id);
+    }
+    std::string owner_key(const Lease& l) const {
+        return owner_prefix(l.status, l.owner_node_id) + owner_suffix(l.acquired_at_ms, l.id);
+    }
+    static std::string owner_value(const Lease& l) {
+        return json{{"expiresAtMs", l.expires_at_ms ? json(*l.expires_at_ms) : json(nullptr)}}
+            .dump();
+    }
+    std::string node_key(std::string_view id) const { return prefix_ + "nodes/" + escape(id); }
+    std::string meta_key() const { return prefix_ + "meta/indexes"; }
+    /// The txn writes that mark the store as indexed. Not in the coroutine: GCC 12 rejects
+    /// some string literals in coroutine bodies ("array used as initializer").
+    json mark_indexed() const { return json::array({etcd::request_put(meta_key(), "1")}); }
+    static void log_indexed(std::size_t written) {
+        spdlog::info("registry: indexed {} lease(s) stored without index keys", written);
+    }
+
+    /// Decodes an owner index key below `base` (an owner_prefix).
+    static OwnerEntry decode_owner(const etcd::KeyValue& kv, std::string_view base) {
+        OwnerEntry e;
+        e.suffix = kv.key.substr(base.size());
+        auto slash = e.suffix.find('/');
+        if (slash == std::string::npos) throw std::invalid_argument("bad index key " + kv.key);
+        e.id = unescape(std::string_view(e.suffix).substr(slash + 1));
+        if (!kv.value.empty()) {
+            auto v = json::parse(kv.value);
+            if (auto x = v.find("expiresAtMs"); x != v.end() && !x->is_null()) {
+                e.expires_at_ms = x->get<std::int64_t>();
             }
-            auto result =
-                client_.txn(op, std::move(compare), std::move(success), std::move(failure));
-            if (result.succeeded) {
-                Lease stored = lease;
-                stored.epoch = result.revision;  // the claim's revision is the first epoch
-                return stored;
+        }
+        return e;
+    }
+
+    // --- reads -----------------------------------------------------------------------------
+    awaitable<std::optional<Lease>> read_lease(std::string id, std::string op) {
+        auto kv = co_await client_->get(op, lease_key(id));
+        if (!kv) co_return std::nullopt;
+        co_return decode_lease(*kv, op);
+    }
+
+    /// The leases with these ids that exist, in the order given, read in batched txns.
+    awaitable<std::vector<Lease>> read_leases(std::vector<std::string> ids, std::string op) {
+        std::vector<Lease> out;
+        for (std::size_t from = 0; from < ids.size(); from += txn_ops) {
+            json reads = json::array();
+            for (std::size_t i = from; i < std::min(ids.size(), from + txn_ops); ++i) {
+                reads.push_back(etcd::request_range(lease_key(ids[i])));
             }
-            if (lease.idempotency_key && !result.responses.empty()) {
-                const auto& rr = result.responses.at(0).at("response_range");
-                if (auto kvs = rr.find("kvs"); kvs != rr.end() && !kvs->empty()) {
-                    const auto existing_id = etcd::decode_kv(kvs->at(0)).value;
-                    auto existing = read_lease(existing_id, op);
-                    if (!existing) throw_unavailable(op, "idempotency clash without a lease");
-                    return std::move(*existing);
+            auto result = co_await client_->txn(op, json::array(), std::move(reads));
+            for (const auto& r : result.responses) {
+                for (const auto& kv : etcd::txn_range_kvs(r)) out.push_back(decode_lease(kv, op));
+            }
+        }
+        co_return out;
+    }
+
+    awaitable<std::vector<Lease>> all_leases(std::string op) {
+        std::vector<Lease> out;
+        auto all = co_await client_->get_prefix(op, prefix_ + "leases/");
+        for (const auto& kv : all.kvs) out.push_back(decode_lease(kv, op));
+        co_return out;
+    }
+
+    /// At most `n` owner index entries of `node` in `statuses`, after `after` (a suffix; empty:
+    /// from the start), in suffix order: one range per status, merged.
+    awaitable<std::vector<OwnerEntry>> owner_entries(std::string node,
+                                                     std::vector<lease_status> statuses,
+                                                     std::string after, std::size_t n,
+                                                     std::string op) {
+        std::vector<OwnerEntry> out;
+        for (auto st : statuses) {
+            const std::string base = owner_prefix(st, node);
+            std::string from = base;
+            if (!after.empty()) from += after + std::string(1, '\0');
+            auto r = co_await client_->range(op, from, etcd::prefix_end(base),
+                                             static_cast<std::int64_t>(n));
+            for (const auto& kv : r.kvs) out.push_back(decode_owner(kv, base));
+        }
+        std::sort(out.begin(), out.end(),
+                  [](const OwnerEntry& a, const OwnerEntry& b) { return a.suffix < b.suffix; });
+        if (out.size() > n) out.resize(n);
+        co_return out;
+    }
+
+    /// Writes the missing index keys of leases stored before they existed, once per store (the
+    /// marker key says it was done) and per process. Idempotent: each lease's keys are written
+    /// in a txn that compares its record's revision, so a lease changed meanwhile is left to
+    /// the write that changed it.
+    awaitable<void> ensure_indexed() {
+        if (indexed_.load()) co_return;
+        const std::string op = "index leases";
+        auto marker = co_await client_->get(op, meta_key());
+        if (!marker) {
+            auto all = co_await client_->get_prefix(op, prefix_ + "leases/");
+            std::size_t written = 0;
+            for (std::size_t from = 0; from < all.kvs.size(); from += txn_ops / 2) {
+                const std::size_t to = std::min(all.kvs.size(), from + txn_ops / 2);
+                json compare = json::array();
+                json puts = json::array();
+                for (std::size_t i = from; i < to; ++i) {
+                    const auto& kv = all.kvs[i];
+                    Lease l = decode_lease(kv, op);
+                    compare.push_back(etcd::compare_mod_revision(kv.key, kv.mod_revision));
+                    puts.push_back(
+                        etcd::request_put(plid_key(l.provider, l.provider_lease_id), l.id));
+                    puts.push_back(etcd::request_put(owner_key(l), owner_value(l)));
+                }
+                auto result = co_await client_->txn(op, compare, puts);
+                if (result.succeeded) {
+                    written += to - from;
+                    continue;
+                }
+                // One of them changed meanwhile: one at a time, skipping the changed ones
+                // (their writer wrote their keys).
+                for (std::size_t i = from; i < to; ++i) {
+                    auto one = co_await client_->txn(
+                        op, array_of(compare[i - from]),
+                        array_of(puts[2 * (i - from)], puts[2 * (i - from) + 1]));
+                    if (one.succeeded) ++written;
                 }
             }
-            throw_unavailable(op, "lease id " + lease.id + " already exists");
-        });
+            co_await client_->txn(op, json::array(), mark_indexed());
+            log_indexed(written);
+        }
+        indexed_.store(true);
     }
 
-    std::optional<Lease> get_lease(const std::string& id) {
-        constexpr std::string_view op = "get lease";
-        return guarded(op, [&] { return read_lease(id, op); });
-    }
-
-    std::optional<Lease> find_by_idempotency_key(const std::string& company_id,
-                                                 const std::string& environment_id,
-                                                 const std::string& key) {
-        constexpr std::string_view op = "find lease by idempotency key";
-        return guarded(op, [&]() -> std::optional<Lease> {
-            auto kv = client_.get(op, idem_key(company_id, environment_id, key));
-            if (!kv) return std::nullopt;
-            auto lease = read_lease(kv->value, op);
-            if (!lease || lease->company_id != company_id ||
-                lease->environment_id != environment_id) {
-                return std::nullopt;
+    // --- leases ----------------------------------------------------------------------------
+    awaitable<Lease> do_create(Lease lease) {
+        const std::string op = "create lease";
+        const std::string lk = lease_key(lease.id);
+        json compare = json::array({etcd::compare_create_revision(lk, 0)});
+        json success = json::array(
+            {etcd::request_put(lk, encode_lease(lease, 0)),
+             etcd::request_put(plid_key(lease.provider, lease.provider_lease_id), lease.id),
+             etcd::request_put(owner_key(lease), owner_value(lease))});
+        json failure = json::array();
+        if (lease.idempotency_key) {
+            const std::string ik =
+                idem_key(lease.company_id, lease.environment_id, *lease.idempotency_key);
+            compare.push_back(etcd::compare_create_revision(ik, 0));
+            success.push_back(etcd::request_put(ik, lease.id));
+            failure.push_back(etcd::request_range(ik));
+        }
+        auto result =
+            co_await client_->txn(op, std::move(compare), std::move(success), std::move(failure));
+        if (result.succeeded) {
+            lease.epoch = result.revision;  // the claim's revision is the first epoch
+            co_return lease;
+        }
+        if (lease.idempotency_key && !result.responses.empty()) {
+            auto kvs = etcd::txn_range_kvs(result.responses.at(0));
+            if (!kvs.empty()) {
+                auto existing = co_await read_lease(kvs.front().value, op);
+                if (!existing) throw_unavailable(op, "idempotency clash without a lease");
+                co_return std::move(*existing);
             }
-            return lease;
-        });
+        }
+        throw_unavailable(op, "lease id " + lease.id + " already exists");
     }
 
-    LeasePage list_leases(const LeaseQuery& query) {
-        constexpr std::string_view op = "list leases";
+    awaitable<std::optional<Lease>> do_find_idem(std::string company_id, std::string environment_id,
+                                                 std::string key) {
+        const std::string op = "find lease by idempotency key";
+        auto kv = co_await client_->get(op, idem_key(company_id, environment_id, key));
+        if (!kv) co_return std::nullopt;
+        auto lease = co_await read_lease(kv->value, op);
+        if (!lease || lease->company_id != company_id || lease->environment_id != environment_id) {
+            co_return std::nullopt;
+        }
+        co_return lease;
+    }
+
+    awaitable<std::optional<Lease>> do_find_plid(std::string provider,
+                                                 std::string provider_lease_id) {
+        const std::string op = "find lease by provider lease id";
+        co_await ensure_indexed();
+        auto kv = co_await client_->get(op, plid_key(provider, provider_lease_id));
+        if (!kv) co_return std::nullopt;
+        auto lease = co_await read_lease(kv->value, op);
+        if (!lease || lease->provider != provider ||
+            lease->provider_lease_id != provider_lease_id) {
+            co_return std::nullopt;
+        }
+        co_return lease;
+    }
+
+    awaitable<LeasePage> do_list(LeaseQuery query) {
+        const std::string op = "list leases";
         std::optional<std::pair<std::int64_t, std::string>> after;
         if (!query.cursor.empty()) after = decode_cursor(query.cursor);
-        auto limit = std::clamp<std::size_t>(query.limit, 1, max_page);
+        const auto limit = std::clamp<std::size_t>(query.limit, 1, max_page);
 
         auto matches = [&](const Lease& l) {
             if (query.company_id && l.company_id != *query.company_id) return false;
@@ -366,15 +604,43 @@ public:
                                                     l.company_id) == query.tenants.end()) {
                 return false;
             }
-            if (after &&
-                std::tie(l.acquired_at_ms, l.id) <= std::tie(after->first, after->second)) {
-                return false;
-            }
             return true;
         };
-        auto leases = guarded(op, [&] { return all_leases(op); });
-        std::erase_if(leases, [&](const Lease& l) { return !matches(l); });
-        std::sort(leases.begin(), leases.end(), by_acquired);
+
+        std::vector<Lease> leases;
+        if (query.owner_node_id) {
+            // From the owner index, in its (acquiredAt, escaped id) order: chunks of limit + 1
+            // entries until limit + 1 records match (one more tells whether a next page exists).
+            co_await ensure_indexed();
+            std::vector<lease_status> statuses;
+            if (query.status) {
+                statuses.push_back(*query.status);
+            } else {
+                statuses.assign(all_statuses.begin(), all_statuses.end());
+            }
+            std::string from = after ? owner_suffix(after->first, after->second) : std::string();
+            for (;;) {
+                auto entries =
+                    co_await owner_entries(*query.owner_node_id, statuses, from, limit + 1, op);
+                std::vector<std::string> ids;
+                for (const auto& e : entries) ids.push_back(e.id);
+                auto fetched = co_await read_leases(std::move(ids), op);
+                for (auto& l : fetched) {
+                    if (matches(l) && leases.size() <= limit) leases.push_back(std::move(l));
+                }
+                if (leases.size() > limit || entries.size() <= limit) break;
+                from = entries.back().suffix;
+            }
+            // read_leases keeps the index order, which is the cursor's order.
+        } else {
+            // No index serves this filter: every lease is read (registry.hpp, LeaseQuery).
+            leases = co_await all_leases(op);
+            std::erase_if(leases, [&](const Lease& l) {
+                return !matches(l) || (after && std::tie(l.acquired_at_ms, l.id) <=
+                                                    std::tie(after->first, after->second));
+            });
+            std::sort(leases.begin(), leases.end(), by_acquired);
+        }
 
         LeasePage page;
         if (leases.size() > limit) {
@@ -382,46 +648,56 @@ public:
             page.next_cursor = encode_cursor(leases.back());
         }
         page.leases = std::move(leases);
-        return page;
+        co_return page;
     }
 
-    std::optional<Lease> update_lease(const Lease& next, std::int64_t expected_epoch) {
-        constexpr std::string_view op = "update lease";
-        return guarded(op, [&]() -> std::optional<Lease> {
-            const std::string lk = lease_key(next.id);
-            const bool new_epoch = next.epoch != expected_epoch;
-            for (int attempt = 0; attempt < max_cas_attempts; ++attempt) {
-                auto kv = client_.get(op, lk);
-                if (!kv) return std::nullopt;
-                Lease stored = decode_lease(*kv, op);
-                if (stored.epoch != expected_epoch) return std::nullopt;
-                stored.status = next.status;
-                stored.owner_node_id = next.owner_node_id;
-                stored.last_used_at_ms = next.last_used_at_ms;
-                stored.expires_at_ms = next.expires_at_ms;
-                stored.released_at_ms = next.released_at_ms;
-                stored.failure_reason = next.failure_reason;
-                stored.cleanup_status = next.cleanup_status;
-                stored.cleanup_attempts = next.cleanup_attempts;
-                stored.metadata = next.metadata;
-                auto result = client_.txn(
-                    op, json::array({etcd::compare_mod_revision(lk, kv->mod_revision)}),
-                    json::array({etcd::request_put(
-                        lk, encode_lease(stored, new_epoch ? 0 : expected_epoch))}));
-                if (result.succeeded) {
-                    stored.epoch = new_epoch ? result.revision : expected_epoch;
-                    return stored;
-                }
-                // Another writer came between the read and the write: read again.
+    awaitable<std::optional<Lease>> do_update(Lease next, std::int64_t expected_epoch) {
+        const std::string op = "update lease";
+        const std::string lk = lease_key(next.id);
+        const bool new_epoch = next.epoch != expected_epoch;
+        for (int attempt = 0; attempt < max_cas_attempts; ++attempt) {
+            auto kv = co_await client_->get(op, lk);
+            if (!kv) co_return std::nullopt;
+            Lease stored = decode_lease(*kv, op);
+            if (stored.epoch != expected_epoch) co_return std::nullopt;
+            const std::string old_owner_key = owner_key(stored);
+            stored.status = next.status;
+            stored.owner_node_id = next.owner_node_id;
+            stored.last_used_at_ms = next.last_used_at_ms;
+            stored.expires_at_ms = next.expires_at_ms;
+            stored.released_at_ms = next.released_at_ms;
+            stored.failure_reason = next.failure_reason;
+            stored.cleanup_status = next.cleanup_status;
+            stored.cleanup_attempts = next.cleanup_attempts;
+            stored.metadata = next.metadata;
+            json writes = json::array(
+                {etcd::request_put(lk, encode_lease(stored, new_epoch ? 0 : expected_epoch))});
+            const std::string new_owner_key = owner_key(stored);
+            if (new_owner_key != old_owner_key)
+                writes.push_back(etcd::request_delete(old_owner_key));
+            writes.push_back(etcd::request_put(new_owner_key, owner_value(stored)));
+            auto result = co_await client_->txn(
+                op, array_of(etcd::compare_mod_revision(lk, kv->mod_revision)), std::move(writes));
+            if (result.succeeded) {
+                stored.epoch = new_epoch ? result.revision : expected_epoch;
+                co_return stored;
             }
-            throw_unavailable(op, "lease " + next.id + " keeps changing under contention");
-        });
+            // Another writer came between the read and the write: read again.
+        }
+        throw_unavailable(op, "lease " + next.id + " keeps changing under contention");
     }
 
-    std::vector<Lease> expired_leases(const std::string& owner_node_id,
-                                      std::int64_t at_ms) {
-        constexpr std::string_view op = "expired leases";
-        auto leases = guarded(op, [&] { return all_leases(op); });
+    awaitable<std::vector<Lease>> do_expired(std::string owner_node_id, std::int64_t at_ms) {
+        const std::string op = "expired leases";
+        co_await ensure_indexed();
+        const std::string base = owner_prefix(lease_status::active, owner_node_id);
+        auto index = co_await client_->get_prefix(op, base);
+        std::vector<std::string> ids;
+        for (const auto& kv : index.kvs) {
+            auto e = decode_owner(kv, base);
+            if (e.expires_at_ms && *e.expires_at_ms <= at_ms) ids.push_back(std::move(e.id));
+        }
+        auto leases = co_await read_leases(std::move(ids), op);
         std::erase_if(leases, [&](const Lease& l) {
             return !(l.owner_node_id == owner_node_id && l.status == lease_status::active &&
                      l.expires_at_ms && *l.expires_at_ms <= at_ms);
@@ -429,16 +705,38 @@ public:
         std::sort(leases.begin(), leases.end(), [](const Lease& a, const Lease& b) {
             return std::tie(*a.expires_at_ms, a.id) < std::tie(*b.expires_at_ms, b.id);
         });
-        return leases;
+        co_return leases;
     }
 
-    void register_node(const NodeRecord& node, std::int64_t liveness_ttl_ms) {
-        constexpr std::string_view op = "register node";
-        guarded(op, [&] {
-            const std::string nk = node_key(node.node_id);
-            LeaseGuard granted(client_, op);
+    /// A skip scan of the active owner index: one keys-only range of one key per node.
+    awaitable<std::vector<std::string>> do_active_owners() {
+        const std::string op = "active owner nodes";
+        co_await ensure_indexed();
+        const std::string base = owner_base(lease_status::active);
+        const std::string end = etcd::prefix_end(base);
+        std::vector<std::string> out;
+        std::string from = base;
+        for (;;) {
+            auto r = co_await client_->range(op, from, end, 1, 0, true);
+            if (r.kvs.empty()) break;
+            const std::string rest = r.kvs.front().key.substr(base.size());
+            const auto slash = rest.find('/');
+            if (slash == std::string::npos) throw std::invalid_argument("bad index key " + rest);
+            out.push_back(unescape(std::string_view(rest).substr(0, slash)));
+            from = etcd::prefix_end(base + rest.substr(0, slash + 1));
+        }
+        co_return out;
+    }
+
+    // --- nodes (the membership lane: membership_, a connection of its own) ----------------
+    awaitable<void> do_register(NodeRecord node, std::int64_t liveness_ttl_ms) {
+        const std::string op = "register node";
+        const std::string nk = node_key(node.node_id);
+        std::int64_t granted = 0;
+        std::exception_ptr failed;
+        try {
             for (int attempt = 0; attempt < max_cas_attempts; ++attempt) {
-                auto kv = client_.get(op, nk);
+                auto kv = co_await membership_->get(op, nk);
                 json compare;
                 std::int64_t old_lease = 0;
                 if (kv) {
@@ -457,305 +755,173 @@ public:
                 } else {
                     compare = etcd::compare_create_revision(nk, 0);
                 }
-                const std::int64_t lease_id = granted.get(node_ttl_s_);
-                auto result =
-                    client_.txn(op, json::array({std::move(compare)}),
-                                json::array({etcd::request_put(nk, encode_node(node), lease_id)}));
+                if (granted == 0) granted = co_await membership_->lease_grant(op, node_ttl_s_);
+                auto result = co_await membership_->txn(
+                    op, array_of(std::move(compare)),
+                    array_of(etcd::request_put(nk, encode_node(node), granted)));
                 if (!result.succeeded) continue;
-                granted.release();
                 // The record moved to the new etcd lease; the old one (a refresh of this
                 // instance, or a dead instance's) holds nothing any more.
-                if (old_lease != 0 && old_lease != lease_id) {
+                if (old_lease != 0 && old_lease != granted) {
                     try {
-                        client_.lease_revoke(op, old_lease);
+                        co_await membership_->lease_revoke(op, old_lease);
                     } catch (...) {  // best effort: it expires on its own
                     }
                 }
-                return;
+                co_return;
             }
             throw_unavailable(op, "node " + node.node_id + " keeps changing under contention");
-        });
-    }
-
-    bool heartbeat_node(const std::string& node_id, const std::string& instance_id,
-                        std::int64_t at_ms) {
-        constexpr std::string_view op = "heartbeat node";
-        return guarded(op, [&] {
-            const std::string nk = node_key(node_id);
-            bool renewed = false;
-            for (int attempt = 0; attempt < max_cas_attempts; ++attempt) {
-                auto kv = client_.get(op, nk);
-                if (!kv) return false;
-                auto record = decode_node(*kv, op);
-                if (record.instance_id != instance_id) return false;
-                if (kv->lease != 0 && !renewed) {
-                    // A TTL of 0 (omitted) means the etcd lease expired: the record is gone or
-                    // about to be, and this instance has lost its membership.
-                    if (client_.lease_keepalive(op, kv->lease) <= 0) return false;
-                    renewed = true;
-                }
-                record.heartbeat_at_ms = at_ms;
-                try {
-                    auto result = client_.txn(
-                        op, json::array({etcd::compare_mod_revision(nk, kv->mod_revision)}),
-                        json::array({etcd::request_put(nk, encode_node(record), kv->lease)}));
-                    if (result.succeeded) return true;
-                } catch (const etcd::status_error& e) {
-                    if (e.code() == etcd::code_not_found) return false;  // lease expired
-                    throw;
-                }
-            }
-            throw_unavailable(op, "node " + node_id + " keeps changing under contention");
-        });
-    }
-
-    void remove_node(const std::string& node_id, const std::string& instance_id) {
-        constexpr std::string_view op = "remove node";
-        guarded(op, [&] {
-            const std::string nk = node_key(node_id);
-            for (int attempt = 0; attempt < max_cas_attempts; ++attempt) {
-                auto kv = client_.get(op, nk);
-                if (!kv) return;
-                if (decode_node(*kv, op).instance_id != instance_id) return;
-                auto result =
-                    client_.txn(op, json::array({etcd::compare_mod_revision(nk, kv->mod_revision)}),
-                                json::array({etcd::request_delete(nk)}));
-                if (!result.succeeded) continue;
-                if (kv->lease != 0) client_.lease_revoke(op, kv->lease);
-                return;
-            }
-            throw_unavailable(op, "node " + node_id + " keeps changing under contention");
-        });
-    }
-
-    std::vector<NodeRecord> list_nodes() {
-        constexpr std::string_view op = "list nodes";
-        return guarded(op, [&] {
-            std::vector<NodeRecord> out;
-            for (const auto& kv : client_.get_prefix(op, prefix_ + "nodes/")) {
-                out.push_back(decode_node(kv, op));
-            }
-            std::sort(out.begin(), out.end(), [](const NodeRecord& a, const NodeRecord& b) {
-                return a.node_id < b.node_id;
-            });
-            return out;
-        });
-    }
-
-    std::optional<NodeRecord> get_node(const std::string& node_id) {
-        constexpr std::string_view op = "get node";
-        return guarded(op, [&]() -> std::optional<NodeRecord> {
-            auto kv = client_.get(op, node_key(node_id));
-            if (!kv) return std::nullopt;
-            return decode_node(*kv, op);
-        });
-    }    // No index keys in this version: both scan the leases (the native client replaces it).
-    std::optional<Lease> find_by_provider_lease(const std::string& provider,
-                                                const std::string& provider_lease_id) {
-        constexpr std::string_view op = "find lease by provider lease id";
-        return guarded(op, [&]() -> std::optional<Lease> {
-            for (auto& l : all_leases(op)) {
-                if (l.provider == provider && l.provider_lease_id == provider_lease_id) return l;
-            }
-            return std::nullopt;
-        });
-    }
-
-    std::vector<std::string> active_owner_nodes() {
-        constexpr std::string_view op = "active owner nodes";
-        return guarded(op, [&] {
-            std::vector<std::string> out;
-            for (const auto& l : all_leases(op)) {
-                if (l.status == lease_status::active) out.push_back(l.owner_node_id);
-            }
-            std::sort(out.begin(), out.end());
-            out.erase(std::unique(out.begin(), out.end()), out.end());
-            return out;
-        });
-    }
-
-
-
-private:
-    std::string lease_key(std::string_view id) const { return prefix_ + "leases/" + escape(id); }
-    std::string idem_key(std::string_view company, std::string_view environment,
-                         std::string_view key) const {
-        return prefix_ + "idem/" + escape(company) + "/" + escape(environment) + "/" + escape(key);
-    }
-    std::string node_key(std::string_view id) const { return prefix_ + "nodes/" + escape(id); }
-
-    std::optional<Lease> read_lease(const std::string& id, std::string_view op) {
-        auto kv = client_.get(op, lease_key(id));
-        if (!kv) return std::nullopt;
-        return decode_lease(*kv, op);
-    }
-
-    std::vector<Lease> all_leases(std::string_view op) {
-        std::vector<Lease> out;
-        for (const auto& kv : client_.get_prefix(op, prefix_ + "leases/")) {
-            out.push_back(decode_lease(kv, op));
+        } catch (...) {
+            failed = std::current_exception();
         }
-        return out;
+        if (granted != 0) {
+            try {
+                co_await membership_->lease_revoke(op, granted);
+            } catch (...) {  // best effort: it expires on its own after its TTL
+            }
+        }
+        std::rethrow_exception(failed);
     }
 
-    etcd::Client client_;
+    awaitable<bool> do_heartbeat(std::string node_id, std::string instance_id, std::int64_t at_ms) {
+        const std::string op = "heartbeat node";
+        const std::string nk = node_key(node_id);
+        bool renewed = false;
+        for (int attempt = 0; attempt < max_cas_attempts; ++attempt) {
+            auto kv = co_await membership_->get(op, nk);
+            if (!kv) co_return false;
+            auto record = decode_node(*kv, op);
+            if (record.instance_id != instance_id) co_return false;
+            if (kv->lease != 0 && !renewed) {
+                // A TTL of 0 (omitted) means the etcd lease expired: the record is gone or
+                // about to be, and this instance has lost its membership.
+                if (co_await membership_->lease_keepalive(op, kv->lease) <= 0) co_return false;
+                renewed = true;
+            }
+            record.heartbeat_at_ms = at_ms;
+            try {
+                auto result = co_await membership_->txn(
+                    op, array_of(etcd::compare_mod_revision(nk, kv->mod_revision)),
+                    array_of(etcd::request_put(nk, encode_node(record), kv->lease)));
+                if (result.succeeded) co_return true;
+            } catch (const etcd::status_error& e) {
+                if (e.code() == etcd::code_not_found) co_return false;  // lease expired
+                throw;
+            }
+        }
+        throw_unavailable(op, "node " + node_id + " keeps changing under contention");
+    }
+
+    awaitable<void> do_remove(std::string node_id, std::string instance_id) {
+        const std::string op = "remove node";
+        const std::string nk = node_key(node_id);
+        for (int attempt = 0; attempt < max_cas_attempts; ++attempt) {
+            auto kv = co_await membership_->get(op, nk);
+            if (!kv) co_return;
+            if (decode_node(*kv, op).instance_id != instance_id) co_return;
+            auto result = co_await membership_->txn(
+                op, array_of(etcd::compare_mod_revision(nk, kv->mod_revision)),
+                array_of(etcd::request_delete(nk)));
+            if (!result.succeeded) continue;
+            if (kv->lease != 0) co_await membership_->lease_revoke(op, kv->lease);
+            co_return;
+        }
+        throw_unavailable(op, "node " + node_id + " keeps changing under contention");
+    }
+
+    awaitable<std::vector<NodeRecord>> do_list_nodes() {
+        const std::string op = "list nodes";
+        std::vector<NodeRecord> out;
+        auto all = co_await membership_->get_prefix(op, prefix_ + "nodes/");
+        for (const auto& kv : all.kvs) out.push_back(decode_node(kv, op));
+        std::sort(out.begin(), out.end(),
+                  [](const NodeRecord& a, const NodeRecord& b) { return a.node_id < b.node_id; });
+        co_return out;
+    }
+
+    awaitable<std::optional<NodeRecord>> do_get_node(std::string node_id) {
+        const std::string op = "get node";
+        auto kv = co_await membership_->get(op, node_key(node_id));
+        if (!kv) co_return std::nullopt;
+        co_return decode_node(*kv, op);
+    }
+
+    net::any_io_executor ex_;
+    /// Lease calls and the watch.
+    std::shared_ptr<etcd::Client> client_;
+    /// The membership lane: node calls only, so no lease backlog delays a heartbeat.
+    std::shared_ptr<etcd::Client> membership_;
     const std::string prefix_;
     const std::int64_t node_ttl_s_;
+    std::atomic<bool> indexed_{false};
 };
 
+void WatchState::deliver(const etcd::KeyValue& kv) {
+    std::optional<Lease> lease;
+    try {
+        lease = decode_lease(kv, "watch leases");
+    } catch (const std::exception&) {
+        return;  // a corrupt record: every other read of it fails closed as well
+    }
+    std::lock_guard lock(mutex);
+    if (!stopped) on_change(*lease);
+}
 
-/// Delivers the callbacks of the blocking feed on `ex`, one at a time and in order (a strand).
-/// The gate makes sure no callback runs once the destructor returned, from any thread.
-class PostedLeaseWatch final : public LeaseWatch {
-public:
-    PostedLeaseWatch(BlockingEtcdRegistry& registry, net::any_io_executor ex,
-                     std::function<void(const Lease&)> on_change, std::function<void()> on_resync,
-                     std::int64_t retry_ms)
-        : gate_(std::make_shared<Gate>()) {
-        auto strand = net::make_strand(std::move(ex));
-        auto changed = [gate = gate_, strand,
-                        f = std::make_shared<std::function<void(const Lease&)>>(
-                            std::move(on_change))](const Lease& lease) {
-            net::post(strand, [gate, f, lease] {
-                std::lock_guard lock(gate->mutex);
-                if (gate->open) (*f)(lease);
-            });
-        };
-        std::function<void()> resynced;
-        if (on_resync) {
-            resynced = [gate = gate_, strand,
-                        f = std::make_shared<std::function<void()>>(std::move(on_resync))] {
-                net::post(strand, [gate, f] {
-                    std::lock_guard lock(gate->mutex);
-                    if (gate->open) (*f)();
-                });
-            };
+/// The listing, or std::nullopt when it failed. Never throws: `op || stop` completes on the
+/// first operation that succeeds (wait_for_one_success), so a throwing op would wait for stop.
+awaitable<std::optional<etcd::PrefixResult>> try_list(std::shared_ptr<etcd::Client> client,
+                                                      std::string op, std::string prefix) {
+    try {
+        co_return co_await client->get_prefix(op, prefix);
+    } catch (const std::exception&) {
+        co_return std::nullopt;  // etcd unreachable: list again after the pause
+    }
+}
+
+/// Follows the watch until it ends or fails (see try_list).
+awaitable<void> try_watch(std::shared_ptr<etcd::Client> client, std::shared_ptr<WatchState> state,
+                          std::string op, std::string prefix, std::int64_t start_revision) {
+    auto on_message = [state](const etcd::WatchMessage& m) {
+        for (const auto& ev : m.events) {
+            if (!ev.deleted) state->deliver(ev.kv);
         }
-        feed_ = registry.watch_leases(std::move(changed), std::move(resynced), retry_ms);
-    }
-
-    ~PostedLeaseWatch() override {
-        feed_.reset();  // joins the feed's thread
-        std::lock_guard lock(gate_->mutex);
-        gate_->open = false;
-    }
-
-private:
-    struct Gate {
-        std::mutex mutex;
-        bool open = true;
     };
-    std::shared_ptr<Gate> gate_;
-    std::unique_ptr<LeaseWatch> feed_;
-};
+    try {
+        co_await client->watch(op, prefix, start_revision, std::move(on_message));
+    } catch (const std::exception&) {
+        // etcd unreachable or the stream carried an error: list and watch again.
+    }
+}
 
-/// The blocking registry behind the awaitable interface: lease calls on a lane of four
-/// threads, membership calls on a lane of their own, so that a lease backlog never delays a
-/// heartbeat. Interim: the native asynchronous client replaces this.
-class EtcdRegistry final : public Registry {
-public:
-    EtcdRegistry(std::vector<std::string> endpoints, std::string prefix, std::int64_t node_ttl_ms,
-                 std::string username, std::string password)
-        : blocking_(std::move(endpoints), std::move(prefix), node_ttl_ms, std::move(username),
-                    std::move(password)) {}
-
-    std::unique_ptr<LeaseWatch> watch_leases(net::any_io_executor ex,
-                                             std::function<void(const Lease&)> on_change,
-                                             std::function<void()> on_resync,
-                                             std::int64_t retry_ms) override {
-        return std::make_unique<PostedLeaseWatch>(blocking_, std::move(ex), std::move(on_change),
-                                                  std::move(on_resync), retry_ms);
+awaitable<void> run_watch(std::shared_ptr<etcd::Client> client, std::shared_ptr<WatchState> state,
+                          std::string prefix, std::chrono::milliseconds retry) {
+    using namespace net::experimental::awaitable_operators;
+    const std::string op = "watch leases";
+    net::steady_timer pause(state->strand);
+    while (!state->is_stopped()) {
+        auto listing = co_await (try_list(client, op, prefix) ||
+                                 state->stop_timer.async_wait(as_tuple_awaitable));
+        if (listing.index() == 1) break;
+        if (auto& all = std::get<0>(listing)) {
+            for (const auto& kv : all->kvs) state->deliver(kv);
+            state->resynced();
+            co_await (try_watch(client, state, op, prefix, all->revision + 1) ||
+                      state->stop_timer.async_wait(as_tuple_awaitable));
+        }
+        pause.expires_after(retry);
+        co_await (pause.async_wait(as_tuple_awaitable) ||
+                  state->stop_timer.async_wait(as_tuple_awaitable));
     }
-
-    awaitable<Lease> create_lease(Lease lease) override {
-        auto work = [this, lease = std::move(lease)] { return blocking_.create_lease(lease); };
-        co_return co_await leases_.run(std::move(work));
-    }
-    awaitable<std::optional<Lease>> get_lease(std::string id) override {
-        auto work = [this, id = std::move(id)] { return blocking_.get_lease(id); };
-        co_return co_await leases_.run(std::move(work));
-    }
-    awaitable<std::optional<Lease>> find_by_idempotency_key(std::string company_id,
-                                                            std::string environment_id,
-                                                            std::string key) override {
-        auto work = [this, company_id = std::move(company_id),
-                     environment_id = std::move(environment_id), key = std::move(key)] {
-            return blocking_.find_by_idempotency_key(company_id, environment_id, key);
-        };
-        co_return co_await leases_.run(std::move(work));
-    }
-    awaitable<std::optional<Lease>> find_by_provider_lease(
-        std::string provider, std::string provider_lease_id) override {
-        auto work = [this, provider = std::move(provider),
-                     provider_lease_id = std::move(provider_lease_id)] {
-            return blocking_.find_by_provider_lease(provider, provider_lease_id);
-        };
-        co_return co_await leases_.run(std::move(work));
-    }
-    awaitable<LeasePage> list_leases(LeaseQuery query) override {
-        auto work = [this, query = std::move(query)] { return blocking_.list_leases(query); };
-        co_return co_await leases_.run(std::move(work));
-    }
-    awaitable<std::optional<Lease>> update_lease(Lease next,
-                                                 std::int64_t expected_epoch) override {
-        auto work = [this, next = std::move(next), expected_epoch] {
-            return blocking_.update_lease(next, expected_epoch);
-        };
-        co_return co_await leases_.run(std::move(work));
-    }
-    awaitable<std::vector<Lease>> expired_leases(std::string owner_node_id,
-                                                 std::int64_t at_ms) override {
-        auto work = [this, owner_node_id = std::move(owner_node_id), at_ms] {
-            return blocking_.expired_leases(owner_node_id, at_ms);
-        };
-        co_return co_await leases_.run(std::move(work));
-    }
-    awaitable<std::vector<std::string>> active_owner_nodes() override {
-        auto work = [this] { return blocking_.active_owner_nodes(); };
-        co_return co_await leases_.run(std::move(work));
-    }
-    awaitable<void> register_node(NodeRecord node, std::int64_t liveness_ttl_ms) override {
-        auto work = [this, node = std::move(node), liveness_ttl_ms] {
-            blocking_.register_node(node, liveness_ttl_ms);
-        };
-        co_await membership_.run(std::move(work));
-    }
-    awaitable<bool> heartbeat_node(std::string node_id, std::string instance_id,
-                                   std::int64_t at_ms) override {
-        auto work = [this, node_id = std::move(node_id), instance_id = std::move(instance_id),
-                     at_ms] { return blocking_.heartbeat_node(node_id, instance_id, at_ms); };
-        co_return co_await membership_.run(std::move(work));
-    }
-    awaitable<void> remove_node(std::string node_id, std::string instance_id) override {
-        auto work = [this, node_id = std::move(node_id), instance_id = std::move(instance_id)] {
-            blocking_.remove_node(node_id, instance_id);
-        };
-        co_await membership_.run(std::move(work));
-    }
-    awaitable<std::vector<NodeRecord>> list_nodes() override {
-        auto work = [this] { return blocking_.list_nodes(); };
-        co_return co_await membership_.run(std::move(work));
-    }
-    awaitable<std::optional<NodeRecord>> get_node(std::string node_id) override {
-        auto work = [this, node_id = std::move(node_id)] { return blocking_.get_node(node_id); };
-        co_return co_await membership_.run(std::move(work));
-    }
-
-private:
-    BlockingEtcdRegistry blocking_;
-    WorkLane leases_{4};
-    WorkLane membership_{1};  // last: joined first
-};
+}
 
 }  // namespace
 
-std::unique_ptr<Registry> make_etcd_registry(boost::asio::any_io_executor ex,
+std::unique_ptr<Registry> make_etcd_registry(net::any_io_executor ex,
                                              std::vector<std::string> endpoints, std::string prefix,
                                              std::int64_t node_ttl_ms, std::string username,
                                              std::string password) {
-    (void)ex;  // the blocking client runs on the registry's own lanes
-    return std::make_unique<EtcdRegistry>(std::move(endpoints), std::move(prefix), node_ttl_ms,
-                                          std::move(username), std::move(password));
+    return std::make_unique<EtcdRegistry>(std::move(ex), std::move(endpoints), std::move(prefix),
+                                          node_ttl_ms, std::move(username), std::move(password));
 }
 
 }  // namespace sandboxd

@@ -4,10 +4,11 @@
 // Real daemons on loopback, real bubblewrap sandboxes, a real etcd (tests/support/etcd_fixture).
 #include "support/daemon_fixture.hpp"
 #include "support/etcd_fixture.hpp"
-#include "support/sync_registry.hpp"
 
 #include <sandboxd/errors.hpp>
 #include <sandboxd/registry.hpp>
+
+#include "support/sync_registry.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -83,8 +84,8 @@ TEST_CASE("etcd: the lease change feed delivers every write and lists again afte
           "[registry][etcd][watch]") {
     EtcdServer etcd;  // private: this test stops and starts it
     const auto prefix = EtcdServer::unique_prefix();
-    auto watcher = sync_etcd({etcd.endpoint()}, prefix, 30000);
-    auto writer = sync_etcd({etcd.endpoint()}, prefix, 30000);
+    auto watcher = test::open_etcd({etcd.endpoint()}, prefix, 30000);
+    auto writer = test::open_etcd({etcd.endpoint()}, prefix, 30000);
 
     std::mutex mutex;
     std::vector<Lease> seen;

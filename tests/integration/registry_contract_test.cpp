@@ -5,12 +5,15 @@
 // daemon itself on etcd.
 #include "support/daemon_fixture.hpp"
 #include "support/etcd_fixture.hpp"
-#include "support/sync_registry.hpp"
 
 #include "registry/etcd_client.hpp"
 
+#include <sandboxd/client.hpp>  // base64_encode
+
 #include <sandboxd/errors.hpp>
 #include <sandboxd/registry.hpp>
+
+#include "support/sync_registry.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -26,6 +29,7 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -35,7 +39,6 @@
 #include <vector>
 
 using namespace sandboxd;
-using namespace sandboxd::test;
 using namespace std::chrono_literals;
 using json = nlohmann::json;
 using test::EtcdServer;
@@ -47,8 +50,8 @@ struct SqliteBackend {
     /// Epochs are stored as the caller gives them (expected + 1 on a change).
     static constexpr bool revision_epochs = false;
     test::TempDir dir;
-    std::unique_ptr<SyncRegistry> open(std::int64_t /*node_ttl_ms*/ = 30000) {
-        return sync_sqlite((dir.path() / "registry.db").string());
+    std::unique_ptr<test::SyncRegistry> open(std::int64_t /*node_ttl_ms*/ = 30000) {
+        return test::open_sqlite((dir.path() / "registry.db").string());
     }
 };
 
@@ -56,8 +59,8 @@ struct EtcdBackend {
     /// Epochs are the revisions of the writes that set them (registry.hpp, update_lease).
     static constexpr bool revision_epochs = true;
     std::string prefix = EtcdServer::unique_prefix();
-    std::unique_ptr<SyncRegistry> open(std::int64_t node_ttl_ms = 30000) {
-        return sync_etcd({EtcdServer::shared().endpoint()}, prefix, node_ttl_ms);
+    std::unique_ptr<test::SyncRegistry> open(std::int64_t node_ttl_ms = 30000) {
+        return test::open_etcd({EtcdServer::shared().endpoint()}, prefix, node_ttl_ms);
     }
 };
 
@@ -115,7 +118,7 @@ void check_new_epoch(std::int64_t got, std::int64_t requested, std::int64_t prev
 /// create_lease(l), checking the returned lease against `l` and the epoch contract; returns
 /// the lease as stored (the epoch the backend chose).
 template <typename Backend>
-Lease created(SyncRegistry& registry, Lease l) {
+Lease created(test::SyncRegistry& registry, Lease l) {
     Lease stored = registry.create_lease(l);
     check_new_epoch<Backend>(stored.epoch, l.epoch, 0);
     l.epoch = stored.epoch;
@@ -139,9 +142,15 @@ std::vector<std::string> ids_of(const std::vector<Lease>& leases) {
     return ids;
 }
 
-std::vector<std::string> ids_of(SyncRegistry& registry, LeaseQuery query) {
+std::vector<std::string> ids_of(test::SyncRegistry& registry, LeaseQuery query) {
     query.limit = 1000;
     return ids_of(registry.list_leases(query).leases);
+}
+
+/// Starts `a` on `io` without waiting for it (several calls in flight at once).
+template <typename T>
+std::future<T> net_spawn(test::IoThread& io, awaitable<T> a) {
+    return boost::asio::co_spawn(io.executor(), std::move(a), boost::asio::use_future);
 }
 
 std::int64_t elapsed_ms(std::chrono::steady_clock::time_point since) {
@@ -200,41 +209,6 @@ TEMPLATE_TEST_CASE("Contract: a lease round-trips every field, absent ones as nu
     CHECK(got_bare->config == nlohmann::json::object());
 
     CHECK_FALSE(registry->get_lease("no-such-lease"));
-}
-
-TEMPLATE_TEST_CASE("Contract: leases by providerLeaseId, and each owner of active leases once",
-                   "[registry][contract]", SqliteBackend, EtcdBackend) {
-    TestType backend;
-    auto registry = backend.open();
-    CHECK(registry->active_owner_nodes().empty());
-
-    Lease a = created<TestType>(*registry, make_lease("lease-a"));
-    Lease b = make_lease("lease-b");
-    b.provider = "process";
-    b.provider_lease_id = "pl-lease-a";  // the same id minted by another provider
-    b.owner_node_id = "node-b";
-    b = created<TestType>(*registry, b);
-    Lease c = make_lease("lease-c");
-    c.owner_node_id = "node-b";
-    c = created<TestType>(*registry, c);
-
-    auto found = registry->find_by_provider_lease("bwrap", "pl-lease-a");
-    REQUIRE(found);
-    check_same(*found, a);
-    CHECK(registry->find_by_provider_lease("process", "pl-lease-a")->id == "lease-b");
-    CHECK_FALSE(registry->find_by_provider_lease("bwrap", "pl-lease-b"));
-    CHECK_FALSE(registry->find_by_provider_lease("", "pl-lease-a"));
-    CHECK(registry->active_owner_nodes() == std::vector<std::string>{"node-a", "node-b"});
-
-    // Released: still found by its provider lease, no longer an active owner's.
-    Lease next = a;
-    next.status = lease_status::released;
-    next.epoch = a.epoch + 1;
-    auto released = registry->update_lease(next, a.epoch);
-    REQUIRE(released);
-    CHECK(registry->find_by_provider_lease("bwrap", "pl-lease-a")->status ==
-          lease_status::released);
-    CHECK(registry->active_owner_nodes() == std::vector<std::string>{"node-b"});
 }
 
 TEMPLATE_TEST_CASE("Contract: an idempotency key returns the existing lease and writes nothing",
@@ -403,7 +377,7 @@ TEMPLATE_TEST_CASE("Contract: concurrent updates from one epoch have exactly one
     int duplicate_wins = 0;
     std::vector<std::thread> threads;
     for (int t = 0; t < 4; ++t) {
-        SyncRegistry& registry = t % 2 == 0 ? *first : *second;
+        test::SyncRegistry& registry = t % 2 == 0 ? *first : *second;
         threads.emplace_back([&, t] {
             for (int i = 0; i < rounds * 4 && wins.load() < rounds; ++i) {
                 auto current = registry.get_lease("lease-1");
@@ -634,6 +608,135 @@ TEMPLATE_TEST_CASE("Contract: expired_leases returns the owner's active leases e
     check_same(got[0], due);
 }
 
+TEMPLATE_TEST_CASE("Contract: find_by_provider_lease finds a lease by provider and its id",
+                   "[registry][contract][index]", SqliteBackend, EtcdBackend) {
+    TestType backend;
+    auto registry = backend.open();
+    Lease a = make_lease("a");
+    a.provider_lease_id = "sb/1%";  // slashes and percent signs stay apart
+    Lease b = make_lease("b");
+    b.provider = "plugin-x";
+    b.provider_lease_id = "sb/1%";
+    a = created<TestType>(*registry, a);
+    b = created<TestType>(*registry, b);
+
+    auto got = registry->find_by_provider_lease("bwrap", "sb/1%");
+    REQUIRE(got);
+    check_same(*got, a);
+    got = registry->find_by_provider_lease("plugin-x", "sb/1%");
+    REQUIRE(got);
+    CHECK(got->id == "b");
+    CHECK_FALSE(registry->find_by_provider_lease("bwrap", "sb"));
+    CHECK_FALSE(registry->find_by_provider_lease("nope", "sb/1%"));
+
+    // A released lease is still found (the index follows the record, not its status).
+    Lease next = a;
+    next.status = lease_status::released;
+    next.epoch = a.epoch + 1;
+    REQUIRE(registry->update_lease(next, a.epoch));
+    got = registry->find_by_provider_lease("bwrap", "sb/1%");
+    REQUIRE(got);
+    CHECK(got->status == lease_status::released);
+}
+
+TEMPLATE_TEST_CASE("Contract: active_owner_nodes lists each owner of an active lease once",
+                   "[registry][contract][index]", SqliteBackend, EtcdBackend) {
+    TestType backend;
+    auto registry = backend.open();
+    CHECK(registry->active_owner_nodes().empty());
+    std::map<std::string, Lease> leases;
+    for (const auto& [id, owner] : std::vector<std::pair<std::string, std::string>>{
+             {"l1", "node-a"}, {"l2", "node-a"}, {"l3", "node/b"}, {"l4", "node-c"}}) {
+        Lease l = make_lease(id);
+        l.owner_node_id = owner;
+        leases[id] = created<TestType>(*registry, l);
+    }
+    using ids = std::vector<std::string>;
+    auto owners = [&] {
+        auto got = registry->active_owner_nodes();
+        std::sort(got.begin(), got.end());
+        return got;
+    };
+    CHECK(owners() == ids{"node-a", "node-c", "node/b"});
+
+    // node-c's only lease is released: it owns no active lease any more.
+    Lease next = leases["l4"];
+    next.status = lease_status::released;
+    next.epoch = leases["l4"].epoch + 1;
+    REQUIRE(registry->update_lease(next, leases["l4"].epoch));
+    // l3 moves from node/b to node-a.
+    next = leases["l3"];
+    next.owner_node_id = "node-a";
+    next.epoch = leases["l3"].epoch + 1;
+    REQUIRE(registry->update_lease(next, leases["l3"].epoch));
+    CHECK(owners() == ids{"node-a"});
+}
+
+TEMPLATE_TEST_CASE("Contract: list_leases by owner follows owner and status changes, in pages",
+                   "[registry][contract][index]", SqliteBackend, EtcdBackend) {
+    TestType backend;
+    auto registry = backend.open();
+    std::vector<Lease> stored;
+    for (int i = 0; i < 30; ++i) {
+        char id[16];
+        std::snprintf(id, sizeof id, "lease-%02d", i);
+        Lease l = make_lease(id, i % 2 == 0 ? "co-1" : "co-2", "env-1", 1000 + i / 4);
+        l.owner_node_id = i % 3 == 0 ? "node-b" : "node-a";
+        stored.push_back(created<TestType>(*registry, l));
+    }
+    // Every fifth lease is released; lease-01 moves to node-b.
+    for (int i = 0; i < 30; i += 5) {
+        Lease next = stored[static_cast<std::size_t>(i)];
+        next.status = lease_status::released;
+        next.epoch = next.epoch + 1;
+        auto w = registry->update_lease(next, stored[static_cast<std::size_t>(i)].epoch);
+        REQUIRE(w);
+        stored[static_cast<std::size_t>(i)] = *w;
+    }
+    {
+        Lease next = stored[1];
+        next.owner_node_id = "node-b";
+        next.epoch = next.epoch + 1;
+        auto w = registry->update_lease(next, stored[1].epoch);
+        REQUIRE(w);
+        stored[1] = *w;
+    }
+    auto want = [&](const std::string& owner, std::optional<lease_status> status,
+                    std::optional<std::string> company) {
+        std::vector<std::string> out;
+        for (const auto& l : stored) {
+            if (l.owner_node_id == owner && (!status || l.status == *status) &&
+                (!company || l.company_id == *company)) {
+                out.push_back(l.id);
+            }
+        }
+        return out;  // ids sort like (acquiredAt, id) here
+    };
+    for (const std::string owner : {"node-a", "node-b", "node-none"}) {
+        for (auto status : std::vector<std::optional<lease_status>>{
+                 std::nullopt, lease_status::active, lease_status::released}) {
+            for (auto company : std::vector<std::optional<std::string>>{std::nullopt, "co-1"}) {
+                CAPTURE(owner, status ? std::string(to_string(*status)) : "any",
+                        company.value_or("any"));
+                LeaseQuery q;
+                q.owner_node_id = owner;
+                q.status = status;
+                q.company_id = company;
+                q.limit = 4;
+                std::vector<std::string> got;
+                for (int pages = 0; pages < 20; ++pages) {
+                    auto page = registry->list_leases(q);
+                    CHECK(page.leases.size() <= 4);
+                    for (const auto& l : page.leases) got.push_back(l.id);
+                    if (page.next_cursor.empty()) break;
+                    q.cursor = page.next_cursor;
+                }
+                CHECK(got == want(owner, status, company));
+            }
+        }
+    }
+}
+
 TEMPLATE_TEST_CASE("Contract: two registries on one store see each other's writes",
                    "[registry][contract]", SqliteBackend, EtcdBackend) {
     TestType backend;
@@ -683,7 +786,7 @@ TEMPLATE_TEST_CASE("Contract: concurrent creates with one idempotency key make e
     std::vector<std::vector<std::string>> results(4);
     std::vector<std::thread> threads;
     for (std::size_t t = 0; t < results.size(); ++t) {
-        SyncRegistry& registry = t % 2 == 0 ? *first : *second;
+        test::SyncRegistry& registry = t % 2 == 0 ? *first : *second;
         threads.emplace_back([&registry, &results, t] {
             for (int i = 0; i < per_thread; ++i) {
                 Lease keyed = make_lease("keyed-" + std::to_string(t) + "-" + std::to_string(i));
@@ -813,7 +916,7 @@ namespace {
 
 /// Calls every Registry method once; returns how many threw registry_unavailable, failing the
 /// test for any other outcome.
-int count_unavailable(SyncRegistry& registry) {
+int count_unavailable(test::SyncRegistry& registry) {
     int unavailable = 0;
     std::vector<std::pair<std::string, std::function<void()>>> calls = {
         {"create_lease", [&] { registry.create_lease(make_lease("lease-x")); }},
@@ -849,7 +952,7 @@ int count_unavailable(SyncRegistry& registry) {
 TEST_CASE("etcd stopped: every call fails closed at once, and works again after a restart",
           "[registry][etcd]") {
     EtcdServer etcd;
-    auto registry = sync_etcd({etcd.endpoint()}, "/sandboxd/v1/", 30000);
+    auto registry = test::open_etcd({etcd.endpoint()}, "/sandboxd/v1/", 30000);
     Lease lease = make_lease("lease-1");
     lease.idempotency_key = "key-1";
     lease = created<EtcdBackend>(*registry, lease);
@@ -874,7 +977,7 @@ TEST_CASE("etcd stopped: every call fails closed at once, and works again after 
 
 TEST_CASE("etcd frozen: calls time out after 2 s, then recover", "[registry][etcd]") {
     EtcdServer etcd;
-    auto registry = sync_etcd({etcd.endpoint()}, "/sandboxd/v1/", 30000);
+    auto registry = test::open_etcd({etcd.endpoint()}, "/sandboxd/v1/", 30000);
     registry->create_lease(make_lease("lease-1"));
 
     etcd.pause();
@@ -905,17 +1008,74 @@ TEST_CASE("etcd: requests fail over to the next endpoint", "[registry][etcd]") {
     // A loopback port nobody listens on comes first.
     const std::string dead = "http://127.0.0.1:1";
     auto prefix = EtcdServer::unique_prefix();
-    auto registry = sync_etcd({dead, etcd.endpoint()}, prefix, 30000);
+    auto registry = test::open_etcd({dead, etcd.endpoint()}, prefix, 30000);
     CHECK(registry->create_lease(make_lease("lease-1")).id == "lease-1");
     CHECK(registry->get_lease("lease-1"));
 
-    auto only_dead = sync_etcd({dead, "http://127.0.0.1:2"}, prefix, 30000);
+    auto only_dead = test::open_etcd({dead, "http://127.0.0.1:2"}, prefix, 30000);
     auto err = rpc_error_of([&] { only_dead->get_lease("lease-1"); });
     REQUIRE(err);
     CHECK(err->code() == errc::registry_unavailable);
     const std::string what = err->what();
     CHECK(what.find("http://127.0.0.1:1/v3/kv/range") != std::string::npos);
     CHECK(what.find("http://127.0.0.1:2/v3/kv/range") != std::string::npos);
+}
+
+TEST_CASE("etcd: 200 calls in flight at once on one registry all complete, after failing over",
+          "[registry][etcd][concurrency]") {
+    auto& etcd = EtcdServer::shared();
+    // A loopback port nobody listens on comes first: the first calls fail over.
+    auto registry = test::open_etcd({"http://127.0.0.1:1", etcd.endpoint()},
+                                    EtcdServer::unique_prefix(), 30000);
+    auto& io = registry->io();
+    constexpr int n = 200;
+    std::vector<std::future<Lease>> creates;
+    for (int i = 0; i < n; ++i) {
+        creates.push_back(net_spawn(
+            io, registry->async().create_lease(make_lease("lease-" + std::to_string(i)))));
+    }
+    for (int i = 0; i < n; ++i)
+        CHECK(creates[static_cast<std::size_t>(i)].get().id == "lease-" + std::to_string(i));
+    std::vector<std::future<std::optional<Lease>>> gets;
+    for (int i = 0; i < n; ++i) {
+        gets.push_back(net_spawn(io, registry->async().get_lease("lease-" + std::to_string(i))));
+    }
+    for (int i = 0; i < n; ++i) {
+        auto got = gets[static_cast<std::size_t>(i)].get();
+        REQUIRE(got);
+        CHECK(got->id == "lease-" + std::to_string(i));
+    }
+    LeaseQuery q;
+    q.owner_node_id = "node-a";
+    q.limit = 1000;
+    CHECK(registry->list_leases(q).leases.size() == n);
+}
+
+TEST_CASE("etcd: leases stored without index keys are indexed on first use",
+          "[registry][etcd][index]") {
+    auto& etcd = EtcdServer::shared();
+    const auto prefix = EtcdServer::unique_prefix();
+    {
+        // What an older version wrote: the lease record alone, and no marker.
+        auto registry = test::open_etcd({etcd.endpoint()}, prefix, 30000);
+        Lease l = make_lease("old");
+        l.expires_at_ms = 500;
+        registry->create_lease(l);
+        test::IoThread io;
+        etcd::Client raw(io.executor(), {etcd.endpoint()}, "", "", 2s);
+        io.run(raw.call("test", "/v3/kv/deleterange",
+                        {{"key", base64_encode(prefix + "plid/")},
+                         {"range_end", base64_encode(etcd::prefix_end(prefix + "plid/"))}}));
+        io.run(raw.call("test", "/v3/kv/deleterange",
+                        {{"key", base64_encode(prefix + "owner/")},
+                         {"range_end", base64_encode(etcd::prefix_end(prefix + "owner/"))}}));
+    }
+    auto registry = test::open_etcd({etcd.endpoint()}, prefix, 30000);
+    auto got = registry->find_by_provider_lease("bwrap", "pl-old");
+    REQUIRE(got);
+    CHECK(got->id == "old");
+    CHECK(registry->active_owner_nodes() == std::vector<std::string>{"node-a"});
+    CHECK(ids_of(registry->expired_leases("node-a", 1000)) == std::vector<std::string>{"old"});
 }
 
 namespace {
@@ -1013,7 +1173,7 @@ TEST_CASE("etcd: a gateway answering 5xx, garbage or an error fails closed", "[r
     for (const auto& c : cases) {
         CAPTURE(c.response);
         CannedServer server(c.response);
-        auto registry = sync_etcd({server.endpoint()}, "/p/", 30000);
+        auto registry = test::open_etcd({server.endpoint()}, "/p/", 30000);
         auto err = rpc_error_of([&] { registry->get_lease("lease-1"); });
         REQUIRE(err);
         CHECK(err->code() == errc::registry_unavailable);
@@ -1026,7 +1186,7 @@ TEST_CASE("etcd: a gateway answering 5xx, garbage or an error fails closed", "[r
     // A bad answer from one endpoint fails over to the next.
     CannedServer broken(canned("503 Service Unavailable", "{}"));
     auto registry =
-        sync_etcd({broken.endpoint(), EtcdServer::shared().endpoint()}, "/p/", 30000);
+        test::open_etcd({broken.endpoint(), EtcdServer::shared().endpoint()}, "/p/", 30000);
     CHECK_FALSE(registry->get_lease("no-such-lease"));
 }
 
@@ -1034,17 +1194,17 @@ TEST_CASE("etcd: bad endpoints are rejected when the registry is made", "[regist
     for (std::string bad : {"127.0.0.1:2379", "https://127.0.0.1:2379", "http://", "http://host",
                             "http://host:0", "http://host:99999", "http://host:2379/path"}) {
         CAPTURE(bad);
-        CHECK_THROWS_AS(sync_etcd({bad}, "/p/", 1000), std::invalid_argument);
+        CHECK_THROWS_AS(test::open_etcd({bad}, "/p/", 1000), std::invalid_argument);
     }
-    CHECK_THROWS_AS(sync_etcd({}, "/p/", 1000), std::invalid_argument);
-    CHECK_THROWS_AS(sync_etcd({"http://127.0.0.1:2379"}, "/p/", 0), std::invalid_argument);
-    CHECK_NOTHROW(sync_etcd({"http://localhost:2379/", "http://[::1]:2379"}, "/p/", 1));
+    CHECK_THROWS_AS(test::open_etcd({}, "/p/", 1000), std::invalid_argument);
+    CHECK_THROWS_AS(test::open_etcd({"http://127.0.0.1:2379"}, "/p/", 0), std::invalid_argument);
+    CHECK_NOTHROW(test::open_etcd({"http://localhost:2379/", "http://[::1]:2379"}, "/p/", 1));
 }
 
 TEST_CASE("etcd: a node record vanishes after its TTL once heartbeats stop", "[registry][etcd]") {
     auto prefix = EtcdServer::unique_prefix();
-    auto registry = sync_etcd({EtcdServer::shared().endpoint()}, prefix, 2000);
-    auto other = sync_etcd({EtcdServer::shared().endpoint()}, prefix, 2000);
+    auto registry = test::open_etcd({EtcdServer::shared().endpoint()}, prefix, 2000);
+    auto other = test::open_etcd({EtcdServer::shared().endpoint()}, prefix, 2000);
     registry->register_node({"node-a", "ws://a:1", 1, 1, "inst-1"}, 2000);
 
     // Heartbeats keep it alive well past the TTL.
@@ -1079,24 +1239,25 @@ TEST_CASE("etcd: token auth, re-authenticating after the server forgets the toke
           "[registry][etcd]") {
     EtcdServer etcd;
     {
-        etcd::Client admin({etcd.endpoint()}, "", "", 2s);
-        admin.call("test", "/v3/auth/role/add", {{"name", "root"}});
-        admin.call("test", "/v3/auth/user/add", {{"name", "root"}, {"password", "rootpw"}});
-        admin.call("test", "/v3/auth/user/grant", {{"user", "root"}, {"role", "root"}});
-        admin.call("test", "/v3/auth/enable", json::object());
+        test::IoThread io;
+        etcd::Client admin(io.executor(), {etcd.endpoint()}, "", "", 2s);
+        io.run(admin.call("test", "/v3/auth/role/add", {{"name", "root"}}));
+        io.run(admin.call("test", "/v3/auth/user/add", {{"name", "root"}, {"password", "rootpw"}}));
+        io.run(admin.call("test", "/v3/auth/user/grant", {{"user", "root"}, {"role", "root"}}));
+        io.run(admin.call("test", "/v3/auth/enable", json::object()));
     }
-    auto registry = sync_etcd({etcd.endpoint()}, "/sandboxd/v1/", 30000, "root", "rootpw");
+    auto registry = test::open_etcd({etcd.endpoint()}, "/sandboxd/v1/", 30000, "root", "rootpw");
     CHECK(registry->create_lease(make_lease("lease-1")).id == "lease-1");
     registry->register_node({"node-a", "ws://a:1", 1, 1, "inst-1"}, 30000);
     CHECK(registry->heartbeat_node("node-a", "inst-1", 2));
 
-    auto anonymous = sync_etcd({etcd.endpoint()}, "/sandboxd/v1/", 30000);
+    auto anonymous = test::open_etcd({etcd.endpoint()}, "/sandboxd/v1/", 30000);
     auto err = rpc_error_of([&] { anonymous->get_lease("lease-1"); });
     REQUIRE(err);
     CHECK(err->code() == errc::registry_unavailable);
     CHECK(std::string(err->what()).find("user name is empty") != std::string::npos);
 
-    auto wrong = sync_etcd({etcd.endpoint()}, "/sandboxd/v1/", 30000, "root", "nope");
+    auto wrong = test::open_etcd({etcd.endpoint()}, "/sandboxd/v1/", 30000, "root", "nope");
     err = rpc_error_of([&] { wrong->get_lease("lease-1"); });
     REQUIRE(err);
     CHECK(err->code() == errc::registry_unavailable);
@@ -1133,7 +1294,7 @@ TEST_CASE("etcd: the daemon runs on an etcd registry", "[registry][etcd][daemon]
     CHECK(nodes[0]["nodeId"] == "node-etcd");
 
     // What the daemon wrote is in etcd under the prefix.
-    auto registry = sync_etcd({EtcdServer::shared().endpoint()}, prefix, 30000);
+    auto registry = test::open_etcd({EtcdServer::shared().endpoint()}, prefix, 30000);
     auto stored = registry->get_lease(lease["id"].get<std::string>());
     REQUIRE(stored);
     CHECK(stored->owner_node_id == "node-etcd");
@@ -1152,7 +1313,7 @@ TEST_CASE("etcd: measured times", "[.][bench][etcd-bench]") {
     if (!etcd.external()) {
         std::cout << "etcd fixture start: " << etcd.last_start_duration().count() << " ms\n";
     }
-    auto registry = sync_etcd({etcd.endpoint()}, EtcdServer::unique_prefix(), 30000);
+    auto registry = test::open_etcd({etcd.endpoint()}, EtcdServer::unique_prefix(), 30000);
     registry->get_lease("warm-up");
     constexpr int n = 200;
     auto began = std::chrono::steady_clock::now();
