@@ -5,6 +5,7 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/beast/websocket.hpp>
+#include <sandboxd/async.hpp>
 
 namespace sandboxd {
 namespace net = boost::asio;
@@ -14,8 +15,6 @@ namespace websocket = boost::beast::websocket;
 using tcp = boost::asio::ip::tcp;
 /// An executor that is a strand (sessions get one per connection at accept).
 using strand_t = net::any_io_executor;
-template <typename T = void>
-using awaitable = net::awaitable<T>;
 inline constexpr auto use_awaitable = net::use_awaitable;
 inline constexpr auto as_tuple_awaitable = net::as_tuple(net::use_awaitable);
 }  // namespace sandboxd
