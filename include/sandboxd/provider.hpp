@@ -8,7 +8,8 @@
 /// namespaces, an unprivileged host uid, a minimal filesystem, a cgroup with the lease's
 /// limits and a workspace disk of its own, with `sandboxd-init --lease` as its supervisor. A
 /// channel is a request to that supervisor, which starts the channel's init as PID 1 of a PID
-/// namespace of the channel's own. The channel init's contract with the daemon (its fds):
+/// namespace of the channel's own; the daemon serves it through the process backend
+/// (src/provider/process_backend.hpp). The channel init's contract with the daemon (its fds):
 ///  - fd 3 (write end, daemon reads): one line when the command's main process ends:
 ///    "exit N\n" (N 0..255) or "signal N\n" (N the signal number). Nothing else. The daemon
 ///    reads at most 32 bytes and accepts only those two forms; anything else is an error.
@@ -20,14 +21,13 @@
 ///    reason is on stderr.
 ///  - The channel's pipes reach EOF once the channel init has exited (it exits after the drain
 ///    grace, or the daemon kills it).
-///  - `pid` is the channel init's host pid, not the daemon's child: it is watched and killed
-///    through `pidfd` only (never waitpid).
+///  - The channel init is the supervisor's child, not the daemon's: it is watched and killed
+///    through its pidfd only (never waitpid).
 
+#include <sandboxd/async.hpp>
+#include <sandboxd/channel_backend.hpp>
 #include <sandboxd/config.hpp>
 #include <sandboxd/lease.hpp>
-#include <sandboxd/unique_fd.hpp>
-
-#include <sys/types.h>
 
 #include <cstdint>
 #include <filesystem>
@@ -68,18 +68,6 @@ struct SandboxHandle {
     std::shared_ptr<SandboxState> state;  ///< the provider's own; may be null
 };
 
-/// What a provider keeps for one channel beyond its descriptors (the bwrap provider: the
-/// channel's cgroup). Owned by the channel; destroying it releases them. Not thread-safe: used
-/// by the channel's strand only.
-class ChannelResources {
-public:
-    virtual ~ChannelResources() = default;
-    /// Called once, after the channel's main process has ended with `term_signal` (0 for an
-    /// exit): the limit that ended it ("memory" when its cgroup counted an OOM kill and the
-    /// signal is SIGKILL), or "". Counts the limit events of the channel. Fast; no blocking.
-    virtual std::string limit_hit(int term_signal) noexcept = 0;
-};
-
 struct PtySize {
     std::uint16_t cols = 80;  ///< 1..4096
     std::uint16_t rows = 24;  ///< 1..4096
@@ -98,21 +86,6 @@ struct ExecSpec {
     std::optional<std::uint32_t> drain_grace_ms;
 };
 
-/// The daemon's side of a started process. Every fd is non-blocking and close-on-exec.
-struct SpawnedProcess {
-    /// The channel init's host pid (not our child: never waitpid it); -1 when it had already
-    /// ended before spawn() returned (its set-up failed). For diagnostics only.
-    pid_t pid = -1;
-    unique_fd pidfd;   ///< pidfd of `pid`; readable when it exits
-    unique_fd stdin_fd;   ///< write end of the command's stdin; the PTY master under a PTY;
-                          ///< empty when !stdin_attached and no PTY
-    unique_fd stdout_fd;  ///< read end of stdout; under a PTY, a dup of the master
-    unique_fd stderr_fd;  ///< read end of stderr; empty under a PTY (merged into stdout)
-    unique_fd status_fd;  ///< read end of the init's fd 3
-    unique_fd control_fd; ///< write end of the init's fd 4
-    std::unique_ptr<ChannelResources> resources;  ///< may be null
-};
-
 /// Counts of limits that sandboxes hit, for /metrics (sandboxd_limit_events_total).
 struct LimitEvents {
     std::uint64_t memory = 0;  ///< channels whose main process was OOM-killed
@@ -128,21 +101,30 @@ public:
     virtual const std::string& plugin_id() const noexcept = 0;
 
     /// Creates a sandbox for `scope` (provider_lease_id is minted here and set in the result).
-    /// `config` is the lease's provider config. Blocking; call off the I/O threads.
-    /// Throws rpc_error(errc::invalid_params) for a bad config, errc::provider_error otherwise.
-    virtual std::shared_ptr<SandboxHandle> create(SandboxScope scope, const std::string& lease_id,
-                                                  const nlohmann::json& config) = 0;
+    /// `config` is the lease's provider config. Completes on the awaiting executor; the
+    /// blocking work (disks, cgroups, starting the supervisor) runs on a pool the provider owns
+    /// and bounds, or behind a plugin worker's answer (bounded by its RPC timeout). Throws
+    /// rpc_error(errc::invalid_params) for a bad config, errc::provider_not_ready while the
+    /// provider cannot serve, errc::provider_error otherwise; nothing is left behind then.
+    virtual awaitable<std::shared_ptr<SandboxHandle>> create(SandboxScope scope,
+                                                             std::string lease_id,
+                                                             nlohmann::json config) = 0;
 
     /// Destroys the sandbox (its workspace). The caller has stopped its channels first.
-    /// Idempotent: destroying a missing sandbox succeeds. Blocking. Throws
-    /// rpc_error(errc::provider_error) when it cannot remove it.
-    virtual void destroy(const SandboxHandle& sandbox) = 0;
+    /// Idempotent: destroying a missing sandbox succeeds. Awaitable like create(). Throws
+    /// rpc_error(errc::provider_error) when it cannot remove it, errc::provider_not_ready
+    /// while the provider cannot serve (nothing was done: retry later).
+    virtual awaitable<void> destroy(std::shared_ptr<SandboxHandle> sandbox) = 0;
 
-    /// Starts `spec` in `sandbox`. Fast (one round trip to the sandbox's supervisor, which
-    /// forks; bounded by a 10 s timeout), callable from any thread. Throws
-    /// rpc_error(errc::provider_error) if the sandbox is gone or the process cannot be
-    /// started, errc::invalid_params for a spec it cannot carry; nothing is left running then.
-    virtual SpawnedProcess spawn(const SandboxHandle& sandbox, const ExecSpec& spec) = 0;
+    /// Starts `spec` in `sandbox` and returns its channel backend, bound to the awaiting
+    /// executor (see channel_backend.hpp). One round trip to the sandbox's supervisor or
+    /// worker, asynchronous, bounded by a timeout (bwrap: 10 s; a plugin: its RPC timeout).
+    /// Throws rpc_error(errc::provider_error) if the sandbox is gone or the process cannot be
+    /// started, errc::channel_limit when the sandbox or the daemon is out of processes or
+    /// descriptors, errc::invalid_params for a spec it cannot carry,
+    /// errc::provider_not_ready while the provider cannot serve; nothing is left running then.
+    virtual awaitable<std::unique_ptr<ChannelBackend>> open(std::shared_ptr<SandboxHandle> sandbox,
+                                                            ExecSpec spec) = 0;
 
     /// The sandbox's current usage as the Lease's `usage` field ({memoryBytes, pids,
     /// diskBytes, cpuMs}), or null when the provider cannot measure it. Reads a few kernel
@@ -160,7 +142,7 @@ public:
     virtual std::string degraded() const { return {}; }
 
     /// False while the provider cannot serve (a plugin worker that is down, restarting or
-    /// given up): create() and spawn() then throw errc::provider_not_ready. Fast; no I/O.
+    /// given up): create() and open() then throw errc::provider_not_ready. Fast; no I/O.
     virtual bool ready() const noexcept { return true; }
 
     /// A handle good enough to destroy() the sandbox of `scope` that this process no longer
@@ -193,6 +175,9 @@ struct BwrapOptions {
     std::vector<std::string> etc_files = BwrapConfig{}.etc_files;
     std::filesystem::path etc_source = "/etc";        ///< where etc_files are copied from
     std::filesystem::path cgroup_root = "/sys/fs/cgroup";
+    /// Threads of the provider's own pool for create() and destroy() (1..64): at most this
+    /// many run at once, the rest wait their turn without holding a thread of the node.
+    std::size_t blocking_threads = 4;
 };
 
 /// The built-in bubblewrap provider (key "bwrap", pluginId "builtin"). Thread-safe.

@@ -6,8 +6,10 @@
 /// new user (uid mapped to the configured inside uid), mount, PID, IPC, UTS, cgroup and
 /// (unless allowed) network namespaces over a minimal root (read-only /usr, a generated /etc,
 /// private /tmp, /run and /dev/shm, the workspace at /workspace), with `sandboxd-init --lease`
-/// as PID 1: the supervisor (src/init/supervisor_protocol.hpp). spawn() asks the supervisor
-/// for a channel; destroy() kills the cgroup, unmounts the disk and returns the uid.
+/// as PID 1: the supervisor (src/init/supervisor_protocol.hpp). open() asks the supervisor
+/// for a channel, asynchronously, and serves it through a ProcessBackend; destroy() kills the
+/// cgroup, unmounts the disk and returns the uid. create() and destroy() block (mkfs, mount,
+/// cgroups, bubblewrap's start): they run on the provider's own bounded pool.
 
 #include <sandboxd/errors.hpp>
 #include <sandboxd/provider.hpp>
@@ -17,8 +19,11 @@
 #include "provider/cgroups.hpp"
 #include "provider/identity_pool.hpp"
 #include "provider/lease_disk.hpp"
+#include "provider/process_backend.hpp"
 #include "provider/seccomp_filter.hpp"
 #include "provider/spawn.hpp"
+#include "server/blocking_pool.hpp"
+
 
 #include <spdlog/spdlog.h>
 
@@ -39,6 +44,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstring>
+#include <deque>
 #include <fstream>
 #include <mutex>
 #include <string_view>
@@ -61,6 +67,7 @@ constexpr std::string_view sandbox_path =
     "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 constexpr const char* init_in_sandbox = "/.sandboxd/init";
 constexpr int supervisor_timeout_ms = 10000;
+constexpr std::size_t max_blocking_threads = 64;
 
 [[noreturn]] void provider_failure(std::string message) {
     throw rpc_error(errc::provider_error, std::move(message));
@@ -125,6 +132,47 @@ std::string short_hash(std::string_view text) {
 
 class BwrapSandbox;
 
+/// Requests to one supervisor take turns (its replies come in request order), and a request
+/// that waits for its turn holds no thread: it waits on a timer of its own executor, which
+/// the request before it wakes. Thread-safe; each waiter must run on a strand or a
+/// single-threaded io_context (the wake is posted there, after the waiter has suspended).
+class Turns {
+public:
+    /// Completes once it is the caller's turn; give it back with leave().
+    awaitable<void> enter() {
+        auto executor = co_await net::this_coro::executor;
+        auto timer = std::make_shared<net::steady_timer>(executor);
+        timer->expires_at(net::steady_timer::time_point::max());
+        bool mine = false;
+        {
+            std::lock_guard lock(mutex_);
+            mine = !busy_;
+            busy_ = true;
+            if (!mine) waiting_.push_back(timer);
+        }
+        // Woken (cancelled) by the leave() of the request before this one.
+        if (!mine) co_await timer->async_wait(as_tuple_awaitable);
+    }
+
+    /// Hands the turn to the next waiter that is still there, else frees it.
+    void leave() {
+        std::lock_guard lock(mutex_);
+        while (!waiting_.empty()) {
+            auto next = waiting_.front().lock();
+            waiting_.pop_front();
+            if (!next) continue;  // its coroutine is gone
+            net::post(next->get_executor(), [next] { next->cancel(); });
+            return;
+        }
+        busy_ = false;
+    }
+
+private:
+    std::mutex mutex_;
+    bool busy_ = false;
+    std::deque<std::weak_ptr<net::steady_timer>> waiting_;
+};
+
 /// Counters shared by the provider and its channels' resources.
 struct Counters {
     std::atomic<std::uint64_t> memory{0};
@@ -157,7 +205,8 @@ public:
 
     fs::path workspace;  ///< the mount point on the host
 
-    std::mutex mutex;  ///< one request in flight on the socket; guards the fields below
+    Turns turns;  ///< one request in flight on the socket
+    std::mutex mutex;  ///< guards the fields below (never held across a wait)
     pid_t pid = -1;    ///< bubblewrap, our child
     unique_fd pidfd;
     unique_fd socket;  ///< the daemon's end of the supervisor's socket pair
@@ -170,7 +219,7 @@ public:
     std::atomic<std::uint64_t> channels{0};
 };
 
-class BwrapChannelResources final : public ChannelResources {
+class BwrapChannelResources final : public detail::ChannelResources {
 public:
     BwrapChannelResources(std::unique_ptr<detail::ChannelCgroup> cgroup,
                           std::shared_ptr<BwrapSandbox> sandbox, std::shared_ptr<Counters> counters)
@@ -201,7 +250,8 @@ public:
         : options_(std::move(options)),
           init_path_(options_.init_path.empty() ? default_init_path() : options_.init_path),
           pool_(options_.identity.host_id_first, options_.identity.host_id_count,
-                options_.identity.lock_file) {
+                options_.identity.lock_file),
+          workers_(checked_threads(options_.blocking_threads)) {
         std::error_code ec;
         fs::create_directories(options_.sandboxes_dir, ec);
         ::chmod(options_.sandboxes_dir.c_str(), 0700);
@@ -238,6 +288,7 @@ public:
     }
 
     ~BwrapProvider() override {
+        workers_.join();  // a create() or destroy() still running finishes first
         // What only this process used: the generated /etc, the init's copy, and the mount
         // points of sandboxes already unmounted (their records stay in sandboxes_dir for a
         // later teardown). A directory still in use is left alone.
@@ -267,8 +318,74 @@ public:
         return {counters_->memory.load(), counters_->pids.load()};
     }
 
-    std::shared_ptr<SandboxHandle> create(SandboxScope scope, const std::string& lease_id,
-                                          const json& config) override {
+    awaitable<std::shared_ptr<SandboxHandle>> create(SandboxScope scope, std::string lease_id,
+                                                     json config) override {
+        auto work = [this, scope = std::move(scope), lease_id = std::move(lease_id),
+                     config = std::move(config)] { return create_now(scope, lease_id, config); };
+        co_return co_await run_blocking(workers_, std::move(work));
+    }
+
+    awaitable<void> destroy(std::shared_ptr<SandboxHandle> sandbox) override {
+        auto work = [this, sandbox = std::move(sandbox)] { destroy_now(*sandbox); };
+        co_await run_blocking(workers_, std::move(work));
+    }
+
+    awaitable<std::unique_ptr<ChannelBackend>> open(std::shared_ptr<SandboxHandle> sandbox,
+                                                    ExecSpec spec) override {
+        validate_spec(spec);
+        auto state = std::static_pointer_cast<BwrapSandbox>(sandbox->state);
+        if (!state) {
+            provider_failure("sandbox " + sandbox->scope.provider_lease_id +
+                             " has no supervisor in this process");
+        }
+        PreparedChannel prepared = prepare_channel(*state, spec);
+        unique_fd init_pidfd =
+            co_await ask_supervisor(state, sandbox->scope.provider_lease_id, prepared.request,
+                                    prepared.payload, prepared.fds);
+        detail::ProcessEnds ends = channel_ends(std::move(prepared), std::move(init_pidfd), state);
+        auto executor = co_await net::this_coro::executor;
+        co_return std::make_unique<detail::ProcessBackend>(executor, std::move(ends));
+    }
+
+    std::shared_ptr<SandboxHandle> handle_for_teardown(const SandboxScope& scope,
+                                                       const std::string& lease_id) override {
+        // Only ids this provider mints ("bw-" and 16 hex digits) name a sandbox: anything
+        // else (a path, "..") is refused rather than trusted.
+        const auto& id = scope.provider_lease_id;
+        if (!is_sandbox_id(id)) return nullptr;
+        auto handle = std::make_shared<SandboxHandle>();
+        handle->scope = scope;
+        handle->lease_id = lease_id;
+        handle->workspace = runtime_dir_ / id / "workspace";
+        return handle;
+    }
+
+    json usage(const SandboxHandle& sandbox) const override {
+        auto state = std::static_pointer_cast<BwrapSandbox>(sandbox.state);
+        if (!state || !state->cgroup) return nullptr;
+        const auto u = state->cgroup->usage();
+        return {{"memoryBytes", u.memory_bytes},
+                {"pids", u.pids},
+                {"diskBytes", detail::disk_used_bytes(sandbox.workspace)},
+                {"cpuMs", u.cpu_ms}};
+    }
+
+private:
+    /// A channel's request and the descriptors it passes, before the supervisor answers.
+    struct PreparedChannel {
+        proto::Request request;
+        std::string payload;
+        std::vector<int> fds;  ///< the child's ends below, in the protocol's order
+        bool pty = false;
+        detail::Pty pty_ends;
+        detail::Pipe stdin_pipe, stdout_pipe, stderr_pipe, status_pipe, control_pipe;
+        unique_fd dev_null;
+        std::unique_ptr<detail::ChannelCgroup> cgroup;
+        std::vector<unique_fd> procs;
+    };
+
+    std::shared_ptr<SandboxHandle> create_now(SandboxScope scope, const std::string& lease_id,
+                                              const json& config) {
         const LeaseConfig cfg = parse_config(config);
         if (::access(init_path_.c_str(), X_OK) != 0) {
             provider_failure("sandboxd-init is missing: " + init_path_.string() + ": " +
@@ -341,20 +458,7 @@ public:
         return handle;
     }
 
-    std::shared_ptr<SandboxHandle> handle_for_teardown(const SandboxScope& scope,
-                                                       const std::string& lease_id) override {
-        // Only ids this provider mints ("bw-" and 16 hex digits) name a sandbox: anything
-        // else (a path, "..") is refused rather than trusted.
-        const auto& id = scope.provider_lease_id;
-        if (!is_sandbox_id(id)) return nullptr;
-        auto handle = std::make_shared<SandboxHandle>();
-        handle->scope = scope;
-        handle->lease_id = lease_id;
-        handle->workspace = runtime_dir_ / id / "workspace";
-        return handle;
-    }
-
-    void destroy(const SandboxHandle& sandbox) override {
+    void destroy_now(const SandboxHandle& sandbox) {
         if (!is_sandbox_id(sandbox.scope.provider_lease_id)) return;
         auto state = std::static_pointer_cast<BwrapSandbox>(sandbox.state);
         std::unique_ptr<detail::LeaseCgroup> left_behind;
@@ -370,13 +474,9 @@ public:
         if (state) state->cgroup.reset();
     }
 
-    SpawnedProcess spawn(const SandboxHandle& sandbox, const ExecSpec& spec) override {
-        validate_spec(spec);
-        auto state = std::static_pointer_cast<BwrapSandbox>(sandbox.state);
-        if (!state) {
-            provider_failure("sandbox " + sandbox.scope.provider_lease_id +
-                             " has no supervisor in this process");
-        }
+    /// The request, payload and descriptors of a channel: fast, no waiting (pipes, a PTY,
+    /// the channel's cgroup directory).
+    PreparedChannel prepare_channel(BwrapSandbox& state, const ExecSpec& spec) {
         // The request's payload: cwd, argv, then the environment, NUL-terminated.
         // The fixed variables first, in this order, then spec.env (sorted); a spec.env entry
         // of a fixed name replaces its value in place, as setenv(3) does.
@@ -394,8 +494,10 @@ public:
                 env.emplace_back(name, value);
             }
         }
-        proto::Request request;
-        std::string payload = sandbox_cwd(spec.cwd);
+        PreparedChannel out;
+        proto::Request& request = out.request;
+        std::string& payload = out.payload;
+        payload = sandbox_cwd(spec.cwd);
         payload.push_back('\0');
         for (const auto& arg : spec.argv) {
             payload += arg;
@@ -419,53 +521,55 @@ public:
         request.grace_ms = spec.drain_grace_ms ? static_cast<std::int32_t>(std::min<std::uint32_t>(
                                                      *spec.drain_grace_ms, INT32_MAX))
                                                : -1;
-        request.open_files = state->limits.open_files;
+        request.open_files = state.limits.open_files;
 
-        SpawnedProcess out;
-        detail::Pty pty;
-        detail::Pipe stdin_pipe, stdout_pipe, stderr_pipe;
-        unique_fd dev_null;
-        std::vector<int> fds;
+        std::vector<int>& fds = out.fds;
+        out.pty = spec.pty.has_value();
         if (spec.pty) {
-            pty = detail::open_pty(*spec.pty);
-            fds = {pty.slave.get(), pty.slave.get(), pty.slave.get()};
+            out.pty_ends = detail::open_pty(*spec.pty);
+            fds = {out.pty_ends.slave.get(), out.pty_ends.slave.get(), out.pty_ends.slave.get()};
             request.flags |= proto::flag_pty;
         } else {
             if (spec.stdin_attached) {
-                stdin_pipe = detail::make_pipe(detail::daemon_end::write);
-                fds.push_back(stdin_pipe.read_end.get());
+                out.stdin_pipe = detail::make_pipe(detail::daemon_end::write);
+                fds.push_back(out.stdin_pipe.read_end.get());
             } else {
-                dev_null.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-                if (!dev_null) provider_failure(std::string("cannot open /dev/null: ") +
-                                                std::strerror(errno));
-                fds.push_back(dev_null.get());
+                out.dev_null.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+                if (!out.dev_null) {
+                    provider_failure(std::string("cannot open /dev/null: ") +
+                                     std::strerror(errno));
+                }
+                fds.push_back(out.dev_null.get());
             }
-            stdout_pipe = detail::make_pipe(detail::daemon_end::read);
-            stderr_pipe = detail::make_pipe(detail::daemon_end::read);
-            ::fcntl(stdout_pipe.read_end.get(), F_SETPIPE_SZ, 1 << 20);  // fewer, larger reads
-            fds.push_back(stdout_pipe.write_end.get());
-            fds.push_back(stderr_pipe.write_end.get());
+            out.stdout_pipe = detail::make_pipe(detail::daemon_end::read);
+            out.stderr_pipe = detail::make_pipe(detail::daemon_end::read);
+            ::fcntl(out.stdout_pipe.read_end.get(), F_SETPIPE_SZ, 1 << 20);  // fewer, larger reads
+            fds.push_back(out.stdout_pipe.write_end.get());
+            fds.push_back(out.stderr_pipe.write_end.get());
         }
-        detail::Pipe status_pipe = detail::make_pipe(detail::daemon_end::read);
-        detail::Pipe control_pipe = detail::make_pipe(detail::daemon_end::write);
-        fds.push_back(status_pipe.write_end.get());
-        fds.push_back(control_pipe.read_end.get());
+        out.status_pipe = detail::make_pipe(detail::daemon_end::read);
+        out.control_pipe = detail::make_pipe(detail::daemon_end::write);
+        fds.push_back(out.status_pipe.write_end.get());
+        fds.push_back(out.control_pipe.read_end.get());
 
-        std::unique_ptr<detail::ChannelCgroup> channel_cgroup;
-        std::vector<unique_fd> procs;
-        if (state->cgroup) {
-            channel_cgroup =
-                state->cgroup->create_channel("ch-" + std::to_string(++state->channels));
-            procs = channel_cgroup->open_procs();
-            for (const auto& fd : procs) fds.push_back(fd.get());
+        if (state.cgroup) {
+            out.cgroup = state.cgroup->create_channel("ch-" + std::to_string(++state.channels));
+            out.procs = out.cgroup->open_procs();
+            for (const auto& fd : out.procs) fds.push_back(fd.get());
         }
-        request.cgroup_fds = static_cast<std::uint32_t>(procs.size());
+        request.cgroup_fds = static_cast<std::uint32_t>(out.procs.size());
+        return out;
+    }
 
-        unique_fd init_pidfd = ask_supervisor(*state, sandbox, request, payload, fds);
+    /// The daemon's ends of a started channel; the child's ends close with `prepared`.
+    detail::ProcessEnds channel_ends(PreparedChannel prepared, unique_fd init_pidfd,
+                                     const std::shared_ptr<BwrapSandbox>& state) {
+        detail::ProcessEnds out;
         out.pid = pid_of(init_pidfd.get());
         out.pidfd = std::move(init_pidfd);
-        if (spec.pty) {
-            int dup = ::fcntl(pty.master.get(), F_DUPFD_CLOEXEC, 0);
+        out.pty = prepared.pty;
+        if (prepared.pty) {
+            int dup = ::fcntl(prepared.pty_ends.master.get(), F_DUPFD_CLOEXEC, 0);
             if (dup < 0) {
                 int err = errno;
                 // Nothing may be left running: the caller never sees this channel.
@@ -473,30 +577,28 @@ public:
                 provider_failure(std::string("cannot set up a pty: ") + std::strerror(err));
             }
             out.stdout_fd.reset(dup);
-            out.stdin_fd = std::move(pty.master);
+            out.stdin_fd = std::move(prepared.pty_ends.master);
         } else {
-            out.stdin_fd = std::move(stdin_pipe.write_end);
-            out.stdout_fd = std::move(stdout_pipe.read_end);
-            out.stderr_fd = std::move(stderr_pipe.read_end);
+            out.stdin_fd = std::move(prepared.stdin_pipe.write_end);
+            out.stdout_fd = std::move(prepared.stdout_pipe.read_end);
+            out.stderr_fd = std::move(prepared.stderr_pipe.read_end);
         }
-        out.status_fd = std::move(status_pipe.read_end);
-        out.control_fd = std::move(control_pipe.write_end);
-        out.resources = std::make_unique<BwrapChannelResources>(std::move(channel_cgroup), state,
+        out.status_fd = std::move(prepared.status_pipe.read_end);
+        out.control_fd = std::move(prepared.control_pipe.write_end);
+        out.resources = std::make_unique<BwrapChannelResources>(std::move(prepared.cgroup), state,
                                                                 counters_);
-        return out;  // the child's ends are closed with their holders here
+        return out;
     }
 
-    json usage(const SandboxHandle& sandbox) const override {
-        auto state = std::static_pointer_cast<BwrapSandbox>(sandbox.state);
-        if (!state || !state->cgroup) return nullptr;
-        const auto u = state->cgroup->usage();
-        return {{"memoryBytes", u.memory_bytes},
-                {"pids", u.pids},
-                {"diskBytes", detail::disk_used_bytes(sandbox.workspace)},
-                {"cpuMs", u.cpu_ms}};
+    static std::size_t checked_threads(std::size_t n) {
+        if (n < 1 || n > max_blocking_threads) {
+            throw std::runtime_error("providers.bwrap: blocking_threads must be 1.." +
+                                     std::to_string(max_blocking_threads) + ", not " +
+                                     std::to_string(n));
+        }
+        return n;
     }
 
-private:
     static bool is_sandbox_id(const std::string& id) {
         return id.size() == 19 && id.rfind("bw-", 0) == 0 &&
                id.find_first_not_of("0123456789abcdef", 3) == std::string::npos;
@@ -820,17 +922,19 @@ private:
         sandbox.socket = std::move(ours);
     }
 
-    /// Sends one request with its descriptors and returns the channel init's pidfd.
-    unique_fd ask_supervisor(BwrapSandbox& sandbox, const SandboxHandle& handle,
-                             proto::Request request, const std::string& payload,
-                             const std::vector<int>& fds) {
-        std::lock_guard lock(sandbox.mutex);
-        const auto& name = handle.scope.provider_lease_id;
-        if (!sandbox.socket || sandbox.broken) {
-            provider_failure("sandbox " + name + " is gone: its supervisor has exited");
-        }
-        request.id = sandbox.next_request++;
-        iovec iov[2] = {{&request, sizeof request},
+    /// What one exchange with a supervisor got: 0 or the errno that ended it, the reply and
+    /// the descriptor it carried.
+    struct Exchanged {
+        int error = 0;
+        ssize_t got = 0;
+        proto::Reply reply{};
+        unique_fd pidfd;
+    };
+
+    /// One request packet with its descriptors; -errno on failure (EAGAIN: try when writable).
+    static ssize_t send_request(int socket, const proto::Request& request,
+                                const std::string& payload, const std::vector<int>& fds) {
+        iovec iov[2] = {{const_cast<proto::Request*>(&request), sizeof request},
                         {const_cast<char*>(payload.data()), payload.size()}};
         std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()), '\0');
         msghdr msg{};
@@ -845,11 +949,14 @@ private:
         std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
         ssize_t sent;
         do {
-            sent = ::sendmsg(sandbox.socket.get(), &msg, MSG_NOSIGNAL);
+            sent = ::sendmsg(socket, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
         } while (sent < 0 && errno == EINTR);
-        if (sent < 0) fail_supervisor(sandbox, name, errno);
+        return sent < 0 ? -errno : sent;
+    }
 
-        proto::Reply reply{};
+    /// One reply packet and the pidfd it may carry; -errno on failure (EAGAIN: try when
+    /// readable), 0 at EOF.
+    static ssize_t recv_reply(int socket, proto::Reply& reply, unique_fd& pidfd) {
         alignas(cmsghdr) char reply_control[CMSG_SPACE(sizeof(int))];
         iovec riov{&reply, sizeof reply};
         msghdr rmsg{};
@@ -859,10 +966,9 @@ private:
         rmsg.msg_controllen = sizeof reply_control;
         ssize_t got;
         do {
-            got = ::recvmsg(sandbox.socket.get(), &rmsg, MSG_CMSG_CLOEXEC);
+            got = ::recvmsg(socket, &rmsg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
         } while (got < 0 && errno == EINTR);
-        if (got <= 0) fail_supervisor(sandbox, name, got < 0 ? errno : EPIPE);
-        unique_fd pidfd;
+        if (got < 0) return -errno;
         for (cmsghdr* rc = CMSG_FIRSTHDR(&rmsg); rc != nullptr; rc = CMSG_NXTHDR(&rmsg, rc)) {
             if (rc->cmsg_level == SOL_SOCKET && rc->cmsg_type == SCM_RIGHTS &&
                 rc->cmsg_len >= CMSG_LEN(sizeof(int))) {
@@ -871,9 +977,88 @@ private:
                 pidfd.reset(fd);
             }
         }
-        if (got != static_cast<ssize_t>(sizeof reply) || reply.magic != proto::reply_magic ||
-            reply.id != request.id || (reply.error == 0) != static_cast<bool>(pidfd)) {
-            fail_supervisor(sandbox, name, EPROTO);
+        return got;
+    }
+
+    /// Sends the request and reads its reply, waiting on `socket` (the awaiting executor's)
+    /// whenever the kernel would block. Never throws for the supervisor's failures: they are
+    /// in the result.
+    static awaitable<Exchanged> exchange(std::shared_ptr<net::posix::stream_descriptor> socket,
+                                         proto::Request request, std::string payload,
+                                         std::vector<int> fds) {
+        Exchanged out;
+        for (;;) {
+            const ssize_t sent = send_request(socket->native_handle(), request, payload, fds);
+            if (sent >= 0) break;
+            if (sent != -EAGAIN && sent != -EWOULDBLOCK) {
+                out.error = static_cast<int>(-sent);
+                co_return out;
+            }
+            auto [ec] = co_await socket->async_wait(net::posix::descriptor_base::wait_write,
+                                                    as_tuple_awaitable);
+            if (ec) {
+                out.error = EPIPE;
+                co_return out;
+            }
+        }
+        for (;;) {
+            out.got = recv_reply(socket->native_handle(), out.reply, out.pidfd);
+            if (out.got >= 0) break;
+            if (out.got != -EAGAIN && out.got != -EWOULDBLOCK) {
+                out.error = static_cast<int>(-out.got);
+                co_return out;
+            }
+            auto [ec] = co_await socket->async_wait(net::posix::descriptor_base::wait_read,
+                                                    as_tuple_awaitable);
+            if (ec) {
+                out.error = EPIPE;
+                co_return out;
+            }
+        }
+        if (out.got == 0) out.error = EPIPE;
+        co_return out;
+    }
+
+    /// Sends one request with its descriptors and returns the channel init's pidfd. Requests
+    /// to one sandbox take turns (replies come in request order); no thread waits for one.
+    awaitable<unique_fd> ask_supervisor(std::shared_ptr<BwrapSandbox> sandbox, std::string name,
+                                        proto::Request request, std::string payload,
+                                        std::vector<int> fds) {
+        using namespace net::experimental::awaitable_operators;
+        co_await sandbox->turns.enter();
+        // The turn goes back however this coroutine ends.
+        struct TurnBack {
+            Turns& turns;
+            ~TurnBack() { turns.leave(); }
+        } turn_back{sandbox->turns};
+        int socket_copy = -1;
+        {
+            std::lock_guard lock(sandbox->mutex);
+            if (!sandbox->socket || sandbox->broken) {
+                provider_failure("sandbox " + name + " is gone: its supervisor has exited");
+            }
+            request.id = sandbox->next_request++;
+            // A descriptor of its own on the awaiting executor: shutdown() may close the
+            // sandbox's meanwhile, and the supervisor sees EOF only once both are closed.
+            socket_copy = ::fcntl(sandbox->socket.get(), F_DUPFD_CLOEXEC, 0);
+        }
+        if (socket_copy < 0) {
+            throw rpc_error(errc::channel_limit, std::string("cannot start a channel: ") +
+                                                     std::strerror(errno));
+        }
+        auto executor = co_await net::this_coro::executor;
+        auto socket = std::make_shared<net::posix::stream_descriptor>(executor, socket_copy);
+        net::steady_timer timer(executor);
+        timer.expires_after(std::chrono::milliseconds(supervisor_timeout_ms));
+        auto outcome = co_await (exchange(socket, request, std::move(payload), std::move(fds)) ||
+                                 timer.async_wait(use_awaitable));
+        if (outcome.index() == 1) fail_supervisor(*sandbox, name, ETIMEDOUT);
+        Exchanged got = std::get<0>(std::move(outcome));
+        if (got.error != 0) fail_supervisor(*sandbox, name, got.error);
+        const proto::Reply& reply = got.reply;
+        if (got.got != static_cast<ssize_t>(sizeof reply) || reply.magic != proto::reply_magic ||
+            reply.id != request.id || (reply.error == 0) != static_cast<bool>(got.pidfd)) {
+            fail_supervisor(*sandbox, name, EPROTO);
         }
         if (reply.error != 0) {
             if (reply.error == EMFILE || reply.error == ENFILE || reply.error == EAGAIN) {
@@ -884,15 +1069,18 @@ private:
             provider_failure("sandbox " + name + " could not start the channel: " +
                              std::strerror(reply.error));
         }
-        ::fcntl(pidfd.get(), F_SETFL, O_NONBLOCK);
-        return pidfd;
+        ::fcntl(got.pidfd.get(), F_SETFL, O_NONBLOCK);
+        co_return std::move(got.pidfd);
     }
 
     [[noreturn]] static void fail_supervisor(BwrapSandbox& sandbox, const std::string& name,
                                              int err) {
         // The supervisor is gone or out of step: no later request could be trusted.
-        sandbox.broken = true;
-        if (err == EAGAIN || err == EWOULDBLOCK) {
+        {
+            std::lock_guard lock(sandbox.mutex);
+            sandbox.broken = true;
+        }
+        if (err == ETIMEDOUT) {
             provider_failure("the supervisor of sandbox " + name + " did not answer within " +
                              std::to_string(supervisor_timeout_ms) + " ms");
         }
@@ -921,6 +1109,9 @@ private:
     unique_fd program_;
     std::unique_ptr<detail::CgroupManager> cgroups_;
     std::shared_ptr<Counters> counters_ = std::make_shared<Counters>();
+    /// create() and destroy() run here, never on the node's pool or an I/O thread. Last: its
+    /// threads are joined before anything they use goes.
+    net::thread_pool workers_;
 };
 
 }  // namespace

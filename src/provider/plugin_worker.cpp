@@ -25,6 +25,7 @@
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <functional>
@@ -32,6 +33,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <span>
 #include <thread>
 
 #ifndef P_PIDFD
@@ -48,7 +50,7 @@ using descriptor = net::posix::stream_descriptor;
 /// A call's completion: the result, or the error (an rpc_error) as an exception_ptr.
 using ReplyFn = std::function<void(json result, std::exception_ptr error)>;
 
-constexpr std::size_t stdin_read_chunk = 48 * 1024;  // 64 KiB of base64
+constexpr std::size_t stdin_write_chunk = 48 * 1024;  // 64 KiB of base64
 constexpr std::size_t max_session_id = 256;
 constexpr std::size_t stderr_line_max = 4096;
 
@@ -66,13 +68,6 @@ constexpr SignalName exit_signals[] = {
     {SIGABRT, "ABRT"}, {SIGBUS, "BUS"},   {SIGFPE, "FPE"},   {SIGKILL, "KILL"}, {SIGUSR1, "USR1"},
     {SIGSEGV, "SEGV"}, {SIGUSR2, "USR2"}, {SIGPIPE, "PIPE"}, {SIGALRM, "ALRM"}, {SIGTERM, "TERM"},
     {SIGXCPU, "XCPU"}, {SIGXFSZ, "XFSZ"}, {SIGSYS, "SYS"},   {SIGWINCH, "WINCH"}};
-
-void set_nonblocking(int fd) {
-    int flags = ::fcntl(fd, F_GETFL);
-    if (flags < 0 || ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
-        throw rpc_error(errc::provider_error, "cannot set up a plugin channel pipe");
-    }
-}
 
 std::exception_ptr error_ptr(errc code, std::string message) {
     return std::make_exception_ptr(rpc_error(code, std::move(message)));
@@ -146,19 +141,27 @@ struct Worker {
     std::set<std::string> sessions;  // workerSessionIds of live routes
 };
 
-/// One bridged channel: the adapter's ends of the pipes the daemon's Channel reads and writes.
-struct Route {
-    explicit Route(net::io_context& ioc)
-        : stdin_rd(ioc), control_rd(ioc), out{Out(ioc), Out(ioc)}, stop_timer(ioc) {}
+/// The channel's side of a plugin channel: what the worker sent, until the daemon's Channel
+/// reads it. Used on the channel's executor only; the manager's thread posts to it.
+struct Inbox {
+    explicit Inbox(const net::any_io_executor& executor) : changed(executor) {
+        changed.expires_at(net::steady_timer::time_point::max());
+    }
+    void wake() { changed.cancel(); }
 
-    struct Out {
-        explicit Out(net::io_context& ioc) : sd(ioc) {}
-        descriptor sd;
-        std::deque<std::string> queue;
-        std::size_t offset = 0;
-        bool writing = false;
-        bool close_when_drained = false;
-    };
+    net::steady_timer changed;  ///< woken (cancelled) on every change below
+    std::deque<std::string> out[2];  // stdout, stderr: chunks, never empty
+    std::size_t offset[2] = {0, 0};  // bytes of out[i].front() already read
+    bool ended = false;              // no more output will come
+    std::optional<ChannelExit> exit;
+    bool gone = false;
+    std::shared_ptr<std::atomic<std::size_t>> buffered;  // shared with the Route
+};
+
+/// One channel on the manager's thread: its ids and its phase on the worker.
+struct Route {
+    explicit Route(net::io_context& ioc) : stop_timer(ioc) {}
+
     enum class phase {
         open,     // frames are delivered
         exited,   // the worker sent its exit; any further frame is a violation
@@ -168,19 +171,24 @@ struct Route {
     std::weak_ptr<Worker> worker;
     std::string host_route_id;
     std::string session_id;
-    descriptor stdin_rd, control_rd;
-    Out out[2];  // stdout, stderr
-    unique_fd status_wr;
-    std::size_t buffered = 0;
+    net::any_io_executor channel_executor;  // the Inbox's
+    std::weak_ptr<Inbox> inbox;
+    /// Output bytes the worker sent that the channel has not read yet (max_buffered).
+    std::shared_ptr<std::atomic<std::size_t>> buffered;
+    bool stdin_open = true;
     phase ph = phase::open;
     bool stop_sent = false;
     bool forgotten = false;
+    bool severed = false;
     net::steady_timer stop_timer;
 };
 
-/// The adapter's ends of a new bridge, made by the calling thread of open_channel().
-struct BridgeEnds {
-    unique_fd stdin_rd, stdout_wr, stderr_wr, status_wr, control_rd;
+/// Where open_on_io() leaves the new route for the awaiting open_channel().
+struct OpenSlot {
+    std::shared_ptr<Route> route;
+    std::shared_ptr<Inbox> inbox;
+    std::shared_ptr<std::atomic<std::size_t>> buffered;
+    net::any_io_executor executor;
 };
 
 }  // namespace
@@ -240,22 +248,25 @@ struct WorkerManager::Impl {
 
     // --- calls from other threads, run here
     void call_on_io(const std::string& method, json params, bool optional, ReplyFn done);
-    void open_on_io(json params, bool stdin_attached, std::shared_ptr<BridgeEnds> ends,
+    void open_on_io(json params, bool stdin_attached, std::shared_ptr<OpenSlot> slot,
                     ReplyFn done);
+    void write_on_io(const std::shared_ptr<Route>& r, std::string bytes, ReplyFn done);
+    void close_stdin_on_io(const std::shared_ptr<Route>& r);
+    void signal_on_io(const std::shared_ptr<Route>& r, int sig, bool all);
 
     // --- channels
-    void start_route(const std::shared_ptr<Worker>& w, const std::shared_ptr<Route>& r,
-                     bool stdin_attached);
-    void pump_stdin(const std::shared_ptr<Route>& r);
-    void pump_control(const std::shared_ptr<Route>& r);
-    void pump_out(const std::shared_ptr<Route>& r, int i);
+    /// Runs `f(inbox)` on the channel's executor, unless the channel has dropped its backend
+    /// or the manager is stopping (the daemon's io_context may be gone then).
+    template <typename F>
+    void to_channel(const std::shared_ptr<Route>& r, F f);
     void route_data(const std::shared_ptr<Route>& r, int stream, std::string bytes);
     void route_exit(const std::shared_ptr<Route>& r, const json& params);
     void stop_route(const std::shared_ptr<Route>& r);
     void end_locally(const std::shared_ptr<Route>& r, const std::string& why);
     void close_session(const std::shared_ptr<Route>& r);
     void forget(const std::shared_ptr<Route>& r);
-    /// Closes every daemon-facing end now (status without a line: exitCode null).
+    /// Ends the channel on the daemon's side now: no more output, and an exit with no report
+    /// (outcome transportClosed) unless the worker's exit came first.
     void sever(const std::shared_ptr<Route>& r);
 };
 
@@ -780,7 +791,7 @@ void WorkerManager::Impl::call_on_io(const std::string& method, json params, boo
 }
 
 void WorkerManager::Impl::open_on_io(json params, bool stdin_attached,
-                                     std::shared_ptr<BridgeEnds> ends, ReplyFn done) {
+                                     std::shared_ptr<OpenSlot> slot, ReplyFn done) {
     auto w = current;
     if (!usable(w) || stopping_io) {
         done(json(), error_ptr(errc::provider_not_ready, not_ready_message()));
@@ -795,7 +806,7 @@ void WorkerManager::Impl::open_on_io(json params, bool stdin_attached,
     }
     const std::string route_id = config.plugin_id + "-" + std::to_string(next_route++);
     params["hostRouteId"] = route_id;
-    auto reply = [this, w, route_id, ends, stdin_attached, done](json result,
+    auto reply = [this, w, route_id, slot, stdin_attached, done](json result,
                                                                  std::exception_ptr error) {
         if (error) {
             done(json(), error);
@@ -834,138 +845,79 @@ void WorkerManager::Impl::open_on_io(json params, bool stdin_attached,
         r->worker = w;
         r->host_route_id = route_id;
         r->session_id = session;
-        try {
-            for (int fd : {ends->stdin_rd.get(), ends->stdout_wr.get(), ends->stderr_wr.get(),
-                           ends->control_rd.get()}) {
-                if (fd >= 0) set_nonblocking(fd);
-            }
-            if (ends->stdin_rd) r->stdin_rd.assign(ends->stdin_rd.release());
-            r->out[0].sd.assign(ends->stdout_wr.release());
-            r->out[1].sd.assign(ends->stderr_wr.release());
-            r->control_rd.assign(ends->control_rd.release());
-            r->status_wr = std::move(ends->status_wr);
-        } catch (const std::exception& e) {
-            // The worker runs a session the daemon cannot bridge: end it there.
-            json p = {{"hostRouteId", route_id}, {"workerSessionId", session}};
-            if (has(*w, "duplexChannelStop")) notify_ignoring(w, "duplexChannelStop", p);
-            if (has(*w, "duplexChannelClose")) notify_ignoring(w, "duplexChannelClose", p);
-            done(json(), error_ptr(errc::provider_error,
-                                   "plugin " + config.plugin_id + ": " + e.what()));
-            return;
-        }
+        r->channel_executor = slot->executor;
+        r->inbox = slot->inbox;
+        r->buffered = slot->buffered;
+        r->stdin_open = stdin_attached;
         w->routes.emplace(std::make_pair(route_id, session), r);
         w->sessions.insert(session);
         spdlog::debug("plugin={} channel route={} session={} opened", config.plugin_id,
                       route_id, session);
-        start_route(w, r, stdin_attached);
+        if (!stdin_attached && has(*w, "duplexChannelCloseStdin")) {
+            notify_ignoring(w, "duplexChannelCloseStdin",
+                            {{"hostRouteId", route_id}, {"workerSessionId", session}});
+        }
+        slot->route = r;
         done(json{{"hostRouteId", route_id}, {"workerSessionId", session}}, nullptr);
     };
     request(w, "duplexChannelOpen", std::move(params), std::move(reply));
 }
 
-// ---------------------------------------------------------------------------------------
-// Channels
+void WorkerManager::Impl::write_on_io(const std::shared_ptr<Route>& r, std::string bytes,
+                                      ReplyFn done) {
+    auto w = r->worker.lock();
+    if (!r->stdin_open || r->ph != Route::phase::open || !w || w->retired || w->exited) {
+        done(json(false), nullptr);
+        return;
+    }
+    json p = {{"hostRouteId", r->host_route_id}, {"workerSessionId", r->session_id}};
+    p["data"] = base64_encode(bytes);
+    // One write in flight per channel: the worker's answer is the flow control.
+    request(w, "duplexChannelWrite", std::move(p),
+            [r, done = std::move(done)](json, std::exception_ptr error) {
+                // An error: the command no longer takes stdin; later writes are dropped.
+                if (error) r->stdin_open = false;
+                done(json(!error), nullptr);
+            });
+}
 
-void WorkerManager::Impl::start_route(const std::shared_ptr<Worker>& w,
-                                      const std::shared_ptr<Route>& r, bool stdin_attached) {
-    if (r->stdin_rd.is_open()) {
-        pump_stdin(r);
-    } else if (!stdin_attached && has(*w, "duplexChannelCloseStdin")) {
+void WorkerManager::Impl::close_stdin_on_io(const std::shared_ptr<Route>& r) {
+    auto w = r->worker.lock();
+    const bool was_open = r->stdin_open;
+    r->stdin_open = false;
+    if (!was_open || r->ph != Route::phase::open || !w || w->retired || w->exited) return;
+    if (has(*w, "duplexChannelCloseStdin")) {
         notify_ignoring(w, "duplexChannelCloseStdin",
                         {{"hostRouteId", r->host_route_id}, {"workerSessionId", r->session_id}});
     }
-    pump_control(r);
 }
 
-void WorkerManager::Impl::pump_stdin(const std::shared_ptr<Route>& r) {
-    auto chunk = std::make_shared<std::string>(stdin_read_chunk, '\0');
-    r->stdin_rd.async_read_some(net::buffer(*chunk), [this, r, chunk](beast::error_code ec,
-                                                                      std::size_t n) {
-        auto w = r->worker.lock();
-        if (r->ph != Route::phase::open || !w || w->retired || w->exited) return;
-        const json ids = {{"hostRouteId", r->host_route_id}, {"workerSessionId", r->session_id}};
-        if (ec) {  // EOF: the host half-closed stdin
-            close_quietly(r->stdin_rd);
-            if (has(*w, "duplexChannelCloseStdin")) notify_ignoring(w, "duplexChannelCloseStdin", ids);
-            return;
-        }
-        json p = ids;
-        p["data"] = base64_encode(std::string_view(*chunk).substr(0, n));
-        // One write in flight per channel: the worker's answer is the flow control.
-        request(w, "duplexChannelWrite", std::move(p), [this, r](json, std::exception_ptr error) {
-            if (r->ph != Route::phase::open) return;
-            if (error) {
-                // The command no longer takes stdin: the daemon's writes now fail with EPIPE
-                // and it discards and credits them.
-                close_quietly(r->stdin_rd);
-                return;
-            }
-            pump_stdin(r);
-        });
-    });
-}
-
-void WorkerManager::Impl::pump_control(const std::shared_ptr<Route>& r) {
-    auto bytes = std::make_shared<std::array<unsigned char, 64>>();
-    r->control_rd.async_read_some(net::buffer(*bytes), [this, r, bytes](beast::error_code ec,
-                                                                        std::size_t n) {
-        if (r->ph != Route::phase::open) return;
-        if (ec) {  // the daemon dropped the channel
-            end_locally(r, "the daemon closed the channel");
-            return;
-        }
-        auto w = r->worker.lock();
-        if (!w) return;
-        for (std::size_t i = 0; i < n && r->ph == Route::phase::open; ++i) {
-            const unsigned char b = (*bytes)[i];
-            if (b == (0x80 | SIGKILL)) {
-                stop_route(r);
-                continue;
-            }
-            const int sig = b & 0x7f;
-            const char* name = nullptr;
-            for (const auto& s : forwardable) {
-                if (s.number == sig) name = s.name;
-            }
-            if (!name || !has(*w, "duplexChannelSignal")) continue;  // ignored
-            notify_ignoring(w, "duplexChannelSignal", {{"hostRouteId", r->host_route_id},
-                                                       {"workerSessionId", r->session_id},
-                                                       {"signal", name}});
-        }
-        if (r->ph == Route::phase::open) pump_control(r);
-    });
-}
-
-void WorkerManager::Impl::pump_out(const std::shared_ptr<Route>& r, int i) {
-    auto& o = r->out[i];
-    if (o.writing || !o.sd.is_open()) return;
-    if (o.queue.empty()) {
-        if (o.close_when_drained) close_quietly(o.sd);
+void WorkerManager::Impl::signal_on_io(const std::shared_ptr<Route>& r, int sig, bool all) {
+    auto w = r->worker.lock();
+    if (r->ph != Route::phase::open || !w || w->retired || w->exited) return;
+    if (all && sig == SIGKILL) {
+        stop_route(r);
         return;
     }
-    o.writing = true;
-    o.sd.async_write_some(
-        net::buffer(o.queue.front().data() + o.offset, o.queue.front().size() - o.offset),
-        [this, r, i](beast::error_code ec, std::size_t n) {
-            auto& out = r->out[i];
-            out.writing = false;
-            if (!out.sd.is_open() || out.queue.empty()) return;  // severed meanwhile
-            if (ec) {  // EPIPE: the daemon stopped reading; nobody gets these bytes
-                for (const auto& s : out.queue) r->buffered -= s.size();
-                r->buffered += out.offset;
-                out.queue.clear();
-                out.offset = 0;
-                close_quietly(out.sd);
-                return;
-            }
-            out.offset += n;
-            r->buffered -= n;
-            if (out.offset == out.queue.front().size()) {
-                out.queue.pop_front();
-                out.offset = 0;
-            }
-            pump_out(r, i);
-        });
+    const char* name = nullptr;
+    for (const auto& s : forwardable) {
+        if (s.number == sig) name = s.name;
+    }
+    if (!name || !has(*w, "duplexChannelSignal")) return;  // ignored
+    notify_ignoring(w, "duplexChannelSignal", {{"hostRouteId", r->host_route_id},
+                                               {"workerSessionId", r->session_id},
+                                               {"signal", name}});
+}
+
+// ---------------------------------------------------------------------------------------
+// Channels
+
+template <typename F>
+void WorkerManager::Impl::to_channel(const std::shared_ptr<Route>& r, F f) {
+    if (stopping) return;
+    net::post(r->channel_executor, [inbox = r->inbox, f = std::move(f)]() mutable {
+        if (auto in = inbox.lock()) f(*in);
+    });
 }
 
 void WorkerManager::Impl::route_data(const std::shared_ptr<Route>& r, int stream,
@@ -976,40 +928,48 @@ void WorkerManager::Impl::route_data(const std::shared_ptr<Route>& r, int stream
                            std::to_string(tuning.max_chunk));
         return;
     }
-    if (r->buffered + bytes.size() > tuning.max_buffered) {
+    if (*r->buffered + bytes.size() > tuning.max_buffered) {
         end_locally(r, "more than " + std::to_string(tuning.max_buffered) +
                            " output bytes are waiting for the daemon");
         return;
     }
-    if (!r->out[stream].sd.is_open()) return;  // the daemon stopped reading this stream
-    r->buffered += bytes.size();
-    r->out[stream].queue.push_back(std::move(bytes));
-    pump_out(r, stream);
+    *r->buffered += bytes.size();
+    to_channel(r, [stream, bytes = std::move(bytes)](Inbox& in) mutable {
+        if (in.ended) return;
+        in.out[stream].push_back(std::move(bytes));
+        in.wake();
+    });
 }
 
-void WorkerManager::Impl::route_exit(const std::shared_ptr<Route>& r, const json& p) {
-    std::string line;
+namespace {
+/// How the worker's duplexChannel.exit params say the command ended (already validated).
+ChannelExit exit_of(const json& p) {
+    ChannelExit exit;
     const json code = p.value("exitCode", json());
     if (code.is_number_integer()) {
-        line = "exit " + std::to_string(code.get<int>()) + "\n";
+        exit.exit_code = code.get<int>();
     } else if (p.contains("signal") && p["signal"].is_string()) {
         for (const auto& s : exit_signals) {
-            if (p["signal"] == s.name) line = "signal " + std::to_string(s.number) + "\n";
+            if (p["signal"] == s.name) exit.signal = s.number;
         }
     }
-    // exitCode null (no signal): nothing is written; the Channel reports transportClosed.
-    if (!line.empty() && r->status_wr) {
-        [[maybe_unused]] auto n = ::write(r->status_wr.get(), line.data(), line.size());
-    }
-    r->status_wr.reset();
+    // exitCode null with no signal it may name: the Channel reports transportClosed.
+    exit.lost = !exit.exit_code && exit.signal == 0;
+    return exit;
+}
+}  // namespace
+
+void WorkerManager::Impl::route_exit(const std::shared_ptr<Route>& r, const json& p) {
     r->ph = Route::phase::exited;
+    r->severed = true;
     r->stop_timer.cancel();
-    close_quietly(r->stdin_rd);
-    close_quietly(r->control_rd);
-    for (int i = 0; i < 2; ++i) {
-        r->out[i].close_when_drained = true;
-        pump_out(r, i);
-    }
+    // After the output already posted: the channel reads it all before it sees the end.
+    to_channel(r, [exit = exit_of(p)](Inbox& in) {
+        in.exit = exit;
+        in.ended = true;
+        in.gone = true;
+        in.wake();
+    });
     close_session(r);
 }
 
@@ -1082,16 +1042,20 @@ void WorkerManager::Impl::forget(const std::shared_ptr<Route>& r) {
 
 void WorkerManager::Impl::sever(const std::shared_ptr<Route>& r) {
     if (r->ph == Route::phase::open) r->ph = Route::phase::closing;
-    r->status_wr.reset();
     r->stop_timer.cancel();
-    close_quietly(r->stdin_rd);
-    close_quietly(r->control_rd);
-    for (auto& o : r->out) {
-        o.queue.clear();
-        o.offset = 0;
-        close_quietly(o.sd);
-    }
-    r->buffered = 0;
+    r->stdin_open = false;
+    if (r->severed) return;
+    r->severed = true;
+    // What the channel holds already is still read (bounded by max_buffered).
+    to_channel(r, [](Inbox& in) {
+        if (!in.exit) {
+            in.exit.emplace();
+            in.exit->lost = true;
+        }
+        in.ended = true;
+        in.gone = true;
+        in.wake();
+    });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1099,31 +1063,140 @@ void WorkerManager::Impl::sever(const std::shared_ptr<Route>& r) {
 
 namespace {
 
-/// Runs `f(done)` on the manager's thread and waits for `done`.
-template <typename F>
-json run_on(WorkerManager::Impl& impl, const std::string& what, F f) {
-    if (impl.stopping) {
+/// Runs `start(reply)` on the manager's thread and completes on the awaiting executor with
+/// what `reply` got (its exception rethrown). No thread waits: the awaiting coroutine is
+/// suspended until the worker answers or the call's timer fires.
+///
+/// The initiation captures only a raw pointer (see server/blocking_pool.hpp for the GCC 12
+/// bug that a closure with a destructor there triggers); `start` travels as an argument.
+template <typename Start>
+awaitable<json> on_manager(WorkerManager::Impl* impl, Start start) {
+    if (impl->stopping) {
         throw rpc_error(errc::provider_not_ready,
-                        "plugin " + impl.config.plugin_id + " is stopping");
+                        "plugin " + impl->config.plugin_id + " is stopping");
     }
-    if (std::this_thread::get_id() == impl.io_thread) {
-        throw rpc_error(errc::internal_error, what + " called on the plugin worker's own thread");
-    }
-    auto promise = std::make_shared<std::promise<json>>();
-    auto future = promise->get_future();
-    net::post(impl.ioc, [f = std::move(f), promise]() mutable {
-        f([promise](json result, std::exception_ptr error) {
-            if (error) promise->set_exception(error);
-            else promise->set_value(std::move(result));
-        });
-    });
-    try {
-        return future.get();
-    } catch (const std::future_error&) {  // the manager stopped before it ran
-        throw rpc_error(errc::provider_not_ready,
-                        "plugin " + impl.config.plugin_id + " is stopping");
-    }
+    co_return co_await net::async_initiate<decltype(use_awaitable),
+                                           void(std::exception_ptr, json)>(
+        [impl](auto handler, Start fn) {
+            // The awaiting executor's io_context keeps running until the answer is back.
+            auto back = net::prefer(net::get_associated_executor(handler),
+                                    net::execution::outstanding_work.tracked);
+            auto shared = std::make_shared<decltype(handler)>(std::move(handler));
+            net::post(impl->ioc, [shared, back, fn = std::move(fn)]() mutable {
+                fn([shared, back](json result, std::exception_ptr error) {
+                    net::post(back, [shared, result = std::move(result), error]() mutable {
+                        (*shared)(error, std::move(result));
+                    });
+                });
+            });
+        },
+        use_awaitable, std::move(start));
 }
+
+/// A plugin channel as the daemon's Channel sees it. Lives on the channel's executor; every
+/// request to the worker is posted to the manager's thread.
+class PluginChannelBackend final : public ChannelBackend {
+public:
+    PluginChannelBackend(std::shared_ptr<WorkerManager::Impl> impl, std::shared_ptr<OpenSlot> slot,
+                         bool stdin_attached)
+        : impl_(std::move(impl)),
+          route_(std::move(slot->route)),
+          inbox_(std::move(slot->inbox)),
+          stdin_attached_(stdin_attached) {}
+
+    ~PluginChannelBackend() override {
+        // The daemon dropped the channel: the worker stops it (unless it has ended).
+        WorkerManager::Impl* impl = impl_.get();
+        net::post(impl->ioc, [impl, r = std::move(route_)] {
+            impl->end_locally(r, "the daemon closed the channel");
+        });
+    }
+    PluginChannelBackend(const PluginChannelBackend&) = delete;
+    PluginChannelBackend& operator=(const PluginChannelBackend&) = delete;
+
+    bool has_output(output_stream) const noexcept override { return true; }
+    bool has_stdin() const noexcept override { return stdin_attached_; }
+
+    awaitable<std::size_t> output_ready(output_stream stream) override {
+        const auto i = static_cast<std::size_t>(stream);
+        for (;;) {
+            if (!inbox_->out[i].empty()) {
+                co_return inbox_->out[i].front().size() - inbox_->offset[i];
+            }
+            if (inbox_->ended) co_return 0;
+            co_await inbox_->changed.async_wait(as_tuple_awaitable);
+        }
+    }
+
+    std::optional<std::size_t> read_output(output_stream stream, std::span<char> into) override {
+        const auto i = static_cast<std::size_t>(stream);
+        auto& queue = inbox_->out[i];
+        if (queue.empty()) return inbox_->ended ? std::nullopt : std::optional<std::size_t>(0);
+        auto& offset = inbox_->offset[i];
+        const std::size_t n = std::min(into.size(), queue.front().size() - offset);
+        std::memcpy(into.data(), queue.front().data() + offset, n);
+        offset += n;
+        if (offset == queue.front().size()) {
+            queue.pop_front();
+            offset = 0;
+        }
+        *inbox_->buffered -= n;
+        return n;
+    }
+
+    awaitable<bool> write_stdin(std::string data) override {
+        if (!stdin_attached_) co_return false;
+        WorkerManager::Impl* impl = impl_.get();
+        for (std::size_t at = 0; at < data.size(); at += stdin_write_chunk) {
+            auto write = [impl, r = route_, chunk = data.substr(at, stdin_write_chunk)](
+                             ReplyFn done) mutable {
+                impl->write_on_io(r, std::move(chunk), std::move(done));
+            };
+            bool taken = false;
+            try {
+                taken = (co_await on_manager(impl, std::move(write))).get<bool>();
+            } catch (const std::exception&) {
+                taken = false;  // the manager is stopping
+            }
+            if (!taken) co_return false;
+        }
+        co_return true;
+    }
+
+    void close_stdin() noexcept override {
+        if (!stdin_attached_) return;
+        WorkerManager::Impl* impl = impl_.get();
+        net::post(impl->ioc, [impl, r = route_] { impl->close_stdin_on_io(r); });
+    }
+
+    void signal(int sig) noexcept override { post_signal(sig, false); }
+    void signal_all(int sig) noexcept override { post_signal(sig, true); }
+    void kill() noexcept override { post_signal(SIGKILL, true); }
+
+    void resize(std::uint16_t, std::uint16_t) override {
+        throw rpc_error(errc::invalid_params, "a plugin channel has no PTY to resize");
+    }
+
+    awaitable<ChannelExit> wait_exit() override {
+        while (!inbox_->exit) co_await inbox_->changed.async_wait(as_tuple_awaitable);
+        co_return *inbox_->exit;
+    }
+
+    awaitable<void> wait_gone() override {
+        while (!inbox_->gone) co_await inbox_->changed.async_wait(as_tuple_awaitable);
+    }
+
+private:
+    void post_signal(int sig, bool all) noexcept {
+        WorkerManager::Impl* impl = impl_.get();
+        net::post(impl->ioc, [impl, r = route_, sig, all] { impl->signal_on_io(r, sig, all); });
+    }
+
+    std::shared_ptr<WorkerManager::Impl> impl_;
+    std::shared_ptr<Route> route_;  // used on the manager's thread only
+    std::shared_ptr<Inbox> inbox_;
+    const bool stdin_attached_;
+};
 
 }  // namespace
 
@@ -1173,53 +1246,44 @@ bool WorkerManager::supports(const std::string& method) const {
     return impl_->supported_snapshot.count(method) > 0;
 }
 
-json WorkerManager::call(const std::string& method, json params) {
+awaitable<json> WorkerManager::call(std::string method, json params) {
     Impl* impl = impl_.get();
-    return run_on(*impl, method, [impl, method, params = std::move(params)](ReplyFn done) mutable {
+    auto start = [impl, method = std::move(method), params = std::move(params)](
+                     ReplyFn done) mutable {
         impl->call_on_io(method, std::move(params), false, std::move(done));
-    });
+    };
+    co_return co_await on_manager(impl, std::move(start));
 }
 
-std::optional<json> WorkerManager::call_if_supported(const std::string& method, json params) {
+awaitable<std::optional<json>> WorkerManager::call_if_supported(std::string method,
+                                                                json params) {
     Impl* impl = impl_.get();
-    json r = run_on(*impl, method, [impl, method, params = std::move(params)](ReplyFn done) mutable {
+    auto start = [impl, method = std::move(method), params = std::move(params)](
+                     ReplyFn done) mutable {
         impl->call_on_io(method, std::move(params), true,
                          [done = std::move(done)](json result, std::exception_ptr error) {
                              // A supported method's null result is still a result.
                              done(error ? json() : json{{"result", std::move(result)}}, error);
                          });
-    });
-    if (r.is_null()) return std::nullopt;
-    return r["result"];
+    };
+    json r = co_await on_manager(impl, std::move(start));
+    if (r.is_null()) co_return std::nullopt;
+    co_return r["result"];
 }
 
-SpawnedProcess WorkerManager::open_channel(json params, bool stdin_attached) {
-    SpawnedProcess out;
-    auto ends = std::make_shared<BridgeEnds>();
-    if (stdin_attached) {
-        auto p = detail::make_pipe(detail::daemon_end::write);
-        out.stdin_fd = std::move(p.write_end);
-        ends->stdin_rd = std::move(p.read_end);
-    }
-    auto so = detail::make_pipe(detail::daemon_end::read);
-    auto se = detail::make_pipe(detail::daemon_end::read);
-    auto st = detail::make_pipe(detail::daemon_end::read);
-    auto ct = detail::make_pipe(detail::daemon_end::write);
-    out.stdout_fd = std::move(so.read_end);
-    out.stderr_fd = std::move(se.read_end);
-    out.status_fd = std::move(st.read_end);
-    out.control_fd = std::move(ct.write_end);
-    ends->stdout_wr = std::move(so.write_end);
-    ends->stderr_wr = std::move(se.write_end);
-    ends->status_wr = std::move(st.write_end);
-    ends->control_rd = std::move(ct.read_end);
+awaitable<std::unique_ptr<ChannelBackend>> WorkerManager::open_channel(json params,
+                                                                       bool stdin_attached) {
+    auto slot = std::make_shared<OpenSlot>();
+    slot->executor = co_await net::this_coro::executor;
+    slot->inbox = std::make_shared<Inbox>(slot->executor);
+    slot->buffered = std::make_shared<std::atomic<std::size_t>>(0);
+    slot->inbox->buffered = slot->buffered;
     Impl* impl = impl_.get();
-    run_on(*impl, "duplexChannelOpen",
-           [impl, params = std::move(params), stdin_attached, ends](ReplyFn done) mutable {
-               impl->open_on_io(std::move(params), stdin_attached, ends, std::move(done));
-           });
-    out.pid = -1;
-    return out;
+    auto start = [impl, params = std::move(params), stdin_attached, slot](ReplyFn done) mutable {
+        impl->open_on_io(std::move(params), stdin_attached, slot, std::move(done));
+    };
+    co_await on_manager(impl, std::move(start));
+    co_return std::make_unique<PluginChannelBackend>(impl_, std::move(slot), stdin_attached);
 }
 
 }  // namespace sandboxd

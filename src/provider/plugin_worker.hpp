@@ -5,12 +5,12 @@
 ///
 /// A WorkerManager owns one plugin's worker: it spawns it, calls `initialize`, restarts it
 /// with backoff when it exits, retires (kills and restarts) it when it breaks the protocol,
-/// and bridges each duplex channel to it through pipes shaped like sandboxd-init's (see
-/// provider.hpp), so that the daemon's Channel serves plugin channels unchanged.
+/// and serves each duplex channel as a ChannelBackend (channel_backend.hpp) fed by the
+/// worker's messages directly.
 ///
-/// Threading: the manager runs everything on its own io_context thread. Its public methods
-/// are thread-safe and block the caller until the worker answers (at most the RPC timeout);
-/// they must not be called from that thread.
+/// Threading: the manager runs the worker's I/O on its own io_context thread. Its public
+/// methods are thread-safe; the awaitable ones complete on the awaiting executor once the
+/// worker answers (at most the RPC timeout) and never block a thread.
 
 #include <sandboxd/config.hpp>
 #include <sandboxd/provider.hpp>
@@ -37,7 +37,7 @@ struct PluginTuning {
     std::chrono::milliseconds stop_grace{10000};         ///< duplexChannelStop to its exit
     std::size_t max_line = 4U << 20;                     ///< one JSON line from the worker
     std::size_t max_chunk = 1U << 20;                    ///< one decoded data chunk
-    std::size_t max_buffered = 4U << 20;                 ///< output bytes held per channel
+    std::size_t max_buffered = 4U << 20;  ///< output bytes held per channel, unread by it
 };
 
 class WorkerManager {
@@ -59,20 +59,24 @@ public:
     bool supports(const std::string& method) const;
 
     /// Calls `method` and returns its result. Throws rpc_error: errc::provider_not_ready when
-    /// the worker is down, restarting or exits during the call; errc::invalid_params when the
-    /// worker answers -32602 (its message is kept); errc::provider_error for any other error
-    /// answer or the RPC timeout (the worker's own text goes to the log only).
-    nlohmann::json call(const std::string& method, nlohmann::json params);
+    /// the worker is down, restarting or exits during the call, or the manager is stopping;
+    /// errc::invalid_params when the worker answers -32602 (its message is kept);
+    /// errc::provider_error for any other error answer or the RPC timeout (the worker's own
+    /// text goes to the log only).
+    awaitable<nlohmann::json> call(std::string method, nlohmann::json params);
     /// Like call(), but when the running worker does not list `method` in its
     /// supportedMethods, returns nullopt without calling it (decided atomically with the
     /// readiness check: a worker that is down still gives errc::provider_not_ready).
-    std::optional<nlohmann::json> call_if_supported(const std::string& method,
-                                                    nlohmann::json params);
+    awaitable<std::optional<nlohmann::json>> call_if_supported(std::string method,
+                                                               nlohmann::json params);
 
     /// Opens a duplex channel (`duplexChannelOpen` with `params`, to which a fresh hostRouteId
-    /// is added) and returns the daemon's ends of the bridge: pid -1, no pidfd. Throws like
-    /// call(); errc::provider_error when the worker does not support duplexChannelOpen.
-    SpawnedProcess open_channel(nlohmann::json params, bool stdin_attached);
+    /// is added) and returns its backend, bound to the awaiting executor: the worker's
+    /// duplexChannel.data and .exit reach it directly, bounded by the tuning's max_chunk and
+    /// max_buffered (over them the channel ends). Throws like call(); errc::provider_error
+    /// when the worker does not support duplexChannelOpen.
+    awaitable<std::unique_ptr<ChannelBackend>> open_channel(nlohmann::json params,
+                                                            bool stdin_attached);
 
     struct Impl;
 

@@ -1,10 +1,15 @@
 #pragma once
-// One running command and its streams (docs/protocol.md sections 3 and 4).
+// One running command and its streams (docs/protocol.md sections 3 and 4), over the
+// ChannelBackend of whichever provider runs it. The Channel owns the flow control (the output
+// credit window shared by stdout and stderr, the stdin window, FLOW_CONTROL errors) and the
+// exit-after-output rule, the same for every backend.
 //
-// Threading: a Channel lives on its session's strand; every public method must be called on
-// that strand. Its pumps are coroutines on the same strand.
+// Threading: a Channel lives on its session's strand, the executor its backend is bound to;
+// every public method must be called on that strand. Its pumps are coroutines on the same
+// strand.
 #include "server/net.hpp"
 
+#include <sandboxd/channel_backend.hpp>
 #include <sandboxd/frame.hpp>
 #include <sandboxd/provider.hpp>
 
@@ -57,7 +62,8 @@ int parse_signal_name(std::string_view name) noexcept;
 
 class Channel : public std::enable_shared_from_this<Channel> {
 public:
-    Channel(strand_t strand, ChannelOptions options, SpawnedProcess process,
+    /// `backend` is bound to `strand` (the provider's open() was awaited on it).
+    Channel(strand_t strand, ChannelOptions options, std::unique_ptr<ChannelBackend> backend,
             std::shared_ptr<SandboxHandle> sandbox, std::weak_ptr<ChannelSink> sink);
     ~Channel();
     Channel(const Channel&) = delete;
@@ -97,12 +103,9 @@ public:
 
 private:
     awaitable<void> supervise();
-    awaitable<void> pump_output(net::posix::stream_descriptor& fd, stream_id stream);
+    awaitable<void> pump_output(output_stream stream);
     awaitable<void> pump_stdin();
-    /// Reads and validates the init's one status line (at most max_status_line bytes).
-    awaitable<void> read_status();
     void kill_tree() noexcept;
-    void send_control(unsigned char byte) noexcept;
     static void wake(net::steady_timer& t) { t.cancel(); }
     void send_exit();
 
@@ -110,13 +113,7 @@ private:
     ChannelOptions options_;
     std::shared_ptr<SandboxHandle> sandbox_;
     std::weak_ptr<ChannelSink> sink_;
-    pid_t pid_;
-    unique_fd control_fd_;
-    net::posix::stream_descriptor pidfd_;
-    net::posix::stream_descriptor status_;
-    net::posix::stream_descriptor stdout_;
-    net::posix::stream_descriptor stderr_;
-    net::posix::stream_descriptor stdin_;
+    std::unique_ptr<ChannelBackend> backend_;
     net::steady_timer credit_timer_;  // woken (cancelled) when credit arrives
     net::steady_timer stdin_timer_;   // woken when stdin is queued or closed
     net::steady_timer deadline_;      // timeoutMs
@@ -137,12 +134,12 @@ private:
     bool reaped_ = false;
     std::optional<channel_outcome> forced_outcome_;
     std::uint64_t stdout_bytes_ = 0, stderr_bytes_ = 0, stdin_bytes_ = 0;
-    /// The end of the main process as the channel's init reported it, once parsed:
-    /// exited with exit_code_, or killed by term_signal_ (> 0). Neither: no valid report.
+    /// The end of the main process as the backend reported it: exited with exit_code_, or
+    /// killed by term_signal_ (> 0). Neither: no valid report.
     std::optional<int> exit_code_;
     int term_signal_ = 0;
-    std::string limit_;  ///< the limit that ended it ("memory"), from resources_
-    std::unique_ptr<ChannelResources> resources_;
+    bool lost_ = false;  ///< the backend lost the command without a report
+    std::string limit_;  ///< the limit that ended it ("memory")
     std::optional<nlohmann::json> error_;
 };
 

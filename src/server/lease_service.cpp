@@ -58,8 +58,7 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
         failure = "provider \"" + lease.provider + "\" cannot tear down an uncached sandbox";
     } else {
         try {
-            auto work2 = [provider, handle] { provider->destroy(*handle); };
-            co_await run_blocking(node.blocking, std::move(work2));
+            co_await provider->destroy(handle);
         } catch (const rpc_error& e) {
             failure = e.what();
             transient = e.code() == errc::provider_not_ready;
@@ -140,10 +139,7 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, json p) {
     lease.metadata = {{"pluginId", provider->plugin_id()}, {"provider", provider->key()}};
 
     const SandboxScope scope = scope_of(lease);  // providerLeaseId is minted by create()
-    auto work6 = [provider, scope, id = lease.id, cfg = lease.config] {
-        return provider->create(scope, id, cfg);
-    };
-    auto handle = co_await run_blocking(node.blocking, std::move(work6));
+    auto handle = co_await provider->create(scope, lease.id, lease.config);
     lease.provider_lease_id = handle->scope.provider_lease_id;
     lease.limits = handle->limits;
     Lease stored;
@@ -154,17 +150,15 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, json p) {
         not_stored = std::current_exception();
     }
     if (not_stored) {
-        auto work_undo = [provider, handle] { provider->destroy(*handle); };  // blocking: off the I/O thread
         try {
-            co_await run_blocking(node.blocking, std::move(work_undo));
+            co_await provider->destroy(handle);
         } catch (const std::exception& e) {
             spdlog::warn("lease={} not stored; destroying its sandbox failed too: {}", lease.id, e.what());
         }
         std::rethrow_exception(not_stored);
     }
     if (stored.id != lease.id) {  // lost an idempotency race: keep the winner's lease
-        auto work8 = [provider, handle] { provider->destroy(*handle); };
-        co_await run_blocking(node.blocking, std::move(work8));
+        co_await provider->destroy(handle);
         co_return stored;
     }
     node.cache.put(handle);
@@ -414,8 +408,7 @@ awaitable<void> reconcile_lease(Node& node, Lease lease) {
     Provider* provider = provider_of(node, lease.provider);
     try {
         if (provider) {
-            auto work_destroy = [provider, handle] { provider->destroy(*handle); };
-            co_await run_blocking(node.blocking, std::move(work_destroy));
+            co_await provider->destroy(handle);
         }
         spdlog::info("lease={} evicted from the cache of node {}", lease.id, node.node_id);
     } catch (const std::exception& e) {

@@ -7,6 +7,7 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/beast/websocket.hpp>
+#include <sandboxd/async.hpp>
 
 namespace sandboxd {
 namespace net = boost::asio;

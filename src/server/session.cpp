@@ -700,16 +700,16 @@ awaitable<json> Session::open_channel(json p, const json& id, bool& responded) {
                         "this node already runs its limit of " +
                             std::to_string(node_.config.limits.channels_per_node) + " channels");
     }
-    SpawnedProcess process;
+    std::unique_ptr<ChannelBackend> backend;
     try {
-        process = node_.providers.at(resolved.lease.provider)->spawn(*resolved.sandbox, spec);
+        backend = co_await node_.providers.at(resolved.lease.provider)->open(resolved.sandbox, spec);
     } catch (...) {
         node_.channels.unreserve();
         throw;
     }
     options.id = next_channel_++;
     options.lease_id = resolved.lease.id;
-    auto channel = std::make_shared<Channel>(strand_, options, std::move(process),
+    auto channel = std::make_shared<Channel>(strand_, options, std::move(backend),
                                              resolved.sandbox, weak_from_this());
     ChannelTable::Entry entry;
     entry.channel = channel;

@@ -2,13 +2,23 @@
 // sandbox (its supervisor `sandboxd-init --lease` as PID 1, running as the lease's own host
 // uid); a channel is a channel init that the supervisor starts as PID 1 of a PID namespace of
 // the channel's own. The channel init is not this process's child: it is watched and killed
-// through its pidfd only. Every fd is driven with plain poll()/read() loops; every wait is
-// bounded; processes are found by the pids and namespaces of our own channels, never by name.
+// through its pidfd only. Channels are opened through Provider::open() and the process
+// backend's descriptors are then taken back (release_for_test), so that sandboxd-init's fd
+// contract is driven byte by byte with plain poll()/read() loops; every wait is bounded;
+// processes are found by the pids and namespaces of our own channels, never by name. The
+// ChannelBackend interface itself is driven by the "process backend" cases.
 
 #include <sandboxd/errors.hpp>
 #include <sandboxd/provider.hpp>
 
+#include "provider/process_backend.hpp"
+#include "support/run_awaitable.hpp"
 #include "support/wait_readable.hpp"
+
+#include <boost/asio/experimental/awaitable_operators.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/use_awaitable.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -52,13 +62,47 @@ constexpr std::uint64_t mib = std::uint64_t{1} << 20;
 /// BwrapIdentityConfig's default range starts here.
 constexpr uid_t first_lease_uid = 1500000000;
 
+boost::asio::io_context& test_io();
+
 int open_fd_count() {
+    // The tests' io_context holds descriptors of its own for the whole process: made first.
+    test_io();
     int n = 0;
     for ([[maybe_unused]] const auto& entry : fs::directory_iterator("/proc/self/fd")) ++n;
     return n;
 }
 
 using sandboxd::test::wait_readable;
+using sandboxd::detail::ProcessBackend;
+using sandboxd::detail::ProcessEnds;
+
+/// The io_context the provider's awaitables run on in these tests (one test at a time).
+boost::asio::io_context& test_io() {
+    static boost::asio::io_context ioc;
+    // Its reactor (epoll, eventfd, timerfd) is made on first use of a timer: made now.
+    static boost::asio::steady_timer warm(ioc);
+    return ioc;
+}
+
+std::shared_ptr<SandboxHandle> create_sandbox(Provider& provider, SandboxScope scope,
+                                              std::string lease_id, json config) {
+    return sandboxd::test::run_awaitable(
+        test_io(), provider.create(std::move(scope), std::move(lease_id), std::move(config)));
+}
+
+void destroy_sandbox(Provider& provider, std::shared_ptr<SandboxHandle> sandbox) {
+    sandboxd::test::run_awaitable(test_io(), provider.destroy(std::move(sandbox)));
+}
+
+/// Opens a channel and takes its descriptors back from the process backend.
+ProcessEnds open_process(Provider& provider, std::shared_ptr<SandboxHandle> sandbox,
+                         ExecSpec spec) {
+    auto backend = sandboxd::test::run_awaitable(
+        test_io(), provider.open(std::move(sandbox), std::move(spec)));
+    auto* process = dynamic_cast<ProcessBackend*>(backend.get());
+    REQUIRE(process != nullptr);
+    return process->release_for_test();
+}
 
 std::string read_text(const fs::path& path) {
     std::ifstream in(path, std::ios::binary);
@@ -269,7 +313,7 @@ public:
         : provider_(provider), sandbox_(std::move(sandbox)) {}
     ~LeaseGuard() {
         try {
-            provider_.destroy(*sandbox_);  // idempotent: the test may have destroyed it
+            destroy_sandbox(provider_, sandbox_);  // idempotent: the test may have destroyed it
         } catch (const std::exception& e) {
             FAIL_CHECK("destroy failed: " << e.what());
         }
@@ -295,13 +339,13 @@ struct Fixture {
         auto options = test_options(dir.path / "sandboxes");
         options.allow_network = allow_network;
         provider = make_bwrap_provider(std::move(options));
-        sandbox =
-            provider->create(SandboxScope{"bwrap", "company-1", "env-1", ""}, "lease-1", config);
+        sandbox = create_sandbox(*provider, SandboxScope{"bwrap", "company-1", "env-1", ""},
+                                 "lease-1", config);
     }
     ~Fixture() {
         // Its disk is a mount: it must not outlive the test.
         try {
-            provider->destroy(*sandbox);
+            destroy_sandbox(*provider, sandbox);
         } catch (const std::exception& e) {
             FAIL_CHECK("destroy failed: " << e.what());
         }
@@ -321,9 +365,9 @@ public:
     /// `may_end_at_once`: the channel's set-up is meant to fail, so its init may already be
     /// gone (and its pid unknown, -1) when spawn() returns. Otherwise the init lives until we
     /// kill it or let go of it, and its pid is known.
-    Channel(Provider& provider, const SandboxHandle& sandbox, const ExecSpec& spec,
+    Channel(Provider& provider, std::shared_ptr<SandboxHandle> sandbox, const ExecSpec& spec,
             bool may_end_at_once = false)
-        : proc_(provider.spawn(sandbox, spec)) {
+        : proc_(open_process(provider, std::move(sandbox), spec)) {
         REQUIRE(proc_.pidfd);
         if (!may_end_at_once) REQUIRE(proc_.pid > 0);
         // The channel's PID namespace, known only while the pidfd says the init has not
@@ -392,7 +436,7 @@ public:
         return ns_ != 0 ? processes_in_pid_ns(ns_) : std::vector<pid_t>{};
     }
 
-    SpawnedProcess& proc() { return proc_; }
+    ProcessEnds& proc() { return proc_; }
     const std::string& out() const { return out_; }
     const std::string& err() const { return err_; }
     /// The status line without its newline.
@@ -468,7 +512,7 @@ private:
         if (proc_.status_fd) drain(proc_.status_fd, status_);
     }
 
-    SpawnedProcess proc_;
+    ProcessEnds proc_;
     ino_t ns_ = 0;
     std::string pending_in_;
     bool close_in_ = false;
@@ -490,7 +534,7 @@ ExecSpec command(std::vector<std::string> argv) {
 
 /// Runs `spec` to completion with `input` on stdin (then closed).
 Result run(Fixture& fx, const ExecSpec& spec, const std::string& input = "") {
-    Channel ch(*fx.provider, *fx.sandbox, spec);
+    Channel ch(*fx.provider, fx.sandbox, spec);
     ch.send(input, true);
     REQUIRE(ch.finish());
     CHECK(ch.leftovers().empty());
@@ -512,6 +556,84 @@ std::string four_times(uid_t id) {
 }
 
 }  // namespace
+
+/// What a channel backend gave: its output per stream and its exit.
+struct BackendRun {
+    std::string out, err;
+    ChannelExit exit;
+    bool stdin_taken = false;
+};
+
+awaitable<void> read_stream(ChannelBackend* backend, output_stream stream,
+                            std::shared_ptr<BackendRun> run) {
+    auto& into = stream == output_stream::err ? run->err : run->out;
+    for (;;) {
+        const std::size_t avail = co_await backend->output_ready(stream);
+        if (avail == 0) co_return;
+        std::string buf(avail, '\0');
+        const auto n = backend->read_output(stream, buf);
+        if (!n) co_return;
+        into.append(buf.data(), *n);
+    }
+}
+
+awaitable<void> drive_backend(ChannelBackend* backend, std::string input,
+                              std::shared_ptr<BackendRun> run) {
+    using namespace boost::asio::experimental::awaitable_operators;
+    if (backend->has_stdin()) {
+        run->stdin_taken = co_await backend->write_stdin(std::move(input));
+        backend->close_stdin();
+    }
+    run->exit = co_await (backend->wait_exit() && read_stream(backend, output_stream::out, run) &&
+                          read_stream(backend, output_stream::err, run));
+    co_await backend->wait_gone();
+}
+
+/// Opens `spec`, writes `input` to its stdin, reads both streams to their end and waits for
+/// the exit and the end of every process, through the ChannelBackend interface only.
+BackendRun run_backend(Fixture& fx, ExecSpec spec, std::string input) {
+    using namespace boost::asio::experimental::awaitable_operators;
+    spec.drain_grace_ms = 0;  // the init exits with the command, as the daemon's channels do
+    auto backend = sandboxd::test::run_awaitable(test_io(), fx.provider->open(fx.sandbox, spec));
+    auto run = std::make_shared<BackendRun>();
+    boost::asio::steady_timer bound(test_io(), status_timeout);
+    auto finished = sandboxd::test::run_awaitable(
+        test_io(), drive_backend(backend.get(), std::move(input), run) ||
+                       bound.async_wait(boost::asio::use_awaitable));
+    CHECK(finished.index() == 0);
+    return *run;
+}
+
+TEST_CASE("process backend: output, stdin and the exit through the ChannelBackend interface",
+          "[provider]") {
+    const int fds_before = open_fd_count();
+    {
+        Fixture fx;
+        auto run = run_backend(fx, command({"sh", "-c", "cat; echo err >&2; exit 3"}), "hello");
+        CHECK(run.stdin_taken);
+        CHECK(run.out == "hello");
+        CHECK(run.err == "err\n");
+        CHECK(run.exit.exit_code == 3);
+        CHECK(run.exit.signal == 0);
+        CHECK(run.exit.error.empty());
+        CHECK_FALSE(run.exit.lost);
+
+        auto killed = run_backend(fx, command({"sh", "-c", "kill -TERM $$"}), "");
+        CHECK_FALSE(killed.exit.exit_code);
+        CHECK(killed.exit.signal == SIGTERM);
+
+        auto backend =
+            sandboxd::test::run_awaitable(test_io(), fx.provider->open(fx.sandbox, command({"true"})));
+        CHECK(backend->has_output(output_stream::err));
+        try {
+            backend->resize(100, 30);
+            FAIL("resize of a pipe channel succeeded");
+        } catch (const rpc_error& e) {
+            CHECK(e.code() == errc::invalid_params);
+        }
+    }
+    CHECK(open_fd_count() == fds_before);
+}
 
 TEST_CASE("exit status, stdout and stderr are reported", "[provider]") {
     const int fds_before = open_fd_count();
@@ -603,7 +725,7 @@ TEST_CASE("the environment is exactly the fixed one plus spec.env", "[provider]"
         auto bad = command({"env"});
         bad.env["A=B"] = "x";
         try {
-            fx.provider->spawn(*fx.sandbox, bad);
+            open_process(*fx.provider, fx.sandbox, bad);
             FAIL("spawn accepted an invalid variable name");
         } catch (const rpc_error& e) {
             CHECK(e.code() == errc::invalid_params);
@@ -691,7 +813,7 @@ TEST_CASE("create validates the lease config", "[provider]") {
         auto expect_invalid = [&](const json& config, const std::string& message,
                                   const std::string& field) {
             try {
-                provider->create(scope, "lease", config);
+                create_sandbox(*provider, scope, "lease", config);
                 FAIL("create accepted " << config.dump());
             } catch (const rpc_error& e) {
                 CHECK(e.code() == errc::invalid_params);
@@ -726,7 +848,7 @@ TEST_CASE("create validates the lease config", "[provider]") {
         // A refused config leaves nothing behind.
         CHECK(sandbox_entries(sandboxes).empty());
 
-        auto handle = provider->create(scope, "lease", nullptr);
+        auto handle = create_sandbox(*provider, scope, "lease", nullptr);
         LeaseGuard handle_guard(*provider, handle);
         const std::string id = handle->scope.provider_lease_id;
         CHECK(id.rfind("bw-", 0) == 0);
@@ -769,7 +891,7 @@ TEST_CASE("create validates the lease config", "[provider]") {
         // The lease's cgroup: where its channels' inits are (ch-1 under the lease's).
         fs::path lease_cgroup;
         {
-            Channel ch(*provider, *handle, command({"true"}));
+            Channel ch(*provider, handle, command({"true"}));
             REQUIRE(ch.pump_until([&] { return ch.status_done(); }, status_timeout));
             CHECK(ch.status() == "exit 0");
             // The init joined the channel's cgroup before it started the command.
@@ -782,7 +904,7 @@ TEST_CASE("create validates the lease config", "[provider]") {
         }
 
         // Limits given by the lease are those it runs with.
-        auto other = provider->create(scope, "lease",
+        auto other = create_sandbox(*provider, scope, "lease",
                                       {{"network", false},
                                        {"limits",
                                         {{"memoryBytes", 64 * mib},
@@ -801,17 +923,17 @@ TEST_CASE("create validates the lease config", "[provider]") {
         REQUIRE(::statvfs(other->workspace.c_str(), &vfs) == 0);
         CHECK(std::uint64_t{vfs.f_blocks} * vfs.f_frsize <= 64 * mib);
 
-        provider->destroy(*handle);
+        destroy_sandbox(*provider, handle);
         CHECK_FALSE(fs::exists(workspace));
         CHECK_FALSE(fs::exists(lease_dir));
         CHECK_FALSE(fs::exists(sandboxes / id));
         CHECK(mounts_under(lease_dir).empty());
         CHECK_FALSE(fs::exists(lease_cgroup));
-        provider->destroy(*handle);  // idempotent
+        destroy_sandbox(*provider, handle);  // idempotent
         CHECK(fs::exists(other->workspace));
         CHECK(mounts_under(other->workspace).size() == 1);
 
-        provider->destroy(*other);
+        destroy_sandbox(*provider, other);
         CHECK(sandbox_entries(sandboxes).empty());
         CHECK(sandbox_entries(lease_root).empty());
         CHECK(mounts_under(other->workspace).empty());
@@ -857,7 +979,7 @@ TEST_CASE("a PTY has the requested size", "[provider]") {
         Fixture fx;
         auto spec = command({"stty", "size"});
         spec.pty = PtySize{132, 43};
-        Channel ch(*fx.provider, *fx.sandbox, spec);
+        Channel ch(*fx.provider, fx.sandbox, spec);
         CHECK_FALSE(ch.proc().stderr_fd);
         REQUIRE(ch.finish());
         CHECK(ch.out() == "43 132\r\n");
@@ -875,7 +997,7 @@ TEST_CASE("a control byte signals the command's process group", "[provider]") {
     const int fds_before = open_fd_count();
     {
         Fixture fx;
-        Channel ch(*fx.provider, *fx.sandbox,
+        Channel ch(*fx.provider, fx.sandbox,
                    command({"sh", "-c",
                             "trap \"echo got-term; exit 7\" TERM; echo ready; "
                             "while :; do sleep 0.1; done"}));
@@ -907,7 +1029,7 @@ TEST_CASE("a control byte with 0x80 signals every process of the sandbox", "[pro
     {
         Fixture fx;
         // The descendant left the command's process group: only kill(-1) reaches it.
-        Channel ch(*fx.provider, *fx.sandbox,
+        Channel ch(*fx.provider, fx.sandbox,
                    command({"sh", "-c",
                             "setsid sh -c 'trap \"echo bg-term; exit 0\" TERM; echo bg-ready; "
                             "while :; do sleep 0.1; done' & "
@@ -929,7 +1051,7 @@ TEST_CASE("Ctrl-C on the PTY interrupts the foreground command", "[provider]") {
         Fixture fx;
         auto spec = command({"sh", "-c", "echo ready; exec sleep 30"});
         spec.pty = PtySize{80, 24};
-        Channel ch(*fx.provider, *fx.sandbox, spec);
+        Channel ch(*fx.provider, fx.sandbox, spec);
         // "ready" comes after the init made the command's group the foreground group.
         REQUIRE(ch.pump_until([&] { return ch.out().find("ready\r\n") != std::string::npos; },
                               status_timeout));
@@ -946,7 +1068,7 @@ TEST_CASE("SIGKILL by control byte, and no process outlives the channel init", "
     const int fds_before = open_fd_count();
     {
         Fixture fx;
-        Channel ch(*fx.provider, *fx.sandbox, command({"sh", "-c", "sleep 300 & sleep 301"}));
+        Channel ch(*fx.provider, fx.sandbox, command({"sh", "-c", "sleep 300 & sleep 301"}));
         // Wait until both sleeps run (they may still be forking when the first byte comes).
         std::vector<pid_t> sleeps;
         REQUIRE(ch.pump_until(
@@ -978,7 +1100,7 @@ TEST_CASE("the init outlives the command until the daemon kills the namespace", 
         Fixture fx;
         // A descendant that left the command's process group writes after the command
         // ended, once the test creates the file it waits for.
-        Channel ch(*fx.provider, *fx.sandbox,
+        Channel ch(*fx.provider, fx.sandbox,
                    command({"sh", "-c",
                             "setsid sh -c 'while [ ! -e go ]; do sleep 0.05; done; echo late' "
                             "& echo early; exit 4"}));
@@ -992,7 +1114,7 @@ TEST_CASE("the init outlives the command until the daemon kills the namespace", 
     {
         Fixture fx;
         // The escaped descendant is killed with the namespace.
-        Channel ch(*fx.provider, *fx.sandbox,
+        Channel ch(*fx.provider, fx.sandbox,
                    command({"sh", "-c", "setsid sleep 302 >/dev/null 2>&1 & echo $!"}));
         REQUIRE(ch.pump_until([&] { return ch.status_done(); }, status_timeout));
         CHECK(ch.status() == "exit 0");
@@ -1010,7 +1132,7 @@ TEST_CASE("the init exits once the daemon lets go after the command ended", "[pr
     {
         Fixture fx;
         SECTION("control fd closed") {
-            Channel ch(*fx.provider, *fx.sandbox, command({"true"}));
+            Channel ch(*fx.provider, fx.sandbox, command({"true"}));
             REQUIRE(ch.pump_until([&] { return ch.status_done(); }, status_timeout));
             CHECK(ch.status() == "exit 0");
             ch.proc().control_fd.reset();
@@ -1021,7 +1143,7 @@ TEST_CASE("the init exits once the daemon lets go after the command ended", "[pr
             CHECK(ch.raw_status() == "exit 0\n");
         }
         SECTION("status fd closed") {
-            Channel ch(*fx.provider, *fx.sandbox, command({"true"}));
+            Channel ch(*fx.provider, fx.sandbox, command({"true"}));
             REQUIRE(ch.pump_until([&] { return ch.status_done(); }, status_timeout));
             CHECK(ch.status() == "exit 0");
             ch.proc().status_fd.reset();
@@ -1031,7 +1153,7 @@ TEST_CASE("the init exits once the daemon lets go after the command ended", "[pr
             REQUIRE(ch.pump_until([&] { return ch.output_eof(); }, teardown_timeout));
         }
         SECTION("control fd closed before the command ended is ignored") {
-            Channel ch(*fx.provider, *fx.sandbox, command({"sh", "-c", "read x; exit 5"}));
+            Channel ch(*fx.provider, fx.sandbox, command({"sh", "-c", "read x; exit 5"}));
             ch.proc().control_fd.reset();
             ch.send("go\n", true);
             REQUIRE(ch.finish());
@@ -1048,7 +1170,7 @@ TEST_CASE("stdin not attached reads EOF at once", "[provider]") {
         Fixture fx;
         auto spec = command({"cat"});
         spec.stdin_attached = false;
-        Channel ch(*fx.provider, *fx.sandbox, spec);
+        Channel ch(*fx.provider, fx.sandbox, spec);
         CHECK_FALSE(ch.proc().stdin_fd);
         REQUIRE(ch.finish());
         CHECK(ch.out().empty());
@@ -1061,10 +1183,10 @@ TEST_CASE("spawning into a destroyed sandbox fails and starts nothing", "[provid
     const int fds_before = open_fd_count();
     {
         Fixture fx;
-        fx.provider->destroy(*fx.sandbox);
+        destroy_sandbox(*fx.provider, fx.sandbox);
         CHECK_FALSE(fs::exists(fx.sandbox->workspace));
         try {
-            fx.provider->spawn(*fx.sandbox, command({"true"}));
+            open_process(*fx.provider, fx.sandbox, command({"true"}));
             FAIL("spawn succeeded");
         } catch (const rpc_error& e) {
             CHECK(e.code() == errc::provider_error);
@@ -1084,7 +1206,7 @@ TEST_CASE("destroy ends every process of the lease", "[provider]") {
     {
         Fixture fx;
         // A descendant that left the command's process group, and the command, both alive.
-        Channel ch(*fx.provider, *fx.sandbox,
+        Channel ch(*fx.provider, fx.sandbox,
                    command({"sh", "-c", "setsid sleep 304 >/dev/null 2>&1 & echo ready; read x"}));
         REQUIRE(ch.pump_until([&] { return ch.out() == "ready\n"; }, status_timeout));
         // The tree: this process -> bubblewrap -> the supervisor (PID 1 of the lease's
@@ -1104,7 +1226,7 @@ TEST_CASE("destroy ends every process of the lease", "[provider]") {
         const fs::path lease_cgroup = memory_cgroup_of(ch.init_pid()).parent_path();
         CHECK(lease_cgroup.filename() == fx.sandbox->scope.provider_lease_id);
 
-        fx.provider->destroy(*fx.sandbox);
+        destroy_sandbox(*fx.provider, fx.sandbox);
         // The supervisor's pidfd is readable once its namespace is empty.
         CHECK(wait_readable(supervisor_fd.get(), teardown_timeout));
         CHECK(wait_readable(ch.proc().pidfd.get(), teardown_timeout));
@@ -1130,7 +1252,7 @@ TEST_CASE("a channel that cannot be set up has no status line", "[provider]") {
         {
             auto spec = command({"true"});
             spec.cwd = "/no-such-dir";
-            Channel ch(*fx.provider, *fx.sandbox, spec, true);
+            Channel ch(*fx.provider, fx.sandbox, spec, true);
             // The init gives up by itself: every pipe reaches EOF, the status one empty.
             REQUIRE(ch.pump_until([&] { return ch.output_eof(); }, status_timeout));
             CHECK(ch.raw_status().empty());
@@ -1184,16 +1306,16 @@ TEST_CASE("a missing bubblewrap or init is a provider error", "[provider]") {
         fs::path leases_dir, instance_cgroup;
         {
             auto provider = make_bwrap_provider(test_options(sandboxes));
-            auto handle = provider->create({"bwrap", "c", "e", ""}, "lease", nullptr);
+            auto handle = create_sandbox(*provider, {"bwrap", "c", "e", ""}, "lease", nullptr);
             LeaseGuard guard(*provider, handle);
             leases_dir = handle->workspace.parent_path().parent_path();
             {
-                Channel ch(*provider, *handle, command({"true"}));
+                Channel ch(*provider, handle, command({"true"}));
                 REQUIRE(ch.pump_until([&] { return ch.status_done(); }, status_timeout));
                 instance_cgroup = memory_cgroup_of(ch.init_pid()).parent_path().parent_path();
                 REQUIRE(ch.finish());
             }
-            provider->destroy(*handle);
+            destroy_sandbox(*provider, handle);
         }
         REQUIRE_FALSE(instance_cgroup.empty());
         {
@@ -1205,7 +1327,7 @@ TEST_CASE("a missing bubblewrap or init is a provider error", "[provider]") {
             options.bwrap_path = dir.path / "no-bwrap";
             auto provider = make_bwrap_provider(options);
             try {
-                provider->create({"bwrap", "c", "e", ""}, "lease", nullptr);
+                create_sandbox(*provider, {"bwrap", "c", "e", ""}, "lease", nullptr);
                 FAIL("create succeeded");
             } catch (const rpc_error& e) {
                 CHECK(e.code() == errc::provider_error);
@@ -1232,7 +1354,7 @@ TEST_CASE("the command runs as the lease's unprivileged host uid", "[provider]")
         Fixture fx;
         const uid_t uid = lease_uid(*fx.sandbox);
         REQUIRE(uid >= first_lease_uid);
-        Channel ch(*fx.provider, *fx.sandbox, command({"sh", "-c", "id -u; id -g; read x"}));
+        Channel ch(*fx.provider, fx.sandbox, command({"sh", "-c", "id -u; id -g; read x"}));
         REQUIRE(ch.pump_until([&] { return ch.out() == "0\n0\n"; }, status_timeout));
         // Root inside; the lease's uid on the host, for the command and the init alike.
         const pid_t cmd = ch.command_pid();
@@ -1253,7 +1375,7 @@ TEST_CASE("two sandboxes of one provider run as different uids", "[provider]") {
     const int fds_before = open_fd_count();
     {
         Fixture fx;
-        auto second = fx.provider->create(SandboxScope{"bwrap", "company-1", "env-1", ""},
+        auto second = create_sandbox(*fx.provider, SandboxScope{"bwrap", "company-1", "env-1", ""},
                                           "lease-2", nullptr);
         LeaseGuard second_guard(*fx.provider, second);
         const uid_t first_uid = lease_uid(*fx.sandbox);
@@ -1262,8 +1384,8 @@ TEST_CASE("two sandboxes of one provider run as different uids", "[provider]") {
         CHECK(second_uid >= first_lease_uid);
         CHECK(first_uid != second_uid);
         {
-            Channel a(*fx.provider, *fx.sandbox, command({"sh", "-c", "echo a; read x"}));
-            Channel b(*fx.provider, *second, command({"sh", "-c", "echo b; read x"}));
+            Channel a(*fx.provider, fx.sandbox, command({"sh", "-c", "echo a; read x"}));
+            Channel b(*fx.provider, second, command({"sh", "-c", "echo b; read x"}));
             REQUIRE(a.pump_until([&] { return a.out() == "a\n"; }, status_timeout));
             REQUIRE(b.pump_until([&] { return b.out() == "b\n"; }, status_timeout));
             CHECK(uids_of(a.command_pid()) == four_times(first_uid));
@@ -1277,7 +1399,7 @@ TEST_CASE("two sandboxes of one provider run as different uids", "[provider]") {
             CHECK(a.status() == "exit 0");
             CHECK(b.status() == "exit 0");
         }
-        fx.provider->destroy(*second);
+        destroy_sandbox(*fx.provider, second);
         CHECK_FALSE(fs::exists(second->workspace));
     }
     CHECK(open_fd_count() == fds_before);
@@ -1287,7 +1409,7 @@ TEST_CASE("a channel cannot see another channel's processes", "[provider]") {
     const int fds_before = open_fd_count();
     {
         Fixture fx;
-        Channel other(*fx.provider, *fx.sandbox, command({"sh", "-c", "echo ready; read x"}));
+        Channel other(*fx.provider, fx.sandbox, command({"sh", "-c", "echo ready; read x"}));
         REQUIRE(other.pump_until([&] { return other.out() == "ready\n"; }, status_timeout));
         REQUIRE(other.members().size() == 2);  // its init and sh
 
@@ -1369,7 +1491,7 @@ TEST_CASE("without a cgroup mechanism the provider refuses to start unless told 
     auto provider = make_bwrap_provider(options);
     CHECK(provider->degraded() ==
           "no limits are enforced (providers.bwrap.limits.enforce is false)");
-    auto sandbox = provider->create(SandboxScope{"bwrap", "c", "e", ""}, "lease", nullptr);
+    auto sandbox = create_sandbox(*provider, SandboxScope{"bwrap", "c", "e", ""}, "lease", nullptr);
     LeaseGuard guard(*provider, sandbox);
     CHECK(sandbox->limits.is_null());
     CHECK(provider->usage(*sandbox).is_null());

@@ -1,0 +1,105 @@
+#pragma once
+/// @file channel_backend.hpp
+/// The daemon's side of one running command, whatever runs it: the process backend (a
+/// channel init of sandboxd-init behind pipes or a PTY, src/provider/process_backend.hpp) or
+/// the plugin backend (a worker's duplex channel, src/provider/plugin_worker.cpp).
+///
+/// The backend moves bytes and reports events; it keeps no window. Flow control (the output
+/// credit window that stdout and stderr share, the stdin window, FLOW_CONTROL errors) and the
+/// exit-after-output rule belong to the daemon's Channel (src/server/channel.hpp), which drives
+/// every backend the same way:
+///  - one output pump per stream that has_output(): output_ready(), then read_output() at most
+///    as many bytes as its window allows, until output_ready() returns 0;
+///  - one stdin pump: write_stdin() one chunk at a time, each awaited before the next (the
+///    backpressure), then close_stdin() when the host half-closes;
+///  - wait_exit() once, then wait_gone() once; the exit is sent after every output pump ended.
+///
+/// Threading: a backend is bound to the executor its provider's open() was awaited on (a
+/// strand, or a single-threaded io_context). Every call, and the destructor, must run on that
+/// executor. Calls of different kinds may be outstanding at the same time (an output_ready()
+/// per stream, one write_stdin(), one wait_exit() or wait_gone()); two calls of the same kind
+/// at once are not allowed. No call blocks the thread.
+
+#include <sandboxd/async.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+
+namespace sandboxd {
+
+/// An output stream of a command. Under a PTY, stderr is merged into stdout.
+enum class output_stream : std::uint8_t { out = 0, err = 1 };
+
+/// How the command's main process ended, as its backend learnt it.
+struct ChannelExit {
+    /// 0..255 when the main process exited.
+    std::optional<int> exit_code;
+    /// 1..64 when a signal ended the main process; 0 otherwise.
+    int signal = 0;
+    /// The limit that ended it ("memory" when its cgroup counted an OOM kill and the signal is
+    /// SIGKILL), else "". Counted once in the provider's limit_events().
+    std::string limit;
+    /// Not empty when the backend received an invalid report of the end (the message of a
+    /// PROVIDER_ERROR); the caller kills what is left.
+    std::string error;
+    /// The backend lost the command without a report (a plugin worker that went away, or
+    /// reported exitCode null): the outcome is transportClosed unless the daemon ended it.
+    bool lost = false;
+};
+
+class ChannelBackend {
+public:
+    /// Releases everything the backend holds. A command still running is killed (the process
+    /// backend) or stopped through its worker (the plugin backend); never blocks.
+    virtual ~ChannelBackend() = default;
+
+    /// Whether `stream` exists: false for err under a PTY. Constant for the backend's life.
+    virtual bool has_output(output_stream stream) const noexcept = 0;
+    /// Whether the command has a stdin to write (the channel was opened with stdin, or runs
+    /// under a PTY). Constant for the backend's life.
+    virtual bool has_stdin() const noexcept = 0;
+
+    /// Completes when `stream` has bytes to read or has ended: the number of bytes that
+    /// read_output() can return now (at least 1, possibly an underestimate), or 0 once the
+    /// stream has ended (every byte read; EOF). Never throws.
+    virtual awaitable<std::size_t> output_ready(output_stream stream) = 0;
+    /// Reads up to `into.size()` bytes of `stream` without waiting. Returns the number read
+    /// (0: nothing right now, wait again), or nullopt once the stream has ended.
+    virtual std::optional<std::size_t> read_output(output_stream stream,
+                                                   std::span<char> into) = 0;
+
+    /// Hands `data` to the command's stdin; completes once the command (its pipe, its PTY or
+    /// its worker) has taken every byte: awaiting each write before the next is the
+    /// backpressure. Returns false when the command no longer takes stdin (it closed it, or
+    /// it ended); the bytes are then dropped. Requires has_stdin(). Never throws.
+    virtual awaitable<bool> write_stdin(std::string data) = 0;
+    /// The host half-closed stdin: the command reads EOF once the bytes written so far are
+    /// read (under a PTY: the terminal's EOF character is written). Not while a write_stdin()
+    /// is outstanding. Idempotent.
+    virtual void close_stdin() noexcept = 0;
+
+    /// Sends `sig` (1..64) to the command's process group. A backend that cannot carry that
+    /// signal ignores it (a plugin worker forwards only the protocol's names).
+    virtual void signal(int sig) noexcept = 0;
+    /// Sends `sig` (1..64) to every process of the channel (SIGHUP at a hangup).
+    virtual void signal_all(int sig) noexcept = 0;
+    /// Ends every process of the channel now (SIGKILL; the plugin backend: duplexChannelStop,
+    /// then the channel ends on the daemon's side after the worker's stop grace). Idempotent.
+    virtual void kill() noexcept = 0;
+    /// Sets the PTY's size (1..4096 each, checked by the caller). A resize to the current size
+    /// sends SIGWINCH to the foreground group. Does nothing once the terminal is gone; throws
+    /// rpc_error(errc::invalid_params) when the command has no PTY.
+    virtual void resize(std::uint16_t cols, std::uint16_t rows) = 0;
+
+    /// Completes once the command's main process has ended, with how; at most once. Never
+    /// throws.
+    virtual awaitable<ChannelExit> wait_exit() = 0;
+    /// Completes once every process of the channel is gone (after wait_exit(); the output
+    /// streams end at the latest then). Never throws.
+    virtual awaitable<void> wait_gone() = 0;
+};
+
+}  // namespace sandboxd

@@ -1,0 +1,185 @@
+#include "provider/process_backend.hpp"
+
+#include <sandboxd/errors.hpp>
+
+#include <csignal>
+#include <sys/ioctl.h>
+#include <sys/syscall.h>
+#include <termios.h>
+#include <unistd.h>
+
+namespace sandboxd::detail {
+namespace {
+
+constexpr std::size_t max_status_line = 32;  // "signal 64\n" is 10 bytes
+
+std::optional<int> parse_number(std::string_view digits, int max) {
+    if (digits.empty() || digits.size() > 3) return std::nullopt;
+    int value = 0;
+    for (char c : digits) {
+        if (c < '0' || c > '9') return std::nullopt;
+        value = value * 10 + (c - '0');
+    }
+    if (value > max) return std::nullopt;
+    return value;
+}
+
+}  // namespace
+
+ProcessBackend::ProcessBackend(net::any_io_executor executor, ProcessEnds ends)
+    : pid_(ends.pid),
+      pty_(ends.pty),
+      control_(std::move(ends.control_fd)),
+      pidfd_(executor, ends.pidfd.release()),
+      status_(executor, ends.status_fd.release()),
+      stdout_(executor),
+      stderr_(executor),
+      stdin_(executor),
+      resources_(std::move(ends.resources)) {
+    if (ends.stdout_fd) stdout_.assign(ends.stdout_fd.release());
+    if (ends.stderr_fd) stderr_.assign(ends.stderr_fd.release());
+    if (ends.stdin_fd) stdin_.assign(ends.stdin_fd.release());
+}
+
+ProcessBackend::~ProcessBackend() {
+    // The channel init is the supervisor's child: killing it is all this process can do (its
+    // namespace goes with it); the supervisor reaps it.
+    if (!gone_) ::syscall(SYS_pidfd_send_signal, pidfd_.native_handle(), SIGKILL, nullptr, 0);
+}
+
+bool ProcessBackend::has_output(output_stream s) const noexcept {
+    return (s == output_stream::err ? stderr_ : stdout_).is_open();
+}
+
+awaitable<std::size_t> ProcessBackend::output_ready(output_stream s) {
+    auto& fd = stream(s);
+    if (!fd.is_open()) co_return 0;
+    // No buffer while idle: wait until the pipe is readable, then say how much is there.
+    auto [ec] = co_await fd.async_wait(net::posix::descriptor_base::wait_read, as_tuple_awaitable);
+    if (ec || !fd.is_open()) co_return 0;
+    int avail = 0;
+    // Readable with nothing queued is EOF (or EIO on a PTY): read_output() finds out.
+    if (::ioctl(fd.native_handle(), FIONREAD, &avail) < 0 || avail <= 0) avail = 1;
+    co_return static_cast<std::size_t>(avail);
+}
+
+std::optional<std::size_t> ProcessBackend::read_output(output_stream s, std::span<char> into) {
+    auto& fd = stream(s);
+    if (!fd.is_open()) return std::nullopt;
+    for (;;) {
+        const ssize_t n = ::read(fd.native_handle(), into.data(), into.size());
+        if (n > 0) return static_cast<std::size_t>(n);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+        break;  // EOF; EIO on a PTY master once every slave is closed
+    }
+    beast::error_code ignored;
+    fd.close(ignored);
+    return std::nullopt;
+}
+
+awaitable<bool> ProcessBackend::write_stdin(std::string data) {
+    if (!stdin_.is_open()) co_return false;
+    // async_write retries short writes until every byte is in the pipe (or the PTY).
+    auto [ec, n] = co_await net::async_write(stdin_, net::buffer(data), as_tuple_awaitable);
+    co_return !ec;  // EPIPE: the command no longer reads
+}
+
+void ProcessBackend::close_stdin() noexcept {
+    if (!stdin_.is_open()) return;
+    if (pty_) {
+        const char eof = '\x04';
+        [[maybe_unused]] auto n = ::write(stdin_.native_handle(), &eof, 1);
+    }
+    beast::error_code ignored;
+    stdin_.close(ignored);
+}
+
+void ProcessBackend::signal(int sig) noexcept { send_control(static_cast<unsigned char>(sig)); }
+
+void ProcessBackend::signal_all(int sig) noexcept {
+    send_control(static_cast<unsigned char>(0x80 | sig));
+}
+
+void ProcessBackend::kill() noexcept {
+    send_control(static_cast<unsigned char>(0x80 | SIGKILL));
+    if (!gone_) ::syscall(SYS_pidfd_send_signal, pidfd_.native_handle(), SIGKILL, nullptr, 0);
+}
+
+void ProcessBackend::resize(std::uint16_t cols, std::uint16_t rows) {
+    if (!pty_) throw rpc_error(errc::invalid_params, "the channel has no PTY to resize");
+    if (!stdout_.is_open()) return;  // the terminal is gone with its process
+    const int master = stdout_.native_handle();
+    winsize ws{};
+    if (::ioctl(master, TIOCGWINSZ, &ws) == 0 && ws.ws_col == cols && ws.ws_row == rows) {
+        // The kernel signals only a change; a resize to the current size (a client that
+        // re-sends its size to get a redraw) still owes the foreground group its SIGWINCH.
+        // TIOCSIG on a master sends only INT, QUIT and TSTP: the init delivers it instead.
+        signal(SIGWINCH);
+        return;
+    }
+    ws = winsize{};
+    ws.ws_col = cols;
+    ws.ws_row = rows;
+    ::ioctl(master, TIOCSWINSZ, &ws);
+}
+
+awaitable<ChannelExit> ProcessBackend::wait_exit() {
+    // The line comes from the channel's init, yet it is read as untrusted input: bounded, and
+    // only "exit N" (0..255) or "signal N" (1..64).
+    ChannelExit exit;
+    const std::string invalid = "the channel's init sent an invalid status";
+    std::string line;
+    auto [ec, n] = co_await net::async_read_until(
+        status_, net::dynamic_buffer(line, max_status_line), '\n', as_tuple_awaitable);
+    if (ec && n == 0) {
+        // EOF with no line (the channel could not be set up, or its init was killed), or a
+        // line too long to be one.
+        if (ec != net::error::eof && !line.empty()) exit.error = invalid;
+    } else {
+        line.resize(n - 1);
+        const std::string_view text(line);
+        if (text.rfind("exit ", 0) == 0) {
+            exit.exit_code = parse_number(text.substr(5), 255);
+        } else if (text.rfind("signal ", 0) == 0) {
+            if (auto sig = parse_number(text.substr(7), 64); sig && *sig > 0) exit.signal = *sig;
+        }
+        if (!exit.exit_code && exit.signal == 0) exit.error = invalid;
+    }
+    if (resources_) exit.limit = resources_->limit_hit(exit.signal);
+    co_return exit;
+}
+
+awaitable<void> ProcessBackend::wait_gone() {
+    // The channel's init kills what is left of its namespace and exits; it is the lease
+    // supervisor's child, which reaps it.
+    co_await pidfd_.async_wait(net::posix::descriptor_base::wait_read, as_tuple_awaitable);
+    gone_ = true;
+}
+
+ProcessEnds ProcessBackend::release_for_test() {
+    ProcessEnds ends;
+    auto take = [](net::posix::stream_descriptor& d, unique_fd& into) {
+        if (d.is_open()) into.reset(d.release());
+    };
+    ends.pid = pid_;
+    ends.pty = pty_;
+    take(pidfd_, ends.pidfd);
+    take(status_, ends.status_fd);
+    take(stdout_, ends.stdout_fd);
+    take(stderr_, ends.stderr_fd);
+    take(stdin_, ends.stdin_fd);
+    ends.control_fd = std::move(control_);
+    ends.resources = std::move(resources_);
+    gone_ = true;  // the test owns the channel init now
+    return ends;
+}
+
+void ProcessBackend::send_control(unsigned char byte) noexcept {
+    if (!control_) return;
+    // One byte into a pipe that the init drains: it cannot be short. EAGAIN (a full pipe of
+    // unread requests) drops the request; EPIPE means the init is gone.
+    [[maybe_unused]] auto n = ::write(control_.get(), &byte, 1);
+}
+
+}  // namespace sandboxd::detail

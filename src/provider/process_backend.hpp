@@ -1,0 +1,95 @@
+#pragma once
+/// @file process_backend.hpp
+/// The channel backend of a process started by sandboxd-init (the bwrap provider's channels):
+/// its pidfd, its pipes or PTY master, and the channel init's status and control fds, whose
+/// contract provider.hpp states. Internal to the providers.
+
+#include "server/net.hpp"
+
+#include <sandboxd/channel_backend.hpp>
+#include <sandboxd/unique_fd.hpp>
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+
+namespace sandboxd::detail {
+
+/// What a provider keeps for one channel beyond its descriptors (the bwrap provider: the
+/// channel's cgroup). Owned by the backend; destroying it releases them. Used on the backend's
+/// executor only.
+class ChannelResources {
+public:
+    virtual ~ChannelResources() = default;
+    /// Called once, after the channel's main process has ended with `term_signal` (0 for an
+    /// exit): the limit that ended it ("memory"), or "". Counts the limit events of the
+    /// channel. Fast; no blocking.
+    virtual std::string limit_hit(int term_signal) noexcept = 0;
+};
+
+/// The daemon's ends of a started channel init. Every fd is non-blocking and close-on-exec.
+struct ProcessEnds {
+    /// The channel init's host pid (not our child: never waitpid it); -1 when it had already
+    /// ended (its set-up failed). For diagnostics only.
+    pid_t pid = -1;
+    unique_fd pidfd;       ///< pidfd of `pid`; readable when it exits. Required.
+    unique_fd stdin_fd;    ///< write end of stdin; the PTY master under a PTY; empty when
+                           ///< !stdin_attached and no PTY
+    unique_fd stdout_fd;   ///< read end of stdout; under a PTY, a dup of the master
+    unique_fd stderr_fd;   ///< read end of stderr; empty under a PTY
+    unique_fd status_fd;   ///< read end of the init's fd 3. Required.
+    unique_fd control_fd;  ///< write end of the init's fd 4. Required.
+    bool pty = false;
+    std::unique_ptr<ChannelResources> resources;  ///< may be null
+};
+
+class ProcessBackend final : public ChannelBackend {
+public:
+    /// Binds `ends` to `executor` (see channel_backend.hpp for the threading contract).
+    ProcessBackend(net::any_io_executor executor, ProcessEnds ends);
+    /// SIGKILL to the channel init unless it is known to be gone.
+    ~ProcessBackend() override;
+    ProcessBackend(const ProcessBackend&) = delete;
+    ProcessBackend& operator=(const ProcessBackend&) = delete;
+
+    bool has_output(output_stream stream) const noexcept override;
+    bool has_stdin() const noexcept override { return stdin_.is_open(); }
+    awaitable<std::size_t> output_ready(output_stream stream) override;
+    std::optional<std::size_t> read_output(output_stream stream, std::span<char> into) override;
+    awaitable<bool> write_stdin(std::string data) override;
+    void close_stdin() noexcept override;
+    void signal(int sig) noexcept override;
+    void signal_all(int sig) noexcept override;
+    void kill() noexcept override;
+    void resize(std::uint16_t cols, std::uint16_t rows) override;
+    awaitable<ChannelExit> wait_exit() override;
+    awaitable<void> wait_gone() override;
+
+    /// The channel init's host pid (-1 when unknown), for logs and tests.
+    pid_t pid() const noexcept { return pid_; }
+
+    /// Hands every descriptor back (deregistered from the executor), so that a test can drive
+    /// sandboxd-init's fd contract byte by byte. The backend is empty afterwards: only its
+    /// destructor may be called. Must not run while an operation is outstanding.
+    ProcessEnds release_for_test();
+
+private:
+    net::posix::stream_descriptor& stream(output_stream s) noexcept {
+        return s == output_stream::err ? stderr_ : stdout_;
+    }
+    void send_control(unsigned char byte) noexcept;
+
+    pid_t pid_;
+    bool pty_;
+    bool gone_ = false;
+    unique_fd control_;
+    net::posix::stream_descriptor pidfd_;
+    net::posix::stream_descriptor status_;
+    net::posix::stream_descriptor stdout_;
+    net::posix::stream_descriptor stderr_;
+    net::posix::stream_descriptor stdin_;
+    std::unique_ptr<ChannelResources> resources_;
+};
+
+}  // namespace sandboxd::detail
