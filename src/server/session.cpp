@@ -41,6 +41,10 @@ std::string remote_of(const tcp::socket& socket) {
 
 Session::Reply empty_result() { return {json::object(), {}}; }
 
+// Handlers below never co_await inside Reply{...}: GCC 12 frees a co_await result in an
+// aggregate's braced initializer too early (heap-use-after-free under ASan), so each result
+// is awaited into a local first.
+
 void log_task_failure(const std::string& peer, const std::exception_ptr& e) {
     if (!e) return;
     try {
@@ -395,7 +399,8 @@ awaitable<Session::Reply> Session::call(const std::string& method, json raw) {
                 link->forget(remote_id);
             }
             p["channel"] = remote_id;
-            co_return Reply{co_await link->call(method, std::move(p)), {}};
+            json result = co_await link->call(method, std::move(p));
+            co_return Reply{std::move(result), {}};
         }
         if ((method == "duplexChannelWrite" || method == "duplexChannelCloseStdin") && channel &&
             mux_.ended(*channel)) {
@@ -431,15 +436,18 @@ awaitable<Session::Reply> Session::initialize(json p) {
 
 awaitable<Session::Reply> Session::lease_acquire(json p) {
     // The params of leaseAcquire and leaseList are parsed by the lease service.
-    co_return Reply{to_json(co_await sandboxd::lease_acquire(node_, who_, std::move(p))), {}};
+    json result = to_json(co_await sandboxd::lease_acquire(node_, who_, std::move(p)));
+    co_return Reply{std::move(result), {}};
 }
 
 awaitable<Session::Reply> Session::lease_list(json p) {
-    co_return Reply{co_await sandboxd::lease_list(node_, who_, std::move(p)), {}};
+    json result = co_await sandboxd::lease_list(node_, who_, std::move(p));
+    co_return Reply{std::move(result), {}};
 }
 
 awaitable<Session::Reply> Session::node_list(json /*p*/) {
-    co_return Reply{co_await sandboxd::node_list(node_), {}};
+    json result = co_await sandboxd::node_list(node_);
+    co_return Reply{std::move(result), {}};
 }
 
 awaitable<Session::Reply> Session::lease_get(json p) {
@@ -450,7 +458,8 @@ awaitable<Session::Reply> Session::lease_get(json p) {
         // The owner answers, so that `usage` is current; without it, usage is null.
         try {
             auto link = co_await owner_link(node_, lease);
-            co_return Reply{co_await link->call("leaseGet", std::move(p)), {}};
+            json result = co_await link->call("leaseGet", std::move(p));
+            co_return Reply{std::move(result), {}};
         } catch (const rpc_error& e) {
             if (e.code() != errc::owner_unavailable && e.code() != errc::owner_elsewhere) throw;
         }
@@ -471,14 +480,15 @@ awaitable<std::optional<Session::Reply>> Session::lease_change_at_owner(std::str
     std::string unavailable;
     try {
         auto link = co_await owner_link(node_, lease);
-        co_return Reply{co_await link->call(method, std::move(p)), {}};
+        json result = co_await link->call(method, std::move(p));
+        co_return Reply{std::move(result), {}};
     } catch (const rpc_error& e) {
         if (e.code() != errc::owner_unavailable || method != "leaseRelease") throw;
         unavailable = e.what();
     }
     // A dead owner cannot tear down: the lease waits for cleanup instead.
-    co_return Reply{to_json(co_await lease_orphan(node_, std::move(lease), std::move(unavailable))),
-                    {}};
+    json result = to_json(co_await lease_orphan(node_, std::move(lease), std::move(unavailable)));
+    co_return Reply{std::move(result), {}};
 }
 
 awaitable<Session::Reply> Session::lease_renew(json p) {
@@ -486,8 +496,8 @@ awaitable<Session::Reply> Session::lease_renew(json p) {
     if (auto at_owner = co_await lease_change_at_owner("leaseRenew", p, params.lease_id)) {
         co_return std::move(*at_owner);
     }
-    co_return Reply{
-        to_json(co_await sandboxd::lease_renew(node_, who_, params.lease_id, params.ttl_ms)), {}};
+    json result =  to_json(co_await sandboxd::lease_renew(node_, who_, params.lease_id, params.ttl_ms));
+    co_return Reply{std::move(result), {}};
 }
 
 awaitable<Session::Reply> Session::lease_release(json p) {
@@ -495,7 +505,8 @@ awaitable<Session::Reply> Session::lease_release(json p) {
     if (auto at_owner = co_await lease_change_at_owner("leaseRelease", p, params.lease_id)) {
         co_return std::move(*at_owner);
     }
-    co_return Reply{to_json(co_await sandboxd::lease_release(node_, who_, params.lease_id)), {}};
+    json result = to_json(co_await sandboxd::lease_release(node_, who_, params.lease_id));
+    co_return Reply{std::move(result), {}};
 }
 
 awaitable<Session::Reply> Session::channel_write(json p) {
