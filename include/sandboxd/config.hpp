@@ -99,6 +99,9 @@ struct LimitsConfig {
     std::uint32_t max_data_payload = 256 << 10;     ///< bytes, 1 KiB..16 MiB
     std::uint32_t channels_per_connection = 256;    ///< 1..1048576
     std::uint32_t channels_per_node = 4096;         ///< 1..1048576
+    /// Requests of one connection running at once (their responses not yet sent), 1..65536;
+    /// over it a request gets CHANNEL_LIMIT with data.limit "requestsPerConnection".
+    std::uint32_t requests_per_connection = 64;
     std::uint32_t output_window = 1 << 20;          ///< default outputWindow, bytes, 1 KiB..1 GiB
     std::uint32_t stdin_window = 1 << 20;           ///< stdinWindow, bytes, 1 KiB..1 GiB
     std::uint32_t ping_interval_ms = 20000;         ///< 100..3600000

@@ -20,6 +20,8 @@
 //       channel's hostRouteId with this channel's workerSessionId; "unknown" invents both.
 //       Then it runs `sleep 60`.
 //   __duplicate_reply__              answers the open twice, then runs `sleep 60`.
+//   __slow_open__ <ms> <command...>  answers the open only after <ms> milliseconds (the
+//       whole worker waits, as a slow provider would), then runs <command...>.
 
 #include <sandboxd/base64.hpp>
 
@@ -47,6 +49,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #ifndef P_PIDFD
@@ -386,6 +389,10 @@ json Worker::open(const json& p, const json& id, bool& answered) {
     } else if (hooks_ && argv[0] == "__duplicate_reply__") {
         duplicate = true;
         argv = {"sleep", "60"};
+    }
+    if (hooks_ && argv[0] == "__slow_open__" && argv.size() > 2) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(std::stoul(argv[1])));
+        argv.erase(argv.begin(), argv.begin() + 2);
     }
 
     start_process(*s, argv, dir, env);

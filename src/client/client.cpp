@@ -5,6 +5,7 @@
 #include <sandboxd/address.hpp>
 #include <sandboxd/base64.hpp>
 #include <sandboxd/errors.hpp>
+#include <sandboxd/jsonrpc.hpp>
 
 #include <algorithm>
 
@@ -127,36 +128,39 @@ ClientEvent Client::Impl::read_one() {
 
 std::int64_t Client::send_request(const std::string& method, const json& params) {
     const auto id = impl_->next_id++;
-    send_text(json{{"jsonrpc", "2.0"}, {"id", id}, {"method", method}, {"params", params}}.dump());
+    send_text(jsonrpc::request(id, method, params));
     return id;
 }
+
+namespace {
+
+/// A response's result, or its error as rpc_error with the code of its reason (so that
+/// callers can compare codes).
+json result_of(json message) {
+    jsonrpc::Response response;
+    response.id = message.value("id", json());
+    if (message.contains("error")) {
+        response.error = std::move(message["error"]);
+    } else {
+        response.result = std::move(message["result"]);
+    }
+    return jsonrpc::result_or_throw(std::move(response));
+}
+
+}  // namespace
 
 json Client::wait_response(std::int64_t id) {
     for (auto it = impl_->pending.begin(); it != impl_->pending.end(); ++it) {
         if (it->type == ClientEvent::kind::response && it->message.value("id", json()) == id) {
             auto msg = std::move(it->message);
             impl_->pending.erase(it);
-            if (msg.contains("error")) {
-                const auto& e = msg["error"];
-                throw rpc_error(errc::internal_error, e.value("message", ""), e.value("data", json::object()));
-            }
-            return msg["result"];
+            return result_of(std::move(msg));
         }
     }
     for (;;) {
         auto ev = impl_->read_one();
         if (ev.type == ClientEvent::kind::response && ev.message.value("id", json()) == id) {
-            if (ev.message.contains("error")) {
-                const auto& e = ev.message["error"];
-                auto data = e.value("data", json::object());
-                // Map the reason back to our errc so callers can compare codes.
-                errc code = errc::internal_error;
-                for (int i = 1; i <= static_cast<int>(errc::routing_loop); ++i) {
-                    if (reason(static_cast<errc>(i)) == data.value("reason", "")) code = static_cast<errc>(i);
-                }
-                throw rpc_error(code, e.value("message", ""), data);
-            }
-            return ev.message["result"];
+            return result_of(std::move(ev.message));
         }
         impl_->pending.push_back(std::move(ev));
     }

@@ -134,6 +134,7 @@ void parse_limits(Obj& o, LimitsConfig& l) {
     o.integer("maxDataPayload", l.max_data_payload, kib, 16 * mib);
     o.integer("channelsPerConnection", l.channels_per_connection, 1, 1 << 20);
     o.integer("channelsPerNode", l.channels_per_node, 1, 1 << 20);
+    o.integer("requestsPerConnection", l.requests_per_connection, 1, 1 << 16);
     o.integer("outputWindow", l.output_window, kib, gib);
     o.integer("stdinWindow", l.stdin_window, kib, gib);
     o.integer("pingIntervalMs", l.ping_interval_ms, 100, 3600000);
@@ -429,6 +430,7 @@ nlohmann::json config_to_json(const Config& c) {
           {"maxDataPayload", l.max_data_payload},
           {"channelsPerConnection", l.channels_per_connection},
           {"channelsPerNode", l.channels_per_node},
+          {"requestsPerConnection", l.requests_per_connection},
           {"outputWindow", l.output_window},
           {"stdinWindow", l.stdin_window},
           {"pingIntervalMs", l.ping_interval_ms},

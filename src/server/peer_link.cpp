@@ -5,6 +5,7 @@
 #include <sandboxd/address.hpp>
 #include <sandboxd/errors.hpp>
 #include <sandboxd/frame.hpp>
+#include <sandboxd/jsonrpc.hpp>
 #include <sandboxd/version.hpp>
 
 #include <spdlog/spdlog.h>
@@ -20,13 +21,6 @@ rpc_error unavailable(const std::string& peer, const std::string& why) {
     return rpc_error(errc::owner_unavailable,
                      "Owner node " + peer + " is unavailable: " + why + ".",
                      {{"ownerNodeId", peer}});
-}
-
-errc errc_of_reason(const std::string& r) {
-    for (int i = 1; i <= static_cast<int>(errc::routing_loop); ++i) {
-        if (reason(static_cast<errc>(i)) == r) return static_cast<errc>(i);
-    }
-    return errc::internal_error;
 }
 
 std::uint32_t frame_channel(std::string_view f) {
@@ -150,7 +144,7 @@ awaitable<json> PeerLink::do_call(std::string method, json params, std::weak_ptr
     slot.wake->expires_at(deadline);
     slot.target = std::move(target);
     slot.local_channel = local_channel;
-    queue(false, json{{"jsonrpc", "2.0"}, {"id", id}, {"method", method}, {"params", std::move(params)}}.dump());
+    queue(false, jsonrpc::request(id, method, std::move(params)));
     while (!pending_[id].response && !broken_ && std::chrono::steady_clock::now() < deadline) {
         co_await pending_[id].wake->async_wait(as_tuple_awaitable);
     }
@@ -160,13 +154,7 @@ awaitable<json> PeerLink::do_call(std::string method, json params, std::weak_ptr
         throw unavailable(peer_.node_id, "it did not answer " + method + " within " +
                                              std::to_string(answer_within.count()) + " ms");
     }
-    json response = std::move(*node.mapped().response);
-    if (response.contains("error")) {
-        const auto& e = response["error"];
-        json data = e.value("data", json::object());
-        throw rpc_error(errc_of_reason(data.value("reason", "")), e.value("message", ""), data);
-    }
-    co_return response.value("result", json::object());
+    co_return jsonrpc::result_or_throw(std::move(*node.mapped().response));
 }
 
 void PeerLink::queue(bool binary, std::string bytes) {
@@ -183,10 +171,7 @@ void PeerLink::send_frame(std::string frame) {
 void PeerLink::close_channel(std::uint32_t remote_channel) {
     net::post(strand_, [self = shared_from_this(), remote_channel] {
         if (!self->connected_ || self->broken_) return;
-        self->queue(false, json{{"jsonrpc", "2.0"},
-                                {"method", "duplexChannelClose"},
-                                {"params", {{"channel", remote_channel}}}}
-                               .dump());
+        self->queue(false, jsonrpc::notification("duplexChannelClose", {{"channel", remote_channel}}));
     });
 }
 
@@ -235,28 +220,30 @@ awaitable<void> PeerLink::read_loop() {
 }
 
 void PeerLink::on_text(const std::string& text) {
-    json msg = json::parse(text, nullptr, false);
-    if (!msg.is_object()) return;
-    if (msg.contains("id") && !msg.contains("method")) {
-        auto it = pending_.find(msg["id"].is_number_integer() ? msg["id"].get<std::int64_t>() : -1);
-        const bool opened = msg.contains("result") && msg["result"].is_object() &&
-                            msg["result"].contains("channel") && msg["result"]["channel"].is_number_unsigned();
+    auto message = jsonrpc::parse_message(text);
+    if (auto* response = std::get_if<jsonrpc::Response>(&message)) {
+        auto it = pending_.find(response->id.is_number_integer() ? response->id.get<std::int64_t>() : -1);
+        const auto& r = response->result;
+        const bool opened = r && r->is_object() && r->contains("channel") &&
+                            (*r)["channel"].is_number_unsigned();
         if (it == pending_.end() || (opened && it->second.target.expired())) {
             // An open answered after its caller gave up (timeout, host gone): nobody will
             // read that channel, so it is closed on the owner rather than left running.
-            if (opened && it == pending_.end()) close_channel(msg["result"]["channel"].get<std::uint32_t>());
+            if (opened && it == pending_.end()) close_channel((*r)["channel"].get<std::uint32_t>());
             if (it == pending_.end()) return;
         }
         // An open's route exists before the next frame is read: no data is ever unrouted.
         if (opened && !it->second.target.expired()) {
-            routes_[msg["result"]["channel"].get<std::uint32_t>()] = {it->second.target, it->second.local_channel};
+            routes_[(*r)["channel"].get<std::uint32_t>()] = {it->second.target, it->second.local_channel};
         }
-        it->second.response = std::move(msg);
+        it->second.response = std::move(*response);
         it->second.wake->cancel();
         return;
     }
-    if (msg.value("method", "") != "duplexChannel.exit") return;
-    auto params = msg["params"];
+    auto* notification = std::get_if<jsonrpc::Request>(&message);
+    if (!notification || notification->method != "duplexChannel.exit") return;
+    auto params = std::move(notification->params);
+    if (!params.is_object()) return;
     const auto remote = params.value("channel", 0U);
     auto it = routes_.find(remote);
     if (it == routes_.end()) return;

@@ -8,6 +8,7 @@
 // Frames for a forwarded channel are delivered to the host session's strand.
 #include "server/net.hpp"
 
+#include <sandboxd/jsonrpc.hpp>
 #include <sandboxd/registry.hpp>
 
 #include <nlohmann/json.hpp>
@@ -66,7 +67,7 @@ public:
 
 private:
     struct Pending {
-        std::optional<nlohmann::json> response;
+        std::optional<jsonrpc::Response> response;
         std::unique_ptr<net::steady_timer> wake;
         std::weak_ptr<RelayTarget> target;  // for opens
         std::uint32_t local_channel = 0;

@@ -1,31 +1,22 @@
 #include "server/session.hpp"
 
 #include "server/lease_service.hpp"
-#include "server/params.hpp"
 
 #include <sandboxd/base64.hpp>
 #include <sandboxd/errors.hpp>
 #include <sandboxd/frame.hpp>
 #include <sandboxd/version.hpp>
 
+#include <boost/asio/experimental/awaitable_operators.hpp>
 #include <spdlog/spdlog.h>
 
 namespace sandboxd {
 namespace {
 
 using json = nlohmann::json;
+using namespace net::experimental::awaitable_operators;
 
 constexpr std::string_view subprotocol = "sandboxd.v1";
-
-const std::vector<std::string>& supported_methods() {
-    static const std::vector<std::string> methods = {
-        "initialize",           "leaseAcquire",        "leaseGet",
-        "leaseList",            "leaseRenew",          "leaseRelease",
-        "nodeList",             "duplexChannelOpen",   "duplexChannelWrite",
-        "duplexChannelCloseStdin", "duplexChannelResize", "duplexChannelSignal",
-        "duplexChannelStop",    "duplexChannelClose"};
-    return methods;
-}
 
 bool offers_subprotocol(std::string_view header) {
     // Sec-WebSocket-Protocol: a comma-separated list of tokens.
@@ -42,11 +33,24 @@ bool offers_subprotocol(std::string_view header) {
     return false;
 }
 
-std::string decode_base64(const std::string& field, std::string_view text) {
+std::string remote_of(const tcp::socket& socket) {
+    beast::error_code ec;
+    auto ep = socket.remote_endpoint(ec);
+    return ec ? "?" : ep.address().to_string() + ":" + std::to_string(ep.port());
+}
+
+Session::Reply empty_result() { return {json::object(), {}}; }
+
+// Handlers below never co_await inside Reply{...}: GCC 12 frees a co_await result in an
+// aggregate's braced initializer too early (heap-use-after-free under ASan), so each result
+// is awaited into a local first.
+
+void log_task_failure(const std::string& peer, const std::exception_ptr& e) {
+    if (!e) return;
     try {
-        return base64_decode(text);
-    } catch (const base64_error&) {
-        params::invalid(field, "is not valid base64");
+        std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+        spdlog::error("peer={} session task failed: {}", peer, ex.what());
     }
 }
 
@@ -58,15 +62,17 @@ Session::Session(Node& node, websocket::stream<beast::tcp_stream> ws, const Prin
       who_(who),
       strand_(ws_.get_executor()),
       queue_timer_(strand_),
-      ping_timer_(strand_),
-      idle_timer_(strand_) {
+      slot_free_(strand_),
+      peer_(remote_of(beast::get_lowest_layer(ws_).socket())),
+      mux_(*this, node.config.limits.max_data_payload, peer_) {
     queue_timer_.expires_at(net::steady_timer::time_point::max());
-    beast::error_code ec;
-    auto ep = beast::get_lowest_layer(ws_).socket().remote_endpoint(ec);
-    peer_ = ec ? "?" : ep.address().to_string() + ":" + std::to_string(ep.port());
+    slot_free_.expires_at(net::steady_timer::time_point::max());
 }
 
 Session::~Session() = default;
+
+// ---------------------------------------------------------------------------------------------
+// Transport
 
 awaitable<void> Session::run(http::request<http::string_body> request) {
     auto self = shared_from_this();
@@ -101,39 +107,23 @@ awaitable<void> Session::run(http::request<http::string_body> request) {
         co_return;
     }
     spdlog::info("peer={} connected as token \"{}\"", peer_, who_.name);
-    auto log_failure = [peer = peer_](const std::exception_ptr& e) {
-        if (!e) return;
-        try {
-            std::rethrow_exception(e);
-        } catch (const std::exception& ex) {
-            spdlog::error("peer={} session task failed: {}", peer, ex.what());
-        }
-    };
     last_heard_ = std::chrono::steady_clock::now();
-    net::co_spawn(strand_, write_loop(), log_failure);
-    net::co_spawn(strand_, ping_loop(), log_failure);
-    net::co_spawn(strand_, idle_loop(), log_failure);
     try {
-        co_await read_loop();
+        // Whichever loop ends first ends the connection; the others are cancelled with it.
+        co_await (read_loop() || write_loop() || ping_loop() || idle_loop());
     } catch (const std::exception& e) {
-        spdlog::error("peer={} read loop failed: {}", peer_, e.what());
+        spdlog::error("peer={} connection loop failed: {}", peer_, e.what());
     }
     closing_ = true;
-    queue_timer_.cancel();
-    // The ping and idle loops hold the session: end them now, so that the socket and the
-    // session's memory go at once, not a ping interval or an idle timeout later.
-    ping_timer_.cancel();
-    idle_timer_.cancel();
-    close_all_channels();
+    queue_.clear();
+    mux_.close_all();
     spdlog::info("peer={} disconnected", peer_);
 }
 
 awaitable<void> Session::read_loop() {
     beast::flat_buffer buffer;
     for (;;) {
-        reading_ = true;
         auto [ec, n] = co_await ws_.async_read(buffer, as_tuple_awaitable);
-        reading_ = false;
         if (ec) {
             if (ec != websocket::error::closed && ec != net::error::operation_aborted &&
                 ec != net::error::eof) {
@@ -141,27 +131,35 @@ awaitable<void> Session::read_loop() {
             }
             co_return;
         }
+        last_heard_ = std::chrono::steady_clock::now();
         const auto data = buffer.data();
         std::string_view message(static_cast<const char*>(data.data()), data.size());
         if (ws_.got_text()) {
-            std::string text(message);
-            co_await handle_text(std::move(text));
-        } else if (auto reason = handle_binary(message)) {
+            // A peer node's link carries every channel it forwards here: it waits for a free
+            // slot rather than have its hosts' requests refused for each other's.
+            while (who_.role == "peer" &&
+                   in_flight_ >= node_.config.limits.requests_per_connection) {
+                co_await slot_free_.async_wait(as_tuple_awaitable);  // woken by a cancel
+                auto cs = co_await net::this_coro::cancellation_state;
+                if (cs.cancelled() != net::cancellation_type::none) co_return;
+            }
+            on_text(message);
+        } else if (auto reason = on_binary(message)) {
             closing_ = true;
             co_await ws_.async_close(*reason, as_tuple_awaitable);
             co_return;
         }
         buffer.consume(buffer.size());
-        last_heard_ = std::chrono::steady_clock::now();  // silence counts from here again
         if (closing_) co_return;
     }
 }
 
 awaitable<void> Session::write_loop() {
-    auto self = shared_from_this();
-    while (!closing_) {
+    for (;;) {
         if (queue_.empty()) {
-            co_await queue_timer_.async_wait(as_tuple_awaitable);
+            co_await queue_timer_.async_wait(as_tuple_awaitable);  // woken by a cancel
+            auto cs = co_await net::this_coro::cancellation_state;
+            if (cs.cancelled() != net::cancellation_type::none || closing_) co_return;
             continue;
         }
         Outgoing out = std::move(queue_.front());
@@ -169,7 +167,7 @@ awaitable<void> Session::write_loop() {
         ws_.binary(out.binary);
         auto [ec, n] = co_await ws_.async_write(net::buffer(out.bytes), as_tuple_awaitable);
         if (ec) {
-            closing_ = true;
+            // The read then fails too; closing here makes sure it does at once.
             beast::get_lowest_layer(ws_).socket().close(ec);
             co_return;
         }
@@ -177,27 +175,30 @@ awaitable<void> Session::write_loop() {
 }
 
 awaitable<void> Session::ping_loop() {
-    auto self = shared_from_this();
-    while (!closing_) {
-        ping_timer_.expires_after(std::chrono::milliseconds(node_.config.limits.ping_interval_ms));
-        auto [ec] = co_await ping_timer_.async_wait(as_tuple_awaitable);
-        if (ec || closing_) co_return;
+    net::steady_timer timer(strand_);
+    for (;;) {
+        timer.expires_after(std::chrono::milliseconds(node_.config.limits.ping_interval_ms));
+        auto [ec] = co_await timer.async_wait(as_tuple_awaitable);
+        if (ec) co_return;  // cancelled: the connection ends
         auto [pec] = co_await ws_.async_ping({}, as_tuple_awaitable);
-        if (pec) co_return;
+        if (pec) {
+            beast::get_lowest_layer(ws_).socket().close(pec);
+            co_return;
+        }
     }
 }
 
 awaitable<void> Session::idle_loop() {
-    auto self = shared_from_this();
     const auto idle = std::chrono::milliseconds(node_.config.limits.idle_timeout_ms);
-    while (!closing_) {
-        // While a message is being handled nothing is read: that is not the peer's silence.
-        idle_timer_.expires_at(reading_ ? last_heard_ + idle
-                                        : std::chrono::steady_clock::now() + idle);
-        auto [ec] = co_await idle_timer_.async_wait(as_tuple_awaitable);
-        if (ec || closing_) co_return;
+    net::steady_timer timer(strand_);
+    for (;;) {
+        // A read is always outstanding (requests run beside it), so silence is the time since
+        // the last frame heard.
+        timer.expires_at(last_heard_ + idle);
+        auto [ec] = co_await timer.async_wait(as_tuple_awaitable);
+        if (ec) co_return;  // cancelled: the connection ends
         const auto silent = std::chrono::steady_clock::now() - last_heard_;
-        if (!reading_ || silent < idle) continue;  // heard from it meanwhile
+        if (silent < idle) continue;  // heard from it meanwhile
         spdlog::info("peer={} silent for {} ms (limit {} ms): dropping the connection", peer_,
                      std::chrono::duration_cast<std::chrono::milliseconds>(silent).count(),
                      idle.count());
@@ -229,510 +230,444 @@ void Session::send_text(std::string text) {
     queue_timer_.cancel();
 }
 
-void Session::channel_finished(std::uint32_t channel) {
-    channels_.erase(channel);
-    // Remembered so that a write or half-close racing the exit is a harmless no-op.
-    ended_.insert(channel);
-    if (ended_.size() > 4096) ended_.erase(ended_.begin());
-}
-
-bool Session::ended(const json& p) const {
-    return p.contains("channel") && p["channel"].is_number_unsigned() &&
-           ended_.count(p["channel"].get<std::uint32_t>()) > 0;
-}
-
 void Session::respond(const json& id, json result) {
-    send_text(json{{"jsonrpc", "2.0"}, {"id", id}, {"result", std::move(result)}}.dump());
+    send_text(jsonrpc::result(id, std::move(result)));
 }
 
 void Session::respond_error(const json& id, const json& error) {
     node_.rpc_errors.fetch_add(1, std::memory_order_relaxed);
-    send_text(json{{"jsonrpc", "2.0"}, {"id", id}, {"error", error}}.dump(
-        -1, ' ', false, json::error_handler_t::replace));
+    send_text(jsonrpc::error(id, error));
 }
 
-void Session::close_all_channels() {
-    for (auto& [id, channel] : channels_) channel->hangup();
-    channels_.clear();
-    for (auto& [id, remote] : remote_) {
-        remote.link->close_channel(remote.remote_id);
-        remote.link->forget(remote.remote_id);
-    }
-    remote_.clear();
-}
+// ---------------------------------------------------------------------------------------------
+// Channel sink and relay target: the multiplexer's
+
+void Session::channel_finished(std::uint32_t channel) { mux_.finished(channel); }
 
 void Session::relay_binary(std::uint32_t local_channel, std::string frame) {
-    if (auto it = opening_.find(local_channel); it != opening_.end()) {
-        it->second.emplace_back(true, std::move(frame));
-        return;
-    }
-    auto it = remote_.find(local_channel);
-    if (it == remote_.end()) return;
-    // Only stdin credits change the relay's count; data frames pass without being parsed.
-    if (!frame.empty() && frame[0] == static_cast<char>(frame_kind::credit)) {
-        auto decoded = decode_frame(frame, node_.config.limits.max_data_payload);
-        if (auto* credit = std::get_if<CreditFrame>(&decoded); credit && credit->stream == stream_id::stdin_) {
-            auto& r = it->second;
-            r.stdin_outstanding -= std::min<std::uint64_t>(credit->bytes, r.stdin_outstanding);
-        }
-    }
-    send_binary(std::move(frame));
+    mux_.relay_binary(local_channel, std::move(frame));
 }
 
 void Session::relay_exit(std::uint32_t local_channel, json exit_params) {
-    auto text = json{{"jsonrpc", "2.0"}, {"method", "duplexChannel.exit"}, {"params", std::move(exit_params)}}.dump();
-    if (auto it = opening_.find(local_channel); it != opening_.end()) {
-        it->second.emplace_back(false, std::move(text));
-        return;
-    }
-    if (remote_.erase(local_channel)) send_text(std::move(text));
+    mux_.relay_exit(local_channel, std::move(exit_params));
 }
 
 net::any_io_executor Session::relay_executor() { return strand_; }
 
-awaitable<void> Session::handle_text(std::string text) {
-    json request;
-    json id = nullptr;
-    if (text.size() > node_.config.limits.max_text_message) {
-        respond_error(id, rpc_error(errc::invalid_request,
-                                    "text message of " + std::to_string(text.size()) +
-                                        " bytes is over the limit of " +
-                                        std::to_string(node_.config.limits.max_text_message))
-                              .to_json());
-        co_return;
+// ---------------------------------------------------------------------------------------------
+// Admission: requests run concurrently, ordered per channel
+
+void Session::on_text(std::string_view text) {
+    auto parsed = jsonrpc::parse_request(text, node_.config.limits.max_text_message);
+    if (auto* bad = std::get_if<jsonrpc::Invalid>(&parsed)) {
+        respond_error(bad->id, bad->error.to_json());
+        return;
     }
-    try {
-        request = json::parse(text);
-    } catch (const json::parse_error&) {
-        respond_error(id, rpc_error(errc::parse_error, "Parse error: the text frame is not JSON")
-                              .to_json());
-        co_return;
-    }
-    if (request.is_array()) {
-        respond_error(id, rpc_error(errc::invalid_request, "Batch requests are not supported")
-                              .to_json());
-        co_return;
-    }
-    if (!request.is_object()) {
-        respond_error(id, rpc_error(errc::invalid_request, "A request must be a JSON object")
-                              .to_json());
-        co_return;
-    }
-    const bool has_id = request.contains("id");
-    if (has_id) {
-        const auto& rid = request["id"];
-        if (rid.is_string() || rid.is_number_integer() || rid.is_null()) id = rid;
-    }
-    if (request.value("jsonrpc", json()) != "2.0" || !request.contains("method") ||
-        !request["method"].is_string() ||
-        (has_id && !(request["id"].is_string() || request["id"].is_number_integer() ||
-                     request["id"].is_null())) ||
-        (request.contains("params") && !request["params"].is_object() &&
-         !request["params"].is_array())) {
-        respond_error(id, rpc_error(errc::invalid_request,
-                                    "Invalid Request: needs jsonrpc \"2.0\", a string method, "
-                                    "an optional string or integer id and object params")
-                              .to_json());
-        co_return;
-    }
-    const std::string method = request["method"].get<std::string>();
-    const json params = request.contains("params") ? request["params"] : json::object();
-    try {
-        auto result = co_await dispatch(method, params, id);
-        if (has_id && result) respond(id, std::move(*result));
-    } catch (const rpc_error& e) {
-        if (has_id) respond_error(id, e.to_json());
-        spdlog::debug("peer={} method={} failed: {} ({})", peer_, method, e.what(),
-                      reason(e.code()));
-    } catch (const std::exception& e) {
-        spdlog::error("peer={} method={} internal error: {}", peer_, method, e.what());
-        if (has_id) respond_error(id, rpc_error(errc::internal_error, "Internal error").to_json());
-    }
+    admit(std::move(std::get<jsonrpc::Request>(parsed)));
 }
 
-std::optional<websocket::close_reason> Session::handle_binary(std::string_view message) {
-    auto decoded = decode_frame(message, node_.config.limits.max_data_payload);
-    if (auto* err = std::get_if<FrameError>(&decoded)) {
-        spdlog::info("peer={} bad binary frame: {}", peer_, err->what);
-        return websocket::close_reason(
-            err->too_big ? websocket::close_code::too_big : websocket::close_code::protocol_error,
-            err->what);
-    }
-    const std::uint32_t frame_channel = std::visit(
-        [](const auto& f) -> std::uint32_t {
-            if constexpr (std::is_same_v<std::decay_t<decltype(f)>, FrameError>) {
-                return 0;
-            } else {
-                return f.channel;
-            }
-        },
-        decoded);
-    if (auto it = remote_.find(frame_channel); it != remote_.end()) {
-        if (auto* data = std::get_if<DataFrame>(&decoded); data && data->stream == stream_id::stdin_) {
-            auto& r = it->second;
-            if (r.stdin_overrun) return std::nullopt;  // the owner is ending the channel
-            r.stdin_outstanding += data->payload.size();
-            if (r.stdin_window != 0 && r.stdin_outstanding > r.stdin_window) {
-                r.stdin_overrun = true;  // this frame still goes: the owner reports FLOW_CONTROL
-                spdlog::info("peer={} channel={} overran the stdin window of its owner", peer_,
-                             frame_channel);
-            }
-        }
-        std::string copy(message);
-        const auto r = it->second.remote_id;
-        copy[1] = static_cast<char>((r >> 24) & 0xff);
-        copy[2] = static_cast<char>((r >> 16) & 0xff);
-        copy[3] = static_cast<char>((r >> 8) & 0xff);
-        copy[4] = static_cast<char>(r & 0xff);
-        it->second.link->send_frame(std::move(copy));
+std::optional<websocket::close_reason> Session::on_binary(std::string_view message) {
+    auto checked = mux_.check_frame(message);
+    if (auto* reason = std::get_if<websocket::close_reason>(&checked)) return *reason;
+    const auto channel = std::get<std::uint32_t>(checked);
+    if (auto lane = lanes_.find(channel); lane != lanes_.end()) {
+        lane->second.waiting.emplace_back(std::string(message));  // after the running request
         return std::nullopt;
     }
-    try {
-        if (auto* data = std::get_if<DataFrame>(&decoded)) {
-            auto it = channels_.find(data->channel);
-            if (it == channels_.end() || data->stream != stream_id::stdin_) {
-                spdlog::debug("peer={} data frame for unknown channel {} dropped", peer_,
-                              data->channel);
-                return std::nullopt;
-            }
-            it->second->write_stdin(data->payload);
-        } else if (auto* credit = std::get_if<CreditFrame>(&decoded)) {
-            auto it = channels_.find(credit->channel);
-            if (it == channels_.end() || credit->stream == stream_id::stdin_) return std::nullopt;
-            it->second->add_credit(credit->bytes);
-        }
-    } catch (const rpc_error& e) {
-        spdlog::info("peer={} frame rejected: {}", peer_, e.what());
-    }
+    mux_.apply_frame(message);
     return std::nullopt;
 }
 
-std::shared_ptr<Channel> Session::find_channel(const json& p) {
-    auto id = params::req_uint(p, "channel", 0, UINT32_MAX);
-    auto it = channels_.find(static_cast<std::uint32_t>(id));
-    if (it == channels_.end()) {
-        throw rpc_error(errc::channel_not_found,
-                        "channel " + std::to_string(id) +
-                            (ended_.count(static_cast<std::uint32_t>(id))
-                                 ? " has already ended"
-                                 : " is not open on this connection"),
-                        {{"channel", id}});
+void Session::admit(jsonrpc::Request request) {
+    const auto limit = node_.config.limits.requests_per_connection;
+    if (in_flight_ >= limit) {
+        const rpc_error error(errc::channel_limit,
+                              "this connection already has " + std::to_string(in_flight_) +
+                                  " requests in flight (limit " + std::to_string(limit) + ")",
+                              {{"limit", "requestsPerConnection"}});
+        if (request.id) {
+            respond_error(*request.id, error.to_json());
+        } else {
+            spdlog::info("peer={} method={} notification dropped: {}", peer_, request.method,
+                         error.what());
+        }
+        return;
     }
-    return it->second;
+    ++in_flight_;
+    std::optional<std::uint32_t> lane;
+    auto entry = method_table().find(request.method);
+    if (entry != method_table().end() && entry->second.on_channel) {
+        lane = methods::channel_named(request.params);
+    }
+    if (lane) {
+        auto [it, idle] = lanes_.try_emplace(*lane);
+        if (!idle) {
+            it->second.waiting.emplace_back(std::move(request));
+            return;
+        }
+    }
+    start(std::move(request), lane);
 }
 
-awaitable<std::optional<json>> Session::dispatch(const std::string& method, const json& raw,
-                                                 const json& id) {
-    if (raw.is_array()) params::invalid("params", "must be an object");
-    const json p = params::object_or_empty(raw);
-    if (method == "initialize") {
-        params::only_keys(p, {"protocolVersion", "client"});
-        auto version = params::req_uint(p, "protocolVersion", 0, UINT32_MAX);
-        if (version != 1) params::invalid("protocolVersion", "only version 1 is supported");
-        const auto& l = node_.config.limits;
-        co_return json{{"protocolVersion", 1},
-                       {"nodeId", node_.node_id},
-                       {"supportedMethods", supported_methods()},
-                       {"limits",
-                        {{"maxTextMessage", l.max_text_message},
-                         {"maxDataPayload", l.max_data_payload},
-                         {"channelsPerConnection", l.channels_per_connection},
-                         {"channelsPerNode", l.channels_per_node},
-                         {"outputWindow", l.output_window},
-                         {"stdinWindow", l.stdin_window}}}};
-    }
-    if (method == "leaseAcquire" || method == "leaseRenew" || method == "leaseRelease" ||
-        method == "duplexChannelOpen") {
-        node_.require_membership();  // self-fencing: no opens or lease changes on stale membership
-    }
-    if (method == "leaseAcquire") co_return to_json(co_await lease_acquire(node_, who_, p));
-    if (method == "leaseGet") {
-        params::only_keys(p, {"leaseId"});
-        auto lease_id = params::req_string(p, "leaseId");
-        Lease lease = co_await lease_get(node_, who_, std::move(lease_id));
-        if (lease.owner_node_id != node_.node_id && lease.status == lease_status::active &&
-            forwarded_by_.empty()) {
-            // The owner answers, so that `usage` is current; without it, usage is null.
-            try {
-                auto link = co_await owner_link(node_, lease);
-                co_return co_await link->call(method, p);
-            } catch (const rpc_error& e) {
-                if (e.code() != errc::owner_unavailable && e.code() != errc::owner_elsewhere) {
-                    throw;
-                }
-            }
-        }
-        attach_usage(node_, lease);
-        co_return to_json(lease);
-    }
-    if (method == "leaseList") co_return co_await lease_list(node_, who_, p);
-    if (method == "leaseRenew") {
-        params::only_keys(p, {"leaseId", "ttlMs"});
-        params::req_string(p, "leaseId");
-        params::req_uint(p, "ttlMs", 1000, UINT64_MAX >> 2);
-    } else if (method == "leaseRelease") {
-        params::only_keys(p, {"leaseId"});
-    }
-    if (method == "leaseRelease" || method == "leaseRenew") {
-        // The owner releases or renews, so that its cache and channels follow.
-        auto lease_id = params::req_string(p, "leaseId");
-        Lease lease = co_await lease_get(node_, who_, lease_id);
-        const bool settled = lease.status == lease_status::released ||
-                             lease.status == lease_status::failed;
-        if (lease.owner_node_id != node_.node_id && !settled && forwarded_by_.empty()) {
-            std::string unavailable;
-            try {
-                auto link = co_await owner_link(node_, lease);
-                co_return co_await link->call(method, p);
-            } catch (const rpc_error& e) {
-                if (e.code() != errc::owner_unavailable || method != "leaseRelease") throw;
-                unavailable = e.what();
-            }
-            // A dead owner cannot tear down: the lease waits for cleanup instead.
-            co_return to_json(co_await lease_orphan(node_, std::move(lease), std::move(unavailable)));
+void Session::start(jsonrpc::Request request, std::optional<std::uint32_t> lane) {
+    net::co_spawn(strand_, serve(shared_from_this(), std::move(request), lane),
+                  [peer = peer_](const std::exception_ptr& e) { log_task_failure(peer, e); });
+}
+
+awaitable<void> Session::serve(std::shared_ptr<Session> self, jsonrpc::Request request,
+                               std::optional<std::uint32_t> lane) {
+    const json id = request.id.value_or(json());
+    try {
+        auto reply = co_await call(request.method, std::move(request.params));
+        if (request.id) respond(id, std::move(reply.result));
+        if (reply.after) reply.after();
+    } catch (const rpc_error& e) {
+        if (request.id) respond_error(id, e.to_json());
+        spdlog::debug("peer={} method={} failed: {} ({})", peer_, request.method, e.what(),
+                      reason(e.code()));
+    } catch (const std::exception& e) {
+        spdlog::error("peer={} method={} internal error: {}", peer_, request.method, e.what());
+        if (request.id) {
+            respond_error(id, rpc_error(errc::internal_error, "Internal error").to_json());
         }
     }
-    if (method == "leaseRenew") {
-        auto lease_id = params::req_string(p, "leaseId");
-        auto ttl = params::req_uint(p, "ttlMs", 1000, UINT64_MAX >> 2);
-        co_return to_json(co_await lease_renew(node_, who_, lease_id, ttl));
+    --in_flight_;
+    slot_free_.cancel();
+    if (lane) self->release(*lane);
+}
+
+void Session::release(std::uint32_t lane) {
+    auto it = lanes_.find(lane);
+    if (it == lanes_.end()) return;
+    if (closing_) {  // nothing waiting will be answered or applied
+        lanes_.erase(it);
+        return;
     }
-    if (method == "leaseRelease") {
-        auto lease_id = params::req_string(p, "leaseId");
-        co_return to_json(co_await lease_release(node_, who_, std::move(lease_id)));
+    auto& waiting = it->second.waiting;
+    while (!waiting.empty()) {
+        Queued next = std::move(waiting.front());
+        waiting.pop_front();
+        if (auto* request = std::get_if<jsonrpc::Request>(&next)) {
+            start(std::move(*request), lane);  // the lane stays taken until it is done
+            return;
+        }
+        mux_.apply_frame(std::get<std::string>(next));
     }
-    if (method == "nodeList") co_return co_await node_list(node_);
-    if (method == "duplexChannelOpen") {
-        bool responded = false;
-        auto result = co_await open_channel(p, id, responded);
-        if (responded) co_return std::nullopt;
-        co_return result;
+    lanes_.erase(it);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The method table
+
+const std::map<std::string_view, Session::Method>& Session::method_table() {
+    static const std::map<std::string_view, Method> table = {
+        {"initialize", {&Session::initialize}},
+        {"leaseAcquire", {&Session::lease_acquire, true}},
+        {"leaseGet", {&Session::lease_get}},
+        {"leaseList", {&Session::lease_list}},
+        {"leaseRenew", {&Session::lease_renew, true}},
+        {"leaseRelease", {&Session::lease_release, true}},
+        {"nodeList", {&Session::node_list}},
+        {"duplexChannelOpen", {&Session::channel_open, true}},
+        {"duplexChannelWrite", {&Session::channel_write, false, true}},
+        {"duplexChannelCloseStdin", {&Session::channel_close_stdin, false, true}},
+        {"duplexChannelResize", {&Session::channel_resize, false, true}},
+        {"duplexChannelSignal", {&Session::channel_signal, false, true}},
+        {"duplexChannelStop", {&Session::channel_stop, false, true}},
+        {"duplexChannelClose", {&Session::channel_close, false, true}},
+    };
+    return table;
+}
+
+awaitable<Session::Reply> Session::call(const std::string& method, json raw) {
+    json p = methods::params_object(raw);
+    auto it = method_table().find(method);
+    if (it == method_table().end()) {
+        throw rpc_error(errc::method_not_found, "Method not found: " + method, {{"method", method}});
     }
-    if (method.rfind("duplexChannel", 0) == 0 && method != "duplexChannelOpen" &&
-        p.contains("channel") && p["channel"].is_number_unsigned()) {
-        auto it = remote_.find(p["channel"].get<std::uint32_t>());
-        if (it != remote_.end()) {
-            auto remote = it->second;
-            json forwarded = p;
-            forwarded["channel"] = remote.remote_id;
+    const Method& m = it->second;
+    // Self-fencing: no opens or lease changes on stale membership.
+    if (m.fenced) node_.require_membership();
+    if (m.on_channel) {
+        auto channel = methods::channel_named(p);
+        if (const auto* route = channel ? mux_.relayed(*channel) : nullptr) {
+            // A relayed channel: the owner checks and answers, under its own channel id.
+            auto link = route->link;
+            const auto remote_id = route->remote_id;
             if (method == "duplexChannelClose") {
-                remote_.erase(it);
-                remote.link->forget(remote.remote_id);
+                mux_.take_relayed(*channel);
+                link->forget(remote_id);
             }
-            co_return co_await remote.link->call(method, std::move(forwarded));
+            p["channel"] = remote_id;
+            json result = co_await link->call(method, std::move(p));
+            co_return Reply{std::move(result), {}};
+        }
+        if ((method == "duplexChannelWrite" || method == "duplexChannelCloseStdin") && channel &&
+            mux_.ended(*channel)) {
+            co_return empty_result();  // the command is gone: nothing left to write to
         }
     }
-    if ((method == "duplexChannelWrite" || method == "duplexChannelCloseStdin") && ended(p)) {
-        co_return json::object();  // the command is gone: nothing left to write to
-    }
-    if (method == "duplexChannelWrite") {
-        params::only_keys(p, {"channel", "data"});
-        auto channel = find_channel(p);
-        auto data = params::opt_string(p, "data");
-        if (!data) params::invalid("data", "is required (base64)");
-        channel->write_stdin(decode_base64("data", *data));
-        co_return json::object();
-    }
-    if (method == "duplexChannelCloseStdin") {
-        params::only_keys(p, {"channel"});
-        find_channel(p)->close_stdin();
-        co_return json::object();
-    }
-    if (method == "duplexChannelResize") {
-        params::only_keys(p, {"channel", "cols", "rows"});
-        auto channel = find_channel(p);
-        auto cols = params::req_uint(p, "cols", 1, 4096);
-        auto rows = params::req_uint(p, "rows", 1, 4096);
-        channel->resize(static_cast<std::uint16_t>(cols), static_cast<std::uint16_t>(rows));
-        co_return json::object();
-    }
-    if (method == "duplexChannelSignal") {
-        params::only_keys(p, {"channel", "signal"});
-        auto channel = find_channel(p);
-        auto name = params::req_string(p, "signal");
-        int sig = parse_signal_name(name);
-        if (sig == 0) {
-            params::invalid("signal",
-                            "must be one of INT, TERM, HUP, QUIT, KILL, USR1, USR2, WINCH");
-        }
-        channel->send_signal(sig);
-        co_return json::object();
-    }
-    if (method == "duplexChannelStop") {
-        params::only_keys(p, {"channel"});
-        find_channel(p)->stop(channel_outcome::stopped);
-        co_return json::object();
-    }
-    if (method == "duplexChannelClose") {
-        params::only_keys(p, {"channel"});
-        auto cid = static_cast<std::uint32_t>(params::req_uint(p, "channel", 0, UINT32_MAX));
-        if (auto it = channels_.find(cid); it != channels_.end()) {
-            auto channel = it->second;
-            channels_.erase(it);
-            channel->hangup(channel_outcome::stopped);  // stop and forget: no exit follows
-        }
-        co_return json::object();
-    }
-    throw rpc_error(errc::method_not_found, "Method not found: " + method, {{"method", method}});
+    co_return co_await (this->*m.handler)(std::move(p));
 }
 
-awaitable<json> Session::open_channel(json p, const json& id, bool& responded) {
-    // Step 1: the shape of the params.
-    params::only_keys(p, {"hostRouteId", "lease", "command", "cwd", "env", "pty", "stdin",
-                          "timeoutMs", "outputWindow", "dataEncoding"});
-    ExecSpec spec;
-    ChannelOptions options;
-    options.host_route_id = params::opt_string(p, "hostRouteId").value_or("");
-    if (!p.contains("lease") || !p["lease"].is_object()) params::invalid("lease", "must be an object");
-    if (!p.contains("command") || !p["command"].is_array() || p["command"].empty()) {
-        params::invalid("command", "must be an array of at least one string");
+awaitable<Session::Reply> Session::initialize(json p) {
+    methods::parse_initialize(p);
+    const auto& l = node_.config.limits;
+    std::vector<std::string> supported;
+    // The protocol's order, not the table's (alphabetical).
+    for (const char* m : {"initialize", "leaseAcquire", "leaseGet", "leaseList", "leaseRenew",
+                          "leaseRelease", "nodeList", "duplexChannelOpen", "duplexChannelWrite",
+                          "duplexChannelCloseStdin", "duplexChannelResize", "duplexChannelSignal",
+                          "duplexChannelStop", "duplexChannelClose"}) {
+        supported.emplace_back(m);
     }
-    for (std::size_t i = 0; i < p["command"].size(); ++i) {
-        const auto& arg = p["command"][i];
-        const std::string field = "command[" + std::to_string(i) + "]";
-        if (!arg.is_string()) params::invalid(field, "must be a string");
-        auto s = arg.get<std::string>();
-        if (s.find('\0') != std::string::npos) params::invalid(field, "must not contain NUL bytes");
-        if (i == 0 && s.empty()) params::invalid(field, "must not be empty");
-        spec.argv.push_back(std::move(s));
-    }
-    spec.cwd = params::opt_string(p, "cwd").value_or("");
-    if (spec.cwd.find('\0') != std::string::npos) params::invalid("cwd", "must not contain NUL bytes");
-    if (p.contains("env") && !p["env"].is_null()) {
-        if (!p["env"].is_object()) params::invalid("env", "must be an object of strings");
-        for (const auto& [k, v] : p["env"].items()) {
-            if (!v.is_string()) params::invalid("env." + k, "must be a string");
-            if (k.empty() || k.find('=') != std::string::npos || k.find('\0') != std::string::npos) {
-                params::invalid("env." + k, "is not a valid variable name");
-            }
-            auto value = v.get<std::string>();
-            if (value.find('\0') != std::string::npos) params::invalid("env." + k, "must not contain NUL bytes");
-            spec.env[k] = std::move(value);
-        }
-    }
-    if (p.contains("pty") && !p["pty"].is_null()) {
-        const auto& pty = p["pty"];
-        if (!pty.is_object()) params::invalid("pty", "must be an object {cols, rows}");
-        PtySize size;
-        size.cols = static_cast<std::uint16_t>(params::req_uint(pty, "cols", 1, 4096));
-        size.rows = static_cast<std::uint16_t>(params::req_uint(pty, "rows", 1, 4096));
-        spec.pty = size;
-    }
-    spec.stdin_attached = params::opt_bool(p, "stdin").value_or(true);
-    spec.drain_grace_ms = node_.config.limits.drain_grace_ms;
-    if (auto t = params::opt_uint(p, "timeoutMs", 1, 30ULL * 24 * 3600000)) {
-        options.timeout = std::chrono::milliseconds(*t);
-    }
-    options.output_window = static_cast<std::uint32_t>(
-        params::opt_uint(p, "outputWindow", 1024, 1ULL << 30).value_or(node_.config.limits.output_window));
-    if (auto enc = params::opt_string(p, "dataEncoding")) {
-        if (*enc != "binary" && *enc != "base64") params::invalid("dataEncoding", "must be \"binary\" or \"base64\"");
-        options.base64 = *enc == "base64";
-    }
-    options.pty = spec.pty.has_value();
-    options.stdin_attached = spec.stdin_attached;
-    options.stdin_window = node_.config.limits.stdin_window;
-    options.hangup_grace = std::chrono::milliseconds(node_.config.limits.hangup_grace_ms);
+    co_return Reply{json{{"protocolVersion", 1},
+                         {"nodeId", node_.node_id},
+                         {"supportedMethods", std::move(supported)},
+                         {"limits",
+                          {{"maxTextMessage", l.max_text_message},
+                           {"maxDataPayload", l.max_data_payload},
+                           {"channelsPerConnection", l.channels_per_connection},
+                           {"channelsPerNode", l.channels_per_node},
+                           {"outputWindow", l.output_window},
+                           {"stdinWindow", l.stdin_window}}}},
+                    {}};
+}
 
-    // Steps 2-4: the lease, its scope and status.
-    json lease_param = p["lease"];
-    Lease lease = co_await resolve_lease(node_, who_, std::move(lease_param));
-    if (channels_.size() + remote_.size() >= node_.config.limits.channels_per_connection) {
-        throw rpc_error(errc::channel_limit,
-                        "this connection already has " + std::to_string(channels_.size()) +
-                            " channels (limit " +
-                            std::to_string(node_.config.limits.channels_per_connection) + ")");
-    }
-    // Step 5: another owner. A forwarded open is never forwarded again.
-    if (lease.owner_node_id != node_.node_id) {
-        if (!forwarded_by_.empty()) {
-            throw rpc_error(errc::routing_loop,
-                            "Sandbox lease " + lease.id + " is owned by node " +
-                                lease.owner_node_id + ", not by node " + node_.node_id +
-                                ", and this open was already forwarded by node " + forwarded_by_ + ".",
-                            {{"ownerNodeId", lease.owner_node_id}, {"forwardedBy", forwarded_by_}});
-        }
-        auto link = co_await owner_link(node_, lease);
-        // The owner compares the epoch this node routed on with its own reading (fencing).
-        if (!p["lease"].contains("epoch")) p["lease"]["epoch"] = lease.epoch;
-        const std::uint32_t local = next_channel_++;
-        opening_[local];  // frames that overtake the open's result wait here
-        json result;
+awaitable<Session::Reply> Session::lease_acquire(json p) {
+    // The params of leaseAcquire and leaseList are parsed by the lease service.
+    json result = to_json(co_await sandboxd::lease_acquire(node_, who_, std::move(p)));
+    co_return Reply{std::move(result), {}};
+}
+
+awaitable<Session::Reply> Session::lease_list(json p) {
+    json result = co_await sandboxd::lease_list(node_, who_, std::move(p));
+    co_return Reply{std::move(result), {}};
+}
+
+awaitable<Session::Reply> Session::node_list(json /*p*/) {
+    json result = co_await sandboxd::node_list(node_);
+    co_return Reply{std::move(result), {}};
+}
+
+awaitable<Session::Reply> Session::lease_get(json p) {
+    auto params = methods::parse_lease_id(p);
+    Lease lease = co_await sandboxd::lease_get(node_, who_, params.lease_id);
+    if (lease.owner_node_id != node_.node_id && lease.status == lease_status::active &&
+        forwarded_by_.empty()) {
+        // The owner answers, so that `usage` is current; without it, usage is null.
         try {
-            result = co_await link->open(p, std::weak_ptr<RelayTarget>(shared_from_this()), local);
-        } catch (...) {
-            opening_.erase(local);
-            throw;
+            auto link = co_await owner_link(node_, lease);
+            json result = co_await link->call("leaseGet", std::move(p));
+            co_return Reply{std::move(result), {}};
+        } catch (const rpc_error& e) {
+            if (e.code() != errc::owner_unavailable && e.code() != errc::owner_elsewhere) throw;
         }
-        RemoteChannel route;
-        route.link = link;
-        route.remote_id = result.value("channel", 0U);
-        route.stdin_window = result.value("stdinWindow", std::uint64_t{0});
-        remote_[local] = std::move(route);
-        result["channel"] = local;
-        result["routed"] = true;
-        spdlog::info("channel={} lease={} forwarded to node={} as channel {} peer={}", local,
-                     lease.id, lease.owner_node_id, remote_[local].remote_id, peer_);
-        respond(id, std::move(result));
-        responded = true;
-        auto early = std::move(opening_[local]);
-        opening_.erase(local);
-        for (auto& [binary, bytes] : early) (binary ? send_binary(std::move(bytes)) : send_text(std::move(bytes)));
-        if (!early.empty() && !early.back().first) remote_.erase(local);  // its exit came early
-        co_return json();
     }
-    // Step 6: this node owns it; its cache must hold the sandbox.
-    struct {
-        Lease lease;
-        std::shared_ptr<SandboxHandle> sandbox;
-    } resolved;
-    resolved.sandbox = cached_sandbox(node_, lease);
-    resolved.lease = std::move(lease);
+    attach_usage(node_, lease);
+    co_return Reply{to_json(lease), {}};
+}
 
-    if (channels_.size() >= node_.config.limits.channels_per_connection) {
-        throw rpc_error(errc::channel_limit,
-                        "this connection already has " + std::to_string(channels_.size()) +
-                            " channels (limit " +
-                            std::to_string(node_.config.limits.channels_per_connection) + ")");
+awaitable<std::optional<Session::Reply>> Session::lease_change_at_owner(std::string method, json p,
+                                                                        std::string lease_id) {
+    // The owner releases or renews, so that its cache and channels follow.
+    Lease lease = co_await sandboxd::lease_get(node_, who_, lease_id);
+    const bool settled =
+        lease.status == lease_status::released || lease.status == lease_status::failed;
+    if (lease.owner_node_id == node_.node_id || settled || !forwarded_by_.empty()) {
+        co_return std::nullopt;
     }
-    if (!node_.channels.try_reserve(node_.config.limits.channels_per_node)) {
-        throw rpc_error(errc::channel_limit,
-                        "this node already runs its limit of " +
-                            std::to_string(node_.config.limits.channels_per_node) + " channels");
+    std::string unavailable;
+    try {
+        auto link = co_await owner_link(node_, lease);
+        json result = co_await link->call(method, std::move(p));
+        co_return Reply{std::move(result), {}};
+    } catch (const rpc_error& e) {
+        if (e.code() != errc::owner_unavailable || method != "leaseRelease") throw;
+        unavailable = e.what();
     }
+    // A dead owner cannot tear down: the lease waits for cleanup instead.
+    json result = to_json(co_await lease_orphan(node_, std::move(lease), std::move(unavailable)));
+    co_return Reply{std::move(result), {}};
+}
+
+awaitable<Session::Reply> Session::lease_renew(json p) {
+    auto params = methods::parse_lease_renew(p);
+    if (auto at_owner = co_await lease_change_at_owner("leaseRenew", p, params.lease_id)) {
+        co_return std::move(*at_owner);
+    }
+    json result =  to_json(co_await sandboxd::lease_renew(node_, who_, params.lease_id, params.ttl_ms));
+    co_return Reply{std::move(result), {}};
+}
+
+awaitable<Session::Reply> Session::lease_release(json p) {
+    auto params = methods::parse_lease_id(p);
+    if (auto at_owner = co_await lease_change_at_owner("leaseRelease", p, params.lease_id)) {
+        co_return std::move(*at_owner);
+    }
+    json result = to_json(co_await sandboxd::lease_release(node_, who_, params.lease_id));
+    co_return Reply{std::move(result), {}};
+}
+
+awaitable<Session::Reply> Session::channel_write(json p) {
+    auto params = methods::parse_write(p);
+    mux_.local(params.channel)->write_stdin(params.data);
+    co_return empty_result();
+}
+
+awaitable<Session::Reply> Session::channel_close_stdin(json p) {
+    mux_.local(methods::parse_channel(p).channel)->close_stdin();
+    co_return empty_result();
+}
+
+awaitable<Session::Reply> Session::channel_resize(json p) {
+    auto params = methods::parse_resize(p);
+    mux_.local(params.channel)->resize(params.cols, params.rows);
+    co_return empty_result();
+}
+
+awaitable<Session::Reply> Session::channel_signal(json p) {
+    auto params = methods::parse_signal(p);
+    mux_.local(params.channel)->send_signal(params.signal);
+    co_return empty_result();
+}
+
+awaitable<Session::Reply> Session::channel_stop(json p) {
+    mux_.local(methods::parse_channel(p).channel)->stop(channel_outcome::stopped);
+    co_return empty_result();
+}
+
+awaitable<Session::Reply> Session::channel_close(json p) {
+    if (auto channel = mux_.take_local(methods::parse_channel(p).channel)) {
+        channel->hangup(channel_outcome::stopped);  // stop and forget: no exit follows
+    }
+    co_return empty_result();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Opening a channel (docs/protocol.md section 3: the fail-closed checks, in order)
+
+awaitable<Session::Reply> Session::channel_open(json p) {
+    // Step 1: the shape of the params.
+    auto params = methods::parse_open(p);
+    // Steps 2-4: the lease, its scope and status.
+    Lease lease = co_await resolve_lease(node_, who_, params.lease);
+    const auto limit = node_.config.limits.channels_per_connection;
+    if (mux_.count() >= limit) {
+        throw rpc_error(errc::channel_limit,
+                        "this connection already has " + std::to_string(mux_.local_count()) +
+                            " channels (limit " + std::to_string(limit) + ")");
+    }
+    // The slot is held while the open runs, so concurrent opens cannot overshoot the limit.
+    mux_.reserve();
+    struct Release {
+        ChannelMux& mux;
+        ~Release() { mux.release(); }
+    } release{mux_};
+    // Step 5: another owner. A forwarded open is never forwarded again.
+    if (lease.owner_node_id != node_.node_id) co_return co_await open_relayed(std::move(p), std::move(lease));
+    co_return co_await open_local(std::move(params), std::move(lease));
+}
+
+awaitable<Session::Reply> Session::open_relayed(json p, Lease lease) {
+    if (!forwarded_by_.empty()) {
+        throw rpc_error(errc::routing_loop,
+                        "Sandbox lease " + lease.id + " is owned by node " + lease.owner_node_id +
+                            ", not by node " + node_.node_id +
+                            ", and this open was already forwarded by node " + forwarded_by_ + ".",
+                        {{"ownerNodeId", lease.owner_node_id}, {"forwardedBy", forwarded_by_}});
+    }
+    auto link = co_await owner_link(node_, lease);
+    // The owner compares the epoch this node routed on with its own reading (fencing).
+    if (!p["lease"].contains("epoch")) p["lease"]["epoch"] = lease.epoch;
+    const std::uint32_t local = mux_.next_id();
+    mux_.opening(local);  // frames that overtake the open's result wait there
+    json result;
+    try {
+        result = co_await link->open(p, std::weak_ptr<RelayTarget>(shared_from_this()), local);
+    } catch (...) {
+        mux_.open_failed(local);
+        throw;
+    }
+    ChannelMux::Relayed route;
+    route.link = link;
+    route.remote_id = result.value("channel", 0U);
+    route.stdin_window = result.value("stdinWindow", std::uint64_t{0});
+    if (closing_) {
+        // The host left while the owner opened: nobody will read it.
+        mux_.open_failed(local);
+        link->close_channel(route.remote_id);
+        link->forget(route.remote_id);
+        co_return Reply{json::object(), {}};
+    }
+    spdlog::info("channel={} lease={} forwarded to node={} as channel {} peer={}", local,
+                 lease.id, lease.owner_node_id, route.remote_id, peer_);
+    result["channel"] = local;
+    result["routed"] = true;
+    // The frames that overtook the result go out right after it.
+    co_return Reply{std::move(result),
+                    [this, local, route = std::move(route)]() mutable {
+                        mux_.opened(local, std::move(route));
+                    }};
+}
+
+awaitable<Session::Reply> Session::open_local(methods::OpenParams params, Lease lease) {
+    // Step 6: this node owns it; its cache must hold the sandbox.
+    auto sandbox = cached_sandbox(node_, lease);
+    const auto& limits = node_.config.limits;
+    if (!node_.channels.try_reserve(limits.channels_per_node)) {
+        throw rpc_error(errc::channel_limit, "this node already runs its limit of " +
+                                                 std::to_string(limits.channels_per_node) +
+                                                 " channels");
+    }
+    ChannelOptions options;
+    options.host_route_id = std::move(params.host_route_id);
+    options.timeout = params.timeout;
+    options.output_window = params.output_window.value_or(limits.output_window);
+    options.base64 = params.base64;
+    options.pty = params.spec.pty.has_value();
+    options.stdin_attached = params.spec.stdin_attached;
+    options.stdin_window = limits.stdin_window;
+    options.hangup_grace = std::chrono::milliseconds(limits.hangup_grace_ms);
+    params.spec.drain_grace_ms = limits.drain_grace_ms;
+    const std::string program = params.spec.argv.front();
     std::unique_ptr<ChannelBackend> backend;
     try {
-        backend = co_await node_.providers.at(resolved.lease.provider)->open(resolved.sandbox, spec);
+        backend = co_await node_.providers.at(lease.provider)->open(sandbox, std::move(params.spec));
     } catch (...) {
         node_.channels.unreserve();
         throw;
     }
-    options.id = next_channel_++;
-    options.lease_id = resolved.lease.id;
-    auto channel = std::make_shared<Channel>(strand_, options, std::move(backend),
-                                             resolved.sandbox, weak_from_this());
+    options.id = mux_.next_id();
+    options.lease_id = lease.id;
+    auto channel = std::make_shared<Channel>(strand_, options, std::move(backend), sandbox,
+                                             weak_from_this());
     ChannelTable::Entry entry;
     entry.channel = channel;
     entry.strand = strand_;
-    entry.lease_id = resolved.lease.id;
+    entry.lease_id = lease.id;
     auto key = node_.channels.add(std::move(entry));
     // on_reaped is set after add() so the key is known; it runs on this strand.
     channel->set_on_reaped([&node = node_, key] { node.channels.remove(key); });
-    channels_.emplace(options.id, channel);
     node_.channels_opened.fetch_add(1, std::memory_order_relaxed);
+    if (closing_) {
+        // The host left while the command started: it is hung up at once, as on a drop.
+        channel->start();
+        channel->hangup();
+        co_return Reply{json::object(), {}};
+    }
+    mux_.add_local(options.id, channel);
     spdlog::info("channel={} lease={} opened: {} pty={} peer={}", options.id, options.lease_id,
-                 spec.argv.front(), options.pty, peer_);
+                 program, options.pty, peer_);
     // The result goes out before the first data frame of the channel.
-    respond(id, json{{"channel", options.id},
-                     {"hostRouteId", options.host_route_id},
-                     {"workerSessionId", node_.node_id + "/" + std::to_string(options.id)},
-                     {"ownerNodeId", node_.node_id},
-                     {"routed", false},
-                     {"stdinWindow", options.stdin_window},
-                     {"outputWindow", options.output_window}});
-    responded = true;
-    channel->start();
-    co_return json();
+    co_return Reply{json{{"channel", options.id},
+                         {"hostRouteId", options.host_route_id},
+                         {"workerSessionId", node_.node_id + "/" + std::to_string(options.id)},
+                         {"ownerNodeId", node_.node_id},
+                         {"routed", false},
+                         {"stdinWindow", options.stdin_window},
+                         {"outputWindow", options.output_window}},
+                    [channel] { channel->start(); }};
 }
 
 }  // namespace sandboxd

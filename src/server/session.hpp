@@ -1,19 +1,35 @@
 #pragma once
-// One host-server WebSocket connection (docs/protocol.md section 1): reads JSON-RPC text
-// frames and binary data frames, owns the channels opened on it, and writes through a single
-// queue so that writes never overlap (Beast allows one outstanding async_write).
+// One host-server WebSocket connection (docs/protocol.md section 1), in three parts:
+//  - the transport: reads messages, writes through one queue (Beast allows one outstanding
+//    async_write), pings and drops a silent peer; the four loops are joined with awaitable
+//    operators, so when the read ends the others are cancelled with it;
+//  - the method table: each JSON-RPC method has a typed param struct (server/methods.hpp),
+//    parsed once, and a handler returning its result;
+//  - the channel multiplexer (server/channel_mux.hpp): local and relayed channels.
+//
+// Requests run concurrently (docs/protocol.md, "Concurrency"): each one is its own coroutine
+// on the connection's strand, at most limits.requestsPerConnection at once. Requests and
+// binary frames that name the same channel are applied in arrival order: while a request on
+// a channel runs, later requests and frames for that channel wait in the channel's lane.
 //
 // Threading: everything runs on the session's strand; the session is kept alive by its
 // coroutines (enable_shared_from_this); channels hold it by weak_ptr.
 #include "server/channel.hpp"
+#include "server/channel_mux.hpp"
 #include "server/frame_guard.hpp"
+#include "server/methods.hpp"
 #include "server/node.hpp"
+
+#include <sandboxd/jsonrpc.hpp>
 
 #include <nlohmann/json.hpp>
 
 #include <deque>
+#include <functional>
 #include <map>
-#include <set>
+#include <optional>
+#include <string_view>
+#include <variant>
 
 namespace sandboxd {
 
@@ -40,32 +56,73 @@ public:
     void relay_exit(std::uint32_t local_channel, nlohmann::json exit_params) override;
     net::any_io_executor relay_executor() override;
 
+    /// A method's answer: its result, and what must happen right after the result is queued
+    /// (a channel starts only then, so its first frames follow its open's result).
+    struct Reply {
+        nlohmann::json result;
+        std::function<void()> after;
+    };
+
 private:
     struct Outgoing {
         bool binary;
         std::string bytes;
     };
+    /// What waits in a channel's lane: a request or a binary frame.
+    using Queued = std::variant<jsonrpc::Request, std::string>;
+    struct Lane {
+        std::deque<Queued> waiting;
+    };
+    using Handler = awaitable<Reply> (Session::*)(nlohmann::json params);
+    struct Method {
+        Handler handler;
+        bool fenced = false;       ///< refused while this node's membership is stale
+        bool on_channel = false;   ///< names a channel: relayed to its owner, ordered per channel
+    };
+    static const std::map<std::string_view, Method>& method_table();
 
+    // transport
     awaitable<void> read_loop();
     awaitable<void> write_loop();
     awaitable<void> ping_loop();
     /// Drops the connection once nothing (no message, ping or pong) has been heard from the
-    /// peer for limits.idleTimeoutMs while reading.
+    /// peer for limits.idleTimeoutMs.
     awaitable<void> idle_loop();
-    awaitable<void> handle_text(std::string text);
-    /// Applies one binary frame; a close reason when the frame breaks the protocol.
-    std::optional<websocket::close_reason> handle_binary(std::string_view message);
-    awaitable<std::optional<nlohmann::json>> dispatch(const std::string& method,
-                                                       const nlohmann::json& params,
-                                                       const nlohmann::json& id);
-    awaitable<nlohmann::json> open_channel(nlohmann::json params, const nlohmann::json& id,
-                                           bool& responded);
-    std::shared_ptr<Channel> find_channel(const nlohmann::json& params);
-    /// Whether params.channel names a channel of this connection that has already ended.
-    bool ended(const nlohmann::json& params) const;
     void respond(const nlohmann::json& id, nlohmann::json result);
     void respond_error(const nlohmann::json& id, const nlohmann::json& error);
-    void close_all_channels();
+
+    // admission and ordering
+    void on_text(std::string_view text);
+    /// A close reason when the frame breaks the protocol.
+    std::optional<websocket::close_reason> on_binary(std::string_view message);
+    void admit(jsonrpc::Request request);
+    void start(jsonrpc::Request request, std::optional<std::uint32_t> lane);
+    awaitable<void> serve(std::shared_ptr<Session> self, jsonrpc::Request request,
+                          std::optional<std::uint32_t> lane);
+    awaitable<Reply> call(const std::string& method, nlohmann::json params);
+    /// The request on `lane` is done: applies what waited behind it, up to the next request.
+    void release(std::uint32_t lane);
+
+    // methods
+    awaitable<Reply> initialize(nlohmann::json params);
+    awaitable<Reply> lease_acquire(nlohmann::json params);
+    awaitable<Reply> lease_get(nlohmann::json params);
+    awaitable<Reply> lease_list(nlohmann::json params);
+    awaitable<Reply> lease_renew(nlohmann::json params);
+    awaitable<Reply> lease_release(nlohmann::json params);
+    awaitable<Reply> node_list(nlohmann::json params);
+    awaitable<Reply> channel_open(nlohmann::json params);
+    awaitable<Reply> channel_write(nlohmann::json params);
+    awaitable<Reply> channel_close_stdin(nlohmann::json params);
+    awaitable<Reply> channel_resize(nlohmann::json params);
+    awaitable<Reply> channel_signal(nlohmann::json params);
+    awaitable<Reply> channel_stop(nlohmann::json params);
+    awaitable<Reply> channel_close(nlohmann::json params);
+    /// Renewals and releases of a lease owned by another node are answered by the owner.
+    awaitable<std::optional<Reply>> lease_change_at_owner(std::string method, nlohmann::json params,
+                                                          std::string lease_id);
+    awaitable<Reply> open_relayed(nlohmann::json params, Lease lease);
+    awaitable<Reply> open_local(methods::OpenParams params, Lease lease);
 
     Node& node_;
     websocket::stream<frame_guard<beast::tcp_stream>> ws_;  // see frame_guard.hpp
@@ -73,32 +130,15 @@ private:
     strand_t strand_;
     std::deque<Outgoing> queue_;
     net::steady_timer queue_timer_;  // woken (cancelled) when the queue gets work
-    net::steady_timer ping_timer_;   // ping_loop's; cancelled when the session ends
-    net::steady_timer idle_timer_;   // idle_loop's; cancelled when the session ends
+    net::steady_timer slot_free_;    // woken (cancelled) when a request ends
     std::chrono::steady_clock::time_point last_heard_;  // last frame read from the peer
-    bool reading_ = false;  // a read is outstanding (idle_loop counts silence only then)
     bool closing_ = false;
-    std::map<std::uint32_t, std::shared_ptr<Channel>> channels_;
-    std::set<std::uint32_t> ended_;  // the last 4096 ended channels' ids
-    /// Channels forwarded to their owner: local id -> the link and the owner's channel id.
-    struct RemoteChannel {
-        std::shared_ptr<PeerLink> link;
-        std::uint32_t remote_id = 0;
-        /// The owner's stdin window and the stdin bytes relayed that it has not credited back:
-        /// this relay forwards at most the window plus the one frame that overruns it (the
-        /// owner then ends the channel with FLOW_CONTROL) and drops the host's stdin after
-        /// that, so a host that ignores the window costs this node no more than the window.
-        std::uint64_t stdin_window = 0;
-        std::uint64_t stdin_outstanding = 0;
-        bool stdin_overrun = false;
-    };
-    std::map<std::uint32_t, RemoteChannel> remote_;
-    /// Forwarded opens awaiting their result: frames that overtake it, in order.
-    std::map<std::uint32_t, std::vector<std::pair<bool, std::string>>> opening_;
+    std::string peer_;
+    ChannelMux mux_;
+    std::size_t in_flight_ = 0;  // requests running or waiting in a lane
+    std::map<std::uint32_t, Lane> lanes_;  // channels with a request running
     /// The node that forwarded this connection's opens (peer tokens only), else "".
     std::string forwarded_by_;
-    std::uint32_t next_channel_ = 1;
-    std::string peer_;
 };
 
 }  // namespace sandboxd

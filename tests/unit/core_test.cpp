@@ -114,6 +114,11 @@ TEST_CASE("Invalid configs are rejected with the field path", "[config]") {
           "config: limits.outputWindow: must be an integer in 1024..1073741824, got 10");
     CHECK(error_of(R"({"limits": {"outputWindow": "big"}})") ==
           "config: limits.outputWindow: must be an integer in 1024..1073741824");
+    CHECK(error_of(R"({"limits": {"requestsPerConnection": 0}})") ==
+          "config: limits.requestsPerConnection: must be an integer in 1..65536, got 0");
+    CHECK(parse_config(R"({"limits": {"requestsPerConnection": 3}})")
+              .limits.requests_per_connection == 3);
+    CHECK(Config{}.limits.requests_per_connection == 64);
     CHECK(error_of(R"({"routing": {"mode": "teleport"}})") ==
           "config: routing.mode: must be one of proxy, redirect, got \"teleport\"");
     CHECK(error_of(R"({"auth": {"tokens": [{"name": "x", "role": "host"}]}})") ==

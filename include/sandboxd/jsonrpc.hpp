@@ -1,0 +1,77 @@
+#pragma once
+/// @file jsonrpc.hpp
+/// JSON-RPC 2.0 as sandboxd speaks it (docs/protocol.md section 1): the envelopes of requests,
+/// notifications, results and errors, and the classification of one received text message.
+/// Every peer (host session, peer link, client) builds and reads its envelopes here, so the
+/// wire shape is written once.
+///
+/// Ids: sandboxd's own callers use integer ids; a server echoes whatever valid id (string,
+/// integer or null) it was given.
+///
+/// Thread-safety: pure functions of their arguments, safe from any thread; nothing blocks.
+#include <sandboxd/errors.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <variant>
+
+namespace sandboxd::jsonrpc {
+
+using json = nlohmann::json;
+
+/// `{"jsonrpc":"2.0","id":id,"method":method,"params":params}`, serialized.
+std::string request(const json& id, std::string_view method, json params);
+/// `{"jsonrpc":"2.0","method":method,"params":params}`, serialized (no id: no answer).
+std::string notification(std::string_view method, json params);
+/// `{"jsonrpc":"2.0","id":id,"result":result}`, serialized.
+std::string result(const json& id, json result);
+/// `{"jsonrpc":"2.0","id":id,"error":error}`, serialized; `error` is an rpc_error::to_json().
+/// Invalid UTF-8 inside (an error quoting bad input) is replaced by U+FFFD instead of throwing.
+std::string error(const json& id, const json& error);
+
+/// A request, or a notification when `id` is empty.
+struct Request {
+    std::optional<json> id;
+    std::string method;
+    json params;  ///< an object, an array or null (absent)
+};
+
+/// A response to one of our requests: exactly one of result and error is set.
+struct Response {
+    json id;
+    std::optional<json> result;
+    std::optional<json> error;  ///< {code, message, data}
+};
+
+/// A text message a server cannot serve: the error to answer, and the id to answer it under
+/// (null when the message had no usable id).
+struct Invalid {
+    json id;
+    rpc_error error;
+};
+
+/// Classifies a text message received by a server. Returns the Request, or Invalid with the
+/// protocol's error: INVALID_REQUEST when the text is over `max_size` bytes, a batch, not an
+/// object, or not a 2.0 request (string method, string/integer/null id, object or array
+/// params); PARSE_ERROR when it is not JSON. The messages are part of the wire contract.
+std::variant<Request, Invalid> parse_request(std::string_view text, std::size_t max_size);
+
+/// Classifies a text message received by a client of a server (peer link, client): a
+/// Response (has an id and no method), a Request or notification from the server, or
+/// monostate when the text is not a JSON-RPC object (ignored by the callers).
+std::variant<std::monostate, Request, Response> parse_message(std::string_view text);
+
+/// The errc whose protocol reason is `reason` ("CHANNEL_LIMIT" -> errc::channel_limit);
+/// internal_error for an unknown reason.
+errc errc_of_reason(std::string_view reason) noexcept;
+
+/// The response's result (an empty object when it has none); its error rethrown as rpc_error
+/// with the code of its data.reason, its message and its data.
+json result_or_throw(Response response);
+
+}  // namespace sandboxd::jsonrpc

@@ -1,0 +1,167 @@
+#include "server/channel_mux.hpp"
+
+#include <sandboxd/errors.hpp>
+#include <sandboxd/frame.hpp>
+#include <sandboxd/jsonrpc.hpp>
+
+#include <spdlog/spdlog.h>
+
+namespace sandboxd {
+namespace {
+
+void set_frame_channel(std::string& f, std::uint32_t channel) {
+    f[1] = static_cast<char>((channel >> 24) & 0xff);
+    f[2] = static_cast<char>((channel >> 16) & 0xff);
+    f[3] = static_cast<char>((channel >> 8) & 0xff);
+    f[4] = static_cast<char>(channel & 0xff);
+}
+
+}  // namespace
+
+ChannelMux::ChannelMux(ChannelSink& out, std::size_t max_data_payload, std::string peer)
+    : out_(out), max_data_payload_(max_data_payload), peer_(std::move(peer)) {}
+
+void ChannelMux::add_local(std::uint32_t id, std::shared_ptr<Channel> channel) {
+    local_.emplace(id, std::move(channel));
+}
+
+std::shared_ptr<Channel> ChannelMux::local(std::uint32_t id) const {
+    auto it = local_.find(id);
+    if (it == local_.end()) {
+        throw rpc_error(errc::channel_not_found,
+                        "channel " + std::to_string(id) +
+                            (ended_.count(id) ? " has already ended"
+                                              : " is not open on this connection"),
+                        {{"channel", id}});
+    }
+    return it->second;
+}
+
+std::shared_ptr<Channel> ChannelMux::take_local(std::uint32_t id) {
+    auto node = local_.extract(id);
+    return node ? std::move(node.mapped()) : nullptr;
+}
+
+void ChannelMux::finished(std::uint32_t id) {
+    local_.erase(id);
+    // Remembered so that a write or half-close racing the exit is a harmless no-op.
+    ended_.insert(id);
+    if (ended_.size() > 4096) ended_.erase(ended_.begin());
+}
+
+void ChannelMux::opened(std::uint32_t id, Relayed route) {
+    relayed_[id] = std::move(route);
+    auto early = std::move(opening_[id]);
+    opening_.erase(id);
+    for (auto& [binary, bytes] : early) {
+        if (binary) {
+            out_.send_binary(std::move(bytes));
+        } else {
+            out_.send_text(std::move(bytes));
+        }
+    }
+    if (!early.empty() && !early.back().first) relayed_.erase(id);  // its exit came early
+}
+
+const ChannelMux::Relayed* ChannelMux::relayed(std::uint32_t id) const {
+    auto it = relayed_.find(id);
+    return it == relayed_.end() ? nullptr : &it->second;
+}
+
+std::optional<ChannelMux::Relayed> ChannelMux::take_relayed(std::uint32_t id) {
+    auto node = relayed_.extract(id);
+    if (!node) return std::nullopt;
+    return std::move(node.mapped());
+}
+
+void ChannelMux::relay_binary(std::uint32_t id, std::string frame) {
+    if (auto it = opening_.find(id); it != opening_.end()) {
+        it->second.emplace_back(true, std::move(frame));
+        return;
+    }
+    auto it = relayed_.find(id);
+    if (it == relayed_.end()) return;
+    // Only stdin credits change the relay's count; data frames pass without being parsed.
+    if (!frame.empty() && frame[0] == static_cast<char>(frame_kind::credit)) {
+        auto decoded = decode_frame(frame, max_data_payload_);
+        if (auto* credit = std::get_if<CreditFrame>(&decoded);
+            credit && credit->stream == stream_id::stdin_) {
+            auto& r = it->second;
+            r.stdin_outstanding -= std::min<std::uint64_t>(credit->bytes, r.stdin_outstanding);
+        }
+    }
+    out_.send_binary(std::move(frame));
+}
+
+void ChannelMux::relay_exit(std::uint32_t id, nlohmann::json exit_params) {
+    auto text = jsonrpc::notification("duplexChannel.exit", std::move(exit_params));
+    if (auto it = opening_.find(id); it != opening_.end()) {
+        it->second.emplace_back(false, std::move(text));
+        return;
+    }
+    if (relayed_.erase(id)) out_.send_text(std::move(text));
+}
+
+std::variant<std::uint32_t, websocket::close_reason> ChannelMux::check_frame(
+    std::string_view message) const {
+    auto decoded = decode_frame(message, max_data_payload_);
+    if (auto* err = std::get_if<FrameError>(&decoded)) {
+        spdlog::info("peer={} bad binary frame: {}", peer_, err->what);
+        return websocket::close_reason(
+            err->too_big ? websocket::close_code::too_big : websocket::close_code::protocol_error,
+            err->what);
+    }
+    if (auto* data = std::get_if<DataFrame>(&decoded)) return data->channel;
+    return std::get<CreditFrame>(decoded).channel;
+}
+
+void ChannelMux::apply_frame(std::string_view message) {
+    auto decoded = decode_frame(message, max_data_payload_);
+    const auto* data = std::get_if<DataFrame>(&decoded);
+    const auto* credit = std::get_if<CreditFrame>(&decoded);
+    if (!data && !credit) return;  // checked on arrival: cannot happen
+    const std::uint32_t channel = data ? data->channel : credit->channel;
+    if (auto it = relayed_.find(channel); it != relayed_.end()) {
+        auto& r = it->second;
+        if (data && data->stream == stream_id::stdin_) {
+            if (r.stdin_overrun) return;  // the owner is ending the channel
+            r.stdin_outstanding += data->payload.size();
+            if (r.stdin_window != 0 && r.stdin_outstanding > r.stdin_window) {
+                r.stdin_overrun = true;  // this frame still goes: the owner reports FLOW_CONTROL
+                spdlog::info("peer={} channel={} overran the stdin window of its owner", peer_,
+                             channel);
+            }
+        }
+        std::string copy(message);
+        set_frame_channel(copy, r.remote_id);
+        r.link->send_frame(std::move(copy));
+        return;
+    }
+    try {
+        auto it = local_.find(channel);
+        if (data) {
+            if (it == local_.end() || data->stream != stream_id::stdin_) {
+                spdlog::debug("peer={} data frame for unknown channel {} dropped", peer_, channel);
+                return;
+            }
+            it->second->write_stdin(data->payload);
+        } else {
+            if (it == local_.end() || credit->stream == stream_id::stdin_) return;
+            it->second->add_credit(credit->bytes);
+        }
+    } catch (const rpc_error& e) {
+        spdlog::info("peer={} frame rejected: {}", peer_, e.what());
+    }
+}
+
+void ChannelMux::close_all() {
+    for (auto& [id, channel] : local_) channel->hangup();
+    local_.clear();
+    for (auto& [id, route] : relayed_) {
+        route.link->close_channel(route.remote_id);
+        route.link->forget(route.remote_id);
+    }
+    relayed_.clear();
+}
+
+}  // namespace sandboxd

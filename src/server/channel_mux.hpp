@@ -1,0 +1,112 @@
+#pragma once
+// The channels of one host connection (docs/protocol.md section 4): local channels (this node
+// runs the command) and relayed channels (forwarded to the lease's owner over a PeerLink),
+// under the ids this connection knows. Routes the connection's binary frames to them and the
+// owner's frames and exits back, with the stdin-overrun accounting of relays.
+//
+// Threading: not thread-safe; every call runs on the connection's strand. Output goes to the
+// sink given at construction (the connection's write queue), which must outlive the mux.
+#include "server/channel.hpp"
+#include "server/peer_link.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+namespace sandboxd {
+
+class ChannelMux {
+public:
+    /// A channel forwarded to its owner: the link and the owner's channel id.
+    struct Relayed {
+        std::shared_ptr<PeerLink> link;
+        std::uint32_t remote_id = 0;
+        /// The owner's stdin window and the stdin bytes relayed that it has not credited back:
+        /// the relay forwards at most the window plus the one frame that overruns it (the
+        /// owner then ends the channel with FLOW_CONTROL) and drops the host's stdin after
+        /// that, so a host that ignores the window costs this node no more than the window.
+        std::uint64_t stdin_window = 0;
+        std::uint64_t stdin_outstanding = 0;
+        bool stdin_overrun = false;
+    };
+
+    ChannelMux(ChannelSink& out, std::size_t max_data_payload, std::string peer);
+
+    /// A fresh channel id of this connection (ids are never reused on a connection).
+    std::uint32_t next_id() noexcept { return next_id_++; }
+
+    /// Channels open or being opened (local, relayed and reserved): what
+    /// limits.channelsPerConnection bounds.
+    std::size_t count() const noexcept {
+        return local_.size() + relayed_.size() + reserved_;
+    }
+    std::size_t local_count() const noexcept { return local_.size(); }
+    /// An open in progress holds a slot until it ends (release()), so that concurrent opens
+    /// cannot overshoot the limit.
+    void reserve() noexcept { ++reserved_; }
+    void release() noexcept { --reserved_; }
+
+    // --- local channels ---
+    void add_local(std::uint32_t id, std::shared_ptr<Channel> channel);
+    /// The open channel `id`, else CHANNEL_NOT_FOUND ("channel 7 has already ended" or
+    /// "channel 7 is not open on this connection", data.channel).
+    std::shared_ptr<Channel> local(std::uint32_t id) const;
+    /// Removes and returns channel `id` (nullptr when it is not open).
+    std::shared_ptr<Channel> take_local(std::uint32_t id);
+    /// The channel has sent its exit: forgotten, and remembered as ended (the last 4096).
+    void finished(std::uint32_t id);
+    /// Whether `id` names a channel of this connection that has already ended.
+    bool ended(std::uint32_t id) const { return ended_.count(id) > 0; }
+
+    // --- relayed channels ---
+    /// A forwarded open of `id` is under way: frames from the owner wait until opened().
+    void opening(std::uint32_t id) { opening_[id]; }
+    /// The forwarded open failed: the frames that waited are dropped.
+    void open_failed(std::uint32_t id) { opening_.erase(id); }
+    /// The forwarded open succeeded and its result is queued: the frames that waited go out
+    /// after it, in order (an exit among them ends the route).
+    void opened(std::uint32_t id, Relayed route);
+    /// The route of relayed channel `id`, or nullptr.
+    const Relayed* relayed(std::uint32_t id) const;
+    /// Removes and returns the route of relayed channel `id`, if any.
+    std::optional<Relayed> take_relayed(std::uint32_t id);
+
+    /// A frame from the owner for relayed channel `id` (already renumbered).
+    void relay_binary(std::uint32_t id, std::string frame);
+    /// The owner's exit for relayed channel `id` (already renumbered); the route ends.
+    void relay_exit(std::uint32_t id, nlohmann::json exit_params);
+
+    // --- the connection's binary frames ---
+    /// Whether `message` is a valid frame; the close reason (1002, or 1009 when too big)
+    /// and its channel id otherwise: frames are checked on arrival even when queued.
+    std::variant<std::uint32_t, websocket::close_reason> check_frame(std::string_view message) const;
+    /// Applies a checked frame: stdin and credit for a local channel, forwarded for a relayed
+    /// one; dropped for an unknown channel.
+    void apply_frame(std::string_view message);
+
+    /// The connection is gone: local channels are hung up, relayed ones closed on the owner.
+    void close_all();
+
+private:
+    ChannelSink& out_;
+    std::size_t max_data_payload_;
+    std::string peer_;
+    std::uint32_t next_id_ = 1;
+    std::size_t reserved_ = 0;
+    std::map<std::uint32_t, std::shared_ptr<Channel>> local_;
+    std::set<std::uint32_t> ended_;
+    std::map<std::uint32_t, Relayed> relayed_;
+    /// Forwarded opens awaiting their result: the owner's frames that overtook it, in order
+    /// (binary, bytes).
+    std::map<std::uint32_t, std::vector<std::pair<bool, std::string>>> opening_;
+};
+
+}  // namespace sandboxd

@@ -1,0 +1,156 @@
+#include "server/methods.hpp"
+
+#include "server/channel.hpp"
+#include "server/params.hpp"
+
+
+namespace sandboxd::methods {
+
+json params_object(const json& raw) {
+    if (raw.is_array()) params::invalid("params", "must be an object");
+    return params::object_or_empty(raw);
+}
+
+InitializeParams parse_initialize(const json& p) {
+    params::only_keys(p, {"protocolVersion", "client"});
+    auto version = params::req_uint(p, "protocolVersion", 0, UINT32_MAX);
+    if (version != 1) params::invalid("protocolVersion", "only version 1 is supported");
+    return {static_cast<std::uint32_t>(version)};
+}
+
+LeaseIdParams parse_lease_id(const json& p) {
+    params::only_keys(p, {"leaseId"});
+    return {params::req_string(p, "leaseId")};
+}
+
+LeaseRenewParams parse_lease_renew(const json& p) {
+    params::only_keys(p, {"leaseId", "ttlMs"});
+    LeaseRenewParams out;
+    out.lease_id = params::req_string(p, "leaseId");
+    out.ttl_ms = params::req_uint(p, "ttlMs", 1000, UINT64_MAX >> 2);
+    return out;
+}
+
+std::optional<std::uint32_t> channel_named(const json& p) noexcept {
+    if (!p.is_object()) return std::nullopt;
+    auto it = p.find("channel");
+    // Parsed text holds a non-negative integer as unsigned; a built one may hold it signed.
+    if (it == p.end() || !it->is_number_integer()) return std::nullopt;
+    if (!it->is_number_unsigned() && it->get<std::int64_t>() < 0) return std::nullopt;
+    const auto v = it->get<std::uint64_t>();
+    if (v > UINT32_MAX) return std::nullopt;
+    return static_cast<std::uint32_t>(v);
+}
+
+namespace {
+
+std::uint32_t channel_of(const json& p) {
+    return static_cast<std::uint32_t>(params::req_uint(p, "channel", 0, UINT32_MAX));
+}
+
+}  // namespace
+
+ChannelParams parse_channel(const json& p) {
+    params::only_keys(p, {"channel"});
+    return {channel_of(p)};
+}
+
+WriteParams parse_write(const json& p) {
+    params::only_keys(p, {"channel", "data"});
+    WriteParams out;
+    out.channel = channel_of(p);
+    auto data = params::opt_string(p, "data");
+    if (!data) params::invalid("data", "is required (base64)");
+    out.data = decode_base64("data", *data);
+    return out;
+}
+
+ResizeParams parse_resize(const json& p) {
+    params::only_keys(p, {"channel", "cols", "rows"});
+    ResizeParams out;
+    out.channel = channel_of(p);
+    out.cols = static_cast<std::uint16_t>(params::req_uint(p, "cols", 1, 4096));
+    out.rows = static_cast<std::uint16_t>(params::req_uint(p, "rows", 1, 4096));
+    return out;
+}
+
+SignalParams parse_signal(const json& p) {
+    params::only_keys(p, {"channel", "signal"});
+    SignalParams out;
+    out.channel = channel_of(p);
+    out.signal = parse_signal_name(params::req_string(p, "signal"));
+    if (out.signal == 0) {
+        params::invalid("signal", "must be one of INT, TERM, HUP, QUIT, KILL, USR1, USR2, WINCH");
+    }
+    return out;
+}
+
+OpenParams parse_open(const json& p) {
+    params::only_keys(p, {"hostRouteId", "lease", "command", "cwd", "env", "pty", "stdin",
+                          "timeoutMs", "outputWindow", "dataEncoding"});
+    OpenParams out;
+    ExecSpec& spec = out.spec;
+    out.host_route_id = params::opt_string(p, "hostRouteId").value_or("");
+    if (!p.contains("lease") || !p["lease"].is_object()) params::invalid("lease", "must be an object");
+    out.lease = p["lease"];
+    if (!p.contains("command") || !p["command"].is_array() || p["command"].empty()) {
+        params::invalid("command", "must be an array of at least one string");
+    }
+    for (std::size_t i = 0; i < p["command"].size(); ++i) {
+        const auto& arg = p["command"][i];
+        const std::string field = "command[" + std::to_string(i) + "]";
+        if (!arg.is_string()) params::invalid(field, "must be a string");
+        auto s = arg.get<std::string>();
+        if (s.find('\0') != std::string::npos) params::invalid(field, "must not contain NUL bytes");
+        if (i == 0 && s.empty()) params::invalid(field, "must not be empty");
+        spec.argv.push_back(std::move(s));
+    }
+    spec.cwd = params::opt_string(p, "cwd").value_or("");
+    if (spec.cwd.find('\0') != std::string::npos) params::invalid("cwd", "must not contain NUL bytes");
+    if (p.contains("env") && !p["env"].is_null()) {
+        if (!p["env"].is_object()) params::invalid("env", "must be an object of strings");
+        for (const auto& [k, v] : p["env"].items()) {
+            if (!v.is_string()) params::invalid("env." + k, "must be a string");
+            if (k.empty() || k.find('=') != std::string::npos || k.find('\0') != std::string::npos) {
+                params::invalid("env." + k, "is not a valid variable name");
+            }
+            auto value = v.get<std::string>();
+            if (value.find('\0') != std::string::npos) {
+                params::invalid("env." + k, "must not contain NUL bytes");
+            }
+            spec.env[k] = std::move(value);
+        }
+    }
+    if (p.contains("pty") && !p["pty"].is_null()) {
+        const auto& pty = p["pty"];
+        if (!pty.is_object()) params::invalid("pty", "must be an object {cols, rows}");
+        PtySize size;
+        size.cols = static_cast<std::uint16_t>(params::req_uint(pty, "cols", 1, 4096));
+        size.rows = static_cast<std::uint16_t>(params::req_uint(pty, "rows", 1, 4096));
+        spec.pty = size;
+    }
+    spec.stdin_attached = params::opt_bool(p, "stdin").value_or(true);
+    if (auto t = params::opt_uint(p, "timeoutMs", 1, 30ULL * 24 * 3600000)) {
+        out.timeout = std::chrono::milliseconds(*t);
+    }
+    if (auto w = params::opt_uint(p, "outputWindow", 1024, 1ULL << 30)) {
+        out.output_window = static_cast<std::uint32_t>(*w);
+    }
+    if (auto enc = params::opt_string(p, "dataEncoding")) {
+        if (*enc != "binary" && *enc != "base64") {
+            params::invalid("dataEncoding", "must be \"binary\" or \"base64\"");
+        }
+        out.base64 = *enc == "base64";
+    }
+    return out;
+}
+
+std::string decode_base64(const std::string& field, std::string_view text) {
+    try {
+        return base64_decode(text);
+    } catch (const base64_error&) {
+        params::invalid(field, "is not valid base64");
+    }
+}
+
+}  // namespace sandboxd::methods

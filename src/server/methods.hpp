@@ -1,0 +1,87 @@
+#pragma once
+// The typed params of the host methods (docs/protocol.md sections 2 and 4): one struct per
+// method and one parse function per struct. A parse function reads everything the method
+// needs from its JSON params exactly once and checks it, in the order the protocol's errors
+// are reported; every failure is rpc_error(errc::invalid_params) whose message and
+// data.field name the field ("command[0]: must not be empty", field "command[0]").
+//
+// Pure functions of their arguments: no I/O, safe from any thread.
+#include <sandboxd/errors.hpp>
+#include <sandboxd/provider.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace sandboxd::methods {
+
+using json = nlohmann::json;
+
+/// `params` of any method: absent (null) is {}; an array or another non-object is
+/// INVALID_PARAMS on field "params".
+json params_object(const json& raw);
+
+struct InitializeParams {
+    std::uint32_t protocol_version = 1;  ///< only 1 is accepted
+};
+InitializeParams parse_initialize(const json& p);
+
+/// leaseGet and leaseRelease.
+struct LeaseIdParams {
+    std::string lease_id;  ///< 1..1024 bytes
+};
+LeaseIdParams parse_lease_id(const json& p);
+
+struct LeaseRenewParams {
+    std::string lease_id;  ///< 1..1024 bytes
+    std::uint64_t ttl_ms = 0;  ///< ms, 1000..2^62-1 (the node's maxTtlMs is checked later)
+};
+LeaseRenewParams parse_lease_renew(const json& p);
+
+/// The channel id every duplexChannel* method but the open names; the id of a channel of
+/// this connection when `p` names one (an unsigned integer "channel"), else none. Used
+/// before parsing, to order a connection's requests and frames per channel.
+std::optional<std::uint32_t> channel_named(const json& p) noexcept;
+
+/// duplexChannelCloseStdin, duplexChannelStop, duplexChannelClose.
+struct ChannelParams {
+    std::uint32_t channel = 0;
+};
+ChannelParams parse_channel(const json& p);
+
+struct WriteParams {
+    std::uint32_t channel = 0;
+    std::string data;  ///< decoded from the base64 "data"
+};
+WriteParams parse_write(const json& p);
+
+struct ResizeParams {
+    std::uint32_t channel = 0;
+    std::uint16_t cols = 0;  ///< 1..4096
+    std::uint16_t rows = 0;  ///< 1..4096
+};
+ResizeParams parse_resize(const json& p);
+
+struct SignalParams {
+    std::uint32_t channel = 0;
+    int signal = 0;  ///< one of SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGKILL, SIGUSR1/2, SIGWINCH
+};
+SignalParams parse_signal(const json& p);
+
+struct OpenParams {
+    std::string host_route_id;
+    json lease;  ///< the lease reference, an object (checked by resolve_lease)
+    ExecSpec spec;  ///< argv, cwd, env, pty, stdin (drain_grace_ms left for the node to set)
+    std::optional<std::chrono::milliseconds> timeout;  ///< 1 ms .. 30 days
+    std::optional<std::uint32_t> output_window;  ///< bytes, 1 KiB .. 1 GiB; none = the node's
+    bool base64 = false;  ///< dataEncoding "base64"
+};
+OpenParams parse_open(const json& p);
+
+/// Decodes standard base64 (with padding); INVALID_PARAMS on `field` when it is not.
+std::string decode_base64(const std::string& field, std::string_view text);
+
+}  // namespace sandboxd::methods

@@ -1,0 +1,180 @@
+// Unit tests of the host methods' typed params (server/methods.hpp) and of the JSON-RPC
+// envelopes (sandboxd/jsonrpc.hpp): each parse names the failing field, exactly.
+#include "server/methods.hpp"
+
+#include <sandboxd/errors.hpp>
+#include <sandboxd/jsonrpc.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <csignal>
+#include <functional>
+
+using namespace sandboxd;
+using json = nlohmann::json;
+
+namespace {
+
+/// The error a parse threw: {field, message}; {"", ""} when it did not throw.
+std::pair<std::string, std::string> failure(const std::function<void()>& parse) {
+    try {
+        parse();
+    } catch (const rpc_error& e) {
+        CHECK(e.code() == errc::invalid_params);
+        return {e.data().value("field", ""), e.what()};
+    }
+    return {"", ""};
+}
+
+json open_params() {
+    return {{"lease", {{"id", "l-1"}}}, {"command", {"sh", "-c", "true"}}};
+}
+
+}  // namespace
+
+TEST_CASE("Method params that are not an object are refused as a whole", "[methods]") {
+    CHECK(methods::params_object(nullptr) == json::object());
+    CHECK(failure([] { methods::params_object(json::array()); }) ==
+          std::pair<std::string, std::string>{"params", "params: must be an object"});
+}
+
+TEST_CASE("Channel method params are parsed once into their struct", "[methods]") {
+    auto w = methods::parse_write({{"channel", 7}, {"data", "aGk="}});
+    CHECK(w.channel == 7);
+    CHECK(w.data == "hi");
+    auto r = methods::parse_resize({{"channel", 2}, {"cols", 80}, {"rows", 24}});
+    CHECK((r.channel == 2 && r.cols == 80 && r.rows == 24));
+    CHECK(methods::parse_signal({{"channel", 1}, {"signal", "TERM"}}).signal == SIGTERM);
+    CHECK(methods::parse_channel({{"channel", 4294967295U}}).channel == 4294967295U);
+}
+
+TEST_CASE("Channel method params name the field on error", "[methods]") {
+    using F = std::pair<std::string, std::string>;
+    CHECK(failure([] { methods::parse_channel({{"channel", 1}, {"extra", 1}}); }) ==
+          F{"extra", "extra: unknown parameter"});
+    CHECK(failure([] { methods::parse_channel(json::object()); }) ==
+          F{"channel", "channel: is required"});
+    CHECK(failure([] { methods::parse_channel({{"channel", -1}}); }) ==
+          F{"channel", "channel: must be an integer in 0..4294967295"});
+    CHECK(failure([] { methods::parse_write({{"channel", 1}}); }) ==
+          F{"data", "data: is required (base64)"});
+    CHECK(failure([] { methods::parse_write({{"channel", 1}, {"data", "abc"}}); }) ==
+          F{"data", "data: is not valid base64"});
+    CHECK(failure([] { methods::parse_resize({{"channel", 1}, {"cols", 0}, {"rows", 1}}); }) ==
+          F{"cols", "cols: must be an integer in 1..4096"});
+    CHECK(failure([] { methods::parse_resize({{"channel", 1}, {"cols", 1}}); }) ==
+          F{"rows", "rows: is required"});
+    CHECK(failure([] { methods::parse_signal({{"channel", 1}, {"signal", "STOP"}}); }) ==
+          F{"signal", "signal: must be one of INT, TERM, HUP, QUIT, KILL, USR1, USR2, WINCH"});
+}
+
+TEST_CASE("Lease method params name the field on error", "[methods]") {
+    using F = std::pair<std::string, std::string>;
+    CHECK(methods::parse_lease_id({{"leaseId", "l-1"}}).lease_id == "l-1");
+    CHECK(failure([] { methods::parse_lease_id({{"leaseId", ""}}); }) ==
+          F{"leaseId", "leaseId: must not be empty"});
+    CHECK(failure([] { methods::parse_lease_renew({{"leaseId", "l"}, {"ttlMs", 999}}); }) ==
+          F{"ttlMs", "ttlMs: must be an integer in 1000..4611686018427387903"});
+    CHECK(methods::parse_lease_renew({{"leaseId", "l"}, {"ttlMs", 5000}}).ttl_ms == 5000);
+    CHECK(failure([] { methods::parse_initialize({{"protocolVersion", 2}}); }) ==
+          F{"protocolVersion", "protocolVersion: only version 1 is supported"});
+}
+
+TEST_CASE("An open's params are parsed into an exec spec, naming the field on error",
+          "[methods]") {
+    using F = std::pair<std::string, std::string>;
+    auto p = open_params();
+    p["env"] = {{"A", "1"}};
+    p["pty"] = {{"cols", 100}, {"rows", 30}};
+    p["timeoutMs"] = 2500;
+    p["dataEncoding"] = "base64";
+    p["stdin"] = false;
+    auto o = methods::parse_open(p);
+    CHECK(o.spec.argv == std::vector<std::string>{"sh", "-c", "true"});
+    CHECK(o.spec.env.at("A") == "1");
+    REQUIRE(o.spec.pty);
+    CHECK((o.spec.pty->cols == 100 && o.spec.pty->rows == 30));
+    CHECK(o.timeout == std::chrono::milliseconds(2500));
+    CHECK(o.base64);
+    CHECK_FALSE(o.spec.stdin_attached);
+    CHECK_FALSE(o.output_window);
+    CHECK(o.lease == json{{"id", "l-1"}});
+
+    SECTION("the first bad field is named") {
+        auto with = [](const char* key, json value) {
+            auto q = open_params();
+            q[key] = std::move(value);
+            return q;
+        };
+        CHECK(failure([&] { methods::parse_open(with("command", {"", "x"})); }) ==
+              F{"command[0]", "command[0]: must not be empty"});
+        CHECK(failure([&] { methods::parse_open(with("command", {"a", 1})); }) ==
+              F{"command[1]", "command[1]: must be a string"});
+        CHECK(failure([&] { methods::parse_open(with("lease", "l-1")); }) ==
+              F{"lease", "lease: must be an object"});
+        CHECK(failure([&] { methods::parse_open(with("env", {{"A=B", "1"}})); }) ==
+              F{"env.A=B", "env.A=B: is not a valid variable name"});
+        CHECK(failure([&] { methods::parse_open(with("pty", {{"cols", 5000}, {"rows", 1}})); }) ==
+              F{"cols", "cols: must be an integer in 1..4096"});
+        CHECK(failure([&] { methods::parse_open(with("outputWindow", 10)); }) ==
+              F{"outputWindow", "outputWindow: must be an integer in 1024..1073741824"});
+        CHECK(failure([&] { methods::parse_open(with("dataEncoding", "hex")); }) ==
+              F{"dataEncoding", "dataEncoding: must be \"binary\" or \"base64\""});
+        CHECK(failure([&] { methods::parse_open(with("bogus", 1)); }) ==
+              F{"bogus", "bogus: unknown parameter"});
+    }
+}
+
+TEST_CASE("A request names its channel only with an unsigned 32-bit id", "[methods]") {
+    CHECK(methods::channel_named({{"channel", 3}}) == 3U);
+    CHECK_FALSE(methods::channel_named({{"channel", -3}}));
+    CHECK_FALSE(methods::channel_named({{"channel", "3"}}));
+    CHECK_FALSE(methods::channel_named({{"channel", 4294967296ULL}}));
+    CHECK_FALSE(methods::channel_named(json::array()));
+}
+
+TEST_CASE("A server classifies text messages with the protocol's errors", "[jsonrpc]") {
+    auto invalid = [](std::string_view text, std::size_t max = 1024) {
+        auto parsed = jsonrpc::parse_request(text, max);
+        auto* bad = std::get_if<jsonrpc::Invalid>(&parsed);
+        REQUIRE(bad != nullptr);
+        return std::make_pair(bad->id, bad->error.to_json());
+    };
+    CHECK(invalid("{", 1024).second["code"] == -32700);
+    CHECK(invalid("[]").second["message"] == "Batch requests are not supported");
+    CHECK(invalid("3").second["message"] == "A request must be a JSON object");
+    CHECK(invalid("{\"jsonrpc\":\"2.0\",\"method\":\"x\"}", 10).second["message"] ==
+          "text message of 30 bytes is over the limit of 10");
+    auto [id, error] = invalid(R"({"jsonrpc":"2.0","id":7,"method":1})");
+    CHECK(id == 7);
+    CHECK(error["data"]["reason"] == "INVALID_REQUEST");
+
+    auto parsed = jsonrpc::parse_request(R"({"jsonrpc":"2.0","method":"m"})", 1024);
+    auto* request = std::get_if<jsonrpc::Request>(&parsed);
+    REQUIRE(request != nullptr);
+    CHECK_FALSE(request->id);  // a notification
+    CHECK(request->params == json::object());
+}
+
+TEST_CASE("A client reads responses and rethrows their errors with the reason's code",
+          "[jsonrpc]") {
+    CHECK(json::parse(jsonrpc::request(1, "m", {{"a", 1}})) ==
+          json{{"jsonrpc", "2.0"}, {"id", 1}, {"method", "m"}, {"params", {{"a", 1}}}});
+    auto message = jsonrpc::parse_message(
+        jsonrpc::error(4, rpc_error(errc::channel_limit, "full", {{"limit", "x"}}).to_json()));
+    auto* response = std::get_if<jsonrpc::Response>(&message);
+    REQUIRE(response != nullptr);
+    CHECK(response->id == 4);
+    try {
+        jsonrpc::result_or_throw(*response);
+        FAIL("no error thrown");
+    } catch (const rpc_error& e) {
+        CHECK(e.code() == errc::channel_limit);
+        CHECK(std::string(e.what()) == "full");
+        CHECK(e.data()["limit"] == "x");
+    }
+    CHECK(std::holds_alternative<std::monostate>(jsonrpc::parse_message("not json")));
+    auto note = jsonrpc::parse_message(jsonrpc::notification("duplexChannel.exit", {{"channel", 1}}));
+    REQUIRE(std::holds_alternative<jsonrpc::Request>(note));
+    CHECK(std::get<jsonrpc::Request>(note).method == "duplexChannel.exit");
+}
