@@ -496,7 +496,8 @@ awaitable<Session::Reply> Session::lease_renew(json p) {
     if (auto at_owner = co_await lease_change_at_owner("leaseRenew", p, params.lease_id)) {
         co_return std::move(*at_owner);
     }
-    json result =  to_json(co_await sandboxd::lease_renew(node_, who_, params.lease_id, params.ttl_ms));
+    json result =
+        to_json(co_await sandboxd::lease_renew(node_, who_, params.lease_id, params.ttl_ms));
     co_return Reply{std::move(result), {}};
 }
 
@@ -616,9 +617,12 @@ awaitable<SpawnedProcess> Session::start_backend(Provider* provider,
                                                  ExecSpec spec) {
     // A provider's spawn may wait (a plugin's open is a round trip to its worker): off the
     // connection's strand, so that the connection's other channels keep flowing meanwhile.
-    co_return co_await run_blocking(node_.blocking, [provider, sandbox, spec = std::move(spec)] {
-        return provider->spawn(*sandbox, spec);
-    });
+    // The closure holds plain pointers into this frame, nothing with a destructor: see the
+    // GCC 12 bug in blocking_pool.hpp (a captured ExecSpec was freed twice).
+    const SandboxHandle* handle = sandbox.get();
+    const ExecSpec* exec = &spec;
+    co_return co_await run_blocking(node_.blocking,
+                                    [provider, handle, exec] { return provider->spawn(*handle, *exec); });
 }
 
 awaitable<Session::Reply> Session::open_local(methods::OpenParams params, Lease lease) {
