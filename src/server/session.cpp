@@ -496,7 +496,8 @@ awaitable<Session::Reply> Session::lease_renew(json p) {
     if (auto at_owner = co_await lease_change_at_owner("leaseRenew", p, params.lease_id)) {
         co_return std::move(*at_owner);
     }
-    json result =  to_json(co_await sandboxd::lease_renew(node_, who_, params.lease_id, params.ttl_ms));
+    json result =
+        to_json(co_await sandboxd::lease_renew(node_, who_, params.lease_id, params.ttl_ms));
     co_return Reply{std::move(result), {}};
 }
 
