@@ -15,7 +15,7 @@
 ///
 /// Scale: every lookup below is served by an index (id, idempotency key, provider and
 /// providerLeaseId, owner node and status): no call reads more records than it returns, plus
-/// a constant, except list_leases filters that no index serves (documented there).
+/// a constant, except the list_leases filters documented at LeaseQuery.
 ///
 /// Errors: a store that cannot be read or written throws rpc_error(errc::registry_unavailable)
 /// with a message that names the operation; the caller fails closed. Cancelling an awaiting
@@ -35,10 +35,12 @@ namespace sandboxd {
 
 /// Filter of leaseList. Empty optionals match everything. `tenants` restricts to these
 /// companyIds; empty means every tenant (a `*` token).
-/// Filter of leaseList. Served by an index when it names owner_node_id (with or without
-/// status) or company_id (with or without environment_id); a query with only `status` or
-/// only `tenants` scans the leases in (acquiredAt, id) order and reads at most `limit`
-/// matching records per page.
+/// Filter of leaseList (a page at a time, in (acquiredAt, id) order). Both registries serve
+/// a query that names owner_node_id (with or without status) from the owner index, so the
+/// sweeper reads only the leases it asked for. Other filters: SQLite uses its company and
+/// status indexes; etcd reads the lease records in key order and filters them, so a
+/// tenant's leaseList on etcd costs in proportion to every lease of the prefix (the
+/// host-facing list, not on any per-request path).
 struct LeaseQuery {
     std::optional<std::string> company_id;
     std::optional<std::string> environment_id;
