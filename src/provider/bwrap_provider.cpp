@@ -338,10 +338,15 @@ public:
             provider_failure("sandbox " + sandbox->scope.provider_lease_id +
                              " has no supervisor in this process");
         }
+        // The socket's copy first, and a spare that keeps a descriptor free for the reply's
+        // pidfd: out of descriptors, the open fails before anything starts.
+        unique_fd socket_copy = copy_socket(*state, sandbox->scope.provider_lease_id);
+        unique_fd spare = copy_socket(*state, sandbox->scope.provider_lease_id);
         PreparedChannel prepared = prepare_channel(*state, spec);
         unique_fd init_pidfd =
-            co_await ask_supervisor(state, sandbox->scope.provider_lease_id, prepared.request,
-                                    prepared.payload, prepared.fds);
+            co_await ask_supervisor(state, sandbox->scope.provider_lease_id,
+                                    std::move(socket_copy), std::move(spare),
+                                    prepared.request, prepared.payload, prepared.fds);
         detail::ProcessEnds ends = channel_ends(std::move(prepared), std::move(init_pidfd), state);
         auto executor = co_await net::this_coro::executor;
         co_return std::make_unique<detail::ProcessBackend>(executor, std::move(ends));
@@ -984,8 +989,8 @@ private:
     /// whenever the kernel would block. Never throws for the supervisor's failures: they are
     /// in the result.
     static awaitable<Exchanged> exchange(std::shared_ptr<net::posix::stream_descriptor> socket,
-                                         proto::Request request, std::string payload,
-                                         std::vector<int> fds) {
+                                         unique_fd spare, proto::Request request,
+                                         std::string payload, std::vector<int> fds) {
         Exchanged out;
         for (;;) {
             const ssize_t sent = send_request(socket->native_handle(), request, payload, fds);
@@ -1001,6 +1006,7 @@ private:
                 co_return out;
             }
         }
+        spare.reset();  // the reply's pidfd takes its place
         for (;;) {
             out.got = recv_reply(socket->native_handle(), out.reply, out.pidfd);
             if (out.got >= 0) break;
@@ -1021,7 +1027,32 @@ private:
 
     /// Sends one request with its descriptors and returns the channel init's pidfd. Requests
     /// to one sandbox take turns (replies come in request order); no thread waits for one.
+    /// A descriptor of the supervisor's socket for one request, on the awaiting executor:
+    /// shutdown() may close the sandbox's own meanwhile (the supervisor sees EOF once both
+    /// are closed).
+    static unique_fd copy_socket(BwrapSandbox& sandbox, const std::string& name) {
+        std::lock_guard lock(sandbox.mutex);
+        if (!sandbox.socket || sandbox.broken) {
+            provider_failure("sandbox " + name + " is gone: its supervisor has exited");
+        }
+        unique_fd copy(::fcntl(sandbox.socket.get(), F_DUPFD_CLOEXEC, 0));
+        if (!copy) {
+            const int err = errno;
+            if (err == EMFILE || err == ENFILE) {
+                throw rpc_error(errc::channel_limit,
+                                "cannot start a channel: this node has no file descriptor left "
+                                "for another channel (" +
+                                    std::string(err == EMFILE ? "RLIMIT_NOFILE"
+                                                              : "system file table") +
+                                    ")");
+            }
+            provider_failure(std::string("cannot start a channel: ") + std::strerror(err));
+        }
+        return copy;
+    }
+
     awaitable<unique_fd> ask_supervisor(std::shared_ptr<BwrapSandbox> sandbox, std::string name,
+                                        unique_fd socket_copy, unique_fd spare,
                                         proto::Request request, std::string payload,
                                         std::vector<int> fds) {
         using namespace net::experimental::awaitable_operators;
@@ -1031,26 +1062,20 @@ private:
             Turns& turns;
             ~TurnBack() { turns.leave(); }
         } turn_back{sandbox->turns};
-        int socket_copy = -1;
         {
             std::lock_guard lock(sandbox->mutex);
-            if (!sandbox->socket || sandbox->broken) {
+            if (sandbox->broken) {
                 provider_failure("sandbox " + name + " is gone: its supervisor has exited");
             }
             request.id = sandbox->next_request++;
-            // A descriptor of its own on the awaiting executor: shutdown() may close the
-            // sandbox's meanwhile, and the supervisor sees EOF only once both are closed.
-            socket_copy = ::fcntl(sandbox->socket.get(), F_DUPFD_CLOEXEC, 0);
-        }
-        if (socket_copy < 0) {
-            throw rpc_error(errc::channel_limit, std::string("cannot start a channel: ") +
-                                                     std::strerror(errno));
         }
         auto executor = co_await net::this_coro::executor;
-        auto socket = std::make_shared<net::posix::stream_descriptor>(executor, socket_copy);
+        auto socket =
+            std::make_shared<net::posix::stream_descriptor>(executor, socket_copy.release());
         net::steady_timer timer(executor);
         timer.expires_after(std::chrono::milliseconds(supervisor_timeout_ms));
-        auto outcome = co_await (exchange(socket, request, std::move(payload), std::move(fds)) ||
+        auto outcome = co_await (exchange(socket, std::move(spare), request, std::move(payload),
+                                          std::move(fds)) ||
                                  timer.async_wait(use_awaitable));
         if (outcome.index() == 1) fail_supervisor(*sandbox, name, ETIMEDOUT);
         Exchanged got = std::get<0>(std::move(outcome));
