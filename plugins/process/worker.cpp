@@ -23,6 +23,7 @@
 //   __slow_open__ <ms> <command...>  answers the open only after <ms> milliseconds (the
 //       whole worker waits, as a slow provider would), then runs <command...>.
 
+#include <sandboxd/jsonrpc.hpp>
 #include <sandboxd/base64.hpp>
 
 #include <nlohmann/json.hpp>
@@ -91,11 +92,11 @@ void write_all(int fd, std::string_view s) {
 void emit(const json& msg) { write_all(1, msg.dump() + "\n"); }
 
 void reply(const json& id, json result) {
-    emit({{"jsonrpc", "2.0"}, {"id", id}, {"result", std::move(result)}});
+    write_all(1, sandboxd::jsonrpc::result(id, std::move(result)) + "\n");
 }
 
 void reply_error(const json& id, int code, const std::string& message) {
-    emit({{"jsonrpc", "2.0"}, {"id", id}, {"error", {{"code", code}, {"message", message}}}});
+    write_all(1, sandboxd::jsonrpc::error(id, {{"code", code}, {"message", message}}) + "\n");
 }
 
 void log_line(const std::string& line) { write_all(2, line + "\n"); }
@@ -545,12 +546,12 @@ bool Worker::on_readable(Session& s, int& fd, const char* stream) {
         return false;
     }
     buf.resize(static_cast<std::size_t>(n));
-    emit({{"jsonrpc", "2.0"},
-          {"method", "duplexChannel.data"},
-          {"params", {{"hostRouteId", s.host_route_id},
-                      {"workerSessionId", s.id},
-                      {"stream", stream},
-                      {"chunk", base64_encode(buf)}}}});
+    write_all(1, sandboxd::jsonrpc::notification("duplexChannel.data",
+                                                 {{"hostRouteId", s.host_route_id},
+                                                  {"workerSessionId", s.id},
+                                                  {"stream", stream},
+                                                  {"chunk", base64_encode(buf)}}) +
+                     "\n");
     return true;
 }
 
@@ -588,7 +589,7 @@ void Worker::maybe_exit(Session& s) {
         p["exitCode"] = nullptr;
         p["signal"] = signal_name(-s.status);
     }
-    emit({{"jsonrpc", "2.0"}, {"method", "duplexChannel.exit"}, {"params", p}});
+    write_all(1, sandboxd::jsonrpc::notification("duplexChannel.exit", p) + "\n");
     s.exit_sent = true;  // kept until duplexChannelClose
 }
 

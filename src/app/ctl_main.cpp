@@ -1,3 +1,4 @@
+#include <sandboxd/jsonrpc.hpp>
 #include <sandboxd/app.hpp>
 #include <sandboxd/client.hpp>
 #include <sandboxd/errors.hpp>
@@ -321,8 +322,8 @@ private:
             queue(true, encode_data(channel_, stream_id::stdin_, std::string_view(buf.data(), n)));
         }
         if (!async) ::close(fd);
-        queue(false, json{{"jsonrpc", "2.0"}, {"id", io_.next_id++}, {"method", "duplexChannelCloseStdin"},
-                          {"params", {{"channel", channel_}}}}.dump());
+        queue(false, jsonrpc::request(io_.next_id++, "duplexChannelCloseStdin",
+                                      {{"channel", channel_}}));
     }
 
     awaitable<void> winch_loop() {
@@ -330,9 +331,10 @@ private:
             co_await winch_.async_wait(use_awaitable);
             winsize ws{};
             if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0 && ws.ws_row > 0) {
-                queue(false, json{{"jsonrpc", "2.0"}, {"id", io_.next_id++}, {"method", "duplexChannelResize"},
-                                  {"params", {{"channel", channel_}, {"cols", ws.ws_col}, {"rows", ws.ws_row}}}}
-                                 .dump());
+                queue(false, jsonrpc::request(io_.next_id++, "duplexChannelResize",
+                                              {{"channel", channel_},
+                                               {"cols", ws.ws_col},
+                                               {"rows", ws.ws_row}}));
             }
         }
     }

@@ -13,6 +13,7 @@
 #include "server/net.hpp"
 
 #include <sandboxd/base64.hpp>
+#include <sandboxd/jsonrpc.hpp>
 #include <sandboxd/errors.hpp>
 
 #include <spdlog/spdlog.h>
@@ -515,8 +516,7 @@ void WorkerManager::Impl::request(const std::shared_ptr<Worker>& w, const std::s
     const std::int64_t id = w->next_id++;
     std::string line;
     try {
-        line = json{{"jsonrpc", "2.0"}, {"id", id}, {"method", method}, {"params", std::move(params)}}
-                   .dump();
+        line = jsonrpc::request(id, method, std::move(params));
     } catch (const json::exception&) {
         // Strings that are not UTF-8 (e.g. argv bytes) cannot travel in JSON.
         done(json(), error_ptr(errc::provider_error,
@@ -639,10 +639,7 @@ void WorkerManager::Impl::on_line(const std::shared_ptr<Worker>& w, std::string_
     } else if (has_method && msg["method"].is_string()) {
         if (msg.contains("id")) {
             // Workers make no requests of the daemon.
-            send_line(w, json{{"jsonrpc", "2.0"},
-                              {"id", msg["id"]},
-                              {"error", {{"code", -32601}, {"message", "Method not found"}}}}
-                             .dump());
+            send_line(w, jsonrpc::error(msg["id"], {{"code", -32601}, {"message", "Method not found"}}));
             return;
         }
         on_notification(w, msg);

@@ -1,5 +1,6 @@
 #include "server/channel.hpp"
 
+#include <sandboxd/jsonrpc.hpp>
 #include <sandboxd/base64.hpp>
 #include <sandboxd/errors.hpp>
 
@@ -173,14 +174,11 @@ awaitable<void> Channel::pump_output(output_stream stream) {
         auto sink = sink_.lock();
         if (!sink) continue;
         if (options_.base64) {
-            nlohmann::json note = {
-                {"jsonrpc", "2.0"},
-                {"method", "duplexChannel.data"},
-                {"params",
-                 {{"channel", options_.id},
-                  {"stream", stream_name(stream)},
-                  {"chunk", base64_encode(std::string_view(frame).substr(frame_header_size, *n))}}}};
-            sink->send_text(note.dump());
+            sink->send_text(jsonrpc::notification(
+                "duplexChannel.data",
+                {{"channel", options_.id},
+                 {"stream", stream_name(stream)},
+                 {"chunk", base64_encode(std::string_view(frame).substr(frame_header_size, *n))}}));
         } else {
             frame.resize(frame_header_size + *n);
             write_data_header(frame.data(), options_.id, wire_stream(stream));
@@ -350,9 +348,7 @@ void Channel::send_exit() {
                              {"durationMs", duration.count()}};
     if (!limit_.empty()) params["limit"] = limit_;
     if (error_) params["error"] = *error_;
-    sink->send_text(
-        nlohmann::json{{"jsonrpc", "2.0"}, {"method", "duplexChannel.exit"}, {"params", params}}
-            .dump());
+    sink->send_text(jsonrpc::notification("duplexChannel.exit", std::move(params)));
     sink->channel_finished(options_.id);
 }
 
