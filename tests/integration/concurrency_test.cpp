@@ -3,6 +3,7 @@
 // The slow open is the reference plugin worker's __slow_open__ test hook.
 #include "support/daemon_fixture.hpp"
 
+#include <sandboxd/base64.hpp>
 #include <sandboxd/errors.hpp>
 
 #include <catch2/catch.hpp>

@@ -8,8 +8,9 @@
 
 #include "registry/etcd_client.hpp"
 
-#include <sandboxd/client.hpp>  // base64_encode
+#include <sandboxd/client.hpp>
 
+#include <sandboxd/base64.hpp>
 #include <sandboxd/errors.hpp>
 #include <sandboxd/registry.hpp>
 
