@@ -509,8 +509,13 @@ awaitable<void> sweep(Node& node) {
             next.epoch = lease.epoch + 1;
             next.failure_reason = "teardown failed " + std::to_string(lease.cleanup_attempts) +
                                   " times: " + lease.failure_reason.value_or("unknown");
-            co_await node.registry->update_lease(next, lease.epoch);
-            spdlog::warn("lease={} failed: {}", lease.id, *next.failure_reason);
+            if (co_await node.registry->update_lease(next, lease.epoch)) {
+                // Nothing will tear it down again: forget the handle and the claim, so the
+                // cache holds live sandboxes only (the operator finds the lease `failed`).
+                node.cache.erase(scope_of(lease));
+                node.unclaim(lease.id);
+                spdlog::warn("lease={} failed: {}", lease.id, *next.failure_reason);
+            }
             continue;
         }
         const std::int64_t backoff = static_cast<std::int64_t>(node.config.heartbeat_ms)

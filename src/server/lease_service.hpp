@@ -1,8 +1,9 @@
 #pragma once
 // The lease methods of docs/protocol.md section 2 and the fail-closed checks of section 3.
 // Coroutines run on the caller's strand; registry calls are awaited (the registry does its
-// I/O off this thread, registry.hpp); provider create/destroy run on the node's blocking
-// pool. Errors are thrown as rpc_error with the protocol's reasons.
+// I/O off this thread, registry.hpp), and so are provider create/destroy (the provider does
+// its blocking work on a pool of its own, provider.hpp). Errors are thrown as rpc_error with
+// the protocol's reasons.
 #include "server/node.hpp"
 
 #include <nlohmann/json.hpp>

@@ -1,0 +1,189 @@
+#pragma once
+// An in-memory Provider and ChannelBackend for unit tests of the code above the sandbox side
+// (LeaseService, the sweeper, the channel): fakes of a dependency, never of the thing under
+// test.
+//
+// FakeProvider follows include/sandboxd/provider.hpp: create() mints a providerLeaseId
+// ("fake-<n>") and records a live sandbox, destroy() removes it (idempotent), and every call
+// completes at once on the awaiting coroutine's executor. Tests read what it was asked to do
+// (`creates`, `destroys`, `live()`, the last config) and can make create() or destroy() throw
+// the errors its contract names. Thread-safe (one mutex; nothing awaits under it).
+//
+// FakeChannelBackend follows include/sandboxd/channel_backend.hpp for a command that has
+// already written `out`/`err` and ended with `exit`: its output streams hold those bytes
+// and then end, stdin is collected in `stdin_bytes` until close_stdin(), and signals are
+// recorded. Single-threaded like every backend (the executor of the open()).
+#include <sandboxd/errors.hpp>
+#include <sandboxd/provider.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace sandboxd::test {
+
+class FakeChannelBackend final : public ChannelBackend {
+public:
+    FakeChannelBackend(std::string out, std::string err, ChannelExit exit, bool stdin_open = true)
+        : out_(std::move(out)),
+          err_(std::move(err)),
+          exit_(std::move(exit)),
+          stdin_open_(stdin_open) {}
+
+    std::string stdin_bytes;    ///< every byte written to stdin, in order
+    bool stdin_closed = false;  ///< close_stdin() was called
+    std::vector<int> signals;   ///< signal() and signal_all() arguments, in order
+    bool killed = false;        ///< kill() was called
+
+    bool has_output(output_stream) const noexcept override { return true; }
+    bool has_stdin() const noexcept override { return true; }
+
+    awaitable<std::size_t> output_ready(output_stream stream) override {
+        co_return pending(stream).size();
+    }
+    std::optional<std::size_t> read_output(output_stream stream, std::span<char> into) override {
+        auto& bytes = pending(stream);
+        if (bytes.empty()) return std::nullopt;
+        const auto n = std::min(bytes.size(), into.size());
+        std::memcpy(into.data(), bytes.data(), n);
+        bytes.erase(0, n);
+        return n;
+    }
+    awaitable<bool> write_stdin(std::string data) override {
+        if (!stdin_open_ || stdin_closed || killed) co_return false;
+        stdin_bytes += data;
+        co_return true;
+    }
+    void close_stdin() noexcept override { stdin_closed = true; }
+    void signal(int sig) noexcept override { signals.push_back(sig); }
+    void signal_all(int sig) noexcept override { signals.push_back(sig); }
+    void kill() noexcept override { killed = true; }
+    void resize(std::uint16_t cols, std::uint16_t rows) override { size_ = PtySize{cols, rows}; }
+    awaitable<ChannelExit> wait_exit() override { co_return exit_; }
+    awaitable<void> wait_gone() override { co_return; }
+
+    std::optional<PtySize> size_for_test() const { return size_; }
+
+private:
+    std::string& pending(output_stream s) { return s == output_stream::out ? out_ : err_; }
+
+    std::string out_;
+    std::string err_;
+    ChannelExit exit_;
+    bool stdin_open_;
+    std::optional<PtySize> size_;
+};
+
+class FakeProvider final : public Provider {
+public:
+    explicit FakeProvider(std::string key = "fake", std::string plugin_id = "builtin")
+        : key_(std::move(key)), plugin_id_(std::move(plugin_id)) {}
+
+    /// Counters of calls made (whatever their outcome).
+    std::atomic<int> creates{0};
+    std::atomic<int> destroys{0};
+    std::atomic<int> opens{0};
+
+    /// When set, create() throws rpc_error with this code (and makes nothing).
+    std::optional<errc> create_error;
+    /// When set, destroy() throws rpc_error with this code (and removes nothing).
+    std::optional<errc> destroy_error;
+    /// handle_for_teardown() returns a handle for any scope (a provider that can tear down
+    /// by scope, like bwrap after a restart) rather than nullptr.
+    bool teardown_by_scope = true;
+    /// The limits create() reports on each handle.
+    nlohmann::json limits = {{"memoryBytes", 268435456}, {"pids", 128}};
+
+    const std::string& key() const noexcept override { return key_; }
+    const std::string& plugin_id() const noexcept override { return plugin_id_; }
+
+    awaitable<std::shared_ptr<SandboxHandle>> create(SandboxScope scope, std::string lease_id,
+                                                     nlohmann::json config) override {
+        ++creates;
+        if (create_error) throw rpc_error(*create_error, "fake provider: create refused");
+        auto handle = std::make_shared<SandboxHandle>();
+        {
+            std::lock_guard lock(mutex_);
+            scope.provider_lease_id = "fake-" + std::to_string(++minted_);
+            live_.insert(scope.provider_lease_id);
+            last_config_ = config;
+            last_lease_id_ = lease_id;
+        }
+        handle->scope = std::move(scope);
+        handle->lease_id = std::move(lease_id);
+        handle->workspace = "/nonexistent/fake-workspace";
+        handle->limits = limits;
+        co_return handle;
+    }
+
+    awaitable<void> destroy(std::shared_ptr<SandboxHandle> sandbox) override {
+        ++destroys;
+        if (destroy_error) throw rpc_error(*destroy_error, "fake provider: destroy failed");
+        std::lock_guard lock(mutex_);
+        live_.erase(sandbox->scope.provider_lease_id);
+        destroyed_.push_back(sandbox->scope.provider_lease_id);
+        co_return;
+    }
+
+    awaitable<std::unique_ptr<ChannelBackend>> open(std::shared_ptr<SandboxHandle> sandbox,
+                                                    ExecSpec spec) override {
+        ++opens;
+        {
+            std::lock_guard lock(mutex_);
+            if (!live_.count(sandbox->scope.provider_lease_id)) {
+                throw rpc_error(errc::provider_error, "fake provider: the sandbox is gone");
+            }
+        }
+        ChannelExit exit;
+        exit.exit_code = 0;
+        co_return std::make_unique<FakeChannelBackend>(spec.argv.empty() ? "" : spec.argv[0], "",
+                                                       exit);
+    }
+
+    std::shared_ptr<SandboxHandle> handle_for_teardown(const SandboxScope& scope,
+                                                       const std::string& lease_id) override {
+        if (!teardown_by_scope) return nullptr;
+        auto handle = std::make_shared<SandboxHandle>();
+        handle->scope = scope;
+        handle->lease_id = lease_id;
+        return handle;
+    }
+
+    // ---- test helpers (not part of Provider) ----
+
+    /// providerLeaseIds of sandboxes created and not destroyed.
+    std::set<std::string> live() const {
+        std::lock_guard lock(mutex_);
+        return live_;
+    }
+    /// providerLeaseIds passed to a destroy() that succeeded, in order (repeats included).
+    std::vector<std::string> destroyed() const {
+        std::lock_guard lock(mutex_);
+        return destroyed_;
+    }
+    nlohmann::json last_config() const {
+        std::lock_guard lock(mutex_);
+        return last_config_;
+    }
+    std::string last_lease_id() const {
+        std::lock_guard lock(mutex_);
+        return last_lease_id_;
+    }
+
+private:
+    std::string key_;
+    std::string plugin_id_;
+    mutable std::mutex mutex_;
+    int minted_ = 0;
+    std::set<std::string> live_;
+    std::vector<std::string> destroyed_;
+    nlohmann::json last_config_;
+    std::string last_lease_id_;
+};
+
+}  // namespace sandboxd::test
