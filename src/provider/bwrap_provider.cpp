@@ -338,6 +338,15 @@ public:
             provider_failure("sandbox " + sandbox->scope.provider_lease_id +
                              " has no supervisor in this process");
         }
+        // Opens of one sandbox take turns before they take any descriptor, so that many opens
+        // in flight at once (a connection's requests run concurrently) hold the descriptors
+        // of one channel being set up, not of all of them (CASES.md B12). The turn goes back
+        // however this coroutine ends.
+        co_await state->turns.enter();
+        struct TurnBack {
+            Turns& turns;
+            ~TurnBack() { turns.leave(); }
+        } turn_back{state->turns};
         // The socket's copy first, and a spare that keeps a descriptor free for the reply's
         // pidfd: out of descriptors, the open fails before anything starts.
         unique_fd socket_copy = copy_socket(*state, sandbox->scope.provider_lease_id);
@@ -1025,8 +1034,6 @@ private:
         co_return out;
     }
 
-    /// Sends one request with its descriptors and returns the channel init's pidfd. Requests
-    /// to one sandbox take turns (replies come in request order); no thread waits for one.
     /// A descriptor of the supervisor's socket for one request, on the awaiting executor:
     /// shutdown() may close the sandbox's own meanwhile (the supervisor sees EOF once both
     /// are closed).
@@ -1051,17 +1058,14 @@ private:
         return copy;
     }
 
+    /// Sends one request with its descriptors and returns the channel init's pidfd. The caller
+    /// holds the sandbox's turn (replies come in request order); no thread waits meanwhile.
     awaitable<unique_fd> ask_supervisor(std::shared_ptr<BwrapSandbox> sandbox, std::string name,
                                         unique_fd socket_copy, unique_fd spare,
                                         proto::Request request, std::string payload,
                                         std::vector<int> fds) {
         using namespace net::experimental::awaitable_operators;
-        co_await sandbox->turns.enter();
-        // The turn goes back however this coroutine ends.
-        struct TurnBack {
-            Turns& turns;
-            ~TurnBack() { turns.leave(); }
-        } turn_back{sandbox->turns};
+        // The caller (open) holds the sandbox's turn: one request in flight on the socket.
         {
             std::lock_guard lock(sandbox->mutex);
             if (sandbox->broken) {

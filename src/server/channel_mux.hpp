@@ -42,6 +42,8 @@ public:
 
     /// A fresh channel id of this connection (ids are never reused on a connection).
     std::uint32_t next_id() noexcept { return next_id_++; }
+    /// The id next_id() will give: every id below it has been given (or is ended).
+    std::uint32_t peek_next_id() const noexcept { return next_id_; }
 
     /// Channels open or being opened (local, relayed and reserved): what
     /// limits.channelsPerConnection bounds.

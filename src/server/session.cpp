@@ -269,13 +269,41 @@ void Session::on_text(std::string_view text) {
 std::optional<websocket::close_reason> Session::on_binary(std::string_view message) {
     auto checked = mux_.check_frame(message);
     if (auto* reason = std::get_if<websocket::close_reason>(&checked)) return *reason;
-    const auto channel = std::get<std::uint32_t>(checked);
+    route_frame(message, std::get<std::uint32_t>(checked));
+    return std::nullopt;
+}
+
+bool Session::may_be_opening(std::uint32_t channel) const noexcept {
+    return opens_in_flight_ > 0 && channel >= mux_.peek_next_id();
+}
+
+void Session::route_frame(std::string_view message, std::uint32_t channel) {
+    if (may_be_opening(channel)) {
+        after_opens_.emplace_back(std::string(message));
+        return;
+    }
     if (auto lane = lanes_.find(channel); lane != lanes_.end()) {
         lane->second.waiting.emplace_back(std::string(message));  // after the running request
-        return std::nullopt;
+        return;
     }
     mux_.apply_frame(message);
-    return std::nullopt;
+}
+
+void Session::replay_after_opens() {
+    if (closing_) {  // nothing waiting will be answered or applied
+        after_opens_.clear();
+        return;
+    }
+    auto waiting = std::move(after_opens_);
+    after_opens_.clear();
+    for (auto& next : waiting) {
+        if (auto* request = std::get_if<jsonrpc::Request>(&next)) {
+            route(std::move(*request));
+        } else {
+            const auto& frame = std::get<std::string>(next);
+            route_frame(frame, std::get<std::uint32_t>(mux_.check_frame(frame)));
+        }
+    }
 }
 
 void Session::admit(jsonrpc::Request request) {
@@ -294,11 +322,20 @@ void Session::admit(jsonrpc::Request request) {
         return;
     }
     ++in_flight_;
+    route(std::move(request));
+}
+
+void Session::route(jsonrpc::Request request) {
     std::optional<std::uint32_t> lane;
     auto entry = method_table().find(request.method);
     if (entry != method_table().end() && entry->second.on_channel) {
         lane = methods::channel_named(request.params);
     }
+    if (lane && may_be_opening(*lane)) {
+        after_opens_.emplace_back(std::move(request));
+        return;
+    }
+    if (request.method == "duplexChannelOpen") ++opens_in_flight_;
     if (lane) {
         auto [it, idle] = lanes_.try_emplace(*lane);
         if (!idle) {
@@ -317,6 +354,7 @@ void Session::start(jsonrpc::Request request, std::optional<std::uint32_t> lane)
 awaitable<void> Session::serve(std::shared_ptr<Session> self, jsonrpc::Request request,
                                std::optional<std::uint32_t> lane) {
     const json id = request.id.value_or(json());
+    const bool open = request.method == "duplexChannelOpen";
     try {
         auto reply = co_await call(request.method, std::move(request.params));
         if (request.id) respond(id, std::move(reply.result));
@@ -334,6 +372,10 @@ awaitable<void> Session::serve(std::shared_ptr<Session> self, jsonrpc::Request r
     --in_flight_;
     slot_free_.cancel();
     if (lane) self->release(*lane);
+    if (open) {
+        --opens_in_flight_;
+        self->replay_after_opens();  // what names its channel goes now; the rest waits on
+    }
 }
 
 void Session::release(std::uint32_t lane) {

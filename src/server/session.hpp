@@ -96,6 +96,17 @@ private:
     /// A close reason when the frame breaks the protocol.
     std::optional<websocket::close_reason> on_binary(std::string_view message);
     void admit(jsonrpc::Request request);
+    /// Runs an admitted request, or queues it behind its channel's lane or behind the opens
+    /// in flight (see after_opens_).
+    void route(jsonrpc::Request request);
+    /// Applies a checked binary frame, or queues it likewise.
+    void route_frame(std::string_view message, std::uint32_t channel);
+    /// Whether `channel` may still be the id of an open in flight: no channel has had it yet
+    /// and an open is running.
+    bool may_be_opening(std::uint32_t channel) const noexcept;
+    /// An open ended: what waited is routed again, in arrival order (what still names an id
+    /// that no channel has had waits on while another open runs).
+    void replay_after_opens();
     void start(jsonrpc::Request request, std::optional<std::uint32_t> lane);
     awaitable<void> serve(std::shared_ptr<Session> self, jsonrpc::Request request,
                           std::optional<std::uint32_t> lane);
@@ -136,6 +147,11 @@ private:
     std::string peer_;
     ChannelMux mux_;
     std::size_t in_flight_ = 0;  // requests running or waiting in a lane
+    /// Opens running. While one runs, requests and frames naming a channel id that no channel
+    /// has had yet wait in after_opens_ (in arrival order): they may name the channel it is
+    /// opening (a resize sent in the same write as the open, CASES.md B18).
+    std::size_t opens_in_flight_ = 0;
+    std::deque<Queued> after_opens_;
     std::map<std::uint32_t, Lane> lanes_;  // channels with a request running
     /// The node that forwarded this connection's opens (peer tokens only), else "".
     std::string forwarded_by_;

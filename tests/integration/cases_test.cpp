@@ -1010,7 +1010,11 @@ TEST_CASE(
         }
     }
     CHECK(reason == "CHANNEL_LIMIT");  // an explicit limit, not a provider failure
-    CHECK(open.size() >= 5);
+    // Not absurdly early: at 64 descriptors a node fits a few channels (each holds 6 and takes
+    // about 17 while it starts). Since issue 12 the SQLite registry keeps three lanes of
+    // connections (reads, lease writes, membership), 9 descriptors more than one connection,
+    // so 4 fit where 5 did.
+    CHECK(open.size() >= 4);
     CHECK(eventually(
         [&] { return count_processes_with("sleep 6121") == static_cast<int>(open.size()); }, 10s));
     for (auto ch : open) {
