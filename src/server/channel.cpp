@@ -1,7 +1,7 @@
 #include "server/channel.hpp"
 
-#include <sandboxd/base64.hpp>
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/base64.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <spdlog/spdlog.h>
 

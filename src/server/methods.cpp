@@ -3,6 +3,7 @@
 #include "server/channel.hpp"
 #include "server/params.hpp"
 
+#include <sandboxd/core/base64.hpp>
 
 namespace sandboxd::methods {
 
