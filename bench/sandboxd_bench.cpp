@@ -9,7 +9,7 @@
 // Every subcommand runs under a watchdog (--deadline-s, default 600): a daemon that stops
 // answering makes the bench fail, never hang.
 
-#include <sandboxd/address.hpp>
+#include <sandboxd/core/address.hpp>
 
 #include <boost/asio/connect.hpp>
 #include <boost/asio/io_context.hpp>

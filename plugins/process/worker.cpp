@@ -23,8 +23,8 @@
 //   __slow_open__ <ms> <command...>  answers the open only after <ms> milliseconds (the
 //       whole worker waits, as a slow provider would), then runs <command...>.
 
-#include <sandboxd/jsonrpc.hpp>
-#include <sandboxd/base64.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
+#include <sandboxd/core/base64.hpp>
 
 #include <nlohmann/json.hpp>
 

@@ -1,10 +1,9 @@
-#include <sandboxd/jsonrpc.hpp>
-#include <sandboxd/app.hpp>
-#include <sandboxd/client.hpp>
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
+#include <sandboxd/app/app.hpp>
+#include <sandboxd/client/client.hpp>
+#include <sandboxd/client/client_impl.hpp>
+#include <sandboxd/core/errors.hpp>
 #include <sandboxd/version.hpp>
-
-#include "client/client_impl.hpp"
 
 #include <boost/program_options.hpp>
 

@@ -1,9 +1,9 @@
 #include <sys/stat.h>
-#include <sandboxd/app.hpp>
-#include <sandboxd/config.hpp>
-#include <sandboxd/errors.hpp>
-#include <sandboxd/logging.hpp>
-#include <sandboxd/server.hpp>
+#include <sandboxd/app/app.hpp>
+#include <sandboxd/core/config.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/logging.hpp>
+#include <sandboxd/server/server.hpp>
 #include <sandboxd/version.hpp>
 
 #include <boost/program_options.hpp>

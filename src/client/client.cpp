@@ -1,11 +1,11 @@
-#include <sandboxd/client.hpp>
+#include <sandboxd/client/client.hpp>
 
-#include "client/client_impl.hpp"
+#include <sandboxd/client/client_impl.hpp>
 
-#include <sandboxd/address.hpp>
-#include <sandboxd/base64.hpp>
-#include <sandboxd/errors.hpp>
-#include <sandboxd/jsonrpc.hpp>
+#include <sandboxd/core/address.hpp>
+#include <sandboxd/core/base64.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include <sandboxd/address.hpp>
+#include <sandboxd/core/address.hpp>
 
 #include <boost/url/authority_view.hpp>
 #include <boost/url/parse.hpp>

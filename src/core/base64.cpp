@@ -1,4 +1,4 @@
-#include <sandboxd/base64.hpp>
+#include <sandboxd/core/base64.hpp>
 
 #include <openssl/evp.h>
 

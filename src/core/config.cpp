@@ -1,6 +1,6 @@
-#include <sandboxd/config.hpp>
+#include <sandboxd/core/config.hpp>
 
-#include <sandboxd/address.hpp>
+#include <sandboxd/core/address.hpp>
 
 #include <fstream>
 #include <set>

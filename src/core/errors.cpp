@@ -1,4 +1,4 @@
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <array>
 

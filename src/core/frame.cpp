@@ -1,4 +1,4 @@
-#include <sandboxd/frame.hpp>
+#include <sandboxd/core/frame.hpp>
 
 namespace sandboxd {
 namespace {

@@ -1,4 +1,4 @@
-#include <sandboxd/jsonrpc.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
 
 namespace sandboxd::jsonrpc {
 

@@ -1,5 +1,5 @@
-#include <sandboxd/lease.hpp>
-#include <sandboxd/lease_fields.hpp>
+#include <sandboxd/core/lease.hpp>
+#include <sandboxd/core/lease_fields.hpp>
 
 #include <chrono>
 #include <cerrno>

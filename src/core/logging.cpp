@@ -1,4 +1,4 @@
-#include <sandboxd/logging.hpp>
+#include <sandboxd/core/logging.hpp>
 
 #include <spdlog/pattern_formatter.h>
 #include <spdlog/sinks/stdout_sinks.h>

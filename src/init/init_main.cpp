@@ -17,7 +17,7 @@
 /// set, RLIMIT_NOFILE and RLIMIT_CORE set, no_new_privs and the seccomp filter applied, then
 /// exec. It forwards the signals it receives to that group, obeys the daemon's control bytes
 /// on fd 4, reaps every process reparented to it and reports the end of the command's main
-/// process on fd 3 ("exit N\n" or "signal N\n"; see include/sandboxd/provider.hpp).
+/// process on fd 3 ("exit N\n" or "signal N\n"; see include/sandboxd/provider/provider.hpp).
 ///
 /// With a drain grace, once the command's main process has ended the channel init waits until
 /// no other process is left or the grace has passed, kills what remains (kill(-1, SIGKILL)),

@@ -1,7 +1,7 @@
 /// @file bwrap_config.cpp
 #include "provider/bwrap_config.hpp"
 
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include "provider/lease_disk.hpp"
 

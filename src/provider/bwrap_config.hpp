@@ -7,7 +7,7 @@
 /// "config.limits.memoryBytes: 34359738368 is above this node's maximum of 17179869184".
 /// Pure functions of their arguments; thread-safe; no blocking.
 
-#include <sandboxd/config.hpp>
+#include <sandboxd/core/config.hpp>
 
 #include <nlohmann/json.hpp>
 

@@ -11,8 +11,10 @@
 /// cgroup, unmounts the disk and returns the uid. create() and destroy() block (mkfs, mount,
 /// cgroups, bubblewrap's start): they run on the provider's own bounded pool.
 
-#include <sandboxd/errors.hpp>
-#include <sandboxd/provider.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/net.hpp>
+#include <sandboxd/core/offload.hpp>
+#include <sandboxd/provider/provider.hpp>
 
 #include "init/supervisor_protocol.hpp"
 #include "provider/bwrap_config.hpp"
@@ -22,8 +24,6 @@
 #include "provider/process_backend.hpp"
 #include "provider/seccomp_filter.hpp"
 #include "provider/spawn.hpp"
-#include "server/blocking_pool.hpp"
-
 
 #include <spdlog/spdlog.h>
 
@@ -322,12 +322,12 @@ public:
                                                      json config) override {
         auto work = [this, scope = std::move(scope), lease_id = std::move(lease_id),
                      config = std::move(config)] { return create_now(scope, lease_id, config); };
-        co_return co_await run_blocking(workers_, std::move(work));
+        co_return co_await offload(workers_, std::move(work));
     }
 
     awaitable<void> destroy(std::shared_ptr<SandboxHandle> sandbox) override {
         auto work = [this, sandbox = std::move(sandbox)] { destroy_now(*sandbox); };
-        co_await run_blocking(workers_, std::move(work));
+        co_await offload(workers_, std::move(work));
     }
 
     awaitable<std::unique_ptr<ChannelBackend>> open(std::shared_ptr<SandboxHandle> sandbox,

@@ -11,7 +11,7 @@
 
 #include "provider/cgroups.hpp"
 
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <spdlog/spdlog.h>
 

@@ -30,7 +30,7 @@
 /// by one thread at a time. Every call may block briefly on cgroupfs (no network, no waiting
 /// on other processes) except kill(), which waits (bounded, see there).
 
-#include <sandboxd/unique_fd.hpp>
+#include <sandboxd/core/unique_fd.hpp>
 
 #include <sys/types.h>
 

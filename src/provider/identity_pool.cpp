@@ -1,6 +1,6 @@
 #include "provider/identity_pool.hpp"
 
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <fcntl.h>
 #include <unistd.h>

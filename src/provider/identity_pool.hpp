@@ -14,7 +14,7 @@
 /// Thread-safety: every member is safe to call from any thread. Calls do not block (fcntl
 /// with F_OFD_SETLK never waits).
 
-#include <sandboxd/unique_fd.hpp>
+#include <sandboxd/core/unique_fd.hpp>
 
 #include <sys/types.h>
 

@@ -13,8 +13,8 @@
 
 #include "provider/lease_disk.hpp"
 
-#include <sandboxd/errors.hpp>
-#include <sandboxd/unique_fd.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/unique_fd.hpp>
 
 #include <fcntl.h>
 #include <linux/loop.h>

@@ -6,7 +6,7 @@
 
 #include "provider/plugin_worker.hpp"
 
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <spdlog/spdlog.h>
 

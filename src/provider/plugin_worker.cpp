@@ -10,11 +10,11 @@
 #include "provider/plugin_worker.hpp"
 
 #include "provider/spawn.hpp"
-#include "server/net.hpp"
 
-#include <sandboxd/base64.hpp>
-#include <sandboxd/jsonrpc.hpp>
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
+#include <sandboxd/core/base64.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/net.hpp>
 
 #include <spdlog/spdlog.h>
 
@@ -1064,7 +1064,7 @@ namespace {
 /// what `reply` got (its exception rethrown). No thread waits: the awaiting coroutine is
 /// suspended until the worker answers or the call's timer fires.
 ///
-/// The initiation captures only a raw pointer (see server/blocking_pool.hpp for the GCC 12
+/// The initiation captures only a raw pointer (see sandboxd/core/offload.hpp for the GCC 12
 /// bug that a closure with a destructor there triggers); `start` travels as an argument.
 template <typename Start>
 awaitable<json> on_manager(WorkerManager::Impl* impl, Start start) {

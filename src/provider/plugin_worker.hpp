@@ -12,12 +12,12 @@
 /// methods are thread-safe; the awaitable ones complete on the awaiting executor once the
 /// worker answers (at most the RPC timeout) and never block a thread.
 
-#include <sandboxd/config.hpp>
-#include <sandboxd/provider.hpp>
+#include <sandboxd/core/config.hpp>
+#include <sandboxd/provider/provider.hpp>
+#include <sandboxd/provider/plugin_provider.hpp>
 
 #include <nlohmann/json.hpp>
 
-#include <chrono>
 #include <cstddef>
 #include <memory>
 #include <optional>
@@ -25,20 +25,6 @@
 #include <vector>
 
 namespace sandboxd {
-
-/// Bounds and timings of a plugin worker; the defaults are the documented ones.
-struct PluginTuning {
-    std::chrono::milliseconds rpc_timeout{30000};        ///< any call to the worker
-    std::chrono::milliseconds restart_initial{1000};     ///< first restart delay
-    std::chrono::milliseconds restart_max{300000};       ///< the delay doubles up to this
-    int crash_limit = 10;                                ///< give up after this many exits...
-    std::chrono::milliseconds crash_window{600000};      ///< ...within this window
-    std::chrono::milliseconds shutdown_grace{5000};      ///< `shutdown` answer; SIGTERM to SIGKILL
-    std::chrono::milliseconds stop_grace{10000};         ///< duplexChannelStop to its exit
-    std::size_t max_line = 4U << 20;                     ///< one JSON line from the worker
-    std::size_t max_chunk = 1U << 20;                    ///< one decoded data chunk
-    std::size_t max_buffered = 4U << 20;  ///< output bytes held per channel, unread by it
-};
 
 class WorkerManager {
 public:
@@ -83,9 +69,5 @@ public:
 private:
     std::shared_ptr<Impl> impl_;
 };
-
-/// A Provider whose sandboxes live behind a plugin worker (key config.provider, pluginId
-/// config.plugin_id).
-std::unique_ptr<Provider> make_plugin_provider(PluginConfig config, PluginTuning tuning = {});
 
 }  // namespace sandboxd

@@ -1,6 +1,6 @@
 #include "provider/process_backend.hpp"
 
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <csignal>
 #include <sys/ioctl.h>

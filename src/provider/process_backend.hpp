@@ -4,10 +4,10 @@
 /// its pidfd, its pipes or PTY master, and the channel init's status and control fds, whose
 /// contract provider.hpp states. Internal to the providers.
 
-#include "server/net.hpp"
+#include <sandboxd/core/net.hpp>
 
-#include <sandboxd/channel_backend.hpp>
-#include <sandboxd/unique_fd.hpp>
+#include <sandboxd/core/unique_fd.hpp>
+#include <sandboxd/provider/channel_backend.hpp>
 
 #include <sys/types.h>
 

@@ -5,7 +5,7 @@
 
 #include "provider/seccomp_rules.hpp"
 
-#include <sandboxd/unique_fd.hpp>
+#include <sandboxd/core/unique_fd.hpp>
 
 #include <seccomp.h>
 #include <sys/mman.h>

@@ -1,6 +1,6 @@
 #include "provider/spawn.hpp"
 
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <fcntl.h>
 #include <pthread.h>

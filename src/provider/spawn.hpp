@@ -3,15 +3,15 @@
 /// fork/exec for a multi-threaded process, and the pipes and PTYs that go with it.
 /// Internal to the providers. Every function is safe to call from any thread.
 
-#include <sandboxd/provider.hpp>
-#include <sandboxd/unique_fd.hpp>
+#include <sandboxd/core/unique_fd.hpp>
+#include <sandboxd/provider/provider.hpp>
 
 #include <sys/types.h>
 
 #include <array>
 #include <optional>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace sandboxd::detail {

@@ -1,6 +1,6 @@
 #include "registry/cursor.hpp"
 
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <charconv>
 

@@ -2,7 +2,7 @@
 // The leaseList cursor that both registry backends hand out and accept (registry.hpp,
 // LeaseQuery::cursor): "<acquiredAt ms>:<lease id>" of the last lease of a page, so that a
 // page continues after exactly that (acquiredAt, id) whatever the backend.
-#include <sandboxd/lease.hpp>
+#include <sandboxd/core/lease.hpp>
 
 #include <cstdint>
 #include <string>

@@ -1,10 +1,10 @@
 #include "registry/etcd_client.hpp"
 
-#include "server/net.hpp"
+#include <sandboxd/core/net.hpp>
 
-#include <sandboxd/address.hpp>
-#include <sandboxd/base64.hpp>
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/address.hpp>
+#include <sandboxd/core/base64.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <atomic>
 #include <charconv>

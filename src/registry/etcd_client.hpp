@@ -29,7 +29,7 @@
 /// answer that is an etcd error (HTTP 4xx with a gRPC code, e.g. 5 NotFound for an unknown
 /// lease) throws etcd::status_error, which the caller maps.
 
-#include <sandboxd/async.hpp>
+#include <sandboxd/core/async.hpp>
 
 #include <nlohmann/json.hpp>
 

@@ -22,11 +22,11 @@
 #include "registry/etcd_client.hpp"
 
 #include "registry/cursor.hpp"
-#include "server/net.hpp"
 
-#include <sandboxd/errors.hpp>
-#include <sandboxd/lease_fields.hpp>
-#include <sandboxd/registry.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/lease_fields.hpp>
+#include <sandboxd/core/net.hpp>
+#include <sandboxd/registry/registry.hpp>
 
 #include <spdlog/spdlog.h>
 

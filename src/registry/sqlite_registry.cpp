@@ -1,9 +1,9 @@
-#include "core/offload.hpp"
 #include "registry/cursor.hpp"
 
-#include <sandboxd/errors.hpp>
-#include <sandboxd/lease_fields.hpp>
-#include <sandboxd/registry.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/lease_fields.hpp>
+#include <sandboxd/core/offload.hpp>
+#include <sandboxd/registry/registry.hpp>
 
 #include <sqlite3.h>
 

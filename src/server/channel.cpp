@@ -1,8 +1,8 @@
 #include "server/channel.hpp"
 
-#include <sandboxd/jsonrpc.hpp>
-#include <sandboxd/base64.hpp>
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
+#include <sandboxd/core/base64.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <spdlog/spdlog.h>
 

@@ -7,11 +7,11 @@
 // Threading: a Channel lives on its session's strand, the executor its backend is bound to;
 // every public method must be called on that strand. Its pumps are coroutines on the same
 // strand.
-#include "server/net.hpp"
+#include <sandboxd/core/net.hpp>
 
-#include <sandboxd/channel_backend.hpp>
-#include <sandboxd/frame.hpp>
-#include <sandboxd/provider.hpp>
+#include <sandboxd/core/frame.hpp>
+#include <sandboxd/provider/channel_backend.hpp>
+#include <sandboxd/provider/provider.hpp>
 
 #include <nlohmann/json.hpp>
 

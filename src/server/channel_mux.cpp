@@ -1,8 +1,8 @@
 #include "server/channel_mux.hpp"
 
-#include <sandboxd/errors.hpp>
-#include <sandboxd/frame.hpp>
-#include <sandboxd/jsonrpc.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/frame.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
 
 #include <spdlog/spdlog.h>
 

@@ -12,7 +12,7 @@
 // back and delivered with the next read, so that its first byte can still be marked.
 //
 // Threading: as the stream it wraps: one read and one write at a time, on one strand.
-#include "server/net.hpp"
+#include <sandboxd/core/net.hpp>
 
 #include <algorithm>
 #include <cstdint>

@@ -1,10 +1,10 @@
 #include "server/lease_service.hpp"
 
-#include "server/blocking_pool.hpp"
 #include "server/channel.hpp"
 #include "server/params.hpp"
 
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/offload.hpp>
 
 #include <spdlog/spdlog.h>
 

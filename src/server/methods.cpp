@@ -3,7 +3,7 @@
 #include "server/channel.hpp"
 #include "server/params.hpp"
 
-#include <sandboxd/base64.hpp>
+#include <sandboxd/core/base64.hpp>
 
 namespace sandboxd::methods {
 

@@ -6,8 +6,8 @@
 // data.field name the field ("command[0]: must not be empty", field "command[0]").
 //
 // Pure functions of their arguments: no I/O, safe from any thread.
-#include <sandboxd/errors.hpp>
-#include <sandboxd/provider.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/provider/provider.hpp>
 
 #include <nlohmann/json.hpp>
 

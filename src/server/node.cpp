@@ -1,6 +1,6 @@
 #include "server/node.hpp"
 
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <algorithm>
 #include <chrono>

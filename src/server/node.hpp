@@ -1,14 +1,14 @@
 #pragma once
 // The state one daemon process (a node) shares between its sessions.
-#include "server/net.hpp"
+#include <sandboxd/core/net.hpp>
 #include "server/peer_link.hpp"
 
 #include <boost/asio/experimental/concurrent_channel.hpp>
 
-#include <sandboxd/config.hpp>
-#include <sandboxd/handle_cache.hpp>
-#include <sandboxd/provider.hpp>
-#include <sandboxd/registry.hpp>
+#include <sandboxd/core/config.hpp>
+#include <sandboxd/provider/handle_cache.hpp>
+#include <sandboxd/provider/provider.hpp>
+#include <sandboxd/registry/registry.hpp>
 
 #include <atomic>
 #include <functional>

@@ -1,6 +1,6 @@
 #pragma once
 // Reading JSON-RPC params: every failure is rpc_error(errc::invalid_params) naming the field.
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <nlohmann/json.hpp>
 

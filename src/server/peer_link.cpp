@@ -2,10 +2,10 @@
 
 #include "server/node.hpp"
 
-#include <sandboxd/address.hpp>
-#include <sandboxd/errors.hpp>
-#include <sandboxd/frame.hpp>
-#include <sandboxd/jsonrpc.hpp>
+#include <sandboxd/core/address.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/frame.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/version.hpp>
 
 #include <spdlog/spdlog.h>

@@ -6,10 +6,10 @@
 // Threading: a PeerLink runs on its own strand. Its public coroutines may be awaited from any
 // strand (they hop to the link's strand and back); send_frame() may be called from any thread.
 // Frames for a forwarded channel are delivered to the host session's strand.
-#include "server/net.hpp"
+#include <sandboxd/core/net.hpp>
 
-#include <sandboxd/jsonrpc.hpp>
-#include <sandboxd/registry.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
+#include <sandboxd/registry/registry.hpp>
 
 #include <nlohmann/json.hpp>
 

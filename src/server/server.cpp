@@ -1,13 +1,13 @@
-#include <sandboxd/server.hpp>
+#include <sandboxd/server/server.hpp>
 
-#include "provider/plugin_worker.hpp"
-#include "server/blocking_pool.hpp"
 #include "server/lease_service.hpp"
 #include "server/node.hpp"
 #include "server/session.hpp"
 
-#include <sandboxd/address.hpp>
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/address.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/offload.hpp>
+#include <sandboxd/provider/plugin_provider.hpp>
 #include <sandboxd/version.hpp>
 
 #include <spdlog/spdlog.h>
@@ -330,7 +330,7 @@ void Daemon::stop() {
 
 awaitable<void> Daemon::Impl::finish_stop() {
     auto work_unwatch = [this] { node.lease_watch.reset(); };  // joins its thread: not here
-    co_await run_blocking(node.blocking, std::move(work_unwatch));
+    co_await offload(node.blocking, std::move(work_unwatch));
     try {
         co_await node.registry->remove_node(node.node_id, node.instance_id);
     } catch (const std::exception& e) {

@@ -2,9 +2,9 @@
 
 #include "server/lease_service.hpp"
 
-#include <sandboxd/base64.hpp>
-#include <sandboxd/errors.hpp>
-#include <sandboxd/frame.hpp>
+#include <sandboxd/core/base64.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/frame.hpp>
 #include <sandboxd/version.hpp>
 
 #include <boost/asio/experimental/awaitable_operators.hpp>

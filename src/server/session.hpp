@@ -20,7 +20,7 @@
 #include "server/methods.hpp"
 #include "server/node.hpp"
 
-#include <sandboxd/jsonrpc.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
 
 #include <nlohmann/json.hpp>
 

@@ -10,13 +10,13 @@
 // Process checks run on the host with unique markers (e.g. `sleep 6091`): the command runs in
 // its own PID namespace, so `ps` in a new channel would only see that channel, and other test
 // files (run in parallel by ctest -j) use markers of their own.
-#include "client/client_impl.hpp"
 #include "support/daemon_fixture.hpp"
 #include "support/raw_ws.hpp"
 #include "support/sha256.hpp"
 
-#include <sandboxd/base64.hpp>
-#include <sandboxd/errors.hpp>
+#include <sandboxd/client/client_impl.hpp>
+#include <sandboxd/core/base64.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <catch2/catch.hpp>
 

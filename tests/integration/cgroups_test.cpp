@@ -6,7 +6,7 @@
 
 #include "provider/cgroups.hpp"
 
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include "support/wait_readable.hpp"
 

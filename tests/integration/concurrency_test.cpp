@@ -3,8 +3,8 @@
 // The slow open is the reference plugin worker's __slow_open__ test hook.
 #include "support/daemon_fixture.hpp"
 
-#include <sandboxd/base64.hpp>
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/base64.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <catch2/catch.hpp>
 

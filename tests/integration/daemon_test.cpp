@@ -1,8 +1,8 @@
 // The real daemon on 127.0.0.1:0, a real WebSocket client, real bubblewrap.
 #include "support/daemon_fixture.hpp"
 
-#include <sandboxd/address.hpp>
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/address.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <boost/asio/connect.hpp>
 #include <boost/asio/ip/tcp.hpp>

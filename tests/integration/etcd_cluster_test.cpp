@@ -5,8 +5,8 @@
 #include "support/daemon_fixture.hpp"
 #include "support/etcd_fixture.hpp"
 
-#include <sandboxd/errors.hpp>
-#include <sandboxd/registry.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/registry/registry.hpp>
 
 #include "support/sync_registry.hpp"
 

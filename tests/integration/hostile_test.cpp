@@ -7,8 +7,8 @@
 // cgroups only as the ones those processes are in.
 #include "support/daemon_fixture.hpp"
 
-#include <sandboxd/address.hpp>
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/address.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <catch2/catch.hpp>
 

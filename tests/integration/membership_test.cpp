@@ -7,7 +7,7 @@
 // controls it with one file, and it needs no root, no bwrap and no timing of other processes.
 #include "support/daemon_fixture.hpp"
 
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <catch2/catch.hpp>
 

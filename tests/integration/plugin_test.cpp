@@ -2,7 +2,7 @@
 // real daemon: leases, channels, the fail-closed worker boundary, supervision.
 #include "support/daemon_fixture.hpp"
 
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <catch2/catch.hpp>
 

@@ -8,8 +8,8 @@
 // processes are found by the pids and namespaces of our own channels, never by name. The
 // ChannelBackend interface itself is driven by the "process backend" cases.
 
-#include <sandboxd/errors.hpp>
-#include <sandboxd/provider.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/provider/provider.hpp>
 
 #include "provider/process_backend.hpp"
 #include "support/run_awaitable.hpp"

@@ -1,6 +1,6 @@
-// The registry contract (include/sandboxd/registry.hpp): one suite run against every backend,
-// SQLite on a temporary file and etcd on a real server (tests/support/etcd_fixture.hpp), so
-// both pass the same assertions; then what only etcd has: an unreachable or frozen server,
+// The registry contract (include/sandboxd/registry/registry.hpp): one suite run against every
+// backend, SQLite on a temporary file and etcd on a real server (tests/support/etcd_fixture.hpp),
+// so both pass the same assertions; then what only etcd has: an unreachable or frozen server,
 // failover across endpoints, node keys that vanish with their etcd lease, token auth, and the
 // daemon itself on etcd.
 #include "support/daemon_fixture.hpp"
@@ -8,11 +8,9 @@
 
 #include "registry/etcd_client.hpp"
 
-#include <sandboxd/client.hpp>
-
-#include <sandboxd/base64.hpp>
-#include <sandboxd/errors.hpp>
-#include <sandboxd/registry.hpp>
+#include <sandboxd/core/base64.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/registry/registry.hpp>
 
 #include "support/sync_registry.hpp"
 

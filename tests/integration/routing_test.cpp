@@ -6,7 +6,7 @@
 #include "support/daemon_fixture.hpp"
 #include "support/etcd_fixture.hpp"
 
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <catch2/catch.hpp>
 

@@ -1,7 +1,7 @@
 #pragma once
 // A real sandboxd process on 127.0.0.1:0 with its own temporary state directory, for the
 // integration tests. Not thread-safe; one per test.
-#include <sandboxd/client.hpp>
+#include <sandboxd/client/client.hpp>
 
 #include <sys/types.h>
 

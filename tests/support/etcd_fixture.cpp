@@ -1,6 +1,6 @@
 #include "support/etcd_fixture.hpp"
 
-#include <sandboxd/address.hpp>
+#include <sandboxd/core/address.hpp>
 
 #include <arpa/inet.h>
 #include <fcntl.h>

@@ -3,18 +3,18 @@
 // (LeaseService, the sweeper, the channel): fakes of a dependency, never of the thing under
 // test.
 //
-// FakeProvider follows include/sandboxd/provider.hpp: create() mints a providerLeaseId
+// FakeProvider follows include/sandboxd/provider/provider.hpp: create() mints a providerLeaseId
 // ("fake-<n>") and records a live sandbox, destroy() removes it (idempotent), and every call
 // completes at once on the awaiting coroutine's executor. Tests read what it was asked to do
 // (`creates`, `destroys`, `live()`, the last config) and can make create() or destroy() throw
 // the errors its contract names. Thread-safe (one mutex; nothing awaits under it).
 //
-// FakeChannelBackend follows include/sandboxd/channel_backend.hpp for a command that has
+// FakeChannelBackend follows include/sandboxd/provider/channel_backend.hpp for a command that has
 // already written `out`/`err` and ended with `exit`: its output streams hold those bytes
 // and then end, stdin is collected in `stdin_bytes` until close_stdin(), and signals are
 // recorded. Single-threaded like every backend (the executor of the open()).
-#include <sandboxd/errors.hpp>
-#include <sandboxd/provider.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/provider/provider.hpp>
 
 #include <algorithm>
 #include <atomic>

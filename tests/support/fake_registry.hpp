@@ -2,15 +2,15 @@
 // An in-memory Registry for unit tests of the code above the registry (LeaseService, the
 // sweeper, membership and fencing): a fake of a dependency, never of the thing under test.
 //
-// It follows the contract of include/sandboxd/registry.hpp with SQLite's epoch rule (the
+// It follows the contract of include/sandboxd/registry/registry.hpp with SQLite's epoch rule (the
 // caller's next.epoch is stored as given) and completes every call at once, on the awaiting
 // coroutine's executor. It counts the lease records each call reads (`records_read`), so
 // tests can assert that a lookup touched a bounded number of records, and it can be told to
 // fail (`fail_leases`, `fail_membership`: every such call throws registry_unavailable) or to
 // hold membership calls until released (`hold_membership`), to drive the fencing logic.
 // Thread-safe (one mutex; no callback runs under it).
-#include <sandboxd/errors.hpp>
-#include <sandboxd/registry.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/registry/registry.hpp>
 
 #include <boost/asio/deferred.hpp>
 #include <boost/asio/steady_timer.hpp>

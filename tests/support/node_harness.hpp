@@ -8,7 +8,7 @@
 #include "support/fake_registry.hpp"
 #include "support/run_awaitable.hpp"
 
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <boost/asio/io_context.hpp>
 

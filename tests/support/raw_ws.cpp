@@ -1,6 +1,6 @@
 #include "support/raw_ws.hpp"
 
-#include <sandboxd/address.hpp>
+#include <sandboxd/core/address.hpp>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

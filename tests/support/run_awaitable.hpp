@@ -1,6 +1,6 @@
 #pragma once
 // Runs an awaitable to completion on a test's own io_context, from plain test code.
-#include <sandboxd/async.hpp>
+#include <sandboxd/core/async.hpp>
 
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/io_context.hpp>

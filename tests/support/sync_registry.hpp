@@ -1,9 +1,9 @@
 #pragma once
-// Tests drive the awaitable Registry (include/sandboxd/registry.hpp) from plain test code: an
-// io_context runs on a thread of its own (IoThread) and SyncRegistry offers the Registry's
-// calls under the same names, each run to completion there while the test thread waits. The
-// registry under test is the real one; only the waiting is added.
-#include <sandboxd/registry.hpp>
+// Tests drive the awaitable Registry (include/sandboxd/registry/registry.hpp) from plain test code:
+// an io_context runs on a thread of its own (IoThread) and SyncRegistry offers the Registry's calls
+// under the same names, each run to completion there while the test thread waits. The registry
+// under test is the real one; only the waiting is added.
+#include <sandboxd/registry/registry.hpp>
 
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/executor_work_guard.hpp>

@@ -1,5 +1,5 @@
 // Unit tests of sandboxd/address.hpp: HOST:PORT, ws:// URLs and etcd endpoints.
-#include <sandboxd/address.hpp>
+#include <sandboxd/core/address.hpp>
 
 #include <catch2/catch.hpp>
 

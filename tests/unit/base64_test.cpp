@@ -1,5 +1,5 @@
 // Unit tests of sandboxd/base64.hpp: RFC 4648 section 10 vectors and malformed input.
-#include <sandboxd/base64.hpp>
+#include <sandboxd/core/base64.hpp>
 
 #include <catch2/catch.hpp>
 

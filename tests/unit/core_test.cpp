@@ -1,9 +1,9 @@
 // Unit tests of the pure parts: frame codec, config, error mapping, handle cache, leases.
-#include <sandboxd/config.hpp>
-#include <sandboxd/errors.hpp>
-#include <sandboxd/frame.hpp>
-#include <sandboxd/handle_cache.hpp>
-#include <sandboxd/lease.hpp>
+#include <sandboxd/core/config.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/frame.hpp>
+#include <sandboxd/core/lease.hpp>
+#include <sandboxd/provider/handle_cache.hpp>
 
 #include <catch2/catch.hpp>
 

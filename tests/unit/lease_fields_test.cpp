@@ -1,7 +1,7 @@
 // Unit tests of sandboxd/lease_fields.hpp: the wire JSON and the SQLite schema generated from
 // the one Lease field table are the ones written by hand before it (byte for byte).
-#include <sandboxd/lease.hpp>
-#include <sandboxd/lease_fields.hpp>
+#include <sandboxd/core/lease.hpp>
+#include <sandboxd/core/lease_fields.hpp>
 
 #include <sqlite3.h>
 #include <catch2/catch.hpp>

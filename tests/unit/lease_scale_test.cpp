@@ -5,7 +5,7 @@
 #include "server/lease_service.hpp"
 #include "support/sync_registry.hpp"
 
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/io_context.hpp>

@@ -2,8 +2,8 @@
 // envelopes (sandboxd/jsonrpc.hpp): each parse names the failing field, exactly.
 #include "server/methods.hpp"
 
-#include <sandboxd/errors.hpp>
-#include <sandboxd/jsonrpc.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
 
 #include <catch2/catch.hpp>
 

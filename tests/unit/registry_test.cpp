@@ -1,7 +1,7 @@
 #include "support/sync_registry.hpp"
 
-#include <sandboxd/errors.hpp>
-#include <sandboxd/registry.hpp>
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/registry/registry.hpp>
 
 #include <sqlite3.h>
 #include <catch2/catch.hpp>

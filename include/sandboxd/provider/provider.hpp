@@ -24,10 +24,10 @@
 ///  - The channel init is the supervisor's child, not the daemon's: it is watched and killed
 ///    through its pidfd only (never waitpid).
 
-#include <sandboxd/async.hpp>
-#include <sandboxd/channel_backend.hpp>
-#include <sandboxd/config.hpp>
-#include <sandboxd/lease.hpp>
+#include <sandboxd/core/async.hpp>
+#include <sandboxd/core/config.hpp>
+#include <sandboxd/core/lease.hpp>
+#include <sandboxd/provider/channel_backend.hpp>
 
 #include <cstdint>
 #include <filesystem>

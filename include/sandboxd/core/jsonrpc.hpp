@@ -9,7 +9,7 @@
 /// integer or null) it was given.
 ///
 /// Thread-safety: pure functions of their arguments, safe from any thread; nothing blocks.
-#include <sandboxd/errors.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <nlohmann/json.hpp>
 

@@ -7,7 +7,7 @@
 /// Thread-safety: every method may be called from any thread (one internal mutex, held only
 /// for map operations; nothing unknown runs under it).
 
-#include <sandboxd/provider.hpp>
+#include <sandboxd/provider/provider.hpp>
 
 #include <map>
 #include <memory>

@@ -20,7 +20,7 @@
 /// per stream, one write_stdin(), one wait_exit() or wait_gone()); two calls of the same kind
 /// at once are not allowed. No call blocks the thread.
 
-#include <sandboxd/async.hpp>
+#include <sandboxd/core/async.hpp>
 
 #include <cstddef>
 #include <cstdint>

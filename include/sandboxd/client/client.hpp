@@ -7,7 +7,7 @@
 /// refused upgrade); a JSON-RPC error response throws rpc_error carrying the daemon's code,
 /// message and data (reason included).
 
-#include <sandboxd/frame.hpp>
+#include <sandboxd/core/frame.hpp>
 
 #include <nlohmann/json.hpp>
 

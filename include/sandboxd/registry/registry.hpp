@@ -21,8 +21,8 @@
 /// with a message that names the operation; the caller fails closed. Cancelling an awaiting
 /// coroutine (e.g. `op || timer`) abandons the wait; a write already sent may still land.
 
-#include <sandboxd/async.hpp>
-#include <sandboxd/lease.hpp>
+#include <sandboxd/core/async.hpp>
+#include <sandboxd/core/lease.hpp>
 
 #include <cstdint>
 #include <functional>

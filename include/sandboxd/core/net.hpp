@@ -1,13 +1,12 @@
 #pragma once
 // Namespace aliases and Asio/Beast includes, once, for every networking source file.
-#include <sandboxd/async.hpp>  // awaitable<T>
+#include <sandboxd/core/async.hpp>  // awaitable<T>
 
 #include <boost/asio.hpp>
 #include <boost/asio/experimental/awaitable_operators.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/beast/websocket.hpp>
-#include <sandboxd/async.hpp>
 
 namespace sandboxd {
 namespace net = boost::asio;

@@ -1,7 +1,7 @@
 #pragma once
 // The bridge from blocking code (SQLite, a blocking client, a forked helper) to awaitables:
 // the work runs on a thread pool, the awaiting coroutine resumes on its own executor.
-#include <sandboxd/async.hpp>
+#include <sandboxd/core/async.hpp>
 
 #include <boost/asio/associated_executor.hpp>
 #include <boost/asio/async_result.hpp>

@@ -4,7 +4,7 @@
 /// on one port (docs/protocol.md sections 1 and 7). The `sandboxd` executable is a thin
 /// wrapper around it.
 
-#include <sandboxd/config.hpp>
+#include <sandboxd/core/config.hpp>
 
 #include <functional>
 #include <memory>

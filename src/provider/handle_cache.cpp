@@ -1,4 +1,4 @@
-#include <sandboxd/handle_cache.hpp>
+#include <sandboxd/provider/handle_cache.hpp>
 
 namespace sandboxd {
 

@@ -12,7 +12,7 @@
 /// or left out with omit_if_absent.
 /// Constant data; thread-safe.
 
-#include <sandboxd/lease.hpp>
+#include <sandboxd/core/lease.hpp>
 
 #include <array>
 #include <cstdint>
