@@ -50,6 +50,10 @@ void write_data_header(char* out, std::uint32_t channel, stream_id stream) noexc
     out[5] = static_cast<char>(stream);
 }
 
+void set_frame_channel(std::string& frame, std::uint32_t channel) noexcept {
+    put_u32(frame.data() + 1, channel);
+}
+
 std::string encode_data(std::uint32_t channel, stream_id stream, std::string_view payload) {
     std::string out(frame_header_size + payload.size(), '\0');
     write_data_header(out.data(), channel, stream);

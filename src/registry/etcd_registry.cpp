@@ -58,11 +58,11 @@ constexpr std::array all_statuses = {lease_status::active, lease_status::release
                     "registry: " + std::string(op) + ": " + std::string(detail));
 }
 
-/// Awaits `a`, turning etcd error answers and malformed answers into registry_unavailable.
-template <typename T>
-awaitable<T> guarded(std::string op, awaitable<T> a) {
+/// Rethrows the exception in flight as registry_unavailable when it is an etcd error answer
+/// or a malformed answer or record; anything else as it is.
+[[noreturn]] void rethrow_unavailable(const std::string& op) {
     try {
-        co_return co_await std::move(a);
+        throw;
     } catch (const etcd::status_error& e) {
         throw_unavailable(op, "etcd: " + std::string(e.what()));
     } catch (const json::exception& e) {
@@ -72,16 +72,22 @@ awaitable<T> guarded(std::string op, awaitable<T> a) {
     }
 }
 
+/// Awaits `a`, turning etcd error answers and malformed answers into registry_unavailable.
+template <typename T>
+awaitable<T> guarded(std::string op, awaitable<T> a) {
+    try {
+        co_return co_await std::move(a);
+    } catch (...) {
+        rethrow_unavailable(op);
+    }
+}
+
 template <>
 awaitable<void> guarded(std::string op, awaitable<void> a) {
     try {
         co_await std::move(a);
-    } catch (const etcd::status_error& e) {
-        throw_unavailable(op, "etcd: " + std::string(e.what()));
-    } catch (const json::exception& e) {
-        throw_unavailable(op, std::string("malformed answer or record: ") + e.what());
-    } catch (const std::invalid_argument& e) {
-        throw_unavailable(op, std::string("malformed answer or record: ") + e.what());
+    } catch (...) {
+        rethrow_unavailable(op);
     }
 }
 

@@ -7,16 +7,6 @@
 #include <spdlog/spdlog.h>
 
 namespace sandboxd {
-namespace {
-
-void set_frame_channel(std::string& f, std::uint32_t channel) {
-    f[1] = static_cast<char>((channel >> 24) & 0xff);
-    f[2] = static_cast<char>((channel >> 16) & 0xff);
-    f[3] = static_cast<char>((channel >> 8) & 0xff);
-    f[4] = static_cast<char>(channel & 0xff);
-}
-
-}  // namespace
 
 ChannelMux::ChannelMux(ChannelSink& out, std::size_t max_data_payload, std::string peer)
     : out_(out), max_data_payload_(max_data_payload), peer_(std::move(peer)) {}

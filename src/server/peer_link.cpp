@@ -28,12 +28,6 @@ std::uint32_t frame_channel(std::string_view f) {
     return (b(1) << 24) | (b(2) << 16) | (b(3) << 8) | b(4);
 }
 
-void set_frame_channel(std::string& f, std::uint32_t channel) {
-    f[1] = static_cast<char>((channel >> 24) & 0xff);
-    f[2] = static_cast<char>((channel >> 16) & 0xff);
-    f[3] = static_cast<char>((channel >> 8) & 0xff);
-    f[4] = static_cast<char>(channel & 0xff);
-}
 
 }  // namespace
 

@@ -34,6 +34,15 @@ TEST_CASE("A credit frame round-trips", "[frame]") {
     CHECK(credit->bytes == 0x00100000);
 }
 
+TEST_CASE("A relay renumbers a frame of either kind in place", "[frame]") {
+    auto data = encode_data(7, stream_id::stdout_, "hi");
+    set_frame_channel(data, 0xa1b2c3d4);
+    CHECK(data == std::string("\x01\xa1\xb2\xc3\xd4\x01hi", 8));
+    auto credit = encode_credit(7, stream_id::stderr_, 9);
+    set_frame_channel(credit, 3);
+    CHECK(credit == encode_credit(3, stream_id::stderr_, 9));
+}
+
 TEST_CASE("Malformed frames are rejected with a reason", "[frame]") {
     auto error_of = [](const std::string& bytes, std::size_t max = 16) {
         auto d = decode_frame(bytes, max);

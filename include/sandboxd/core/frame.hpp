@@ -47,6 +47,9 @@ DecodedFrame decode_frame(std::string_view message, std::size_t max_payload);
 
 /// Writes the 6-byte data header into `out` (which must hold frame_header_size bytes).
 void write_data_header(char* out, std::uint32_t channel, stream_id stream) noexcept;
+/// Rewrites the channel id of an encoded frame of either kind (bytes 1..4, big-endian), as a
+/// relay does when it renumbers a channel. `frame` must hold at least frame_header_size bytes.
+void set_frame_channel(std::string& frame, std::uint32_t channel) noexcept;
 /// A whole data frame (header + payload).
 std::string encode_data(std::uint32_t channel, stream_id stream, std::string_view payload);
 /// A whole credit frame (10 bytes).
