@@ -3,6 +3,7 @@
 // sweep each read a bounded number of records. The lease service runs in-process on a Node
 // whose registry is wrapped in a decorator that counts what the registry returns.
 #include "server/lease_service.hpp"
+#include "support/temp_dir.hpp"
 #include "support/sync_registry.hpp"
 
 #include <sandboxd/core/errors.hpp>
@@ -110,24 +111,6 @@ private:
     std::unique_ptr<Registry> inner_;
 };
 
-class TempDir {
-public:
-    TempDir() {
-        std::string tmpl = "/tmp/sandboxd-scale-test-XXXXXX";
-        if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-        path_ = tmpl;
-    }
-    TempDir(const TempDir&) = delete;
-    TempDir& operator=(const TempDir&) = delete;
-    ~TempDir() {
-        std::error_code ec;
-        std::filesystem::remove_all(path_, ec);
-    }
-    std::string file(const std::string& name) const { return (path_ / name).string(); }
-
-private:
-    std::filesystem::path path_;
-};
 
 Lease record(int i, const std::string& owner) {
     Lease l;

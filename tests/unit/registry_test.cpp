@@ -1,3 +1,4 @@
+#include "support/temp_dir.hpp"
 #include "support/sync_registry.hpp"
 
 #include <sandboxd/core/errors.hpp>
@@ -21,25 +22,6 @@ using namespace sandboxd::test;
 
 namespace {
 
-/// A fresh directory under /tmp, removed with everything in it on destruction.
-class TempDir {
-public:
-    TempDir() {
-        std::string tmpl = "/tmp/sandboxd-registry-test-XXXXXX";
-        if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-        path_ = tmpl;
-    }
-    TempDir(const TempDir&) = delete;
-    TempDir& operator=(const TempDir&) = delete;
-    ~TempDir() {
-        std::error_code ec;
-        std::filesystem::remove_all(path_, ec);
-    }
-    std::string file(const std::string& name) const { return (path_ / name).string(); }
-
-private:
-    std::filesystem::path path_;
-};
 
 Lease make_lease(const std::string& id, const std::string& company = "co-1",
                  const std::string& environment = "env-1", std::int64_t acquired_at_ms = 1000) {
