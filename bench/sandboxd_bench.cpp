@@ -298,8 +298,16 @@ public:
         return id;
     }
 
-    /// Waits for the response to `id`; other messages are queued for next().
+    /// Waits for the response to `id`; other messages are queued for next(). Responses may
+    /// come out of id order (docs/protocol.md), so one read earlier may already be queued.
     json wait(std::int64_t id) {
+        for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+            if (it->is_response() && it->j.value("id", json()) == id) {
+                const json response = std::move(it->j);
+                pending_.erase(it);
+                return result_of(response);
+            }
+        }
         for (;;) {
             Msg m;
             read(m);
@@ -771,11 +779,20 @@ json cmd_hold(const Args& a) {
             Conn& c = *conns[ci];
             std::vector<std::uint32_t> channels;
             try {
-                std::vector<std::int64_t> ids;
-                for (std::size_t i = 0; i < mine; ++i) {
-                    ids.push_back(c.send_request("duplexChannelOpen", open_params(lease, {"sleep", "600"}, false)));
+                // Pipelined, but never more requests in flight than the daemon serves at once
+                // on one connection (it refuses the rest with CHANNEL_LIMIT).
+                const std::size_t window =
+                    c.call("initialize", {{"protocolVersion", 1}})["limits"].value("requestsPerConnection", 1U);
+                std::deque<std::int64_t> ids;
+                std::size_t sent = 0;
+                while (sent < mine || !ids.empty()) {
+                    while (sent < mine && ids.size() < window) {
+                        ids.push_back(c.send_request("duplexChannelOpen", open_params(lease, {"sleep", "600"}, false)));
+                        ++sent;
+                    }
+                    channels.push_back(c.wait(ids.front()).at("channel").get<std::uint32_t>());
+                    ids.pop_front();
                 }
-                for (auto id : ids) channels.push_back(c.wait(id).at("channel").get<std::uint32_t>());
             } catch (const std::exception& e) {
                 std::lock_guard lock(mu);
                 failure = "open: " + std::string(e.what());

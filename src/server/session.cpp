@@ -472,7 +472,8 @@ awaitable<Session::Reply> Session::initialize(json p) {
                            {"channelsPerConnection", l.channels_per_connection},
                            {"channelsPerNode", l.channels_per_node},
                            {"outputWindow", l.output_window},
-                           {"stdinWindow", l.stdin_window}}}},
+                           {"stdinWindow", l.stdin_window},
+                           {"requestsPerConnection", l.requests_per_connection}}}},
                     {}};
 }
 

@@ -254,6 +254,7 @@ TEST_CASE("Malformed requests get JSON-RPC errors and the connection stays usabl
     auto init = c->call("initialize", {{"protocolVersion", 1}});
     CHECK(init["protocolVersion"] == 1);
     CHECK(init["nodeId"] == "node-a");
+    CHECK(init["limits"]["requestsPerConnection"] == 64);  // a host can window its requests by it
     CHECK(c->call("leaseList", json::object())["leases"].empty());
 }
 
