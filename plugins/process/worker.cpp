@@ -54,7 +54,7 @@
 #include <vector>
 
 #ifndef P_PIDFD
-#define P_PIDFD 3
+#define P_PIDFD 3  // NOLINT(cppcoreguidelines-macro-usage): glibc 2.36 lacks it; waitid() takes it as idtype_t
 #endif
 
 extern char** environ;
@@ -295,7 +295,7 @@ void Worker::start_process(Session& s, const std::vector<std::string>& argv, con
     }
     std::vector<std::string> envs = {"PATH=/usr/local/bin:/usr/bin:/bin", "HOME=" + dir.string(),
                                      "LANG=C.UTF-8", "TERM=dumb"};
-    for (const auto& [k, v] : env) envs.push_back(k + "=" + v);
+    for (const auto& [k, v] : env) envs.push_back(std::string(k).append("=").append(v));
     std::vector<char*> envp, args;
     for (auto& e : envs) envp.push_back(e.data());
     envp.push_back(nullptr);
@@ -636,7 +636,7 @@ int Worker::run() {
                 shutting_down_ = true;  // the daemon is gone
             } else if (n > 0) {
                 inbuf_.append(buf, static_cast<std::size_t>(n));
-                std::size_t pos;
+                std::size_t pos = 0;
                 while ((pos = inbuf_.find('\n')) != std::string::npos) {
                     std::string line = inbuf_.substr(0, pos);
                     inbuf_.erase(0, pos + 1);
@@ -654,28 +654,35 @@ int Worker::run() {
 }  // namespace
 
 int main() {
-    std::signal(SIGPIPE, SIG_IGN);
-    const char* hooks_env = std::getenv("PROCESS_PLUGIN_TEST_HOOKS");
-    const bool hooks = hooks_env && std::string(hooks_env) == "1";
-    if (hooks) {
-        const char* fail_file = std::getenv("PROCESS_PLUGIN_FAIL_FILE");
-        if (fail_file && *fail_file && ::access(fail_file, F_OK) == 0) {
-            log_line("test hook: " + std::string(fail_file) + " exists; exiting");
-            return 3;
+    // A worker that fails says why on stderr (the daemon logs it) and exits 1.
+    try {
+        std::signal(SIGPIPE, SIG_IGN);
+        const char* hooks_env = std::getenv("PROCESS_PLUGIN_TEST_HOOKS");
+        const bool hooks = hooks_env && std::string(hooks_env) == "1";
+        if (hooks) {
+            const char* fail_file = std::getenv("PROCESS_PLUGIN_FAIL_FILE");
+            if (fail_file && *fail_file && ::access(fail_file, F_OK) == 0) {
+                log_line("test hook: " + std::string(fail_file) + " exists; exiting");
+                return 3;
+            }
         }
+        const char* root = std::getenv("PROCESS_PLUGIN_ROOT");
+        if (!root || !*root) {
+            log_line("PROCESS_PLUGIN_ROOT must name the directory that holds the leases");
+            return 2;
+        }
+        std::error_code ec;
+        fs::create_directories(root, ec);
+        if (ec) {
+            log_line(std::string("cannot create ") + root + ": " + ec.message());
+            return 2;
+        }
+        log_line(std::string("process plugin worker ready; leases under ") + root +
+            (hooks ? " (test hooks enabled)" : ""));
+        return Worker(root, hooks).run();
+    } catch (const std::exception& e) {
+        log_line(std::string("process plugin worker failed: ") + e.what());
+        return 1;
     }
-    const char* root = std::getenv("PROCESS_PLUGIN_ROOT");
-    if (!root || !*root) {
-        log_line("PROCESS_PLUGIN_ROOT must name the directory that holds the leases");
-        return 2;
-    }
-    std::error_code ec;
-    fs::create_directories(root, ec);
-    if (ec) {
-        log_line(std::string("cannot create ") + root + ": " + ec.message());
-        return 2;
-    }
-    log_line(std::string("process plugin worker ready; leases under ") + root +
-        (hooks ? " (test hooks enabled)" : ""));
-    return Worker(root, hooks).run();
 }
+

@@ -88,7 +88,7 @@ po::variables_map parse_sub(const std::vector<std::string>& args, const po::opti
 
 int lease_command(Client& client, const Globals& g, const std::vector<std::string>& args) {
     if (args.empty()) throw po::error("lease needs a subcommand: acquire, get, list, renew, release");
-    const std::string sub = args[0];
+    const std::string& sub = args[0];
     const std::vector<std::string> rest(args.begin() + 1, args.end());
     po::options_description opts;
     po::positional_options_description pos;
@@ -246,7 +246,7 @@ public:
 
 private:
     void queue(bool binary, std::string bytes) {
-        out_.push_back({binary, std::move(bytes)});
+        out_.emplace_back(binary, std::move(bytes));
         wake_writer_.cancel();
     }
 

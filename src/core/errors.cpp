@@ -64,7 +64,7 @@ std::string lease_not_active_message(std::string_view lease_id) {
 }
 
 rpc_error::rpc_error(errc code, std::string message, nlohmann::json data)
-    : std::runtime_error(std::move(message)), code_(code), data_(std::move(data)) {
+    : std::runtime_error(message), code_(code), data_(std::move(data)) {
     if (!data_.is_object()) data_ = nlohmann::json::object();
 }
 

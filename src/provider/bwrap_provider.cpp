@@ -14,6 +14,7 @@
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/net.hpp>
 #include <sandboxd/core/offload.hpp>
+#include <sandboxd/core/scope_exit.hpp>
 #include <sandboxd/provider/provider.hpp>
 
 #include "init/supervisor_protocol.hpp"
@@ -182,6 +183,9 @@ struct Counters {
 /// A running sandbox: its supervisor, cgroup and identity.
 class BwrapSandbox final : public SandboxState {
 public:
+    BwrapSandbox() = default;
+    BwrapSandbox(const BwrapSandbox&) = delete;
+    BwrapSandbox& operator=(const BwrapSandbox&) = delete;
     ~BwrapSandbox() override { shutdown(true); }
 
     /// Ends every process of the sandbox and reaps bubblewrap; with `unmount`, also unmounts
@@ -287,6 +291,8 @@ public:
         release_stale_mounts();
     }
 
+    BwrapProvider(const BwrapProvider&) = delete;
+    BwrapProvider& operator=(const BwrapProvider&) = delete;
     ~BwrapProvider() override {
         workers_.join();  // a create() or destroy() still running finishes first
         // What only this process used: the generated /etc, the init's copy, and the mount
@@ -343,10 +349,7 @@ public:
         // of one channel being set up, not of all of them (CASES.md B12). The turn goes back
         // however this coroutine ends.
         co_await state->turns.enter();
-        struct TurnBack {
-            Turns& turns;
-            ~TurnBack() { turns.leave(); }
-        } turn_back{state->turns};
+        const ScopeExit turn_back([&turns = state->turns] { turns.leave(); });
         // The socket's copy first, and a spare that keeps a descriptor free for the reply's
         // pidfd: out of descriptors, the open fails before anything starts.
         unique_fd socket_copy = copy_socket(*state, sandbox->scope.provider_lease_id);
@@ -499,9 +502,10 @@ private:
             {"HOME", "/workspace"},
             {"TERM", spec.pty ? "xterm-256color" : "dumb"},
             {"LANG", "C.UTF-8"}};
-        for (const auto& [name, value] : spec.env) {
+        for (const auto& entry : spec.env) {
+            const auto& [name, value] = entry;
             auto it = std::find_if(env.begin(), env.end(),
-                                   [&name](const auto& e) { return e.first == name; });
+                                   [&entry](const auto& e) { return e.first == entry.first; });
             if (it != env.end()) {
                 it->second = value;
             } else {
@@ -694,7 +698,7 @@ private:
         }
         if (reachable) return init_path_;
         const fs::path dir = runtime_dir_ / ".init";
-        const fs::path target = dir / "sandboxd-init";
+        fs::path target = dir / "sandboxd-init";
         std::error_code ec;
         fs::create_directories(dir, ec);
         ::chmod(dir.c_str(), 0711);
@@ -961,7 +965,7 @@ private:
         c->cmsg_type = SCM_RIGHTS;
         c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
         std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-        ssize_t sent;
+        ssize_t sent = 0;
         do {
             sent = ::sendmsg(socket, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
         } while (sent < 0 && errno == EINTR);
@@ -978,7 +982,7 @@ private:
         rmsg.msg_iovlen = 1;
         rmsg.msg_control = reply_control;
         rmsg.msg_controllen = sizeof reply_control;
-        ssize_t got;
+        ssize_t got = 0;
         do {
             got = ::recvmsg(socket, &rmsg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
         } while (got < 0 && errno == EINTR);

@@ -90,7 +90,8 @@ std::string resolve_program(const std::string& name) {
         if (end == std::string::npos) end = dirs.size();
         std::string dir = dirs.substr(start, end - start);
         if (dir.empty()) dir = ".";
-        std::string candidate = dir + "/" + name;
+        std::string candidate = dir;
+        candidate.append("/").append(name);
         if (::access(candidate.c_str(), X_OK) == 0) return candidate;
         start = end + 1;
     }
@@ -299,7 +300,8 @@ void WorkerManager::Impl::start_worker() {
         detail::SpawnRequest req;
         req.argv = config.command;
         req.argv[0] = resolve_program(config.command[0]);
-        for (const auto& [k, v] : env) req.envp.push_back(k + "=" + v);
+        req.envp.reserve(env.size());
+        for (const auto& [k, v] : env) req.envp.push_back(std::string(k).append("=").append(v));
         auto in = detail::make_pipe(detail::daemon_end::write);
         auto out = detail::make_pipe(detail::daemon_end::read);
         auto err = detail::make_pipe(detail::daemon_end::read);
@@ -1092,6 +1094,18 @@ awaitable<json> on_manager(WorkerManager::Impl* impl, Start start) {
 
 /// A plugin channel as the daemon's Channel sees it. Lives on the channel's executor; every
 /// request to the worker is posted to the manager's thread.
+/// Posts `f` to the manager's I/O thread from a noexcept path (a destructor, a signal). The
+/// handler's allocation is the only thing that can fail; out of memory there ends the process,
+/// as it would in any noexcept function.
+template <typename F>
+void post_noexcept(net::io_context& ioc, F f) noexcept {
+    try {
+        net::post(ioc, std::move(f));
+    } catch (...) {
+        std::terminate();
+    }
+}
+
 class PluginChannelBackend final : public ChannelBackend {
 public:
     PluginChannelBackend(std::shared_ptr<WorkerManager::Impl> impl, std::shared_ptr<OpenSlot> slot,
@@ -1104,7 +1118,7 @@ public:
     ~PluginChannelBackend() override {
         // The daemon dropped the channel: the worker stops it (unless it has ended).
         WorkerManager::Impl* impl = impl_.get();
-        net::post(impl->ioc, [impl, r = std::move(route_)] {
+        post_noexcept(impl->ioc, [impl, r = std::move(route_)] {
             impl->end_locally(r, "the daemon closed the channel");
         });
     }
@@ -1163,7 +1177,7 @@ public:
     void close_stdin() noexcept override {
         if (!stdin_attached_) return;
         WorkerManager::Impl* impl = impl_.get();
-        net::post(impl->ioc, [impl, r = route_] { impl->close_stdin_on_io(r); });
+        post_noexcept(impl->ioc, [impl, r = route_] { impl->close_stdin_on_io(r); });
     }
 
     void signal(int sig) noexcept override { post_signal(sig, false); }
@@ -1186,7 +1200,7 @@ public:
 private:
     void post_signal(int sig, bool all) noexcept {
         WorkerManager::Impl* impl = impl_.get();
-        net::post(impl->ioc, [impl, r = route_, sig, all] { impl->signal_on_io(r, sig, all); });
+        post_noexcept(impl->ioc, [impl, r = route_, sig, all] { impl->signal_on_io(r, sig, all); });
     }
 
     std::shared_ptr<WorkerManager::Impl> impl_;
@@ -1210,28 +1224,33 @@ WorkerManager::WorkerManager(PluginConfig config, PluginTuning tuning)
 }
 
 WorkerManager::~WorkerManager() {
-    Impl* impl = impl_.get();
-    impl->stopping = true;
-    auto done = std::make_shared<std::promise<void>>();
-    auto finished = done->get_future();
-    net::post(impl->ioc, [impl, done] { impl->begin_stop(done); });
-    // shutdown's answer, 1 s to exit, then SIGTERM to SIGKILL: two graces and some slack.
-    finished.wait_for(impl->tuning.shutdown_grace * 2 + std::chrono::seconds(3));
-    impl->work.reset();
-    impl->ioc.stop();
-    impl->thread.join();
-    if (auto w = impl->current; w && !w->exited && w->pidfd.is_open()) {
-        ::syscall(SYS_pidfd_send_signal, w->pidfd.native_handle(), SIGKILL, nullptr, 0);
-        siginfo_t info{};
-        ::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(w->pidfd.native_handle()),
-                 &info, WEXITED);
-        w->exited = true;
+    // Nothing may escape a destructor: a failure to stop the worker cleanly is logged.
+    try {
+        Impl* impl = impl_.get();
+        impl->stopping = true;
+        auto done = std::make_shared<std::promise<void>>();
+        auto finished = done->get_future();
+        net::post(impl->ioc, [impl, done] { impl->begin_stop(done); });
+        // shutdown's answer, 1 s to exit, then SIGTERM to SIGKILL: two graces and some slack.
+        finished.wait_for(impl->tuning.shutdown_grace * 2 + std::chrono::seconds(3));
+        impl->work.reset();
+        impl->ioc.stop();
+        impl->thread.join();
+        if (auto w = impl->current; w && !w->exited && w->pidfd.is_open()) {
+            ::syscall(SYS_pidfd_send_signal, w->pidfd.native_handle(), SIGKILL, nullptr, 0);
+            siginfo_t info{};
+            ::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(w->pidfd.native_handle()),
+                     &info, WEXITED);
+            w->exited = true;
+        }
+        if (auto w = impl->current) {
+            for (auto& [key, r] : w->routes) impl->sever(r);
+            w->routes.clear();
+        }
+        impl->current.reset();
+    } catch (const std::exception& e) {
+        spdlog::error("plugin {}: stopping its worker failed: {}", impl_->config.plugin_id, e.what());
     }
-    if (auto w = impl->current) {
-        for (auto& [key, r] : w->routes) impl->sever(r);
-        w->routes.clear();
-    }
-    impl->current.reset();
 }
 
 const PluginConfig& WorkerManager::config() const noexcept { return impl_->config; }

@@ -263,7 +263,7 @@ struct OwnerEntry {
 struct WatchState {
     WatchState(net::any_io_executor ex, std::function<void(const Lease&)> change,
                std::function<void()> resync)
-        : strand(net::make_strand(std::move(ex))),
+        : strand(net::make_strand(ex)),
           stop_timer(strand, std::chrono::steady_clock::time_point::max()),
           on_change(std::move(change)),
           on_resync(std::move(resync)) {}
@@ -293,15 +293,22 @@ struct WatchState {
 class EtcdLeaseWatch final : public LeaseWatch {
 public:
     explicit EtcdLeaseWatch(std::shared_ptr<WatchState> state) : state_(std::move(state)) {}
+    EtcdLeaseWatch(const EtcdLeaseWatch&) = delete;
+    EtcdLeaseWatch& operator=(const EtcdLeaseWatch&) = delete;
     ~EtcdLeaseWatch() override {
-        {
-            // Waits for a callback in progress; none starts after this.
-            std::lock_guard lock(state_->mutex);
-            state_->stopped = true;
+        // Only the lock and the post's allocation can fail: the process cannot go on then.
+        try {
+            {
+                // Waits for a callback in progress; none starts after this.
+                std::lock_guard lock(state_->mutex);
+                state_->stopped = true;
+            }
+            net::post(state_->strand, [state = state_] {
+                state->stop_timer.expires_at(std::chrono::steady_clock::time_point::min());
+            });
+        } catch (...) {
+            std::terminate();
         }
-        net::post(state_->strand, [state = state_] {
-            state->stop_timer.expires_at(std::chrono::steady_clock::time_point::min());
-        });
     }
 
 private:
@@ -629,6 +636,7 @@ private:
                 auto entries =
                     co_await owner_entries(*query.owner_node_id, statuses, from, limit + 1, op);
                 std::vector<std::string> ids;
+                ids.reserve(entries.size());
                 for (const auto& e : entries) ids.push_back(e.id);
                 auto fetched = co_await read_leases(std::move(ids), op);
                 for (auto& l : fetched) {

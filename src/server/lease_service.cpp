@@ -95,27 +95,18 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
 
 }  // namespace
 
-awaitable<Lease> lease_acquire(Node& node, const Principal& who, json p) {
-    p = params::object_or_empty(p);
-    params::only_keys(p, {"companyId", "environmentId", "provider", "config", "ttlMs", "runId",
-                          "issueId", "heartbeatRunId", "executionWorkspaceId",
-                          "idempotencyKey"});
+awaitable<Lease> lease_acquire(Node& node, const Principal& who, methods::LeaseAcquireParams p) {
     Lease lease;
-    lease.company_id = params::req_string(p, "companyId");
-    lease.environment_id = params::req_string(p, "environmentId");
-    lease.provider = params::req_string(p, "provider");
-    lease.run_id = params::opt_string(p, "runId");
-    lease.issue_id = params::opt_string(p, "issueId");
-    lease.heartbeat_run_id = params::opt_string(p, "heartbeatRunId");
-    lease.execution_workspace_id = params::opt_string(p, "executionWorkspaceId");
-    lease.idempotency_key = params::opt_string(p, "idempotencyKey");
-    const auto& limits = node.config.limits;
-    const auto ttl = params::opt_uint(p, "ttlMs", 1000, limits.max_ttl_ms)
-                         .value_or(limits.default_ttl_ms);
-    if (p.contains("config") && !p["config"].is_null()) {
-        if (!p["config"].is_object()) params::invalid("config", "must be an object");
-        lease.config = p["config"];
-    }
+    lease.company_id = std::move(p.company_id);
+    lease.environment_id = std::move(p.environment_id);
+    lease.provider = std::move(p.provider);
+    lease.run_id = std::move(p.run_id);
+    lease.issue_id = std::move(p.issue_id);
+    lease.heartbeat_run_id = std::move(p.heartbeat_run_id);
+    lease.execution_workspace_id = std::move(p.execution_workspace_id);
+    lease.idempotency_key = std::move(p.idempotency_key);
+    lease.config = std::move(p.config);
+    const auto ttl = p.ttl_ms.value_or(node.config.limits.default_ttl_ms);
     if (!who.allows(lease.company_id)) {
         params::invalid("companyId", "this token may not act for tenant \"" + lease.company_id + "\"");
     }
@@ -179,22 +170,7 @@ void attach_usage(Node& node, Lease& lease) {
     if (handle) lease.usage = provider->usage(*handle);
 }
 
-awaitable<json> lease_list(Node& node, const Principal& who, json p) {
-    p = params::object_or_empty(p);
-    params::only_keys(p, {"companyId", "environmentId", "status", "ownerNodeId", "limit", "cursor"});
-    LeaseQuery q;
-    q.company_id = params::opt_string(p, "companyId");
-    q.environment_id = params::opt_string(p, "environmentId");
-    q.owner_node_id = params::opt_string(p, "ownerNodeId");
-    if (auto st = params::opt_string(p, "status")) {
-        q.status = parse_lease_status(*st);
-        if (!q.status) {
-            params::invalid("status",
-                            "must be one of active, released, expired, failed, pending_cleanup");
-        }
-    }
-    q.limit = params::opt_uint(p, "limit", 1, 1000).value_or(100);
-    q.cursor = params::opt_string(p, "cursor").value_or("");
+awaitable<json> lease_list(Node& node, const Principal& who, LeaseQuery q) {
     q.tenants = who.query_tenants();
     if (q.company_id && !who.allows(*q.company_id)) {
         co_return json{{"leases", json::array()}, {"nextCursor", nullptr}};

@@ -4,18 +4,20 @@
 // I/O off this thread, registry.hpp), and so are provider create/destroy (the provider does
 // its blocking work on a pool of its own, provider.hpp). Errors are thrown as rpc_error with
 // the protocol's reasons.
+#include "server/methods.hpp"
 #include "server/node.hpp"
 
 #include <nlohmann/json.hpp>
 
 namespace sandboxd {
 
-awaitable<Lease> lease_acquire(Node& node, const Principal& who, nlohmann::json params);
+awaitable<Lease> lease_acquire(Node& node, const Principal& who, methods::LeaseAcquireParams params);
 awaitable<Lease> lease_get(Node& node, const Principal& who, std::string lease_id);
 /// Sets `lease.usage` from its provider when this node owns the active lease and holds its
 /// sandbox (protocol section 2); leaves it null otherwise. Reads a few kernel files; fast.
 void attach_usage(Node& node, Lease& lease);
-awaitable<nlohmann::json> lease_list(Node& node, const Principal& who, nlohmann::json params);
+/// `query` without tenants: the caller's are added.
+awaitable<nlohmann::json> lease_list(Node& node, const Principal& who, LeaseQuery query);
 awaitable<Lease> lease_renew(Node& node, const Principal& who, std::string lease_id,
                              std::uint64_t ttl_ms);
 awaitable<Lease> lease_release(Node& node, const Principal& who, std::string lease_id);

@@ -19,6 +19,45 @@ InitializeParams parse_initialize(const json& p) {
     return {static_cast<std::uint32_t>(version)};
 }
 
+LeaseAcquireParams parse_lease_acquire(const json& p, std::uint64_t max_ttl_ms) {
+    params::only_keys(p, {"companyId", "environmentId", "provider", "config", "ttlMs", "runId",
+                          "issueId", "heartbeatRunId", "executionWorkspaceId",
+                          "idempotencyKey"});
+    LeaseAcquireParams out;
+    out.company_id = params::req_string(p, "companyId");
+    out.environment_id = params::req_string(p, "environmentId");
+    out.provider = params::req_string(p, "provider");
+    out.run_id = params::opt_string(p, "runId");
+    out.issue_id = params::opt_string(p, "issueId");
+    out.heartbeat_run_id = params::opt_string(p, "heartbeatRunId");
+    out.execution_workspace_id = params::opt_string(p, "executionWorkspaceId");
+    out.idempotency_key = params::opt_string(p, "idempotencyKey");
+    out.ttl_ms = params::opt_uint(p, "ttlMs", 1000, max_ttl_ms);
+    if (auto it = p.find("config"); it != p.end() && !it->is_null()) {
+        if (!it->is_object()) params::invalid("config", "must be an object");
+        out.config = *it;
+    }
+    return out;
+}
+
+LeaseQuery parse_lease_list(const json& p) {
+    params::only_keys(p, {"companyId", "environmentId", "status", "ownerNodeId", "limit", "cursor"});
+    LeaseQuery q;
+    q.company_id = params::opt_string(p, "companyId");
+    q.environment_id = params::opt_string(p, "environmentId");
+    q.owner_node_id = params::opt_string(p, "ownerNodeId");
+    if (auto st = params::opt_string(p, "status")) {
+        q.status = parse_lease_status(*st);
+        if (!q.status) {
+            params::invalid("status",
+                            "must be one of active, released, expired, failed, pending_cleanup");
+        }
+    }
+    q.limit = params::opt_uint(p, "limit", 1, 1000).value_or(100);
+    q.cursor = params::opt_string(p, "cursor").value_or("");
+    return q;
+}
+
 LeaseIdParams parse_lease_id(const json& p) {
     params::only_keys(p, {"leaseId"});
     return {params::req_string(p, "leaseId")};
@@ -32,7 +71,7 @@ LeaseRenewParams parse_lease_renew(const json& p) {
     return out;
 }
 
-std::optional<std::uint32_t> channel_named(const json& p) noexcept {
+std::optional<std::uint32_t> channel_named(const json& p) {
     if (!p.is_object()) return std::nullopt;
     auto it = p.find("channel");
     // Parsed text holds a non-negative integer as unsigned; a built one may hold it signed.

@@ -8,6 +8,7 @@
 // Pure functions of their arguments: no I/O, safe from any thread.
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/provider/provider.hpp>
+#include <sandboxd/registry/registry.hpp>
 
 #include <nlohmann/json.hpp>
 
@@ -29,6 +30,26 @@ struct InitializeParams {
 };
 InitializeParams parse_initialize(const json& p);
 
+/// leaseAcquire. Strings are 1..1024 bytes.
+struct LeaseAcquireParams {
+    std::string company_id;
+    std::string environment_id;
+    std::string provider;
+    json config;  ///< an object, or null when absent
+    std::optional<std::uint64_t> ttl_ms;  ///< ms, 1000..max_ttl_ms; none: limits.defaultTtlMs
+    std::optional<std::string> run_id;
+    std::optional<std::string> issue_id;
+    std::optional<std::string> heartbeat_run_id;
+    std::optional<std::string> execution_workspace_id;
+    std::optional<std::string> idempotency_key;
+};
+/// `max_ttl_ms` is the node's limits.maxTtlMs.
+LeaseAcquireParams parse_lease_acquire(const json& p, std::uint64_t max_ttl_ms);
+
+/// leaseList: the query without `tenants` (the caller's token adds them). `status` is one of
+/// the lease statuses, `limit` 1..1000 (default 100).
+LeaseQuery parse_lease_list(const json& p);
+
 /// leaseGet and leaseRelease.
 struct LeaseIdParams {
     std::string lease_id;  ///< 1..1024 bytes
@@ -44,7 +65,7 @@ LeaseRenewParams parse_lease_renew(const json& p);
 /// The channel id every duplexChannel* method but the open names; the id of a channel of
 /// this connection when `p` names one (an unsigned integer "channel"), else none. Used
 /// before parsing, to order a connection's requests and frames per channel.
-std::optional<std::uint32_t> channel_named(const json& p) noexcept;
+std::optional<std::uint32_t> channel_named(const json& p);
 
 /// duplexChannelCloseStdin, duplexChannelStop, duplexChannelClose.
 struct ChannelParams {

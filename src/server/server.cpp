@@ -449,8 +449,7 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
                 } else if (node.draining) {
                     res = plain(http::status::service_unavailable, "node is draining\n", req.version(), false);
                 } else {
-                    auto session = std::make_shared<Session>(
-                        node, websocket::stream<beast::tcp_stream>(std::move(stream)), *who);
+                    auto session = std::make_shared<Session>(node, std::move(stream), *who);
                     {
                         std::lock_guard lock(sessions_mutex);
                         std::erase_if(sessions, [](const auto& w) { return w.expired(); });
@@ -475,7 +474,8 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
             for (const auto& [key, provider] : node.providers) {
                 if (why.empty() && !provider->ready()) why = "provider " + key + " not ready";
                 if (auto note = provider->degraded(); !note.empty()) {
-                    notes += "warning: provider " + key + ": " + note + "\n";
+                    notes.append("warning: provider ").append(key).append(": ").append(note);
+                    notes += '\n';
                 }
             }
             res = why.empty() ? plain(http::status::ok, "ready\n" + notes, req.version(), keep)

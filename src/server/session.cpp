@@ -5,6 +5,7 @@
 #include <sandboxd/core/base64.hpp>
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/frame.hpp>
+#include <sandboxd/core/scope_exit.hpp>
 #include <sandboxd/version.hpp>
 
 #include <boost/asio/experimental/awaitable_operators.hpp>
@@ -15,29 +16,6 @@ namespace {
 
 using json = nlohmann::json;
 using namespace net::experimental::awaitable_operators;
-
-constexpr std::string_view subprotocol = "sandboxd.v1";
-
-bool offers_subprotocol(std::string_view header) {
-    // Sec-WebSocket-Protocol: a comma-separated list of tokens.
-    std::size_t pos = 0;
-    while (pos <= header.size()) {
-        auto comma = header.find(',', pos);
-        auto item = header.substr(pos, comma == std::string_view::npos ? header.npos : comma - pos);
-        while (!item.empty() && (item.front() == ' ' || item.front() == '\t')) item.remove_prefix(1);
-        while (!item.empty() && (item.back() == ' ' || item.back() == '\t')) item.remove_suffix(1);
-        if (item == subprotocol) return true;
-        if (comma == std::string_view::npos) break;
-        pos = comma + 1;
-    }
-    return false;
-}
-
-std::string remote_of(const tcp::socket& socket) {
-    beast::error_code ec;
-    auto ep = socket.remote_endpoint(ec);
-    return ec ? "?" : ep.address().to_string() + ":" + std::to_string(ep.port());
-}
 
 Session::Reply empty_result() { return {json::object(), {}}; }
 
@@ -56,179 +34,52 @@ void log_task_failure(const std::string& peer, const std::exception_ptr& e) {
 
 }  // namespace
 
-Session::Session(Node& node, websocket::stream<beast::tcp_stream> ws, const Principal& who)
+Session::Session(Node& node, beast::tcp_stream stream, Principal who)
     : node_(node),
-      ws_(std::move(ws.next_layer())),  // not yet upgraded: only the TCP stream matters
-      who_(who),
-      strand_(ws_.get_executor()),
-      queue_timer_(strand_),
+      transport_(std::move(stream), node.config.limits),
+      who_(std::move(who)),
+      strand_(transport_.strand()),
       slot_free_(strand_),
-      peer_(remote_of(beast::get_lowest_layer(ws_).socket())),
+      peer_(transport_.peer()),
       mux_(*this, node.config.limits.max_data_payload, peer_) {
-    queue_timer_.expires_at(net::steady_timer::time_point::max());
     slot_free_.expires_at(net::steady_timer::time_point::max());
 }
 
 Session::~Session() = default;
 
-// ---------------------------------------------------------------------------------------------
-// Transport
-
 awaitable<void> Session::run(http::request<http::string_body> request) {
     auto self = shared_from_this();
-    const auto& limits = node_.config.limits;
-    beast::get_lowest_layer(ws_).expires_never();
-    websocket::stream_base::timeout timeouts{};
-    timeouts.handshake_timeout = std::chrono::seconds(30);
-    // Not Beast's idle_timeout: without its own keep-alive pings it counts from the start of
-    // each read, and the pongs that answer ping_loop's pings arrive inside a read without
-    // re-arming it, so a silent but healthy peer would be dropped. idle_loop counts from the
-    // last frame heard, pongs included.
-    timeouts.idle_timeout = websocket::stream_base::none();
-    timeouts.keep_alive_pings = false;  // ping_loop pings every pingIntervalMs instead
-    ws_.set_option(timeouts);
-    ws_.control_callback([this](websocket::frame_type, beast::string_view) {
-        last_heard_ = std::chrono::steady_clock::now();  // a ping, pong or close (on the strand)
-    });
-    // No permessage-deflate: Beast leaves it off unless asked, so an offer is answered
-    // without the extension and a frame with RSV1 set is a protocol error (1002).
-    ws_.auto_fragment(false);  // Beast's default splits every message into 4 KiB frames
-    ws_.read_message_max(std::max<std::size_t>(limits.max_text_message,
-                                               limits.max_data_payload + frame_header_size));
-    const bool echo_subprotocol = offers_subprotocol(request[http::field::sec_websocket_protocol]);
     if (who_.role == "peer") forwarded_by_ = std::string(request["Sandboxd-Forwarded-By"]);
-    ws_.set_option(websocket::stream_base::decorator([echo_subprotocol](websocket::response_type& res) {
-        res.set(http::field::server, std::string("sandboxd/") + version_string);
-        if (echo_subprotocol) res.set(http::field::sec_websocket_protocol, subprotocol);
-    }));
-    auto [ec] = co_await ws_.async_accept(request, as_tuple_awaitable);
-    if (ec) {
-        spdlog::debug("peer={} websocket handshake failed: {}", peer_, ec.message());
-        co_return;
-    }
+    if (!co_await transport_.accept(request)) co_return;
     spdlog::info("peer={} connected as token \"{}\"", peer_, who_.name);
-    last_heard_ = std::chrono::steady_clock::now();
-    try {
-        // Whichever loop ends first ends the connection; the others are cancelled with it.
-        co_await (read_loop() || write_loop() || ping_loop() || idle_loop());
-    } catch (const std::exception& e) {
-        spdlog::error("peer={} connection loop failed: {}", peer_, e.what());
-    }
-    closing_ = true;
-    queue_.clear();
+    co_await transport_.serve(*this);
     mux_.close_all();
     spdlog::info("peer={} disconnected", peer_);
 }
 
-awaitable<void> Session::read_loop() {
-    beast::flat_buffer buffer;
-    for (;;) {
-        auto [ec, n] = co_await ws_.async_read(buffer, as_tuple_awaitable);
-        if (ec) {
-            if (ec != websocket::error::closed && ec != net::error::operation_aborted &&
-                ec != net::error::eof) {
-                spdlog::info("peer={} connection ended: {}", peer_, ec.message());
-            }
-            co_return;
-        }
-        last_heard_ = std::chrono::steady_clock::now();
-        const auto data = buffer.data();
-        std::string_view message(static_cast<const char*>(data.data()), data.size());
-        if (ws_.got_text()) {
-            // A peer node's link carries every channel it forwards here: it waits for a free
-            // slot rather than have its hosts' requests refused for each other's.
-            while (who_.role == "peer" &&
-                   in_flight_ >= node_.config.limits.requests_per_connection) {
-                co_await slot_free_.async_wait(as_tuple_awaitable);  // woken by a cancel
-                auto cs = co_await net::this_coro::cancellation_state;
-                if (cs.cancelled() != net::cancellation_type::none) co_return;
-            }
-            on_text(message);
-        } else if (auto reason = on_binary(message)) {
-            closing_ = true;
-            co_await ws_.async_close(*reason, as_tuple_awaitable);
-            co_return;
-        }
-        buffer.consume(buffer.size());
-        if (closing_) co_return;
+awaitable<void> Session::on_text(std::string_view text) {
+    // A peer node's link carries every channel it forwards here: it waits for a free slot
+    // rather than have its hosts' requests refused for each other's.
+    while (who_.role == "peer" && in_flight_ >= node_.config.limits.requests_per_connection) {
+        co_await slot_free_.async_wait(as_tuple_awaitable);  // woken by a cancel
+        auto cs = co_await net::this_coro::cancellation_state;
+        if (cs.cancelled() != net::cancellation_type::none) co_return;  // the connection ends
     }
-}
-
-awaitable<void> Session::write_loop() {
-    for (;;) {
-        if (queue_.empty()) {
-            co_await queue_timer_.async_wait(as_tuple_awaitable);  // woken by a cancel
-            auto cs = co_await net::this_coro::cancellation_state;
-            if (cs.cancelled() != net::cancellation_type::none || closing_) co_return;
-            continue;
-        }
-        Outgoing out = std::move(queue_.front());
-        queue_.pop_front();
-        ws_.binary(out.binary);
-        auto [ec, n] = co_await ws_.async_write(net::buffer(out.bytes), as_tuple_awaitable);
-        if (ec) {
-            // The read then fails too; closing here makes sure it does at once.
-            beast::get_lowest_layer(ws_).socket().close(ec);
-            co_return;
-        }
-    }
-}
-
-awaitable<void> Session::ping_loop() {
-    net::steady_timer timer(strand_);
-    for (;;) {
-        timer.expires_after(std::chrono::milliseconds(node_.config.limits.ping_interval_ms));
-        auto [ec] = co_await timer.async_wait(as_tuple_awaitable);
-        if (ec) co_return;  // cancelled: the connection ends
-        auto [pec] = co_await ws_.async_ping({}, as_tuple_awaitable);
-        if (pec) {
-            beast::get_lowest_layer(ws_).socket().close(pec);
-            co_return;
-        }
-    }
-}
-
-awaitable<void> Session::idle_loop() {
-    const auto idle = std::chrono::milliseconds(node_.config.limits.idle_timeout_ms);
-    net::steady_timer timer(strand_);
-    for (;;) {
-        // A read is always outstanding (requests run beside it), so silence is the time since
-        // the last frame heard.
-        timer.expires_at(last_heard_ + idle);
-        auto [ec] = co_await timer.async_wait(as_tuple_awaitable);
-        if (ec) co_return;  // cancelled: the connection ends
-        const auto silent = std::chrono::steady_clock::now() - last_heard_;
-        if (silent < idle) continue;  // heard from it meanwhile
-        spdlog::info("peer={} silent for {} ms (limit {} ms): dropping the connection", peer_,
-                     std::chrono::duration_cast<std::chrono::milliseconds>(silent).count(),
-                     idle.count());
-        // The read fails, and the session ends as for any dropped connection.
-        beast::error_code ignored;
-        beast::get_lowest_layer(ws_).socket().close(ignored);
+    auto parsed = jsonrpc::parse_request(text, node_.config.limits.max_text_message);
+    if (auto* bad = std::get_if<jsonrpc::Invalid>(&parsed)) {
+        respond_error(bad->id, bad->error.to_json());
         co_return;
     }
+    admit(std::move(std::get<jsonrpc::Request>(parsed)));
 }
 
 void Session::shutdown() {
-    net::post(strand_, [self = shared_from_this()] {
-        if (self->closing_) return;
-        // A plain completion handler: no capturing coroutine lambda (CP.51).
-        self->ws_.async_close(websocket::close_code::going_away,
-                              [self](beast::error_code) {});
-    });
+    transport_.close(websocket::close_code::going_away, shared_from_this());
 }
 
-void Session::send_binary(std::string frame) {
-    if (closing_) return;
-    queue_.push_back({true, std::move(frame)});
-    queue_timer_.cancel();
-}
+void Session::send_binary(std::string frame) { transport_.send(true, std::move(frame)); }
 
-void Session::send_text(std::string text) {
-    if (closing_) return;
-    queue_.push_back({false, std::move(text)});
-    queue_timer_.cancel();
-}
+void Session::send_text(std::string text) { transport_.send(false, std::move(text)); }
 
 void Session::respond(const json& id, json result) {
     send_text(jsonrpc::result(id, std::move(result)));
@@ -257,15 +108,6 @@ net::any_io_executor Session::relay_executor() { return strand_; }
 // ---------------------------------------------------------------------------------------------
 // Admission: requests run concurrently, ordered per channel
 
-void Session::on_text(std::string_view text) {
-    auto parsed = jsonrpc::parse_request(text, node_.config.limits.max_text_message);
-    if (auto* bad = std::get_if<jsonrpc::Invalid>(&parsed)) {
-        respond_error(bad->id, bad->error.to_json());
-        return;
-    }
-    admit(std::move(std::get<jsonrpc::Request>(parsed)));
-}
-
 std::optional<websocket::close_reason> Session::on_binary(std::string_view message) {
     auto checked = mux_.check_frame(message);
     if (auto* reason = std::get_if<websocket::close_reason>(&checked)) return *reason;
@@ -290,7 +132,7 @@ void Session::route_frame(std::string_view message, std::uint32_t channel) {
 }
 
 void Session::replay_after_opens() {
-    if (closing_) {  // nothing waiting will be answered or applied
+    if (transport_.closing()) {  // nothing waiting will be answered or applied
         after_opens_.clear();
         return;
     }
@@ -381,7 +223,7 @@ awaitable<void> Session::serve(std::shared_ptr<Session> self, jsonrpc::Request r
 void Session::release(std::uint32_t lane) {
     auto it = lanes_.find(lane);
     if (it == lanes_.end()) return;
-    if (closing_) {  // nothing waiting will be answered or applied
+    if (transport_.closing()) {  // nothing waiting will be answered or applied
         lanes_.erase(it);
         return;
     }
@@ -478,13 +320,13 @@ awaitable<Session::Reply> Session::initialize(json p) {
 }
 
 awaitable<Session::Reply> Session::lease_acquire(json p) {
-    // The params of leaseAcquire and leaseList are parsed by the lease service.
-    json result = to_json(co_await sandboxd::lease_acquire(node_, who_, std::move(p)));
+    auto params = methods::parse_lease_acquire(p, node_.config.limits.max_ttl_ms);
+    json result = to_json(co_await sandboxd::lease_acquire(node_, who_, std::move(params)));
     co_return Reply{std::move(result), {}};
 }
 
 awaitable<Session::Reply> Session::lease_list(json p) {
-    json result = co_await sandboxd::lease_list(node_, who_, std::move(p));
+    json result = co_await sandboxd::lease_list(node_, who_, methods::parse_lease_list(p));
     co_return Reply{std::move(result), {}};
 }
 
@@ -604,10 +446,7 @@ awaitable<Session::Reply> Session::channel_open(json p) {
     }
     // The slot is held while the open runs, so concurrent opens cannot overshoot the limit.
     mux_.reserve();
-    struct Release {
-        ChannelMux& mux;
-        ~Release() { mux.release(); }
-    } release{mux_};
+    const ScopeExit release([this] { mux_.release(); });
     // Step 5: another owner. A forwarded open is never forwarded again.
     if (lease.owner_node_id != node_.node_id) co_return co_await open_relayed(std::move(p), std::move(lease));
     co_return co_await open_local(std::move(params), std::move(lease));
@@ -637,7 +476,7 @@ awaitable<Session::Reply> Session::open_relayed(json p, Lease lease) {
     route.link = link;
     route.remote_id = result.value("channel", 0U);
     route.stdin_window = result.value("stdinWindow", std::uint64_t{0});
-    if (closing_) {
+    if (transport_.closing()) {
         // The host left while the owner opened: nobody will read it.
         mux_.open_failed(local);
         link->close_channel(route.remote_id);
@@ -694,7 +533,7 @@ awaitable<Session::Reply> Session::open_local(methods::OpenParams params, Lease 
     // on_reaped is set after add() so the key is known; it runs on this strand.
     channel->set_on_reaped([&node = node_, key] { node.channels.remove(key); });
     node_.channels_opened.fetch_add(1, std::memory_order_relaxed);
-    if (closing_) {
+    if (transport_.closing()) {
         // The host left while the command started: it is hung up at once, as on a drop.
         channel->start();
         channel->hangup();

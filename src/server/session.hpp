@@ -1,8 +1,7 @@
 #pragma once
 // One host-server WebSocket connection (docs/protocol.md section 1), in three parts:
-//  - the transport: reads messages, writes through one queue (Beast allows one outstanding
-//    async_write), pings and drops a silent peer; the four loops are joined with awaitable
-//    operators, so when the read ends the others are cancelled with it;
+//  - the transport (server/transport.hpp): the upgrade, reads, one write queue, pings and the
+//    idle drop; it hands each message to the session (its Receiver);
 //  - the method table: each JSON-RPC method has a typed param struct (server/methods.hpp),
 //    parsed once, and a handler returning its result;
 //  - the channel multiplexer (server/channel_mux.hpp): local and relayed channels.
@@ -16,9 +15,9 @@
 // coroutines (enable_shared_from_this); channels hold it by weak_ptr.
 #include "server/channel.hpp"
 #include "server/channel_mux.hpp"
-#include "server/frame_guard.hpp"
 #include "server/methods.hpp"
 #include "server/node.hpp"
+#include "server/transport.hpp"
 
 #include <sandboxd/core/jsonrpc.hpp>
 
@@ -35,9 +34,11 @@ namespace sandboxd {
 
 class Session final : public ChannelSink,
                       public RelayTarget,
+                      public Transport::Receiver,
                       public std::enable_shared_from_this<Session> {
 public:
-    Session(Node& node, websocket::stream<beast::tcp_stream> ws, const Principal& who);
+    /// `stream`: the connection, its upgrade request read (by the server) and not answered.
+    Session(Node& node, beast::tcp_stream stream, Principal who);
     ~Session() override;
     Session(const Session&) = delete;
     Session& operator=(const Session&) = delete;
@@ -64,10 +65,6 @@ public:
     };
 
 private:
-    struct Outgoing {
-        bool binary;
-        std::string bytes;
-    };
     /// What waits in a channel's lane: a request or a binary frame.
     using Queued = std::variant<jsonrpc::Request, std::string>;
     struct Lane {
@@ -81,20 +78,14 @@ private:
     };
     static const std::map<std::string_view, Method>& method_table();
 
-    // transport
-    awaitable<void> read_loop();
-    awaitable<void> write_loop();
-    awaitable<void> ping_loop();
-    /// Drops the connection once nothing (no message, ping or pong) has been heard from the
-    /// peer for limits.idleTimeoutMs.
-    awaitable<void> idle_loop();
     void respond(const nlohmann::json& id, nlohmann::json result);
     void respond_error(const nlohmann::json& id, const nlohmann::json& error);
 
-    // admission and ordering
-    void on_text(std::string_view text);
+    // admission and ordering (Transport::Receiver)
+    /// A request; on a peer link it waits while limits.requestsPerConnection are in flight.
+    awaitable<void> on_text(std::string_view text) override;
     /// A close reason when the frame breaks the protocol.
-    std::optional<websocket::close_reason> on_binary(std::string_view message);
+    std::optional<websocket::close_reason> on_binary(std::string_view message) override;
     void admit(jsonrpc::Request request);
     /// Runs an admitted request, or queues it behind its channel's lane or behind the opens
     /// in flight (see after_opens_).
@@ -136,14 +127,10 @@ private:
     awaitable<Reply> open_local(methods::OpenParams params, Lease lease);
 
     Node& node_;
-    websocket::stream<frame_guard<beast::tcp_stream>> ws_;  // see frame_guard.hpp
+    Transport transport_;
     Principal who_;
     strand_t strand_;
-    std::deque<Outgoing> queue_;
-    net::steady_timer queue_timer_;  // woken (cancelled) when the queue gets work
-    net::steady_timer slot_free_;    // woken (cancelled) when a request ends
-    std::chrono::steady_clock::time_point last_heard_;  // last frame read from the peer
-    bool closing_ = false;
+    net::steady_timer slot_free_;  // woken (cancelled) when a request ends
     std::string peer_;
     ChannelMux mux_;
     std::size_t in_flight_ = 0;  // requests running or waiting in a lane

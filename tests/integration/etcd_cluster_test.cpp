@@ -12,7 +12,7 @@
 
 #include <catch2/catch.hpp>
 
-#include <signal.h>
+#include <csignal>
 
 #include <chrono>
 #include <iostream>

@@ -68,6 +68,7 @@ TEST_CASE("membership: a node whose teardowns hang past its TTL keeps its member
     DaemonProcess daemon("node-a", config.dump());
     auto c = daemon.connect();
     std::vector<json> leases;
+    leases.reserve(hung_teardowns);
     for (int i = 0; i < hung_teardowns; ++i) leases.push_back(acquire_plugin_lease(*c));
     const json kept = acquire_plugin_lease(*c);
 

@@ -157,7 +157,7 @@ std::vector<pid_t> children_of(pid_t pid) {
     std::istringstream in(
         read_text("/proc/" + std::to_string(pid) + "/task/" + std::to_string(pid) + "/children"));
     std::vector<pid_t> out;
-    for (pid_t child; in >> child;) out.push_back(child);
+    for (pid_t child = 0; in >> child;) out.push_back(child);
     return out;
 }
 
@@ -224,7 +224,7 @@ std::vector<std::string> mounts_under(const fs::path& path) {
     std::vector<std::string> out;
     const std::string prefix = path.string();
     for (const auto& [point, type] : mounts()) {
-        if (point == prefix || point.rfind(prefix + "/", 0) == 0) out.push_back(point + " " + type);
+        if (point == prefix || point.rfind(prefix + "/", 0) == 0) out.push_back(std::string(point).append(" ").append(type));
     }
     return out;
 }

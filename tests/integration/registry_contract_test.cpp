@@ -137,6 +137,7 @@ std::optional<rpc_error> rpc_error_of(F&& f) {
 
 std::vector<std::string> ids_of(const std::vector<Lease>& leases) {
     std::vector<std::string> ids;
+    ids.reserve(leases.size());
     for (const auto& l : leases) ids.push_back(l.id);
     return ids;
 }
@@ -714,7 +715,7 @@ TEMPLATE_TEST_CASE("Contract: list_leases by owner follows owner and status chan
     for (const std::string owner : {"node-a", "node-b", "node-none"}) {
         for (auto status : std::vector<std::optional<lease_status>>{
                  std::nullopt, lease_status::active, lease_status::released}) {
-            for (auto company : std::vector<std::optional<std::string>>{std::nullopt, "co-1"}) {
+            for (const auto& company : std::vector<std::optional<std::string>>{std::nullopt, "co-1"}) {
                 CAPTURE(owner, status ? std::string(to_string(*status)) : "any",
                         company.value_or("any"));
                 LeaseQuery q;
@@ -1029,6 +1030,7 @@ TEST_CASE("etcd: 200 calls in flight at once on one registry all complete, after
     auto& io = registry->io();
     constexpr int n = 200;
     std::vector<std::future<Lease>> creates;
+    creates.reserve(n);
     for (int i = 0; i < n; ++i) {
         creates.push_back(net_spawn(
             io, registry->async().create_lease(make_lease("lease-" + std::to_string(i)))));
@@ -1036,6 +1038,7 @@ TEST_CASE("etcd: 200 calls in flight at once on one registry all complete, after
     for (int i = 0; i < n; ++i)
         CHECK(creates[static_cast<std::size_t>(i)].get().id == "lease-" + std::to_string(i));
     std::vector<std::future<std::optional<Lease>>> gets;
+    gets.reserve(n);
     for (int i = 0; i < n; ++i) {
         gets.push_back(net_spawn(io, registry->async().get_lease("lease-" + std::to_string(i))));
     }
@@ -1082,8 +1085,8 @@ namespace {
 /// A loopback HTTP server that answers every request with `response`, verbatim.
 class CannedServer {
 public:
-    explicit CannedServer(std::string response) : response_(std::move(response)) {
-        fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    explicit CannedServer(std::string response)
+        : response_(std::move(response)), fd_(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) {
         sockaddr_in addr{};
         addr.sin_family = AF_INET;
         addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);

@@ -92,6 +92,7 @@ void DaemonProcess::launch() {
     }
     args.insert(args.end(), extra_args_.begin(), extra_args_.end());
     std::vector<char*> argv;
+    argv.reserve(args.size() + 1);
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
     const auto log_path = dir_.path() / "daemon.log";

@@ -6,7 +6,6 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
-#include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/utsname.h>
@@ -15,6 +14,8 @@
 
 #include <atomic>
 #include <cerrno>
+#include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -157,7 +158,11 @@ EtcdServer::EtcdServer(External, std::string endpoint)
 
 EtcdServer::~EtcdServer() {
     if (external_) return;
-    stop();
+    try {
+        stop();
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "etcd fixture: stopping etcd failed: %s\n", e.what());
+    }
     std::error_code ec;
     fs::remove_all(dir_, ec);
 }
@@ -210,6 +215,7 @@ void EtcdServer::start() {
                                      "--initial-cluster", "t=" + peer_url};
     // clang-format on
     std::vector<char*> argv;
+    argv.reserve(args.size() + 1);
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
     const std::string log_path = (dir_ / "etcd.log").string();

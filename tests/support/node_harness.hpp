@@ -63,11 +63,16 @@ struct NodeHarness {
             NodeRecord{node_id, "ws://" + node_id + ".test:1/v1/ws", at, at, "inst-" + node_id});
     }
 
+    /// leaseAcquire's params as the session parses them.
+    methods::LeaseAcquireParams parse_acquire(const nlohmann::json& p) const {
+        return methods::parse_lease_acquire(p, node.config.limits.max_ttl_ms);
+    }
+
     /// Acquires a lease for acme/dev on the fake provider.
     Lease acquire(nlohmann::json extra = nlohmann::json::object()) {
         nlohmann::json p = {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "fake"}};
         p.update(extra);
-        return run(lease_acquire(node, host, std::move(p)));
+        return run(lease_acquire(node, host, parse_acquire(p)));
     }
 
     /// Makes the node's last renewal `age_ms` old (the time is injected, nothing sleeps).

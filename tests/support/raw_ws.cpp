@@ -39,7 +39,7 @@ std::string client_frame(int opcode, std::string_view payload, bool fin, std::ui
     const std::size_t start = out.size();
     out.append(payload);
     for (std::size_t i = 0; i < payload.size(); ++i)
-        out[start + i] ^= static_cast<char>(key[i % 4]);
+        out[start + i] = static_cast<char>(static_cast<unsigned char>(out[start + i]) ^ key[i % 4]);
     return out;
 }
 
@@ -62,8 +62,8 @@ int connect_tcp(const std::string& address) {
 }
 
 RawWebSocket::RawWebSocket(const std::string& address, const std::string& token,
-                           const std::vector<std::string>& extra_headers) {
-    fd_ = connect_tcp(address);
+                           const std::vector<std::string>& extra_headers)
+    : fd_(connect_tcp(address)) {
     // Every send is bounded: a daemon that stops reading makes send_raw() fail, not hang.
     timeval send_timeout{10, 0};
     ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof send_timeout);

@@ -149,6 +149,7 @@ TEST_CASE("With 20,000 leases, leaseGet, an open by providerLeaseId and a sweep 
         // All queued at once: the writer lane takes them one after the other.
         auto writer = sync_sqlite(path);
         std::vector<std::future<Lease>> writes;
+        writes.reserve(many + 2);
         for (int i = 0; i < many + 2; ++i) {
             writes.push_back(boost::asio::co_spawn(
                 writer->executor(),

@@ -149,7 +149,7 @@ TEST_CASE("leaseAcquire refuses bad requests before touching the registry or a p
         expected = errc::owner_unavailable;
     }
     h.registry->reset_counts_for_test();
-    auto err = rpc_error_of([&] { h.run(lease_acquire(h.node, h.host, params)); });
+    auto err = rpc_error_of([&] { h.run(lease_acquire(h.node, h.host, h.parse_acquire(params))); });
     REQUIRE(err);
     CHECK(err->code() == expected);
     CHECK(h.registry->calls == 0);

@@ -75,6 +75,7 @@ std::optional<rpc_error> rpc_error_of(F&& f) {
 
 std::vector<std::string> ids_of(const std::vector<Lease>& leases) {
     std::vector<std::string> ids;
+    ids.reserve(leases.size());
     for (const auto& l : leases) ids.push_back(l.id);
     return ids;
 }

@@ -1,0 +1,194 @@
+#include "server/transport.hpp"
+
+#include <sandboxd/core/frame.hpp>
+#include <sandboxd/version.hpp>
+
+#include <boost/asio/experimental/awaitable_operators.hpp>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+
+namespace sandboxd {
+namespace {
+
+using namespace net::experimental::awaitable_operators;
+
+constexpr std::string_view subprotocol = "sandboxd.v1";
+
+bool offers_subprotocol(std::string_view header) {
+    // Sec-WebSocket-Protocol: a comma-separated list of tokens.
+    std::size_t pos = 0;
+    while (pos <= header.size()) {
+        auto comma = header.find(',', pos);
+        auto item = header.substr(pos, comma == std::string_view::npos ? header.npos : comma - pos);
+        while (!item.empty() && (item.front() == ' ' || item.front() == '\t')) item.remove_prefix(1);
+        while (!item.empty() && (item.back() == ' ' || item.back() == '\t')) item.remove_suffix(1);
+        if (item == subprotocol) return true;
+        if (comma == std::string_view::npos) break;
+        pos = comma + 1;
+    }
+    return false;
+}
+
+std::string remote_of(const tcp::socket& socket) {
+    beast::error_code ec;
+    auto ep = socket.remote_endpoint(ec);
+    return ec ? "?" : ep.address().to_string() + ":" + std::to_string(ep.port());
+}
+
+}  // namespace
+
+Transport::Transport(beast::tcp_stream stream, const LimitsConfig& limits)
+    : ws_(std::move(stream)),
+      limits_(limits),
+      strand_(ws_.get_executor()),
+      peer_(remote_of(beast::get_lowest_layer(ws_).socket())),
+      queue_timer_(strand_) {
+    queue_timer_.expires_at(net::steady_timer::time_point::max());
+}
+
+awaitable<bool> Transport::accept(const http::request<http::string_body>& request) {
+    beast::get_lowest_layer(ws_).expires_never();
+    websocket::stream_base::timeout timeouts{};
+    timeouts.handshake_timeout = std::chrono::seconds(30);
+    // Not Beast's idle_timeout: without its own keep-alive pings it counts from the start of
+    // each read, and the pongs that answer ping_loop's pings arrive inside a read without
+    // re-arming it, so a silent but healthy peer would be dropped. idle_loop counts from the
+    // last frame heard, pongs included.
+    timeouts.idle_timeout = websocket::stream_base::none();
+    timeouts.keep_alive_pings = false;  // ping_loop pings every pingIntervalMs instead
+    ws_.set_option(timeouts);
+    ws_.control_callback([this](websocket::frame_type, beast::string_view) {
+        last_heard_ = std::chrono::steady_clock::now();  // a ping, pong or close (on the strand)
+    });
+    // No permessage-deflate: Beast leaves it off unless asked, so an offer is answered
+    // without the extension and a frame with RSV1 set is a protocol error (1002).
+    ws_.auto_fragment(false);  // Beast's default splits every message into 4 KiB frames
+    ws_.read_message_max(std::max<std::size_t>(limits_.max_text_message,
+                                               limits_.max_data_payload + frame_header_size));
+    const bool echo_subprotocol = offers_subprotocol(request[http::field::sec_websocket_protocol]);
+    ws_.set_option(websocket::stream_base::decorator([echo_subprotocol](websocket::response_type& res) {
+        res.set(http::field::server, std::string("sandboxd/") + version_string);
+        if (echo_subprotocol) res.set(http::field::sec_websocket_protocol, subprotocol);
+    }));
+    auto [ec] = co_await ws_.async_accept(request, as_tuple_awaitable);
+    if (ec) {
+        spdlog::debug("peer={} websocket handshake failed: {}", peer_, ec.message());
+        co_return false;
+    }
+    last_heard_ = std::chrono::steady_clock::now();
+    co_return true;
+}
+
+awaitable<void> Transport::serve(Receiver& receiver) {
+    try {
+        // Whichever loop ends first ends the connection; the others are cancelled with it.
+        co_await (read_loop(receiver) || write_loop() || ping_loop() || idle_loop());
+    } catch (const std::exception& e) {
+        spdlog::error("peer={} connection loop failed: {}", peer_, e.what());
+    }
+    closing_ = true;
+    queue_.clear();
+    queued_bytes_ = 0;
+}
+
+awaitable<void> Transport::read_loop(Receiver& receiver) {
+    beast::flat_buffer buffer;
+    for (;;) {
+        auto [ec, n] = co_await ws_.async_read(buffer, as_tuple_awaitable);
+        if (ec) {
+            if (ec != websocket::error::closed && ec != net::error::operation_aborted &&
+                ec != net::error::eof) {
+                spdlog::info("peer={} connection ended: {}", peer_, ec.message());
+            }
+            co_return;
+        }
+        last_heard_ = std::chrono::steady_clock::now();
+        const auto data = buffer.data();
+        const std::string_view message(static_cast<const char*>(data.data()), data.size());
+        if (ws_.got_text()) {
+            co_await receiver.on_text(message);
+            auto cs = co_await net::this_coro::cancellation_state;
+            if (cs.cancelled() != net::cancellation_type::none) co_return;
+        } else if (auto reason = receiver.on_binary(message)) {
+            closing_ = true;
+            co_await ws_.async_close(*reason, as_tuple_awaitable);
+            co_return;
+        }
+        buffer.consume(buffer.size());
+        if (closing_) co_return;
+    }
+}
+
+awaitable<void> Transport::write_loop() {
+    for (;;) {
+        if (queue_.empty()) {
+            co_await queue_timer_.async_wait(as_tuple_awaitable);  // woken by a cancel
+            auto cs = co_await net::this_coro::cancellation_state;
+            if (cs.cancelled() != net::cancellation_type::none || closing_) co_return;
+            continue;
+        }
+        Outgoing out = std::move(queue_.front());
+        queue_.pop_front();
+        queued_bytes_ -= out.bytes.size();
+        ws_.binary(out.binary);
+        auto [ec, n] = co_await ws_.async_write(net::buffer(out.bytes), as_tuple_awaitable);
+        if (ec) {
+            // The read then fails too; closing here makes sure it does at once.
+            beast::get_lowest_layer(ws_).socket().close(ec);
+            co_return;
+        }
+    }
+}
+
+awaitable<void> Transport::ping_loop() {
+    net::steady_timer timer(strand_);
+    for (;;) {
+        timer.expires_after(std::chrono::milliseconds(limits_.ping_interval_ms));
+        auto [ec] = co_await timer.async_wait(as_tuple_awaitable);
+        if (ec) co_return;  // cancelled: the connection ends
+        auto [pec] = co_await ws_.async_ping({}, as_tuple_awaitable);
+        if (pec) {
+            beast::get_lowest_layer(ws_).socket().close(pec);
+            co_return;
+        }
+    }
+}
+
+awaitable<void> Transport::idle_loop() {
+    const auto idle = std::chrono::milliseconds(limits_.idle_timeout_ms);
+    net::steady_timer timer(strand_);
+    for (;;) {
+        // A read is always outstanding (requests run beside it), so silence is the time since
+        // the last frame heard.
+        timer.expires_at(last_heard_ + idle);
+        auto [ec] = co_await timer.async_wait(as_tuple_awaitable);
+        if (ec) co_return;  // cancelled: the connection ends
+        const auto silent = std::chrono::steady_clock::now() - last_heard_;
+        if (silent < idle) continue;  // heard from it meanwhile
+        spdlog::info("peer={} silent for {} ms (limit {} ms): dropping the connection", peer_,
+                     std::chrono::duration_cast<std::chrono::milliseconds>(silent).count(),
+                     idle.count());
+        // The read fails, and the connection ends as any dropped connection does.
+        beast::error_code ignored;
+        beast::get_lowest_layer(ws_).socket().close(ignored);
+        co_return;
+    }
+}
+
+void Transport::send(bool binary, std::string bytes) {
+    if (closing_) return;
+    queued_bytes_ += bytes.size();
+    queue_.push_back({binary, std::move(bytes)});
+    queue_timer_.cancel();
+}
+
+void Transport::close(websocket::close_code code, std::shared_ptr<void> keep_alive) {
+    net::post(strand_, [this, code, keep_alive = std::move(keep_alive)]() mutable {
+        if (closing_) return;
+        // A plain completion handler: no capturing coroutine lambda (CP.51).
+        ws_.async_close(code, [keep = std::move(keep_alive)](beast::error_code) {});
+    });
+}
+
+}  // namespace sandboxd

@@ -1,0 +1,101 @@
+#pragma once
+// The WebSocket transport of one accepted connection (docs/protocol.md section 1): the upgrade,
+// the read loop, one write queue (Beast allows one outstanding async_write), keepalive pings
+// and the idle drop. The four loops are joined with awaitable operators: when one ends (the
+// peer closed, a write failed, the peer fell silent) the others are cancelled with it, and
+// serve() returns. What a message means is the Receiver's business (the session).
+//
+// Threading: every member runs on the connection's strand (strand()), except close(), which
+// may be called from any thread. The owner keeps the Transport alive until serve() returns.
+#include "server/frame_guard.hpp"
+
+#include <sandboxd/core/config.hpp>
+#include <sandboxd/core/net.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace sandboxd {
+
+class Transport {
+public:
+    /// What the transport hands its owner, on the strand, in the order the peer sent it.
+    class Receiver {
+    public:
+        /// A text message. The next read waits until this returns: a receiver that cannot take
+        /// more work yet (a peer link whose requests are all in flight) waits here. The view is
+        /// valid until then.
+        virtual awaitable<void> on_text(std::string_view text) = 0;
+        /// A binary message; a close reason ends the connection with that close frame.
+        virtual std::optional<websocket::close_reason> on_binary(std::string_view message) = 0;
+
+    protected:
+        Receiver() = default;
+        ~Receiver() = default;
+        Receiver(const Receiver&) = default;
+        Receiver& operator=(const Receiver&) = default;
+    };
+
+    /// Takes the TCP stream of a connection whose HTTP upgrade request has been read. `limits`
+    /// (message sizes, ping interval, idle timeout) must outlive the transport.
+    Transport(beast::tcp_stream stream, const LimitsConfig& limits);
+    Transport(const Transport&) = delete;
+    Transport& operator=(const Transport&) = delete;
+
+    /// The connection's strand: everything of this connection runs on it.
+    [[nodiscard]] const strand_t& strand() const noexcept { return strand_; }
+    /// "address:port" of the peer, for logs.
+    [[nodiscard]] const std::string& peer() const noexcept { return peer_; }
+
+    /// Completes the upgrade: our options (no permessage-deflate, no auto-fragmenting, the
+    /// message size limit, the `sandboxd.v1` subprotocol echoed when offered). False (logged at
+    /// debug) when the handshake failed.
+    awaitable<bool> accept(const http::request<http::string_body>& request);
+
+    /// Reads and writes until the connection ends, however it ends (never throws for the
+    /// peer's errors). Afterwards closing() is true and the queue is empty.
+    awaitable<void> serve(Receiver& receiver);
+
+    /// Queues a message for the write loop; dropped once the connection is closing. The queue
+    /// is bounded by the protocol, not here: output frames by each channel's credit window,
+    /// responses by limits.requestsPerConnection, notifications by the channels.
+    void send(bool binary, std::string bytes);
+
+    /// Starts the close handshake with `code`, from any thread; `keep_alive` (the owner) is
+    /// held until it completes. Nothing happens when the connection is already closing.
+    void close(websocket::close_code code, std::shared_ptr<void> keep_alive);
+
+    /// True once the connection has ended (or is ending): nothing sent will be written.
+    [[nodiscard]] bool closing() const noexcept { return closing_; }
+    /// Bytes queued and not yet written.
+    [[nodiscard]] std::size_t queued_bytes() const noexcept { return queued_bytes_; }
+
+private:
+    struct Outgoing {
+        bool binary;
+        std::string bytes;
+    };
+    awaitable<void> read_loop(Receiver& receiver);
+    awaitable<void> write_loop();
+    awaitable<void> ping_loop();
+    /// Drops the connection once nothing (no message, ping or pong) has been heard from the
+    /// peer for limits.idleTimeoutMs.
+    awaitable<void> idle_loop();
+
+    websocket::stream<frame_guard<beast::tcp_stream>> ws_;  // see frame_guard.hpp
+    const LimitsConfig& limits_;
+    strand_t strand_;
+    std::string peer_;
+    std::deque<Outgoing> queue_;
+    std::size_t queued_bytes_ = 0;
+    net::steady_timer queue_timer_;  // woken (cancelled) when the queue gets work
+    std::chrono::steady_clock::time_point last_heard_;  // last frame read from the peer
+    bool closing_ = false;
+};
+
+}  // namespace sandboxd
