@@ -41,22 +41,6 @@ struct PluginNode {
     std::unique_ptr<DaemonProcess> daemon;
 };
 
-/// leaseAcquire of a plugin lease, retried while the worker starts (at most 30 s).
-json acquire_plugin_lease(Client& c) {
-    const auto deadline = clock_type::now() + seconds(30);
-    for (;;) {
-        try {
-            return c.call("leaseAcquire",
-                          {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "process"}});
-        } catch (const rpc_error& e) {
-            if (e.data().value("reason", "") != "PROVIDER_NOT_READY" || clock_type::now() > deadline) {
-                throw;
-            }
-        }
-        std::this_thread::sleep_for(milliseconds(100));  // polling the worker's start-up
-    }
-}
-
 bool is_response(const ClientEvent& ev, std::int64_t id) {
     return ev.type == ClientEvent::kind::response && ev.message.value("id", json()) == id;
 }

@@ -31,23 +31,6 @@ namespace {
 constexpr int node_ttl_ms = 2000;
 constexpr int hung_teardowns = 8;
 
-/// leaseAcquire of the reference plugin, retried while the worker starts (at most 30 s).
-json acquire_plugin_lease(Client& c) {
-    const json params = {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "process"}};
-    const auto deadline = std::chrono::steady_clock::now() + seconds(30);
-    for (;;) {
-        try {
-            return c.call("leaseAcquire", params);
-        } catch (const rpc_error& e) {
-            if (e.data().value("reason", "") != "PROVIDER_NOT_READY" ||
-                std::chrono::steady_clock::now() > deadline) {
-                throw;
-            }
-        }
-        std::this_thread::sleep_for(milliseconds(100));  // retry pacing, not synchronisation
-    }
-}
-
 }  // namespace
 
 TEST_CASE("membership: a node whose teardowns hang past its TTL keeps its membership",

@@ -76,22 +76,6 @@ json acquire_params(const std::string& company) {
     return {{"companyId", company}, {"environmentId", "dev"}, {"provider", "process"}};
 }
 
-/// leaseAcquire, retried while the worker starts (PROVIDER_NOT_READY) for at most 30 s.
-json acquire_when_ready(Client& c, const std::string& company = "acme") {
-    const auto deadline = std::chrono::steady_clock::now() + seconds(30);
-    for (;;) {
-        try {
-            return c.call("leaseAcquire", acquire_params(company));
-        } catch (const rpc_error& e) {
-            if (e.data().value("reason", "") != "PROVIDER_NOT_READY" ||
-                std::chrono::steady_clock::now() > deadline) {
-                throw;
-            }
-        }
-        std::this_thread::sleep_for(milliseconds(100));
-    }
-}
-
 std::string every_byte(std::size_t size) {
     std::string s(size, '\0');
     for (std::size_t i = 0; i < size; ++i) s[i] = static_cast<char>((i * 7 + i / 256) & 0xff);
@@ -150,7 +134,7 @@ TEST_CASE("A plugin lease runs commands through the reference worker, byte for b
           "[plugin]") {
     PluginDaemon pd;
     auto c = pd.daemon->connect();
-    auto lease = acquire_when_ready(*c);
+    auto lease = acquire_plugin_lease(*c);
     CHECK(lease["provider"] == "process");
     CHECK(lease["metadata"]["pluginId"] == "process-ref");
     CHECK(lease["metadata"]["provider"] == "process");
@@ -213,8 +197,8 @@ TEST_CASE("A forged worker frame retires the worker and reaches no other channel
           "[plugin][failclosed]") {
     PluginDaemon pd;
     auto c = pd.daemon->connect();
-    auto victim_lease = acquire_when_ready(*c, "acme");
-    auto forger_lease = acquire_when_ready(*c, "evil");
+    auto victim_lease = acquire_plugin_lease(*c, "acme");
+    auto forger_lease = acquire_plugin_lease(*c, "evil");
     const auto first_pids = pd.worker_pids();
     REQUIRE(first_pids.size() == 1);
 
@@ -245,7 +229,7 @@ TEST_CASE("A forged worker frame retires the worker and reaches no other channel
           std::string::npos);
 
     // A new worker comes up and serves; the victim's lease still works through it.
-    auto fresh = acquire_when_ready(*c, "acme");
+    auto fresh = acquire_plugin_lease(*c, "acme");
     auto pids = pd.worker_pids();
     REQUIRE(pids.size() == 1);
     CHECK(pids != first_pids);
@@ -269,7 +253,7 @@ TEST_CASE("A forged worker frame retires the worker and reaches no other channel
         CHECK(pd.daemon->log().find("which is not pending (a duplicate or unknown reply)") !=
               std::string::npos);
     }
-    CHECK(acquire_when_ready(*c, "acme")["metadata"]["pluginId"] == "process-ref");
+    CHECK(acquire_plugin_lease(*c, "acme")["metadata"]["pluginId"] == "process-ref");
 }
 
 TEST_CASE("A killed worker ends its channels as transportClosed, and PROVIDER_NOT_READY holds until "
@@ -277,7 +261,7 @@ TEST_CASE("A killed worker ends its channels as transportClosed, and PROVIDER_NO
           "[plugin][supervision]") {
     PluginDaemon pd;
     auto c = pd.daemon->connect();
-    auto lease = acquire_when_ready(*c);
+    auto lease = acquire_plugin_lease(*c);
     auto ch = open_channel(*c, lease, {"sh", "-c", "echo started; exec sleep 47"});
     std::string out;
     REQUIRE(wait_output(*c, ch, "started\n", out, seconds(20)));
@@ -304,7 +288,7 @@ TEST_CASE("A killed worker ends its channels as transportClosed, and PROVIDER_NO
 
     // Up again: new leases, and the old lease, are served by the restarted worker.
     fs::remove(pd.fail_file());
-    auto fresh = acquire_when_ready(*c);
+    auto fresh = acquire_plugin_lease(*c);
     CHECK(fresh["metadata"]["pluginId"] == "process-ref");
     auto run = c->run_channel(open_params(fresh, {"sh", "-c", "echo new; exit 4"}));
     CHECK(run.out == "new\n");
@@ -320,7 +304,7 @@ TEST_CASE("A release while the plugin is down waits in pending_cleanup without s
     // A fast sweeper: five counted attempts would fail the lease within about 7 s.
     PluginDaemon pd(json::object(), {{"routing", {{"heartbeatMs", 100}}}});
     auto c = pd.daemon->connect();
-    auto lease = acquire_when_ready(*c);
+    auto lease = acquire_plugin_lease(*c);
     const std::string plid = lease["providerLeaseId"].get<std::string>();
     std::ofstream(pd.fail_file()) << "down\n";
     auto pids = pd.worker_pids();
@@ -342,7 +326,7 @@ TEST_CASE("A release while the plugin is down waits in pending_cleanup without s
 TEST_CASE("A worker without duplexChannelOpen serves leases but no channels", "[plugin]") {
     PluginDaemon pd(json{{"PROCESS_PLUGIN_TEST_NO_CHANNELS", "1"}});
     auto c = pd.daemon->connect();
-    auto lease = acquire_when_ready(*c);
+    auto lease = acquire_plugin_lease(*c);
     try {
         c->call("duplexChannelOpen", open_params(lease, {"true"}));
         FAIL("the open should fail");

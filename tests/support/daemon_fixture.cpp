@@ -14,6 +14,7 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -369,6 +370,24 @@ nlohmann::json lease_ref(const nlohmann::json& lease) {
 
 nlohmann::json open_params(const nlohmann::json& lease, std::vector<std::string> argv) {
     return {{"lease", lease_ref(lease)}, {"command", std::move(argv)}};
+}
+
+nlohmann::json acquire_plugin_lease(Client& c, const std::string& company,
+                                    std::chrono::seconds limit) {
+    const nlohmann::json params = {
+        {"companyId", company}, {"environmentId", "dev"}, {"provider", "process"}};
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    for (;;) {
+        try {
+            return c.call("leaseAcquire", params);
+        } catch (const rpc_error& e) {
+            if (e.data().value("reason", "") != "PROVIDER_NOT_READY" ||
+                std::chrono::steady_clock::now() > deadline) {
+                throw;
+            }
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));  // retry pacing
+    }
 }
 
 nlohmann::json acquire_lease(Client& c) {

@@ -132,6 +132,11 @@ char proc_state(pid_t pid);
 /// leaseAcquire of a bwrap lease for companyId "acme", environmentId "dev".
 nlohmann::json acquire_lease(Client& c);
 
+/// leaseAcquire of the reference plugin (provider "process") for `company`/dev, retried while
+/// its worker starts (PROVIDER_NOT_READY), for at most `limit`; any other error is thrown.
+nlohmann::json acquire_plugin_lease(Client& c, const std::string& company = "acme",
+                                    std::chrono::seconds limit = std::chrono::seconds(30));
+
 /// The `reason` of the error that `method` answers, "ok" when it succeeds.
 std::string error_reason(Client& c, const std::string& method, const nlohmann::json& params);
 
