@@ -1235,6 +1235,8 @@ public:
             if (kind == websocket::frame_type::pong) ++pongs;
         });
     }
+    ConcurrentDriver(const ConcurrentDriver&) = delete;  // the callback captures `this`
+    ConcurrentDriver& operator=(const ConcurrentDriver&) = delete;
     ~ConcurrentDriver() { io_.ws.control_callback(); }
 
     void text(std::string s) { push({0, std::move(s)}); }
