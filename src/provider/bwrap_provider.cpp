@@ -1005,37 +1005,34 @@ private:
                                          unique_fd spare, proto::Request request,
                                          std::string payload, std::vector<int> fds) {
         Exchanged out;
-        for (;;) {
-            const ssize_t sent = send_request(socket->native_handle(), request, payload, fds);
-            if (sent >= 0) break;
-            if (sent != -EAGAIN && sent != -EWOULDBLOCK) {
-                out.error = static_cast<int>(-sent);
-                co_return out;
-            }
-            auto [ec] = co_await socket->async_wait(net::posix::descriptor_base::wait_write,
-                                                    as_tuple_awaitable);
-            if (ec) {
-                out.error = EPIPE;
-                co_return out;
-            }
+        const int fd = socket->native_handle();
+        const ssize_t sent = co_await when_ready(*socket, net::posix::descriptor_base::wait_write,
+                                                 [&] { return send_request(fd, request, payload, fds); });
+        if (sent < 0) {
+            out.error = static_cast<int>(-sent);
+            co_return out;
         }
         spare.reset();  // the reply's pidfd takes its place
-        for (;;) {
-            out.got = recv_reply(socket->native_handle(), out.reply, out.pidfd);
-            if (out.got >= 0) break;
-            if (out.got != -EAGAIN && out.got != -EWOULDBLOCK) {
-                out.error = static_cast<int>(-out.got);
-                co_return out;
-            }
-            auto [ec] = co_await socket->async_wait(net::posix::descriptor_base::wait_read,
-                                                    as_tuple_awaitable);
-            if (ec) {
-                out.error = EPIPE;
-                co_return out;
-            }
-        }
+        out.got = co_await when_ready(*socket, net::posix::descriptor_base::wait_read,
+                                      [&] { return recv_reply(fd, out.reply, out.pidfd); });
+        if (out.got < 0) out.error = static_cast<int>(-out.got);
         if (out.got == 0) out.error = EPIPE;
         co_return out;
+    }
+
+    /// Calls `attempt` (a non-blocking socket call: its result, or -errno) again each time
+    /// `socket` is ready for `wait` while it says EAGAIN. Returns its result, or -EPIPE when the
+    /// wait fails (the socket closed or the wait was cancelled).
+    template <typename Attempt>
+    static awaitable<ssize_t> when_ready(net::posix::stream_descriptor& socket,
+                                         net::posix::descriptor_base::wait_type wait,
+                                         Attempt attempt) {
+        for (;;) {
+            const ssize_t result = attempt();
+            if (result != -EAGAIN && result != -EWOULDBLOCK) co_return result;
+            auto [ec] = co_await socket.async_wait(wait, as_tuple_awaitable);
+            if (ec) co_return -EPIPE;
+        }
     }
 
     /// A descriptor of the supervisor's socket for one request, on the awaiting executor:
