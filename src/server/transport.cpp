@@ -89,7 +89,6 @@ awaitable<void> Transport::serve(Receiver& receiver) {
     }
     closing_ = true;
     queue_.clear();
-    queued_bytes_ = 0;
 }
 
 awaitable<void> Transport::read_loop(Receiver& receiver) {
@@ -130,7 +129,6 @@ awaitable<void> Transport::write_loop() {
         }
         Outgoing out = std::move(queue_.front());
         queue_.pop_front();
-        queued_bytes_ -= out.bytes.size();
         ws_.binary(out.binary);
         auto [ec, n] = co_await ws_.async_write(net::buffer(out.bytes), as_tuple_awaitable);
         if (ec) {
@@ -178,7 +176,6 @@ awaitable<void> Transport::idle_loop() {
 
 void Transport::send(bool binary, std::string bytes) {
     if (closing_) return;
-    queued_bytes_ += bytes.size();
     queue_.push_back({binary, std::move(bytes)});
     queue_timer_.cancel();
 }

@@ -13,7 +13,6 @@
 #include <sandboxd/core/net.hpp>
 
 #include <chrono>
-#include <cstddef>
 #include <deque>
 #include <memory>
 #include <optional>
@@ -72,8 +71,6 @@ public:
 
     /// True once the connection has ended (or is ending): nothing sent will be written.
     [[nodiscard]] bool closing() const noexcept { return closing_; }
-    /// Bytes queued and not yet written.
-    [[nodiscard]] std::size_t queued_bytes() const noexcept { return queued_bytes_; }
 
 private:
     struct Outgoing {
@@ -92,7 +89,6 @@ private:
     strand_t strand_;
     std::string peer_;
     std::deque<Outgoing> queue_;
-    std::size_t queued_bytes_ = 0;
     net::steady_timer queue_timer_;  // woken (cancelled) when the queue gets work
     std::chrono::steady_clock::time_point last_heard_;  // last frame read from the peer
     bool closing_ = false;
