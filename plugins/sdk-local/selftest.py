@@ -11,12 +11,9 @@ import argparse, base64, json, os, random, select, shutil, subprocess, sys, temp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "worker.js")
-DRIVER = "sdk-local"
-MANIFEST = {"id": "sdk-local", "apiVersion": 1, "version": "0.0.0", "displayName": "sdk-local",
-            "description": "sandboxd test plugin", "author": "sandboxd", "categories": ["workspace"],
-            "capabilities": ["environment.drivers.register"], "entrypoints": {"worker": "worker.js"},
-            "environmentDrivers": [{"driverKey": DRIVER, "kind": "sandbox_provider",
-                                    "displayName": "sdk-local", "configSchema": {}}]}
+DRIVER = "sdk-local"  # the driverKey of manifest.json
+with open(os.path.join(HERE, "manifest.json")) as _f:
+    MANIFEST = json.load(_f)  # sent in initialize; also checked against the SDK's manifest schema
 INSTANCE_CONFIG = {"served": "by the selftest"}  # what config.get answers
 SCOPE = {"driverKey": DRIVER, "companyId": "acme", "environmentId": "env-1"}
 CHANNEL_METHODS = ["duplexChannelOpen", "duplexChannelWrite", "duplexChannelStop", "duplexChannelClose"]
@@ -410,6 +407,16 @@ def test_hook_frames(w, root, state):
     w.ok("environmentDestroyLease", teardown_params(lease))
 
 
+def test_manifest(w, root, state):
+    """manifest.json passes @paperclipai/shared's pluginManifestV1Schema (what paperclip checks at install)."""
+    script = ('import { pluginManifestV1Schema as s } from "@paperclipai/shared"; import fs from "node:fs";'
+              'const r = s.safeParse(JSON.parse(fs.readFileSync("manifest.json", "utf8")));'
+              'console.log(r.success ? "OK" : r.error.issues.map(i => i.path.join(".") + ": " + i.message).join("; "))')
+    r = subprocess.run([args.node, "--input-type=module", "-e", script], cwd=HERE, capture_output=True, text=True)
+    check(r.stdout.strip() == "OK", "manifest.json: %s %s" % (r.stdout.strip(), r.stderr.strip()[-300:]))
+    check(MANIFEST["environmentDrivers"][0]["driverKey"] == DRIVER, "manifest driverKey")
+
+
 def main():
     global args
     ap = argparse.ArgumentParser()
@@ -424,7 +431,7 @@ def main():
     print("node %s (%s), SDK_LOCAL_ROOT=%s" % (version, args.node, root))
     failures, state = 0, {}
     w = Worker(root)
-    tests = [test_acquire, test_echo, test_channels, test_restart_resume, test_release_destroy,
+    tests = [test_manifest, test_acquire, test_echo, test_channels, test_restart_resume, test_release_destroy,
              test_hook_late_acquire, test_hook_fail_teardowns, test_hook_frames]
     try:
         t = time.time()
