@@ -155,6 +155,22 @@ void parse_token(Obj& o, TokenConfig& t) {
     o.done();
 }
 
+}  // namespace
+
+const std::vector<std::string>& plugin_timeout_methods() {
+    static const std::vector<std::string> methods = {
+        "initialize",          "health",
+        "shutdown",            "environmentAcquireLease",
+        "environmentResumeLease", "environmentReleaseLease",
+        "environmentDestroyLease", "duplexChannelOpen",
+        "duplexChannelWrite",  "duplexChannelStop",
+        "duplexChannelClose",  "duplexChannelCloseStdin",
+        "duplexChannelSignal", "duplexChannelResize"};
+    return methods;
+}
+
+namespace {
+
 void parse_plugin(Obj& o, PluginConfig& p) {
     o.str("pluginId", p.plugin_id);
     o.str("provider", p.provider);
@@ -166,6 +182,29 @@ void parse_plugin(Obj& o, PluginConfig& p) {
             p.env[k] = v.get<std::string>();
         }
     }
+    o.str("manifest", p.manifest);
+    if (const auto* cfg = o.get("config")) {
+        if (!cfg->is_object()) fail(o.sub("config"), "must be an object");
+        p.config = *cfg;
+    }
+    if (const auto* t = o.get("timeoutsMs")) {
+        Obj to(*t, o.sub("timeoutsMs"));
+        for (const auto& method : plugin_timeout_methods()) {
+            std::uint64_t ms = 0;
+            if (!t->contains(method)) continue;
+            to.integer(method, ms, 1, 86400000);
+            p.timeouts_ms[method] = ms;
+        }
+        to.done();
+    }
+    if (const auto* c = o.get("cleanup")) {
+        Obj co(*c, o.sub("cleanup"));
+        co.integer("attempts", p.cleanup.attempts, 1, 1000);
+        co.integer("backoffMs", p.cleanup.backoff_ms, 1, 86400000);
+        co.integer("slowRetryMs", p.cleanup.slow_retry_ms, 1, 86400000);
+        co.done();
+    }
+    o.integer("maxBufferedBytes", p.max_buffered_bytes, 64ULL << 10, 1ULL << 30);
     o.done();
 }
 
@@ -385,10 +424,20 @@ nlohmann::json config_to_json(const Config& c) {
     }
     json plugins = json::array();
     for (const auto& p : c.plugins) {
+        json timeouts = json::object();
+        for (const auto& [method, ms] : p.timeouts_ms) timeouts[method] = ms;
         plugins.push_back({{"pluginId", p.plugin_id},
                            {"provider", p.provider},
                            {"command", p.command},
-                           {"env", p.env}});
+                           {"env", p.env},
+                           {"manifest", p.manifest},
+                           {"config", p.config},
+                           {"timeoutsMs", timeouts},
+                           {"cleanup",
+                            {{"attempts", p.cleanup.attempts},
+                             {"backoffMs", p.cleanup.backoff_ms},
+                             {"slowRetryMs", p.cleanup.slow_retry_ms}}},
+                           {"maxBufferedBytes", p.max_buffered_bytes}});
     }
     const auto& l = c.limits;
     return {

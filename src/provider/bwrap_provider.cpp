@@ -324,10 +324,10 @@ public:
         return {counters_->memory.load(), counters_->pids.load()};
     }
 
-    awaitable<std::shared_ptr<SandboxHandle>> create(SandboxScope scope, std::string lease_id,
-                                                     json config) override {
-        auto work = [this, scope = std::move(scope), lease_id = std::move(lease_id),
-                     config = std::move(config)] { return create_now(scope, lease_id, config); };
+    awaitable<std::shared_ptr<SandboxHandle>> create(Lease lease) override {
+        auto work = [this, lease = std::move(lease)] {
+            return create_now(scope_of(lease), lease.id, lease.config);
+        };
         co_return co_await offload(workers_, std::move(work));
     }
 
@@ -364,15 +364,14 @@ public:
         co_return std::make_unique<detail::ProcessBackend>(executor, std::move(ends));
     }
 
-    std::shared_ptr<SandboxHandle> handle_for_teardown(const SandboxScope& scope,
-                                                       const std::string& lease_id) override {
+    std::shared_ptr<SandboxHandle> handle_for_teardown(const Lease& lease) override {
         // Only ids this provider mints ("bw-" and 16 hex digits) name a sandbox: anything
         // else (a path, "..") is refused rather than trusted.
-        const auto& id = scope.provider_lease_id;
+        const auto& id = lease.provider_lease_id;
         if (!is_sandbox_id(id)) return nullptr;
         auto handle = std::make_shared<SandboxHandle>();
-        handle->scope = scope;
-        handle->lease_id = lease_id;
+        handle->scope = scope_of(lease);
+        handle->lease_id = lease.id;
         handle->workspace = runtime_dir_ / id / "workspace";
         return handle;
     }

@@ -3,9 +3,15 @@
 /// the manager's own io_context thread, in plain completion handlers (no coroutines), so no
 /// state here needs a lock except the readiness snapshot read by other threads.
 ///
+/// The worker speaks the protocol of @paperclipai/plugin-sdk 2026.916.1 (docs/plugins.md):
+/// newline-delimited JSON-RPC 2.0 both ways, the worker's own requests (config.get) and
+/// notifications (log) served.
+///
 /// Fail closed at the worker boundary: a frame is delivered only to the channel registered
-/// under its exact (hostRouteId, workerSessionId) pair; anything else that breaks the protocol
-/// retires the worker (SIGKILL, every channel of it closed, restart with backoff).
+/// under its hostRouteId, with the workerSessionId that the open answer bound (frames that
+/// come before the answer are held and checked at the bind); a frame for a route that ended
+/// is dropped; anything else that breaks the protocol retires the worker (SIGKILL of its
+/// process group, every channel of it closed, restart with backoff).
 
 #include "provider/plugin_worker.hpp"
 
@@ -15,6 +21,7 @@
 #include <sandboxd/core/base64.hpp>
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/net.hpp>
+#include <sandboxd/version.hpp>
 
 #include <spdlog/spdlog.h>
 
@@ -29,6 +36,7 @@
 #include <cstring>
 #include <deque>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <future>
 #include <map>
@@ -54,6 +62,8 @@ using ReplyFn = std::function<void(json result, std::exception_ptr error)>;
 constexpr std::size_t stdin_write_chunk = 48 * 1024;  // 64 KiB of base64
 constexpr std::size_t max_session_id = 256;
 constexpr std::size_t stderr_line_max = 4096;
+constexpr std::size_t log_text_max = 4096;  // of one `log` notification in the daemon's log
+constexpr int api_version = 1;               // the SDK's PLUGIN_API_VERSION
 
 struct SignalName {
     int number;
@@ -98,6 +108,40 @@ std::string resolve_program(const std::string& name) {
     return name;  // spawn reports ENOENT
 }
 
+/// The manifest sent in `initialize`: the configured file, or the smallest one the SDK's
+/// pluginManifestV1Schema accepts, built from the plugin id and provider key.
+json load_manifest(const PluginConfig& config) {
+    if (config.manifest.empty()) {
+        return {{"id", config.plugin_id},
+                {"apiVersion", api_version},
+                {"version", "0.0.0"},
+                {"displayName", config.plugin_id},
+                {"description", "sandboxd plugin provider " + config.provider},
+                {"author", "sandboxd"},
+                {"categories", {"workspace"}},
+                {"capabilities", {"environment.drivers.register"}},
+                {"entrypoints", {{"worker", "worker.js"}}},
+                {"environmentDrivers",
+                 {{{"driverKey", config.provider},
+                   {"kind", "sandbox_provider"},
+                   {"displayName", config.provider},
+                   {"configSchema", json::object()}}}}};
+    }
+    const std::string where = "providers.plugins (" + config.plugin_id + ").manifest";
+    std::ifstream in(config.manifest);
+    if (!in) throw config_error(where + ": cannot read " + config.manifest);
+    json manifest = json::parse(in, nullptr, false, true);
+    if (manifest.is_discarded() || !manifest.is_object()) {
+        throw config_error(where + ": " + config.manifest + " is not a JSON object");
+    }
+    return manifest;
+}
+
+bool is_lifecycle(const std::string& method) {
+    return method == "environmentAcquireLease" || method == "environmentResumeLease" ||
+           method == "environmentReleaseLease" || method == "environmentDestroyLease";
+}
+
 std::string exe_dir() {
     std::error_code ec;
     fs::path self = fs::read_symlink("/proc/self/exe", ec);
@@ -122,6 +166,11 @@ struct Worker {
         std::string method;
         ReplyFn done;
         std::shared_ptr<net::steady_timer> timer;
+        json params;  // kept for environmentAcquireLease only (a late answer needs them)
+    };
+    struct Abandoned {
+        std::string method;
+        json params;
     };
 
     std::uint64_t generation = 0;
@@ -133,14 +182,14 @@ struct Worker {
     std::string out_buf;
     std::string err_buf;
     std::map<std::int64_t, Pending> pending;
-    std::map<std::int64_t, std::string> abandoned;  // timed-out ids and their methods
+    std::map<std::int64_t, Abandoned> abandoned;  // timed-out calls
     std::int64_t next_id = 1;
     std::set<std::string> supported;
     bool initialized = false;
     bool retired = false;  // no frame of it is processed any more
     bool exited = false;
-    std::map<std::pair<std::string, std::string>, std::shared_ptr<Route>> routes;
-    std::set<std::string> sessions;  // workerSessionIds of live routes
+    std::map<std::string, std::shared_ptr<Route>> routes;  // by hostRouteId, opening or bound
+    std::set<std::string> sessions;  // workerSessionIds of bound routes
 };
 
 /// The channel's side of a plugin channel: what the worker sent, until the daemon's Channel
@@ -165,6 +214,7 @@ struct Route {
     explicit Route(net::io_context& ioc) : stop_timer(ioc) {}
 
     enum class phase {
+        opening,  // no open answer yet: frames are held
         open,     // frames are delivered
         exited,   // the worker sent its exit; any further frame is a violation
         closing,  // ended by the daemon; frames until the close is acknowledged are dropped
@@ -178,7 +228,11 @@ struct Route {
     /// Output bytes the worker sent that the channel has not read yet (max_buffered).
     std::shared_ptr<std::atomic<std::size_t>> buffered;
     bool stdin_open = true;
-    phase ph = phase::open;
+    phase ph = phase::opening;
+    /// Frames that came before the open answer, in order: (workerSessionId, params).
+    std::vector<std::pair<std::string, json>> held;
+    std::size_t held_bytes = 0;
+    std::string held_overflow;  // why the route ended before its answer; "" when it did not
     bool stop_sent = false;
     bool forgotten = false;
     bool severed = false;
@@ -191,16 +245,23 @@ struct OpenSlot {
     std::shared_ptr<Inbox> inbox;
     std::shared_ptr<std::atomic<std::size_t>> buffered;
     net::any_io_executor executor;
+    // The controls the worker listed in its supportedMethods when it answered the open.
+    bool close_stdin = false;
+    bool signal = false;
+    bool resize = false;
 };
 
 }  // namespace
 
 struct WorkerManager::Impl {
     Impl(PluginConfig c, PluginTuning t)
-        : config(std::move(c)), tuning(t), work(net::make_work_guard(ioc)), restart_timer(ioc) {}
+        : config(std::move(c)), tuning(std::move(t)), manifest(load_manifest(config)),
+          work(net::make_work_guard(ioc)), restart_timer(ioc) {}
 
     PluginConfig config;
     PluginTuning tuning;
+    const json manifest;
+    std::function<void(json, json, json)> late_acquire;  // set before the first call
     net::io_context ioc;
     net::executor_work_guard<net::io_context::executor_type> work;
     std::thread thread;
@@ -216,6 +277,7 @@ struct WorkerManager::Impl {
     std::shared_ptr<std::promise<void>> stopped;
 
     std::atomic<bool> ready_flag{false};
+    std::atomic<std::uint64_t> ready_generation{0};
     std::atomic<bool> stopping{false};
     mutable std::mutex supported_mutex;
     std::set<std::string> supported_snapshot;
@@ -235,7 +297,8 @@ struct WorkerManager::Impl {
 
     // --- JSON-RPC
     void request(const std::shared_ptr<Worker>& w, const std::string& method, json params,
-                 ReplyFn done, std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+                 ReplyFn done, std::optional<std::chrono::milliseconds> timeout = std::nullopt,
+                 json context = nullptr);
     void notify_ignoring(const std::shared_ptr<Worker>& w, const std::string& method, json params);
     void send_line(const std::shared_ptr<Worker>& w, std::string line);
     void write_next(const std::shared_ptr<Worker>& w);
@@ -243,15 +306,28 @@ struct WorkerManager::Impl {
     void read_stderr(const std::shared_ptr<Worker>& w);
     void on_line(const std::shared_ptr<Worker>& w, std::string_view line);
     void on_response(const std::shared_ptr<Worker>& w, const json& msg);
+    void on_worker_request(const std::shared_ptr<Worker>& w, const json& msg);
+    void on_log(const std::shared_ptr<Worker>& w, const json& params);
     void on_notification(const std::shared_ptr<Worker>& w, const json& msg);
+    /// A data or exit frame of `r` (bound), in order.
+    void deliver(const std::shared_ptr<Worker>& w, const std::shared_ptr<Route>& r,
+                 bool is_data, const json& params);
+    /// Whether `route_id` is one this manager minted (so a frame for it, unknown now, is
+    /// for a route that ended: dropped, not a violation).
+    bool minted(const std::string& route_id) const;
+    std::chrono::milliseconds timeout_for(const std::string& method) const {
+        auto it = config.timeouts_ms.find(method);
+        if (it != config.timeouts_ms.end()) return std::chrono::milliseconds(it->second);
+        return is_lifecycle(method) ? tuning.lifecycle_timeout : tuning.rpc_timeout;
+    }
     bool usable(const std::shared_ptr<Worker>& w) const {
         return w && w == current && w->initialized && !w->retired && !w->exited;
     }
 
     // --- calls from other threads, run here
-    void call_on_io(const std::string& method, json params, bool optional, ReplyFn done);
-    void open_on_io(json params, bool stdin_attached, std::shared_ptr<OpenSlot> slot,
-                    ReplyFn done);
+    void call_on_io(const std::string& method, json params, bool optional, ReplyFn done,
+                    json context = nullptr);
+    void open_on_io(json params, std::shared_ptr<OpenSlot> slot, ReplyFn done);
     void write_on_io(const std::shared_ptr<Route>& r, std::string bytes, ReplyFn done);
     void close_stdin_on_io(const std::shared_ptr<Route>& r);
     void signal_on_io(const std::shared_ptr<Route>& r, int sig, bool all);
@@ -264,12 +340,14 @@ struct WorkerManager::Impl {
     void route_data(const std::shared_ptr<Route>& r, int stream, std::string bytes);
     void route_exit(const std::shared_ptr<Route>& r, const json& params);
     void stop_route(const std::shared_ptr<Route>& r);
-    void end_locally(const std::shared_ptr<Route>& r, const std::string& why);
+    void end_locally(const std::shared_ptr<Route>& r, const std::string& why,
+                     errc code = errc::provider_error);
     void close_session(const std::shared_ptr<Route>& r);
     void forget(const std::shared_ptr<Route>& r);
     /// Ends the channel on the daemon's side now: no more output, and an exit with no report
-    /// (outcome transportClosed) unless the worker's exit came first.
-    void sever(const std::shared_ptr<Route>& r);
+    /// (outcome transportClosed, or `error` when given) unless the worker's exit came first.
+    void sever(const std::shared_ptr<Route>& r, const std::string& error = {},
+               errc code = errc::provider_error);
 };
 
 namespace {
@@ -324,9 +402,11 @@ void WorkerManager::Impl::start_worker() {
     watch_exit(w);
     read_lines(w);
     read_stderr(w);
-    json params = {{"protocolVersion", 1},
-                   {"pluginId", config.plugin_id},
-                   {"provider", config.provider}};
+    json params = {{"manifest", manifest},
+                   {"config", config.config},
+                   {"instanceInfo",
+                    {{"instanceId", tuning.instance_id}, {"hostVersion", version_string}}},
+                   {"apiVersion", api_version}};
     request(w, "initialize", std::move(params), [this, w](json result, std::exception_ptr error) {
         if (w->retired || w->exited) return;
         if (error) {
@@ -339,14 +419,20 @@ void WorkerManager::Impl::start_worker() {
             retire(w, why);
             return;
         }
-        const json* methods = result.is_object() && result.contains("supportedMethods")
-                                  ? &result["supportedMethods"]
-                                  : nullptr;
-        if (!methods || !methods->is_array()) {
-            retire(w, "initialize result has no supportedMethods array");
+        // The SDK answers {ok: true, supportedMethods?}; the list names the optional methods
+        // the plugin implements (health and shutdown are always served).
+        if (!result.is_object() || result.value("ok", true) != true) {
+            retire(w, "initialize did not answer {ok: true}: " + result.dump().substr(0, 200));
             return;
         }
-        for (const auto& m : *methods) {
+        const json methods = result.value("supportedMethods", json::array());
+        if (!methods.is_array()) {
+            retire(w, "initialize's supportedMethods is not an array");
+            return;
+        }
+        w->supported.insert("health");
+        w->supported.insert("shutdown");
+        for (const auto& m : methods) {
             if (!m.is_string()) {
                 retire(w, "supportedMethods holds a non-string");
                 return;
@@ -359,6 +445,17 @@ void WorkerManager::Impl::start_worker() {
         for (const auto& m : w->supported) list += (list.empty() ? "" : ",") + m;
         spdlog::info("plugin={} worker pid={} ready: supportedMethods={}", config.plugin_id,
                      w->pid, list);
+        // What the plugin says of itself, for the log; readiness does not wait for it.
+        request(w, "health", json::object(), [this, w](json health, std::exception_ptr failed) {
+            if (failed) return;
+            const std::string status = health.is_object() ? health.value("status", "?") : "?";
+            if (status == "ok") {
+                spdlog::info("plugin={} worker pid={} health: ok", config.plugin_id, w->pid);
+            } else {
+                spdlog::warn("plugin={} worker pid={} health: {}", config.plugin_id, w->pid,
+                             health.dump().substr(0, log_text_max));
+            }
+        });
     });
 }
 
@@ -397,8 +494,18 @@ void WorkerManager::Impl::watch_exit(const std::shared_ptr<Worker>& w) {
                         [this, w](beast::error_code) { on_exit(w); });
 }
 
+namespace {
+/// Kills what the worker left in its process group (the SDK exits on stdin EOF without
+/// stopping the children a plugin started). Only while the worker is not yet reaped: its pid,
+/// which is the group's id (spawn_process starts a session), cannot be reused until then.
+void kill_group(const Worker& w) {
+    if (w.pid > 0) ::kill(-w.pid, SIGKILL);
+}
+}  // namespace
+
 void WorkerManager::Impl::on_exit(const std::shared_ptr<Worker>& w) {
     if (w->exited) return;
+    kill_group(*w);
     siginfo_t info{};
     ::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(w->pidfd.native_handle()), &info,
              WEXITED);
@@ -439,6 +546,7 @@ void WorkerManager::Impl::retire(const std::shared_ptr<Worker>& w, const std::st
     close_quietly(w->in);
     close_quietly(w->out);
     ::syscall(SYS_pidfd_send_signal, w->pidfd.native_handle(), SIGKILL, nullptr, 0);
+    kill_group(*w);
     // on_exit (the pidfd) reaps it and schedules the restart.
 }
 
@@ -463,6 +571,7 @@ void WorkerManager::Impl::fail_everything(const std::shared_ptr<Worker>& w, errc
 void WorkerManager::Impl::set_ready(const std::shared_ptr<Worker>& w, bool ready) {
     std::lock_guard lock(supported_mutex);
     supported_snapshot = ready ? w->supported : std::set<std::string>{};
+    ready_generation = ready ? w->generation : 0;
     ready_flag = ready;
 }
 
@@ -514,9 +623,13 @@ void WorkerManager::Impl::terminate(const std::shared_ptr<Worker>& w) {
 
 void WorkerManager::Impl::request(const std::shared_ptr<Worker>& w, const std::string& method,
                                   json params, ReplyFn done,
-                                  std::optional<std::chrono::milliseconds> timeout) {
+                                  std::optional<std::chrono::milliseconds> timeout,
+                                  json context) {
     const std::int64_t id = w->next_id++;
     std::string line;
+    json kept = method == "environmentAcquireLease"
+                    ? json{{"params", params}, {"context", std::move(context)}}
+                    : json();
     try {
         line = jsonrpc::request(id, method, std::move(params));
     } catch (const json::exception&) {
@@ -527,7 +640,7 @@ void WorkerManager::Impl::request(const std::shared_ptr<Worker>& w, const std::s
         return;
     }
     auto timer = std::make_shared<net::steady_timer>(ioc);
-    const auto limit = timeout.value_or(tuning.rpc_timeout);
+    const auto limit = timeout.value_or(timeout_for(method));
     timer->expires_after(limit);
     timer->async_wait([this, w, id, limit](beast::error_code ec) {
         if (ec) return;
@@ -535,14 +648,15 @@ void WorkerManager::Impl::request(const std::shared_ptr<Worker>& w, const std::s
         if (it == w->pending.end()) return;
         auto p = std::move(it->second);
         w->pending.erase(it);
-        w->abandoned[id] = p.method;
+        w->abandoned[id] = Worker::Abandoned{p.method, std::move(p.params)};
         spdlog::warn("plugin={} worker pid={}: {} (id {}) timed out after {} ms",
                      config.plugin_id, w->pid, p.method, id, limit.count());
         p.done(json(), error_ptr(errc::provider_error,
                                  "plugin " + config.plugin_id + ": " + p.method +
                                      " timed out after " + std::to_string(limit.count()) + " ms"));
     });
-    w->pending.emplace(id, Worker::Pending{method, std::move(done), std::move(timer)});
+    w->pending.emplace(id, Worker::Pending{method, std::move(done), std::move(timer),
+                                           std::move(kept)});
     send_line(w, std::move(line));
 }
 
@@ -632,22 +746,57 @@ void WorkerManager::Impl::on_line(const std::shared_ptr<Worker>& w, std::string_
     if (line.find_first_not_of(" \t") == std::string_view::npos) return;
     json msg = json::parse(line, nullptr, false);
     if (msg.is_discarded() || !msg.is_object()) {
-        retire(w, "sent a line that is not a JSON object");
+        // A plugin's console.log writes plain text to stdout (the SDK does not redirect it):
+        // logged and dropped, as paperclip's host does. It can answer or forge nothing.
+        spdlog::info("plugin={} pid={} stdout: {}", config.plugin_id, w->pid,
+                     line.substr(0, log_text_max));
         return;
     }
-    const bool has_method = msg.contains("method");
+    const bool has_method = msg.contains("method") && msg["method"].is_string();
+    const bool has_id = msg.contains("id") && !msg["id"].is_null();
     if (!has_method && msg.contains("id") && (msg.contains("result") || msg.contains("error"))) {
         on_response(w, msg);
-    } else if (has_method && msg["method"].is_string()) {
-        if (msg.contains("id")) {
-            // Workers make no requests of the daemon.
-            send_line(w, jsonrpc::error(msg["id"], {{"code", -32601}, {"message", "Method not found"}}));
-            return;
-        }
+    } else if (has_method && has_id) {
+        on_worker_request(w, msg);
+    } else if (has_method && !msg.contains("id")) {
         on_notification(w, msg);
     } else {
-        retire(w, "sent a message that is neither a response nor a notification");
+        spdlog::warn("plugin={} worker pid={}: a message that is neither a response, a request "
+                     "nor a notification was dropped: {}",
+                     config.plugin_id, w->pid, line.substr(0, 200));
     }
+}
+
+void WorkerManager::Impl::on_worker_request(const std::shared_ptr<Worker>& w, const json& msg) {
+    const std::string method = msg["method"].get<std::string>();
+    if (method == "config.get") {
+        // The instance config of the plugin's entry, whatever company it names: one daemon
+        // serves one config per plugin (docs/plugins.md, "Worker to host").
+        send_line(w, jsonrpc::result(msg["id"], config.config));
+        return;
+    }
+    spdlog::debug("plugin={} worker pid={}: host method {} is not served", config.plugin_id,
+                  w->pid, method);
+    send_line(w, jsonrpc::error(msg["id"], {{"code", -32601},
+                                            {"message", "Host does not handle method \"" +
+                                                            method.substr(0, 200) + "\""}}));
+}
+
+void WorkerManager::Impl::on_log(const std::shared_ptr<Worker>& w, const json& params) {
+    if (!params.is_object()) return;
+    const std::string level = params.value("level", "info");
+    std::string text = params.contains("message") && params["message"].is_string()
+                           ? params["message"].get<std::string>()
+                           : std::string("(no message)");
+    if (params.contains("meta") && !params["meta"].is_null()) {
+        text += " " + params["meta"].dump(-1, ' ', false, json::error_handler_t::replace);
+    }
+    if (text.size() > log_text_max) text.resize(log_text_max);
+    const auto lvl = level == "error"   ? spdlog::level::err
+                     : level == "warn"  ? spdlog::level::warn
+                     : level == "debug" ? spdlog::level::debug
+                                        : spdlog::level::info;
+    spdlog::log(lvl, "plugin={} pid={} {}", config.plugin_id, w->pid, text);
 }
 
 void WorkerManager::Impl::on_response(const std::shared_ptr<Worker>& w, const json& msg) {
@@ -664,18 +813,15 @@ void WorkerManager::Impl::on_response(const std::shared_ptr<Worker>& w, const js
                           ", which is not pending (a duplicate or unknown reply)");
             return;
         }
-        const std::string method = late->second;
+        auto call = std::move(late->second);
         w->abandoned.erase(late);
-        spdlog::warn("plugin={} worker pid={}: late answer to {} (id {}) ignored",
-                     config.plugin_id, w->pid, method, id);
-        // A channel the daemon gave up on may still run on the worker: end it there.
-        const json& r = msg.contains("result") ? msg["result"] : json();
-        if (method == "duplexChannelOpen" && r.is_object() && r.contains("workerSessionId") &&
-            r["workerSessionId"].is_string() && r.contains("hostRouteId") &&
-            r["hostRouteId"].is_string()) {
-            json p = {{"hostRouteId", r["hostRouteId"]}, {"workerSessionId", r["workerSessionId"]}};
-            if (has(*w, "duplexChannelStop")) notify_ignoring(w, "duplexChannelStop", p);
-            if (has(*w, "duplexChannelClose")) notify_ignoring(w, "duplexChannelClose", p);
+        spdlog::warn("plugin={} worker pid={}: late answer to {} (id {})", config.plugin_id,
+                     w->pid, call.method, id);
+        // An acquire that answered after its timeout made a sandbox nobody holds: the node
+        // records it and tears it down (no leak). A late open was closed at its timeout.
+        if (call.method == "environmentAcquireLease" && msg.contains("result") && late_acquire) {
+            late_acquire(std::move(call.params["params"]), msg["result"],
+                         std::move(call.params["context"]));
         }
         return;
     }
@@ -691,7 +837,7 @@ void WorkerManager::Impl::on_response(const std::shared_ptr<Worker>& w, const js
                                      ? e["message"].get<std::string>()
                                      : e.dump();
         spdlog::warn("plugin={} worker pid={}: {} failed: code={} {}", config.plugin_id, w->pid,
-                     p.method, code, text);
+                     p.method, code, text.substr(0, log_text_max));
         if (code == -32602) {
             p.done(json(), error_ptr(errc::invalid_params, text));
         } else {
@@ -704,8 +850,24 @@ void WorkerManager::Impl::on_response(const std::shared_ptr<Worker>& w, const js
     p.done(msg["result"], nullptr);
 }
 
+bool WorkerManager::Impl::minted(const std::string& route_id) const {
+    const std::string prefix = config.plugin_id + "-";
+    if (route_id.compare(0, prefix.size(), prefix) != 0) return false;
+    const std::string digits = route_id.substr(prefix.size());
+    if (digits.empty() || digits.size() > 19 ||
+        digits.find_first_not_of("0123456789") != std::string::npos) {
+        return false;
+    }
+    return std::stoull(digits) < next_route;
+}
+
 void WorkerManager::Impl::on_notification(const std::shared_ptr<Worker>& w, const json& msg) {
     const std::string method = msg["method"].get<std::string>();
+    const json& p = msg.contains("params") ? msg["params"] : json();
+    if (method == "log") {
+        on_log(w, p);
+        return;
+    }
     const bool is_data = method == "duplexChannel.data";
     const bool is_exit = method == "duplexChannel.exit";
     if (!is_data && !is_exit) {
@@ -713,7 +875,6 @@ void WorkerManager::Impl::on_notification(const std::shared_ptr<Worker>& w, cons
                       w->pid, method);
         return;
     }
-    const json& p = msg.contains("params") ? msg["params"] : json();
     auto str = [&p](const char* k) {
         return p.is_object() && p.contains(k) && p[k].is_string();
     };
@@ -721,29 +882,54 @@ void WorkerManager::Impl::on_notification(const std::shared_ptr<Worker>& w, cons
         retire(w, method + " without a hostRouteId and workerSessionId");
         return;
     }
-    auto key = std::make_pair(p["hostRouteId"].get<std::string>(),
-                              p["workerSessionId"].get<std::string>());
-    auto it = w->routes.find(key);
+    const std::string route_id = p["hostRouteId"].get<std::string>();
+    const std::string session = p["workerSessionId"].get<std::string>();
+    auto it = w->routes.find(route_id);
     if (it == w->routes.end()) {
-        retire(w, method + " for an unknown or foreign (hostRouteId, workerSessionId) pair (" +
-                      key.first + ", " + key.second + ")");
+        if (minted(route_id)) return;  // a route that ended (closed): dropped
+        retire(w, method + " for a hostRouteId the daemon never opened (" +
+                      route_id.substr(0, 200) + ")");
         return;
     }
     auto r = it->second;
-    if (r->ph == Route::phase::exited) {
-        retire(w, method + " after the exit of channel " + key.first);
+    if (r->ph == Route::phase::opening) {
+        // Before the open answer (the SDK allows it): held, bounded, checked at the bind.
+        if (!r->held_overflow.empty()) return;
+        std::size_t bytes = is_data && str("chunk") ? p["chunk"].get<std::string>().size() : 0;
+        if (r->held.size() >= tuning.max_held_frames ||
+            r->held_bytes + bytes / 4 * 3 > tuning.max_held_bytes) {
+            r->held_overflow = "more than " + std::to_string(tuning.max_held_frames) +
+                               " frames or " + std::to_string(tuning.max_held_bytes) +
+                               " bytes came before the open answer";
+            r->held.clear();
+            return;
+        }
+        r->held_bytes += bytes / 4 * 3;
+        r->held.emplace_back(session, msg);
         return;
     }
+    if (session != r->session_id) {
+        retire(w, method + " for a foreign (hostRouteId, workerSessionId) pair (" + route_id +
+                      ", " + session.substr(0, 200) + ")");
+        return;
+    }
+    deliver(w, r, is_data, p);
+}
+
+void WorkerManager::Impl::deliver(const std::shared_ptr<Worker>& w, const std::shared_ptr<Route>& r,
+                                  bool is_data, const json& p) {
+    if (r->ph == Route::phase::exited) return;  // after its exit: dropped (closing follows)
     if (is_data) {
         int stream = 0;
-        if (p.contains("stream")) {
-            if (p["stream"] == "stderr") stream = 1;
-            else if (p["stream"] != "stdout") {
+        if (p.contains("stream")) {  // a sandboxd extension; the SDK has stdout only
+            if (p["stream"] == "stderr") {
+                stream = 1;
+            } else if (p["stream"] != "stdout") {
                 retire(w, "duplexChannel.data with a stream that is not stdout or stderr");
                 return;
             }
         }
-        if (!str("chunk")) {
+        if (!p.contains("chunk") || !p["chunk"].is_string()) {
             retire(w, "duplexChannel.data without a chunk");
             return;
         }
@@ -758,11 +944,10 @@ void WorkerManager::Impl::on_notification(const std::shared_ptr<Worker>& w, cons
         route_data(r, stream, std::move(bytes));
         return;
     }
-    // duplexChannel.exit
+    // duplexChannel.exit: exitCode is any number or null (the SDK passes what the plugin gave).
     const json code = p.value("exitCode", json());
-    if (!code.is_null() &&
-        !(code.is_number_integer() && code.get<std::int64_t>() >= 0 && code.get<std::int64_t>() <= 255)) {
-        retire(w, "duplexChannel.exit with an exitCode that is neither null nor 0..255");
+    if (!code.is_null() && !code.is_number()) {
+        retire(w, "duplexChannel.exit with an exitCode that is neither a number nor null");
         return;
     }
     if (r->ph == Route::phase::closing) {
@@ -776,7 +961,7 @@ void WorkerManager::Impl::on_notification(const std::shared_ptr<Worker>& w, cons
 // Calls from other threads
 
 void WorkerManager::Impl::call_on_io(const std::string& method, json params, bool optional,
-                                     ReplyFn done) {
+                                     ReplyFn done, json context) {
     auto w = current;
     if (!usable(w) || stopping_io) {
         done(json(), error_ptr(errc::provider_not_ready, not_ready_message()));
@@ -786,11 +971,10 @@ void WorkerManager::Impl::call_on_io(const std::string& method, json params, boo
         done(json(nullptr), nullptr);
         return;
     }
-    request(w, method, std::move(params), std::move(done));
+    request(w, method, std::move(params), std::move(done), std::nullopt, std::move(context));
 }
 
-void WorkerManager::Impl::open_on_io(json params, bool stdin_attached,
-                                     std::shared_ptr<OpenSlot> slot, ReplyFn done) {
+void WorkerManager::Impl::open_on_io(json params, std::shared_ptr<OpenSlot> slot, ReplyFn done) {
     auto w = current;
     if (!usable(w) || stopping_io) {
         done(json(), error_ptr(errc::provider_not_ready, not_ready_message()));
@@ -805,26 +989,46 @@ void WorkerManager::Impl::open_on_io(json params, bool stdin_attached,
     }
     const std::string route_id = config.plugin_id + "-" + std::to_string(next_route++);
     params["hostRouteId"] = route_id;
-    auto reply = [this, w, route_id, slot, stdin_attached, done](json result,
-                                                                 std::exception_ptr error) {
+    // The route exists from now on: frames the worker sends before its answer are held.
+    auto r = std::make_shared<Route>(ioc);
+    r->worker = w;
+    r->host_route_id = route_id;
+    r->channel_executor = slot->executor;
+    r->inbox = slot->inbox;
+    r->buffered = slot->buffered;
+    w->routes.emplace(route_id, r);
+    auto fail = [this, w, r](const std::string& why) {
+        // Paperclip's way: a route whose open failed or was lost is closed by hostRouteId
+        // alone (the worker may have bound a session the daemon never learnt).
+        r->ph = Route::phase::closing;
+        r->held.clear();
+        forget(r);
+        if (!w->retired && !w->exited && has(*w, "duplexChannelClose")) {
+            notify_ignoring(w, "duplexChannelClose", {{"hostRouteId", r->host_route_id}});
+        }
+        spdlog::debug("plugin={} channel route={} not opened: {}", config.plugin_id,
+                      r->host_route_id, why);
+    };
+    auto reply = [this, w, r, slot, done, fail](json result, std::exception_ptr error) {
+        if (w->retired || w->exited) {
+            done(json(), error ? error : error_ptr(errc::provider_not_ready, not_ready_message()));
+            return;
+        }
         if (error) {
+            fail("the open failed or timed out");
             done(json(), error);
             return;
         }
-        if (w->retired || w->exited) {
-            done(json(), error_ptr(errc::provider_not_ready, not_ready_message()));
-            return;
-        }
         const bool shaped = result.is_object() && result.contains("hostRouteId") &&
-                            result["hostRouteId"] == route_id &&
+                            result["hostRouteId"] == r->host_route_id &&
                             result.contains("workerSessionId") &&
                             result["workerSessionId"].is_string() &&
                             !result["workerSessionId"].get<std::string>().empty() &&
                             result["workerSessionId"].get<std::string>().size() <= max_session_id;
         if (!shaped) {
-            retire(w, "answered duplexChannelOpen without echoing hostRouteId " + route_id +
-                          " or without a workerSessionId (1.." + std::to_string(max_session_id) +
-                          " bytes)");
+            retire(w, "answered duplexChannelOpen without echoing hostRouteId " +
+                          r->host_route_id + " or without a workerSessionId (1.." +
+                          std::to_string(max_session_id) + " bytes)");
             done(json(), error_ptr(errc::provider_error,
                                    "plugin " + config.plugin_id +
                                        ": the worker answered duplexChannelOpen wrongly and was "
@@ -840,24 +1044,44 @@ void WorkerManager::Impl::open_on_io(json params, bool stdin_attached,
                                        "retired"));
             return;
         }
-        auto r = std::make_shared<Route>(ioc);
-        r->worker = w;
-        r->host_route_id = route_id;
         r->session_id = session;
-        r->channel_executor = slot->executor;
-        r->inbox = slot->inbox;
-        r->buffered = slot->buffered;
-        r->stdin_open = stdin_attached;
-        w->routes.emplace(std::make_pair(route_id, session), r);
         w->sessions.insert(session);
+        if (!r->held_overflow.empty()) {
+            const std::string why = r->held_overflow;
+            r->ph = Route::phase::closing;
+            close_session(r);
+            done(json(), error_ptr(errc::provider_error,
+                                   "plugin " + config.plugin_id + ": the channel " + why));
+            return;
+        }
+        r->ph = Route::phase::open;
         spdlog::debug("plugin={} channel route={} session={} opened", config.plugin_id,
-                      route_id, session);
-        if (!stdin_attached && has(*w, "duplexChannelCloseStdin")) {
-            notify_ignoring(w, "duplexChannelCloseStdin",
-                            {{"hostRouteId", route_id}, {"workerSessionId", session}});
+                      r->host_route_id, session);
+        // What came before the answer, in order, through the exact-pair check.
+        auto held = std::move(r->held);
+        r->held.clear();
+        for (auto& [held_session, msg] : held) {
+            if (held_session != session) {
+                retire(w, "sent " + msg["method"].get<std::string>() +
+                              " before the open answer under workerSessionId " +
+                              held_session.substr(0, 200) + ", not the one it bound (" +
+                              session + ")");
+                break;
+            }
+            deliver(w, r, msg["method"] == "duplexChannel.data", msg["params"]);
+            if (w->retired) break;
+        }
+        if (w->retired) {
+            done(json(), error_ptr(errc::provider_error,
+                                   "plugin " + config.plugin_id +
+                                       ": the worker broke the protocol and was retired"));
+            return;
         }
         slot->route = r;
-        done(json{{"hostRouteId", route_id}, {"workerSessionId", session}}, nullptr);
+        slot->close_stdin = has(*w, "duplexChannelCloseStdin");
+        slot->signal = has(*w, "duplexChannelSignal");
+        slot->resize = has(*w, "duplexChannelResize");
+        done(json{{"hostRouteId", r->host_route_id}, {"workerSessionId", session}}, nullptr);
     };
     request(w, "duplexChannelOpen", std::move(params), std::move(reply));
 }
@@ -922,14 +1146,15 @@ void WorkerManager::Impl::to_channel(const std::shared_ptr<Route>& r, F f) {
 void WorkerManager::Impl::route_data(const std::shared_ptr<Route>& r, int stream,
                                      std::string bytes) {
     if (bytes.empty()) return;
-    if (bytes.size() > tuning.max_chunk) {
-        end_locally(r, "a chunk of " + std::to_string(bytes.size()) + " bytes is over the bound of " +
-                           std::to_string(tuning.max_chunk));
-        return;
-    }
-    if (*r->buffered + bytes.size() > tuning.max_buffered) {
-        end_locally(r, "more than " + std::to_string(tuning.max_buffered) +
-                           " output bytes are waiting for the daemon");
+    // The SDK has no credit: the worker is always read, and a channel whose host does not
+    // keep up ends here rather than holding more than maxBufferedBytes.
+    if (*r->buffered + bytes.size() > config.max_buffered_bytes) {
+        end_locally(r,
+                    "the plugin channel holds more than " +
+                        std::to_string(config.max_buffered_bytes) +
+                        " output bytes the host has not credited (providers.plugins[]."
+                        "maxBufferedBytes)",
+                    errc::flow_control);
         return;
     }
     *r->buffered += bytes.size();
@@ -945,15 +1170,23 @@ namespace {
 ChannelExit exit_of(const json& p) {
     ChannelExit exit;
     const json code = p.value("exitCode", json());
-    if (code.is_number_integer()) {
-        exit.exit_code = code.get<int>();
+    // Any integer passes (the SDK sends the number the plugin gave: 300, -1, ...); one beyond
+    // int32 or with a fraction is reported as null.
+    const bool fits = code.is_number_integer() &&
+                      (code.is_number_unsigned() ? code.get<std::uint64_t>() <= INT32_MAX
+                                                 : code.get<std::int64_t>() >= INT32_MIN &&
+                                                       code.get<std::int64_t>() <= INT32_MAX);
+    if (fits) {
+        exit.exit_code = static_cast<int>(code.get<std::int64_t>());
     } else if (p.contains("signal") && p["signal"].is_string()) {
         for (const auto& s : exit_signals) {
             if (p["signal"] == s.name) exit.signal = s.number;
         }
     }
-    // exitCode null with no signal it may name: the Channel reports transportClosed.
-    exit.lost = !exit.exit_code && exit.signal == 0;
+    // exitCode null with no signal it may name, or transportClosed: true: the Channel
+    // reports transportClosed.
+    exit.lost = (!exit.exit_code && exit.signal == 0) ||
+               (p.contains("transportClosed") && p["transportClosed"] == true);
     return exit;
 }
 }  // namespace
@@ -992,12 +1225,13 @@ void WorkerManager::Impl::stop_route(const std::shared_ptr<Route>& r) {
     });
 }
 
-void WorkerManager::Impl::end_locally(const std::shared_ptr<Route>& r, const std::string& why) {
+void WorkerManager::Impl::end_locally(const std::shared_ptr<Route>& r, const std::string& why,
+                                      errc code) {
     if (r->ph != Route::phase::open) return;
     spdlog::warn("plugin={} channel route={} session={} ended by the daemon: {}",
                  config.plugin_id, r->host_route_id, r->session_id, why);
     r->ph = Route::phase::closing;
-    sever(r);
+    sever(r, code == errc::flow_control ? why : std::string(), code);
     auto w = r->worker.lock();
     if (!w || w->retired || w->exited) return;
     if (!r->stop_sent && has(*w, "duplexChannelStop")) {
@@ -1032,24 +1266,29 @@ void WorkerManager::Impl::forget(const std::shared_ptr<Route>& r) {
     if (r->forgotten) return;
     r->forgotten = true;
     if (auto w = r->worker.lock()) {
-        w->routes.erase(std::make_pair(r->host_route_id, r->session_id));
-        w->sessions.erase(r->session_id);
+        w->routes.erase(r->host_route_id);
+        if (!r->session_id.empty()) w->sessions.erase(r->session_id);
     }
     spdlog::debug("plugin={} channel route={} session={} closed", config.plugin_id,
                   r->host_route_id, r->session_id);
 }
 
-void WorkerManager::Impl::sever(const std::shared_ptr<Route>& r) {
-    if (r->ph == Route::phase::open) r->ph = Route::phase::closing;
+void WorkerManager::Impl::sever(const std::shared_ptr<Route>& r, const std::string& error,
+                                errc code) {
+    if (r->ph == Route::phase::open || r->ph == Route::phase::opening) {
+        r->ph = Route::phase::closing;
+    }
     r->stop_timer.cancel();
     r->stdin_open = false;
     if (r->severed) return;
     r->severed = true;
-    // What the channel holds already is still read (bounded by max_buffered).
-    to_channel(r, [](Inbox& in) {
+    // What the channel holds already is still read (bounded by maxBufferedBytes).
+    to_channel(r, [error, code](Inbox& in) {
         if (!in.exit) {
             in.exit.emplace();
-            in.exit->lost = true;
+            in.exit->lost = error.empty();
+            in.exit->error = error;
+            in.exit->error_code = code;
         }
         in.ended = true;
         in.gone = true;
@@ -1108,12 +1347,13 @@ void post_noexcept(net::io_context& ioc, F f) noexcept {
 
 class PluginChannelBackend final : public ChannelBackend {
 public:
-    PluginChannelBackend(std::shared_ptr<WorkerManager::Impl> impl, std::shared_ptr<OpenSlot> slot,
-                         bool stdin_attached)
+    PluginChannelBackend(std::shared_ptr<WorkerManager::Impl> impl, std::shared_ptr<OpenSlot> slot)
         : impl_(std::move(impl)),
           route_(std::move(slot->route)),
           inbox_(std::move(slot->inbox)),
-          stdin_attached_(stdin_attached) {}
+          close_stdin_(slot->close_stdin),
+          signal_(slot->signal),
+          resize_(slot->resize) {}
 
     ~PluginChannelBackend() override {
         // The daemon dropped the channel: the worker stops it (unless it has ended).
@@ -1126,7 +1366,15 @@ public:
     PluginChannelBackend& operator=(const PluginChannelBackend&) = delete;
 
     bool has_output(output_stream) const noexcept override { return true; }
-    bool has_stdin() const noexcept override { return stdin_attached_; }
+    bool has_stdin() const noexcept override { return true; }
+    bool supports(channel_control control) const noexcept override {
+        switch (control) {
+            case channel_control::close_stdin: return close_stdin_;
+            case channel_control::signal: return signal_;
+            case channel_control::resize: return resize_;
+        }
+        return false;
+    }
 
     awaitable<std::size_t> output_ready(output_stream stream) override {
         const auto i = static_cast<std::size_t>(stream);
@@ -1156,7 +1404,6 @@ public:
     }
 
     awaitable<bool> write_stdin(std::string data) override {
-        if (!stdin_attached_) co_return false;
         WorkerManager::Impl* impl = impl_.get();
         for (std::size_t at = 0; at < data.size(); at += stdin_write_chunk) {
             auto write = [impl, r = route_, chunk = data.substr(at, stdin_write_chunk)](
@@ -1175,7 +1422,6 @@ public:
     }
 
     void close_stdin() noexcept override {
-        if (!stdin_attached_) return;
         WorkerManager::Impl* impl = impl_.get();
         post_noexcept(impl->ioc, [impl, r = route_] { impl->close_stdin_on_io(r); });
     }
@@ -1206,7 +1452,9 @@ private:
     std::shared_ptr<WorkerManager::Impl> impl_;
     std::shared_ptr<Route> route_;  // used on the manager's thread only
     std::shared_ptr<Inbox> inbox_;
-    const bool stdin_attached_;
+    const bool close_stdin_;
+    const bool signal_;
+    const bool resize_;
 };
 
 }  // namespace
@@ -1238,6 +1486,7 @@ WorkerManager::~WorkerManager() {
         impl->thread.join();
         if (auto w = impl->current; w && !w->exited && w->pidfd.is_open()) {
             ::syscall(SYS_pidfd_send_signal, w->pidfd.native_handle(), SIGKILL, nullptr, 0);
+            kill_group(*w);
             siginfo_t info{};
             ::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(w->pidfd.native_handle()),
                      &info, WEXITED);
@@ -1257,16 +1506,22 @@ const PluginConfig& WorkerManager::config() const noexcept { return impl_->confi
 
 bool WorkerManager::ready() const noexcept { return impl_->ready_flag.load(); }
 
+std::uint64_t WorkerManager::generation() const noexcept { return impl_->ready_generation.load(); }
+
+void WorkerManager::on_late_acquire(std::function<void(json params, json result, json context)> f) {
+    impl_->late_acquire = std::move(f);
+}
+
 bool WorkerManager::supports(const std::string& method) const {
     std::lock_guard lock(impl_->supported_mutex);
     return impl_->supported_snapshot.count(method) > 0;
 }
 
-awaitable<json> WorkerManager::call(std::string method, json params) {
+awaitable<json> WorkerManager::call(std::string method, json params, json context) {
     Impl* impl = impl_.get();
-    auto start = [impl, method = std::move(method), params = std::move(params)](
-                     ReplyFn done) mutable {
-        impl->call_on_io(method, std::move(params), false, std::move(done));
+    auto start = [impl, method = std::move(method), params = std::move(params),
+                  context = std::move(context)](ReplyFn done) mutable {
+        impl->call_on_io(method, std::move(params), false, std::move(done), std::move(context));
     };
     co_return co_await on_manager(impl, std::move(start));
 }
@@ -1287,19 +1542,18 @@ awaitable<std::optional<json>> WorkerManager::call_if_supported(std::string meth
     co_return r["result"];
 }
 
-awaitable<std::unique_ptr<ChannelBackend>> WorkerManager::open_channel(json params,
-                                                                       bool stdin_attached) {
+awaitable<std::unique_ptr<ChannelBackend>> WorkerManager::open_channel(json params) {
     auto slot = std::make_shared<OpenSlot>();
     slot->executor = co_await net::this_coro::executor;
     slot->inbox = std::make_shared<Inbox>(slot->executor);
     slot->buffered = std::make_shared<std::atomic<std::size_t>>(0);
     slot->inbox->buffered = slot->buffered;
     Impl* impl = impl_.get();
-    auto start = [impl, params = std::move(params), stdin_attached, slot](ReplyFn done) mutable {
-        impl->open_on_io(std::move(params), stdin_attached, slot, std::move(done));
+    auto start = [impl, params = std::move(params), slot](ReplyFn done) mutable {
+        impl->open_on_io(std::move(params), slot, std::move(done));
     };
     co_await on_manager(impl, std::move(start));
-    co_return std::make_unique<PluginChannelBackend>(impl_, std::move(slot), stdin_attached);
+    co_return std::make_unique<PluginChannelBackend>(impl_, std::move(slot));
 }
 
 }  // namespace sandboxd

@@ -19,6 +19,8 @@
 #include <nlohmann/json.hpp>
 
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -41,15 +43,28 @@ public:
 
     /// True while a worker is up and has answered `initialize`.
     bool ready() const noexcept;
+    /// Which incarnation of the worker is ready (1, 2, ... as it restarts); 0 while none is.
+    /// A sandbox acquired or resumed under another generation is not in the worker's own
+    /// handle cache. Fast; thread-safe.
+    std::uint64_t generation() const noexcept;
+    /// Called on the manager's thread with the params, result and caller's context (see
+    /// call()) of an environmentAcquireLease answered after its timeout: a sandbox nobody
+    /// holds. Set once, before the first call.
+    void on_late_acquire(
+        std::function<void(nlohmann::json params, nlohmann::json result, nlohmann::json context)>
+            f);
     /// Whether the running worker listed `method` in its supportedMethods; false when down.
     bool supports(const std::string& method) const;
 
-    /// Calls `method` and returns its result. Throws rpc_error: errc::provider_not_ready when
-    /// the worker is down, restarting or exits during the call, or the manager is stopping;
-    /// errc::invalid_params when the worker answers -32602 (its message is kept);
-    /// errc::provider_error for any other error answer or the RPC timeout (the worker's own
-    /// text goes to the log only).
-    awaitable<nlohmann::json> call(std::string method, nlohmann::json params);
+    /// Calls `method` and returns its result (null for a void one). The timeout is the
+    /// plugin's timeoutsMs for the method, else the tuning's defaults. Throws rpc_error:
+    /// errc::provider_not_ready when the worker is down, restarting or exits during the call,
+    /// or the manager is stopping; errc::invalid_params when the worker answers -32602 (its
+    /// message is kept); errc::provider_error for any other error answer or the timeout (the
+    /// worker's own text goes to the log only).
+    /// `context` is kept with an environmentAcquireLease call and handed to on_late_acquire.
+    awaitable<nlohmann::json> call(std::string method, nlohmann::json params,
+                                   nlohmann::json context = nullptr);
     /// Like call(), but when the running worker does not list `method` in its
     /// supportedMethods, returns nullopt without calling it (decided atomically with the
     /// readiness check: a worker that is down still gives errc::provider_not_ready).
@@ -58,11 +73,12 @@ public:
 
     /// Opens a duplex channel (`duplexChannelOpen` with `params`, to which a fresh hostRouteId
     /// is added) and returns its backend, bound to the awaiting executor: the worker's
-    /// duplexChannel.data and .exit reach it directly, bounded by the tuning's max_chunk and
-    /// max_buffered (over them the channel ends). Throws like call(); errc::provider_error
-    /// when the worker does not support duplexChannelOpen.
-    awaitable<std::unique_ptr<ChannelBackend>> open_channel(nlohmann::json params,
-                                                            bool stdin_attached);
+    /// duplexChannel.data and .exit reach it directly, also those sent before the open
+    /// answer (held, bounded by the tuning's max_held_*), and at most the plugin's
+    /// maxBufferedBytes of output the channel has not read (over it the channel ends with
+    /// FLOW_CONTROL). Throws like call(); errc::provider_error when the worker does not
+    /// support duplexChannelOpen.
+    awaitable<std::unique_ptr<ChannelBackend>> open_channel(nlohmann::json params);
 
     struct Impl;
 

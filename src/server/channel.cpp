@@ -132,7 +132,7 @@ awaitable<void> Channel::supervise() {
     main_exited_ = true;
     deadline_.cancel();
     if (!exit.error.empty()) {
-        error_ = rpc_error(errc::provider_error, exit.error).to_json();
+        error_ = rpc_error(exit.error_code, exit.error).to_json();
         kill_tree();  // a backend that says nonsense is not waited for
     }
     co_await backend_->wait_gone();
@@ -253,6 +253,7 @@ void Channel::write_stdin(std::string_view data) {
 }
 
 void Channel::close_stdin() {
+    require(channel_control::close_stdin, "duplexChannelCloseStdin");
     if (!options_.stdin_attached) return;
     stdin_eof_requested_ = true;
     wake(stdin_timer_);
@@ -263,7 +264,18 @@ void Channel::add_credit(std::uint32_t bytes) {
     wake(credit_timer_);
 }
 
+void Channel::require(channel_control control, const char* method) const {
+    if (backend_->supports(control)) return;
+    throw rpc_error(errc::invalid_params,
+                    std::string(method) + ": the provider of channel " +
+                        std::to_string(options_.id) +
+                        " cannot carry it (its plugin worker does not list it in "
+                        "supportedMethods)",
+                    {{"field", method}});
+}
+
 void Channel::send_signal(int sig) {
+    require(channel_control::signal, "duplexChannelSignal");
     if (main_exited_ || killed_) {
         throw rpc_error(errc::channel_not_found,
                         "channel " + std::to_string(options_.id) + " has already ended");

@@ -91,6 +91,8 @@ public:
     /// Sends `sig` to the command's process group. Throws errc::channel_not_found once the
     /// command has ended.
     void send_signal(int sig);
+    /// Throws INVALID_PARAMS naming `method` when the backend cannot carry `control`.
+    void require(channel_control control, const char* method) const;
     /// Sets the PTY size (1..4096 each, checked by the caller). Throws errc::invalid_params on
     /// a pipe channel.
     void resize(std::uint16_t cols, std::uint16_t rows);

@@ -31,12 +31,6 @@ awaitable<Lease> load_visible(Node& node, const Principal& who, std::string id) 
     co_return *lease;
 }
 
-// Built in a plain function: GCC 12 miscompiles brace-initialised aggregates of strings inside
-// coroutine bodies (a double free under ASan), so coroutines never do that.
-SandboxScope scope_of(const Lease& l) {
-    return {l.provider, l.company_id, l.environment_id, l.provider_lease_id};
-}
-
 Provider* provider_of(Node& node, const std::string& key) {
     auto it = node.providers.find(key);
     return it == node.providers.end() ? nullptr : it->second.get();
@@ -49,7 +43,7 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
     auto handle = node.cache.begin_teardown(scope);
     co_await end_lease_channels(node, lease.id, std::chrono::milliseconds(3000));
     Provider* provider = provider_of(node, lease.provider);
-    if (!handle && provider) handle = provider->handle_for_teardown(scope, lease.id);
+    if (!handle && provider) handle = provider->handle_for_teardown(lease);
     std::optional<std::string> failure;
     bool transient = false;  // a plugin worker that is down: no retry attempt is spent
     if (!provider) {
@@ -104,6 +98,7 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, methods::LeaseA
     lease.issue_id = std::move(p.issue_id);
     lease.heartbeat_run_id = std::move(p.heartbeat_run_id);
     lease.execution_workspace_id = std::move(p.execution_workspace_id);
+    lease.agent_id = std::move(p.agent_id);
     lease.idempotency_key = std::move(p.idempotency_key);
     lease.config = std::move(p.config);
     const auto ttl = p.ttl_ms.value_or(node.config.limits.default_ttl_ms);
@@ -129,10 +124,14 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, methods::LeaseA
     lease.expires_at_ms = lease.acquired_at_ms + static_cast<std::int64_t>(ttl);
     lease.metadata = {{"pluginId", provider->plugin_id()}, {"provider", provider->key()}};
 
-    const SandboxScope scope = scope_of(lease);  // providerLeaseId is minted by create()
-    auto handle = co_await provider->create(scope, lease.id, lease.config);
+    // providerLeaseId is minted by create(); expires_at_ms bounds the sandbox's own expiry.
+    auto handle = co_await provider->create(lease);
     lease.provider_lease_id = handle->scope.provider_lease_id;
     lease.limits = handle->limits;
+    lease.provider_metadata = handle->provider_metadata;
+    if (handle->expires_at_ms && *handle->expires_at_ms < *lease.expires_at_ms) {
+        lease.expires_at_ms = handle->expires_at_ms;  // the lease never outlives its sandbox
+    }
     Lease stored;
     std::exception_ptr not_stored;  // no co_await in a handler: the cleanup runs after it
     try {
@@ -198,6 +197,10 @@ awaitable<Lease> lease_renew(Node& node, const Principal& who, std::string lease
         }
         Lease next = lease;
         next.expires_at_ms = now + static_cast<std::int64_t>(ttl_ms);
+        // The lease never outlives its sandbox's own expiry (a plugin's expiresAt).
+        if (auto handle = node.cache.find(scope_of(lease)); handle && handle->expires_at_ms) {
+            next.expires_at_ms = std::min(*next.expires_at_ms, *handle->expires_at_ms);
+        }
         next.last_used_at_ms = now;
         auto stored = co_await node.registry->update_lease(next, next.epoch);
         if (stored) co_return *stored;
@@ -303,6 +306,83 @@ std::shared_ptr<SandboxHandle> cached_sandbox(Node& node, const Lease& lease) {
                          {"claimedEpoch", *claimed}});
     }
     return sandbox;
+}
+
+awaitable<std::shared_ptr<SandboxHandle>> sandbox_for(Node& node, Lease lease) {
+    std::exception_ptr missing;
+    try {
+        co_return cached_sandbox(node, lease);
+    } catch (const rpc_error& e) {
+        if (e.code() != errc::sandbox_not_cached) throw;
+        missing = std::current_exception();
+    }
+    Provider* provider = provider_of(node, lease.provider);
+    if (!provider || !provider->can_resume() || lease.owner_node_id != node.node_id) {
+        std::rethrow_exception(missing);
+    }
+    std::shared_ptr<SandboxHandle> handle;
+    std::string failure;
+    try {
+        handle = co_await provider->resume(lease);
+    } catch (const rpc_error& e) {
+        if (e.code() == errc::provider_not_ready) throw;
+        failure = e.what();
+    } catch (const std::exception& e) {
+        failure = e.what();
+    }
+    if (!handle) {
+        co_await forget_unresumable(node, lease, "resume failed: " + failure);
+        throw rpc_error(errc::sandbox_not_cached,
+                        std::string(sandbox_not_cached_message) + " (the provider could not "
+                        "resume it: " + failure + ")",
+                        {{"leaseId", lease.id}});
+    }
+    if (handle->provider_metadata != lease.provider_metadata) {
+        Lease next = lease;
+        next.provider_metadata = handle->provider_metadata;
+        next.last_used_at_ms = now_ms();
+        if (auto stored = co_await node.registry->update_lease(next, lease.epoch)) lease = *stored;
+    }
+    node.cache.put(handle);
+    node.claim(lease.id, lease.epoch);
+    spdlog::info("lease={} resumed through provider={} on node={}", lease.id, lease.provider,
+                 node.node_id);
+    co_return handle;
+}
+
+awaitable<void> forget_unresumable(Node& node, Lease lease, std::string why) {
+    node.cache.erase(scope_of(lease));
+    node.unclaim(lease.id);
+    co_await lease_orphan(node, std::move(lease), std::move(why));
+}
+
+namespace {
+awaitable<void> store_late_sandbox(Node& node, Lease lease) {
+    Provider* provider = provider_of(node, lease.provider);
+    if (!provider) co_return;
+    if (lease.id.empty()) lease.id = "lse_" + random_hex(12);
+    lease.owner_node_id = node.node_id;
+    lease.status = lease_status::pending_cleanup;
+    lease.epoch = 1;
+    lease.acquired_at_ms = lease.last_used_at_ms = now_ms();
+    lease.metadata = {{"pluginId", provider->plugin_id()}, {"provider", provider->key()}};
+    lease.cleanup_status = "acquire answered after its timeout";
+    lease.failure_reason = "the provider answered environmentAcquireLease after its timeout";
+    try {
+        co_await node.registry->create_lease(lease);
+        spdlog::warn("lease={} recorded in pending_cleanup: provider={} answered its acquire late "
+                     "(providerLeaseId {})",
+                     lease.id, lease.provider, lease.provider_lease_id);
+    } catch (const std::exception& e) {
+        spdlog::error("lease={}: cannot record the late sandbox {} of provider={} for cleanup: {}",
+                      lease.id, lease.provider_lease_id, lease.provider, e.what());
+    }
+}
+}  // namespace
+
+void record_late_sandbox(Node& node, Lease lease) {
+    if (!node.ioc) return;
+    net::co_spawn(*node.ioc, store_late_sandbox(node, std::move(lease)), net::detached);
 }
 
 awaitable<std::shared_ptr<PeerLink>> owner_link(Node& node, const Lease& lease) {
@@ -465,6 +545,8 @@ awaitable<void> sweep(Node& node) {
         std::set<std::string> held;
         for (const auto& handle : node.cache.snapshot()) held.insert(handle->lease_id);
         for (auto& lease : co_await leases_of(node, node.node_id, lease_status::active)) {
+            Provider* provider = provider_of(node, lease.provider);
+            if (provider && provider->can_resume()) continue;  // resumed on first use
             if (!held.count(lease.id) && !node.cache.find(scope_of(lease))) {
                 co_await lease_orphan(node, std::move(lease),
                                       "owner node restarted without the sandbox");
@@ -479,7 +561,31 @@ awaitable<void> sweep(Node& node) {
     }
     // Only the owner holds the sandbox of a lease pending cleanup.
     for (auto& lease : co_await leases_of(node, node.node_id, lease_status::pending_cleanup)) {
-        if (lease.cleanup_attempts >= max_cleanup_attempts) {
+        Provider* provider = provider_of(node, lease.provider);
+        const CleanupPolicy policy =
+            provider ? provider->cleanup_policy(static_cast<std::int64_t>(node.config.heartbeat_ms))
+                     : CleanupPolicy{max_cleanup_attempts,
+                                     static_cast<std::int64_t>(node.config.heartbeat_ms), 0};
+        if (lease.cleanup_attempts >= policy.attempts && policy.slow_retry_ms > 0) {
+            // Never `failed` while a remote sandbox may exist: warned once, then slowly.
+            if (lease.cleanup_attempts == policy.attempts &&
+                lease.cleanup_status != std::optional<std::string>("slow retry")) {
+                Lease next = lease;
+                next.epoch = lease.epoch + 1;
+                next.cleanup_status = "slow retry";
+                if (co_await node.registry->update_lease(next, lease.epoch)) {
+                    spdlog::warn("lease={} teardown failed {} times ({}); retrying every {} ms "
+                                 "until it succeeds",
+                                 lease.id, lease.cleanup_attempts,
+                                 lease.failure_reason.value_or("unknown"), policy.slow_retry_ms);
+                }
+                continue;
+            }
+            if (now - lease.last_used_at_ms < policy.slow_retry_ms) continue;
+            co_await teardown(node, std::move(lease), lease_status::released);
+            continue;
+        }
+        if (lease.cleanup_attempts >= policy.attempts) {
             Lease next = lease;
             next.status = lease_status::failed;
             next.epoch = lease.epoch + 1;
@@ -494,9 +600,13 @@ awaitable<void> sweep(Node& node) {
             }
             continue;
         }
-        const std::int64_t backoff = static_cast<std::int64_t>(node.config.heartbeat_ms)
-                                     << std::min(lease.cleanup_attempts, 10);
-        if (lease.cleanup_attempts > 0 && now - lease.last_used_at_ms < backoff) continue;
+        const std::int64_t backoff =
+            lease.cleanup_attempts == 0
+                ? 0
+                : policy.backoff_ms << std::min(lease.cleanup_attempts - 1, 20);
+        const std::int64_t wait =
+            policy.slow_retry_ms > 0 ? std::min(backoff, policy.slow_retry_ms) : backoff;
+        if (lease.cleanup_attempts > 0 && now - lease.last_used_at_ms < wait) continue;
         co_await teardown(node, std::move(lease), lease_status::released);
     }
 }

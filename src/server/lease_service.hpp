@@ -33,6 +33,22 @@ awaitable<Lease> resolve_lease(Node& node, const Principal& who, nlohmann::json 
 /// SANDBOX_NOT_CACHED; OWNER_UNAVAILABLE while this node drains.
 std::shared_ptr<SandboxHandle> cached_sandbox(Node& node, const Lease& lease);
 
+/// Step 6 with resume: cached_sandbox(), or, when this node owns the active lease but does
+/// not cache it (it restarted with the same nodeId) and its provider can_resume(), the
+/// sandbox resumed from the lease's record and cached. A resume that fails orphans the lease
+/// (pending_cleanup, for the sweeper) and gives SANDBOX_NOT_CACHED; PROVIDER_NOT_READY while
+/// the provider cannot serve (nothing changes).
+awaitable<std::shared_ptr<SandboxHandle>> sandbox_for(Node& node, Lease lease);
+
+/// The provider could not resume the cached sandbox of `lease` (a plugin worker restarted
+/// and its environmentResumeLease failed): evicts it and orphans the lease for the sweeper.
+awaitable<void> forget_unresumable(Node& node, Lease lease, std::string why);
+
+/// Records a sandbox its provider made after the acquire had failed (a plugin's late
+/// answer) as a lease of this node in pending_cleanup, for the sweeper to tear down. Called
+/// on any thread; posts to the node's io_context.
+void record_late_sandbox(Node& node, Lease lease);
+
 /// Step 5 for a lease owned by another node: the link to its live owner (proxy mode), or
 /// OWNER_ELSEWHERE with its URL (redirect mode), or OWNER_UNAVAILABLE when the owner's
 /// heartbeat is older than the liveness TTL or it has no record.
@@ -46,8 +62,10 @@ awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why);
 /// (status `expired`); once this process has run for a liveness TTL, moves its own active
 /// leases that its cache does not hold (a restart) to pending_cleanup; moves active leases of
 /// dead owners (no heartbeat within the TTL) to pending_cleanup; tears down this node's
-/// pending_cleanup leases through their recorded provider, at most 5 attempts, backing off
-/// (heartbeat * 2^attempts), then `failed`. It never touches a lease whose owner is alive
+/// pending_cleanup leases through their recorded provider, as its CleanupPolicy says: quick
+/// attempts backing off, then either `failed` (built-in providers) or, once warned, a slow
+/// retry for ever (plugins: a remote sandbox may still exist). Leases of this node whose
+/// provider can_resume() stay active after a restart (the first use resumes them). It never touches a lease whose owner is alive
 /// and holds it (CASES.md B21, B23). Reads only this node's leases (owner index) and those
 /// of owners whose membership lapsed (Registry::active_owner_nodes against list_nodes),
 /// never the leases of live owners.

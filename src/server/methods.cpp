@@ -21,7 +21,7 @@ InitializeParams parse_initialize(const json& p) {
 
 LeaseAcquireParams parse_lease_acquire(const json& p, std::uint64_t max_ttl_ms) {
     params::only_keys(p, {"companyId", "environmentId", "provider", "config", "ttlMs", "runId",
-                          "issueId", "heartbeatRunId", "executionWorkspaceId",
+                          "issueId", "heartbeatRunId", "executionWorkspaceId", "agentId",
                           "idempotencyKey"});
     LeaseAcquireParams out;
     out.company_id = params::req_string(p, "companyId");
@@ -31,6 +31,7 @@ LeaseAcquireParams parse_lease_acquire(const json& p, std::uint64_t max_ttl_ms) 
     out.issue_id = params::opt_string(p, "issueId");
     out.heartbeat_run_id = params::opt_string(p, "heartbeatRunId");
     out.execution_workspace_id = params::opt_string(p, "executionWorkspaceId");
+    out.agent_id = params::opt_string(p, "agentId");
     out.idempotency_key = params::opt_string(p, "idempotencyKey");
     out.ttl_ms = params::opt_uint(p, "ttlMs", 1000, max_ttl_ms);
     if (auto it = p.find("config"); it != p.end() && !it->is_null()) {

@@ -41,6 +41,7 @@ struct LeaseAcquireParams {
     std::optional<std::string> issue_id;
     std::optional<std::string> heartbeat_run_id;
     std::optional<std::string> execution_workspace_id;
+    std::optional<std::string> agent_id;
     std::optional<std::string> idempotency_key;
 };
 /// `max_ttl_ms` is the node's limits.maxTtlMs.

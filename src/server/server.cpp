@@ -225,7 +225,11 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
                                "].provider: \"" + c.plugins[i].provider + "\" is already taken");
         }
         auto key = c.plugins[i].provider;
-        node.providers.emplace(key, make_plugin_provider(c.plugins[i]));
+        PluginTuning tuning;
+        tuning.instance_id = node.node_id;
+        auto provider = make_plugin_provider(c.plugins[i], std::move(tuning));
+        provider->on_late_sandbox([&node](Lease lease) { record_late_sandbox(node, std::move(lease)); });
+        node.providers.emplace(key, std::move(provider));
     }
 }
 

@@ -495,8 +495,8 @@ awaitable<Session::Reply> Session::open_relayed(json p, Lease lease) {
 }
 
 awaitable<Session::Reply> Session::open_local(methods::OpenParams params, Lease lease) {
-    // Step 6: this node owns it; its cache must hold the sandbox.
-    auto sandbox = cached_sandbox(node_, lease);
+    // Step 6: this node owns it; its cache must hold the sandbox (or its provider resume it).
+    auto sandbox = co_await sandbox_for(node_, lease);
     const auto& limits = node_.config.limits;
     if (!node_.channels.try_reserve(limits.channels_per_node)) {
         throw rpc_error(errc::channel_limit, "this node already runs its limit of " +
@@ -515,11 +515,20 @@ awaitable<Session::Reply> Session::open_local(methods::OpenParams params, Lease 
     params.spec.drain_grace_ms = limits.drain_grace_ms;
     const std::string program = params.spec.argv.front();
     std::unique_ptr<ChannelBackend> backend;
+    std::exception_ptr failed;
+    std::string unresumable;  // the provider lost the sandbox and could not resume it
     try {
         backend = co_await node_.providers.at(lease.provider)->open(sandbox, std::move(params.spec));
+    } catch (const rpc_error& e) {
+        failed = std::current_exception();
+        if (e.code() == errc::sandbox_not_cached) unresumable = e.what();
     } catch (...) {
+        failed = std::current_exception();
+    }
+    if (failed) {
         node_.channels.unreserve();
-        throw;
+        if (!unresumable.empty()) co_await forget_unresumable(node_, lease, unresumable);
+        std::rethrow_exception(failed);
     }
     options.id = mux_.next_id();
     options.lease_id = lease.id;

@@ -86,8 +86,13 @@ boost::asio::io_context& test_io() {
 
 std::shared_ptr<SandboxHandle> create_sandbox(Provider& provider, SandboxScope scope,
                                               std::string lease_id, json config) {
-    return sandboxd::test::run_awaitable(
-        test_io(), provider.create(std::move(scope), std::move(lease_id), std::move(config)));
+    Lease lease;
+    lease.id = std::move(lease_id);
+    lease.provider = scope.provider;
+    lease.company_id = scope.company_id;
+    lease.environment_id = scope.environment_id;
+    lease.config = std::move(config);
+    return sandboxd::test::run_awaitable(test_io(), provider.create(std::move(lease)));
 }
 
 void destroy_sandbox(Provider& provider, std::shared_ptr<SandboxHandle> sandbox) {

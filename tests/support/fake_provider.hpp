@@ -102,8 +102,10 @@ public:
     const std::string& key() const noexcept override { return key_; }
     const std::string& plugin_id() const noexcept override { return plugin_id_; }
 
-    awaitable<std::shared_ptr<SandboxHandle>> create(SandboxScope scope, std::string lease_id,
-                                                     nlohmann::json config) override {
+    awaitable<std::shared_ptr<SandboxHandle>> create(Lease lease) override {
+        SandboxScope scope{lease.provider, lease.company_id, lease.environment_id, ""};
+        std::string lease_id = std::move(lease.id);
+        nlohmann::json config = std::move(lease.config);
         ++creates;
         if (create_error) throw rpc_error(*create_error, "fake provider: create refused");
         auto handle = std::make_shared<SandboxHandle>();
@@ -145,12 +147,12 @@ public:
                                                        exit);
     }
 
-    std::shared_ptr<SandboxHandle> handle_for_teardown(const SandboxScope& scope,
-                                                       const std::string& lease_id) override {
+    std::shared_ptr<SandboxHandle> handle_for_teardown(const Lease& lease) override {
         if (!teardown_by_scope) return nullptr;
         auto handle = std::make_shared<SandboxHandle>();
-        handle->scope = scope;
-        handle->lease_id = lease_id;
+        handle->scope = {lease.provider, lease.company_id, lease.environment_id,
+                         lease.provider_lease_id};
+        handle->lease_id = lease.id;
         return handle;
     }
 

@@ -60,7 +60,8 @@ TEST_CASE("The wire JSON of a lease is the protocol's, byte for byte", "[lease]"
               R"("companyId":"acme","environmentId":"dev","epoch":1,"expiresAt":null,)"
               R"("failureReason":null,"id":"l1","lastUsedAt":"2025-11-30T23:49:30.000Z",)"
               R"("limits":null,"metadata":{},"ownerNodeId":"n1","provider":"bwrap",)"
-              R"("providerLeaseId":"bw-1","releasedAt":null,"status":"active","usage":null})");
+              R"("providerLeaseId":"bw-1","providerMetadata":null,"releasedAt":null,)"
+              R"("status":"active","usage":null})");
     }
     SECTION("every field set; idempotency key, config and cleanup attempts stay internal") {
         Lease l = minimal_lease();
@@ -68,6 +69,8 @@ TEST_CASE("The wire JSON of a lease is the protocol's, byte for byte", "[lease]"
         l.issue_id = "i";
         l.heartbeat_run_id = "h";
         l.execution_workspace_id = "w";
+        l.agent_id = "a";
+        l.provider_metadata = {{"dir", "/x"}};
         l.status = lease_status::pending_cleanup;
         l.epoch = 42;
         l.expires_at_ms = 1764546571000;
@@ -81,21 +84,23 @@ TEST_CASE("The wire JSON of a lease is the protocol's, byte for byte", "[lease]"
         l.config = {{"image", "x"}};
         l.cleanup_attempts = 3;
         CHECK(to_json(l).dump() ==
-              R"({"acquiredAt":"2025-11-30T23:49:29.123Z","cleanupStatus":"retrying",)"
+              R"({"acquiredAt":"2025-11-30T23:49:29.123Z","agentId":"a","cleanupStatus":"retrying",)"
               R"("companyId":"acme","environmentId":"dev","epoch":42,"executionWorkspaceId":"w",)"
               R"("expiresAt":"2025-11-30T23:49:31.000Z","failureReason":"boom",)"
               R"("heartbeatRunId":"h","id":"l1","issueId":"i",)"
               R"("lastUsedAt":"2025-11-30T23:49:30.000Z","limits":{"pids":64},)"
               R"("metadata":{"pluginId":"builtin","provider":"bwrap"},"ownerNodeId":"n1",)"
-              R"("provider":"bwrap","providerLeaseId":"bw-1",)"
+              R"("provider":"bwrap","providerLeaseId":"bw-1","providerMetadata":{"dir":"/x"},)"
               R"("releasedAt":"2025-11-30T23:49:32.001Z","runId":"r","status":"pending_cleanup",)"
               R"("usage":{"cpuMs":5}})");
     }
 }
 
-TEST_CASE("The generated leases table is schema version 2's", "[lease][registry]") {
-    // CREATE TABLE leases as schema version 2 wrote it by hand: databases made with it must
-    // keep working, so every column's name, type, NOT NULL, default and key must match.
+TEST_CASE("The generated leases table is schema version 2's plus version 4's columns",
+          "[lease][registry]") {
+    // CREATE TABLE leases as schema version 2 wrote it by hand, and the two columns version 4
+    // adds with ALTER TABLE (at the end): databases made with it and migrated must keep
+    // working, so every column's name, type, NOT NULL, default and key must match.
     const std::string v2 = R"sql(CREATE TABLE leases (
     id TEXT PRIMARY KEY NOT NULL,
     company_id TEXT NOT NULL,
@@ -119,7 +124,9 @@ TEST_CASE("The generated leases table is schema version 2's", "[lease][registry]
     idempotency_key TEXT,
     config TEXT NOT NULL,
     cleanup_attempts INTEGER NOT NULL DEFAULT 0,
-    limits TEXT NOT NULL DEFAULT 'null'
+    limits TEXT NOT NULL DEFAULT 'null',
+    agent_id TEXT,
+    provider_metadata TEXT NOT NULL DEFAULT 'null'
 ) STRICT;)sql";
     const std::string generated =
         "CREATE TABLE leases (\n    " + lease_column_definitions() + "\n) STRICT;";
@@ -128,7 +135,8 @@ TEST_CASE("The generated leases table is schema version 2's", "[lease][registry]
           "id, company_id, environment_id, run_id, issue_id, heartbeat_run_id, "
           "execution_workspace_id, status, provider, provider_lease_id, owner_node_id, epoch, "
           "acquired_at_ms, last_used_at_ms, expires_at_ms, released_at_ms, failure_reason, "
-          "cleanup_status, metadata, idempotency_key, config, cleanup_attempts, limits");
+          "cleanup_status, metadata, idempotency_key, config, cleanup_attempts, limits, "
+          "agent_id, provider_metadata");
 }
 
 TEST_CASE("Lease field names are unique and every field goes somewhere", "[lease]") {
@@ -139,6 +147,6 @@ TEST_CASE("Lease field names are unique and every field goes somewhere", "[lease
         if (f.on_wire()) CHECK(wire.insert(f.wire).second);
         if (f.stored()) CHECK(columns.insert(f.column).second);
     }
-    CHECK(wire.size() == 21);
-    CHECK(columns.size() == 23);
+    CHECK(wire.size() == 23);
+    CHECK(columns.size() == 25);
 }

@@ -24,10 +24,6 @@ json lease_param(const Lease& l) {
             {"metadata", l.metadata}};
 }
 
-SandboxScope scope_of(const Lease& l) {
-    return {l.provider, l.company_id, l.environment_id, l.provider_lease_id};
-}
-
 }  // namespace
 
 TEST_CASE("leaseAcquire creates the sandbox through the provider and stores the lease",

@@ -92,14 +92,16 @@ std::string scalar_of(sqlite3* db, const char* sql) {
     return out;
 }
 
-/// A database as version 2 left it: today's schema without the indexes version 3 added, with
-/// lease "lease-1" in it.
+/// A database as version 2 left it: today's schema without the indexes version 3 added and
+/// the columns version 4 added, with lease "lease-1" in it.
 void registry_of_version_2(const std::string& path) {
     sync_sqlite(path)->create_lease(make_lease("lease-1"));
     sqlite3* db = nullptr;
     REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
     REQUIRE(sqlite3_exec(db,
                          "DROP INDEX leases_by_provider_lease; DROP INDEX leases_by_status_owner; "
+                         "ALTER TABLE leases DROP COLUMN agent_id; "
+                         "ALTER TABLE leases DROP COLUMN provider_metadata; "
                          "PRAGMA user_version = 2;",
                          nullptr, nullptr, nullptr) == SQLITE_OK);
     REQUIRE(scalar_of(db, "PRAGMA user_version") == "2");
@@ -724,11 +726,13 @@ TEST_CASE("A version 2 database is migrated in place and keeps its leases", "[re
     registry_of_version_2(path);
     auto registry = sync_sqlite(path);
     REQUIRE(registry->get_lease("lease-1"));
+    CHECK(registry->get_lease("lease-1")->provider_metadata.is_null());
+    CHECK(!registry->get_lease("lease-1")->agent_id);
     CHECK(registry->find_by_provider_lease("bwrap", "pl-lease-1")->id == "lease-1");
 
     sqlite3* db = nullptr;
     REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
-    CHECK(scalar_of(db, "PRAGMA user_version") == "3");
+    CHECK(scalar_of(db, "PRAGMA user_version") == "4");
     CHECK(scalar_of(db, "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name IN "
                         "('leases_by_provider_lease', 'leases_by_status_owner')") == "2");
     sqlite3_close(db);

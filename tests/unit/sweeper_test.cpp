@@ -12,10 +12,6 @@ using json = nlohmann::json;
 
 namespace {
 
-SandboxScope scope_of(const Lease& l) {
-    return {l.provider, l.company_id, l.environment_id, l.provider_lease_id};
-}
-
 /// Rewrites the stored record of `id` through `change` (no epoch check: the test is the
 /// other writer).
 template <typename F>

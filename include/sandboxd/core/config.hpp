@@ -87,12 +87,35 @@ struct BwrapConfig {
         "terminfo"};
 };
 
+/// How the sweeper retries a plugin lease whose teardown failed (docs/plugins.md).
+struct PluginCleanupConfig {
+    std::uint32_t attempts = 5;             ///< 1..1000 quick attempts, then the slow retry
+    std::uint64_t backoff_ms = 1000;        ///< 1..86400000; doubles per failed attempt
+    std::uint64_t slow_retry_ms = 300000;   ///< 1..86400000; the retry period after that
+};
+
+/// One entry of providers.plugins (docs/plugins.md, "The config entry").
 struct PluginConfig {
     std::string plugin_id;
     std::string provider;
     std::vector<std::string> command;
     std::map<std::string, std::string> env;
+    /// The plugin's manifest JSON file, sent in `initialize`; "" = a minimal manifest built
+    /// from plugin_id and provider. Read when the provider starts.
+    std::string manifest;
+    /// The instance config: sent in `initialize` and served to the worker's `config.get`.
+    nlohmann::json config = nlohmann::json::object();
+    /// Per SDK method, ms (1..86400000); a method not named takes the default (300,000 for
+    /// the environment*Lease methods, 30,000 for the others).
+    std::map<std::string, std::uint64_t> timeouts_ms;
+    PluginCleanupConfig cleanup;
+    /// Output bytes one channel may hold that the host has not credited yet (the SDK has no
+    /// credit of its own), 64 KiB..1 GiB; over it the channel ends with FLOW_CONTROL.
+    std::uint64_t max_buffered_bytes = 16ULL << 20;
 };
+
+/// The SDK methods whose timeout providers.plugins[].timeoutsMs may set.
+const std::vector<std::string>& plugin_timeout_methods();
 
 struct LimitsConfig {
     std::uint32_t max_text_message = 1 << 20;       ///< bytes, 1 KiB..64 MiB

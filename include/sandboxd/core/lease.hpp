@@ -35,6 +35,7 @@ struct Lease {
     std::string company_id;
     std::string environment_id;
     std::optional<std::string> run_id, issue_id, heartbeat_run_id, execution_workspace_id;
+    std::optional<std::string> agent_id;
     lease_status status = lease_status::active;
     std::string provider;           ///< driver key, e.g. "bwrap"
     std::string provider_lease_id;  ///< the provider's own id of the sandbox
@@ -48,8 +49,13 @@ struct Lease {
     std::optional<std::int64_t> released_at_ms;
     std::optional<std::string> failure_reason;
     std::optional<std::string> cleanup_status;
-    /// Always holds string members `pluginId` and `provider`; may hold more.
+    /// Trusted: always exactly the string members `pluginId` and `provider`, set by the
+    /// daemon from the provider that made the sandbox.
     nlohmann::json metadata = nlohmann::json::object();
+    /// Untrusted: what the provider returned about its sandbox (a plugin's `metadata` from
+    /// environmentAcquireLease or environmentResumeLease), an object or null. Sent back to a
+    /// plugin worker as `leaseMetadata` on every later call; never read by the daemon.
+    nlohmann::json provider_metadata = nullptr;
     /// The limits the provider enforces on the sandbox ({memoryBytes, pids, cpuWeight,
     /// cpuQuotaPercent, diskBytes, openFiles}); null when it enforces none (plugin leases).
     /// Set at creation, never changed.

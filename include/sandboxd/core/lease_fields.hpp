@@ -57,7 +57,7 @@ struct LeaseField {
 
 // In the SQLite column order of schema version 2 (new columns go last, and only with a
 // DEFAULT, so that ALTER TABLE ... ADD COLUMN can upgrade an existing database).
-inline constexpr std::array<LeaseField, 24> lease_fields = {{
+inline constexpr std::array<LeaseField, 26> lease_fields = {{
     {"id", "id", &Lease::id, lease_field_flags::none, "PRIMARY KEY"},
     {"companyId", "company_id", &Lease::company_id},
     {"environmentId", "environment_id", &Lease::environment_id},
@@ -87,6 +87,11 @@ inline constexpr std::array<LeaseField, 24> lease_fields = {{
     {"", "cleanup_attempts", &Lease::cleanup_attempts, lease_field_flags::updatable, "DEFAULT 0"},
     {"limits", "limits", &Lease::limits, lease_field_flags::added_later, "DEFAULT 'null'"},
     {"usage", "", &Lease::usage},
+    // Schema version 4 (issue 13).
+    {"agentId", "agent_id", &Lease::agent_id,
+     lease_field_flags::omit_if_absent | lease_field_flags::added_later},
+    {"providerMetadata", "provider_metadata", &Lease::provider_metadata,
+     lease_field_flags::updatable | lease_field_flags::added_later, "DEFAULT 'null'"},
 }};
 
 /// The stored fields' columns in table order, comma-separated: "id, company_id, ..., limits".

@@ -21,6 +21,7 @@
 /// at once are not allowed. No call blocks the thread.
 
 #include <sandboxd/core/async.hpp>
+#include <sandboxd/core/errors.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -29,6 +30,9 @@
 #include <string>
 
 namespace sandboxd {
+
+/// A channel control that not every backend can carry (a paperclip SDK worker has none).
+enum class channel_control : std::uint8_t { close_stdin, signal, resize };
 
 /// An output stream of a command. Under a PTY, stderr is merged into stdout.
 enum class output_stream : std::uint8_t { out = 0, err = 1 };
@@ -42,9 +46,11 @@ struct ChannelExit {
     /// The limit that ended it ("memory" when its cgroup counted an OOM kill and the signal is
     /// SIGKILL), else "". Counted once in the provider's limit_events().
     std::string limit;
-    /// Not empty when the backend received an invalid report of the end (the message of a
-    /// PROVIDER_ERROR); the caller kills what is left.
+    /// Not empty when the channel ended in error: the message of an `error_code` error
+    /// (PROVIDER_ERROR for an invalid report of the end; FLOW_CONTROL for a plugin channel
+    /// whose output outran its host). The caller kills what is left.
     std::string error;
+    errc error_code = errc::provider_error;
     /// The backend lost the command without a report (a plugin worker that went away, or
     /// reported exitCode null): the outcome is transportClosed unless the daemon ended it.
     bool lost = false;
@@ -61,6 +67,12 @@ public:
     /// Whether the command has a stdin to write (the channel was opened with stdin, or runs
     /// under a PTY). Constant for the backend's life.
     virtual bool has_stdin() const noexcept = 0;
+    /// Whether the backend can carry `control` (the Channel answers the host's request
+    /// INVALID_PARAMS naming the method when it cannot). Constant for the backend's life.
+    virtual bool supports(channel_control control) const noexcept {
+        (void)control;
+        return true;
+    }
 
     /// Completes when `stream` has bytes to read or has ended: the number of bytes that
     /// read_output() can return now (at least 1, possibly an underestimate), or 0 once the

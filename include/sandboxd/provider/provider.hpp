@@ -31,6 +31,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -47,6 +48,12 @@ struct SandboxScope {
     std::string provider_lease_id;
     auto operator<=>(const SandboxScope&) const = default;
 };
+
+/// The scope of `lease`'s sandbox. A plain function: GCC 12 miscompiles brace-initialised
+/// aggregates of strings inside coroutine bodies, so coroutines call this instead.
+inline SandboxScope scope_of(const Lease& lease) {
+    return {lease.provider, lease.company_id, lease.environment_id, lease.provider_lease_id};
+}
 
 /// What a provider keeps for one live sandbox beyond the handle's fields (the bwrap provider:
 /// its supervisor, cgroup and identity). Opaque to everyone else; released with the handle.
@@ -66,6 +73,24 @@ struct SandboxHandle {
     /// 2); null when the provider enforces none.
     nlohmann::json limits = nullptr;
     std::shared_ptr<SandboxState> state;  ///< the provider's own; may be null
+    /// What the provider said about the sandbox when it made or resumed it: a plugin's
+    /// `metadata` (stored as Lease.providerMetadata and sent back to the worker as
+    /// `leaseMetadata`); null when it said nothing (built-in providers).
+    nlohmann::json provider_metadata = nullptr;
+    /// The provider's own expiry of the sandbox (ms since the epoch), when it has one: the
+    /// lease never outlives it.
+    std::optional<std::int64_t> expires_at_ms;
+};
+
+/// How the sweeper retries a lease whose teardown failed (docs/protocol.md section 2,
+/// "pending_cleanup"). A failed attempt waits backoff_ms << (attempts - 1) (capped at
+/// slow_retry_ms) before the next; after `attempts` failures the sweeper warns once and then
+/// retries every slow_retry_ms, for ever. slow_retry_ms 0 instead makes the lease `failed`
+/// after `attempts` failures (for a provider whose sandboxes cannot outlive the node).
+struct CleanupPolicy {
+    int attempts = 5;                   ///< 1..1000
+    std::int64_t backoff_ms = 1000;     ///< 1..86400000
+    std::int64_t slow_retry_ms = 0;     ///< 0, or 1..86400000
 };
 
 struct PtySize {
@@ -100,15 +125,15 @@ public:
     /// metadata.pluginId of its leases: "builtin" for built-in providers.
     virtual const std::string& plugin_id() const noexcept = 0;
 
-    /// Creates a sandbox for `scope` (provider_lease_id is minted here and set in the result).
-    /// `config` is the lease's provider config. Completes on the awaiting executor; the
+    /// Creates a sandbox for the lease being acquired: `lease` holds its id, scope (its
+    /// providerLeaseId is empty: it is minted here and set in the result's scope), config,
+    /// run/issue/agent/workspace ids and expires_at_ms (the upper bound of the sandbox's own
+    /// expiry). The result's provider_metadata and expires_at_ms become the lease's. Completes on the awaiting executor; the
     /// blocking work (disks, cgroups, starting the supervisor) runs on a pool the provider owns
     /// and bounds, or behind a plugin worker's answer (bounded by its RPC timeout). Throws
     /// rpc_error(errc::invalid_params) for a bad config, errc::provider_not_ready while the
     /// provider cannot serve, errc::provider_error otherwise; nothing is left behind then.
-    virtual awaitable<std::shared_ptr<SandboxHandle>> create(SandboxScope scope,
-                                                             std::string lease_id,
-                                                             nlohmann::json config) = 0;
+    virtual awaitable<std::shared_ptr<SandboxHandle>> create(Lease lease) = 0;
 
     /// Destroys the sandbox (its workspace). The caller has stopped its channels first.
     /// Idempotent: destroying a missing sandbox succeeds. Awaitable like create(). Throws
@@ -145,15 +170,39 @@ public:
     /// given up): create() and open() then throw errc::provider_not_ready. Fast; no I/O.
     virtual bool ready() const noexcept { return true; }
 
-    /// A handle good enough to destroy() the sandbox of `scope` that this process no longer
+    /// A handle good enough to destroy() the sandbox of `lease` that this process no longer
     /// caches (after a restart, for the sweeper), or nullptr when the provider cannot tear
-    /// down by scope alone. Never used to open channels. Fast; no I/O.
-    virtual std::shared_ptr<SandboxHandle> handle_for_teardown(const SandboxScope& scope,
-                                                               const std::string& lease_id) {
-        (void)scope;
-        (void)lease_id;
+    /// down from the lease's record alone. Never used to open channels. Fast; no I/O.
+    virtual std::shared_ptr<SandboxHandle> handle_for_teardown(const Lease& lease) {
+        (void)lease;
         return nullptr;
     }
+
+    /// Whether resume() may bring back a sandbox this process no longer caches (a plugin
+    /// whose worker serves environmentResumeLease, or whose worker is not up yet to say).
+    /// The sweeper leaves such leases active rather than orphaning them. Fast; no I/O.
+    virtual bool can_resume() const noexcept { return false; }
+
+    /// Reconnects to the sandbox of an active lease this process owns but does not cache (it
+    /// restarted with the same nodeId), from the lease's record; the result goes into the
+    /// cache. Throws rpc_error(errc::sandbox_not_cached) when the provider cannot resume it
+    /// (the lease is then orphaned), errc::provider_not_ready while it cannot serve (retry
+    /// later). Awaitable like create().
+    virtual awaitable<std::shared_ptr<SandboxHandle>> resume(Lease lease);
+
+    /// How the sweeper retries this provider's failed teardowns. `heartbeat_ms` is the node's
+    /// (the built-in default backs off from it). Fast.
+    virtual CleanupPolicy cleanup_policy(std::int64_t heartbeat_ms) const {
+        return {5, 2 * heartbeat_ms, 0};
+    }
+
+    /// A sandbox the provider made for a lease whose acquire had already failed (a plugin
+    /// worker answered after the call's timeout). The node records it as a lease in
+    /// pending_cleanup and tears it down. Called on any thread; must not block.
+    using LateSandboxSink = std::function<void(Lease lease)>;
+    /// Set once by the node before it serves; a provider that never makes late sandboxes
+    /// ignores it.
+    virtual void on_late_sandbox(LateSandboxSink sink) { (void)sink; }
 };
 
 struct BwrapOptions {
