@@ -229,7 +229,7 @@ json Worker::acquire(const json& p) {
     json rec = {{"companyId", str_param(p, "companyId")},
                 {"environmentId", str_param(p, "environmentId")},
                 {"driverKey", p.value("driverKey", "")},
-                {"leaseId", p.value("leaseId", "")}};
+                {"runId", p.value("runId", "")}};
     if (p.contains("config") && !p["config"].is_null()) {
         if (!p["config"].is_object()) fail(-32602, "config: must be an object");
         for (const auto& [k, v] : p["config"].items()) fail(-32602, "config." + k + ": unknown key");
@@ -427,7 +427,7 @@ void Worker::kill_session(Session& s, int sig) {
 
 json Worker::dispatch(const std::string& method, const json& p, const json& id, bool& answered) {
     if (method == "initialize") {
-        json methods = {"initialize", "shutdown", "environmentAcquireLease",
+        json methods = {"shutdown", "environmentAcquireLease", "environmentResumeLease",
                         "environmentReleaseLease", "environmentDestroyLease"};
         if (!(hooks_ && std::getenv("PROCESS_PLUGIN_TEST_NO_CHANNELS"))) {
             for (const char* m : {"duplexChannelOpen", "duplexChannelWrite", "duplexChannelCloseStdin",
@@ -435,13 +435,18 @@ json Worker::dispatch(const std::string& method, const json& p, const json& id, 
                 methods.push_back(m);
             }
         }
-        return {{"protocolVersion", 1}, {"supportedMethods", methods}};
+        return {{"ok", true}, {"supportedMethods", methods}};
     }
     if (method == "shutdown") {
         shutting_down_ = true;
         return json::object();
     }
     if (method == "environmentAcquireLease") return acquire(p);
+    if (method == "environmentResumeLease") {
+        // Leases live on disk: resuming one is finding it, in the caller's scope.
+        lease_record(p);
+        return {{"providerLeaseId", str_param(p, "providerLeaseId")}};
+    }
     if (method == "environmentReleaseLease") return release(p, false);
     if (method == "environmentDestroyLease") return release(p, true);
     if (method == "duplexChannelOpen") return open(p, id, answered);

@@ -160,11 +160,27 @@ TEST_CASE("A plugin lease runs commands through the reference worker, byte for b
     CHECK(run.exit["exitCode"] == 0);
     CHECK(run.exit["stdinBytes"] == data.size());
 
-    // The per-lease directory is the working directory; env and cwd reach the command.
-    auto params = open_params(lease, {"sh", "-c", "mkdir -p sub; cd sub; pwd; echo $GREETING"});
-    params["env"] = {{"GREETING", "hi there"}};
-    run = c->run_channel(params);
-    CHECK(run.out == (pd.leases() / plid / "workspace" / "sub").string() + "\nhi there\n");
+    // The per-lease directory is the working directory.
+    run = c->run_channel(open_params(lease, {"pwd"}));
+    CHECK(run.out == (pd.leases() / plid / "workspace").string() + "\n");
+
+    // What the plugin protocol's open cannot carry is refused, naming the field, and
+    // nothing starts (the worker's journal of channels stays as it was).
+    for (const char* field : {"pty", "cwd", "env", "stdin"}) {
+        auto params = open_params(lease, {"touch", "refused"});
+        if (std::string(field) == "pty") params["pty"] = {{"cols", 80}, {"rows", 24}};
+        if (std::string(field) == "cwd") params["cwd"] = "/tmp";
+        if (std::string(field) == "env") params["env"] = {{"A", "b"}};
+        if (std::string(field) == "stdin") params["stdin"] = false;
+        try {
+            c->call("duplexChannelOpen", params);
+            FAIL("an open with " << field << " was accepted");
+        } catch (const rpc_error& e) {
+            CHECK(e.data().value("reason", "") == "INVALID_PARAMS");
+            CHECK(e.data().value("field", "") == field);
+        }
+    }
+    CHECK_FALSE(fs::exists(pd.leases() / plid / "workspace" / "refused"));
 
     // A signal death is reported as such, with no exit code.
     run = c->run_channel(open_params(lease, {"sh", "-c", "kill -TERM $$"}));
@@ -179,11 +195,6 @@ TEST_CASE("A plugin lease runs commands through the reference worker, byte for b
     REQUIRE(seen.exits.count(ch));
     CHECK(seen.exits[ch]["outcome"] == "stopped");
     CHECK(seen.exits[ch]["exitCode"].is_null());
-
-    // A PTY is not something this plugin offers: PROVIDER_ERROR, nothing started.
-    params = open_params(lease, {"true"});
-    params["pty"] = {{"cols", 80}, {"rows", 24}};
-    CHECK(reason_of([&] { c->call("duplexChannelOpen", params); }) == "PROVIDER_ERROR");
 
     // Release tears the lease down through the worker.
     auto released = c->call("leaseRelease", {{"leaseId", lease["id"]}});
@@ -225,7 +236,7 @@ TEST_CASE("A forged worker frame retires the worker and reaches no other channel
         CHECK(seen.out[ch].find("FORGED") == std::string::npos);
     }
     CHECK(victim_out == "before\n");
-    CHECK(pd.daemon->log().find("for an unknown or foreign (hostRouteId, workerSessionId) pair") !=
+    CHECK(pd.daemon->log().find("for a foreign (hostRouteId, workerSessionId) pair") !=
           std::string::npos);
 
     // A new worker comes up and serves; the victim's lease still works through it.
@@ -243,7 +254,8 @@ TEST_CASE("A forged worker frame retires the worker and reaches no other channel
         REQUIRE(s.exits.count(ch));
         CHECK(s.exits[ch]["outcome"] == "transportClosed");
         CHECK(s.out[ch].empty());
-        CHECK(pd.daemon->log().find("(no-such-route, no-such-session)") != std::string::npos);
+        CHECK(pd.daemon->log().find("a hostRouteId the daemon never opened (no-such-route)") !=
+              std::string::npos);
     }
     SECTION("a duplicate open reply") {
         auto ch = open_channel(*c, fresh, {"__duplicate_reply__"});

@@ -1,0 +1,423 @@
+// A plugin written with the real paperclip plugin SDK (@paperclipai/plugin-sdk, pinned in
+// plugins/sdk-local/package-lock.json), run unchanged by the real daemon under Node: the
+// lifecycle, channels, worker restarts and resume, late answers, failing teardowns, and the
+// quirks the SDK allows. The plugin journals every lifecycle call it receives
+// ($SDK_LOCAL_ROOT/journal.jsonl), so the tests check what the daemon really sent.
+#include "support/daemon_fixture.hpp"
+
+#include <sandboxd/core/errors.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <thread>
+
+#ifndef SANDBOXD_SOURCE_DIR
+#error "SANDBOXD_SOURCE_DIR must name the source tree"
+#endif
+
+using namespace sandboxd;
+using namespace sandboxd::test;
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+namespace {
+
+const fs::path plugin_dir = fs::path(SANDBOXD_SOURCE_DIR) / "plugins" / "sdk-local";
+
+/// A daemon whose only plugin is sdk-local, test hooks on. `entry` is merged into the
+/// plugin's config entry, `top` into the daemon's config.
+struct SdkDaemon {
+    explicit SdkDaemon(json entry = json::object(), json top = json::object()) {
+        REQUIRE(fs::exists(plugin_dir / "node_modules" / "@paperclipai" / "plugin-sdk" /
+                           "package.json"));  // scripts/test runs `npm ci` there
+        json plugin = {{"pluginId", "sdk-local"},
+                       {"provider", "sdk-local"},
+                       {"command", {"node", (plugin_dir / "worker.js").string()}},
+                       {"env",
+                        {{"SDK_LOCAL_ROOT", root().string()},
+                         {"SDK_LOCAL_TEST_HOOKS", "1"},
+                         {"SDK_LOCAL_STOP_GRACE_MS", "200"}}},
+                       {"manifest", (plugin_dir / "manifest.json").string()},
+                       {"config", {{"region", "local"}}}};
+        plugin.update(entry);
+        json config = top;
+        config["providers"] = {{"plugins", {plugin}}};
+        daemon = std::make_unique<DaemonProcess>("node-a", config.dump());
+    }
+    fs::path root() const { return dir.path() / "leases"; }
+
+    /// Every lifecycle call the plugin received, in order.
+    std::vector<json> journal() const {
+        std::vector<json> out;
+        std::ifstream in(root() / "journal.jsonl");
+        for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
+        return out;
+    }
+    std::vector<json> journal_of(const std::string& method) const {
+        std::vector<json> out;
+        for (auto& entry : journal()) {
+            if (entry["method"] == method) out.push_back(entry);
+        }
+        return out;
+    }
+    /// The daemon's live children that run the worker (found through its own pid).
+    std::vector<pid_t> worker_pids() const {
+        std::vector<pid_t> out;
+        for (pid_t pid : daemon->children()) {
+            std::ifstream in("/proc/" + std::to_string(pid) + "/cmdline");
+            std::string cmdline((std::istreambuf_iterator<char>(in)), {});
+            if (cmdline.find("worker.js") != std::string::npos && proc_state(pid) != 'Z') {
+                out.push_back(pid);
+            }
+        }
+        return out;
+    }
+    /// Lease directories left under the root.
+    std::vector<std::string> lease_dirs() const {
+        std::vector<std::string> out;
+        std::error_code ec;
+        for (const auto& e : fs::directory_iterator(root(), ec)) {
+            if (e.is_directory()) out.push_back(e.path().filename().string());
+        }
+        return out;
+    }
+
+    TempDir dir;
+    std::unique_ptr<DaemonProcess> daemon;
+};
+
+json acquire_params(json extra = json::object()) {
+    json p = {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "sdk-local"}};
+    p.update(extra);
+    return p;
+}
+
+/// leaseAcquire, waiting out PROVIDER_NOT_READY while the worker starts (Node takes ~1 s).
+json acquire(Client& c, json extra = json::object()) {
+    const auto deadline = std::chrono::steady_clock::now() + seconds(60);
+    for (;;) {
+        try {
+            return c.call("leaseAcquire", acquire_params(extra));
+        } catch (const rpc_error& e) {
+            if (e.data().value("reason", "") != "PROVIDER_NOT_READY" ||
+                std::chrono::steady_clock::now() > deadline) {
+                throw;
+            }
+        }
+        std::this_thread::sleep_for(milliseconds(100));
+    }
+}
+
+std::string every_byte(std::size_t size) {
+    std::string s(size, '\0');
+    for (std::size_t i = 0; i < size; ++i) s[i] = static_cast<char>((i * 7 + i / 256) & 0xff);
+    return s;
+}
+
+/// Runs a channel to its exit. The SDK has no stdin half-close: stdin stays open.
+ChannelRun run_sdk(Client& c, const json& params, const std::string& data = {}) {
+    return c.run_channel(params, data, false);
+}
+
+std::string status_of(Client& c, const json& lease) {
+    return c.call("leaseGet", {{"leaseId", lease["id"]}})["status"].get<std::string>();
+}
+
+}  // namespace
+
+TEST_CASE("An SDK plugin's lease: acquire with the SDK's params, its metadata kept, release and "
+          "destroy with config and leaseMetadata",
+          "[plugin][sdk]") {
+    SdkDaemon sd;
+    auto c = sd.daemon->connect();
+    // No runId from the host: the lease id is sent (the SDK requires one).
+    auto lease = acquire(*c, {{"config", {{"size", "small"}, {"expiresInMs", 600000}}},
+                              {"issueId", "iss-1"},
+                              {"agentId", "agent-7"},
+                              {"ttlMs", 3600000}});
+    CHECK(lease["metadata"] == json{{"pluginId", "sdk-local"}, {"provider", "sdk-local"}});
+    const std::string plid = lease["providerLeaseId"].get<std::string>();
+    CHECK(lease["providerMetadata"] ==
+          json{{"dir", (sd.root() / plid).string()}, {"createdBy", "sdk-local"}});
+    CHECK(lease["agentId"] == "agent-7");
+    // The plugin's expiresAt (10 min) bounds the lease's (1 h).
+    auto acquired = sd.journal_of("environmentAcquireLease");
+    REQUIRE(acquired.size() == 1);
+    CHECK(acquired[0]["result"]["expiresAt"] == lease["expiresAt"]);
+    const json& sent = acquired[0]["params"];
+    CHECK(sent["driverKey"] == "sdk-local");
+    CHECK(sent["companyId"] == "acme");
+    CHECK(sent["environmentId"] == "dev");
+    CHECK(sent["issueId"] == "iss-1");
+    CHECK(sent["runId"] == lease["id"]);
+    CHECK(sent["agentId"] == "agent-7");
+    CHECK(sent["executionWorkspaceId"].is_null());
+    CHECK(sent["config"] == json{{"size", "small"}, {"expiresInMs", 600000}});
+    CHECK(sent["requestedExpiresAt"].is_string());
+    // The worker's config.get was served from the entry's instance config.
+    auto acquire_record = json::parse(std::ifstream(sd.root() / plid / "acquire.json"));
+    CHECK(acquire_record["instanceConfig"] == json{{"region", "local"}});
+
+    // The host's runId is sent as it is.
+    auto second = acquire(*c, {{"runId", "run-42"}});
+    CHECK(sd.journal_of("environmentAcquireLease").back()["params"]["runId"] == "run-42");
+
+    auto released = c->call("leaseRelease", {{"leaseId", lease["id"]}});
+    CHECK(released["status"] == "released");
+    for (const char* method : {"environmentReleaseLease", "environmentDestroyLease"}) {
+        auto calls = sd.journal_of(method);
+        REQUIRE(calls.size() == 1);
+        CHECK_FALSE(calls[0].contains("error"));
+        const json& p = calls[0]["params"];
+        CHECK(p["providerLeaseId"] == plid);
+        CHECK(p["config"] == json{{"size", "small"}, {"expiresInMs", 600000}});
+        CHECK(p["leaseMetadata"] == lease["providerMetadata"]);
+        CHECK(p["issueId"] == "iss-1");
+        CHECK(p["cancelActiveWork"] == false);
+    }
+    CHECK_FALSE(fs::exists(sd.root() / plid));
+    c->call("leaseRelease", {{"leaseId", second["id"]}});
+    CHECK(sd.lease_dirs().empty());
+    // The worker's log notifications reach the daemon's log with the plugin id.
+    CHECK(sd.daemon->log().find("plugin=sdk-local") != std::string::npos);
+    CHECK(sd.daemon->log().find("environmentAcquireLease ok") != std::string::npos);
+}
+
+TEST_CASE("SDK plugin channels: bytes exact both ways, exit codes, and what the SDK cannot carry "
+          "refused",
+          "[plugin][sdk]") {
+    SdkDaemon sd;
+    auto c = sd.daemon->connect();
+    auto lease = acquire(*c);
+
+    // 1 MiB of every byte value in, and back out, byte for byte; the exit code passes.
+    const std::string data = every_byte(1 << 20);
+    auto run = run_sdk(*c,
+        open_params(lease, {"sh", "-c", "head -c " + std::to_string(data.size()) + "; exit 7"}),
+        data);
+    CHECK(run.out.size() == data.size());
+    CHECK(run.out == data);
+    CHECK(run.exit["exitCode"] == 7);
+    CHECK(run.exit["outcome"] == "exited");
+    CHECK(run.exit["stdinBytes"] == data.size());
+
+    // The SDK has one output stream: stderr arrives merged, stderrBytes stays 0.
+    run = run_sdk(*c, open_params(lease, {"sh", "-c", "printf out; printf err >&2"}));
+    CHECK(run.out.find("out") != std::string::npos);
+    CHECK(run.out.find("err") != std::string::npos);
+    CHECK(run.err.empty());
+    CHECK(run.exit["stderrBytes"] == 0);
+    CHECK(run.exit["exitCode"] == 0);
+
+    // Any integer exit code passes through.
+    run = run_sdk(*c, open_params(lease, {"__exit__", "300"}));
+    CHECK(run.exit["exitCode"] == 300);
+
+    // Data and exit sent before the open answer are held and delivered after it, in order.
+    run = run_sdk(*c, open_params(lease, {"__data_before_answer__", "sh", "-c", "printf after"}));
+    CHECK(run.out == "data before answer\nafter");
+    CHECK(run.exit["exitCode"] == 0);
+    run = run_sdk(*c,
+        open_params(lease, {"__data_before_answer__", "__exit_before_answer__", "5"}));
+    CHECK(run.out == "data before answer\n");
+    CHECK(run.exit["exitCode"] == 5);
+    CHECK(run.messages_after_exit == 0);
+
+    // Controls the SDK has no method for are refused, naming the method; the channel goes on.
+    auto ch = c->call("duplexChannelOpen", open_params(lease, {"cat"}))["channel"];
+    for (const auto& [method, params] :
+         std::vector<std::pair<std::string, json>>{
+             {"duplexChannelCloseStdin", {{"channel", ch}}},
+             {"duplexChannelSignal", {{"channel", ch}, {"signal", "INT"}}}}) {
+        try {
+            c->call(method, params);
+            FAIL(method << " was accepted");
+        } catch (const rpc_error& e) {
+            CHECK(e.data().value("reason", "") == "INVALID_PARAMS");
+            CHECK(e.data().value("field", "") == method);
+        }
+    }
+    // duplexChannelStop ends it (the plugin closes stdin, then signals).
+    c->call("duplexChannelStop", {{"channel", ch}});
+    bool ended = false;
+    const auto deadline = std::chrono::steady_clock::now() + seconds(20);
+    while (!ended && std::chrono::steady_clock::now() < deadline) {
+        auto ev = c->poll_event(milliseconds(200));
+        ended = ev && ev->type == ClientEvent::kind::notification &&
+                ev->message.value("method", "") == "duplexChannel.exit" &&
+                ev->message["params"]["channel"] == ch;
+    }
+    CHECK(ended);
+
+    // Fields the SDK's open has no room for are refused, naming the field.
+    for (const char* field : {"pty", "cwd", "env", "stdin"}) {
+        auto params = open_params(lease, {"true"});
+        if (std::string(field) == "pty") params["pty"] = {{"cols", 80}, {"rows", 24}};
+        if (std::string(field) == "cwd") params["cwd"] = "/tmp";
+        if (std::string(field) == "env") params["env"] = {{"A", "b"}};
+        if (std::string(field) == "stdin") params["stdin"] = false;
+        try {
+            c->call("duplexChannelOpen", params);
+            FAIL("an open with " << field << " was accepted");
+        } catch (const rpc_error& e) {
+            CHECK(e.data().value("reason", "") == "INVALID_PARAMS");
+            CHECK(e.data().value("field", "") == field);
+        }
+    }
+}
+
+TEST_CASE("A killed SDK worker is restarted and its leases are resumed on first use",
+          "[plugin][sdk][supervision]") {
+    SdkDaemon sd;
+    auto c = sd.daemon->connect();
+    auto lease = acquire(*c);
+    auto run = run_sdk(*c, open_params(lease, {"echo", "before"}));
+    REQUIRE(run.out == "before\n");
+
+    // A channel running when the worker dies ends as transportClosed.
+    auto ch = c->call("duplexChannelOpen", open_params(lease, {"sleep", "60"}))["channel"];
+    auto pids = sd.worker_pids();
+    REQUIRE(pids.size() == 1);
+    REQUIRE(::kill(pids[0], SIGKILL) == 0);
+    json exit;
+    const auto deadline = std::chrono::steady_clock::now() + seconds(20);
+    while (exit.is_null() && std::chrono::steady_clock::now() < deadline) {
+        auto ev = c->poll_event(milliseconds(200));
+        if (ev && ev->type == ClientEvent::kind::notification &&
+            ev->message.value("method", "") == "duplexChannel.exit" &&
+            ev->message["params"]["channel"] == ch) {
+            exit = ev->message["params"];
+        }
+    }
+    REQUIRE_FALSE(exit.is_null());
+    CHECK(exit["outcome"] == "transportClosed");
+
+    // The restarted worker's cache is empty: the first open resumes the lease through
+    // environmentResumeLease with its leaseMetadata, then runs.
+    REQUIRE(eventually(
+        [&] {
+            auto now = sd.worker_pids();
+            return now.size() == 1 && now[0] != pids[0];
+        },
+        seconds(20)));
+    const auto open_deadline = std::chrono::steady_clock::now() + seconds(30);
+    for (;;) {
+        try {
+            run = run_sdk(*c, open_params(lease, {"echo", "after"}));
+            break;
+        } catch (const rpc_error& e) {
+            if (e.data().value("reason", "") != "PROVIDER_NOT_READY" ||
+                std::chrono::steady_clock::now() > open_deadline) {
+                throw;
+            }
+        }
+        std::this_thread::sleep_for(milliseconds(100));
+    }
+    CHECK(run.out == "after\n");
+    CHECK(run.exit["exitCode"] == 0);
+    auto resumed = sd.journal_of("environmentResumeLease");
+    REQUIRE(resumed.size() == 1);
+    CHECK(resumed[0]["params"]["providerLeaseId"] == lease["providerLeaseId"]);
+    CHECK(resumed[0]["params"]["leaseMetadata"] == lease["providerMetadata"]);
+    CHECK_FALSE(resumed[0].contains("error"));
+    CHECK(status_of(*c, lease) == "active");
+    // Once resumed, later opens go straight through.
+    run = run_sdk(*c, open_params(lease, {"echo", "again"}));
+    CHECK(run.out == "again\n");
+    CHECK(sd.journal_of("environmentResumeLease").size() == 1);
+
+    // A lease the plugin cannot resume (its sandbox is gone) fails closed and is cleaned up.
+    auto other = acquire(*c);
+    fs::remove_all(sd.root() / other["providerLeaseId"].get<std::string>());
+    pids = sd.worker_pids();
+    REQUIRE(pids.size() == 1);
+    REQUIRE(::kill(pids[0], SIGKILL) == 0);
+    REQUIRE(eventually(
+        [&] {
+            auto now = sd.worker_pids();
+            return now.size() == 1 && now[0] != pids[0];
+        },
+        seconds(20)));
+    std::string reason;
+    REQUIRE(eventually(
+        [&] {
+            reason = error_reason(*c, "duplexChannelOpen", open_params(other, {"true"}));
+            return reason != "PROVIDER_NOT_READY";
+        },
+        seconds(30)));
+    CHECK(reason == "SANDBOX_NOT_CACHED");
+    CHECK(status_of(*c, other) != "active");
+}
+
+TEST_CASE("An SDK acquire answered after its timeout is recorded and torn down: no leak",
+          "[plugin][sdk]") {
+    SdkDaemon sd({{"timeoutsMs", {{"environmentAcquireLease", 1000}}}},
+                 {{"routing", {{"heartbeatMs", 100}}}});
+    auto c = sd.daemon->connect();
+    acquire(*c);  // the worker is up
+    try {
+        c->call("leaseAcquire", acquire_params({{"config", {{"acquireDelayMs", 3000}}}}));
+        FAIL("the slow acquire succeeded");
+    } catch (const rpc_error& e) {
+        CHECK(e.data().value("reason", "") == "PROVIDER_ERROR");
+        CHECK(std::string(e.what()).find("timed out after 1000 ms") != std::string::npos);
+    }
+    // The late sandbox becomes a pending_cleanup lease of this node, then released.
+    json late;
+    REQUIRE(eventually(
+        [&] {
+            const json list = c->call("leaseList", {{"companyId", "acme"}});
+            for (const auto& l : list["leases"]) {
+                if (l["cleanupStatus"] == "acquire answered after its timeout" ||
+                    l["failureReason"] ==
+                        "the provider answered environmentAcquireLease after its timeout") {
+                    late = l;
+                }
+            }
+            return !late.is_null() && late["status"] == "released";
+        },
+        seconds(30)));
+    const std::string plid = late["providerLeaseId"].get<std::string>();
+    CHECK_FALSE(fs::exists(sd.root() / plid));
+    auto destroyed = sd.journal_of("environmentDestroyLease");
+    REQUIRE(destroyed.size() == 1);
+    CHECK(destroyed[0]["params"]["providerLeaseId"] == plid);
+    CHECK(destroyed[0]["params"]["config"] == json{{"acquireDelayMs", 3000}});
+}
+
+TEST_CASE("An SDK teardown that fails 7 times is retried until it succeeds, never failed",
+          "[plugin][sdk]") {
+    SdkDaemon sd({{"cleanup", {{"attempts", 3}, {"backoffMs", 100}, {"slowRetryMs", 300}}}},
+                 {{"routing", {{"heartbeatMs", 100}}}});
+    auto c = sd.daemon->connect();
+    auto lease = acquire(*c, {{"config", {{"failTeardowns", 7}}}});
+    auto released = c->call("leaseRelease", {{"leaseId", lease["id"]}});
+    CHECK(released["status"] == "pending_cleanup");
+    std::set<std::string> seen;
+    REQUIRE(eventually(
+        [&] {
+            const auto status = status_of(*c, lease);
+            seen.insert(status);
+            return status == "released";
+        },
+        seconds(60)));
+    CHECK_FALSE(seen.count("failed"));
+    auto releases = sd.journal_of("environmentReleaseLease");
+    int failures = 0;
+    for (auto& r : releases) failures += r.contains("error") ? 1 : 0;
+    CHECK(failures == 7);
+    CHECK(releases.size() == 8);
+    CHECK(sd.journal_of("environmentDestroyLease").size() == 1);
+    CHECK_FALSE(fs::exists(sd.root() / lease["providerLeaseId"].get<std::string>()));
+    // Warned once when the quick attempts ran out.
+    const auto log = sd.daemon->log();
+    const auto first = log.find("retrying every 300 ms");
+    CHECK(first != std::string::npos);
+    CHECK(log.find("retrying every 300 ms", first + 1) == std::string::npos);
+}
