@@ -131,14 +131,20 @@ public:
     awaitable<std::unique_ptr<ChannelBackend>> open(std::shared_ptr<SandboxHandle> sandbox,
                                                     ExecSpec spec) override {
         refuse_unsupported(spec);
-        // After a worker restart its handle cache is empty: the sandbox is resumed first.
+        // After a worker restart its handle cache is empty: the sandbox is resumed first, and
+        // the open goes to that same worker (a restart in between: PROVIDER_NOT_READY).
         auto* state = dynamic_cast<PluginSandbox*>(sandbox->state.get());
         const std::uint64_t generation = manager_.generation();
-        if (state && generation != 0 && state->generation != generation) {
+        if (generation == 0) {
+            throw rpc_error(errc::provider_not_ready,
+                            "plugin " + plugin_id_ + " (provider " + key_ +
+                                ") is not ready: its worker is down or starting");
+        }
+        if (state && state->generation != generation) {
             co_await resume_cached(*sandbox, *state, generation);
         }
         json params = open_params(*sandbox, spec);
-        co_return co_await manager_.open_channel(std::move(params));
+        co_return co_await manager_.open_channel(std::move(params), generation);
     }
 
     std::shared_ptr<SandboxHandle> handle_for_teardown(const Lease& lease) override {

@@ -327,7 +327,8 @@ struct WorkerManager::Impl {
     // --- calls from other threads, run here
     void call_on_io(const std::string& method, json params, bool optional, ReplyFn done,
                     json context = nullptr);
-    void open_on_io(json params, std::shared_ptr<OpenSlot> slot, ReplyFn done);
+    void open_on_io(json params, std::uint64_t generation, std::shared_ptr<OpenSlot> slot,
+                    ReplyFn done);
     void write_on_io(const std::shared_ptr<Route>& r, std::string bytes, ReplyFn done);
     void close_stdin_on_io(const std::shared_ptr<Route>& r);
     void signal_on_io(const std::shared_ptr<Route>& r, int sig, bool all);
@@ -974,10 +975,17 @@ void WorkerManager::Impl::call_on_io(const std::string& method, json params, boo
     request(w, method, std::move(params), std::move(done), std::nullopt, std::move(context));
 }
 
-void WorkerManager::Impl::open_on_io(json params, std::shared_ptr<OpenSlot> slot, ReplyFn done) {
+void WorkerManager::Impl::open_on_io(json params, std::uint64_t generation,
+                                     std::shared_ptr<OpenSlot> slot, ReplyFn done) {
     auto w = current;
     if (!usable(w) || stopping_io) {
         done(json(), error_ptr(errc::provider_not_ready, not_ready_message()));
+        return;
+    }
+    if (w->generation != generation) {
+        done(json(), error_ptr(errc::provider_not_ready,
+                               "plugin " + config.plugin_id +
+                                   ": its worker restarted during the open; retry"));
         return;
     }
     if (!has(*w, "duplexChannelOpen")) {
@@ -1542,15 +1550,16 @@ awaitable<std::optional<json>> WorkerManager::call_if_supported(std::string meth
     co_return r["result"];
 }
 
-awaitable<std::unique_ptr<ChannelBackend>> WorkerManager::open_channel(json params) {
+awaitable<std::unique_ptr<ChannelBackend>> WorkerManager::open_channel(json params,
+                                                                       std::uint64_t generation) {
     auto slot = std::make_shared<OpenSlot>();
     slot->executor = co_await net::this_coro::executor;
     slot->inbox = std::make_shared<Inbox>(slot->executor);
     slot->buffered = std::make_shared<std::atomic<std::size_t>>(0);
     slot->inbox->buffered = slot->buffered;
     Impl* impl = impl_.get();
-    auto start = [impl, params = std::move(params), slot](ReplyFn done) mutable {
-        impl->open_on_io(std::move(params), slot, std::move(done));
+    auto start = [impl, params = std::move(params), generation, slot](ReplyFn done) mutable {
+        impl->open_on_io(std::move(params), generation, slot, std::move(done));
     };
     co_await on_manager(impl, std::move(start));
     co_return std::make_unique<PluginChannelBackend>(impl_, std::move(slot));

@@ -77,8 +77,10 @@ public:
     /// answer (held, bounded by the tuning's max_held_*), and at most the plugin's
     /// maxBufferedBytes of output the channel has not read (over it the channel ends with
     /// FLOW_CONTROL). Throws like call(); errc::provider_error when the worker does not
-    /// support duplexChannelOpen.
-    awaitable<std::unique_ptr<ChannelBackend>> open_channel(nlohmann::json params);
+    /// support duplexChannelOpen; errc::provider_not_ready when the ready worker is not of
+    /// `generation` any more (it restarted: its handle cache may lack the sandbox).
+    awaitable<std::unique_ptr<ChannelBackend>> open_channel(nlohmann::json params,
+                                                            std::uint64_t generation);
 
     struct Impl;
 

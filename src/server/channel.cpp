@@ -133,6 +133,11 @@ awaitable<void> Channel::supervise() {
     deadline_.cancel();
     if (!exit.error.empty()) {
         error_ = rpc_error(exit.error_code, exit.error).to_json();
+        if (exit.error_code == errc::flow_control) {
+            // The host did not keep up: what it has not credited is dropped, not waited on.
+            abandon_output_ = true;
+            wake(credit_timer_);
+        }
         kill_tree();  // a backend that says nonsense is not waited for
     }
     co_await backend_->wait_gone();
@@ -152,12 +157,13 @@ awaitable<void> Channel::pump_output(output_stream stream) {
     auto self = shared_from_this();
     const bool is_stdout = stream == output_stream::out;
     for (;;) {
-        while (unacked_ >= options_.output_window && !hung_up_) {
+        while (unacked_ >= options_.output_window && !hung_up_ && !abandon_output_) {
             co_await credit_timer_.async_wait(as_tuple_awaitable);
         }
+        if (abandon_output_) break;
         // No buffer while idle: wait until the backend has bytes, then size it to them.
         const std::size_t avail = co_await backend_->output_ready(stream);
-        if (avail == 0) break;  // the stream ended
+        if (avail == 0 || abandon_output_) break;  // the stream ended
         if (unacked_ >= options_.output_window && !hung_up_) continue;  // the other stream took it
         // Reading takes no wait: stdout and stderr together never have more than
         // outputWindow bytes in flight.

@@ -133,6 +133,7 @@ private:
     bool exit_sent_ = false;
     bool killed_ = false;
     bool hung_up_ = false;
+    bool abandon_output_ = false;  // FLOW_CONTROL from the backend: undelivered output is dropped
     bool reaped_ = false;
     std::optional<channel_outcome> forced_outcome_;
     std::uint64_t stdout_bytes_ = 0, stderr_bytes_ = 0, stdin_bytes_ = 0;

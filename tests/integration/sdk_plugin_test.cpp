@@ -10,6 +10,7 @@
 #include <catch2/catch.hpp>
 
 #include <csignal>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -123,6 +124,31 @@ std::string every_byte(std::size_t size) {
 /// Runs a channel to its exit. The SDK has no stdin half-close: stdin stays open.
 ChannelRun run_sdk(Client& c, const json& params, const std::string& data = {}) {
     return c.run_channel(params, data, false);
+}
+
+/// Reads events until `channel`'s exit and returns its params (each wait is bounded by the
+/// client's timeout, which throws). Data of the channel is counted in `data_bytes`, never
+/// credited.
+json wait_exit(Client& c, const json& channel, std::size_t* data_bytes = nullptr) {
+    for (;;) {
+        ClientEvent ev = c.next_event();
+        if (ev.type == ClientEvent::kind::data && channel == ev.channel) {
+            if (data_bytes) *data_bytes += ev.bytes.size();
+        } else if (ev.type == ClientEvent::kind::notification &&
+                   ev.message.value("method", "") == "duplexChannel.exit" &&
+                   ev.message["params"]["channel"] == channel) {
+            return ev.message["params"];
+        }
+    }
+}
+
+/// "2026-12-01T21:18:28.123Z" as ms since the epoch.
+std::int64_t parse_rfc3339_ms(const std::string& text) {
+    std::tm tm{};
+    const char* rest = ::strptime(text.c_str(), "%Y-%m-%dT%H:%M:%S", &tm);
+    REQUIRE(rest != nullptr);
+    const int ms = std::atoi(rest + 1);
+    return static_cast<std::int64_t>(::timegm(&tm)) * 1000 + ms;
 }
 
 std::string status_of(Client& c, const json& lease) {
@@ -245,15 +271,7 @@ TEST_CASE("SDK plugin channels: bytes exact both ways, exit codes, and what the 
     }
     // duplexChannelStop ends it (the plugin closes stdin, then signals).
     c->call("duplexChannelStop", {{"channel", ch}});
-    bool ended = false;
-    const auto deadline = std::chrono::steady_clock::now() + seconds(20);
-    while (!ended && std::chrono::steady_clock::now() < deadline) {
-        auto ev = c->poll_event(milliseconds(200));
-        ended = ev && ev->type == ClientEvent::kind::notification &&
-                ev->message.value("method", "") == "duplexChannel.exit" &&
-                ev->message["params"]["channel"] == ch;
-    }
-    CHECK(ended);
+    CHECK(wait_exit(*c, ch)["outcome"] == "stopped");
 
     // Fields the SDK's open has no room for are refused, naming the field.
     for (const char* field : {"pty", "cwd", "env", "stdin"}) {
@@ -285,18 +303,7 @@ TEST_CASE("A killed SDK worker is restarted and its leases are resumed on first 
     auto pids = sd.worker_pids();
     REQUIRE(pids.size() == 1);
     REQUIRE(::kill(pids[0], SIGKILL) == 0);
-    json exit;
-    const auto deadline = std::chrono::steady_clock::now() + seconds(20);
-    while (exit.is_null() && std::chrono::steady_clock::now() < deadline) {
-        auto ev = c->poll_event(milliseconds(200));
-        if (ev && ev->type == ClientEvent::kind::notification &&
-            ev->message.value("method", "") == "duplexChannel.exit" &&
-            ev->message["params"]["channel"] == ch) {
-            exit = ev->message["params"];
-        }
-    }
-    REQUIRE_FALSE(exit.is_null());
-    CHECK(exit["outcome"] == "transportClosed");
+    CHECK(wait_exit(*c, ch)["outcome"] == "transportClosed");
 
     // The restarted worker's cache is empty: the first open resumes the lease through
     // environmentResumeLease with its leaseMetadata, then runs.
@@ -420,4 +427,55 @@ TEST_CASE("An SDK teardown that fails 7 times is retried until it succeeds, neve
     const auto first = log.find("retrying every 300 ms");
     CHECK(first != std::string::npos);
     CHECK(log.find("retrying every 300 ms", first + 1) == std::string::npos);
+}
+
+TEST_CASE("A node restarted with the same nodeId keeps its SDK plugin leases active and resumes "
+          "them on first use",
+          "[plugin][sdk][supervision]") {
+    SdkDaemon sd(json::object(), {{"routing", {{"heartbeatMs", 100}, {"nodeTtlMs", 1000}}}});
+    auto c = sd.daemon->connect();
+    auto lease = acquire(*c);
+    REQUIRE(run_sdk(*c, open_params(lease, {"echo", "before"})).out == "before\n");
+    c.reset();
+    sd.daemon->restart();
+    c = sd.daemon->connect();
+    // Past a liveness TTL the sweeper has looked at this node's own leases: it leaves a
+    // lease its plugin can resume active instead of orphaning it.
+    acquire(*c);  // the new worker is up
+    // The node's own heartbeats say when it has run for a TTL plus a few sweeps.
+    REQUIRE(eventually(
+        [&] {
+            const json nodes = c->call("nodeList", json::object());
+            for (const auto& n : nodes["nodes"]) {
+                if (n["nodeId"] != "node-a") continue;
+                return parse_rfc3339_ms(n["heartbeatAt"].get<std::string>()) -
+                           parse_rfc3339_ms(n["startedAt"].get<std::string>()) >=
+                       1500;
+            }
+            return false;
+        },
+        seconds(20)));
+    CHECK(status_of(*c, lease) == "active");
+    auto run = run_sdk(*c, open_params(lease, {"echo", "after"}));
+    CHECK(run.out == "after\n");
+    auto resumed = sd.journal_of("environmentResumeLease");
+    REQUIRE(resumed.size() == 1);
+    CHECK(resumed[0]["params"]["leaseMetadata"] == lease["providerMetadata"]);
+    CHECK(status_of(*c, lease) == "active");
+}
+
+TEST_CASE("An SDK plugin channel whose host does not credit its output ends with FLOW_CONTROL",
+          "[plugin][sdk]") {
+    SdkDaemon sd(json{{"maxBufferedBytes", 65536}});
+    auto c = sd.daemon->connect();
+    auto lease = acquire(*c);
+    // 64 MiB of output; the host credits nothing (its window is 1 MiB by default).
+    auto ch = c->call("duplexChannelOpen",
+                      open_params(lease, {"head", "-c", "67108864", "/dev/zero"}))["channel"];
+    std::size_t received = 0;
+    const json exit = wait_exit(*c, ch, &received);
+    CHECK(exit["outcome"] == "error");
+    CHECK(exit["error"]["data"]["reason"] == "FLOW_CONTROL");
+    CHECK(received <= (1U << 20));
+    CHECK(sd.daemon->log().find("maxBufferedBytes") != std::string::npos);
 }
