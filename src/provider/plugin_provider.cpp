@@ -174,8 +174,7 @@ private:
         if (!spec.stdin_attached) refuse("stdin", "open a channel without stdin");
     }
 
-    awaitable<json> resume_call(const Lease& lease_record) {
-        Lease lease = lease_record;  // a copy: the caller's may not outlive the suspension
+    awaitable<json> resume_call(Lease lease) {
         co_return co_await manager_.call("environmentResumeLease", resume_params(lease));
     }
 

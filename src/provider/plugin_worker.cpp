@@ -168,10 +168,6 @@ struct Worker {
         std::shared_ptr<net::steady_timer> timer;
         json params;  // kept for environmentAcquireLease only (a late answer needs them)
     };
-    struct Abandoned {
-        std::string method;
-        json params;
-    };
 
     std::uint64_t generation = 0;
     pid_t pid = -1;
@@ -182,7 +178,8 @@ struct Worker {
     std::string out_buf;
     std::string err_buf;
     std::map<std::int64_t, Pending> pending;
-    std::map<std::int64_t, Abandoned> abandoned;  // timed-out calls
+    /// Timed-out calls: their method and kept params (Pending::params).
+    std::map<std::int64_t, std::pair<std::string, json>> abandoned;
     std::int64_t next_id = 1;
     std::set<std::string> supported;
     bool initialized = false;
@@ -649,7 +646,7 @@ void WorkerManager::Impl::request(const std::shared_ptr<Worker>& w, const std::s
         if (it == w->pending.end()) return;
         auto p = std::move(it->second);
         w->pending.erase(it);
-        w->abandoned[id] = Worker::Abandoned{p.method, std::move(p.params)};
+        w->abandoned[id] = std::make_pair(p.method, std::move(p.params));
         spdlog::warn("plugin={} worker pid={}: {} (id {}) timed out after {} ms",
                      config.plugin_id, w->pid, p.method, id, limit.count());
         p.done(json(), error_ptr(errc::provider_error,
@@ -814,15 +811,14 @@ void WorkerManager::Impl::on_response(const std::shared_ptr<Worker>& w, const js
                           ", which is not pending (a duplicate or unknown reply)");
             return;
         }
-        auto call = std::move(late->second);
+        auto [method, kept] = std::move(late->second);
         w->abandoned.erase(late);
         spdlog::warn("plugin={} worker pid={}: late answer to {} (id {})", config.plugin_id,
-                     w->pid, call.method, id);
+                     w->pid, method, id);
         // An acquire that answered after its timeout made a sandbox nobody holds: the node
         // records it and tears it down (no leak). A late open was closed at its timeout.
-        if (call.method == "environmentAcquireLease" && msg.contains("result") && late_acquire) {
-            late_acquire(std::move(call.params["params"]), msg["result"],
-                         std::move(call.params["context"]));
+        if (method == "environmentAcquireLease" && msg.contains("result") && late_acquire) {
+            late_acquire(std::move(kept["params"]), msg["result"], std::move(kept["context"]));
         }
         return;
     }

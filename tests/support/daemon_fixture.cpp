@@ -372,6 +372,27 @@ nlohmann::json open_params(const nlohmann::json& lease, std::vector<std::string>
     return {{"lease", lease_ref(lease)}, {"command", std::move(argv)}};
 }
 
+std::vector<std::string> plugin_fields_not_refused(Client& c, const nlohmann::json& lease) {
+    std::vector<std::string> wrong;
+    for (const std::string field : {"pty", "cwd", "env", "stdin"}) {
+        auto params = open_params(lease, {"touch", "refused"});
+        if (field == "pty") params["pty"] = {{"cols", 80}, {"rows", 24}};
+        if (field == "cwd") params["cwd"] = "/tmp";
+        if (field == "env") params["env"] = {{"A", "b"}};
+        if (field == "stdin") params["stdin"] = false;
+        try {
+            c.call("duplexChannelOpen", params);
+            wrong.push_back(field + " (accepted)");
+        } catch (const rpc_error& e) {
+            if (e.data().value("reason", "") != "INVALID_PARAMS" ||
+                e.data().value("field", "") != field) {
+                wrong.push_back(field + " (" + e.what() + ")");
+            }
+        }
+    }
+    return wrong;
+}
+
 nlohmann::json acquire_plugin_lease(Client& c, const std::string& company,
                                     std::chrono::seconds limit) {
     const nlohmann::json params = {

@@ -146,6 +146,11 @@ nlohmann::json lease_ref(const nlohmann::json& lease);
 /// Open params running `argv` on `lease`.
 nlohmann::json open_params(const nlohmann::json& lease, std::vector<std::string> argv);
 
+/// Opens `touch refused` on a plugin `lease` once with each open field the plugin protocol
+/// cannot carry (pty, cwd, env, stdin: false). Returns the fields whose open was not
+/// INVALID_PARAMS naming that field (empty when all were refused as they must be).
+std::vector<std::string> plugin_fields_not_refused(Client& c, const nlohmann::json& lease);
+
 /// Raw HTTP GET on the daemon's port (`address` is host:port): status and body.
 std::pair<int, std::string> http_get(const std::string& address, const std::string& target,
                                      const std::string& authorization = "",
