@@ -374,8 +374,10 @@ int exec_command(Client& client, const std::vector<std::string>& args) {
                    {"environmentId", lease["environmentId"]},
                    {"metadata", lease["metadata"]}}},
                  {"command", vm["cmd"].as<std::vector<std::string>>()},
-                 {"stdin", interactive},
                  {"hostRouteId", "sandboxctl-" + std::to_string(::getpid())}};
+    // A plugin provider's channels always have a stdin (the paperclip plugin protocol cannot
+    // open one without): without -i nothing is written to it, and it is never closed.
+    if (lease["metadata"].value("pluginId", "builtin") == "builtin") open["stdin"] = interactive;
     if (vm.count("cwd")) open["cwd"] = vm["cwd"].as<std::string>();
     if (vm.count("timeout-ms")) open["timeoutMs"] = vm["timeout-ms"].as<std::uint64_t>();
     json env_obj = json::object();
