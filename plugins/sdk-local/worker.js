@@ -247,6 +247,41 @@ const plugin = definePlugin({
     });
   },
 
+  // Checks a lease config without making anything: numbers where numbers belong, and the
+  // test-hook fields only when the hooks are on.
+  async onEnvironmentValidateConfig(p) {
+    const config = p?.config;
+    if (!isObject(config)) return { ok: false, errors: ["config must be an object"] };
+    const errors = [];
+    const warnings = [];
+    for (const [key, value] of Object.entries(config)) {
+      if (["expiresInMs", "acquireDelayMs", "failTeardowns"].includes(key)) {
+        if (!Number.isInteger(value) || value < 0) errors.push(`config.${key} must be a non-negative integer`);
+        if (key !== "expiresInMs" && !HOOKS) warnings.push(`config.${key} is a test hook and is ignored: SDK_LOCAL_TEST_HOOKS is off`);
+      } else {
+        warnings.push(`config.${key} is not used by sdk-local`);
+      }
+    }
+    journal("environmentValidateConfig", p, { result: { ok: errors.length === 0 } });
+    return { ok: errors.length === 0, errors, warnings, normalizedConfig: config };
+  },
+
+  // The environment, not one lease (the SDK's probe has the base params only): is the root
+  // there and writable, and how many leases does it hold for this scope.
+  async onEnvironmentProbe(p) {
+    let writable = true;
+    try { fs.accessSync(ROOT, fs.constants.W_OK); } catch { writable = false; }
+    const leasesHere = fs.readdirSync(ROOT).filter((d) => LEASE_ID.test(d)).length;
+    const result = {
+      ok: writable,
+      summary: writable ? `sdk-local root ${ROOT} is writable` : `sdk-local root ${ROOT} is not writable`,
+      diagnostics: [{ severity: writable ? "info" : "error", message: `${leasesHere} lease directories`, code: "leases" }],
+      metadata: { root: ROOT, companyId: p?.companyId, environmentId: p?.environmentId, pid: process.pid },
+    };
+    journal("environmentProbe", p, { result });
+    return result;
+  },
+
   onEnvironmentReleaseLease: (p) => teardown("environmentReleaseLease", p, false),
   onEnvironmentDestroyLease: (p) => teardown("environmentDestroyLease", p, true),
 

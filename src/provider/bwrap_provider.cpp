@@ -207,6 +207,15 @@ public:
         if (unmount && !workspace.empty()) ::umount2(workspace.c_str(), MNT_DETACH);
     }
 
+    /// Whether bubblewrap (and so the supervisor, PID 1 inside) still runs and its socket
+    /// is in step. A poll of its pidfd; no wait.
+    bool supervisor_alive() {
+        std::lock_guard lock(mutex);
+        if (pid <= 0 || broken || !socket) return false;
+        pollfd p{pidfd.get(), POLLIN, 0};
+        return ::poll(&p, 1, 0) == 0;  // readable: it has exited
+    }
+
     fs::path workspace;  ///< the mount point on the host
 
     Turns turns;  ///< one request in flight on the socket
@@ -374,6 +383,23 @@ public:
         handle->lease_id = lease.id;
         handle->workspace = runtime_dir_ / id / "workspace";
         return handle;
+    }
+
+    std::vector<std::string> capabilities() const override {
+        return {"channels", "pty", "stderr", "signals", "closeStdin", "resize", "probe",
+                "validateConfig"};
+    }
+
+    awaitable<json> validate_config(std::string company_id, json config) override {
+        (void)company_id;
+        json result = validation_of(config);
+        co_return result;
+    }
+
+    awaitable<json> probe(std::shared_ptr<SandboxHandle> sandbox, Lease lease) override {
+        (void)lease;
+        json result = probe_of(*sandbox);
+        co_return result;
     }
 
     json usage(const SandboxHandle& sandbox) const override {
@@ -838,6 +864,28 @@ private:
             }
         }
         if (uid) pool_.release(*uid);
+    }
+
+    /// The SDK's validation result for a lease config: the effective limits when it is good.
+    json validation_of(const json& config) const {
+        try {
+            const LeaseConfig cfg = parse_config(config);
+            return {{"ok", true},
+                    {"normalizedConfig",
+                     {{"network", cfg.network}, {"limits", cfg.limits.to_json()}}}};
+        } catch (const rpc_error& e) {
+            return {{"ok", false}, {"errors", {e.what()}}};
+        }
+    }
+
+    /// The SDK's probe result for a cached sandbox: up while its supervisor runs.
+    json probe_of(const SandboxHandle& sandbox) const {
+        auto state = std::static_pointer_cast<BwrapSandbox>(sandbox.state);
+        const bool up = state && state->supervisor_alive();
+        return {{"ok", up},
+                {"summary", "sandbox " + sandbox.scope.provider_lease_id +
+                                (up ? " is running" : " has no running supervisor")},
+                {"metadata", {{"usage", usage(sandbox)}, {"limits", sandbox.limits}}}};
     }
 
     LeaseConfig parse_config(const json& config) const {

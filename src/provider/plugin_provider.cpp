@@ -118,6 +118,35 @@ public:
 
     void on_late_sandbox(LateSandboxSink sink) override { late_sink_ = std::move(sink); }
 
+    std::vector<std::string> capabilities() const override {
+        // What the worker's supportedMethods make possible (docs/plugins.md section 3).
+        static const std::pair<const char*, const char*> map[] = {
+            {"duplexChannelOpen", "channels"},       {"duplexChannelCloseStdin", "closeStdin"},
+            {"duplexChannelSignal", "signals"},      {"duplexChannelResize", "resize"},
+            {"environmentProbe", "probe"},           {"environmentValidateConfig", "validateConfig"},
+            {"environmentResumeLease", "resume"}};
+        std::vector<std::string> out;
+        for (const auto& [method, capability] : map) {
+            if (manager_.supports(method)) out.emplace_back(capability);
+        }
+        return out;
+    }
+
+    awaitable<json> validate_config(std::string company_id, json config) override {
+        (void)company_id;
+        json params = validate_params(config);
+        auto result = co_await manager_.call_if_supported("environmentValidateConfig", params);
+        if (!result) unsupported("providerValidateConfig", "environmentValidateConfig");
+        co_return *result;
+    }
+
+    awaitable<json> probe(std::shared_ptr<SandboxHandle> sandbox, Lease lease) override {
+        json params = probe_params(*sandbox, lease);
+        auto result = co_await manager_.call_if_supported("environmentProbe", params);
+        if (!result) unsupported("leaseProbe", "environmentProbe");
+        co_return *result;
+    }
+
     awaitable<void> destroy(std::shared_ptr<SandboxHandle> sandbox) override {
         const json params = teardown_params(*sandbox);
         // Either call throws PROVIDER_NOT_READY while the worker is down: the sweeper then
@@ -268,6 +297,22 @@ private:
                      "(providerLeaseId {}): recorded for cleanup",
                      plugin_id_, lease.id, lease.provider_lease_id);
         if (late_sink_) late_sink_(std::move(lease));
+    }
+
+    [[noreturn]] void unsupported(const char* host_method, const char* sdk_method) const {
+        throw rpc_error(errc::invalid_params,
+                        std::string(host_method) + ": plugin " + plugin_id_ + " (provider " +
+                            key_ + ") does not implement it (" + sdk_method +
+                            " is not in its worker's supportedMethods)",
+                        {{"field", host_method}});
+    }
+
+    json validate_params(const json& config) const {
+        return {{"driverKey", key_}, {"config", config.is_object() ? config : json::object()}};
+    }
+
+    json probe_params(const SandboxHandle& sandbox, const Lease& lease) const {
+        return base_params(sandbox.scope, lease.config, lease.issue_id);
     }
 
     /// What a late acquire answer needs to record the lease (kept with the call).

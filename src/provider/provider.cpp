@@ -13,4 +13,22 @@ awaitable<std::shared_ptr<SandboxHandle>> Provider::resume(Lease lease) {
     co_return nullptr;
 }
 
+awaitable<nlohmann::json> Provider::validate_config(std::string company_id, nlohmann::json config) {
+    (void)company_id;
+    (void)config;
+    throw rpc_error(errc::invalid_params,
+                    "providerValidateConfig: provider \"" + key() + "\" does not implement it",
+                    {{"field", "providerValidateConfig"}});
+    co_return nullptr;
+}
+
+awaitable<nlohmann::json> Provider::probe(std::shared_ptr<SandboxHandle> sandbox, Lease lease) {
+    (void)sandbox;
+    (void)lease;
+    throw rpc_error(errc::invalid_params,
+                    "leaseProbe: provider \"" + key() + "\" does not implement it",
+                    {{"field", "leaseProbe"}});
+    co_return nullptr;
+}
+
 }  // namespace sandboxd

@@ -99,6 +99,7 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, methods::LeaseA
     lease.heartbeat_run_id = std::move(p.heartbeat_run_id);
     lease.execution_workspace_id = std::move(p.execution_workspace_id);
     lease.agent_id = std::move(p.agent_id);
+    lease.host_metadata = std::move(p.host_metadata);
     lease.idempotency_key = std::move(p.idempotency_key);
     lease.config = std::move(p.config);
     const auto ttl = p.ttl_ms.value_or(node.config.limits.default_ttl_ms);
@@ -123,6 +124,7 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, methods::LeaseA
     lease.acquired_at_ms = lease.last_used_at_ms = now_ms();
     lease.expires_at_ms = lease.acquired_at_ms + static_cast<std::int64_t>(ttl);
     lease.metadata = {{"pluginId", provider->plugin_id()}, {"provider", provider->key()}};
+    lease.capabilities = provider->capabilities();
 
     // providerLeaseId is minted by create(); expires_at_ms bounds the sandbox's own expiry.
     auto handle = co_await provider->create(lease);
@@ -215,6 +217,40 @@ awaitable<Lease> lease_release(Node& node, const Principal& who, std::string lea
         co_return lease;  // idempotent
     }
     co_return co_await teardown(node, std::move(lease), lease_status::released);
+}
+
+awaitable<json> lease_probe(Node& node, const Principal& who, std::string lease_id) {
+    Lease lease = co_await load_visible(node, who, lease_id);
+    if (!lease.is_live(now_ms())) {
+        throw rpc_error(errc::lease_not_active, lease_not_active_message(lease.id),
+                        {{"leaseId", lease.id}, {"status", std::string(to_string(lease.status))}});
+    }
+    Provider* provider = provider_of(node, lease.provider);
+    if (!provider) {
+        throw rpc_error(errc::provider_error,
+                        "no provider \"" + lease.provider + "\" on node " + node.node_id);
+    }
+    auto sandbox = co_await sandbox_for(node, lease);
+    co_return co_await provider->probe(sandbox, lease);
+}
+
+awaitable<json> provider_validate_config(Node& node, const Principal& who,
+                                         methods::ValidateConfigParams p) {
+    (void)who;  // any host may ask: nothing is made, and no tenant's data is read
+    Provider* provider = provider_of(node, p.provider);
+    if (!provider) params::invalid("provider", "no provider \"" + p.provider + "\" on this node");
+    co_return co_await provider->validate_config("", std::move(p.config));
+}
+
+json provider_list(const Node& node) {
+    json out = json::array();
+    for (const auto& [key, provider] : node.providers) {
+        out.push_back({{"provider", key},
+                       {"pluginId", provider->plugin_id()},
+                       {"ready", provider->ready()},
+                       {"capabilities", provider->capabilities()}});
+    }
+    return out;
 }
 
 awaitable<json> node_list(Node& node) {

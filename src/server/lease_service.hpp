@@ -22,6 +22,16 @@ awaitable<Lease> lease_renew(Node& node, const Principal& who, std::string lease
                              std::uint64_t ttl_ms);
 awaitable<Lease> lease_release(Node& node, const Principal& who, std::string lease_id);
 awaitable<nlohmann::json> node_list(Node& node);
+/// leaseProbe on the owner: the lease's provider probes its sandbox (resumed first when a
+/// plugin lost it). LEASE_NOT_ACTIVE for a lease that is not live; INVALID_PARAMS naming
+/// leaseProbe when the provider cannot probe.
+awaitable<nlohmann::json> lease_probe(Node& node, const Principal& who, std::string lease_id);
+/// providerValidateConfig on any node with the provider: INVALID_PARAMS naming `provider`
+/// for an unknown one, naming providerValidateConfig when it cannot validate.
+awaitable<nlohmann::json> provider_validate_config(Node& node, const Principal& who,
+                                                   methods::ValidateConfigParams params);
+/// The node's providers for `initialize`: [{provider, pluginId, ready, capabilities}].
+nlohmann::json provider_list(const Node& node);
 
 /// Checks 2-4 of protocol section 3 for `lease_param` (the open's `lease` object): step 2
 /// (LEASE_INCOMPLETE) before anything touches the registry or a provider, then the lease in

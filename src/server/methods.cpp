@@ -19,10 +19,14 @@ InitializeParams parse_initialize(const json& p) {
     return {static_cast<std::uint32_t>(version)};
 }
 
+namespace {
+constexpr std::size_t max_host_metadata = 64 * 1024;
+}  // namespace
+
 LeaseAcquireParams parse_lease_acquire(const json& p, std::uint64_t max_ttl_ms) {
     params::only_keys(p, {"companyId", "environmentId", "provider", "config", "ttlMs", "runId",
                           "issueId", "heartbeatRunId", "executionWorkspaceId", "agentId",
-                          "idempotencyKey"});
+                          "idempotencyKey", "metadata"});
     LeaseAcquireParams out;
     out.company_id = params::req_string(p, "companyId");
     out.environment_id = params::req_string(p, "environmentId");
@@ -37,6 +41,14 @@ LeaseAcquireParams parse_lease_acquire(const json& p, std::uint64_t max_ttl_ms) 
     if (auto it = p.find("config"); it != p.end() && !it->is_null()) {
         if (!it->is_object()) params::invalid("config", "must be an object");
         out.config = *it;
+    }
+    if (auto it = p.find("metadata"); it != p.end() && !it->is_null()) {
+        if (!it->is_object()) params::invalid("metadata", "must be an object");
+        if (it->dump().size() > max_host_metadata) {
+            params::invalid("metadata", "must be at most " + std::to_string(max_host_metadata) +
+                                            " bytes as JSON");
+        }
+        out.host_metadata = *it;
     }
     return out;
 }
@@ -62,6 +74,17 @@ LeaseQuery parse_lease_list(const json& p) {
 LeaseIdParams parse_lease_id(const json& p) {
     params::only_keys(p, {"leaseId"});
     return {params::req_string(p, "leaseId")};
+}
+
+ValidateConfigParams parse_validate_config(const json& p) {
+    params::only_keys(p, {"provider", "config"});
+    ValidateConfigParams out;
+    out.provider = params::req_string(p, "provider");
+    if (auto it = p.find("config"); it != p.end() && !it->is_null()) {
+        if (!it->is_object()) params::invalid("config", "must be an object");
+        out.config = *it;
+    }
+    return out;
 }
 
 LeaseRenewParams parse_lease_renew(const json& p) {

@@ -43,6 +43,7 @@ struct LeaseAcquireParams {
     std::optional<std::string> execution_workspace_id;
     std::optional<std::string> agent_id;
     std::optional<std::string> idempotency_key;
+    json host_metadata;  ///< `metadata`: an object of at most 64 KiB as JSON, or null
 };
 /// `max_ttl_ms` is the node's limits.maxTtlMs.
 LeaseAcquireParams parse_lease_acquire(const json& p, std::uint64_t max_ttl_ms);
@@ -56,6 +57,13 @@ struct LeaseIdParams {
     std::string lease_id;  ///< 1..1024 bytes
 };
 LeaseIdParams parse_lease_id(const json& p);
+
+/// providerValidateConfig: `provider` 1..1024 bytes, `config` an object (absent: {}).
+struct ValidateConfigParams {
+    std::string provider;
+    json config = json::object();
+};
+ValidateConfigParams parse_validate_config(const json& p);
 
 struct LeaseRenewParams {
     std::string lease_id;  ///< 1..1024 bytes

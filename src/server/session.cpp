@@ -251,6 +251,8 @@ const std::map<std::string_view, Session::Method>& Session::method_table() {
         {"leaseList", {&Session::lease_list}},
         {"leaseRenew", {&Session::lease_renew, true}},
         {"leaseRelease", {&Session::lease_release, true}},
+        {"leaseProbe", {&Session::lease_probe, true}},
+        {"providerValidateConfig", {&Session::provider_validate_config}},
         {"nodeList", {&Session::node_list}},
         {"duplexChannelOpen", {&Session::channel_open, true}},
         {"duplexChannelWrite", {&Session::channel_write, false, true}},
@@ -300,7 +302,8 @@ awaitable<Session::Reply> Session::initialize(json p) {
     std::vector<std::string> supported;
     // The protocol's order, not the table's (alphabetical).
     for (const char* m : {"initialize", "leaseAcquire", "leaseGet", "leaseList", "leaseRenew",
-                          "leaseRelease", "nodeList", "duplexChannelOpen", "duplexChannelWrite",
+                          "leaseRelease", "leaseProbe", "providerValidateConfig", "nodeList",
+                          "duplexChannelOpen", "duplexChannelWrite",
                           "duplexChannelCloseStdin", "duplexChannelResize", "duplexChannelSignal",
                           "duplexChannelStop", "duplexChannelClose"}) {
         supported.emplace_back(m);
@@ -315,7 +318,8 @@ awaitable<Session::Reply> Session::initialize(json p) {
                            {"channelsPerNode", l.channels_per_node},
                            {"outputWindow", l.output_window},
                            {"stdinWindow", l.stdin_window},
-                           {"requestsPerConnection", l.requests_per_connection}}}},
+                           {"requestsPerConnection", l.requests_per_connection}}},
+                         {"providers", provider_list(node_)}},
                     {}};
 }
 
@@ -392,6 +396,22 @@ awaitable<Session::Reply> Session::lease_release(json p) {
         co_return std::move(*at_owner);
     }
     json result = to_json(co_await sandboxd::lease_release(node_, who_, params.lease_id));
+    co_return Reply{std::move(result), {}};
+}
+
+awaitable<Session::Reply> Session::lease_probe(json p) {
+    auto params = methods::parse_lease_id(p);
+    // The owner's provider holds the sandbox: forwarded there like a release.
+    if (auto at_owner = co_await lease_change_at_owner("leaseProbe", p, params.lease_id)) {
+        co_return std::move(*at_owner);
+    }
+    json result = co_await sandboxd::lease_probe(node_, who_, params.lease_id);
+    co_return Reply{std::move(result), {}};
+}
+
+awaitable<Session::Reply> Session::provider_validate_config(json p) {
+    auto params = methods::parse_validate_config(p);
+    json result = co_await sandboxd::provider_validate_config(node_, who_, std::move(params));
     co_return Reply{std::move(result), {}};
 }
 

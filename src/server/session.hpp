@@ -112,6 +112,8 @@ private:
     awaitable<Reply> lease_list(nlohmann::json params);
     awaitable<Reply> lease_renew(nlohmann::json params);
     awaitable<Reply> lease_release(nlohmann::json params);
+    awaitable<Reply> lease_probe(nlohmann::json params);
+    awaitable<Reply> provider_validate_config(nlohmann::json params);
     awaitable<Reply> node_list(nlohmann::json params);
     awaitable<Reply> channel_open(nlohmann::json params);
     awaitable<Reply> channel_write(nlohmann::json params);

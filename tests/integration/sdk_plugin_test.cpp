@@ -34,7 +34,8 @@ const fs::path plugin_dir = fs::path(SANDBOXD_SOURCE_DIR) / "plugins" / "sdk-loc
 /// A daemon whose only plugin is sdk-local, test hooks on. `entry` is merged into the
 /// plugin's config entry, `top` into the daemon's config.
 struct SdkDaemon {
-    explicit SdkDaemon(json entry = json::object(), json top = json::object()) {
+    explicit SdkDaemon(json entry = json::object(), json top = json::object(),
+                       const std::string& node_id = "node-a") {
         REQUIRE(fs::exists(plugin_dir / "node_modules" / "@paperclipai" / "plugin-sdk" /
                            "package.json"));  // scripts/test runs `npm ci` there
         json plugin = {{"pluginId", "sdk-local"},
@@ -49,7 +50,7 @@ struct SdkDaemon {
         plugin.update(entry);
         json config = top;
         config["providers"] = {{"plugins", {plugin}}};
-        daemon = std::make_unique<DaemonProcess>("node-a", config.dump());
+        daemon = std::make_unique<DaemonProcess>(node_id, config.dump());
     }
     fs::path root() const { return dir.path() / "leases"; }
 
@@ -465,4 +466,123 @@ TEST_CASE("An SDK plugin channel whose host does not credit its output ends with
     CHECK(exit["error"]["data"]["reason"] == "FLOW_CONTROL");
     CHECK(received <= (1U << 20));
     CHECK(sd.daemon->log().find("maxBufferedBytes") != std::string::npos);
+}
+
+TEST_CASE("SDK plugin leases carry capabilities and the host's metadata; probe and config "
+          "validation reach the plugin",
+          "[plugin][sdk]") {
+    SdkDaemon sd;
+    auto c = sd.daemon->connect();
+    const json host_metadata = {{"team", "blue"}, {"pluginId", "not-trusted"}};
+    auto lease = acquire(*c, {{"metadata", host_metadata}});
+    const json capabilities = {"channels", "probe", "validateConfig", "resume"};
+    CHECK(lease["capabilities"] == capabilities);
+    CHECK(lease["hostMetadata"] == host_metadata);
+    CHECK(lease["metadata"] == json{{"pluginId", "sdk-local"}, {"provider", "sdk-local"}});
+    CHECK(c->call("leaseGet", {{"leaseId", lease["id"]}})["hostMetadata"] == host_metadata);
+    // initialize names every provider and what it serves, before any acquire.
+    const json init = c->call("initialize", {{"protocolVersion", 1}});
+    bool listed = false;
+    for (const auto& p : init["providers"]) {
+        if (p["provider"] != "sdk-local") continue;
+        listed = true;
+        CHECK(p["pluginId"] == "sdk-local");
+        CHECK(p["ready"] == true);
+        CHECK(p["capabilities"] == capabilities);
+    }
+    CHECK(listed);
+    // A bad host metadata changes nothing.
+    CHECK(error_reason(*c, "leaseAcquire", acquire_params({{"metadata", "text"}})) ==
+          "INVALID_PARAMS");
+
+    // leaseProbe: the plugin's environmentProbe with the lease's scope, its result verbatim.
+    const json probe = c->call("leaseProbe", {{"leaseId", lease["id"]}});
+    CHECK(probe["ok"] == true);
+    CHECK(probe["metadata"]["root"] == sd.root().string());
+    CHECK(probe["metadata"]["companyId"] == "acme");
+    auto probes = sd.journal_of("environmentProbe");
+    REQUIRE(probes.size() == 1);
+    CHECK(probes[0]["params"]["driverKey"] == "sdk-local");
+    CHECK(probes[0]["params"]["environmentId"] == "dev");
+    CHECK(probes[0]["params"]["config"] == json::object());
+
+    // providerValidateConfig: environmentValidateConfig, verbatim.
+    json v = c->call("providerValidateConfig",
+                     {{"provider", "sdk-local"}, {"config", {{"expiresInMs", -1}}}});
+    CHECK(v["ok"] == false);
+    CHECK(v["errors"] == json{"config.expiresInMs must be a non-negative integer"});
+    v = c->call("providerValidateConfig",
+                {{"provider", "sdk-local"}, {"config", {{"expiresInMs", 5000}}}});
+    CHECK(v["ok"] == true);
+    CHECK(v["normalizedConfig"] == json{{"expiresInMs", 5000}});
+    CHECK(error_reason(*c, "providerValidateConfig", {{"provider", "nope"}}) == "INVALID_PARAMS");
+
+    // A released lease cannot be probed.
+    c->call("leaseRelease", {{"leaseId", lease["id"]}});
+    CHECK(error_reason(*c, "leaseProbe", {{"leaseId", lease["id"]}}) == "LEASE_NOT_ACTIVE");
+}
+
+TEST_CASE("Built-in leases carry capabilities; probe and config validation through bwrap",
+          "[plugin][sdk]") {
+    SdkDaemon sd;  // the built-in provider is on beside the plugin
+    auto c = sd.daemon->connect();
+    auto lease = c->call("leaseAcquire", {{"companyId", "acme"},
+                                          {"environmentId", "dev"},
+                                          {"provider", "bwrap"},
+                                          {"metadata", {{"k", 1}}}});
+    CHECK(lease["capabilities"] == json{"channels", "pty", "stderr", "signals", "closeStdin",
+                                        "resize", "probe", "validateConfig"});
+    CHECK(lease["hostMetadata"] == json{{"k", 1}});
+    CHECK(lease["providerMetadata"].is_null());
+    const json probe = c->call("leaseProbe", {{"leaseId", lease["id"]}});
+    CHECK(probe["ok"] == true);
+    CHECK(probe["summary"] ==
+          "sandbox " + lease["providerLeaseId"].get<std::string>() + " is running");
+    CHECK(probe["metadata"]["limits"] == lease["limits"]);
+    json v = c->call("providerValidateConfig",
+                     {{"provider", "bwrap"}, {"config", {{"limits", {{"pids", 1}}}}}});
+    CHECK(v["ok"] == false);
+    REQUIRE(v["errors"].size() == 1);
+    CHECK(v["errors"][0].get<std::string>().find("config.limits.pids") != std::string::npos);
+    v = c->call("providerValidateConfig", {{"provider", "bwrap"}, {"config", json::object()}});
+    CHECK(v["ok"] == true);
+    CHECK(v["normalizedConfig"]["limits"] == lease["limits"]);
+    c->call("leaseRelease", {{"leaseId", lease["id"]}});
+}
+
+TEST_CASE("A probe and an open through a second node reach the owner's plugin worker",
+          "[plugin][sdk][routing]") {
+    TempDir shared;
+    const json top = {
+        {"registry", {{"kind", "sqlite"}, {"path", (shared.path() / "registry.db").string()}}},
+        {"auth",
+         {{"tokens",
+           {{{"name", "host"}, {"token", "host-secret"}, {"role", "host"}, {"tenants", {"*"}}},
+            {{"name", "peer"}, {"token", "peer-secret"}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
+        {"routing", {{"mode", "proxy"}, {"nodeTtlMs", 3000}, {"heartbeatMs", 300}}}};
+    SdkDaemon owner(json::object(), top, "node-1");
+    SdkDaemon other(json::object(), top, "node-2");
+    Client c1(owner.daemon->url(), "host-secret");
+    Client c2(other.daemon->url(), "host-secret");
+    auto lease = acquire(c1);
+    CHECK(lease["ownerNodeId"] == "node-1");
+    acquire(c2);  // node-2's own worker is up too: the calls must not reach it
+    const auto owner_pids = owner.worker_pids();
+    REQUIRE(owner_pids.size() == 1);
+
+    const json probe = c2.call("leaseProbe", {{"leaseId", lease["id"]}});
+    CHECK(probe["metadata"]["root"] == owner.root().string());
+    CHECK(probe["metadata"]["pid"] == owner_pids[0]);
+    CHECK(owner.journal_of("environmentProbe").size() == 1);
+    CHECK(other.journal_of("environmentProbe").empty());
+
+    auto run = c2.run_channel(open_params(lease, {"sh", "-c", "pwd; exit 4"}), {}, false);
+    CHECK(run.out == (owner.root() / lease["providerLeaseId"].get<std::string>()).string() + "\n");
+    CHECK(run.exit["exitCode"] == 4);
+    CHECK(run.open_result["routed"] == true);
+
+    auto released = c2.call("leaseRelease", {{"leaseId", lease["id"]}});
+    CHECK(released["status"] == "released");
+    CHECK(owner.journal_of("environmentDestroyLease").size() == 1);
+    CHECK(other.journal_of("environmentDestroyLease").empty());
 }

@@ -56,9 +56,10 @@ std::string table_info(const std::string& create_sql) {
 TEST_CASE("The wire JSON of a lease is the protocol's, byte for byte", "[lease]") {
     SECTION("absent optional ids are left out, other absent fields are null") {
         CHECK(to_json(minimal_lease()).dump() ==
-              R"({"acquiredAt":"2025-11-30T23:49:29.123Z","cleanupStatus":null,)"
+              R"({"acquiredAt":"2025-11-30T23:49:29.123Z","capabilities":null,"cleanupStatus":null,)"
               R"("companyId":"acme","environmentId":"dev","epoch":1,"expiresAt":null,)"
-              R"("failureReason":null,"id":"l1","lastUsedAt":"2025-11-30T23:49:30.000Z",)"
+              R"("failureReason":null,"hostMetadata":null,"id":"l1",)"
+              R"("lastUsedAt":"2025-11-30T23:49:30.000Z",)"
               R"("limits":null,"metadata":{},"ownerNodeId":"n1","provider":"bwrap",)"
               R"("providerLeaseId":"bw-1","providerMetadata":null,"releasedAt":null,)"
               R"("status":"active","usage":null})");
@@ -71,6 +72,8 @@ TEST_CASE("The wire JSON of a lease is the protocol's, byte for byte", "[lease]"
         l.execution_workspace_id = "w";
         l.agent_id = "a";
         l.provider_metadata = {{"dir", "/x"}};
+        l.host_metadata = {{"team", "t"}};
+        l.capabilities = {"pty"};
         l.status = lease_status::pending_cleanup;
         l.epoch = 42;
         l.expires_at_ms = 1764546571000;
@@ -84,10 +87,11 @@ TEST_CASE("The wire JSON of a lease is the protocol's, byte for byte", "[lease]"
         l.config = {{"image", "x"}};
         l.cleanup_attempts = 3;
         CHECK(to_json(l).dump() ==
-              R"({"acquiredAt":"2025-11-30T23:49:29.123Z","agentId":"a","cleanupStatus":"retrying",)"
+              R"({"acquiredAt":"2025-11-30T23:49:29.123Z","agentId":"a","capabilities":["pty"],)"
+              R"("cleanupStatus":"retrying",)"
               R"("companyId":"acme","environmentId":"dev","epoch":42,"executionWorkspaceId":"w",)"
               R"("expiresAt":"2025-11-30T23:49:31.000Z","failureReason":"boom",)"
-              R"("heartbeatRunId":"h","id":"l1","issueId":"i",)"
+              R"("heartbeatRunId":"h","hostMetadata":{"team":"t"},"id":"l1","issueId":"i",)"
               R"("lastUsedAt":"2025-11-30T23:49:30.000Z","limits":{"pids":64},)"
               R"("metadata":{"pluginId":"builtin","provider":"bwrap"},"ownerNodeId":"n1",)"
               R"("provider":"bwrap","providerLeaseId":"bw-1","providerMetadata":{"dir":"/x"},)"
@@ -96,10 +100,10 @@ TEST_CASE("The wire JSON of a lease is the protocol's, byte for byte", "[lease]"
     }
 }
 
-TEST_CASE("The generated leases table is schema version 2's plus version 4's columns",
+TEST_CASE("The generated leases table is schema version 2's plus version 4's and 5's columns",
           "[lease][registry]") {
-    // CREATE TABLE leases as schema version 2 wrote it by hand, and the two columns version 4
-    // adds with ALTER TABLE (at the end): databases made with it and migrated must keep
+    // CREATE TABLE leases as schema version 2 wrote it by hand, and the columns versions 4
+    // and 5 add with ALTER TABLE (at the end): databases made with it and migrated must keep
     // working, so every column's name, type, NOT NULL, default and key must match.
     const std::string v2 = R"sql(CREATE TABLE leases (
     id TEXT PRIMARY KEY NOT NULL,
@@ -126,7 +130,9 @@ TEST_CASE("The generated leases table is schema version 2's plus version 4's col
     cleanup_attempts INTEGER NOT NULL DEFAULT 0,
     limits TEXT NOT NULL DEFAULT 'null',
     agent_id TEXT,
-    provider_metadata TEXT NOT NULL DEFAULT 'null'
+    provider_metadata TEXT NOT NULL DEFAULT 'null',
+    host_metadata TEXT NOT NULL DEFAULT 'null',
+    capabilities TEXT NOT NULL DEFAULT 'null'
 ) STRICT;)sql";
     const std::string generated =
         "CREATE TABLE leases (\n    " + lease_column_definitions() + "\n) STRICT;";
@@ -136,7 +142,7 @@ TEST_CASE("The generated leases table is schema version 2's plus version 4's col
           "execution_workspace_id, status, provider, provider_lease_id, owner_node_id, epoch, "
           "acquired_at_ms, last_used_at_ms, expires_at_ms, released_at_ms, failure_reason, "
           "cleanup_status, metadata, idempotency_key, config, cleanup_attempts, limits, "
-          "agent_id, provider_metadata");
+          "agent_id, provider_metadata, host_metadata, capabilities");
 }
 
 TEST_CASE("Lease field names are unique and every field goes somewhere", "[lease]") {
@@ -147,6 +153,6 @@ TEST_CASE("Lease field names are unique and every field goes somewhere", "[lease
         if (f.on_wire()) CHECK(wire.insert(f.wire).second);
         if (f.stored()) CHECK(columns.insert(f.column).second);
     }
-    CHECK(wire.size() == 23);
-    CHECK(columns.size() == 25);
+    CHECK(wire.size() == 25);
+    CHECK(columns.size() == 27);
 }

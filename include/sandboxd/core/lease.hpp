@@ -56,6 +56,12 @@ struct Lease {
     /// environmentAcquireLease or environmentResumeLease), an object or null. Sent back to a
     /// plugin worker as `leaseMetadata` on every later call; never read by the daemon.
     nlohmann::json provider_metadata = nullptr;
+    /// The host's own: leaseAcquire's `metadata` object, stored verbatim and returned; never
+    /// merged into `metadata` or `provider_metadata`. null when the host gave none.
+    nlohmann::json host_metadata = nullptr;
+    /// What the lease's provider serves (Provider::capabilities() at acquire), a string
+    /// array; null for leases made before the field existed.
+    nlohmann::json capabilities = nullptr;
     /// The limits the provider enforces on the sandbox ({memoryBytes, pids, cpuWeight,
     /// cpuQuotaPercent, diskBytes, openFiles}); null when it enforces none (plugin leases).
     /// Set at creation, never changed.

@@ -57,7 +57,7 @@ struct LeaseField {
 
 // In the SQLite column order of schema version 2 (new columns go last, and only with a
 // DEFAULT, so that ALTER TABLE ... ADD COLUMN can upgrade an existing database).
-inline constexpr std::array<LeaseField, 26> lease_fields = {{
+inline constexpr std::array<LeaseField, 28> lease_fields = {{
     {"id", "id", &Lease::id, lease_field_flags::none, "PRIMARY KEY"},
     {"companyId", "company_id", &Lease::company_id},
     {"environmentId", "environment_id", &Lease::environment_id},
@@ -92,6 +92,11 @@ inline constexpr std::array<LeaseField, 26> lease_fields = {{
      lease_field_flags::omit_if_absent | lease_field_flags::added_later},
     {"providerMetadata", "provider_metadata", &Lease::provider_metadata,
      lease_field_flags::updatable | lease_field_flags::added_later, "DEFAULT 'null'"},
+    // Schema version 5 (issue 14).
+    {"hostMetadata", "host_metadata", &Lease::host_metadata, lease_field_flags::added_later,
+     "DEFAULT 'null'"},
+    {"capabilities", "capabilities", &Lease::capabilities, lease_field_flags::added_later,
+     "DEFAULT 'null'"},
 }};
 
 /// The stored fields' columns in table order, comma-separated: "id, company_id, ..., limits".

@@ -203,6 +203,23 @@ public:
     /// Set once by the node before it serves; a provider that never makes late sandboxes
     /// ignores it.
     virtual void on_late_sandbox(LateSandboxSink sink) { (void)sink; }
+
+    /// What the provider serves, as Lease.capabilities names it (docs/protocol.md section
+    /// 2): "channels", "pty", "stderr", "signals", "closeStdin", "resize", "probe",
+    /// "validateConfig", "resume". A plugin's follow its worker's supportedMethods (empty
+    /// while no worker is ready). Fast; no I/O; thread-safe.
+    virtual std::vector<std::string> capabilities() const { return {}; }
+
+    /// providerValidateConfig: checks a lease config without making anything. The result is
+    /// the SDK's {ok, warnings?, errors?, normalizedConfig?}. Throws
+    /// rpc_error(errc::invalid_params) naming the method when the provider cannot validate,
+    /// errc::provider_not_ready while it cannot serve. Awaitable like create().
+    virtual awaitable<nlohmann::json> validate_config(std::string company_id,
+                                                      nlohmann::json config);
+
+    /// leaseProbe on the owner: the SDK's {ok, summary?, diagnostics?, metadata?} about the
+    /// sandbox of `lease`. Throws like validate_config().
+    virtual awaitable<nlohmann::json> probe(std::shared_ptr<SandboxHandle> sandbox, Lease lease);
 };
 
 struct BwrapOptions {
