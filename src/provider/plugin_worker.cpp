@@ -964,9 +964,15 @@ void WorkerManager::Impl::call_on_io(const std::string& method, json params, boo
         done(json(), error_ptr(errc::provider_not_ready, not_ready_message()));
         return;
     }
-    if (optional && !w->supported.count(method)) {
-        done(json(nullptr), nullptr);
-        return;
+    if (optional) {
+        // call_if_supported(): null for "not called", {result} for a result (even null).
+        if (!w->supported.count(method)) {
+            done(json(nullptr), nullptr);
+            return;
+        }
+        done = [done = std::move(done)](json result, std::exception_ptr error) {
+            done(error ? json() : json{{"result", std::move(result)}}, error);
+        };
     }
     request(w, method, std::move(params), std::move(done), std::nullopt, std::move(context));
 }
@@ -1535,11 +1541,7 @@ awaitable<std::optional<json>> WorkerManager::call_if_supported(std::string meth
     Impl* impl = impl_.get();
     auto start = [impl, method = std::move(method), params = std::move(params)](
                      ReplyFn done) mutable {
-        impl->call_on_io(method, std::move(params), true,
-                         [done = std::move(done)](json result, std::exception_ptr error) {
-                             // A supported method's null result is still a result.
-                             done(error ? json() : json{{"result", std::move(result)}}, error);
-                         });
+        impl->call_on_io(method, std::move(params), true, std::move(done));
     };
     json r = co_await on_manager(impl, std::move(start));
     if (r.is_null()) co_return std::nullopt;

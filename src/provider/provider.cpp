@@ -5,6 +5,18 @@
 #include <sandboxd/provider/provider.hpp>
 
 namespace sandboxd {
+namespace {
+
+/// A host method the provider does not implement: INVALID_PARAMS naming it (protocol
+/// section 2).
+[[noreturn]] void not_implemented(const Provider& provider, const char* method) {
+    throw rpc_error(errc::invalid_params,
+                    std::string(method) + ": provider \"" + provider.key() +
+                        "\" does not implement it",
+                    {{"field", method}});
+}
+
+}  // namespace
 
 awaitable<std::shared_ptr<SandboxHandle>> Provider::resume(Lease lease) {
     // Built-in providers keep nothing outside the process that made the sandbox: fail closed.
@@ -16,18 +28,14 @@ awaitable<std::shared_ptr<SandboxHandle>> Provider::resume(Lease lease) {
 awaitable<nlohmann::json> Provider::validate_config(std::string company_id, nlohmann::json config) {
     (void)company_id;
     (void)config;
-    throw rpc_error(errc::invalid_params,
-                    "providerValidateConfig: provider \"" + key() + "\" does not implement it",
-                    {{"field", "providerValidateConfig"}});
+    not_implemented(*this, "providerValidateConfig");
     co_return nullptr;
 }
 
 awaitable<nlohmann::json> Provider::probe(std::shared_ptr<SandboxHandle> sandbox, Lease lease) {
     (void)sandbox;
     (void)lease;
-    throw rpc_error(errc::invalid_params,
-                    "leaseProbe: provider \"" + key() + "\" does not implement it",
-                    {{"field", "leaseProbe"}});
+    not_implemented(*this, "leaseProbe");
     co_return nullptr;
 }
 

@@ -169,6 +169,12 @@ TEST_CASE("A plugin lease runs commands through the reference worker, byte for b
     CHECK(plugin_fields_not_refused(*c, lease).empty());
     CHECK_FALSE(fs::exists(pd.leases() / plid / "workspace" / "refused"));
 
+    // This worker lists neither environmentProbe nor environmentValidateConfig.
+    CHECK(lease["capabilities"] == json{"channels", "closeStdin", "signals", "resume"});
+    CHECK(error_reason(*c, "leaseProbe", {{"leaseId", lease["id"]}}) == "INVALID_PARAMS");
+    CHECK(error_reason(*c, "providerValidateConfig", {{"provider", "process"}}) ==
+          "INVALID_PARAMS");
+
     // A signal death is reported as such, with no exit code.
     run = c->run_channel(open_params(lease, {"sh", "-c", "kill -TERM $$"}));
     CHECK(run.exit["exitCode"].is_null());

@@ -496,3 +496,36 @@ TEST_CASE("end_lease_channels returns at once when the lease has no channel here
     CHECK(std::chrono::steady_clock::now() - start < std::chrono::milliseconds(5000));
     CHECK(h.node.channels.size() == 0);
 }
+
+TEST_CASE("A provider without probe or config validation answers INVALID_PARAMS naming the "
+          "method; leases record its capabilities and the host's metadata",
+          "[unit][lease-service]") {
+    NodeHarness h;
+    auto lease = h.acquire({{"metadata", {{"team", "blue"}}}});
+    CHECK(lease.host_metadata == json{{"team", "blue"}});
+    CHECK(lease.capabilities == json::array());  // the fake provider names none
+    CHECK(lease.metadata == json{{"pluginId", "builtin"}, {"provider", "fake"}});
+
+    auto err = rpc_error_of([&] { h.run(lease_probe(h.node, h.host, lease.id)); });
+    REQUIRE(err);
+    CHECK(err->code() == errc::invalid_params);
+    CHECK(err->data().value("field", "") == "leaseProbe");
+
+    methods::ValidateConfigParams v;
+    v.provider = "fake";
+    err = rpc_error_of([&] { h.run(provider_validate_config(h.node, h.host, v)); });
+    REQUIRE(err);
+    CHECK(err->code() == errc::invalid_params);
+    CHECK(err->data().value("field", "") == "providerValidateConfig");
+
+    v.provider = "none";
+    err = rpc_error_of([&] { h.run(provider_validate_config(h.node, h.host, v)); });
+    REQUIRE(err);
+    CHECK(err->data().value("field", "") == "provider");
+
+    // A released lease is not probed at all.
+    h.run(lease_release(h.node, h.host, lease.id));
+    err = rpc_error_of([&] { h.run(lease_probe(h.node, h.host, lease.id)); });
+    REQUIRE(err);
+    CHECK(err->code() == errc::lease_not_active);
+}
