@@ -186,6 +186,72 @@ async function openChannel(p) {
   return { hostRouteId: route, workerSessionId: s.workerSessionId };
 }
 
+// ---- one-shot commands and workspaces ---------------------------------------------------------
+
+// The lease of a call that names one ({lease: {providerLeaseId}}): in this worker's cache, of
+// the same scope, its directory still there.
+function cachedLease(p) {
+  const id = p?.lease?.providerLeaseId;
+  const lease = leases.get(id);
+  if (!lease) fail(`lease ${JSON.stringify(id)} is not in this worker's cache: acquire or resume it first`);
+  if (lease.companyId !== p.companyId || lease.environmentId !== p.environmentId) {
+    fail(`lease ${id} belongs to another company or environment`);
+  }
+  const dir = leaseDir(id);
+  if (!fs.existsSync(dir)) fail(`lease ${id} no longer exists`);
+  return dir;
+}
+
+// A path inside the lease directory (relative to it); nothing outside it.
+function inside(dir, rel, field) {
+  const full = path.resolve(dir, rel ?? ".");
+  if (full !== dir && !full.startsWith(dir + path.sep)) fail(`${field} ${JSON.stringify(rel)} leaves the lease directory`, -32602);
+  return full;
+}
+
+// environmentExecute: the command in the lease directory, its output streamed through
+// ctx.execution.log (the SDK stamps each chunk with the call's invocation id) and returned whole.
+async function execute(p) {
+  const dir = cachedLease(p);
+  if (typeof p.command !== "string" || p.command === "") fail("command must be a non-empty string", -32602);
+  const args = p.args ?? [];
+  if (!Array.isArray(args) || !args.every((a) => typeof a === "string")) fail("args must be an array of strings", -32602);
+  const cwd = inside(dir, p.cwd, "cwd");
+  const env = { PATH: process.env.PATH ?? "/usr/bin:/bin", HOME: dir, ...(isObject(p.env) ? p.env : {}) };
+  const child = spawn(p.command, args, { cwd, env, stdio: ["pipe", "pipe", "pipe"] });
+  const out = { stdout: [], stderr: [] };
+  let timedOut = false;
+  const timer = Number(p.timeoutMs) > 0
+    ? setTimeout(() => { timedOut = true; child.kill("SIGKILL"); }, Number(p.timeoutMs)) : null;
+  for (const stream of ["stdout", "stderr"]) {
+    child[stream].setEncoding("utf8");
+    child[stream].on("data", (text) => { out[stream].push(text); ctx.execution.log(stream, text); });
+  }
+  child.stdin.on("error", () => {});
+  child.stdin.end(typeof p.stdin === "string" ? p.stdin : "");
+  const [exitCode, signal] = await new Promise((resolve, reject) => {
+    child.on("error", (e) => reject(Object.assign(new Error(`cannot run ${JSON.stringify(p.command)}: ${e.message}`))));
+    child.on("close", (code, sig) => resolve([code, sig]));
+  }).finally(() => clearTimeout(timer));
+  const result = { exitCode, signal, timedOut, stdout: out.stdout.join(""), stderr: out.stderr.join(""),
+                   metadata: { pid: process.pid } };
+  journal("environmentExecute", p, { result: { exitCode, signal, timedOut } });
+  return result;
+}
+
+// environmentRealizeWorkspace: a directory inside the lease for the workspace's remotePath.
+async function realizeWorkspace(p) {
+  const dir = cachedLease(p);
+  const w = p.workspace;
+  if (!isObject(w)) fail("workspace must be an object", -32602);
+  if (w.localPath !== undefined) fail("workspace.localPath is not supported by sdk-local", -32602);
+  const cwd = inside(dir, w.remotePath ?? "workspace", "workspace.remotePath");
+  fs.mkdirSync(cwd, { recursive: true });
+  const result = { cwd, metadata: { mode: w.mode ?? "default", providerLeaseId: p.lease.providerLeaseId } };
+  journal("environmentRealizeWorkspace", p, { result });
+  return result;
+}
+
 // ---- the plugin ------------------------------------------------------------------------------
 
 const plugin = definePlugin({
@@ -281,6 +347,9 @@ const plugin = definePlugin({
     journal("environmentProbe", p, { result });
     return result;
   },
+
+  onEnvironmentExecute: execute,
+  onEnvironmentRealizeWorkspace: realizeWorkspace,
 
   onEnvironmentReleaseLease: (p) => teardown("environmentReleaseLease", p, false),
   onEnvironmentDestroyLease: (p) => teardown("environmentDestroyLease", p, true),

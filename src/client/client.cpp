@@ -199,6 +199,11 @@ std::deque<ClientEvent> Client::take_queued() {
     return out;
 }
 
+void Client::requeue(std::deque<ClientEvent> events) {
+    for (auto& ev : impl_->pending) events.push_back(std::move(ev));
+    impl_->pending.swap(events);
+}
+
 void Client::send_text(const std::string& text) {
     impl_->ws.text(true);
     impl_->run([&](auto handler) { impl_->ws.async_write(net::buffer(text), handler); });

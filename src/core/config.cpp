@@ -143,6 +143,9 @@ void parse_limits(Obj& o, LimitsConfig& l) {
     o.integer("hangupGraceMs", l.hangup_grace_ms, 0, 5000);
     o.integer("defaultTtlMs", l.default_ttl_ms, 1000, 365ULL * 24 * 3600000);
     o.integer("maxTtlMs", l.max_ttl_ms, 1000, 365ULL * 24 * 3600000);
+    o.integer("executeOutputBytes", l.execute_output_bytes, kib, 64 * mib);
+    o.integer("executeTimeoutMs", l.execute_timeout_ms, 1, 86400000);
+    o.integer("retainedTtlMs", l.retained_ttl_ms, 1000, 365ULL * 24 * 3600000);
     o.done();
 }
 
@@ -487,7 +490,10 @@ nlohmann::json config_to_json(const Config& c) {
           {"drainGraceMs", l.drain_grace_ms},
           {"hangupGraceMs", l.hangup_grace_ms},
           {"defaultTtlMs", l.default_ttl_ms},
-          {"maxTtlMs", l.max_ttl_ms}}},
+          {"maxTtlMs", l.max_ttl_ms},
+          {"executeOutputBytes", l.execute_output_bytes},
+          {"executeTimeoutMs", l.execute_timeout_ms},
+          {"retainedTtlMs", l.retained_ttl_ms}}},
         {"log", {{"level", c.log_level}, {"format", c.log_format}}},
     };
 }

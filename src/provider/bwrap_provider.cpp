@@ -386,7 +386,7 @@ public:
     }
 
     std::vector<std::string> capabilities() const override {
-        return {"channels", "pty", "stderr", "signals", "closeStdin", "resize", "probe",
+        return {"channels", "pty", "stderr", "signals", "closeStdin", "resize", "probe", "execute",
                 "validateConfig"};
     }
 

@@ -124,12 +124,64 @@ public:
             {"duplexChannelOpen", "channels"},       {"duplexChannelCloseStdin", "closeStdin"},
             {"duplexChannelSignal", "signals"},      {"duplexChannelResize", "resize"},
             {"environmentProbe", "probe"},           {"environmentValidateConfig", "validateConfig"},
-            {"environmentResumeLease", "resume"}};
+            {"environmentResumeLease", "resume"},    {"environmentExecute", "execute"},
+            {"environmentRealizeWorkspace", "realizeWorkspace"}};
         std::vector<std::string> out;
         for (const auto& [method, capability] : map) {
             if (manager_.supports(method)) out.emplace_back(capability);
         }
+        if (can_retain()) out.emplace_back("retain");
         return out;
+    }
+
+    bool can_retain() const noexcept override {
+        return manager_.supports("environmentReleaseLease") &&
+               manager_.supports("environmentResumeLease");
+    }
+
+    awaitable<void> stop(std::shared_ptr<SandboxHandle> sandbox) override {
+        if (!can_retain()) {
+            throw rpc_error(errc::invalid_params,
+                            "disposition: plugin " + plugin_id_ + " (provider " + key_ +
+                                ") cannot retain a sandbox (its worker does not serve both "
+                                "environmentReleaseLease and environmentResumeLease)",
+                            {{"field", "disposition"}});
+        }
+        // Stopped, not destroyed: a later reuse resumes it (environmentResumeLease).
+        co_await manager_.call("environmentReleaseLease", teardown_params(*sandbox));
+    }
+
+    awaitable<json> execute(std::shared_ptr<SandboxHandle> sandbox, Lease lease,
+                            ExecuteRequest request, ExecuteLog log) override {
+        const std::uint64_t generation = co_await holding_worker(*sandbox);
+        (void)generation;
+        json params = lease_call_params(*sandbox, lease, request.params);
+        WorkerManager::Invocation invocation;
+        invocation.company_id = lease.company_id;
+        invocation.timeout = std::chrono::milliseconds(request.timeout_ms) + execute_answer_grace;
+        invocation.on_notification = [log = std::move(log)](const std::string& method, json p) {
+            if (method != "execute.log" || !log || !p.is_object()) return;
+            const json stream = p.value("stream", json());
+            const json chunk = p.value("chunk", json());
+            if ((stream != "stdout" && stream != "stderr") || !chunk.is_string() ||
+                chunk.get<std::string>().empty()) {
+                return;  // not the SDK's shape: nothing a host could use
+            }
+            log(stream.get<std::string>(), chunk.get<std::string>());
+        };
+        auto result = co_await manager_.call_in_invocation("environmentExecute", std::move(params),
+                                                           std::move(invocation));
+        if (!result) unsupported("leaseExecute", "environmentExecute");
+        co_return *result;
+    }
+
+    awaitable<json> realize_workspace(std::shared_ptr<SandboxHandle> sandbox, Lease lease,
+                                      json workspace) override {
+        (void)co_await holding_worker(*sandbox);
+        json params = lease_call_params(*sandbox, lease, json{{"workspace", std::move(workspace)}});
+        auto result = co_await manager_.call_if_supported("environmentRealizeWorkspace", params);
+        if (!result) unsupported("leaseRealizeWorkspace", "environmentRealizeWorkspace");
+        co_return *result;
     }
 
     awaitable<json> validate_config(std::string company_id, json config) override {
@@ -160,18 +212,7 @@ public:
     awaitable<std::unique_ptr<ChannelBackend>> open(std::shared_ptr<SandboxHandle> sandbox,
                                                     ExecSpec spec) override {
         refuse_unsupported(spec);
-        // After a worker restart its handle cache is empty: the sandbox is resumed first, and
-        // the open goes to that same worker (a restart in between: PROVIDER_NOT_READY).
-        auto* state = dynamic_cast<PluginSandbox*>(sandbox->state.get());
-        const std::uint64_t generation = manager_.generation();
-        if (generation == 0) {
-            throw rpc_error(errc::provider_not_ready,
-                            "plugin " + plugin_id_ + " (provider " + key_ +
-                                ") is not ready: its worker is down or starting");
-        }
-        if (state && state->generation != generation) {
-            co_await resume_cached(*sandbox, *state, generation);
-        }
+        const std::uint64_t generation = co_await holding_worker(*sandbox);
         json params = open_params(*sandbox, spec);
         co_return co_await manager_.open_channel(std::move(params), generation);
     }
@@ -188,6 +229,40 @@ public:
     }
 
 private:
+    /// environmentExecute's answer may come this long after its timeoutMs.
+    static constexpr std::chrono::milliseconds execute_answer_grace{30000};
+
+    /// The generation of the ready worker, whose handle cache holds `sandbox`: after a
+    /// worker restart its cache is empty, so the sandbox is resumed first, and the call that
+    /// follows goes to that same worker (a restart in between: PROVIDER_NOT_READY).
+    awaitable<std::uint64_t> holding_worker(SandboxHandle& sandbox) {
+        auto* state = dynamic_cast<PluginSandbox*>(sandbox.state.get());
+        const std::uint64_t generation = manager_.generation();
+        if (generation == 0) {
+            throw rpc_error(errc::provider_not_ready,
+                            "plugin " + plugin_id_ + " (provider " + key_ +
+                                ") is not ready: its worker is down or starting");
+        }
+        if (state && state->generation != generation) {
+            co_await resume_cached(sandbox, *state, generation);
+        }
+        co_return generation;
+    }
+
+    /// The SDK's params of a call about one lease's sandbox: the base params, `lease`
+    /// (PluginEnvironmentLease) and the host's own fields.
+    json lease_call_params(const SandboxHandle& sandbox, const Lease& lease,
+                           const json& host_fields) const {
+        json p = base_params(sandbox.scope, lease.config, lease.issue_id);
+        json ref = {{"providerLeaseId", sandbox.scope.provider_lease_id}};
+        if (sandbox.provider_metadata.is_object()) ref["metadata"] = sandbox.provider_metadata;
+        ref["expiresAt"] = sandbox.expires_at_ms ? json(format_rfc3339(*sandbox.expires_at_ms))
+                                                 : json(nullptr);
+        p["lease"] = std::move(ref);
+        for (const auto& [k, v] : host_fields.items()) p[k] = v;
+        return p;
+    }
+
     void refuse_unsupported(const ExecSpec& spec) const {
         auto refuse = [this](const char* field, const char* what) {
             throw rpc_error(errc::invalid_params,

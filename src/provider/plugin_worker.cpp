@@ -272,6 +272,13 @@ struct WorkerManager::Impl {
     bool gave_up = false;
     bool stopping_io = false;
     std::shared_ptr<std::promise<void>> stopped;
+    /// Calls in flight within an invocation, by the paperclipInvocation id minted for them.
+    struct InvocationSlot {
+        net::any_io_executor executor;
+        WorkerManager::Invocation invocation;
+    };
+    std::map<std::string, std::shared_ptr<InvocationSlot>> invocations;
+    std::uint64_t next_invocation = 1;
 
     std::atomic<bool> ready_flag{false};
     std::atomic<std::uint64_t> ready_generation{0};
@@ -295,7 +302,7 @@ struct WorkerManager::Impl {
     // --- JSON-RPC
     void request(const std::shared_ptr<Worker>& w, const std::string& method, json params,
                  ReplyFn done, std::optional<std::chrono::milliseconds> timeout = std::nullopt,
-                 json context = nullptr);
+                 json context = nullptr, json invocation = nullptr);
     void notify_ignoring(const std::shared_ptr<Worker>& w, const std::string& method, json params);
     void send_line(const std::shared_ptr<Worker>& w, std::string line);
     void write_next(const std::shared_ptr<Worker>& w);
@@ -324,6 +331,8 @@ struct WorkerManager::Impl {
     // --- calls from other threads, run here
     void call_on_io(const std::string& method, json params, bool optional, ReplyFn done,
                     json context = nullptr);
+    void invoke_on_io(const std::string& method, json params,
+                      std::shared_ptr<InvocationSlot> slot, ReplyFn done);
     void open_on_io(json params, std::uint64_t generation, std::shared_ptr<OpenSlot> slot,
                     ReplyFn done);
     void write_on_io(const std::shared_ptr<Route>& r, std::string bytes, ReplyFn done);
@@ -622,14 +631,20 @@ void WorkerManager::Impl::terminate(const std::shared_ptr<Worker>& w) {
 void WorkerManager::Impl::request(const std::shared_ptr<Worker>& w, const std::string& method,
                                   json params, ReplyFn done,
                                   std::optional<std::chrono::milliseconds> timeout,
-                                  json context) {
+                                  json context, json invocation) {
     const std::int64_t id = w->next_id++;
     std::string line;
     json kept = method == "environmentAcquireLease"
                     ? json{{"params", params}, {"context", std::move(context)}}
                     : json();
     try {
-        line = jsonrpc::request(id, method, std::move(params));
+        if (invocation.is_null()) {
+            line = jsonrpc::request(id, method, std::move(params));
+        } else {
+            line = json{{"jsonrpc", "2.0"}, {"id", id}, {"method", method},
+                        {"params", std::move(params)}, {"paperclipInvocation", std::move(invocation)}}
+                       .dump();
+        }
     } catch (const json::exception&) {
         // Strings that are not UTF-8 (e.g. argv bytes) cannot travel in JSON.
         done(json(), error_ptr(errc::provider_error,
@@ -865,6 +880,23 @@ void WorkerManager::Impl::on_notification(const std::shared_ptr<Worker>& w, cons
         on_log(w, p);
         return;
     }
+    if (method == "execute.log") {
+        // Routed by the invocation id the SDK stamps, as paperclip's host does; without one
+        // (or after its call was answered) it has nowhere to go.
+        const json* id = msg.contains("paperclipInvocationId") ? &msg["paperclipInvocationId"]
+                                                               : nullptr;
+        auto it = id && id->is_string() ? invocations.find(id->get<std::string>())
+                                        : invocations.end();
+        if (it == invocations.end()) {
+            spdlog::debug("plugin={} worker pid={}: execute.log outside a call dropped",
+                          config.plugin_id, w->pid);
+            return;
+        }
+        net::post(it->second->executor, [slot = it->second, method, p]() {
+            slot->invocation.on_notification(method, p);
+        });
+        return;
+    }
     const bool is_data = method == "duplexChannel.data";
     const bool is_exit = method == "duplexChannel.exit";
     if (!is_data && !is_exit) {
@@ -975,6 +1007,28 @@ void WorkerManager::Impl::call_on_io(const std::string& method, json params, boo
         };
     }
     request(w, method, std::move(params), std::move(done), std::nullopt, std::move(context));
+}
+
+void WorkerManager::Impl::invoke_on_io(const std::string& method, json params,
+                                       std::shared_ptr<InvocationSlot> slot, ReplyFn done) {
+    auto w = current;
+    if (!usable(w) || stopping_io) {
+        done(json(), error_ptr(errc::provider_not_ready, not_ready_message()));
+        return;
+    }
+    if (!w->supported.count(method)) {
+        done(json(nullptr), nullptr);
+        return;
+    }
+    const std::string id = config.plugin_id + "-invocation-" + std::to_string(next_invocation++);
+    json envelope = {{"id", id}, {"scope", {{"companyId", slot->invocation.company_id}}}};
+    const auto timeout = slot->invocation.timeout;
+    invocations.emplace(id, std::move(slot));
+    done = [this, id, done = std::move(done)](json result, std::exception_ptr error) {
+        invocations.erase(id);  // what the worker stamps with it from now on is dropped
+        done(error ? json() : json{{"result", std::move(result)}}, error);
+    };
+    request(w, method, std::move(params), std::move(done), timeout, nullptr, std::move(envelope));
 }
 
 void WorkerManager::Impl::open_on_io(json params, std::uint64_t generation,
@@ -1542,6 +1596,21 @@ awaitable<std::optional<json>> WorkerManager::call_if_supported(std::string meth
     auto start = [impl, method = std::move(method), params = std::move(params)](
                      ReplyFn done) mutable {
         impl->call_on_io(method, std::move(params), true, std::move(done));
+    };
+    json r = co_await on_manager(impl, std::move(start));
+    if (r.is_null()) co_return std::nullopt;
+    co_return r["result"];
+}
+
+awaitable<std::optional<json>> WorkerManager::call_in_invocation(std::string method, json params,
+                                                                 Invocation invocation) {
+    auto slot = std::make_shared<Impl::InvocationSlot>();
+    slot->executor = co_await net::this_coro::executor;
+    slot->invocation = std::move(invocation);
+    Impl* impl = impl_.get();
+    auto start = [impl, method = std::move(method), params = std::move(params),
+                  slot = std::move(slot)](ReplyFn done) mutable {
+        impl->invoke_on_io(method, std::move(params), std::move(slot), std::move(done));
     };
     json r = co_await on_manager(impl, std::move(start));
     if (r.is_null()) co_return std::nullopt;

@@ -18,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -70,6 +71,23 @@ public:
     /// readiness check: a worker that is down still gives errc::provider_not_ready).
     awaitable<std::optional<nlohmann::json>> call_if_supported(std::string method,
                                                                nlohmann::json params);
+
+    /// A call made for one host invocation (leaseExecute): the request carries the SDK's
+    /// `paperclipInvocation: {id, scope: {companyId}}`, and the worker's notifications stamped
+    /// with that id (`paperclipInvocationId`; the SDK stamps every notification sent from the
+    /// hook's async context, such as ctx.execution.log's `execute.log`) go to
+    /// `on_notification(method, params)`. It is called on the awaiting executor, in the
+    /// worker's order, only before the call completes; notifications of the invocation that
+    /// come after the answer, or carry an id the manager did not mint, are dropped.
+    struct Invocation {
+        std::string company_id;
+        std::function<void(const std::string& method, nlohmann::json params)> on_notification;
+        std::chrono::milliseconds timeout{30000};  ///< the worker's answer is awaited this long
+    };
+    /// Like call_if_supported(), within `invocation`.
+    awaitable<std::optional<nlohmann::json>> call_in_invocation(std::string method,
+                                                                nlohmann::json params,
+                                                                Invocation invocation);
 
     /// Opens a duplex channel (`duplexChannelOpen` with `params`, to which a fresh hostRouteId
     /// is added) and returns its backend, bound to the awaiting executor: the worker's

@@ -39,4 +39,22 @@ awaitable<nlohmann::json> Provider::probe(std::shared_ptr<SandboxHandle> sandbox
     co_return nullptr;
 }
 
+awaitable<nlohmann::json> Provider::realize_workspace(std::shared_ptr<SandboxHandle> sandbox,
+                                                     Lease lease, nlohmann::json workspace) {
+    (void)sandbox;
+    (void)lease;
+    (void)workspace;
+    not_implemented(*this, "leaseRealizeWorkspace");
+    co_return nullptr;
+}
+
+awaitable<void> Provider::stop(std::shared_ptr<SandboxHandle> sandbox) {
+    (void)sandbox;
+    throw rpc_error(errc::invalid_params,
+                    "disposition: provider \"" + key() +
+                        "\" cannot retain a sandbox (it accepts only \"destroy\")",
+                    {{"field", "disposition"}});
+    co_return;
+}
+
 }  // namespace sandboxd

@@ -5,6 +5,7 @@
 
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/offload.hpp>
+#include <sandboxd/core/scope_exit.hpp>
 
 #include <spdlog/spdlog.h>
 
@@ -219,19 +220,63 @@ awaitable<Lease> lease_release(Node& node, const Principal& who, std::string lea
     co_return co_await teardown(node, std::move(lease), lease_status::released);
 }
 
-awaitable<json> lease_probe(Node& node, const Principal& who, std::string lease_id) {
-    Lease lease = co_await load_visible(node, who, lease_id);
-    if (!lease.is_live(now_ms())) {
-        throw rpc_error(errc::lease_not_active, lease_not_active_message(lease.id),
-                        {{"leaseId", lease.id}, {"status", std::string(to_string(lease.status))}});
+namespace {
+
+/// A live lease of the caller's that this node owns, its provider and its sandbox (resumed
+/// when a plugin lost it): what leaseProbe, leaseExecute and leaseRealizeWorkspace act on.
+struct LiveLease {
+    Lease lease;
+    Provider* provider = nullptr;
+    std::shared_ptr<SandboxHandle> sandbox;
+};
+
+awaitable<LiveLease> live_lease(Node& node, const Principal& who, std::string lease_id) {
+    LiveLease live;
+    live.lease = co_await load_visible(node, who, lease_id);
+    if (!live.lease.is_live(now_ms())) {
+        throw rpc_error(errc::lease_not_active, lease_not_active_message(live.lease.id),
+                        {{"leaseId", live.lease.id},
+                         {"status", std::string(to_string(live.lease.status))}});
     }
-    Provider* provider = provider_of(node, lease.provider);
-    if (!provider) {
+    live.provider = provider_of(node, live.lease.provider);
+    if (!live.provider) {
         throw rpc_error(errc::provider_error,
-                        "no provider \"" + lease.provider + "\" on node " + node.node_id);
+                        "no provider \"" + live.lease.provider + "\" on node " + node.node_id);
     }
-    auto sandbox = co_await sandbox_for(node, lease);
-    co_return co_await provider->probe(sandbox, lease);
+    live.sandbox = co_await sandbox_for(node, live.lease);
+    co_return live;
+}
+
+}  // namespace
+
+awaitable<json> lease_probe(Node& node, const Principal& who, std::string lease_id) {
+    LiveLease live = co_await live_lease(node, who, std::move(lease_id));
+    co_return co_await live.provider->probe(live.sandbox, live.lease);
+}
+
+awaitable<json> lease_execute(Node& node, const Principal& who, methods::ExecuteParams p,
+                              ExecuteLog log) {
+    LiveLease live = co_await live_lease(node, who, std::move(p.lease_id));
+    const auto& limits = node.config.limits;
+    // It is a command running in the sandbox: it counts against the node's channels.
+    if (!node.channels.try_reserve(limits.channels_per_node)) {
+        throw rpc_error(errc::channel_limit, "this node already runs its limit of " +
+                                                 std::to_string(limits.channels_per_node) +
+                                                 " channels");
+    }
+    const ScopeExit unreserve([&node] { node.channels.unreserve(); });
+    p.request.drain_grace_ms = limits.drain_grace_ms;
+    p.request.output_limit = limits.execute_output_bytes;
+    spdlog::info("lease={} execute: {}", live.lease.id, p.request.argv.front());
+    co_return co_await live.provider->execute(live.sandbox, live.lease, std::move(p.request),
+                                              std::move(log));
+}
+
+awaitable<json> lease_realize_workspace(Node& node, const Principal& who,
+                                        methods::RealizeWorkspaceParams p) {
+    LiveLease live = co_await live_lease(node, who, std::move(p.lease_id));
+    co_return co_await live.provider->realize_workspace(live.sandbox, live.lease,
+                                                        std::move(p.workspace));
 }
 
 awaitable<json> provider_validate_config(Node& node, const Principal& who,

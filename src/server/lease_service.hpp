@@ -26,6 +26,14 @@ awaitable<nlohmann::json> node_list(Node& node);
 /// plugin lost it). LEASE_NOT_ACTIVE for a lease that is not live; INVALID_PARAMS naming
 /// leaseProbe when the provider cannot probe.
 awaitable<nlohmann::json> lease_probe(Node& node, const Principal& who, std::string lease_id);
+/// leaseExecute on the owner: the command runs in the lease's sandbox through its provider
+/// (counted against limits.channelsPerNode while it runs), its output streamed to `log` on
+/// the calling strand. Errors as lease_probe, and CHANNEL_LIMIT.
+awaitable<nlohmann::json> lease_execute(Node& node, const Principal& who,
+                                        methods::ExecuteParams params, ExecuteLog log);
+/// leaseRealizeWorkspace on the owner. Errors as lease_probe.
+awaitable<nlohmann::json> lease_realize_workspace(Node& node, const Principal& who,
+                                                  methods::RealizeWorkspaceParams params);
 /// providerValidateConfig on any node with the provider: INVALID_PARAMS naming `provider`
 /// for an unknown one, naming providerValidateConfig when it cannot validate.
 awaitable<nlohmann::json> provider_validate_config(Node& node, const Principal& who,

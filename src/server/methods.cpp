@@ -87,6 +87,95 @@ ValidateConfigParams parse_validate_config(const json& p) {
     return out;
 }
 
+namespace {
+
+/// A string of at most `max` bytes without NUL bytes.
+std::string text_field(const json& v, const std::string& field, std::size_t max) {
+    if (!v.is_string()) params::invalid(field, "must be a string");
+    auto s = v.get<std::string>();
+    if (s.size() > max) params::invalid(field, "must be at most " + std::to_string(max) + " bytes");
+    if (s.find('\0') != std::string::npos) params::invalid(field, "must not contain NUL bytes");
+    return s;
+}
+
+std::map<std::string, std::string> env_field(const json& p) {
+    std::map<std::string, std::string> env;
+    if (!p.contains("env") || p["env"].is_null()) return env;
+    if (!p["env"].is_object()) params::invalid("env", "must be an object of strings");
+    for (const auto& [k, v] : p["env"].items()) {
+        if (k.empty() || k.find('=') != std::string::npos || k.find('\0') != std::string::npos) {
+            params::invalid("env." + k, "is not a valid variable name");
+        }
+        env[k] = text_field(v, "env." + k, 128 * 1024);
+    }
+    return env;
+}
+
+}  // namespace
+
+ExecuteParams parse_execute(const json& p, std::uint64_t default_timeout_ms) {
+    params::only_keys(p, {"leaseId", "command", "args", "cwd", "env", "stdin", "timeoutMs",
+                          "bypassSession"});
+    ExecuteParams out;
+    ExecuteRequest& r = out.request;
+    out.lease_id = params::req_string(p, "leaseId");
+    if (!p.contains("command")) params::invalid("command", "is required");
+    const std::string command = text_field(p["command"], "command", 4096);
+    if (command.empty()) params::invalid("command", "must not be empty");
+    r.argv.push_back(command);
+    r.params["command"] = command;
+    if (p.contains("args") && !p["args"].is_null()) {
+        if (!p["args"].is_array()) params::invalid("args", "must be an array of strings");
+        if (p["args"].size() > 4096) params::invalid("args", "must have at most 4096 items");
+        for (std::size_t i = 0; i < p["args"].size(); ++i) {
+            r.argv.push_back(text_field(p["args"][i], "args[" + std::to_string(i) + "]", 128 * 1024));
+        }
+        r.params["args"] = p["args"];
+    }
+    if (p.contains("cwd") && !p["cwd"].is_null()) {
+        r.cwd = text_field(p["cwd"], "cwd", 4096);
+        r.params["cwd"] = r.cwd;
+    }
+    r.env = env_field(p);
+    if (p.contains("env") && !p["env"].is_null()) r.params["env"] = p["env"];
+    if (p.contains("stdin") && !p["stdin"].is_null()) {
+        if (!p["stdin"].is_string()) params::invalid("stdin", "must be a string");
+        r.stdin_data = p["stdin"].get<std::string>();
+        r.params["stdin"] = r.stdin_data;
+    }
+    r.timeout_ms = params::opt_uint(p, "timeoutMs", 1, 86400000).value_or(default_timeout_ms);
+    r.params["timeoutMs"] = r.timeout_ms;
+    if (auto bypass = params::opt_bool(p, "bypassSession")) r.params["bypassSession"] = *bypass;
+    return out;
+}
+
+RealizeWorkspaceParams parse_realize_workspace(const json& p) {
+    params::only_keys(p, {"leaseId", "workspace"});
+    RealizeWorkspaceParams out;
+    out.lease_id = params::req_string(p, "leaseId");
+    if (!p.contains("workspace") || !p["workspace"].is_object()) {
+        params::invalid("workspace", "must be an object {remotePath?, mode?, metadata?}");
+    }
+    const json& w = p["workspace"];
+    for (const auto& [key, value] : w.items()) {
+        const std::string field = "workspace." + key;
+        if (key == "localPath") {
+            // A path of the machine that runs the worker: this node. A tenant must not name
+            // the node's own files (the reason environmentSyncIn is not served either).
+            params::invalid(field, "is not accepted: it names a path on the sandboxd node");
+        }
+        if (key == "remotePath" || key == "mode") {
+            if (!value.is_null()) out.workspace[key] = text_field(value, field, 4096);
+        } else if (key == "metadata") {
+            if (!value.is_null() && !value.is_object()) params::invalid(field, "must be an object");
+            if (!value.is_null()) out.workspace[key] = value;
+        } else {
+            params::invalid(field, "unknown parameter");
+        }
+    }
+    return out;
+}
+
 LeaseRenewParams parse_lease_renew(const json& p) {
     params::only_keys(p, {"leaseId", "ttlMs"});
     LeaseRenewParams out;

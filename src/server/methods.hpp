@@ -65,6 +65,25 @@ struct ValidateConfigParams {
 };
 ValidateConfigParams parse_validate_config(const json& p);
 
+/// leaseExecute: `leaseId` plus the SDK's environmentExecute fields (docs/protocol.md
+/// section 2): command 1..4096 bytes, args (at most 4096, each at most 128 KiB), cwd, env
+/// (names without '=' or NUL), stdin (a string, at most limits.maxTextMessage), timeoutMs
+/// 1..86400000, bypassSession; no NUL bytes in any string.
+struct ExecuteParams {
+    std::string lease_id;
+    ExecuteRequest request;  ///< params (as checked, timeoutMs filled in) and the spec fields
+};
+/// `default_timeout_ms` fills a missing timeoutMs.
+ExecuteParams parse_execute(const json& p, std::uint64_t default_timeout_ms);
+
+/// leaseRealizeWorkspace: `leaseId` and the SDK's `workspace` {remotePath?, mode?,
+/// metadata?}. `localPath` is refused: it names a file of the node (see docs/protocol.md).
+struct RealizeWorkspaceParams {
+    std::string lease_id;
+    json workspace = json::object();
+};
+RealizeWorkspaceParams parse_realize_workspace(const json& p);
+
 struct LeaseRenewParams {
     std::string lease_id;  ///< 1..1024 bytes
     std::uint64_t ttl_ms = 0;  ///< ms, 1000..2^62-1 (the node's maxTtlMs is checked later)

@@ -50,6 +50,14 @@ awaitable<json> PeerLink::call(std::string method, json params) {
         strand_, do_call(std::move(method), std::move(params), {}, 0), use_awaitable);
 }
 
+awaitable<json> PeerLink::call(std::string method, json params, Notify notify,
+                               std::chrono::milliseconds answer_within) {
+    co_return co_await net::co_spawn(strand_,
+                                     do_call(std::move(method), std::move(params), {}, 0,
+                                             std::move(notify), answer_within),
+                                     use_awaitable);
+}
+
 awaitable<json> PeerLink::open(json params, std::weak_ptr<RelayTarget> target,
                                std::uint32_t local_channel) {
     co_return co_await net::co_spawn(
@@ -124,20 +132,23 @@ awaitable<void> PeerLink::ensure_connected() {
 }
 
 awaitable<json> PeerLink::do_call(std::string method, json params, std::weak_ptr<RelayTarget> target,
-                                  std::uint32_t local_channel) {
+                                  std::uint32_t local_channel, Notify notify,
+                                  std::optional<std::chrono::milliseconds> answer_within_override) {
     auto self = shared_from_this();
     co_await ensure_connected();
     if (broken_) throw unavailable(peer_.node_id, broken_reason_);
     const auto id = next_id_++;
     // A peer that does not answer within its liveness TTL (frozen, overloaded, partitioned
     // after the handshake) is unavailable: the caller fails closed instead of waiting forever.
-    const auto answer_within = std::chrono::milliseconds(node_.config.node_ttl_ms);
+    const auto answer_within =
+        answer_within_override.value_or(std::chrono::milliseconds(node_.config.node_ttl_ms));
     const auto deadline = std::chrono::steady_clock::now() + answer_within;
     auto& slot = pending_[id];
     slot.wake = std::make_unique<net::steady_timer>(strand_);
     slot.wake->expires_at(deadline);
     slot.target = std::move(target);
     slot.local_channel = local_channel;
+    slot.notify = std::move(notify);
     queue(false, jsonrpc::request(id, method, std::move(params)));
     while (!pending_[id].response && !broken_ && std::chrono::steady_clock::now() < deadline) {
         co_await pending_[id].wake->async_wait(as_tuple_awaitable);
@@ -235,6 +246,19 @@ void PeerLink::on_text(const std::string& text) {
         return;
     }
     auto* notification = std::get_if<jsonrpc::Request>(&message);
+    if (notification && notification->method == "leaseExecute.log") {
+        // A forwarded call's output, for the call waiting under that id (none: dropped).
+        const auto& p = notification->params;
+        const json* id = p.is_object() && p.contains("requestId") ? &p["requestId"] : nullptr;
+        auto it = id && id->is_number_integer() ? pending_.find(id->get<std::int64_t>())
+                                                : pending_.end();
+        if (it == pending_.end() || !it->second.notify.fn || it->second.response) return;
+        net::post(it->second.notify.executor,
+                  [fn = it->second.notify.fn, params = std::move(notification->params)]() mutable {
+                      fn(std::move(params));
+                  });
+        return;
+    }
     if (!notification || notification->method != "duplexChannel.exit") return;
     auto params = std::move(notification->params);
     if (!params.is_object()) return;

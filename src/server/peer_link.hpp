@@ -13,7 +13,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <deque>
+#include <functional>
+#include <optional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -53,6 +56,19 @@ public:
     /// timeout or the link drops before the response.
     awaitable<nlohmann::json> call(std::string method, nlohmann::json params);
 
+    /// Where a forwarded call's notifications go: the peer's `<method>.log` notifications
+    /// whose `requestId` is this call's id (leaseExecute.log), posted to `executor` in order,
+    /// before the call completes and never after.
+    struct Notify {
+        net::any_io_executor executor;
+        std::function<void(nlohmann::json params)> fn;
+    };
+    /// Like call(), with the call's notifications to `notify`, and the peer given
+    /// `answer_within` (instead of the liveness TTL) to answer: a call that runs for long by
+    /// design (leaseExecute).
+    awaitable<nlohmann::json> call(std::string method, nlohmann::json params, Notify notify,
+                                   std::chrono::milliseconds answer_within);
+
     /// Like call("duplexChannelOpen"), and on success routes the remote channel's frames to
     /// `target` under `local_channel` before any of them is read.
     awaitable<nlohmann::json> open(nlohmann::json params, std::weak_ptr<RelayTarget> target,
@@ -71,6 +87,7 @@ private:
         std::unique_ptr<net::steady_timer> wake;
         std::weak_ptr<RelayTarget> target;  // for opens
         std::uint32_t local_channel = 0;
+        Notify notify;  // for calls that stream notifications
     };
     struct Route {
         std::weak_ptr<RelayTarget> target;
@@ -79,7 +96,8 @@ private:
 
     awaitable<nlohmann::json> do_call(std::string method, nlohmann::json params,
                                       std::weak_ptr<RelayTarget> target,
-                                      std::uint32_t local_channel);
+                                      std::uint32_t local_channel, Notify notify = {},
+                                      std::optional<std::chrono::milliseconds> answer_within = {});
     awaitable<void> ensure_connected();
     awaitable<void> read_loop();
     awaitable<void> write_loop();

@@ -6,6 +6,7 @@
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/frame.hpp>
 #include <sandboxd/core/scope_exit.hpp>
+#include <sandboxd/core/utf8.hpp>
 #include <sandboxd/version.hpp>
 
 #include <boost/asio/experimental/awaitable_operators.hpp>
@@ -198,7 +199,7 @@ awaitable<void> Session::serve(std::shared_ptr<Session> self, jsonrpc::Request r
     const json id = request.id.value_or(json());
     const bool open = request.method == "duplexChannelOpen";
     try {
-        auto reply = co_await call(request.method, std::move(request.params));
+        auto reply = co_await call(request.method, std::move(request.params), id);
         if (request.id) respond(id, std::move(reply.result));
         if (reply.after) reply.after();
     } catch (const rpc_error& e) {
@@ -253,6 +254,8 @@ const std::map<std::string_view, Session::Method>& Session::method_table() {
         {"leaseRelease", {&Session::lease_release, true}},
         {"leaseProbe", {&Session::lease_probe, true}},
         {"providerValidateConfig", {&Session::provider_validate_config}},
+        {"leaseExecute", {nullptr, true, false, &Session::lease_execute}},
+        {"leaseRealizeWorkspace", {&Session::lease_realize_workspace, true}},
         {"nodeList", {&Session::node_list}},
         {"duplexChannelOpen", {&Session::channel_open, true}},
         {"duplexChannelWrite", {&Session::channel_write, false, true}},
@@ -265,7 +268,7 @@ const std::map<std::string_view, Session::Method>& Session::method_table() {
     return table;
 }
 
-awaitable<Session::Reply> Session::call(const std::string& method, json raw) {
+awaitable<Session::Reply> Session::call(const std::string& method, json raw, json id) {
     json p = methods::params_object(raw);
     auto it = method_table().find(method);
     if (it == method_table().end()) {
@@ -293,6 +296,7 @@ awaitable<Session::Reply> Session::call(const std::string& method, json raw) {
             co_return empty_result();  // the command is gone: nothing left to write to
         }
     }
+    if (m.with_id) co_return co_await (this->*m.with_id)(std::move(p), std::move(id));
     co_return co_await (this->*m.handler)(std::move(p));
 }
 
@@ -302,7 +306,8 @@ awaitable<Session::Reply> Session::initialize(json p) {
     std::vector<std::string> supported;
     // The protocol's order, not the table's (alphabetical).
     for (const char* m : {"initialize", "leaseAcquire", "leaseGet", "leaseList", "leaseRenew",
-                          "leaseRelease", "leaseProbe", "providerValidateConfig", "nodeList",
+                          "leaseRelease", "leaseProbe", "leaseExecute", "leaseRealizeWorkspace",
+                          "providerValidateConfig", "nodeList",
                           "duplexChannelOpen", "duplexChannelWrite",
                           "duplexChannelCloseStdin", "duplexChannelResize", "duplexChannelSignal",
                           "duplexChannelStop", "duplexChannelClose"}) {
@@ -357,8 +362,9 @@ awaitable<Session::Reply> Session::lease_get(json p) {
     co_return Reply{to_json(lease), {}};
 }
 
-awaitable<std::optional<Session::Reply>> Session::lease_change_at_owner(std::string method, json p,
-                                                                        std::string lease_id) {
+awaitable<std::optional<Session::Reply>> Session::lease_change_at_owner(
+    std::string method, json p, std::string lease_id, std::optional<PeerLink::Notify> notify,
+    std::chrono::milliseconds answer_within) {
     // The owner releases or renews, so that its cache and channels follow.
     Lease lease = co_await sandboxd::lease_get(node_, who_, lease_id);
     const bool settled =
@@ -369,7 +375,12 @@ awaitable<std::optional<Session::Reply>> Session::lease_change_at_owner(std::str
     std::string unavailable;
     try {
         auto link = co_await owner_link(node_, lease);
-        json result = co_await link->call(method, std::move(p));
+        json result;
+        if (notify) {
+            result = co_await link->call(method, std::move(p), std::move(*notify), answer_within);
+        } else {
+            result = co_await link->call(method, std::move(p));
+        }
         co_return Reply{std::move(result), {}};
     } catch (const rpc_error& e) {
         if (e.code() != errc::owner_unavailable || method != "leaseRelease") throw;
@@ -406,6 +417,64 @@ awaitable<Session::Reply> Session::lease_probe(json p) {
         co_return std::move(*at_owner);
     }
     json result = co_await sandboxd::lease_probe(node_, who_, params.lease_id);
+    co_return Reply{std::move(result), {}};
+}
+
+ExecuteLog Session::execute_log(const json& id) {
+    if (id.is_null()) return {};
+    struct Sent {
+        std::size_t bytes[2] = {0, 0};
+    };
+    auto sent = std::make_shared<Sent>();
+    const std::size_t limit = node_.config.limits.execute_output_bytes;
+    // Called on this strand (the provider's contract, and the peer link posts here).
+    return [weak = weak_from_this(), id, sent, limit](std::string stream, std::string chunk) {
+        auto self = weak.lock();
+        if (!self || chunk.empty()) return;
+        auto& bytes = sent->bytes[stream == "stderr" ? 1 : 0];
+        if (bytes >= limit) return;  // over limits.executeOutputBytes: dropped
+        if (chunk.size() > limit - bytes) {
+            chunk.resize(limit - bytes);
+            chunk = Utf8Text().feed(chunk);  // a character cut in two is left out
+        }
+        bytes += chunk.size();
+        std::string text = jsonrpc::notification(
+            "leaseExecute.log", {{"requestId", id}, {"stream", stream}, {"chunk", std::move(chunk)}});
+        self->send_text(std::move(text));
+    };
+}
+
+awaitable<Session::Reply> Session::lease_execute(json p, json id) {
+    const auto& limits = node_.config.limits;
+    auto params = methods::parse_execute(p, limits.execute_timeout_ms);
+    ExecuteLog log = execute_log(id);
+    // The owner's provider holds the sandbox: forwarded there, its logs relayed back.
+    PeerLink::Notify notify;
+    notify.executor = strand_;
+    notify.fn = [log](json n) {
+        if (!log || !n.is_object()) return;
+        const json stream = n.value("stream", json());
+        const json chunk = n.value("chunk", json());
+        if ((stream == "stdout" || stream == "stderr") && chunk.is_string()) {
+            log(stream.get<std::string>(), chunk.get<std::string>());
+        }
+    };
+    const auto answer_within =
+        std::chrono::milliseconds(params.request.timeout_ms) + std::chrono::seconds(60);
+    if (auto at_owner = co_await lease_change_at_owner("leaseExecute", p, params.lease_id,
+                                                       std::move(notify), answer_within)) {
+        co_return std::move(*at_owner);
+    }
+    json result = co_await sandboxd::lease_execute(node_, who_, std::move(params), std::move(log));
+    co_return Reply{std::move(result), {}};
+}
+
+awaitable<Session::Reply> Session::lease_realize_workspace(json p) {
+    auto params = methods::parse_realize_workspace(p);
+    if (auto at_owner = co_await lease_change_at_owner("leaseRealizeWorkspace", p, params.lease_id)) {
+        co_return std::move(*at_owner);
+    }
+    json result = co_await sandboxd::lease_realize_workspace(node_, who_, std::move(params));
     co_return Reply{std::move(result), {}};
 }
 

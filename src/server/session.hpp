@@ -71,10 +71,13 @@ private:
         std::deque<Queued> waiting;
     };
     using Handler = awaitable<Reply> (Session::*)(nlohmann::json params);
+    /// A method that also needs its request's id (its notifications name it).
+    using IdHandler = awaitable<Reply> (Session::*)(nlohmann::json params, nlohmann::json id);
     struct Method {
         Handler handler;
         bool fenced = false;       ///< refused while this node's membership is stale
         bool on_channel = false;   ///< names a channel: relayed to its owner, ordered per channel
+        IdHandler with_id = nullptr;  ///< called instead of `handler` when set
     };
     static const std::map<std::string_view, Method>& method_table();
 
@@ -101,7 +104,7 @@ private:
     void start(jsonrpc::Request request, std::optional<std::uint32_t> lane);
     awaitable<void> serve(std::shared_ptr<Session> self, jsonrpc::Request request,
                           std::optional<std::uint32_t> lane);
-    awaitable<Reply> call(const std::string& method, nlohmann::json params);
+    awaitable<Reply> call(const std::string& method, nlohmann::json params, nlohmann::json id);
     /// The request on `lane` is done: applies what waited behind it, up to the next request.
     void release(std::uint32_t lane);
 
@@ -114,6 +117,11 @@ private:
     awaitable<Reply> lease_release(nlohmann::json params);
     awaitable<Reply> lease_probe(nlohmann::json params);
     awaitable<Reply> provider_validate_config(nlohmann::json params);
+    awaitable<Reply> lease_execute(nlohmann::json params, nlohmann::json id);
+    awaitable<Reply> lease_realize_workspace(nlohmann::json params);
+    /// leaseExecute's sink: leaseExecute.log {requestId: id, stream, chunk} to this host,
+    /// at most limits.executeOutputBytes per stream (none when the request has no id).
+    ExecuteLog execute_log(const nlohmann::json& id);
     awaitable<Reply> node_list(nlohmann::json params);
     awaitable<Reply> channel_open(nlohmann::json params);
     awaitable<Reply> channel_write(nlohmann::json params);
@@ -123,8 +131,11 @@ private:
     awaitable<Reply> channel_stop(nlohmann::json params);
     awaitable<Reply> channel_close(nlohmann::json params);
     /// Renewals and releases of a lease owned by another node are answered by the owner.
-    awaitable<std::optional<Reply>> lease_change_at_owner(std::string method, nlohmann::json params,
-                                                          std::string lease_id);
+    /// `notify` and `answer_within` as PeerLink::call's, for a call that streams.
+    awaitable<std::optional<Reply>> lease_change_at_owner(
+        std::string method, nlohmann::json params, std::string lease_id,
+        std::optional<PeerLink::Notify> notify = std::nullopt,
+        std::chrono::milliseconds answer_within = std::chrono::milliseconds(0));
     awaitable<Reply> open_relayed(nlohmann::json params, Lease lease);
     awaitable<Reply> open_local(methods::OpenParams params, Lease lease);
 

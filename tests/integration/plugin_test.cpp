@@ -174,6 +174,19 @@ TEST_CASE("A plugin lease runs commands through the reference worker, byte for b
     CHECK(error_reason(*c, "leaseProbe", {{"leaseId", lease["id"]}}) == "INVALID_PARAMS");
     CHECK(error_reason(*c, "providerValidateConfig", {{"provider", "process"}}) ==
           "INVALID_PARAMS");
+    // Nor environmentExecute or environmentRealizeWorkspace: refused naming the host method.
+    for (const char* method : {"leaseExecute", "leaseRealizeWorkspace"}) {
+        json p = {{"leaseId", lease["id"]}};
+        if (std::string(method) == "leaseExecute") p["command"] = "true";
+        if (std::string(method) == "leaseRealizeWorkspace") p["workspace"] = json::object();
+        try {
+            c->call(method, p);
+            FAIL(method << " succeeded");
+        } catch (const rpc_error& e) {
+            CHECK(e.code() == errc::invalid_params);
+            CHECK(e.data().value("field", "") == method);
+        }
+    }
 
     // A signal death is reported as such, with no exit code.
     run = c->run_channel(open_params(lease, {"sh", "-c", "kill -TERM $$"}));

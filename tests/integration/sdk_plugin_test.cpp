@@ -475,7 +475,8 @@ TEST_CASE("SDK plugin leases carry capabilities and the host's metadata; probe a
     auto c = sd.daemon->connect();
     const json host_metadata = {{"team", "blue"}, {"pluginId", "not-trusted"}};
     auto lease = acquire(*c, {{"metadata", host_metadata}});
-    const json capabilities = {"channels", "probe", "validateConfig", "resume"};
+    const json capabilities = {"channels", "probe", "validateConfig", "resume",
+                               "execute", "realizeWorkspace", "retain"};
     CHECK(lease["capabilities"] == capabilities);
     CHECK(lease["hostMetadata"] == host_metadata);
     CHECK(lease["metadata"] == json{{"pluginId", "sdk-local"}, {"provider", "sdk-local"}});
@@ -522,6 +523,90 @@ TEST_CASE("SDK plugin leases carry capabilities and the host's metadata; probe a
     CHECK(error_reason(*c, "leaseProbe", {{"leaseId", lease["id"]}}) == "LEASE_NOT_ACTIVE");
 }
 
+TEST_CASE("leaseExecute and leaseRealizeWorkspace reach the SDK plugin: its logs stream before "
+          "the answer, which is the plugin's verbatim",
+          "[plugin][sdk]") {
+    SdkDaemon sd;
+    auto c = sd.daemon->connect();
+    auto lease = acquire(*c);
+    const std::string plid = lease["providerLeaseId"].get<std::string>();
+    const auto pids = sd.worker_pids();
+    REQUIRE(pids.size() == 1);
+
+    auto ex = execute(*c, {{"leaseId", lease["id"]},
+                           {"command", "sh"},
+                           {"args", {"-c", "printf 'one '; printf 'err' >&2; read x; printf \"$x $A\"; exit 3"}},
+                           {"env", {{"A", "env-a"}}},
+                           {"stdin", "from-stdin\n"}});
+    CHECK(ex.result == json{{"exitCode", 3},
+                            {"signal", nullptr},
+                            {"timedOut", false},
+                            {"stdout", "one from-stdin env-a"},
+                            {"stderr", "err"},
+                            {"metadata", {{"pid", pids[0]}}}});
+    // Every chunk the plugin logged came before the answer, under this request's id.
+    CHECK(ex.logged("stdout") == "one from-stdin env-a");
+    CHECK(ex.logged("stderr") == "err");
+    // The SDK's params: the lease's scope and reference filled in by the daemon, the host's
+    // fields as given, timeoutMs defaulted; no leaseId.
+    auto calls = sd.journal_of("environmentExecute");
+    REQUIRE(calls.size() == 1);
+    const json& p = calls[0]["params"];
+    CHECK(p["driverKey"] == "sdk-local");
+    CHECK(p["companyId"] == "acme");
+    CHECK(p["environmentId"] == "dev");
+    CHECK(p["lease"]["providerLeaseId"] == plid);
+    CHECK(p["lease"]["metadata"] == lease["providerMetadata"]);
+    CHECK(p["command"] == "sh");
+    CHECK(p["stdin"] == "from-stdin\n");
+    CHECK(p["timeoutMs"] == 300000);
+    CHECK_FALSE(p.contains("leaseId"));
+
+    // The plugin's own timeout: timedOut, killed.
+    ex = execute(*c, {{"leaseId", lease["id"]}, {"command", "sleep"}, {"args", {"30"}},
+                      {"timeoutMs", 300}});
+    CHECK(ex.result["timedOut"] == true);
+    CHECK(ex.result["exitCode"].is_null());
+    CHECK(ex.result["signal"] == "SIGKILL");
+
+    // Bad params change nothing and never reach the worker.
+    CHECK(error_reason(*c, "leaseExecute", {{"leaseId", lease["id"]}}) == "INVALID_PARAMS");
+    CHECK(error_reason(*c, "leaseExecute",
+                       {{"leaseId", lease["id"]}, {"command", "true"}, {"args", "x"}}) ==
+          "INVALID_PARAMS");
+    CHECK(error_reason(*c, "leaseExecute",
+                       {{"leaseId", lease["id"]}, {"command", "true"}, {"timeoutMs", 0}}) ==
+          "INVALID_PARAMS");
+    CHECK(error_reason(*c, "leaseExecute",
+                       {{"leaseId", lease["id"]}, {"command", "true"}, {"companyId", "x"}}) ==
+          "INVALID_PARAMS");
+    CHECK(error_reason(*c, "leaseExecute", {{"leaseId", "lse_nope"}, {"command", "true"}}) ==
+          "LEASE_NOT_FOUND");
+    CHECK(sd.journal_of("environmentExecute").size() == 2);
+
+    // leaseRealizeWorkspace: environmentRealizeWorkspace with the lease, verbatim answer.
+    const json realized = c->call("leaseRealizeWorkspace",
+                                  {{"leaseId", lease["id"]},
+                                   {"workspace", {{"remotePath", "src"}, {"mode", "fresh"}}}});
+    CHECK(realized == json{{"cwd", (sd.root() / plid / "src").string()},
+                           {"metadata", {{"mode", "fresh"}, {"providerLeaseId", plid}}}});
+    CHECK(fs::is_directory(sd.root() / plid / "src"));
+    // localPath names a file of the node: refused before the worker sees it.
+    try {
+        c->call("leaseRealizeWorkspace",
+                {{"leaseId", lease["id"]}, {"workspace", {{"localPath", "/etc"}}}});
+        FAIL("localPath accepted");
+    } catch (const rpc_error& e) {
+        CHECK(e.code() == errc::invalid_params);
+        CHECK(e.data().value("field", "") == "workspace.localPath");
+    }
+    CHECK(sd.journal_of("environmentRealizeWorkspace").size() == 1);
+
+    c->call("leaseRelease", {{"leaseId", lease["id"]}});
+    CHECK(error_reason(*c, "leaseExecute", {{"leaseId", lease["id"]}, {"command", "true"}}) ==
+          "LEASE_NOT_ACTIVE");
+}
+
 TEST_CASE("Built-in leases carry capabilities; probe and config validation through bwrap",
           "[plugin][sdk]") {
     SdkDaemon sd;  // the built-in provider is on beside the plugin
@@ -531,7 +616,7 @@ TEST_CASE("Built-in leases carry capabilities; probe and config validation throu
                                           {"provider", "bwrap"},
                                           {"metadata", {{"k", 1}}}});
     CHECK(lease["capabilities"] == json{"channels", "pty", "stderr", "signals", "closeStdin",
-                                        "resize", "probe", "validateConfig"});
+                                        "resize", "probe", "execute", "validateConfig"});
     CHECK(lease["hostMetadata"] == json{{"k", 1}});
     CHECK(lease["providerMetadata"].is_null());
     const json probe = c->call("leaseProbe", {{"leaseId", lease["id"]}});
@@ -547,6 +632,52 @@ TEST_CASE("Built-in leases carry capabilities; probe and config validation throu
     v = c->call("providerValidateConfig", {{"provider", "bwrap"}, {"config", json::object()}});
     CHECK(v["ok"] == true);
     CHECK(v["normalizedConfig"]["limits"] == lease["limits"]);
+
+    // leaseExecute runs as a channel in the sandbox: stdout and stderr apart, stdin, env,
+    // cwd, the exit code; its logs come before the answer.
+    auto ex = execute(*c, {{"leaseId", lease["id"]},
+                           {"command", "/bin/sh"},
+                           {"args", {"-c", "printf out; printf err >&2; cat; printf \" $A $(pwd) $(id -u)\"; exit 3"}},
+                           {"env", {{"A", "a1"}}},
+                           {"cwd", "/tmp"},
+                           {"stdin", "in"}});
+    CHECK(ex.result["exitCode"] == 3);
+    CHECK(ex.result["signal"].is_null());
+    CHECK(ex.result["timedOut"] == false);
+    CHECK(ex.result["stdout"] == "outin a1 /tmp 0");  // uid 0 of the sandbox's namespace
+    CHECK(ex.result["stderr"] == "err");
+    CHECK(ex.result["metadata"]["truncated"] == false);
+    CHECK(ex.result["metadata"]["stdoutBytes"] == 15);
+    CHECK(ex.logged("stdout") == ex.result["stdout"]);
+    CHECK(ex.logged("stderr") == ex.result["stderr"]);
+
+    // The timeout kills it.
+    ex = execute(*c, {{"leaseId", lease["id"]}, {"command", "sleep"}, {"args", {"30"}},
+                      {"timeoutMs", 200}});
+    CHECK(ex.result["timedOut"] == true);
+    CHECK(ex.result["exitCode"].is_null());
+    CHECK(ex.result["signal"] == "SIGKILL");
+
+    // Bytes that are not UTF-8 become U+FFFD; over limits.executeOutputBytes (1 MiB) the
+    // output is read to its end but neither kept nor logged.
+    ex = execute(*c, {{"leaseId", lease["id"]},
+                      {"command", "/bin/sh"},
+                      {"args", {"-c", "printf 'a\\377b'; head -c 1572864 /dev/zero >&2"}}});
+    CHECK(ex.result["exitCode"] == 0);
+    CHECK(ex.result["stdout"] == "a\xEF\xBF\xBD" "b");
+    CHECK(ex.result["stderr"].get<std::string>().size() == (1U << 20));
+    CHECK(ex.logged("stderr").size() == (1U << 20));
+    CHECK(ex.result["metadata"]["stderrBytes"] == 1572864);
+    CHECK(ex.result["metadata"]["truncated"] == true);
+
+    // What bwrap does not serve is refused naming the method.
+    try {
+        c->call("leaseRealizeWorkspace", {{"leaseId", lease["id"]}, {"workspace", json::object()}});
+        FAIL("bwrap realized a workspace");
+    } catch (const rpc_error& e) {
+        CHECK(e.code() == errc::invalid_params);
+        CHECK(e.data().value("field", "") == "leaseRealizeWorkspace");
+    }
     c->call("leaseRelease", {{"leaseId", lease["id"]}});
 }
 
@@ -580,6 +711,27 @@ TEST_CASE("A probe and an open through a second node reach the owner's plugin wo
     CHECK(run.out == (owner.root() / lease["providerLeaseId"].get<std::string>()).string() + "\n");
     CHECK(run.exit["exitCode"] == 4);
     CHECK(run.open_result["routed"] == true);
+
+    // leaseExecute through node-2: run by the owner's worker, its logs relayed back to this
+    // host before the answer, under this request's id.
+    auto ex = execute(c2, {{"leaseId", lease["id"]},
+                           {"command", "sh"},
+                           {"args", {"-c", "printf 'routed-out'; printf 'routed-err' >&2; pwd"}}});
+    const std::string owner_dir =
+        (owner.root() / lease["providerLeaseId"].get<std::string>()).string();
+    CHECK(ex.result["stdout"] == "routed-out" + owner_dir + "\n");
+    CHECK(ex.result["stderr"] == "routed-err");
+    CHECK(ex.result["metadata"]["pid"] == owner_pids[0]);
+    CHECK(ex.logged("stdout") == ex.result["stdout"]);
+    CHECK(ex.logged("stderr") == ex.result["stderr"]);
+    CHECK(owner.journal_of("environmentExecute").size() == 1);
+    CHECK(other.journal_of("environmentExecute").empty());
+    // leaseRealizeWorkspace likewise.
+    const json realized = c2.call("leaseRealizeWorkspace",
+                                  {{"leaseId", lease["id"]}, {"workspace", {{"remotePath", "w"}}}});
+    CHECK(realized["cwd"] == owner_dir + "/w");
+    CHECK(owner.journal_of("environmentRealizeWorkspace").size() == 1);
+    CHECK(other.journal_of("environmentRealizeWorkspace").empty());
 
     auto released = c2.call("leaseRelease", {{"leaseId", lease["id"]}});
     CHECK(released["status"] == "released");

@@ -425,6 +425,33 @@ std::string error_reason(Client& c, const std::string& method, const nlohmann::j
     return "ok";
 }
 
+std::string ExecuteRun::logged(const std::string& stream) const {
+    std::string out;
+    for (const auto& l : logs) {
+        if (l["stream"] == stream) out += l["chunk"].get<std::string>();
+    }
+    return out;
+}
+
+ExecuteRun execute(Client& c, const nlohmann::json& params) {
+    ExecuteRun run;
+    const auto id = c.send_request("leaseExecute", params);
+    run.result = c.wait_response(id);
+    // Everything that came while the call ran was kept back, in arrival order.
+    std::deque<ClientEvent> others;
+    for (auto& ev : c.take_queued()) {
+        const auto& m = ev.message;
+        if (ev.type == ClientEvent::kind::notification &&
+            m.value("method", "") == "leaseExecute.log" && m["params"]["requestId"] == id) {
+            run.logs.push_back({{"stream", m["params"]["stream"]}, {"chunk", m["params"]["chunk"]}});
+            continue;
+        }
+        others.push_back(std::move(ev));
+    }
+    c.requeue(std::move(others));
+    return run;
+}
+
 std::pair<int, std::string> http_get(const std::string& address, const std::string& target,
                                      const std::string& authorization, bool upgrade) {
     namespace net = boost::asio;

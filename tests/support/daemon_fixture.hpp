@@ -140,6 +140,17 @@ nlohmann::json acquire_plugin_lease(Client& c, const std::string& company = "acm
 /// The `reason` of the error that `method` answers, "ok" when it succeeds.
 std::string error_reason(Client& c, const std::string& method, const nlohmann::json& params);
 
+/// What leaseExecute answered and the leaseExecute.log notifications of its request that came
+/// before the answer (each {stream, chunk}, in order).
+struct ExecuteRun {
+    nlohmann::json result;
+    std::vector<nlohmann::json> logs;
+    std::string logged(const std::string& stream) const;  ///< the chunks of `stream`, joined
+};
+/// leaseExecute with `params`; throws rpc_error for an error answer. Other messages that came
+/// before the answer stay queued for next_event().
+ExecuteRun execute(Client& c, const nlohmann::json& params);
+
 /// The `lease` object of a duplexChannelOpen for `lease` (as returned by leaseAcquire).
 nlohmann::json lease_ref(const nlohmann::json& lease);
 

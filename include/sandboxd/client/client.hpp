@@ -81,6 +81,8 @@ public:
     /// Removes and returns the messages kept back so far (those that arrived while call() or
     /// run_channel() waited for something else), without reading the socket.
     std::deque<ClientEvent> take_queued();
+    /// Puts `events` back at the front of the queue, in their order (after take_queued()).
+    void requeue(std::deque<ClientEvent> events);
 
     void send_text(const std::string& text);
     void send_binary(const std::string& bytes);

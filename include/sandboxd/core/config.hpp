@@ -133,6 +133,14 @@ struct LimitsConfig {
     std::uint32_t hangup_grace_ms = 5000;           ///< SIGHUP to SIGKILL on a dropped connection
     std::uint64_t default_ttl_ms = 3600000;         ///< lease TTL when leaseAcquire gives none
     std::uint64_t max_ttl_ms = 7 * 24 * 3600000ULL; ///< largest ttlMs accepted
+    /// leaseExecute: bytes of each stream (stdout, stderr) kept in its result and streamed
+    /// as leaseExecute.log, 1 KiB..64 MiB; the rest is read and dropped.
+    std::uint32_t execute_output_bytes = 1 << 20;
+    /// leaseExecute's timeoutMs when the host gives none, 1..86400000.
+    std::uint64_t execute_timeout_ms = 300000;
+    /// How long a retained lease is kept for a reuse before the sweeper destroys its sandbox
+    /// (status expired), ms, 1000..365 days.
+    std::uint64_t retained_ttl_ms = 24 * 3600000ULL;
 };
 
 struct Config {

@@ -93,6 +93,33 @@ struct CleanupPolicy {
     std::int64_t slow_retry_ms = 0;     ///< 0, or 1..86400000
 };
 
+/// leaseExecute (docs/protocol.md section 2): one command run to its end in a lease's
+/// sandbox, its output returned and streamed.
+struct ExecuteRequest {
+    /// The SDK's environmentExecute fields as the host gave them, checked: command, args?,
+    /// cwd?, env?, stdin?, timeoutMs (always set: the host's or the default), bypassSession?.
+    /// A plugin gets them verbatim.
+    nlohmann::json params = nlohmann::json::object();
+    /// The same command for a provider that runs it as a channel: argv = command + args, cwd,
+    /// env; stdin_attached when `stdin` is a non-empty string; drain_grace_ms set.
+    std::vector<std::string> argv;
+    std::string cwd;
+    std::map<std::string, std::string> env;
+    std::string stdin_data;
+    std::optional<std::uint32_t> drain_grace_ms;
+    /// How long the command may run (ms, 1..86400000): then it is killed and the result says
+    /// timedOut. A plugin is sent it as timeoutMs and given 30 s more to answer.
+    std::uint64_t timeout_ms = 300000;
+    /// Bytes of each stream (stdout, stderr) kept in the result (a channel-run command; the
+    /// rest is read and dropped, and the result's metadata says so).
+    std::size_t output_limit = 1U << 20;
+};
+
+/// One piece of a running execute's output: `stream` is "stdout" or "stderr", `chunk`
+/// non-empty UTF-8 text. Called on the executor that awaits Provider::execute(), in order,
+/// before execute() completes; never after.
+using ExecuteLog = std::function<void(std::string stream, std::string chunk)>;
+
 struct PtySize {
     std::uint16_t cols = 80;  ///< 1..4096
     std::uint16_t rows = 24;  ///< 1..4096
@@ -220,6 +247,34 @@ public:
     /// leaseProbe on the owner: the SDK's {ok, summary?, diagnostics?, metadata?} about the
     /// sandbox of `lease`. Throws like validate_config().
     virtual awaitable<nlohmann::json> probe(std::shared_ptr<SandboxHandle> sandbox, Lease lease);
+
+    /// leaseExecute on the owner: runs `request` in `sandbox` to its end and returns the
+    /// SDK's {exitCode, signal, timedOut, stdout, stderr, metadata?}, streaming output to
+    /// `log` while it runs. The default runs it as a channel through open(): exitCode null
+    /// and signal "SIGKILL" with timedOut true when the timeout killed it; stdout and stderr
+    /// as UTF-8 text (utf8.hpp), at most output_limit bytes each; metadata {stdoutBytes,
+    /// stderrBytes, truncated, durationMs}. A plugin calls environmentExecute and returns its
+    /// answer verbatim. Throws like open(); INVALID_PARAMS naming leaseExecute when the
+    /// provider cannot execute.
+    virtual awaitable<nlohmann::json> execute(std::shared_ptr<SandboxHandle> sandbox, Lease lease,
+                                              ExecuteRequest request, ExecuteLog log);
+
+    /// leaseRealizeWorkspace on the owner: the SDK's {cwd, metadata?} for `workspace`
+    /// ({remotePath?, mode?, metadata?}, checked). Throws like validate_config(), naming
+    /// leaseRealizeWorkspace.
+    virtual awaitable<nlohmann::json> realize_workspace(std::shared_ptr<SandboxHandle> sandbox,
+                                                        Lease lease, nlohmann::json workspace);
+
+    /// Whether stop() and a later resume() keep a sandbox for a retained lease (leasePolicy,
+    /// docs/protocol.md section 2): a plugin whose worker serves environmentReleaseLease and
+    /// environmentResumeLease. Fast; no I/O.
+    virtual bool can_retain() const noexcept { return false; }
+
+    /// leaseRelease with disposition "retain": stops the sandbox but keeps it for a later
+    /// resume() (a plugin's environmentReleaseLease). The caller has ended its channels.
+    /// Throws INVALID_PARAMS naming `disposition` when the provider cannot retain, and like
+    /// destroy() otherwise.
+    virtual awaitable<void> stop(std::shared_ptr<SandboxHandle> sandbox);
 };
 
 struct BwrapOptions {
