@@ -16,13 +16,14 @@ std::string_view to_string(lease_status s) noexcept {
         case lease_status::expired: return "expired";
         case lease_status::failed: return "failed";
         case lease_status::pending_cleanup: return "pending_cleanup";
+        case lease_status::retained: return "retained";
     }
     return "failed";
 }
 
 std::optional<lease_status> parse_lease_status(std::string_view s) noexcept {
     for (auto st : {lease_status::active, lease_status::released, lease_status::expired,
-                    lease_status::failed, lease_status::pending_cleanup}) {
+                    lease_status::failed, lease_status::pending_cleanup, lease_status::retained}) {
         if (to_string(st) == s) return st;
     }
     return std::nullopt;

@@ -51,7 +51,7 @@ constexpr std::chrono::milliseconds request_timeout{2000};
 constexpr std::size_t txn_ops = 100;
 constexpr std::array all_statuses = {lease_status::active, lease_status::released,
                                      lease_status::expired, lease_status::failed,
-                                     lease_status::pending_cleanup};
+                                     lease_status::pending_cleanup, lease_status::retained};
 
 [[noreturn]] void throw_unavailable(std::string_view op, std::string_view detail) {
     throw rpc_error(errc::registry_unavailable,
@@ -182,7 +182,11 @@ struct RecordReader {
         auto it = j.find(key);
         return it == j.end() || it->is_null() ? nullptr : &*it;
     }
-    void operator()(std::string Lease::*m) const { l.*m = j.at(key).get<std::string>(); }
+    void operator()(std::string Lease::*m) const {
+        // A record older than the field keeps the Lease's default.
+        if (f.has(lease_field_flags::added_later) && !j.contains(key)) return;
+        l.*m = j.at(key).get<std::string>();
+    }
     void operator()(std::optional<std::string> Lease::*m) const {
         const json* v = find();
         l.*m = v ? std::optional(v->get<std::string>()) : std::nullopt;

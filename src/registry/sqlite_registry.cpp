@@ -19,7 +19,7 @@
 namespace sandboxd {
 namespace {
 
-constexpr int schema_version = 5;
+constexpr int schema_version = 6;
 constexpr int busy_timeout_ms = 5000;
 constexpr std::size_t max_page = 1000;
 
@@ -168,7 +168,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     heartbeat_at_ms INTEGER NOT NULL,
     instance_id TEXT NOT NULL
 ) STRICT;
-PRAGMA user_version = 5;
+PRAGMA user_version = 6;
 )sql";
 
 // Column order of read_lease() and bind_lease(): lease_fields order.
@@ -303,7 +303,7 @@ db_ptr open_connection(const std::string& path) {
 /// Creates the schema, or migrates an older one in place (version 1 lacked `limits`;
 /// version 2 lacked the provider and status-owner indexes, which CREATE ... IF NOT EXISTS
 /// adds; version 3 lacked agent_id and provider_metadata; version 4 host_metadata and
-/// capabilities).
+/// capabilities; version 5 lease_policy).
 void create_schema(sqlite3* db) {
     constexpr std::string_view op = "create schema";
     Transaction tx(db, op);
@@ -327,6 +327,11 @@ void create_schema(sqlite3* db) {
         // Issue 14: the host's metadata, and what the provider serves.
         exec(db, "ALTER TABLE leases ADD COLUMN host_metadata TEXT NOT NULL DEFAULT 'null'", op);
         exec(db, "ALTER TABLE leases ADD COLUMN capabilities TEXT NOT NULL DEFAULT 'null'", op);
+    }
+    if (found >= 1 && found <= 5) {
+        // Issue 14: paperclip's lease policy.
+        exec(db, "ALTER TABLE leases ADD COLUMN lease_policy TEXT NOT NULL DEFAULT 'ephemeral'",
+             op);
     }
     exec(db, leases_table_sql().c_str(), op);
     exec(db, schema_sql, op);

@@ -90,34 +90,122 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
 
 }  // namespace
 
-awaitable<Lease> lease_acquire(Node& node, const Principal& who, methods::LeaseAcquireParams p) {
-    Lease lease;
-    lease.company_id = std::move(p.company_id);
-    lease.environment_id = std::move(p.environment_id);
-    lease.provider = std::move(p.provider);
-    lease.run_id = std::move(p.run_id);
-    lease.issue_id = std::move(p.issue_id);
-    lease.heartbeat_run_id = std::move(p.heartbeat_run_id);
-    lease.execution_workspace_id = std::move(p.execution_workspace_id);
-    lease.agent_id = std::move(p.agent_id);
-    lease.host_metadata = std::move(p.host_metadata);
-    lease.idempotency_key = std::move(p.idempotency_key);
-    lease.config = std::move(p.config);
-    const auto ttl = p.ttl_ms.value_or(node.config.limits.default_ttl_ms);
-    if (!who.allows(lease.company_id)) {
-        params::invalid("companyId", "this token may not act for tenant \"" + lease.company_id + "\"");
-    }
-    if (node.draining) throw rpc_error(errc::owner_unavailable, "node " + node.node_id + " is draining");
-    node.require_membership();
-    Provider* provider = provider_of(node, lease.provider);
-    if (!provider) params::invalid("provider", "no provider \"" + lease.provider + "\" on this node");
+namespace {
 
-    if (lease.idempotency_key) {
-        auto existing = co_await node.registry->find_by_idempotency_key(
-            lease.company_id, lease.environment_id, *lease.idempotency_key);
-        if (existing) co_return *existing;
-    }
+bool is_reuse(const std::string& policy) {
+    return policy == "reuse_by_environment" || policy == "reuse_by_execution_workspace";
+}
 
+/// Every lease of (company, environment) with `status`, all pages.
+awaitable<std::vector<Lease>> leases_in(Node& node, std::string company_id,
+                                        std::string environment_id, lease_status status) {
+    std::vector<Lease> out;
+    LeaseQuery q;
+    q.company_id = std::move(company_id);
+    q.environment_id = std::move(environment_id);
+    q.status = status;
+    q.limit = 1000;
+    for (;;) {
+        auto page = co_await node.registry->list_leases(q);
+        for (auto& l : page.leases) out.push_back(std::move(l));
+        if (page.next_cursor.empty()) break;
+        q.cursor = page.next_cursor;
+    }
+    co_return out;
+}
+
+/// Whether `candidate` may be reused for `wanted` under wanted's policy: the same tenant
+/// scope, provider, policy, config and (reuse_by_execution_workspace) execution workspace.
+bool reusable_for(const Lease& candidate, const Lease& wanted) {
+    return candidate.company_id == wanted.company_id &&
+           candidate.environment_id == wanted.environment_id &&
+           candidate.provider == wanted.provider && candidate.lease_policy == wanted.lease_policy &&
+           candidate.config == wanted.config &&
+           (wanted.lease_policy != "reuse_by_execution_workspace" ||
+            candidate.execution_workspace_id == wanted.execution_workspace_id);
+}
+
+/// Brings a retained lease back on this node: the provider resumes its sandbox, and the lease
+/// becomes active here (owner this node, a new epoch). nullopt when it cannot be resumed (it
+/// is then torn down) or another node changed it first and it is not active.
+awaitable<std::optional<Lease>> resume_retained(Node& node, Provider& provider, Lease lease,
+                                                std::uint64_t ttl_ms) {
+    std::shared_ptr<SandboxHandle> handle;
+    std::string failure;
+    try {
+        handle = co_await provider.resume(lease);
+    } catch (const rpc_error& e) {
+        if (e.code() == errc::provider_not_ready) throw;  // nothing changed: retry later
+        failure = e.what();
+    }
+    if (!handle) {
+        spdlog::warn("lease={} retained, but its sandbox cannot be resumed ({}): destroying it",
+                     lease.id, failure);
+        Lease mine = lease;
+        mine.owner_node_id = node.node_id;  // this node's sweeper finishes a failed teardown
+        (void)co_await teardown(node, std::move(mine), lease_status::released);
+        co_return std::nullopt;
+    }
+    const auto now = now_ms();
+    Lease next = lease;
+    next.status = lease_status::active;
+    next.owner_node_id = node.node_id;
+    next.epoch = lease.epoch + 1;
+    next.last_used_at_ms = now;
+    next.expires_at_ms = now + static_cast<std::int64_t>(ttl_ms);
+    if (handle->expires_at_ms && *handle->expires_at_ms < *next.expires_at_ms) {
+        next.expires_at_ms = handle->expires_at_ms;
+    }
+    next.released_at_ms = std::nullopt;
+    next.cleanup_status = std::nullopt;
+    next.provider_metadata = handle->provider_metadata;
+    auto stored = co_await node.registry->update_lease(next, lease.epoch);
+    if (!stored) {
+        // Another node resumed or released it first: its record decides. The sandbox this
+        // node resumed is that same sandbox, so it is dropped, not destroyed.
+        auto current = co_await node.registry->get_lease(lease.id);
+        if (current && current->status == lease_status::active) co_return *current;
+        co_return std::nullopt;
+    }
+    handle->lease_id = stored->id;
+    node.cache.put(handle);
+    node.claim(stored->id, stored->epoch);
+    spdlog::info("lease={} resumed from retained on node={}", stored->id, node.node_id);
+    co_return *stored;
+}
+
+/// The lease a reuse policy gives `wanted`: an active one of its scope (renewed to the
+/// acquire's TTL), else a retained one resumed (the most recently retained first); nullopt
+/// when there is none.
+awaitable<std::optional<Lease>> reuse_lease(Node& node, const Principal& who, Provider& provider,
+                                            Lease wanted, std::uint64_t ttl_ms) {
+    for (auto& l : co_await leases_in(node, wanted.company_id, wanted.environment_id,
+                                      lease_status::active)) {
+        if (!reusable_for(l, wanted) || !l.is_live(now_ms())) continue;
+        try {
+            Lease renewed = co_await lease_renew(node, who, l.id, ttl_ms);
+            spdlog::info("lease={} reused ({})", renewed.id, wanted.lease_policy);
+            co_return renewed;
+        } catch (const rpc_error& e) {
+            if (e.code() != errc::lease_not_active) throw;  // it ended meanwhile: next one
+        }
+    }
+    auto retained = co_await leases_in(node, wanted.company_id, wanted.environment_id,
+                                       lease_status::retained);
+    std::erase_if(retained, [&wanted](const Lease& l) { return !reusable_for(l, wanted); });
+    std::sort(retained.begin(), retained.end(), [](const Lease& a, const Lease& b) {
+        return a.last_used_at_ms > b.last_used_at_ms;
+    });
+    for (auto& l : retained) {
+        if (auto resumed = co_await resume_retained(node, provider, std::move(l), ttl_ms)) {
+            co_return resumed;
+        }
+    }
+    co_return std::nullopt;
+}
+
+/// A new sandbox and its lease record (leaseAcquire when nothing is reused).
+awaitable<Lease> make_lease(Node& node, Provider* provider, Lease lease, std::uint64_t ttl) {
     lease.id = "lse_" + random_hex(12);
     lease.owner_node_id = node.node_id;
     lease.status = lease_status::active;
@@ -159,6 +247,54 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, methods::LeaseA
     spdlog::info("lease={} acquired provider={} providerLeaseId={} company={} node={}", lease.id,
                  lease.provider, lease.provider_lease_id, lease.company_id, node.node_id);
     co_return stored;
+}
+
+}  // namespace
+
+awaitable<Lease> lease_acquire(Node& node, const Principal& who, methods::LeaseAcquireParams p) {
+    Lease lease;
+    lease.company_id = std::move(p.company_id);
+    lease.environment_id = std::move(p.environment_id);
+    lease.provider = std::move(p.provider);
+    lease.run_id = std::move(p.run_id);
+    lease.issue_id = std::move(p.issue_id);
+    lease.heartbeat_run_id = std::move(p.heartbeat_run_id);
+    lease.execution_workspace_id = std::move(p.execution_workspace_id);
+    lease.agent_id = std::move(p.agent_id);
+    lease.host_metadata = std::move(p.host_metadata);
+    lease.idempotency_key = std::move(p.idempotency_key);
+    lease.config = std::move(p.config);
+    const auto ttl = p.ttl_ms.value_or(node.config.limits.default_ttl_ms);
+    if (!who.allows(lease.company_id)) {
+        params::invalid("companyId", "this token may not act for tenant \"" + lease.company_id + "\"");
+    }
+    if (node.draining) throw rpc_error(errc::owner_unavailable, "node " + node.node_id + " is draining");
+    node.require_membership();
+    Provider* provider = provider_of(node, lease.provider);
+    if (!provider) params::invalid("provider", "no provider \"" + lease.provider + "\" on this node");
+
+    if (lease.idempotency_key) {
+        auto existing = co_await node.registry->find_by_idempotency_key(
+            lease.company_id, lease.environment_id, *lease.idempotency_key);
+        if (existing) co_return *existing;
+    }
+
+    lease.lease_policy = std::move(p.lease_policy);
+    if (lease.lease_policy != "ephemeral" && !provider->can_retain()) {
+        params::invalid("leasePolicy",
+                        "provider \"" + lease.provider +
+                            "\" accepts only \"ephemeral\": it cannot keep a sandbox for a "
+                            "reuse (leaseRelease disposition \"retain\")");
+    }
+    if (!is_reuse(lease.lease_policy)) {
+        co_return co_await make_lease(node, provider, std::move(lease), ttl);
+    }
+    // One reuse of a scope at a time on this node, so that two acquires do not both make one.
+    std::string key = lease.company_id + '\n' + lease.environment_id + '\n' + lease.provider +
+                      '\n' + lease.lease_policy + '\n' + lease.execution_workspace_id.value_or("");
+    auto held = co_await node.reuse_locks.lock(std::move(key));
+    if (auto reused = co_await reuse_lease(node, who, *provider, lease, ttl)) co_return *reused;
+    co_return co_await make_lease(node, provider, std::move(lease), ttl);
 }
 
 awaitable<Lease> lease_get(Node& node, const Principal& who, std::string lease_id) {
@@ -211,11 +347,82 @@ awaitable<Lease> lease_renew(Node& node, const Principal& who, std::string lease
     throw rpc_error(errc::registry_unavailable, "lease " + lease_id + " kept changing during renew");
 }
 
-awaitable<Lease> lease_release(Node& node, const Principal& who, std::string lease_id) {
+namespace {
+
+/// leaseRelease with disposition "retain" on the owner: the provider stops the sandbox and
+/// keeps it, and the lease becomes `retained` (expiring after limits.retainedTtlMs). A
+/// provider that cannot retain, or a stop that fails, changes nothing.
+awaitable<Lease> retain_lease(Node& node, Lease lease) {
+    Provider* provider = provider_of(node, lease.provider);
+    if (!provider || !provider->can_retain()) {
+        params::invalid("disposition", "provider \"" + lease.provider +
+                                           "\" cannot retain a sandbox: it accepts only "
+                                           "\"destroy\"");
+    }
+    auto handle = co_await sandbox_for(node, lease);
+    const auto scope = scope_of(lease);
+    (void)node.cache.begin_teardown(scope);  // no new channel, and no reconcile destroys it
+    co_await end_lease_channels(node, lease.id, std::chrono::milliseconds(3000));
+    std::exception_ptr not_stopped;
+    try {
+        co_await provider->stop(handle);
+    } catch (...) {
+        not_stopped = std::current_exception();
+    }
+    if (not_stopped) {
+        node.cache.erase(scope);  // still the lease's sandbox: served again
+        node.cache.put(handle);
+        std::rethrow_exception(not_stopped);
+    }
+    const auto now = now_ms();
+    Lease next = lease;
+    next.status = lease_status::retained;
+    next.epoch = lease.epoch + 1;
+    next.last_used_at_ms = now;
+    next.expires_at_ms = now + static_cast<std::int64_t>(node.config.limits.retained_ttl_ms);
+    next.cleanup_status = "stopped";
+    auto stored = co_await node.registry->update_lease(next, lease.epoch);
+    node.cache.erase(scope);
+    node.unclaim(lease.id);
+    if (!stored) {
+        auto current = co_await node.registry->get_lease(lease.id);
+        if (!current) not_found(lease.id);
+        co_return *current;
+    }
+    spdlog::info("lease={} retained node={}", lease.id, node.node_id);
+    co_return *stored;
+}
+
+/// The disposition a release without one takes: the reuse policies keep their sandbox,
+/// retain_on_failure keeps a failed run's, ephemeral leases are destroyed.
+bool retains_by_default(const std::string& policy, bool failed) {
+    return policy == "reuse_by_environment" || policy == "reuse_by_execution_workspace" ||
+           (policy == "retain_on_failure" && failed);
+}
+
+}  // namespace
+
+awaitable<Lease> lease_release(Node& node, const Principal& who, methods::LeaseReleaseParams p) {
     node.require_membership();
-    Lease lease = co_await load_visible(node, who, lease_id);
+    Lease lease = co_await load_visible(node, who, p.lease_id);
     if (lease.status == lease_status::released || lease.status == lease_status::failed) {
         co_return lease;  // idempotent
+    }
+    const bool retain = p.disposition ? *p.disposition == "retain"
+                                      : retains_by_default(lease.lease_policy, p.failed);
+    if (lease.status == lease_status::retained) {
+        if (retain) co_return lease;  // idempotent
+        // No node holds a retained sandbox: this one destroys it from the lease's record.
+        lease.owner_node_id = node.node_id;
+        co_return co_await teardown(node, std::move(lease), lease_status::released);
+    }
+    if (retain && lease.status == lease_status::active) {
+        co_return co_await retain_lease(node, std::move(lease));
+    }
+    if (retain) {
+        params::invalid("disposition", "lease " + lease.id + " is " +
+                                           std::string(to_string(lease.status)) +
+                                           ": only an active lease can be retained");
     }
     co_return co_await teardown(node, std::move(lease), lease_status::released);
 }
@@ -248,6 +455,12 @@ awaitable<LiveLease> live_lease(Node& node, const Principal& who, std::string le
 }
 
 }  // namespace
+
+awaitable<Lease> lease_release(Node& node, const Principal& who, std::string lease_id) {
+    methods::LeaseReleaseParams p;
+    p.lease_id = std::move(lease_id);
+    co_return co_await lease_release(node, who, std::move(p));
+}
 
 awaitable<json> lease_probe(Node& node, const Principal& who, std::string lease_id) {
     LiveLease live = co_await live_lease(node, who, std::move(lease_id));
@@ -696,6 +909,13 @@ awaitable<void> expire_leases(Node& node) {
     auto expired = co_await node.registry->expired_leases(node.node_id, now_ms());
     for (auto& lease : expired) {
         spdlog::info("lease={} expired", lease.id);
+        co_await teardown(node, std::move(lease), lease_status::expired);
+    }
+    // Retained leases that no reuse came for within limits.retainedTtlMs (by the owner index).
+    const auto now = now_ms();
+    for (auto& lease : co_await leases_of(node, node.node_id, lease_status::retained)) {
+        if (!lease.expires_at_ms || *lease.expires_at_ms > now) continue;
+        spdlog::info("lease={} retained and not reused: expired", lease.id);
         co_await teardown(node, std::move(lease), lease_status::expired);
     }
 }

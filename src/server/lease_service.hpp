@@ -20,6 +20,12 @@ void attach_usage(Node& node, Lease& lease);
 awaitable<nlohmann::json> lease_list(Node& node, const Principal& who, LeaseQuery query);
 awaitable<Lease> lease_renew(Node& node, const Principal& who, std::string lease_id,
                              std::uint64_t ttl_ms);
+/// leaseRelease: `disposition` (or the lease policy's default) "destroy" tears the sandbox
+/// down (released); "retain" stops it through the provider and leaves the lease `retained`
+/// (INVALID_PARAMS naming disposition when the provider cannot). A retained lease is
+/// destroyed by any node. Idempotent for released, failed, and retained-then-retain.
+awaitable<Lease> lease_release(Node& node, const Principal& who, methods::LeaseReleaseParams p);
+/// leaseRelease {leaseId} alone: the policy's default disposition.
 awaitable<Lease> lease_release(Node& node, const Principal& who, std::string lease_id);
 awaitable<nlohmann::json> node_list(Node& node);
 /// leaseProbe on the owner: the lease's provider probes its sandbox (resumed first when a

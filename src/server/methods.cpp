@@ -26,7 +26,7 @@ constexpr std::size_t max_host_metadata = 64 * 1024;
 LeaseAcquireParams parse_lease_acquire(const json& p, std::uint64_t max_ttl_ms) {
     params::only_keys(p, {"companyId", "environmentId", "provider", "config", "ttlMs", "runId",
                           "issueId", "heartbeatRunId", "executionWorkspaceId", "agentId",
-                          "idempotencyKey", "metadata"});
+                          "idempotencyKey", "metadata", "leasePolicy"});
     LeaseAcquireParams out;
     out.company_id = params::req_string(p, "companyId");
     out.environment_id = params::req_string(p, "environmentId");
@@ -50,6 +50,31 @@ LeaseAcquireParams parse_lease_acquire(const json& p, std::uint64_t max_ttl_ms) 
         }
         out.host_metadata = *it;
     }
+    if (auto policy = params::opt_string(p, "leasePolicy")) {
+        if (*policy != "ephemeral" && *policy != "reuse_by_environment" &&
+            *policy != "reuse_by_execution_workspace" && *policy != "retain_on_failure") {
+            params::invalid("leasePolicy",
+                            "must be one of ephemeral, reuse_by_environment, "
+                            "reuse_by_execution_workspace, retain_on_failure");
+        }
+        if (*policy == "reuse_by_execution_workspace" && !out.execution_workspace_id) {
+            params::invalid("executionWorkspaceId",
+                            "is required with leasePolicy reuse_by_execution_workspace");
+        }
+        out.lease_policy = *policy;
+    }
+    return out;
+}
+
+LeaseReleaseParams parse_lease_release(const json& p) {
+    params::only_keys(p, {"leaseId", "disposition", "failed"});
+    LeaseReleaseParams out;
+    out.lease_id = params::req_string(p, "leaseId");
+    out.disposition = params::opt_string(p, "disposition");
+    if (out.disposition && *out.disposition != "destroy" && *out.disposition != "retain") {
+        params::invalid("disposition", "must be \"destroy\" or \"retain\"");
+    }
+    out.failed = params::opt_bool(p, "failed").value_or(false);
     return out;
 }
 
@@ -63,7 +88,8 @@ LeaseQuery parse_lease_list(const json& p) {
         q.status = parse_lease_status(*st);
         if (!q.status) {
             params::invalid("status",
-                            "must be one of active, released, expired, failed, pending_cleanup");
+                            "must be one of active, released, expired, failed, pending_cleanup, "
+                            "retained");
         }
     }
     q.limit = params::opt_uint(p, "limit", 1, 1000).value_or(100);

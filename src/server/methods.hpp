@@ -44,6 +44,9 @@ struct LeaseAcquireParams {
     std::optional<std::string> agent_id;
     std::optional<std::string> idempotency_key;
     json host_metadata;  ///< `metadata`: an object of at most 64 KiB as JSON, or null
+    /// "ephemeral" (default), "reuse_by_environment", "reuse_by_execution_workspace" (which
+    /// requires executionWorkspaceId) or "retain_on_failure".
+    std::string lease_policy = "ephemeral";
 };
 /// `max_ttl_ms` is the node's limits.maxTtlMs.
 LeaseAcquireParams parse_lease_acquire(const json& p, std::uint64_t max_ttl_ms);
@@ -57,6 +60,15 @@ struct LeaseIdParams {
     std::string lease_id;  ///< 1..1024 bytes
 };
 LeaseIdParams parse_lease_id(const json& p);
+
+/// leaseRelease: `disposition` "destroy" or "retain" (absent: the lease policy's default),
+/// `failed` (absent: false).
+struct LeaseReleaseParams {
+    std::string lease_id;  ///< 1..1024 bytes
+    std::optional<std::string> disposition;
+    bool failed = false;
+};
+LeaseReleaseParams parse_lease_release(const json& p);
 
 /// providerValidateConfig: `provider` 1..1024 bytes, `config` an object (absent: {}).
 struct ValidateConfigParams {

@@ -133,4 +133,29 @@ void Node::unclaim(const std::string& lease_id) {
     claims_.erase(lease_id);
 }
 
+awaitable<std::shared_ptr<void>> KeyedLocks::lock(std::string key) {
+    auto executor = co_await net::this_coro::executor;
+    std::shared_ptr<Gate> gate;
+    {
+        std::lock_guard lock(mutex_);
+        std::erase_if(gates_, [](const auto& entry) { return entry.second.expired(); });
+        auto& slot = gates_[key];
+        gate = slot.lock();
+        if (!gate) {
+            gate = std::make_shared<Gate>(executor, 1);
+            slot = gate;
+        }
+    }
+    co_await gate->async_send(boost::system::error_code{}, use_awaitable);  // waits while held
+    /// Frees the gate for the next waiter when the last copy of the guard goes.
+    struct Held {
+        explicit Held(std::shared_ptr<Gate> g) : gate(std::move(g)) {}
+        Held(const Held&) = delete;
+        Held& operator=(const Held&) = delete;
+        ~Held() { gate->try_receive([](boost::system::error_code) {}); }
+        std::shared_ptr<Gate> gate;
+    };
+    co_return std::make_shared<Held>(std::move(gate));
+}
+
 }  // namespace sandboxd

@@ -72,6 +72,21 @@ private:
     std::uint64_t next_key_ = 1;
 };
 
+/// Async locks by name: the reuse acquires of one lease scope on this node run one at a time
+/// (docs/protocol.md, "Lease policies"). Thread-safe; a lock is awaited without blocking a
+/// thread, and released when the returned guard is destroyed (on any thread).
+class KeyedLocks {
+public:
+    /// Waits until no other guard of `key` is alive, then returns this caller's.
+    awaitable<std::shared_ptr<void>> lock(std::string key);
+
+private:
+    /// A semaphore of one: a send takes it (waiting while it is full), a receive frees it.
+    using Gate = net::experimental::concurrent_channel<void(boost::system::error_code)>;
+    std::mutex mutex_;
+    std::map<std::string, std::weak_ptr<Gate>> gates_;
+};
+
 /// Milliseconds of the steady (monotonic) clock, which keeps counting while the process is
 /// stopped (SIGSTOP), unlike the process's own sense of time.
 std::int64_t steady_now_ms();
@@ -95,6 +110,7 @@ struct Node {
     /// The secret of the first `peer` token: what this node presents to its peers.
     std::string peer_token;
     PeerLinks peers;
+    KeyedLocks reuse_locks;
 
 private:
     mutable std::mutex claims_mutex_;

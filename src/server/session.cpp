@@ -367,8 +367,11 @@ awaitable<std::optional<Session::Reply>> Session::lease_change_at_owner(
     std::chrono::milliseconds answer_within) {
     // The owner releases or renews, so that its cache and channels follow.
     Lease lease = co_await sandboxd::lease_get(node_, who_, lease_id);
-    const bool settled =
-        lease.status == lease_status::released || lease.status == lease_status::failed;
+    // A retained lease is held by no node: any node serves it (and answers that it is not
+    // active to everything but a release).
+    const bool settled = lease.status == lease_status::released ||
+                         lease.status == lease_status::failed ||
+                         lease.status == lease_status::retained;
     if (lease.owner_node_id == node_.node_id || settled || !forwarded_by_.empty()) {
         co_return std::nullopt;
     }
@@ -402,11 +405,11 @@ awaitable<Session::Reply> Session::lease_renew(json p) {
 }
 
 awaitable<Session::Reply> Session::lease_release(json p) {
-    auto params = methods::parse_lease_id(p);
+    auto params = methods::parse_lease_release(p);
     if (auto at_owner = co_await lease_change_at_owner("leaseRelease", p, params.lease_id)) {
         co_return std::move(*at_owner);
     }
-    json result = to_json(co_await sandboxd::lease_release(node_, who_, params.lease_id));
+    json result = to_json(co_await sandboxd::lease_release(node_, who_, std::move(params)));
     co_return Reply{std::move(result), {}};
 }
 

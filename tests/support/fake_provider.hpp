@@ -88,6 +88,10 @@ public:
     std::atomic<int> creates{0};
     std::atomic<int> destroys{0};
     std::atomic<int> opens{0};
+    std::atomic<int> stops{0};
+    std::atomic<int> resumes{0};
+    /// can_retain(): stop() keeps the sandbox, resume() brings back one that is still live.
+    bool retainable = false;
 
     /// When set, create() throws rpc_error with this code (and makes nothing).
     std::optional<errc> create_error;
@@ -147,6 +151,29 @@ public:
                                                        exit);
     }
 
+    bool can_retain() const noexcept override { return retainable; }
+
+    awaitable<void> stop(std::shared_ptr<SandboxHandle> sandbox) override {
+        if (!retainable) co_await Provider::stop(std::move(sandbox));
+        ++stops;
+        co_return;
+    }
+
+    awaitable<std::shared_ptr<SandboxHandle>> resume(Lease lease) override {
+        ++resumes;
+        {
+            std::lock_guard lock(mutex_);
+            if (!retainable || !live_.count(lease.provider_lease_id)) {
+                throw rpc_error(errc::sandbox_not_cached, "fake provider: nothing to resume");
+            }
+        }
+        auto handle = std::make_shared<SandboxHandle>();
+        handle->scope = scope_of(lease);
+        handle->lease_id = lease.id;
+        handle->limits = limits;
+        co_return handle;
+    }
+
     std::shared_ptr<SandboxHandle> handle_for_teardown(const Lease& lease) override {
         if (!teardown_by_scope) return nullptr;
         auto handle = std::make_shared<SandboxHandle>();
@@ -158,6 +185,11 @@ public:
 
     // ---- test helpers (not part of Provider) ----
 
+    /// The sandbox `provider_lease_id` vanished (resume() fails for it from now on).
+    void lose(const std::string& provider_lease_id) {
+        std::lock_guard lock(mutex_);
+        live_.erase(provider_lease_id);
+    }
     /// providerLeaseIds of sandboxes created and not destroyed.
     std::set<std::string> live() const {
         std::lock_guard lock(mutex_);

@@ -59,7 +59,7 @@ TEST_CASE("The wire JSON of a lease is the protocol's, byte for byte", "[lease]"
               R"({"acquiredAt":"2025-11-30T23:49:29.123Z","capabilities":null,"cleanupStatus":null,)"
               R"("companyId":"acme","environmentId":"dev","epoch":1,"expiresAt":null,)"
               R"("failureReason":null,"hostMetadata":null,"id":"l1",)"
-              R"("lastUsedAt":"2025-11-30T23:49:30.000Z",)"
+              R"("lastUsedAt":"2025-11-30T23:49:30.000Z","leasePolicy":"ephemeral",)"
               R"("limits":null,"metadata":{},"ownerNodeId":"n1","provider":"bwrap",)"
               R"("providerLeaseId":"bw-1","providerMetadata":null,"releasedAt":null,)"
               R"("status":"active","usage":null})");
@@ -92,7 +92,7 @@ TEST_CASE("The wire JSON of a lease is the protocol's, byte for byte", "[lease]"
               R"("companyId":"acme","environmentId":"dev","epoch":42,"executionWorkspaceId":"w",)"
               R"("expiresAt":"2025-11-30T23:49:31.000Z","failureReason":"boom",)"
               R"("heartbeatRunId":"h","hostMetadata":{"team":"t"},"id":"l1","issueId":"i",)"
-              R"("lastUsedAt":"2025-11-30T23:49:30.000Z","limits":{"pids":64},)"
+              R"("lastUsedAt":"2025-11-30T23:49:30.000Z","leasePolicy":"ephemeral","limits":{"pids":64},)"
               R"("metadata":{"pluginId":"builtin","provider":"bwrap"},"ownerNodeId":"n1",)"
               R"("provider":"bwrap","providerLeaseId":"bw-1","providerMetadata":{"dir":"/x"},)"
               R"("releasedAt":"2025-11-30T23:49:32.001Z","runId":"r","status":"pending_cleanup",)"
@@ -100,10 +100,10 @@ TEST_CASE("The wire JSON of a lease is the protocol's, byte for byte", "[lease]"
     }
 }
 
-TEST_CASE("The generated leases table is schema version 2's plus version 4's and 5's columns",
+TEST_CASE("The generated leases table is schema version 2's plus the columns of versions 4-6",
           "[lease][registry]") {
-    // CREATE TABLE leases as schema version 2 wrote it by hand, and the columns versions 4
-    // and 5 add with ALTER TABLE (at the end): databases made with it and migrated must keep
+    // CREATE TABLE leases as schema version 2 wrote it by hand, and the columns versions 4,
+    // 5 and 6 add with ALTER TABLE (at the end): databases made with it and migrated must keep
     // working, so every column's name, type, NOT NULL, default and key must match.
     const std::string v2 = R"sql(CREATE TABLE leases (
     id TEXT PRIMARY KEY NOT NULL,
@@ -132,7 +132,8 @@ TEST_CASE("The generated leases table is schema version 2's plus version 4's and
     agent_id TEXT,
     provider_metadata TEXT NOT NULL DEFAULT 'null',
     host_metadata TEXT NOT NULL DEFAULT 'null',
-    capabilities TEXT NOT NULL DEFAULT 'null'
+    capabilities TEXT NOT NULL DEFAULT 'null',
+    lease_policy TEXT NOT NULL DEFAULT 'ephemeral'
 ) STRICT;)sql";
     const std::string generated =
         "CREATE TABLE leases (\n    " + lease_column_definitions() + "\n) STRICT;";
@@ -142,7 +143,7 @@ TEST_CASE("The generated leases table is schema version 2's plus version 4's and
           "execution_workspace_id, status, provider, provider_lease_id, owner_node_id, epoch, "
           "acquired_at_ms, last_used_at_ms, expires_at_ms, released_at_ms, failure_reason, "
           "cleanup_status, metadata, idempotency_key, config, cleanup_attempts, limits, "
-          "agent_id, provider_metadata, host_metadata, capabilities");
+          "agent_id, provider_metadata, host_metadata, capabilities, lease_policy");
 }
 
 TEST_CASE("Lease field names are unique and every field goes somewhere", "[lease]") {
@@ -153,6 +154,6 @@ TEST_CASE("Lease field names are unique and every field goes somewhere", "[lease
         if (f.on_wire()) CHECK(wire.insert(f.wire).second);
         if (f.stored()) CHECK(columns.insert(f.column).second);
     }
-    CHECK(wire.size() == 25);
-    CHECK(columns.size() == 27);
+    CHECK(wire.size() == 26);
+    CHECK(columns.size() == 28);
 }

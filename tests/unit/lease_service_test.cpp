@@ -529,3 +529,132 @@ TEST_CASE("A provider without probe or config validation answers INVALID_PARAMS 
     REQUIRE(err);
     CHECK(err->code() == errc::lease_not_active);
 }
+
+namespace {
+
+Lease release_with(NodeHarness& h, const std::string& id, json extra) {
+    json p = {{"leaseId", id}};
+    p.update(extra);
+    return h.run(lease_release(h.node, h.host, methods::parse_lease_release(p)));
+}
+
+}  // namespace
+
+TEST_CASE("Lease policies: a provider that cannot retain accepts only ephemeral and destroy, "
+          "and a refusal changes nothing",
+          "[unit][lease-service][policy]") {
+    NodeHarness h;  // the fake provider cannot retain unless told
+    auto err = rpc_error_of([&] { h.acquire({{"leasePolicy", "reuse_by_environment"}}); });
+    REQUIRE(err);
+    CHECK(err->code() == errc::invalid_params);
+    CHECK(err->data().value("field", "") == "leasePolicy");
+    CHECK(h.provider->creates == 0);
+
+    auto lease = h.acquire();
+    CHECK(lease.lease_policy == "ephemeral");
+    err = rpc_error_of([&] { release_with(h, lease.id, {{"disposition", "retain"}}); });
+    REQUIRE(err);
+    CHECK(err->code() == errc::invalid_params);
+    CHECK(err->data().value("field", "") == "disposition");
+    auto stored = h.run(lease_get(h.node, h.host, lease.id));
+    CHECK(stored.status == lease_status::active);
+    CHECK(stored.epoch == lease.epoch);
+    CHECK(h.node.cache.find(scope_of(lease)) != nullptr);
+
+    CHECK(release_with(h, lease.id, {{"disposition", "destroy"}}).status == lease_status::released);
+    CHECK(h.provider->destroys == 1);
+    // Bad policies and dispositions are refused before anything is read.
+    err = rpc_error_of([&] { h.acquire({{"leasePolicy", "forever"}}); });
+    REQUIRE(err);
+    CHECK(err->data().value("field", "") == "leasePolicy");
+    err = rpc_error_of([&] { h.acquire({{"leasePolicy", "reuse_by_execution_workspace"}}); });
+    REQUIRE(err);
+    CHECK(err->data().value("field", "") == "executionWorkspaceId");
+    err = rpc_error_of([&] { release_with(h, lease.id, {{"disposition", "keep"}}); });
+    REQUIRE(err);
+    CHECK(err->data().value("field", "") == "disposition");
+}
+
+TEST_CASE("Lease policies: reuse returns the scope's active lease; retain stops the sandbox "
+          "and a reuse resumes it; each policy's default disposition",
+          "[unit][lease-service][policy]") {
+    NodeHarness h;
+    h.provider->retainable = true;
+    const json reuse = {{"leasePolicy", "reuse_by_environment"}};
+    auto a = h.acquire(reuse);
+    CHECK(a.lease_policy == "reuse_by_environment");
+    CHECK(h.acquire(reuse).id == a.id);  // the active lease of the scope
+    CHECK(h.provider->creates == 1);
+    // Another environment, another config, or another policy is another lease.
+    json other_env = reuse;
+    other_env["environmentId"] = "prod";
+    CHECK(h.acquire(other_env).id != a.id);
+    json other_config = reuse;
+    other_config["config"] = {{"k", 1}};
+    CHECK(h.acquire(other_config).id != a.id);
+    CHECK(h.acquire().id != a.id);  // ephemeral: never shared
+    CHECK(h.provider->creates == 4);
+
+    // The reuse policies retain by default: the provider stops the sandbox and keeps it.
+    auto retained = release_with(h, a.id, json::object());
+    CHECK(retained.status == lease_status::retained);
+    CHECK(retained.epoch > a.epoch);
+    CHECK(h.provider->stops == 1);
+    CHECK(h.provider->destroys == 0);
+    CHECK(h.node.cache.find(scope_of(a)) == nullptr);
+    CHECK(release_with(h, a.id, {{"disposition", "retain"}}).epoch == retained.epoch);  // idempotent
+    auto listed = h.run(lease_list(h.node, h.host, methods::parse_lease_list({{"status", "retained"}})));
+    REQUIRE(listed["leases"].size() == 1);
+    CHECK(listed["leases"][0]["id"] == a.id);
+    CHECK(listed["leases"][0]["status"] == "retained");
+
+    // A reuse resumes it: the same lease and sandbox, active again under a new epoch.
+    auto back = h.acquire(reuse);
+    CHECK(back.id == a.id);
+    CHECK(back.status == lease_status::active);
+    CHECK(back.epoch > retained.epoch);
+    CHECK(back.provider_lease_id == a.provider_lease_id);
+    CHECK(h.provider->resumes == 1);
+    CHECK(h.provider->creates == 4);
+    CHECK(h.node.cache.find(scope_of(back)) != nullptr);
+
+    // disposition destroy overrides the policy.
+    CHECK(release_with(h, a.id, {{"disposition", "destroy"}}).status == lease_status::released);
+    CHECK(h.provider->destroys == 1);
+
+    // A retained lease whose sandbox is gone is destroyed, and the reuse makes a new one.
+    auto b = h.acquire(reuse);
+    CHECK(b.id != a.id);
+    CHECK(release_with(h, b.id, json::object()).status == lease_status::retained);
+    h.provider->lose(b.provider_lease_id);  // the sandbox vanished while retained
+    auto c = h.acquire(reuse);
+    CHECK(c.id != b.id);
+    CHECK(h.run(lease_get(h.node, h.host, b.id)).status == lease_status::released);
+
+    // reuse_by_execution_workspace: one lease per execution workspace.
+    auto w1 = h.acquire({{"leasePolicy", "reuse_by_execution_workspace"}, {"executionWorkspaceId", "w1"}});
+    auto w2 = h.acquire({{"leasePolicy", "reuse_by_execution_workspace"}, {"executionWorkspaceId", "w2"}});
+    CHECK(w1.id != w2.id);
+    CHECK(h.acquire({{"leasePolicy", "reuse_by_execution_workspace"},
+                     {"executionWorkspaceId", "w1"}}).id == w1.id);
+
+    // retain_on_failure: a failed run's sandbox is kept, a successful one's destroyed; a new
+    // acquire never reuses.
+    const json on_failure = {{"leasePolicy", "retain_on_failure"}};
+    auto ok_run = h.acquire(on_failure);
+    auto failed_run = h.acquire(on_failure);
+    CHECK(ok_run.id != failed_run.id);
+    CHECK(release_with(h, ok_run.id, {{"failed", false}}).status == lease_status::released);
+    auto kept = release_with(h, failed_run.id, {{"failed", true}});
+    CHECK(kept.status == lease_status::retained);
+    CHECK(h.acquire(on_failure).id != failed_run.id);
+
+    // A retained lease no reuse came for expires: the sweeper destroys its sandbox.
+    const int destroyed_before = h.provider->destroys;
+    Lease past = kept;
+    past.expires_at_ms = now_ms() - 1;
+    REQUIRE(h.run(h.node.registry->update_lease(past, kept.epoch)));
+    h.run(sweep(h.node));
+    CHECK(h.run(lease_get(h.node, h.host, kept.id)).status == lease_status::expired);
+    CHECK(h.provider->destroys == destroyed_before + 1);
+}

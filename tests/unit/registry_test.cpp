@@ -93,7 +93,7 @@ std::string scalar_of(sqlite3* db, const char* sql) {
 }
 
 /// A database as version 2 left it: today's schema without the indexes version 3 added and
-/// the columns versions 4 and 5 added, with lease "lease-1" in it.
+/// the columns versions 4, 5 and 6 added, with lease "lease-1" in it.
 void registry_of_version_2(const std::string& path) {
     sync_sqlite(path)->create_lease(make_lease("lease-1"));
     sqlite3* db = nullptr;
@@ -104,6 +104,7 @@ void registry_of_version_2(const std::string& path) {
                          "ALTER TABLE leases DROP COLUMN provider_metadata; "
                          "ALTER TABLE leases DROP COLUMN host_metadata; "
                          "ALTER TABLE leases DROP COLUMN capabilities; "
+                         "ALTER TABLE leases DROP COLUMN lease_policy; "
                          "PRAGMA user_version = 2;",
                          nullptr, nullptr, nullptr) == SQLITE_OK);
     REQUIRE(scalar_of(db, "PRAGMA user_version") == "2");
@@ -732,11 +733,12 @@ TEST_CASE("A version 2 database is migrated in place and keeps its leases", "[re
     CHECK(!registry->get_lease("lease-1")->agent_id);
     CHECK(registry->get_lease("lease-1")->host_metadata.is_null());
     CHECK(registry->get_lease("lease-1")->capabilities.is_null());
+    CHECK(registry->get_lease("lease-1")->lease_policy == "ephemeral");
     CHECK(registry->find_by_provider_lease("bwrap", "pl-lease-1")->id == "lease-1");
 
     sqlite3* db = nullptr;
     REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
-    CHECK(scalar_of(db, "PRAGMA user_version") == "5");
+    CHECK(scalar_of(db, "PRAGMA user_version") == "6");
     CHECK(scalar_of(db, "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name IN "
                         "('leases_by_provider_lease', 'leases_by_status_owner')") == "2");
     sqlite3_close(db);

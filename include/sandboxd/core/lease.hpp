@@ -14,9 +14,11 @@
 
 namespace sandboxd {
 
-enum class lease_status { active, released, expired, failed, pending_cleanup };
+/// `retained`: stopped but kept for a reuse (leaseRelease with disposition "retain"); no
+/// node holds its sandbox, and a reuse acquire on any node resumes it.
+enum class lease_status { active, released, expired, failed, pending_cleanup, retained };
 
-/// "active", "released", "expired", "failed", "pending_cleanup".
+/// "active", "released", "expired", "failed", "pending_cleanup", "retained".
 std::string_view to_string(lease_status s) noexcept;
 /// Inverse of to_string; std::nullopt for any other text.
 std::optional<lease_status> parse_lease_status(std::string_view s) noexcept;
@@ -62,6 +64,9 @@ struct Lease {
     /// What the lease's provider serves (Provider::capabilities() at acquire), a string
     /// array; null for leases made before the field existed.
     nlohmann::json capabilities = nullptr;
+    /// leaseAcquire's leasePolicy: "ephemeral", "reuse_by_environment",
+    /// "reuse_by_execution_workspace" or "retain_on_failure" (docs/protocol.md section 2).
+    std::string lease_policy = "ephemeral";
     /// The limits the provider enforces on the sandbox ({memoryBytes, pids, cpuWeight,
     /// cpuQuotaPercent, diskBytes, openFiles}); null when it enforces none (plugin leases).
     /// Set at creation, never changed.
