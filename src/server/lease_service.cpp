@@ -32,6 +32,14 @@ awaitable<Lease> load_visible(Node& node, const Principal& who, std::string id) 
     co_return *lease;
 }
 
+/// A plugin whose worker is not up cannot say what it serves: PROVIDER_NOT_READY (retry)
+/// rather than a refusal.
+void not_ready_to_say(const Provider& provider) {
+    if (provider.ready()) return;
+    throw rpc_error(errc::provider_not_ready,
+                    "provider \"" + provider.key() + "\" is not ready: its worker is down or starting");
+}
+
 Provider* provider_of(Node& node, const std::string& key) {
     auto it = node.providers.find(key);
     return it == node.providers.end() ? nullptr : it->second.get();
@@ -281,6 +289,7 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, methods::LeaseA
 
     lease.lease_policy = std::move(p.lease_policy);
     if (lease.lease_policy != "ephemeral" && !provider->can_retain()) {
+        not_ready_to_say(*provider);
         params::invalid("leasePolicy",
                         "provider \"" + lease.provider +
                             "\" accepts only \"ephemeral\": it cannot keep a sandbox for a "
@@ -355,6 +364,7 @@ namespace {
 awaitable<Lease> retain_lease(Node& node, Lease lease) {
     Provider* provider = provider_of(node, lease.provider);
     if (!provider || !provider->can_retain()) {
+        if (provider) not_ready_to_say(*provider);
         params::invalid("disposition", "provider \"" + lease.provider +
                                            "\" cannot retain a sandbox: it accepts only "
                                            "\"destroy\"");

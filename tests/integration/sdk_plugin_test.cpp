@@ -738,3 +738,150 @@ TEST_CASE("A probe and an open through a second node reach the owner's plugin wo
     CHECK(owner.journal_of("environmentDestroyLease").size() == 1);
     CHECK(other.journal_of("environmentDestroyLease").empty());
 }
+
+TEST_CASE("Lease policies with an SDK plugin: concurrent reuses share one lease; retain stops "
+          "the sandbox through environmentReleaseLease and a reuse resumes it",
+          "[plugin][sdk][policy]") {
+    SdkDaemon sd;
+    auto c = sd.daemon->connect();
+    (void)acquire(*c);  // the worker is up
+    const json reuse = acquire_params({{"leasePolicy", "reuse_by_environment"}});
+    // Two acquires in flight at once: one lease, one environmentAcquireLease (the second
+    // waits for the first and reuses its lease).
+    const auto first = c->send_request("leaseAcquire", reuse);
+    const auto second = c->send_request("leaseAcquire", reuse);
+    const json a = c->wait_response(first);
+    const json b = c->wait_response(second);
+    CHECK(a["id"] == b["id"]);
+    CHECK(a["leasePolicy"] == "reuse_by_environment");
+    CHECK(sd.journal_of("environmentAcquireLease").size() == 2);  // the warm-up's and a's
+    const std::string plid = a["providerLeaseId"].get<std::string>();
+
+    // The default disposition of a reuse policy retains: stopped, not destroyed.
+    const json retained = c->call("leaseRelease", {{"leaseId", a["id"]}});
+    CHECK(retained["status"] == "retained");
+    CHECK(sd.journal_of("environmentReleaseLease").size() == 1);
+    CHECK(sd.journal_of("environmentDestroyLease").empty());
+    CHECK(fs::is_directory(sd.root() / plid));
+    const json listed = c->call("leaseList", {{"status", "retained"}});
+    REQUIRE(listed["leases"].size() == 1);
+    CHECK(listed["leases"][0]["id"] == a["id"]);
+    CHECK(error_reason(*c, "leaseExecute", {{"leaseId", a["id"]}, {"command", "true"}}) ==
+          "LEASE_NOT_ACTIVE");
+    CHECK(error_reason(*c, "duplexChannelOpen", open_params(a, {"true"})) == "LEASE_NOT_ACTIVE");
+
+    // A reuse resumes the retained sandbox (environmentResumeLease) and it serves again.
+    const json back = c->call("leaseAcquire", reuse);
+    CHECK(back["id"] == a["id"]);
+    CHECK(back["status"] == "active");
+    CHECK(back["providerLeaseId"] == plid);
+    CHECK(back["epoch"].get<std::int64_t>() > retained["epoch"].get<std::int64_t>());
+    CHECK(sd.journal_of("environmentResumeLease").size() == 1);
+    CHECK(sd.journal_of("environmentAcquireLease").size() == 2);
+    auto ex = execute(*c, {{"leaseId", back["id"]}, {"command", "pwd"}});
+    CHECK(ex.result["stdout"] == (sd.root() / plid).string() + "\n");
+    auto run = run_sdk(*c, open_params(back, {"sh", "-c", "echo again"}));
+    CHECK(run.out == "again\n");
+
+    // disposition destroy overrides the policy.
+    CHECK(c->call("leaseRelease", {{"leaseId", a["id"]}, {"disposition", "destroy"}})["status"] ==
+          "released");
+    CHECK(sd.journal_of("environmentDestroyLease").size() == 1);
+    CHECK_FALSE(fs::exists(sd.root() / plid));
+
+    // retain_on_failure: a failed run keeps its sandbox; releasing the retained lease again
+    // destroys it.
+    const json kept = acquire(*c, {{"leasePolicy", "retain_on_failure"}});
+    CHECK(c->call("leaseRelease", {{"leaseId", kept["id"]}, {"failed", true}})["status"] ==
+          "retained");
+    CHECK(fs::is_directory(sd.root() / kept["providerLeaseId"].get<std::string>()));
+    CHECK(c->call("leaseRelease", {{"leaseId", kept["id"]}})["status"] == "released");
+    CHECK_FALSE(fs::exists(sd.root() / kept["providerLeaseId"].get<std::string>()));
+    const json fine = acquire(*c, {{"leasePolicy", "retain_on_failure"}});
+    CHECK(c->call("leaseRelease", {{"leaseId", fine["id"]}, {"failed", false}})["status"] ==
+          "released");
+
+    // The built-in provider accepts only ephemeral and destroy; a refusal changes nothing.
+    try {
+        c->call("leaseAcquire", {{"companyId", "acme"}, {"environmentId", "dev"},
+                                 {"provider", "bwrap"}, {"leasePolicy", "reuse_by_environment"}});
+        FAIL("bwrap accepted a reuse policy");
+    } catch (const rpc_error& e) {
+        CHECK(e.code() == errc::invalid_params);
+        CHECK(e.data().value("field", "") == "leasePolicy");
+    }
+    const json bw = c->call("leaseAcquire",
+                            {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}});
+    try {
+        c->call("leaseRelease", {{"leaseId", bw["id"]}, {"disposition", "retain"}});
+        FAIL("bwrap retained a sandbox");
+    } catch (const rpc_error& e) {
+        CHECK(e.code() == errc::invalid_params);
+        CHECK(e.data().value("field", "") == "disposition");
+    }
+    CHECK(status_of(*c, bw) == "active");
+    CHECK(c->run_channel(open_params(bw, {"echo", "still"})).out == "still\n");
+    CHECK(c->call("leaseRelease", {{"leaseId", bw["id"]}})["status"] == "released");
+}
+
+TEST_CASE("Through a second node: a reuse returns the owner's lease, a release retains it at "
+          "the owner, and a reuse there resumes it on that node",
+          "[plugin][sdk][policy][routing]") {
+    TempDir shared;
+    const json top = {
+        {"registry", {{"kind", "sqlite"}, {"path", (shared.path() / "registry.db").string()}}},
+        {"auth",
+         {{"tokens",
+           {{{"name", "host"}, {"token", "host-secret"}, {"role", "host"}, {"tenants", {"*"}}},
+            {{"name", "peer"}, {"token", "peer-secret"}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
+        {"routing", {{"mode", "proxy"}, {"nodeTtlMs", 3000}, {"heartbeatMs", 300}}}};
+    // One lease root for both workers, as one cloud account behind two nodes.
+    const json entry = {{"env",
+                         {{"SDK_LOCAL_ROOT", (shared.path() / "leases").string()},
+                          {"SDK_LOCAL_TEST_HOOKS", "1"},
+                          {"SDK_LOCAL_STOP_GRACE_MS", "200"}}}};
+    SdkDaemon node1(entry, top, "node-1");
+    SdkDaemon node2(entry, top, "node-2");
+    Client c1(node1.daemon->url(), "host-secret");
+    Client c2(node2.daemon->url(), "host-secret");
+    const json reuse = {{"leasePolicy", "reuse_by_environment"}};
+    const json lease = acquire(c1, reuse);
+    CHECK(lease["ownerNodeId"] == "node-1");
+    acquire(c2);  // node-2's worker is up
+    const auto pids1 = node1.worker_pids();
+    const auto pids2 = node2.worker_pids();
+    REQUIRE(pids1.size() == 1);
+    REQUIRE(pids2.size() == 1);
+    auto calls_by = [&shared](const std::string& method, pid_t pid) {
+        std::size_t n = 0;
+        std::ifstream in(shared.path() / "leases" / "journal.jsonl");
+        for (std::string line; std::getline(in, line);) {
+            const json e = json::parse(line);
+            if (e["method"] == method && e["pid"] == pid) ++n;
+        }
+        return n;
+    };
+
+    // node-2 reuses node-1's active lease: the same lease, still owned by node-1.
+    const json reused = c2.call("leaseAcquire", acquire_params(reuse));
+    CHECK(reused["id"] == lease["id"]);
+    CHECK(reused["ownerNodeId"] == "node-1");
+    // A release through node-2 retains it at the owner's worker.
+    CHECK(c2.call("leaseRelease", {{"leaseId", lease["id"]}})["status"] == "retained");
+    CHECK(calls_by("environmentReleaseLease", pids1[0]) == 1);
+    CHECK(calls_by("environmentReleaseLease", pids2[0]) == 0);
+    // A reuse on node-2 resumes it there: node-2's worker holds it, node-2 owns it.
+    const json resumed = c2.call("leaseAcquire", acquire_params(reuse));
+    CHECK(resumed["id"] == lease["id"]);
+    CHECK(resumed["ownerNodeId"] == "node-2");
+    CHECK(calls_by("environmentResumeLease", pids2[0]) == 1);
+    // Executes from node-1 now go to node-2's worker.
+    auto ex = execute(c1, {{"leaseId", lease["id"]}, {"command", "true"}});
+    CHECK(ex.result["exitCode"] == 0);
+    CHECK(ex.result["metadata"]["pid"] == pids2[0]);
+    CHECK(calls_by("environmentExecute", pids2[0]) == 1);
+    CHECK(calls_by("environmentExecute", pids1[0]) == 0);
+    CHECK(c1.call("leaseRelease", {{"leaseId", lease["id"]}, {"disposition", "destroy"}})["status"] ==
+          "released");
+    CHECK(calls_by("environmentDestroyLease", pids2[0]) == 1);
+}
