@@ -745,9 +745,11 @@ TEST_CASE("Lease policies with an SDK plugin: concurrent reuses share one lease;
     SdkDaemon sd;
     auto c = sd.daemon->connect();
     (void)acquire(*c);  // the worker is up
-    const json reuse = acquire_params({{"leasePolicy", "reuse_by_environment"}});
-    // Two acquires in flight at once: one lease, one environmentAcquireLease (the second
-    // waits for the first and reuses its lease).
+    // The worker answers the acquire after 300 ms (test hook acquireDelayMs), so that both
+    // acquires below are in flight at once: one lease, one environmentAcquireLease (the
+    // second waits for the first and reuses its lease).
+    const json reuse = acquire_params(
+        {{"leasePolicy", "reuse_by_environment"}, {"config", {{"acquireDelayMs", 300}}}});
     const auto first = c->send_request("leaseAcquire", reuse);
     const auto second = c->send_request("leaseAcquire", reuse);
     const json a = c->wait_response(first);
