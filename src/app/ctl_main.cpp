@@ -7,6 +7,8 @@
 
 #include <boost/program_options.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
@@ -29,10 +31,15 @@ const char* usage_text =
     "                  COMMAND [ARGS]\n\n"
     "Commands:\n"
     "  lease acquire --company ID --environment ID [--provider KEY] [--ttl-ms N]\n"
-    "                [--config JSON] [--idempotency-key KEY] [--run-id ID] [--output id]\n"
+    "                [--config JSON] [--idempotency-key KEY] [--run-id ID] [--policy P]\n"
+    "                [--output id]   (P: ephemeral, reuse_by_environment,\n"
+    "                reuse_by_execution_workspace with --execution-workspace ID, retain_on_failure)\n"
     "  lease get LEASE | lease list [--company ID] [--environment ID] [--status S]\n"
     "                [--owner NODE] [--limit N] | lease renew LEASE --ttl-ms N |\n"
-    "  lease release LEASE\n"
+    "  lease release LEASE [--disposition destroy|retain] [--failed] | lease probe LEASE\n"
+    "  run [--cwd DIR] [-e NAME=VALUE]... [--stdin TEXT] [--timeout-ms N] LEASE -- CMD [ARG...]\n"
+    "       leaseExecute: runs CMD to its end, its output streamed as it comes; exits with\n"
+    "       its status (128+N for signal N, 124 on timeout, 255 for an error)\n"
     "  exec [-i] [-t] [--cwd DIR] [-e NAME=VALUE]... [--timeout-ms N] LEASE -- CMD [ARG...]\n"
     "       runs CMD in the lease's sandbox; -i streams stdin, -t allocates a PTY; exits with\n"
     "       the command's status (128+N for signal N, 255 for an error)\n"
@@ -87,7 +94,9 @@ po::variables_map parse_sub(const std::vector<std::string>& args, const po::opti
 }
 
 int lease_command(Client& client, const Globals& g, const std::vector<std::string>& args) {
-    if (args.empty()) throw po::error("lease needs a subcommand: acquire, get, list, renew, release");
+    if (args.empty()) {
+        throw po::error("lease needs a subcommand: acquire, get, list, renew, release, probe");
+    }
     const std::string& sub = args[0];
     const std::vector<std::string> rest(args.begin() + 1, args.end());
     po::options_description opts;
@@ -99,7 +108,8 @@ int lease_command(Client& client, const Globals& g, const std::vector<std::strin
             "environment", po::value<std::string>()->required(), "")(
             "provider", po::value<std::string>()->default_value("bwrap"), "")(
             "ttl-ms", po::value<std::uint64_t>(), "")("config", po::value<std::string>(), "")(
-            "idempotency-key", po::value<std::string>(), "")("run-id", po::value<std::string>(), "");
+            "idempotency-key", po::value<std::string>(), "")("run-id", po::value<std::string>(), "")(
+            "policy", po::value<std::string>(), "")("execution-workspace", po::value<std::string>(), "");
         auto vm = parse_sub(rest, opts, pos);
         json p = {{"companyId", vm["company"].as<std::string>()},
                   {"environmentId", vm["environment"].as<std::string>()},
@@ -108,15 +118,28 @@ int lease_command(Client& client, const Globals& g, const std::vector<std::strin
         if (vm.count("config")) p["config"] = json::parse(vm["config"].as<std::string>());
         if (vm.count("idempotency-key")) p["idempotencyKey"] = vm["idempotency-key"].as<std::string>();
         if (vm.count("run-id")) p["runId"] = vm["run-id"].as<std::string>();
+        if (vm.count("policy")) p["leasePolicy"] = vm["policy"].as<std::string>();
+        if (vm.count("execution-workspace")) {
+            p["executionWorkspaceId"] = vm["execution-workspace"].as<std::string>();
+        }
         print_lease(client.call("leaseAcquire", p), output);
         return 0;
     }
-    if (sub == "get" || sub == "release") {
+    if (sub == "get" || sub == "release" || sub == "probe") {
         opts.add_options()("lease", po::value<std::string>()->required(), "");
+        if (sub == "release") {
+            opts.add_options()("disposition", po::value<std::string>(), "")("failed", "");
+        }
         pos.add("lease", 1);
         auto vm = parse_sub(rest, opts, pos);
-        auto lease = client.call(sub == "get" ? "leaseGet" : "leaseRelease",
-                                 {{"leaseId", vm["lease"].as<std::string>()}});
+        json p = {{"leaseId", vm["lease"].as<std::string>()}};
+        if (sub == "probe") {
+            std::cout << client.call("leaseProbe", p).dump(2) << "\n";
+            return 0;
+        }
+        if (vm.count("disposition")) p["disposition"] = vm["disposition"].as<std::string>();
+        if (vm.count("failed")) p["failed"] = true;
+        auto lease = client.call(sub == "get" ? "leaseGet" : "leaseRelease", p);
         print_lease(lease, output);
         return 0;
     }
@@ -155,6 +178,63 @@ int lease_command(Client& client, const Globals& g, const std::vector<std::strin
         return 0;
     }
     throw po::error("unknown lease subcommand \"" + sub + "\"");
+}
+
+/// sandboxctl run: leaseExecute, its leaseExecute.log chunks written as they come.
+int run_command(Client& client, const std::vector<std::string>& args) {
+    auto dashes = std::find(args.begin(), args.end(), "--");
+    if (dashes == args.end() || dashes + 1 == args.end()) {
+        throw po::error("run needs LEASE -- CMD [ARG...]");
+    }
+    po::options_description opts;
+    opts.add_options()("lease", po::value<std::string>()->required(), "")(
+        "cwd", po::value<std::string>(), "")("env,e", po::value<std::vector<std::string>>(), "")(
+        "stdin", po::value<std::string>(), "")("timeout-ms", po::value<std::uint64_t>(), "");
+    po::positional_options_description pos;
+    pos.add("lease", 1);
+    auto vm = parse_sub(std::vector<std::string>(args.begin(), dashes), opts, pos);
+    json p = {{"leaseId", vm["lease"].as<std::string>()}, {"command", *(dashes + 1)}};
+    p["args"] = std::vector<std::string>(dashes + 2, args.end());
+    if (vm.count("cwd")) p["cwd"] = vm["cwd"].as<std::string>();
+    if (vm.count("stdin")) p["stdin"] = vm["stdin"].as<std::string>();
+    if (vm.count("timeout-ms")) p["timeoutMs"] = vm["timeout-ms"].as<std::uint64_t>();
+    if (vm.count("env")) {
+        json env = json::object();
+        for (const auto& kv : vm["env"].as<std::vector<std::string>>()) {
+            auto eq = kv.find('=');
+            if (eq == std::string::npos) throw po::error("-e needs NAME=VALUE, got \"" + kv + "\"");
+            env[kv.substr(0, eq)] = kv.substr(eq + 1);
+        }
+        p["env"] = std::move(env);
+    }
+    const auto id = client.send_request("leaseExecute", p);
+    for (;;) {
+        auto ev = client.poll_event(std::chrono::seconds(1));  // a quiet command is not an error
+        if (!ev) continue;
+        const json& m = ev->message;
+        if (ev->type == ClientEvent::kind::notification &&
+            m.value("method", "") == "leaseExecute.log" && m["params"]["requestId"] == id) {
+            auto& out = m["params"]["stream"] == "stderr" ? std::cerr : std::cout;
+            out << m["params"]["chunk"].get<std::string>() << std::flush;
+            continue;
+        }
+        if (ev->type != ClientEvent::kind::response || m.value("id", json()) != id) continue;
+        if (m.contains("error")) {
+            throw rpc_error(static_cast<errc>(m["error"].value("code", -32603)),
+                            m["error"].value("message", "error"), m["error"].value("data", json::object()));
+        }
+        const json& r = m["result"];
+        if (r.value("timedOut", false)) return 124;
+        if (r["exitCode"].is_number_integer()) return r["exitCode"].get<int>() & 0xff;
+        if (r["signal"].is_string()) {
+            const std::string name = r["signal"].get<std::string>();
+            for (int sig = 1; sig < 65; ++sig) {
+                const char* abbrev = ::sigabbrev_np(sig);
+                if (abbrev && name == std::string("SIG") + abbrev) return 128 + sig;
+            }
+        }
+        return exit_error;
+    }
 }
 
 int nodes_command(Client& client, const Globals& g) {
@@ -458,7 +538,7 @@ int ctl_main(int argc, char** argv) {
         if (i >= args.size()) throw po::error("a command is needed");
         const std::string command = args[i];
         const std::vector<std::string> rest(args.begin() + static_cast<long>(i) + 1, args.end());
-        if (command != "lease" && command != "exec" && command != "nodes") {
+        if (command != "lease" && command != "exec" && command != "run" && command != "nodes") {
             throw po::error("unknown command \"" + command + "\"");
         }
         if (g.token.empty() && !token_file.empty()) g.token = read_token_file(token_file);
@@ -466,6 +546,7 @@ int ctl_main(int argc, char** argv) {
         client.call("initialize", {{"protocolVersion", 1}, {"client", {{"name", "sandboxctl"}, {"version", version_string}}}});
         if (command == "lease") return lease_command(client, g, rest);
         if (command == "nodes") return nodes_command(client, g);
+        if (command == "run") return run_command(client, rest);
         return exec_command(client, rest);
     } catch (const po::error& e) {
         std::cerr << "sandboxctl: " << e.what() << "\n\n" << usage_text;

@@ -304,7 +304,7 @@ TEST_CASE("leaseAcquire with an idempotency key returns the same lease", "[daemo
     CHECK(renewed["epoch"] == first["epoch"]);
 }
 
-TEST_CASE("sandboxctl exec streams like docker exec and exits with the status",
+TEST_CASE("sandboxctl exec and run stream like docker exec and exit with the status",
           "[daemon][sandboxctl]") {
     DaemonProcess daemon;
     auto c = daemon.connect();
@@ -326,6 +326,27 @@ TEST_CASE("sandboxctl exec streams like docker exec and exits with the status",
     CHECK(err == "E");
     int bad = std::system((base + " exec lse_nope -- true 2>/dev/null").c_str());
     CHECK(WEXITSTATUS(bad) == 255);
+
+    // sandboxctl run: leaseExecute, its output as it comes, its status; 124 on a timeout.
+    const std::string id = lease["id"].get<std::string>();
+    status = std::system((base + " run -e A=x --stdin in " + id +
+                          " -- sh -c 'cat; echo \" $A\"; printf E >&2; exit 5' > " + out_file +
+                          " 2> " + out_file + ".err")
+                             .c_str());
+    REQUIRE(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 5);
+    std::ifstream run_out(out_file);
+    CHECK(std::string((std::istreambuf_iterator<char>(run_out)), {}) == "in x\n");
+    std::ifstream run_err(out_file + ".err");
+    CHECK(std::string((std::istreambuf_iterator<char>(run_err)), {}) == "E");
+    status = std::system((base + " run --timeout-ms 100 " + id + " -- sleep 30").c_str());
+    CHECK(WEXITSTATUS(status) == 124);
+    status = std::system((base + " run " + id + " -- sh -c 'kill -TERM $$'").c_str());
+    CHECK(WEXITSTATUS(status) == 128 + SIGTERM);
+    const std::string probe = base + " lease probe " + id + " > " + out_file;
+    CHECK(std::system(probe.c_str()) == 0);
+    std::ifstream probe_out(out_file);
+    CHECK(json::parse(probe_out)["ok"] == true);
 }
 
 TEST_CASE("Lease limits above the node's maximum are refused with the field named",
