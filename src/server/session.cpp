@@ -439,8 +439,10 @@ ExecuteLog Session::execute_log(const json& id) {
         if (chunk.size() > limit - bytes) {
             chunk.resize(limit - bytes);
             chunk = Utf8Text().feed(chunk);  // a character cut in two is left out
+            bytes = limit;
+        } else {
+            bytes += chunk.size();
         }
-        bytes += chunk.size();
         std::string text = jsonrpc::notification(
             "leaseExecute.log", {{"requestId", id}, {"stream", stream}, {"chunk", std::move(chunk)}});
         self->send_text(std::move(text));

@@ -170,7 +170,7 @@ TEST_CASE("A plugin lease runs commands through the reference worker, byte for b
     CHECK_FALSE(fs::exists(pd.leases() / plid / "workspace" / "refused"));
 
     // This worker lists neither environmentProbe nor environmentValidateConfig.
-    CHECK(lease["capabilities"] == json{"channels", "closeStdin", "signals", "resume"});
+    CHECK(lease["capabilities"] == json{"channels", "closeStdin", "signals", "resume", "retain"});
     CHECK(error_reason(*c, "leaseProbe", {{"leaseId", lease["id"]}}) == "INVALID_PARAMS");
     CHECK(error_reason(*c, "providerValidateConfig", {{"provider", "process"}}) ==
           "INVALID_PARAMS");
