@@ -16,7 +16,7 @@ const std::string fffd = "\xEF\xBF\xBD";
 TEST_CASE("valid UTF-8 passes through unchanged", "[utf8]") {
     const std::string text = "plain ascii, caf\xC3\xA9, \xE2\x82\xAC, \xF0\x9F\x98\x80\n";
     CHECK(to_utf8_text(text) == text);
-    CHECK(to_utf8_text("") == "");
+    CHECK(to_utf8_text("").empty());
 }
 
 TEST_CASE("bytes that are not UTF-8 become U+FFFD, one per byte", "[utf8]") {
@@ -32,9 +32,9 @@ TEST_CASE("bytes that are not UTF-8 become U+FFFD, one per byte", "[utf8]") {
 TEST_CASE("a sequence split across reads is kept whole", "[utf8]") {
     Utf8Text t;
     CHECK(t.feed("x\xF0\x9F") == "x");
-    CHECK(t.feed("\x98") == "");
+    CHECK(t.feed("\x98").empty());
     CHECK(t.feed("\x80y") == "\xF0\x9F\x98\x80y");
-    CHECK(t.finish() == "");
+    CHECK(t.finish().empty());
 }
 
 TEST_CASE("an incomplete sequence at the end becomes U+FFFD at finish", "[utf8]") {
@@ -43,6 +43,6 @@ TEST_CASE("an incomplete sequence at the end becomes U+FFFD at finish", "[utf8]"
     CHECK(t.finish() == fffd + fffd);
     // A held prefix that the next read does not complete is replaced, the rest kept.
     Utf8Text u;
-    CHECK(u.feed("\xE2") == "");
+    CHECK(u.feed("\xE2").empty());
     CHECK(u.feed("A") == fffd + "A");
 }
