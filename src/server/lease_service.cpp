@@ -104,14 +104,9 @@ bool is_reuse(const std::string& policy) {
     return policy == "reuse_by_environment" || policy == "reuse_by_execution_workspace";
 }
 
-/// Every lease of (company, environment) with `status`, all pages.
-awaitable<std::vector<Lease>> leases_in(Node& node, std::string company_id,
-                                        std::string environment_id, lease_status status) {
+/// Every lease that `q` matches, all pages.
+awaitable<std::vector<Lease>> all_leases(Node& node, LeaseQuery q) {
     std::vector<Lease> out;
-    LeaseQuery q;
-    q.company_id = std::move(company_id);
-    q.environment_id = std::move(environment_id);
-    q.status = status;
     q.limit = 1000;
     for (;;) {
         auto page = co_await node.registry->list_leases(q);
@@ -120,6 +115,16 @@ awaitable<std::vector<Lease>> leases_in(Node& node, std::string company_id,
         q.cursor = page.next_cursor;
     }
     co_return out;
+}
+
+/// Every lease of (company, environment) with `status`.
+awaitable<std::vector<Lease>> leases_in(Node& node, std::string company_id,
+                                        std::string environment_id, lease_status status) {
+    LeaseQuery q;
+    q.company_id = std::move(company_id);
+    q.environment_id = std::move(environment_id);
+    q.status = status;
+    co_return co_await all_leases(node, std::move(q));
 }
 
 /// Whether `candidate` may be reused for `wanted` under wanted's policy: the same tenant
@@ -806,21 +811,13 @@ awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why) {
 
 namespace {
 
-/// Every lease of `owner_node_id` with `status`, all pages (by the owner index).
+/// Every lease of `owner_node_id` with `status` (by the owner index).
 awaitable<std::vector<Lease>> leases_of(Node& node, std::string owner_node_id,
                                         lease_status status) {
-    std::vector<Lease> out;
     LeaseQuery q;
     q.owner_node_id = std::move(owner_node_id);
     q.status = status;
-    q.limit = 1000;
-    for (;;) {
-        auto page = co_await node.registry->list_leases(q);
-        for (auto& l : page.leases) out.push_back(std::move(l));
-        if (page.next_cursor.empty()) break;
-        q.cursor = page.next_cursor;
-    }
-    co_return out;
+    co_return co_await all_leases(node, std::move(q));
 }
 
 constexpr int max_cleanup_attempts = 5;

@@ -152,6 +152,18 @@ std::int64_t parse_rfc3339_ms(const std::string& text) {
     return static_cast<std::int64_t>(::timegm(&tm)) * 1000 + ms;
 }
 
+/// The daemon config of two nodes sharing the SQLite registry in `shared`, in proxy mode, with
+/// a host token "host-secret" and a peer token.
+json two_nodes(const TempDir& shared) {
+    return {
+        {"registry", {{"kind", "sqlite"}, {"path", (shared.path() / "registry.db").string()}}},
+        {"auth",
+         {{"tokens",
+           {{{"name", "host"}, {"token", "host-secret"}, {"role", "host"}, {"tenants", {"*"}}},
+            {{"name", "peer"}, {"token", "peer-secret"}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
+        {"routing", {{"mode", "proxy"}, {"nodeTtlMs", 3000}, {"heartbeatMs", 300}}}};
+}
+
 std::string status_of(Client& c, const json& lease) {
     return c.call("leaseGet", {{"leaseId", lease["id"]}})["status"].get<std::string>();
 }
@@ -684,13 +696,7 @@ TEST_CASE("Built-in leases carry capabilities; probe and config validation throu
 TEST_CASE("A probe and an open through a second node reach the owner's plugin worker",
           "[plugin][sdk][routing]") {
     TempDir shared;
-    const json top = {
-        {"registry", {{"kind", "sqlite"}, {"path", (shared.path() / "registry.db").string()}}},
-        {"auth",
-         {{"tokens",
-           {{{"name", "host"}, {"token", "host-secret"}, {"role", "host"}, {"tenants", {"*"}}},
-            {{"name", "peer"}, {"token", "peer-secret"}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
-        {"routing", {{"mode", "proxy"}, {"nodeTtlMs", 3000}, {"heartbeatMs", 300}}}};
+    const json top = two_nodes(shared);
     SdkDaemon owner(json::object(), top, "node-1");
     SdkDaemon other(json::object(), top, "node-2");
     Client c1(owner.daemon->url(), "host-secret");
@@ -830,13 +836,7 @@ TEST_CASE("Through a second node: a reuse returns the owner's lease, a release r
           "the owner, and a reuse there resumes it on that node",
           "[plugin][sdk][policy][routing]") {
     TempDir shared;
-    const json top = {
-        {"registry", {{"kind", "sqlite"}, {"path", (shared.path() / "registry.db").string()}}},
-        {"auth",
-         {{"tokens",
-           {{{"name", "host"}, {"token", "host-secret"}, {"role", "host"}, {"tenants", {"*"}}},
-            {{"name", "peer"}, {"token", "peer-secret"}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
-        {"routing", {{"mode", "proxy"}, {"nodeTtlMs", 3000}, {"heartbeatMs", 300}}}};
+    const json top = two_nodes(shared);
     // One lease root for both workers, as one cloud account behind two nodes.
     const json entry = {{"env",
                          {{"SDK_LOCAL_ROOT", (shared.path() / "leases").string()},
