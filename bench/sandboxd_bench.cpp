@@ -438,6 +438,24 @@ json sequential_opens(const Target& t, const json& lease, std::size_t count) {
     return {{"to_exit_ms", summary(exit_ms)}, {"to_result_ms", summary(result_ms)}};
 }
 
+/// Sequential leaseExecute of `true` on one connection (the one-shot path: request to answer,
+/// which comes after the command's exit).
+json sequential_executes(const Target& t, const json& lease, std::size_t count) {
+    Conn c(t.url, t.token);
+    const json params = {{"leaseId", lease["id"]}, {"command", "true"}};
+    std::vector<double> ms;
+    for (std::size_t i = 0; i <= count; ++i) {  // the first is a warm-up
+        const auto t0 = clock_type::now();
+        const json result = c.wait(c.send_request("leaseExecute", params));
+        if (result.value("exitCode", json()) != 0) {
+            throw std::runtime_error("leaseExecute `true` did not exit 0: " + result.dump());
+        }
+        if (i > 0) ms.push_back(ms_since(t0));
+    }
+    c.close();
+    return summary(ms);
+}
+
 /// `total` opens in flight at once, over `connections` connections (pipelined requests), for
 /// `rounds` rounds; each measured from its request to its exit.
 json concurrent_opens(const Target& t, const json& lease, std::size_t total, std::size_t connections,
@@ -630,11 +648,14 @@ json cmd_open(const Args& a) {
     json seq = sequential_opens(t, lease, a.num("count", 500));
     json conc = concurrent_opens(t, lease, a.num("concurrent", 100), a.num("connections", 4),
                                  a.num("rounds", 3));
+    json exec = sequential_executes(t, lease, a.num("count", 500));
     c.call("leaseRelease", {{"leaseId", lease["id"]}});
     c.close();
     return {{"open_p50_ms", seq["to_exit_ms"]["p50"]},
             {"open_p99_ms", seq["to_exit_ms"]["p99"]},
-            {"details", {{"open_sequential", seq}, {"open_concurrent", conc}}}};
+            {"execute_p50_ms", exec["p50"]},
+            {"execute_p99_ms", exec["p99"]},
+            {"details", {{"open_sequential", seq}, {"open_concurrent", conc}, {"execute_sequential", exec}}}};
 }
 
 /// stream: head -c N /dev/zero through a channel.
@@ -1029,6 +1050,13 @@ json cmd_report(const Args& a) {
     row("open `true` p99, sequential (ms)", fmt(num("open_p99_ms"), 2),
         details.contains("websocketd_open") ? "websocketd p99 " + fmt(details["websocketd_open"]["p99"], 2) : "",
         "", "");
+    if (details.contains("execute_sequential")) {
+        const json exec_ratio = ratio(num("execute_p50_ms"), num("open_p50_ms"));
+        row("leaseExecute `true` p50 / p99, sequential (ms)",
+            fmt(num("execute_p50_ms"), 2) + " / " + fmt(num("execute_p99_ms"), 2),
+            "open `true` " + fmt(num("open_p50_ms"), 2), "",
+            exec_ratio.is_null() ? "n/a" : fmt(exec_ratio, 2) + "x open");
+    }
     if (details.contains("open_concurrent")) {
         const auto& c = details["open_concurrent"];
         row("open p50 / p99, " + std::to_string(c["in_flight"].get<int>()) + " in flight (ms)",
