@@ -101,6 +101,12 @@ void check_same(const Lease& got, const Lease& want) {
     CHECK(got.idempotency_key == want.idempotency_key);
     CHECK(got.config == want.config);
     CHECK(got.cleanup_attempts == want.cleanup_attempts);
+    CHECK(got.limits == want.limits);
+    CHECK(got.agent_id == want.agent_id);
+    CHECK(got.provider_metadata == want.provider_metadata);
+    CHECK(got.host_metadata == want.host_metadata);
+    CHECK(got.capabilities == want.capabilities);
+    CHECK(got.lease_policy == want.lease_policy);
 }
 
 /// The epoch contract of a write that asked for a new epoch `requested` over `previous`:
@@ -188,6 +194,12 @@ TEMPLATE_TEST_CASE("Contract: a lease round-trips every field, absent ones as nu
     full.idempotency_key = "idem-1";
     full.config = {{"image", "debian"}, {"memoryMb", 512}};
     full.cleanup_attempts = 2;
+    full.lease_policy = "reuse_by_execution_workspace";
+    full.limits = {{"pids", 64}};
+    full.agent_id = "agent-1";
+    full.provider_metadata = {{"dir", "/x"}};
+    full.host_metadata = {{"team", "blue"}};
+    full.capabilities = {"channels", "retain"};
 
     Lease bare = make_lease("lease-bare");
     bare.metadata = nlohmann::json::object();
@@ -684,10 +696,10 @@ TEMPLATE_TEST_CASE("Contract: list_leases by owner follows owner and status chan
         l.owner_node_id = i % 3 == 0 ? "node-b" : "node-a";
         stored.push_back(created<TestType>(*registry, l));
     }
-    // Every fifth lease is released; lease-01 moves to node-b.
+    // Every fifth lease is released or retained (in turn); lease-01 moves to node-b.
     for (int i = 0; i < 30; i += 5) {
         Lease next = stored[static_cast<std::size_t>(i)];
-        next.status = lease_status::released;
+        next.status = i % 10 == 0 ? lease_status::released : lease_status::retained;
         next.epoch = next.epoch + 1;
         auto w = registry->update_lease(next, stored[static_cast<std::size_t>(i)].epoch);
         REQUIRE(w);
@@ -714,7 +726,8 @@ TEMPLATE_TEST_CASE("Contract: list_leases by owner follows owner and status chan
     };
     for (const std::string owner : {"node-a", "node-b", "node-none"}) {
         for (auto status : std::vector<std::optional<lease_status>>{
-                 std::nullopt, lease_status::active, lease_status::released}) {
+                 std::nullopt, lease_status::active, lease_status::released,
+                 lease_status::retained}) {
             for (const auto& company : std::vector<std::optional<std::string>>{std::nullopt, "co-1"}) {
                 CAPTURE(owner, status ? std::string(to_string(*status)) : "any",
                         company.value_or("any"));
