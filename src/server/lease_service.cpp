@@ -83,10 +83,14 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
         next.status = final_status;
         next.released_at_ms = now;
         next.cleanup_status = "destroyed";
+    }
+    auto stored = co_await node.registry->update_lease(next, lease.epoch);
+    if (!failure) {
+        // Forgotten only once the record says so: until then the lease is active in the
+        // registry, and a sandbox missing from the cache would look lost to the sweeper.
         node.cache.erase(scope);
         node.unclaim(lease.id);
     }
-    auto stored = co_await node.registry->update_lease(next, lease.epoch);
     if (!stored) {
         auto current = co_await node.registry->get_lease(lease.id);
         if (!current) not_found(lease.id);
@@ -172,7 +176,17 @@ awaitable<std::optional<Lease>> resume_retained(Node& node, Provider& provider, 
     next.released_at_ms = std::nullopt;
     next.cleanup_status = std::nullopt;
     next.provider_metadata = handle->provider_metadata;
-    auto stored = co_await node.registry->update_lease(next, lease.epoch);
+    handle->lease_id = lease.id;
+    node.cache.put(handle);  // held before the record says active (see make_lease)
+    std::optional<Lease> stored;
+    std::exception_ptr not_stored;
+    try {
+        stored = co_await node.registry->update_lease(next, lease.epoch);
+    } catch (...) {
+        not_stored = std::current_exception();
+    }
+    if (!stored) node.cache.erase(handle->scope);
+    if (not_stored) std::rethrow_exception(not_stored);
     if (!stored) {
         // Another node resumed or released it first: its record decides. The sandbox this
         // node resumed is that same sandbox, so it is dropped, not destroyed.
@@ -180,8 +194,6 @@ awaitable<std::optional<Lease>> resume_retained(Node& node, Provider& provider, 
         if (current && current->status == lease_status::active) co_return *current;
         co_return std::nullopt;
     }
-    handle->lease_id = stored->id;
-    node.cache.put(handle);
     node.claim(stored->id, stored->epoch);
     spdlog::info("lease={} resumed from retained on node={}", stored->id, node.node_id);
     co_return *stored;
@@ -236,6 +248,10 @@ awaitable<Lease> make_lease(Node& node, Provider* provider, Lease lease, std::ui
     if (handle->expires_at_ms && *handle->expires_at_ms < *lease.expires_at_ms) {
         lease.expires_at_ms = handle->expires_at_ms;  // the lease never outlives its sandbox
     }
+    // Cached before the record exists: from the moment the registry holds the lease active,
+    // the sweeper finds its sandbox held here (it orphans active leases whose sandbox this
+    // node does not hold). reconcile_cached skips a cached sandbox with no record yet.
+    node.cache.put(handle);
     Lease stored;
     std::exception_ptr not_stored;  // no co_await in a handler: the cleanup runs after it
     try {
@@ -244,6 +260,7 @@ awaitable<Lease> make_lease(Node& node, Provider* provider, Lease lease, std::ui
         not_stored = std::current_exception();
     }
     if (not_stored) {
+        node.cache.erase(handle->scope);
         try {
             co_await provider->destroy(handle);
         } catch (const std::exception& e) {
@@ -252,10 +269,10 @@ awaitable<Lease> make_lease(Node& node, Provider* provider, Lease lease, std::ui
         std::rethrow_exception(not_stored);
     }
     if (stored.id != lease.id) {  // lost an idempotency race: keep the winner's lease
+        node.cache.erase(handle->scope);
         co_await provider->destroy(handle);
         co_return stored;
     }
-    node.cache.put(handle);
     node.claim(stored.id, stored.epoch);
     spdlog::info("lease={} acquired provider={} providerLeaseId={} company={} node={}", lease.id,
                  lease.provider, lease.provider_lease_id, lease.company_id, node.node_id);

@@ -13,12 +13,14 @@
 #include <sandboxd/registry/registry.hpp>
 
 #include <boost/asio/deferred.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -34,21 +36,18 @@ public:
     /// find_by_idempotency_key answers "none" even when a lease has the key, as when another
     /// process creates the lease between that lookup and create_lease (an idempotency race).
     std::atomic<bool> miss_idempotency_lookups{false};
+    /// Race windows made deterministic: create_lease and update_lease call `before_write`
+    /// (before storing) and `after_write` (after storing) with the op's name and the lease,
+    /// outside the lock, and after each call yield to the executor once, so that what the hook
+    /// started (e.g. a co_spawn'ed sweep) runs right there, between the write and the
+    /// caller's next step. Set before the calls; run on the awaiting executor.
+    std::function<void(const std::string& op, const Lease& lease)> before_write, after_write;
 
     awaitable<Lease> create_lease(Lease lease) override {
-        std::lock_guard lock(mutex_);
-        begin_lease_call("create_lease");
-        if (lease.idempotency_key) {
-            for (const auto& [id, l] : leases_) {
-                if (l.idempotency_key == lease.idempotency_key &&
-                    l.company_id == lease.company_id && l.environment_id == lease.environment_id) {
-                    ++records_read;
-                    co_return l;
-                }
-            }
-        }
-        leases_[lease.id] = lease;
-        co_return lease;
+        co_await window(before_write, "create_lease", lease);
+        Lease stored = create_locked(std::move(lease));
+        co_await window(after_write, "create_lease", stored);
+        co_return stored;
     }
 
     awaitable<std::optional<Lease>> get_lease(std::string id) override {
@@ -121,17 +120,10 @@ public:
     }
 
     awaitable<std::optional<Lease>> update_lease(Lease next, std::int64_t expected_epoch) override {
-        std::lock_guard lock(mutex_);
-        begin_lease_call("update_lease");
-        auto it = leases_.find(next.id);
-        if (it == leases_.end() || it->second.epoch != expected_epoch) co_return std::nullopt;
-        ++records_read;
-        next.idempotency_key = it->second.idempotency_key;
-        next.config = it->second.config;
-        next.limits = it->second.limits;
-        next.usage = nullptr;
-        it->second = next;
-        co_return next;
+        co_await window(before_write, "update_lease", next);
+        auto stored = update_locked(std::move(next), expected_epoch);
+        if (stored) co_await window(after_write, "update_lease", *stored);
+        co_return stored;
     }
 
     awaitable<std::vector<Lease>> expired_leases(std::string owner_node_id,
@@ -242,6 +234,41 @@ public:
     void hold_membership(bool hold) { membership_held_ = hold; }
 
 private:
+    Lease create_locked(Lease lease) {
+        std::lock_guard lock(mutex_);
+        begin_lease_call("create_lease");
+        if (lease.idempotency_key) {
+            for (const auto& [id, l] : leases_) {
+                if (l.idempotency_key == lease.idempotency_key &&
+                    l.company_id == lease.company_id && l.environment_id == lease.environment_id) {
+                    ++records_read;
+                    return l;
+                }
+            }
+        }
+        leases_[lease.id] = lease;
+        return lease;
+    }
+    std::optional<Lease> update_locked(Lease next, std::int64_t expected_epoch) {
+        std::lock_guard lock(mutex_);
+        begin_lease_call("update_lease");
+        auto it = leases_.find(next.id);
+        if (it == leases_.end() || it->second.epoch != expected_epoch) return std::nullopt;
+        ++records_read;
+        next.idempotency_key = it->second.idempotency_key;
+        next.config = it->second.config;
+        next.limits = it->second.limits;
+        next.usage = nullptr;
+        it->second = next;
+        return next;
+    }
+    static awaitable<void> window(
+        const std::function<void(const std::string&, const Lease&)>& hook, const char* op,
+        const Lease& lease) {
+        if (!hook) co_return;
+        hook(op, lease);
+        co_await boost::asio::post(co_await boost::asio::this_coro::executor, use_awaitable);
+    }
     void begin_lease_call(const char* op) {
         ++calls;
         if (fail_leases) injected_failure(op);

@@ -254,3 +254,39 @@ TEST_CASE("A registry failure ends the sweep without changing anything", "[unit]
     CHECK(err->code() == errc::registry_unavailable);
     CHECK(h.registry->lease_for_test("lse_c")->status == lease_status::active);
 }
+
+TEST_CASE("A sweep in the middle of an acquire or a release neither orphans nor tears down "
+          "the lease twice",
+          "[unit][sweeper][race]") {
+    NodeHarness h(/*started_ago_ms=*/20000);  // settled: it orphans leases it does not hold
+    int sweeps = 0;
+    // The sweep runs right after the registry stored the new active lease, before the acquire
+    // goes on (the race window between the record and the cache).
+    h.registry->after_write = [&](const std::string& op, const Lease& lease) {
+        if (op != "create_lease" || lease.status != lease_status::active) return;
+        ++sweeps;
+        boost::asio::co_spawn(h.ioc, sweep(h.node), boost::asio::detached);
+    };
+    auto lease = h.acquire();
+    h.registry->after_write = nullptr;
+    REQUIRE(sweeps == 1);
+    CHECK(h.registry->lease_for_test(lease.id)->status == lease_status::active);
+    CHECK(h.registry->lease_for_test(lease.id)->epoch == lease.epoch);
+    CHECK(h.provider->destroys == 0);
+    CHECK(h.node.cache.find(scope_of(lease)));
+
+    // The sweep runs right before the release's record is written (the sandbox is destroyed,
+    // the record still says active).
+    h.registry->before_write = [&](const std::string& op, const Lease& next) {
+        if (op != "update_lease" || next.status != lease_status::released) return;
+        ++sweeps;
+        boost::asio::co_spawn(h.ioc, sweep(h.node), boost::asio::detached);
+    };
+    auto released = h.run(lease_release(h.node, h.host, lease.id));
+    h.registry->before_write = nullptr;
+    REQUIRE(sweeps == 2);
+    CHECK(released.status == lease_status::released);
+    CHECK(released.epoch == lease.epoch + 1);  // one transition: never via pending_cleanup
+    CHECK(h.provider->destroys == 1);          // one teardown
+    CHECK_FALSE(h.node.cache.find(scope_of(lease)));
+}
