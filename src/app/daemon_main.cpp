@@ -104,8 +104,10 @@ int daemon_main(int argc, char** argv) {
     }
     setup_logging(config.log_level, config.log_format);
 
-    // SIGTERM and SIGINT are taken by a waiting thread; every other thread (and, reset at
-    // spawn, no child) has them blocked. SIGPIPE is ignored: a closed pipe is an EPIPE error.
+    // SIGTERM and SIGINT (stop) and SIGHUP (logged, ignored: the config is read at start only;
+    // a closed terminal or a `systemctl reload` must not kill the daemon) are taken by a
+    // waiting thread; every other thread (and, reset at spawn, no child) has them blocked.
+    // SIGPIPE is ignored: a closed pipe is an EPIPE error.
     std::signal(SIGPIPE, SIG_IGN);
     // Every channel holds a few pipes and every connection a socket: use the whole allowance
     // the hard limit grants (systemd's default soft limit is 1024).
@@ -117,6 +119,7 @@ int daemon_main(int argc, char** argv) {
     sigemptyset(&stop_signals);
     sigaddset(&stop_signals, SIGTERM);
     sigaddset(&stop_signals, SIGINT);
+    sigaddset(&stop_signals, SIGHUP);
     pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
     try {
@@ -127,7 +130,11 @@ int daemon_main(int argc, char** argv) {
         sd_notify(0, "READY=1");
         std::thread waiter([&daemon, stop_signals] {
             int sig = 0;
-            sigwait(&stop_signals, &sig);
+            for (;;) {
+                sigwait(&stop_signals, &sig);
+                if (sig != SIGHUP) break;
+                spdlog::info("received SIGHUP: ignored (the config is read at start only)");
+            }
             spdlog::info("received signal {}, stopping", sig);
             sd_notify(0, "STOPPING=1");
             daemon.stop();

@@ -16,6 +16,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -432,6 +433,30 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
         parser.body_limit(64 * 1024);
         stream.expires_after(std::chrono::seconds(30));
         auto [ec, n] = co_await http::async_read(stream, buffer, parser, as_tuple_awaitable);
+        if (ec == http::error::header_limit || ec == http::error::body_limit) {
+            // Too large to read: answered with its status, then closed (the rest is unread).
+            const bool header = ec == http::error::header_limit;
+            auto res = plain(header ? http::status::request_header_fields_too_large
+                                    : http::status::payload_too_large,
+                             header ? "request header fields over 16 KiB\n"
+                                    : "request body over 64 KiB\n",
+                             11, false);
+            spdlog::info("rejected an HTTP request: {}", header ? "headers over 16 KiB" : "body over 64 KiB");
+            co_await http::async_write(stream, res, as_tuple_awaitable);
+            // A lingering close: what the client still sends is read and dropped (at most
+            // 1 MiB or 2 s), so that closing with unread bytes does not reset the connection
+            // and lose the status on the client's side.
+            beast::error_code ignored;
+            stream.socket().shutdown(tcp::socket::shutdown_send, ignored);
+            stream.expires_after(std::chrono::seconds(2));
+            std::array<char, 16384> sink{};
+            for (std::size_t drained = 0; drained < (1U << 20);) {
+                auto [rec, got] = co_await stream.async_read_some(net::buffer(sink), as_tuple_awaitable);
+                if (rec) break;
+                drained += got;
+            }
+            co_return;
+        }
         if (ec) co_return;
         auto req = parser.release();
         const std::string target(req.target());

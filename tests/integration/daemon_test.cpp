@@ -10,6 +10,7 @@
 #include <boost/beast/http.hpp>
 #include <catch2/catch.hpp>
 
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <sys/wait.h>
@@ -272,6 +273,43 @@ TEST_CASE("An upgrade without a valid token gets 401", "[daemon][auth]") {
     CHECK(http_get(daemon.address(), "/healthz") == std::pair<int, std::string>{200, "ok\n"});
     CHECK(http_get(daemon.address(), "/readyz") == std::pair<int, std::string>{200, "ready\n"});
     CHECK(http_get(daemon.address(), "/nope").first == 404);
+}
+
+TEST_CASE("Oversized HTTP headers get 431 and bodies 413 before the close", "[daemon][http]") {
+    DaemonProcess daemon;
+    auto status_of = [&](const std::string& request) {
+        namespace net = boost::asio;
+        namespace http = boost::beast::http;
+        net::io_context ioc;
+        net::ip::tcp::socket socket(ioc);
+        const auto colon = daemon.address().rfind(':');
+        socket.connect({net::ip::make_address(daemon.address().substr(0, colon)),
+                        static_cast<unsigned short>(std::stoi(daemon.address().substr(colon + 1)))});
+        net::write(socket, net::buffer(request));
+        boost::beast::flat_buffer buffer;
+        http::response<http::string_body> res;
+        http::read(socket, buffer, res);
+        return std::pair<int, std::string>{static_cast<int>(res.result_int()), res.body()};
+    };
+    CHECK(status_of("GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + std::string(20000, 'a') +
+                    "\r\n\r\n") ==
+          std::pair<int, std::string>{431, "request header fields over 16 KiB\n"});
+    CHECK(status_of("POST /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 70000\r\n\r\n") ==
+          std::pair<int, std::string>{413, "request body over 64 KiB\n"});
+    // The daemon serves on.
+    CHECK(http_get(daemon.address(), "/healthz") == std::pair<int, std::string>{200, "ok\n"});
+}
+
+TEST_CASE("SIGHUP is logged and ignored: the daemon and its channels go on", "[daemon][signal]") {
+    DaemonProcess daemon;
+    auto c = daemon.connect();
+    auto lease = acquire(*c);
+    REQUIRE(::kill(daemon.pid(), SIGHUP) == 0);
+    REQUIRE(eventually([&] { return daemon.log().find("received SIGHUP: ignored") != std::string::npos; },
+                       std::chrono::seconds(10)));
+    CHECK(proc_state(daemon.pid()) != 0);
+    CHECK(proc_state(daemon.pid()) != 'Z');
+    CHECK(c->run_channel(open_params(lease, {"echo", "still"})).out == "still\n");
 }
 
 TEST_CASE("A dropped connection leaves no process of its channels behind", "[daemon][channel]") {
