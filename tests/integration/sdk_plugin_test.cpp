@@ -480,7 +480,7 @@ TEST_CASE("An SDK plugin channel whose host does not credit its output ends with
     CHECK(sd.daemon->log().find("maxBufferedBytes") != std::string::npos);
 }
 
-TEST_CASE("SDK plugin leases carry capabilities and the host's metadata; probe and config "
+TEST_CASE("SDK plugin leases carry capabilities and the host's metadata, and probe and config "
           "validation reach the plugin",
           "[plugin][sdk]") {
     SdkDaemon sd;
@@ -619,7 +619,8 @@ TEST_CASE("leaseExecute and leaseRealizeWorkspace reach the SDK plugin: its logs
           "LEASE_NOT_ACTIVE");
 }
 
-TEST_CASE("Built-in leases carry capabilities; probe and config validation through bwrap",
+TEST_CASE("Built-in leases carry capabilities, and probe, config validation and execute go "
+          "through bwrap",
           "[plugin][sdk]") {
     SdkDaemon sd;  // the built-in provider is on beside the plugin
     auto c = sd.daemon->connect();
@@ -745,7 +746,7 @@ TEST_CASE("A probe and an open through a second node reach the owner's plugin wo
     CHECK(other.journal_of("environmentDestroyLease").empty());
 }
 
-TEST_CASE("Lease policies with an SDK plugin: concurrent reuses share one lease; retain stops "
+TEST_CASE("Lease policies with an SDK plugin: concurrent reuses share one lease, retain stops "
           "the sandbox through environmentReleaseLease and a reuse resumes it",
           "[plugin][sdk][policy]") {
     SdkDaemon sd;

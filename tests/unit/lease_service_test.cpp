@@ -333,7 +333,7 @@ TEST_CASE(
     }
 }
 
-TEST_CASE("leaseRenew moves the expiry and keeps the epoch; a lease that is not live is refused",
+TEST_CASE("leaseRenew moves the expiry and keeps the epoch, and refuses a lease that is not live",
           "[unit][lease-service]") {
     NodeHarness h;
     auto lease = h.acquire({{"ttlMs", 5000}});
@@ -498,7 +498,7 @@ TEST_CASE("end_lease_channels returns at once when the lease has no channel here
 }
 
 TEST_CASE("A provider without probe or config validation answers INVALID_PARAMS naming the "
-          "method; leases record its capabilities and the host's metadata",
+          "method, and leases record its capabilities and the host's metadata",
           "[unit][lease-service]") {
     NodeHarness h;
     auto lease = h.acquire({{"metadata", {{"team", "blue"}}}});
@@ -575,8 +575,8 @@ TEST_CASE("Lease policies: a provider that cannot retain accepts only ephemeral 
     CHECK(err->data().value("field", "") == "disposition");
 }
 
-TEST_CASE("Lease policies: reuse returns the scope's active lease; retain stops the sandbox "
-          "and a reuse resumes it; each policy's default disposition",
+TEST_CASE("Lease policies: reuse returns the scope's active lease, retain stops the sandbox "
+          "and a reuse resumes it, and each policy has its default disposition",
           "[unit][lease-service][policy]") {
     NodeHarness h;
     h.provider->retainable = true;
