@@ -45,6 +45,13 @@ Provider* provider_of(Node& node, const std::string& key) {
     return it == node.providers.end() ? nullptr : it->second.get();
 }
 
+/// The lease as the registry holds it now (after a write that lost to another writer).
+awaitable<Lease> current_record(Node& node, const std::string& id) {
+    auto current = co_await node.registry->get_lease(id);
+    if (!current) not_found(id);
+    co_return *current;
+}
+
 /// Tears the sandbox down and records the outcome: released, or pending_cleanup with the
 /// failure. Returns the stored lease.
 awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
@@ -91,11 +98,7 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
         node.cache.erase(scope);
         node.unclaim(lease.id);
     }
-    if (!stored) {
-        auto current = co_await node.registry->get_lease(lease.id);
-        if (!current) not_found(lease.id);
-        co_return *current;
-    }
+    if (!stored) co_return co_await current_record(node, lease.id);
     spdlog::info("lease={} {} node={}", lease.id, to_string(stored->status), node.node_id);
     co_return *stored;
 }
@@ -416,11 +419,7 @@ awaitable<Lease> retain_lease(Node& node, Lease lease) {
     auto stored = co_await node.registry->update_lease(next, lease.epoch);
     node.cache.erase(scope);
     node.unclaim(lease.id);
-    if (!stored) {
-        auto current = co_await node.registry->get_lease(lease.id);
-        if (!current) not_found(lease.id);
-        co_return *current;
-    }
+    if (!stored) co_return co_await current_record(node, lease.id);
     spdlog::info("lease={} retained node={}", lease.id, node.node_id);
     co_return *stored;
 }
