@@ -153,8 +153,7 @@ public:
 
     awaitable<json> execute(std::shared_ptr<SandboxHandle> sandbox, Lease lease,
                             ExecuteRequest request, ExecuteLog log) override {
-        const std::uint64_t generation = co_await holding_worker(*sandbox);
-        (void)generation;
+        (void)co_await holding_worker(*sandbox);
         json params = lease_call_params(*sandbox, lease, request.params);
         WorkerManager::Invocation invocation;
         invocation.company_id = lease.company_id;

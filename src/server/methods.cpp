@@ -20,7 +20,34 @@ InitializeParams parse_initialize(const json& p) {
 }
 
 namespace {
+
 constexpr std::size_t max_host_metadata = 64 * 1024;
+
+/// A string of at most `max` bytes without NUL bytes.
+std::string text_field(const json& v, const std::string& field, std::size_t max) {
+    if (!v.is_string()) params::invalid(field, "must be a string");
+    auto s = v.get<std::string>();
+    if (s.size() > max) params::invalid(field, "must be at most " + std::to_string(max) + " bytes");
+    if (s.find('\0') != std::string::npos) params::invalid(field, "must not contain NUL bytes");
+    return s;
+}
+
+/// `env` of an open or an execute: an object of strings (each at most `max_value` bytes)
+/// whose names are not empty and hold no '=' or NUL; absent or null is none.
+std::map<std::string, std::string> env_field(const json& p, std::size_t max_value) {
+    std::map<std::string, std::string> env;
+    if (!p.contains("env") || p["env"].is_null()) return env;
+    if (!p["env"].is_object()) params::invalid("env", "must be an object of strings");
+    for (const auto& [k, v] : p["env"].items()) {
+        if (!v.is_string()) params::invalid("env." + k, "must be a string");
+        if (k.empty() || k.find('=') != std::string::npos || k.find('\0') != std::string::npos) {
+            params::invalid("env." + k, "is not a valid variable name");
+        }
+        env[k] = text_field(v, "env." + k, max_value);
+    }
+    return env;
+}
+
 }  // namespace
 
 LeaseAcquireParams parse_lease_acquire(const json& p, std::uint64_t max_ttl_ms) {
@@ -113,31 +140,6 @@ ValidateConfigParams parse_validate_config(const json& p) {
     return out;
 }
 
-namespace {
-
-/// A string of at most `max` bytes without NUL bytes.
-std::string text_field(const json& v, const std::string& field, std::size_t max) {
-    if (!v.is_string()) params::invalid(field, "must be a string");
-    auto s = v.get<std::string>();
-    if (s.size() > max) params::invalid(field, "must be at most " + std::to_string(max) + " bytes");
-    if (s.find('\0') != std::string::npos) params::invalid(field, "must not contain NUL bytes");
-    return s;
-}
-
-std::map<std::string, std::string> env_field(const json& p) {
-    std::map<std::string, std::string> env;
-    if (!p.contains("env") || p["env"].is_null()) return env;
-    if (!p["env"].is_object()) params::invalid("env", "must be an object of strings");
-    for (const auto& [k, v] : p["env"].items()) {
-        if (k.empty() || k.find('=') != std::string::npos || k.find('\0') != std::string::npos) {
-            params::invalid("env." + k, "is not a valid variable name");
-        }
-        env[k] = text_field(v, "env." + k, 128 * 1024);
-    }
-    return env;
-}
-
-}  // namespace
 
 ExecuteParams parse_execute(const json& p, std::uint64_t default_timeout_ms) {
     params::only_keys(p, {"leaseId", "command", "args", "cwd", "env", "stdin", "timeoutMs",
@@ -162,7 +164,7 @@ ExecuteParams parse_execute(const json& p, std::uint64_t default_timeout_ms) {
         r.cwd = text_field(p["cwd"], "cwd", 4096);
         r.params["cwd"] = r.cwd;
     }
-    r.env = env_field(p);
+    r.env = env_field(p, 128 * 1024);
     if (p.contains("env") && !p["env"].is_null()) r.params["env"] = p["env"];
     if (p.contains("stdin") && !p["stdin"].is_null()) {
         if (!p["stdin"].is_string()) params::invalid("stdin", "must be a string");
@@ -286,20 +288,7 @@ OpenParams parse_open(const json& p) {
     }
     spec.cwd = params::opt_string(p, "cwd").value_or("");
     if (spec.cwd.find('\0') != std::string::npos) params::invalid("cwd", "must not contain NUL bytes");
-    if (p.contains("env") && !p["env"].is_null()) {
-        if (!p["env"].is_object()) params::invalid("env", "must be an object of strings");
-        for (const auto& [k, v] : p["env"].items()) {
-            if (!v.is_string()) params::invalid("env." + k, "must be a string");
-            if (k.empty() || k.find('=') != std::string::npos || k.find('\0') != std::string::npos) {
-                params::invalid("env." + k, "is not a valid variable name");
-            }
-            auto value = v.get<std::string>();
-            if (value.find('\0') != std::string::npos) {
-                params::invalid("env." + k, "must not contain NUL bytes");
-            }
-            spec.env[k] = std::move(value);
-        }
-    }
+    spec.env = env_field(p, SIZE_MAX);  // bounded by limits.maxTextMessage
     if (p.contains("pty") && !p["pty"].is_null()) {
         const auto& pty = p["pty"];
         if (!pty.is_object()) params::invalid("pty", "must be an object {cols, rows}");
