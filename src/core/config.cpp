@@ -302,6 +302,11 @@ void parse_top(const json& j, Config& c) {
         o.one_of("format", c.log_format, {"text", "json"});
         o.done();
     }
+    if (const auto* a = top.get("audit")) {
+        Obj o(*a, "audit");
+        o.str("file", c.audit_file);
+        o.done();
+    }
     top.done();
 }
 
@@ -495,6 +500,7 @@ nlohmann::json config_to_json(const Config& c) {
           {"executeTimeoutMs", l.execute_timeout_ms},
           {"retainedTtlMs", l.retained_ttl_ms}}},
         {"log", {{"level", c.log_level}, {"format", c.log_format}}},
+        {"audit", {{"file", c.audit_file}}},
     };
 }
 

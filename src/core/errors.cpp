@@ -10,7 +10,7 @@ struct ErrorInfo {
     std::string_view reason;
 };
 
-constexpr std::array<ErrorInfo, 19> error_table = {{
+constexpr std::array<ErrorInfo, 20> error_table = {{
     {0, "UNKNOWN"},
     {-32700, "PARSE_ERROR"},
     {-32600, "INVALID_REQUEST"},
@@ -30,6 +30,7 @@ constexpr std::array<ErrorInfo, 19> error_table = {{
     {-32020, "FLOW_CONTROL"},
     {-32021, "REGISTRY_UNAVAILABLE"},
     {-32022, "ROUTING_LOOP"},
+    {-32023, "FORBIDDEN"},
 }};
 
 const ErrorInfo& info(errc e) noexcept {

@@ -7,6 +7,14 @@ std::string request(const json& id, std::string_view method, json params) {
         .dump();
 }
 
+std::string forwarded_request(const json& id, std::string_view method, json params,
+                              json forwarded_for) {
+    json message = {{"jsonrpc", "2.0"}, {"method", method}, {"params", std::move(params)},
+                    {"forwardedFor", std::move(forwarded_for)}};
+    if (!id.is_null()) message["id"] = id;
+    return message.dump();
+}
+
 std::string notification(std::string_view method, json params) {
     return json{{"jsonrpc", "2.0"}, {"method", method}, {"params", std::move(params)}}.dump();
 }
@@ -65,6 +73,9 @@ std::variant<Request, Invalid> parse_request(std::string_view text, std::size_t 
     if (has_id) request.id = std::move(id);
     request.method = method_it->get<std::string>();
     request.params = params_it != message.end() ? std::move(*params_it) : json::object();
+    if (auto f = message.find("forwardedFor"); f != message.end()) {
+        request.forwarded_for = std::move(*f);
+    }
     return request;
 }
 
@@ -94,7 +105,7 @@ std::variant<std::monostate, Request, Response> parse_message(std::string_view t
 }
 
 errc errc_of_reason(std::string_view r) noexcept {
-    for (int i = 1; i <= static_cast<int>(errc::routing_loop); ++i) {
+    for (int i = 1; i <= static_cast<int>(errc::forbidden); ++i) {
         if (reason(static_cast<errc>(i)) == r) return static_cast<errc>(i);
     }
     return errc::internal_error;

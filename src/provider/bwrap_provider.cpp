@@ -194,17 +194,54 @@ public:
     void shutdown(bool unmount = false) noexcept {
         std::lock_guard lock(mutex);
         socket.reset();  // the supervisor exits, and with it the lease's PID namespace
-        if (cgroup) cgroup->kill();
         if (pid > 0) {
-            ::syscall(SYS_pidfd_send_signal, pidfd.get(), SIGKILL, nullptr, 0);
+            // The supervisor dies first, so that bubblewrap (its parent, which exits once it
+            // has reaped it) is never killed under it: a supervisor that outlived bubblewrap
+            // would be re-parented out of the daemon's tree (to the host's init) as an orphan.
+            kill_children_of_bwrap();
+            pollfd p{pidfd.get(), POLLIN, 0};
+            if (::poll(&p, 1, bwrap_exit_grace_ms) != 1) {
+                ::syscall(SYS_pidfd_send_signal, pidfd.get(), SIGKILL, nullptr, 0);
+            }
             while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
             }
             pid = -1;
         }
+        if (cgroup) cgroup->kill();  // whatever is left (a sandbox whose bubblewrap is gone)
         // A sandbox dropped without a teardown (the daemon stops): nothing can use it again
         // in this process, so its loop device and mount go now; a later teardown removes
         // the rest.
         if (unmount && !workspace.empty()) ::umount2(workspace.c_str(), MNT_DETACH);
+    }
+
+    /// How long bubblewrap has to exit by itself once the supervisor is killed, ms.
+    static constexpr int bwrap_exit_grace_ms = 2000;
+
+    /// SIGKILL to bubblewrap's children (the supervisor: PID 1 of the lease's namespace, whose
+    /// death ends every process in it). Children are read from /proc; a child's pid cannot be
+    /// reused while bubblewrap has not reaped it, and the pidfd pins it from then on.
+    void kill_children_of_bwrap() noexcept {
+        const std::string path =
+            "/proc/" + std::to_string(pid) + "/task/" + std::to_string(pid) + "/children";
+        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd < 0) return;
+        char buf[256];
+        const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+        ::close(fd);
+        if (n <= 0) return;
+        buf[n] = '\0';
+        char* cursor = buf;
+        for (;;) {
+            char* end = nullptr;
+            const long child = std::strtol(cursor, &end, 10);
+            if (end == cursor || child <= 0) break;
+            const long child_fd = ::syscall(SYS_pidfd_open, static_cast<pid_t>(child), 0);
+            if (child_fd >= 0) {
+                ::syscall(SYS_pidfd_send_signal, static_cast<int>(child_fd), SIGKILL, nullptr, 0);
+                ::close(static_cast<int>(child_fd));
+            }
+            cursor = end;
+        }
     }
 
     /// Whether bubblewrap (and so the supervisor, PID 1 inside) still runs and its socket

@@ -353,6 +353,19 @@ void Channel::send_exit() {
                  term_signal_ > 0 ? signal_name(term_signal_) : std::string("-"),
                  limit_.empty() ? "" : " limit=", limit_,
                  stdout_bytes_, stderr_bytes_, stdin_bytes_, duration.count());
+    if (options_.audit) {
+        options_.audit->write("channel.ended",
+                              {{"lease", options_.lease_id},
+                               {"epoch", options_.epoch},
+                               {"channel", options_.audit_key},
+                               {"outcome", std::string(to_string(outcome))},
+                               {"exitCode", exit_code},
+                               {"signal", signal},
+                               {"stdoutBytes", stdout_bytes_},
+                               {"stderrBytes", stderr_bytes_},
+                               {"stdinBytes", stdin_bytes_},
+                               {"durationMs", duration.count()}});
+    }
     auto sink = sink_.lock();
     if (!sink) return;
     nlohmann::json params = {{"channel", options_.id},

@@ -13,6 +13,8 @@
 #include <sandboxd/provider/channel_backend.hpp>
 #include <sandboxd/provider/provider.hpp>
 
+#include "server/audit.hpp"
+
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -50,6 +52,13 @@ struct ChannelOptions {
     std::chrono::milliseconds hangup_grace{5000};
     /// Called once on the strand when every process of the channel is gone.
     std::function<void()> on_reaped;
+    /// The audit trail (null: none) and what its lines name: the lease's epoch at the open and
+    /// the channel's node-wide key (ChannelTable), unique within this daemon process.
+    std::shared_ptr<AuditLog> audit;
+    /// The token name of the host it was opened for (on a peer link: forwardedFor.tokenName).
+    std::string opened_for;
+    std::int64_t epoch = 0;
+    std::uint64_t audit_key = 0;
 };
 
 enum class channel_outcome { exited, signaled, timed_out, stopped, lease_released, transport_closed, error };
@@ -78,6 +87,8 @@ public:
     bool finished() const noexcept { return exit_sent_; }
     /// Sets the callback run once every process of the channel is gone (before start()).
     void set_on_reaped(std::function<void()> f) { options_.on_reaped = std::move(f); }
+    /// Sets the channel's node-wide key for its audit lines (before start()).
+    void set_audit_key(std::uint64_t key) { options_.audit_key = key; }
 
     /// Stdin bytes from the host. Throws rpc_error(errc::flow_control) and ends the channel
     /// when they would overrun the stdin window; errc::invalid_params when stdin was closed or

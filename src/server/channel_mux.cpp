@@ -148,7 +148,7 @@ void ChannelMux::close_all() {
     for (auto& [id, channel] : local_) channel->hangup();
     local_.clear();
     for (auto& [id, route] : relayed_) {
-        route.link->close_channel(route.remote_id);
+        route.link->close_channel(route.remote_id, route.forwarded_for);
         route.link->forget(route.remote_id);
     }
     relayed_.clear();

@@ -29,6 +29,7 @@ public:
     struct Relayed {
         std::shared_ptr<PeerLink> link;
         std::uint32_t remote_id = 0;
+        nlohmann::json forwarded_for;  ///< the host it was opened for, as sent to the owner
         /// The owner's stdin window and the stdin bytes relayed that it has not credited back:
         /// the relay forwards at most the window plus the one frame that overruns it (the
         /// owner then ends the channel with FLOW_CONTROL) and drops the host's stdin after
@@ -67,6 +68,11 @@ public:
     void finished(std::uint32_t id);
     /// Whether `id` names a channel of this connection that has already ended.
     bool ended(std::uint32_t id) const { return ended_.count(id) > 0; }
+    /// The open local channel `id`, or nullptr.
+    std::shared_ptr<Channel> find_local(std::uint32_t id) const {
+        auto it = local_.find(id);
+        return it == local_.end() ? nullptr : it->second;
+    }
 
     // --- relayed channels ---
     /// A forwarded open of `id` is under way: frames from the owner wait until opened().

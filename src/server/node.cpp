@@ -7,6 +7,10 @@
 
 namespace sandboxd {
 
+nlohmann::json forwarded_for(const Principal& who) {
+    return {{"tokenName", who.name}, {"tenants", who.tenants}};
+}
+
 bool Principal::allows(const std::string& company_id) const {
     return std::any_of(tenants.begin(), tenants.end(),
                        [&](const std::string& t) { return t == "*" || t == company_id; });

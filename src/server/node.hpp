@@ -1,6 +1,7 @@
 #pragma once
 // The state one daemon process (a node) shares between its sessions.
 #include <sandboxd/core/net.hpp>
+#include "server/audit.hpp"
 #include "server/peer_link.hpp"
 
 #include <boost/asio/experimental/concurrent_channel.hpp>
@@ -33,6 +34,10 @@ struct Principal {
     /// Tenants for a registry query: empty when the token has "*".
     std::vector<std::string> query_tenants() const;
 };
+
+/// `{tokenName, tenants}` of `who`: a forwarded request's forwardedFor (docs/protocol.md
+/// section 6).
+nlohmann::json forwarded_for(const Principal& who);
 
 /// A configured token with its secret resolved (tokenFile read at start).
 struct Credential {
@@ -111,6 +116,8 @@ struct Node {
     std::string peer_token;
     PeerLinks peers;
     KeyedLocks reuse_locks;
+    /// The audit trail (config audit.file); null when none is configured.
+    std::shared_ptr<AuditLog> audit;
 
 private:
     mutable std::mutex claims_mutex_;

@@ -45,24 +45,28 @@ PeerLink::PeerLink(Node& node, NodeRecord peer, std::string peer_token, net::any
 
 PeerLink::~PeerLink() = default;
 
-awaitable<json> PeerLink::call(std::string method, json params) {
+awaitable<json> PeerLink::call(std::string method, json params, json forwarded_for) {
     co_return co_await net::co_spawn(
-        strand_, do_call(std::move(method), std::move(params), {}, 0), use_awaitable);
+        strand_, do_call(std::move(method), std::move(params), std::move(forwarded_for), {}, 0),
+        use_awaitable);
 }
 
-awaitable<json> PeerLink::call(std::string method, json params, Notify notify,
-                               std::chrono::milliseconds answer_within) {
+awaitable<json> PeerLink::call(std::string method, json params, json forwarded_for,
+                               Notify notify, std::chrono::milliseconds answer_within) {
     co_return co_await net::co_spawn(strand_,
-                                     do_call(std::move(method), std::move(params), {}, 0,
-                                             std::move(notify), answer_within),
+                                     do_call(std::move(method), std::move(params),
+                                             std::move(forwarded_for), {}, 0, std::move(notify),
+                                             answer_within),
                                      use_awaitable);
 }
 
-awaitable<json> PeerLink::open(json params, std::weak_ptr<RelayTarget> target,
-                               std::uint32_t local_channel) {
-    co_return co_await net::co_spawn(
-        strand_, do_call("duplexChannelOpen", std::move(params), std::move(target), local_channel),
-        use_awaitable);
+awaitable<json> PeerLink::open(json params, json forwarded_for,
+                               std::weak_ptr<RelayTarget> target, std::uint32_t local_channel) {
+    co_return co_await net::co_spawn(strand_,
+                                     do_call("duplexChannelOpen", std::move(params),
+                                             std::move(forwarded_for), std::move(target),
+                                             local_channel),
+                                     use_awaitable);
 }
 
 awaitable<void> PeerLink::ensure_connected() {
@@ -125,13 +129,15 @@ awaitable<void> PeerLink::ensure_connected() {
     } catch (const rpc_error& e) {
         connecting_ = false;
         broken_ = true;
+        abandoned_opens_.clear();
         broken_reason_ = e.what();
         connect_wait_.cancel();
         throw;
     }
 }
 
-awaitable<json> PeerLink::do_call(std::string method, json params, std::weak_ptr<RelayTarget> target,
+awaitable<json> PeerLink::do_call(std::string method, json params, json forwarded_for,
+                                  std::weak_ptr<RelayTarget> target,
                                   std::uint32_t local_channel, Notify notify,
                                   std::optional<std::chrono::milliseconds> answer_within_override) {
     auto self = shared_from_this();
@@ -149,11 +155,16 @@ awaitable<json> PeerLink::do_call(std::string method, json params, std::weak_ptr
     slot.target = std::move(target);
     slot.local_channel = local_channel;
     slot.notify = std::move(notify);
-    queue(false, jsonrpc::request(id, method, std::move(params)));
+    const bool open = method == "duplexChannelOpen";
+    json for_close = open ? forwarded_for : json();
+    queue(false, jsonrpc::forwarded_request(id, method, std::move(params), std::move(forwarded_for)));
     while (!pending_[id].response && !broken_ && std::chrono::steady_clock::now() < deadline) {
         co_await pending_[id].wake->async_wait(as_tuple_awaitable);
     }
     auto node = pending_.extract(id);
+    if (!node.mapped().response && open && !broken_) {
+        abandoned_opens_[id] = std::move(for_close);  // closed on the owner if it answers late
+    }
     if (!node.mapped().response) {
         if (broken_) throw unavailable(peer_.node_id, broken_reason_);
         throw unavailable(peer_.node_id, "it did not answer " + method + " within " +
@@ -173,10 +184,13 @@ void PeerLink::send_frame(std::string frame) {
     });
 }
 
-void PeerLink::close_channel(std::uint32_t remote_channel) {
-    net::post(strand_, [self = shared_from_this(), remote_channel] {
+void PeerLink::close_channel(std::uint32_t remote_channel, json forwarded_for) {
+    net::post(strand_, [self = shared_from_this(), remote_channel,
+                        forwarded_for = std::move(forwarded_for)]() mutable {
         if (!self->connected_ || self->broken_) return;
-        self->queue(false, jsonrpc::notification("duplexChannelClose", {{"channel", remote_channel}}));
+        self->queue(false, jsonrpc::forwarded_request(nullptr, "duplexChannelClose",
+                                                      {{"channel", remote_channel}},
+                                                      std::move(forwarded_for)));
     });
 }
 
@@ -231,11 +245,18 @@ void PeerLink::on_text(const std::string& text) {
         const auto& r = response->result;
         const bool opened = r && r->is_object() && r->contains("channel") &&
                             (*r)["channel"].is_number_unsigned();
-        if (it == pending_.end() || (opened && it->second.target.expired())) {
-            // An open answered after its caller gave up (timeout, host gone): nobody will
-            // read that channel, so it is closed on the owner rather than left running.
-            if (opened && it == pending_.end()) close_channel((*r)["channel"].get<std::uint32_t>());
-            if (it == pending_.end()) return;
+        if (it == pending_.end()) {
+            // An open answered after its caller gave up (timeout): nobody will read that
+            // channel, so it is closed on the owner rather than left running.
+            auto abandoned = abandoned_opens_.find(response->id.is_number_integer()
+                                                       ? response->id.get<std::int64_t>()
+                                                       : -1);
+            if (abandoned == abandoned_opens_.end()) return;
+            if (opened) {
+                close_channel((*r)["channel"].get<std::uint32_t>(), std::move(abandoned->second));
+            }
+            abandoned_opens_.erase(abandoned);
+            return;
         }
         // An open's route exists before the next frame is read: no data is ever unrouted.
         if (opened && !it->second.target.expired()) {
@@ -291,6 +312,7 @@ void PeerLink::on_binary(std::string_view frame) {
 void PeerLink::fail_all(const std::string& why) {
     if (broken_) return;
     broken_ = true;
+    abandoned_opens_.clear();
     broken_reason_ = why;
     connected_ = false;
     spdlog::warn("peer={} link down: {}", peer_.node_id, why);

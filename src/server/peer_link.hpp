@@ -54,7 +54,10 @@ public:
     /// rethrown as rpc_error with the same reason. Connects first if needed. Throws
     /// rpc_error(errc::owner_unavailable) when the peer cannot be reached within the connect
     /// timeout or the link drops before the response.
-    awaitable<nlohmann::json> call(std::string method, nlohmann::json params);
+    /// `forwarded_for` ({tokenName, tenants} of the host the call acts for, see
+    /// forwarded_for()) goes in the request's forwardedFor: the peer acts for that host only.
+    awaitable<nlohmann::json> call(std::string method, nlohmann::json params,
+                                   nlohmann::json forwarded_for);
 
     /// Where a forwarded call's notifications go: the peer's `<method>.log` notifications
     /// whose `requestId` is this call's id (leaseExecute.log), posted to `executor` in order,
@@ -66,18 +69,19 @@ public:
     /// Like call(), with the call's notifications to `notify`, and the peer given
     /// `answer_within` (instead of the liveness TTL) to answer: a call that runs for long by
     /// design (leaseExecute).
-    awaitable<nlohmann::json> call(std::string method, nlohmann::json params, Notify notify,
+    awaitable<nlohmann::json> call(std::string method, nlohmann::json params,
+                                   nlohmann::json forwarded_for, Notify notify,
                                    std::chrono::milliseconds answer_within);
 
     /// Like call("duplexChannelOpen"), and on success routes the remote channel's frames to
     /// `target` under `local_channel` before any of them is read.
-    awaitable<nlohmann::json> open(nlohmann::json params, std::weak_ptr<RelayTarget> target,
-                                   std::uint32_t local_channel);
+    awaitable<nlohmann::json> open(nlohmann::json params, nlohmann::json forwarded_for,
+                                   std::weak_ptr<RelayTarget> target, std::uint32_t local_channel);
 
     /// Queues a binary frame (already rewritten to the remote channel id) for the peer.
     void send_frame(std::string frame);
     /// Asks the peer to close a remote channel (a notification: no response awaited).
-    void close_channel(std::uint32_t remote_channel);
+    void close_channel(std::uint32_t remote_channel, nlohmann::json forwarded_for);
     /// Forgets the route of a remote channel (after its exit or a close).
     void forget(std::uint32_t remote_channel);
 
@@ -89,12 +93,16 @@ private:
         std::uint32_t local_channel = 0;
         Notify notify;  // for calls that stream notifications
     };
+    /// Opens whose caller gave up before the answer, by request id: the forwardedFor to close
+    /// the channel with if the answer comes after all. Cleared when the link breaks.
+    std::map<std::int64_t, nlohmann::json> abandoned_opens_;
     struct Route {
         std::weak_ptr<RelayTarget> target;
         std::uint32_t local_channel = 0;
     };
 
     awaitable<nlohmann::json> do_call(std::string method, nlohmann::json params,
+                                      nlohmann::json forwarded_for,
                                       std::weak_ptr<RelayTarget> target,
                                       std::uint32_t local_channel, Notify notify = {},
                                       std::optional<std::chrono::milliseconds> answer_within = {});

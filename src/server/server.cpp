@@ -149,6 +149,13 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
     ::chmod(c.state_dir.c_str(), 0700);
     node.node_id = c.node_id.empty() ? host_name() : c.node_id;
     node.instance_id = random_hex(8);
+    if (!c.audit_file.empty()) {
+        try {
+            node.audit = std::make_shared<AuditLog>(c.audit_file, node.node_id, node.instance_id);
+        } catch (const std::system_error& e) {
+            throw config_error(std::string("config: audit.file: ") + e.what());
+        }
+    }
 
     node.ioc = &impl_->ioc;
     for (const auto& t : c.tokens) {

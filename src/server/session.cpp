@@ -75,7 +75,12 @@ awaitable<void> Session::on_text(std::string_view text) {
 }
 
 void Session::shutdown() {
-    transport_.close(websocket::close_code::going_away, shared_from_this());
+    // The daemon stops: channels are hung up now, not once the host answers the close (a host
+    // that does not read would hold them, and the daemon's exit, for the close timeout).
+    net::post(strand_, [self = shared_from_this()] {
+        self->mux_.close_all();
+        self->transport_.close(websocket::close_code::going_away, self);
+    });
 }
 
 void Session::send_binary(std::string frame) { transport_.send(true, std::move(frame)); }
@@ -199,7 +204,10 @@ awaitable<void> Session::serve(std::shared_ptr<Session> self, jsonrpc::Request r
     const json id = request.id.value_or(json());
     const bool open = request.method == "duplexChannelOpen";
     try {
-        auto reply = co_await call(request.method, std::move(request.params), id);
+        auto entry = method_table().find(request.method);
+        Call c{std::move(request.params), id,
+               caller_of(request, entry == method_table().end() ? nullptr : &entry->second)};
+        auto reply = co_await call(request.method, std::move(c));
         if (request.id) respond(id, std::move(reply.result));
         if (reply.after) reply.after();
     } catch (const rpc_error& e) {
@@ -246,30 +254,73 @@ void Session::release(std::uint32_t lane) {
 
 const std::map<std::string_view, Session::Method>& Session::method_table() {
     static const std::map<std::string_view, Method> table = {
+        // handler, fenced, on_channel, forwarded
         {"initialize", {&Session::initialize}},
         {"leaseAcquire", {&Session::lease_acquire, true}},
-        {"leaseGet", {&Session::lease_get}},
+        {"leaseGet", {&Session::lease_get, false, false, true}},
         {"leaseList", {&Session::lease_list}},
-        {"leaseRenew", {&Session::lease_renew, true}},
-        {"leaseRelease", {&Session::lease_release, true}},
-        {"leaseProbe", {&Session::lease_probe, true}},
+        {"leaseRenew", {&Session::lease_renew, true, false, true}},
+        {"leaseRelease", {&Session::lease_release, true, false, true}},
+        {"leaseProbe", {&Session::lease_probe, true, false, true}},
         {"providerValidateConfig", {&Session::provider_validate_config}},
-        {"leaseExecute", {nullptr, true, false, &Session::lease_execute}},
-        {"leaseRealizeWorkspace", {&Session::lease_realize_workspace, true}},
+        {"leaseExecute", {&Session::lease_execute, true, false, true}},
+        {"leaseRealizeWorkspace", {&Session::lease_realize_workspace, true, false, true}},
         {"nodeList", {&Session::node_list}},
-        {"duplexChannelOpen", {&Session::channel_open, true}},
-        {"duplexChannelWrite", {&Session::channel_write, false, true}},
-        {"duplexChannelCloseStdin", {&Session::channel_close_stdin, false, true}},
-        {"duplexChannelResize", {&Session::channel_resize, false, true}},
-        {"duplexChannelSignal", {&Session::channel_signal, false, true}},
-        {"duplexChannelStop", {&Session::channel_stop, false, true}},
-        {"duplexChannelClose", {&Session::channel_close, false, true}},
+        {"duplexChannelOpen", {&Session::channel_open, true, false, true}},
+        {"duplexChannelWrite", {&Session::channel_write, false, true, true}},
+        {"duplexChannelCloseStdin", {&Session::channel_close_stdin, false, true, true}},
+        {"duplexChannelResize", {&Session::channel_resize, false, true, true}},
+        {"duplexChannelSignal", {&Session::channel_signal, false, true, true}},
+        {"duplexChannelStop", {&Session::channel_stop, false, true, true}},
+        {"duplexChannelClose", {&Session::channel_close, false, true, true}},
     };
     return table;
 }
 
-awaitable<Session::Reply> Session::call(const std::string& method, json raw, json id) {
-    json p = methods::params_object(raw);
+Principal Session::caller_of(const jsonrpc::Request& request, const Method* method) const {
+    if (who_.role != "peer") {
+        if (request.forwarded_for) {
+            throw rpc_error(errc::forbidden,
+                            "forwardedFor is accepted only on a peer link (a peer-role token)");
+        }
+        return who_;
+    }
+    // A peer link acts only for the host it forwards for, and only in the methods that a
+    // node forwards (docs/protocol.md section 6, "Peer tokens").
+    if (!method || !method->forwarded) {
+        throw rpc_error(errc::forbidden, "a peer link may not call " + request.method +
+                                             ": a node never forwards it",
+                        {{"method", request.method}});
+    }
+    const json* f = request.forwarded_for ? &*request.forwarded_for : nullptr;
+    const bool valid = f && f->is_object() && f->size() == 2 && f->contains("tokenName") &&
+                       (*f)["tokenName"].is_string() && !(*f)["tokenName"].get<std::string>().empty() &&
+                       f->contains("tenants") && (*f)["tenants"].is_array() &&
+                       std::all_of((*f)["tenants"].begin(), (*f)["tenants"].end(),
+                                   [](const json& t) { return t.is_string() && !t.get<std::string>().empty(); });
+    if (!valid) {
+        throw rpc_error(errc::forbidden,
+                        "a peer link's " + request.method +
+                            " needs forwardedFor: {tokenName: non-empty string, tenants: [non-empty "
+                            "strings]}, naming the host it acts for",
+                        {{"method", request.method}});
+    }
+    return Principal{(*f)["tokenName"].get<std::string>(), "host",
+                     (*f)["tenants"].get<std::vector<std::string>>()};
+}
+
+std::shared_ptr<Channel> Session::local_channel(std::uint32_t id, const Principal& caller) {
+    auto channel = mux_.local(id);
+    if (who_.role == "peer" && channel->options().opened_for != caller.name) {
+        throw rpc_error(errc::channel_not_found,
+                        "channel " + std::to_string(id) + " is not open on this connection",
+                        {{"channel", id}});
+    }
+    return channel;
+}
+
+awaitable<Session::Reply> Session::call(const std::string& method, Call c) {
+    json p = methods::params_object(c.params);
     auto it = method_table().find(method);
     if (it == method_table().end()) {
         throw rpc_error(errc::method_not_found, "Method not found: " + method, {{"method", method}});
@@ -288,7 +339,7 @@ awaitable<Session::Reply> Session::call(const std::string& method, json raw, jso
                 link->forget(remote_id);
             }
             p["channel"] = remote_id;
-            json result = co_await link->call(method, std::move(p));
+            json result = co_await link->call(method, std::move(p), forwarded_for(c.caller));
             co_return Reply{std::move(result), {}};
         }
         if ((method == "duplexChannelWrite" || method == "duplexChannelCloseStdin") && channel &&
@@ -296,11 +347,12 @@ awaitable<Session::Reply> Session::call(const std::string& method, json raw, jso
             co_return empty_result();  // the command is gone: nothing left to write to
         }
     }
-    if (m.with_id) co_return co_await (this->*m.with_id)(std::move(p), std::move(id));
-    co_return co_await (this->*m.handler)(std::move(p));
+    c.params = std::move(p);
+    co_return co_await (this->*m.handler)(std::move(c));
 }
 
-awaitable<Session::Reply> Session::initialize(json p) {
+awaitable<Session::Reply> Session::initialize(Call c) {
+    json p = std::move(c.params);
     methods::parse_initialize(p);
     const auto& l = node_.config.limits;
     std::vector<std::string> supported;
@@ -328,31 +380,34 @@ awaitable<Session::Reply> Session::initialize(json p) {
                     {}};
 }
 
-awaitable<Session::Reply> Session::lease_acquire(json p) {
+awaitable<Session::Reply> Session::lease_acquire(Call c) {
+    json p = std::move(c.params);
     auto params = methods::parse_lease_acquire(p, node_.config.limits.max_ttl_ms);
-    json result = to_json(co_await sandboxd::lease_acquire(node_, who_, std::move(params)));
+    json result = to_json(co_await sandboxd::lease_acquire(node_, c.caller, std::move(params)));
     co_return Reply{std::move(result), {}};
 }
 
-awaitable<Session::Reply> Session::lease_list(json p) {
-    json result = co_await sandboxd::lease_list(node_, who_, methods::parse_lease_list(p));
+awaitable<Session::Reply> Session::lease_list(Call c) {
+    json p = std::move(c.params);
+    json result = co_await sandboxd::lease_list(node_, c.caller, methods::parse_lease_list(p));
     co_return Reply{std::move(result), {}};
 }
 
-awaitable<Session::Reply> Session::node_list(json /*p*/) {
+awaitable<Session::Reply> Session::node_list(Call /*c*/) {
     json result = co_await sandboxd::node_list(node_);
     co_return Reply{std::move(result), {}};
 }
 
-awaitable<Session::Reply> Session::lease_get(json p) {
+awaitable<Session::Reply> Session::lease_get(Call c) {
+    json p = std::move(c.params);
     auto params = methods::parse_lease_id(p);
-    Lease lease = co_await sandboxd::lease_get(node_, who_, params.lease_id);
+    Lease lease = co_await sandboxd::lease_get(node_, c.caller, params.lease_id);
     if (lease.owner_node_id != node_.node_id && lease.status == lease_status::active &&
         forwarded_by_.empty()) {
         // The owner answers, so that `usage` is current; without it, usage is null.
         try {
             auto link = co_await owner_link(node_, lease);
-            json result = co_await link->call("leaseGet", std::move(p));
+            json result = co_await link->call("leaseGet", std::move(p), forwarded_for(c.caller));
             co_return Reply{std::move(result), {}};
         } catch (const rpc_error& e) {
             if (e.code() != errc::owner_unavailable && e.code() != errc::owner_elsewhere) throw;
@@ -363,10 +418,11 @@ awaitable<Session::Reply> Session::lease_get(json p) {
 }
 
 awaitable<std::optional<Session::Reply>> Session::lease_change_at_owner(
-    std::string method, json p, std::string lease_id, std::optional<PeerLink::Notify> notify,
+    std::string method, json p, std::string lease_id, Principal caller,
+    std::optional<PeerLink::Notify> notify,
     std::chrono::milliseconds answer_within) {
     // The owner releases or renews, so that its cache and channels follow.
-    Lease lease = co_await sandboxd::lease_get(node_, who_, lease_id);
+    Lease lease = co_await sandboxd::lease_get(node_, caller, lease_id);
     // A retained lease is held by no node: any node serves it (and answers that it is not
     // active to everything but a release).
     const bool settled = lease.status == lease_status::released ||
@@ -380,9 +436,10 @@ awaitable<std::optional<Session::Reply>> Session::lease_change_at_owner(
         auto link = co_await owner_link(node_, lease);
         json result;
         if (notify) {
-            result = co_await link->call(method, std::move(p), std::move(*notify), answer_within);
+            result = co_await link->call(method, std::move(p), forwarded_for(caller),
+                                         std::move(*notify), answer_within);
         } else {
-            result = co_await link->call(method, std::move(p));
+            result = co_await link->call(method, std::move(p), forwarded_for(caller));
         }
         co_return Reply{std::move(result), {}};
     } catch (const rpc_error& e) {
@@ -394,32 +451,35 @@ awaitable<std::optional<Session::Reply>> Session::lease_change_at_owner(
     co_return Reply{std::move(result), {}};
 }
 
-awaitable<Session::Reply> Session::lease_renew(json p) {
+awaitable<Session::Reply> Session::lease_renew(Call c) {
+    json p = std::move(c.params);
     auto params = methods::parse_lease_renew(p);
-    if (auto at_owner = co_await lease_change_at_owner("leaseRenew", p, params.lease_id)) {
+    if (auto at_owner = co_await lease_change_at_owner("leaseRenew", p, params.lease_id, c.caller)) {
         co_return std::move(*at_owner);
     }
     json result =
-        to_json(co_await sandboxd::lease_renew(node_, who_, params.lease_id, params.ttl_ms));
+        to_json(co_await sandboxd::lease_renew(node_, c.caller, params.lease_id, params.ttl_ms));
     co_return Reply{std::move(result), {}};
 }
 
-awaitable<Session::Reply> Session::lease_release(json p) {
+awaitable<Session::Reply> Session::lease_release(Call c) {
+    json p = std::move(c.params);
     auto params = methods::parse_lease_release(p);
-    if (auto at_owner = co_await lease_change_at_owner("leaseRelease", p, params.lease_id)) {
+    if (auto at_owner = co_await lease_change_at_owner("leaseRelease", p, params.lease_id, c.caller)) {
         co_return std::move(*at_owner);
     }
-    json result = to_json(co_await sandboxd::lease_release(node_, who_, std::move(params)));
+    json result = to_json(co_await sandboxd::lease_release(node_, c.caller, std::move(params)));
     co_return Reply{std::move(result), {}};
 }
 
-awaitable<Session::Reply> Session::lease_probe(json p) {
+awaitable<Session::Reply> Session::lease_probe(Call c) {
+    json p = std::move(c.params);
     auto params = methods::parse_lease_id(p);
     // The owner's provider holds the sandbox: forwarded there like a release.
-    if (auto at_owner = co_await lease_change_at_owner("leaseProbe", p, params.lease_id)) {
+    if (auto at_owner = co_await lease_change_at_owner("leaseProbe", p, params.lease_id, c.caller)) {
         co_return std::move(*at_owner);
     }
-    json result = co_await sandboxd::lease_probe(node_, who_, params.lease_id);
+    json result = co_await sandboxd::lease_probe(node_, c.caller, params.lease_id);
     co_return Reply{std::move(result), {}};
 }
 
@@ -449,7 +509,9 @@ ExecuteLog Session::execute_log(const json& id) {
     };
 }
 
-awaitable<Session::Reply> Session::lease_execute(json p, json id) {
+awaitable<Session::Reply> Session::lease_execute(Call c) {
+    json p = std::move(c.params);
+    const json& id = c.id;
     const auto& limits = node_.config.limits;
     auto params = methods::parse_execute(p, limits.execute_timeout_ms);
     ExecuteLog log = execute_log(id);
@@ -466,59 +528,70 @@ awaitable<Session::Reply> Session::lease_execute(json p, json id) {
     };
     const auto answer_within =
         std::chrono::milliseconds(params.request.timeout_ms) + std::chrono::seconds(60);
-    if (auto at_owner = co_await lease_change_at_owner("leaseExecute", p, params.lease_id,
+    if (auto at_owner = co_await lease_change_at_owner("leaseExecute", p, params.lease_id, c.caller,
                                                        std::move(notify), answer_within)) {
         co_return std::move(*at_owner);
     }
-    json result = co_await sandboxd::lease_execute(node_, who_, std::move(params), std::move(log));
+    json result = co_await sandboxd::lease_execute(node_, c.caller, std::move(params), std::move(log));
     co_return Reply{std::move(result), {}};
 }
 
-awaitable<Session::Reply> Session::lease_realize_workspace(json p) {
+awaitable<Session::Reply> Session::lease_realize_workspace(Call c) {
+    json p = std::move(c.params);
     auto params = methods::parse_realize_workspace(p);
-    if (auto at_owner = co_await lease_change_at_owner("leaseRealizeWorkspace", p, params.lease_id)) {
+    if (auto at_owner = co_await lease_change_at_owner("leaseRealizeWorkspace", p, params.lease_id, c.caller)) {
         co_return std::move(*at_owner);
     }
-    json result = co_await sandboxd::lease_realize_workspace(node_, who_, std::move(params));
+    json result = co_await sandboxd::lease_realize_workspace(node_, c.caller, std::move(params));
     co_return Reply{std::move(result), {}};
 }
 
-awaitable<Session::Reply> Session::provider_validate_config(json p) {
+awaitable<Session::Reply> Session::provider_validate_config(Call c) {
+    json p = std::move(c.params);
     auto params = methods::parse_validate_config(p);
-    json result = co_await sandboxd::provider_validate_config(node_, who_, std::move(params));
+    json result = co_await sandboxd::provider_validate_config(node_, c.caller, std::move(params));
     co_return Reply{std::move(result), {}};
 }
 
-awaitable<Session::Reply> Session::channel_write(json p) {
+awaitable<Session::Reply> Session::channel_write(Call c) {
+    json p = std::move(c.params);
     auto params = methods::parse_write(p);
-    mux_.local(params.channel)->write_stdin(params.data);
+    local_channel(params.channel, c.caller)->write_stdin(params.data);
     co_return empty_result();
 }
 
-awaitable<Session::Reply> Session::channel_close_stdin(json p) {
-    mux_.local(methods::parse_channel(p).channel)->close_stdin();
+awaitable<Session::Reply> Session::channel_close_stdin(Call c) {
+    json p = std::move(c.params);
+    local_channel(methods::parse_channel(p).channel, c.caller)->close_stdin();
     co_return empty_result();
 }
 
-awaitable<Session::Reply> Session::channel_resize(json p) {
+awaitable<Session::Reply> Session::channel_resize(Call c) {
+    json p = std::move(c.params);
     auto params = methods::parse_resize(p);
-    mux_.local(params.channel)->resize(params.cols, params.rows);
+    local_channel(params.channel, c.caller)->resize(params.cols, params.rows);
     co_return empty_result();
 }
 
-awaitable<Session::Reply> Session::channel_signal(json p) {
+awaitable<Session::Reply> Session::channel_signal(Call c) {
+    json p = std::move(c.params);
     auto params = methods::parse_signal(p);
-    mux_.local(params.channel)->send_signal(params.signal);
+    local_channel(params.channel, c.caller)->send_signal(params.signal);
     co_return empty_result();
 }
 
-awaitable<Session::Reply> Session::channel_stop(json p) {
-    mux_.local(methods::parse_channel(p).channel)->stop(channel_outcome::stopped);
+awaitable<Session::Reply> Session::channel_stop(Call c) {
+    json p = std::move(c.params);
+    local_channel(methods::parse_channel(p).channel, c.caller)->stop(channel_outcome::stopped);
     co_return empty_result();
 }
 
-awaitable<Session::Reply> Session::channel_close(json p) {
-    if (auto channel = mux_.take_local(methods::parse_channel(p).channel)) {
+awaitable<Session::Reply> Session::channel_close(Call c) {
+    json p = std::move(c.params);
+    const auto id = methods::parse_channel(p).channel;
+    // On a peer link, another host's channel is refused (local_channel() says why).
+    if (mux_.find_local(id)) local_channel(id, c.caller);
+    if (auto channel = mux_.take_local(id)) {
         channel->hangup(channel_outcome::stopped);  // stop and forget: no exit follows
     }
     co_return empty_result();
@@ -527,11 +600,12 @@ awaitable<Session::Reply> Session::channel_close(json p) {
 // ---------------------------------------------------------------------------------------------
 // Opening a channel (docs/protocol.md section 3: the fail-closed checks, in order)
 
-awaitable<Session::Reply> Session::channel_open(json p) {
+awaitable<Session::Reply> Session::channel_open(Call c) {
+    json p = std::move(c.params);
     // Step 1: the shape of the params.
     auto params = methods::parse_open(p);
     // Steps 2-4: the lease, its scope and status.
-    Lease lease = co_await resolve_lease(node_, who_, params.lease);
+    Lease lease = co_await resolve_lease(node_, c.caller, params.lease);
     const auto limit = node_.config.limits.channels_per_connection;
     if (mux_.count() >= limit) {
         throw rpc_error(errc::channel_limit,
@@ -542,11 +616,13 @@ awaitable<Session::Reply> Session::channel_open(json p) {
     mux_.reserve();
     const ScopeExit release([this] { mux_.release(); });
     // Step 5: another owner. A forwarded open is never forwarded again.
-    if (lease.owner_node_id != node_.node_id) co_return co_await open_relayed(std::move(p), std::move(lease));
-    co_return co_await open_local(std::move(params), std::move(lease));
+    if (lease.owner_node_id != node_.node_id) {
+        co_return co_await open_relayed(std::move(p), std::move(lease), std::move(c.caller));
+    }
+    co_return co_await open_local(std::move(params), std::move(lease), std::move(c.caller));
 }
 
-awaitable<Session::Reply> Session::open_relayed(json p, Lease lease) {
+awaitable<Session::Reply> Session::open_relayed(json p, Lease lease, Principal caller) {
     if (!forwarded_by_.empty()) {
         throw rpc_error(errc::routing_loop,
                         "Sandbox lease " + lease.id + " is owned by node " + lease.owner_node_id +
@@ -561,7 +637,8 @@ awaitable<Session::Reply> Session::open_relayed(json p, Lease lease) {
     mux_.opening(local);  // frames that overtake the open's result wait there
     json result;
     try {
-        result = co_await link->open(p, std::weak_ptr<RelayTarget>(shared_from_this()), local);
+        result = co_await link->open(p, forwarded_for(caller),
+                                     std::weak_ptr<RelayTarget>(shared_from_this()), local);
     } catch (...) {
         mux_.open_failed(local);
         throw;
@@ -569,11 +646,12 @@ awaitable<Session::Reply> Session::open_relayed(json p, Lease lease) {
     ChannelMux::Relayed route;
     route.link = link;
     route.remote_id = result.value("channel", 0U);
+    route.forwarded_for = forwarded_for(caller);
     route.stdin_window = result.value("stdinWindow", std::uint64_t{0});
     if (transport_.closing()) {
         // The host left while the owner opened: nobody will read it.
         mux_.open_failed(local);
-        link->close_channel(route.remote_id);
+        link->close_channel(route.remote_id, route.forwarded_for);
         link->forget(route.remote_id);
         co_return Reply{json::object(), {}};
     }
@@ -588,7 +666,8 @@ awaitable<Session::Reply> Session::open_relayed(json p, Lease lease) {
                     }};
 }
 
-awaitable<Session::Reply> Session::open_local(methods::OpenParams params, Lease lease) {
+awaitable<Session::Reply> Session::open_local(methods::OpenParams params, Lease lease,
+                                              Principal caller) {
     // Step 6: this node owns it; its cache must hold the sandbox (or its provider resume it).
     auto sandbox = co_await sandbox_for(node_, lease);
     const auto& limits = node_.config.limits;
@@ -606,6 +685,9 @@ awaitable<Session::Reply> Session::open_local(methods::OpenParams params, Lease 
     options.stdin_attached = params.spec.stdin_attached;
     options.stdin_window = limits.stdin_window;
     options.hangup_grace = std::chrono::milliseconds(limits.hangup_grace_ms);
+    options.audit = node_.audit;
+    options.opened_for = caller.name;
+    options.epoch = lease.epoch;
     params.spec.drain_grace_ms = limits.drain_grace_ms;
     const std::string program = params.spec.argv.front();
     std::unique_ptr<ChannelBackend> backend;
@@ -635,6 +717,15 @@ awaitable<Session::Reply> Session::open_local(methods::OpenParams params, Lease 
     auto key = node_.channels.add(std::move(entry));
     // on_reaped is set after add() so the key is known; it runs on this strand.
     channel->set_on_reaped([&node = node_, key] { node.channels.remove(key); });
+    channel->set_audit_key(key);
+    if (node_.audit) {
+        node_.audit->write("channel.opened", {{"lease", lease.id},
+                                              {"epoch", lease.epoch},
+                                              {"channel", key},
+                                              {"token", caller.name},
+                                              {"argv0", program},
+                                              {"pty", options.pty}});
+    }
     node_.channels_opened.fetch_add(1, std::memory_order_relaxed);
     if (transport_.closing()) {
         // The host left while the command started: it is hung up at once, as on a drop.

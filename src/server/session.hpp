@@ -70,14 +70,22 @@ private:
     struct Lane {
         std::deque<Queued> waiting;
     };
-    using Handler = awaitable<Reply> (Session::*)(nlohmann::json params);
-    /// A method that also needs its request's id (its notifications name it).
-    using IdHandler = awaitable<Reply> (Session::*)(nlohmann::json params, nlohmann::json id);
+    /// One request as a handler sees it.
+    struct Call {
+        nlohmann::json params;  ///< an object
+        nlohmann::json id;      ///< the JSON-RPC id; null for a notification
+        /// Whom it acts for: this connection's token, or on a peer link the host that the
+        /// forwarding node names in the request's forwardedFor (docs/protocol.md section 6).
+        Principal caller;
+    };
+    using Handler = awaitable<Reply> (Session::*)(Call call);
     struct Method {
         Handler handler;
         bool fenced = false;       ///< refused while this node's membership is stale
         bool on_channel = false;   ///< names a channel: relayed to its owner, ordered per channel
-        IdHandler with_id = nullptr;  ///< called instead of `handler` when set
+        /// A node forwards it to the lease's or channel's owner, so a peer link may call it
+        /// (with forwardedFor); a peer calling any other method gets FORBIDDEN.
+        bool forwarded = false;
     };
     static const std::map<std::string_view, Method>& method_table();
 
@@ -104,40 +112,47 @@ private:
     void start(jsonrpc::Request request, std::optional<std::uint32_t> lane);
     awaitable<void> serve(std::shared_ptr<Session> self, jsonrpc::Request request,
                           std::optional<std::uint32_t> lane);
-    awaitable<Reply> call(const std::string& method, nlohmann::json params, nlohmann::json id);
+    awaitable<Reply> call(const std::string& method, Call call);
+    /// Whom `request` acts for (see Call::caller). Throws rpc_error(errc::forbidden) when a
+    /// peer link calls a method that is never forwarded or gives no valid forwardedFor, and
+    /// when a host connection gives forwardedFor.
+    Principal caller_of(const jsonrpc::Request& request, const Method* method) const;
     /// The request on `lane` is done: applies what waited behind it, up to the next request.
     void release(std::uint32_t lane);
 
     // methods
-    awaitable<Reply> initialize(nlohmann::json params);
-    awaitable<Reply> lease_acquire(nlohmann::json params);
-    awaitable<Reply> lease_get(nlohmann::json params);
-    awaitable<Reply> lease_list(nlohmann::json params);
-    awaitable<Reply> lease_renew(nlohmann::json params);
-    awaitable<Reply> lease_release(nlohmann::json params);
-    awaitable<Reply> lease_probe(nlohmann::json params);
-    awaitable<Reply> provider_validate_config(nlohmann::json params);
-    awaitable<Reply> lease_execute(nlohmann::json params, nlohmann::json id);
-    awaitable<Reply> lease_realize_workspace(nlohmann::json params);
+    awaitable<Reply> initialize(Call c);
+    awaitable<Reply> lease_acquire(Call c);
+    awaitable<Reply> lease_get(Call c);
+    awaitable<Reply> lease_list(Call c);
+    awaitable<Reply> lease_renew(Call c);
+    awaitable<Reply> lease_release(Call c);
+    awaitable<Reply> lease_probe(Call c);
+    awaitable<Reply> provider_validate_config(Call c);
+    awaitable<Reply> lease_execute(Call c);
+    awaitable<Reply> lease_realize_workspace(Call c);
     /// leaseExecute's sink: leaseExecute.log {requestId: id, stream, chunk} to this host,
     /// at most limits.executeOutputBytes per stream (none when the request has no id).
     ExecuteLog execute_log(const nlohmann::json& id);
-    awaitable<Reply> node_list(nlohmann::json params);
-    awaitable<Reply> channel_open(nlohmann::json params);
-    awaitable<Reply> channel_write(nlohmann::json params);
-    awaitable<Reply> channel_close_stdin(nlohmann::json params);
-    awaitable<Reply> channel_resize(nlohmann::json params);
-    awaitable<Reply> channel_signal(nlohmann::json params);
-    awaitable<Reply> channel_stop(nlohmann::json params);
-    awaitable<Reply> channel_close(nlohmann::json params);
+    awaitable<Reply> node_list(Call c);
+    awaitable<Reply> channel_open(Call c);
+    awaitable<Reply> channel_write(Call c);
+    awaitable<Reply> channel_close_stdin(Call c);
+    awaitable<Reply> channel_resize(Call c);
+    awaitable<Reply> channel_signal(Call c);
+    awaitable<Reply> channel_stop(Call c);
+    awaitable<Reply> channel_close(Call c);
     /// Renewals and releases of a lease owned by another node are answered by the owner.
     /// `notify` and `answer_within` as PeerLink::call's, for a call that streams.
     awaitable<std::optional<Reply>> lease_change_at_owner(
-        std::string method, nlohmann::json params, std::string lease_id,
+        std::string method, nlohmann::json params, std::string lease_id, Principal caller,
         std::optional<PeerLink::Notify> notify = std::nullopt,
         std::chrono::milliseconds answer_within = std::chrono::milliseconds(0));
-    awaitable<Reply> open_relayed(nlohmann::json params, Lease lease);
-    awaitable<Reply> open_local(methods::OpenParams params, Lease lease);
+    awaitable<Reply> open_relayed(nlohmann::json params, Lease lease, Principal caller);
+    awaitable<Reply> open_local(methods::OpenParams params, Lease lease, Principal caller);
+    /// The local channel `id` of this connection, when `caller` opened it (on a peer link,
+    /// one connection carries the channels of many hosts), else CHANNEL_NOT_FOUND.
+    std::shared_ptr<Channel> local_channel(std::uint32_t id, const Principal& caller);
 
     Node& node_;
     Transport transport_;

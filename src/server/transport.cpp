@@ -183,6 +183,7 @@ void Transport::send(bool binary, std::string bytes) {
 void Transport::close(websocket::close_code code, std::shared_ptr<void> keep_alive) {
     net::post(strand_, [this, code, keep_alive = std::move(keep_alive)]() mutable {
         if (closing_) return;
+        closing_ = true;  // what opens from now on is hung up at once (Session::open_local)
         // A plain completion handler: no capturing coroutine lambda (CP.51).
         ws_.async_close(code, [keep = std::move(keep_alive)](beast::error_code) {});
     });

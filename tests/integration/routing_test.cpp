@@ -73,6 +73,23 @@ std::string random_bytes(std::size_t n) {
     return s;
 }
 
+/// The reason of the answer to `method` sent with `forwardedFor: forwarded_for` (as a peer
+/// link sends it; null: without the member), "ok" for a result.
+std::string forwarded_reason(Client& c, const std::string& method, const json& params,
+                             const json& forwarded_for) {
+    static std::int64_t next_id = 1'000'000;  // clear of the client's own ids
+    const auto id = next_id++;
+    json request = {{"jsonrpc", "2.0"}, {"id", id}, {"method", method}, {"params", params}};
+    if (!forwarded_for.is_null()) request["forwardedFor"] = forwarded_for;
+    c.send_text(request.dump());
+    try {
+        c.wait_response(id);
+        return "ok";
+    } catch (const rpc_error& e) {
+        return e.data().value("reason", "");
+    }
+}
+
 }  // namespace
 
 TEMPLATE_TEST_CASE("An open through any node runs in the owner's sandbox, byte-exact",
@@ -220,7 +237,8 @@ TEMPLATE_TEST_CASE("A forwarded open is never forwarded again", "[routing][multi
     auto lease = acquire_lease(c1);
     Client as_peer(p2.url(), peer_token, std::chrono::seconds(10), 0,
                    {{"Sandboxd-Forwarded-By", "node-3"}});
-    CHECK(error_reason(as_peer, "duplexChannelOpen", open_params(lease, {"true"})) == "ROUTING_LOOP");
+    CHECK(forwarded_reason(as_peer, "duplexChannelOpen", open_params(lease, {"true"}),
+                           {{"tokenName", "host"}, {"tenants", {"*"}}}) == "ROUTING_LOOP");
     CHECK(p2.channel_processes().empty());
     CHECK(p1.channel_processes().empty());
 }
@@ -451,4 +469,90 @@ TEMPLATE_TEST_CASE("leaseGet through any node is answered by the owner, with the
     CHECK(got["id"] == lease["id"]);
     CHECK(got["usage"].is_null());
     CHECK(got["limits"] == lease["limits"]);
+}
+
+TEMPLATE_TEST_CASE("A peer token acts only for the host it forwards for",
+                   "[routing][multinode][auth]", SqliteCluster, EtcdCluster) {
+    TestType cluster;
+    INFO("registry: " << TestType::kind);
+    DaemonProcess p1("node-1", cluster_config(cluster));
+    Client host(p1.url(), host_token);
+    auto lease = acquire_lease(host);  // company acme
+    Client as_peer(p1.url(), peer_token, std::chrono::seconds(10), 0,
+                   {{"Sandboxd-Forwarded-By", "node-2"}});
+    const json acme = {{"tokenName", "host-a"}, {"tenants", {"acme"}}};
+    const json other = {{"tokenName", "host-b"}, {"tenants", {"other"}}};
+    const json acquire = {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}};
+
+    SECTION("methods a node never forwards are FORBIDDEN, with or without forwardedFor") {
+        for (const auto& f : {json(), acme}) {
+            CHECK(forwarded_reason(as_peer, "leaseAcquire", acquire, f) == "FORBIDDEN");
+            CHECK(forwarded_reason(as_peer, "leaseList", json::object(), f) == "FORBIDDEN");
+            CHECK(forwarded_reason(as_peer, "nodeList", json::object(), f) == "FORBIDDEN");
+            CHECK(forwarded_reason(as_peer, "initialize", json::object(), f) == "FORBIDDEN");
+            CHECK(forwarded_reason(as_peer, "providerValidateConfig",
+                                   {{"provider", "bwrap"}, {"config", json::object()}},
+                                   f) == "FORBIDDEN");
+        }
+        CHECK(host.call("leaseList", json::object())["leases"].size() == 1);
+    }
+    SECTION("a forwarded method without a valid forwardedFor is FORBIDDEN and changes nothing") {
+        const json lease_id = {{"leaseId", lease["id"]}};
+        for (const auto& f :
+             {json(), json("host"), json::object(), json{{"tokenName", "x"}},
+              json{{"tokenName", ""}, {"tenants", {"acme"}}},
+              json{{"tokenName", "x"}, {"tenants", "acme"}},
+              json{{"tokenName", "x"}, {"tenants", {1}}},
+              json{{"tokenName", "x"}, {"tenants", {"acme"}}, {"role", "peer"}}}) {
+            INFO(f.dump());
+            CHECK(forwarded_reason(as_peer, "leaseRelease", lease_id, f) == "FORBIDDEN");
+            CHECK(forwarded_reason(as_peer, "duplexChannelOpen", open_params(lease, {"true"}), f) ==
+                  "FORBIDDEN");
+            CHECK(forwarded_reason(as_peer, "leaseExecute",
+                                   {{"leaseId", lease["id"]}, {"command", "true"}},
+                                   f) == "FORBIDDEN");
+        }
+        CHECK(host.call("leaseGet", {{"leaseId", lease["id"]}})["status"] == "active");
+        CHECK(p1.channel_processes().empty());
+    }
+    SECTION("forwarded for another tenant: the lease is not found, as for that host") {
+        const json lease_id = {{"leaseId", lease["id"]}};
+        CHECK(forwarded_reason(as_peer, "leaseRelease", lease_id, other) == "LEASE_NOT_FOUND");
+        CHECK(forwarded_reason(as_peer, "leaseRenew", {{"leaseId", lease["id"]}, {"ttlMs", 60000}},
+                               other) == "LEASE_NOT_FOUND");
+        CHECK(forwarded_reason(as_peer, "duplexChannelOpen", open_params(lease, {"true"}), other) ==
+              "LEASE_NOT_FOUND");
+        CHECK(forwarded_reason(as_peer, "leaseExecute",
+                               {{"leaseId", lease["id"]}, {"command", "true"}},
+                               other) == "LEASE_NOT_FOUND");
+        CHECK(host.call("leaseGet", {{"leaseId", lease["id"]}})["status"] == "active");
+        CHECK(p1.channel_processes().empty());
+        // Forwarded for the lease's own tenant, the same calls work.
+        CHECK(forwarded_reason(as_peer, "leaseExecute",
+                               {{"leaseId", lease["id"]}, {"command", "true"}}, acme) == "ok");
+        CHECK(forwarded_reason(as_peer, "leaseRelease", lease_id, acme) == "ok");
+        CHECK(host.call("leaseGet", {{"leaseId", lease["id"]}})["status"] == "released");
+    }
+    SECTION("a channel opened for one host is not another's on the same peer link") {
+        const auto id = 2'000'000;
+        as_peer.send_text(json{{"jsonrpc", "2.0"},
+                               {"id", id},
+                               {"method", "duplexChannelOpen"},
+                               {"params", open_params(lease, {"cat"})},
+                               {"forwardedFor", acme}}
+                              .dump());
+        const auto channel = as_peer.wait_response(id)["channel"].get<std::uint32_t>();
+        const json named = {{"channel", channel}};
+        const json as_b = {{"tokenName", "host-b"}, {"tenants", {"acme"}}};
+        CHECK(forwarded_reason(as_peer, "duplexChannelStop", named, as_b) == "CHANNEL_NOT_FOUND");
+        CHECK(forwarded_reason(as_peer, "duplexChannelClose", named, as_b) == "CHANNEL_NOT_FOUND");
+        CHECK(forwarded_reason(as_peer, "duplexChannelStop", named, json()) == "FORBIDDEN");
+        CHECK(p1.channel_processes().size() == 1);
+        CHECK(forwarded_reason(as_peer, "duplexChannelClose", named, acme) == "ok");
+        CHECK(eventually([&] { return p1.channel_processes().empty(); }, 10s));
+    }
+    SECTION("a host token may not send forwardedFor") {
+        CHECK(forwarded_reason(host, "leaseGet", {{"leaseId", lease["id"]}}, acme) == "FORBIDDEN");
+        CHECK(forwarded_reason(host, "leaseGet", {{"leaseId", lease["id"]}}, json()) == "ok");
+    }
 }

@@ -181,6 +181,18 @@ std::vector<pid_t> DaemonProcess::children() const {
     return pid_ > 0 ? children_of(pid_) : std::vector<pid_t>{};
 }
 
+std::vector<pid_t> descendants_of(pid_t pid) {
+    std::vector<pid_t> out = children_of(pid);
+    for (std::size_t i = 0; i < out.size(); ++i) {
+        for (pid_t grandchild : children_of(out[i])) out.push_back(grandchild);
+    }
+    return out;
+}
+
+std::vector<pid_t> DaemonProcess::descendants() const {
+    return pid_ > 0 ? descendants_of(pid_) : std::vector<pid_t>{};
+}
+
 std::vector<pid_t> DaemonProcess::channel_processes() const {
     std::vector<pid_t> out;
     for (pid_t child : children()) {

@@ -55,6 +55,8 @@ public:
     /// PIDs of the channels' inits: the children of each lease sandbox's supervisor (itself
     /// the child of the daemon's bubblewrap child). Empty when no channel process is left.
     std::vector<pid_t> channel_processes() const;
+    /// PIDs of every descendant of the daemon (children, their children, ...), zombies included.
+    std::vector<pid_t> descendants() const;
     /// True while the daemon process runs (not exited, not a zombie).
     bool alive() const;
 
@@ -113,6 +115,9 @@ ScopedEnv measure_memory_env();
 /// Waits until `pred` holds or `timeout` passes; returns whether it held.
 template <typename Pred>
 bool eventually(Pred pred, std::chrono::milliseconds timeout);
+
+/// PIDs of every descendant of `pid`, from /proc/<pid>/task/*/children (zombies included).
+std::vector<pid_t> descendants_of(pid_t pid);
 
 /// Number of host processes whose command line starts with `needle`.
 int count_processes_with(const std::string& needle);

@@ -85,6 +85,7 @@ TEST_CASE("Every error maps to its protocol code and reason", "[errors]") {
         {errc::flow_control, -32020, "FLOW_CONTROL"},
         {errc::registry_unavailable, -32021, "REGISTRY_UNAVAILABLE"},
         {errc::routing_loop, -32022, "ROUTING_LOOP"},
+        {errc::forbidden, -32023, "FORBIDDEN"},
     };
     for (const auto& r : rows) {
         CHECK(rpc_code(r.e) == r.code);

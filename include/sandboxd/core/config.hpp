@@ -164,6 +164,9 @@ struct Config {
     LimitsConfig limits;
     std::string log_level = "info";  ///< trace, debug, info, warn, error, critical, off
     std::string log_format = "text"; ///< "text" or "json"
+    /// audit.file: one JSON line per channel opened and ended is appended here (created with
+    /// mode 0600); "" = no audit file.
+    std::string audit_file;
 };
 
 /// Parses a config document (JSON with // and /* */ comments). Rejects unknown keys, wrong

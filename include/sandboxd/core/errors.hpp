@@ -34,6 +34,7 @@ enum class errc {
     flow_control,          ///< -32020 FLOW_CONTROL
     registry_unavailable,  ///< -32021 REGISTRY_UNAVAILABLE
     routing_loop,          ///< -32022 ROUTING_LOOP
+    forbidden,             ///< -32023 FORBIDDEN: a peer link calls what it may not
 };
 
 /// The category of sandboxd::errc (name "sandboxd"); message() gives the reason string.

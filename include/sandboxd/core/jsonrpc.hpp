@@ -26,6 +26,10 @@ using json = nlohmann::json;
 
 /// `{"jsonrpc":"2.0","id":id,"method":method,"params":params}`, serialized.
 std::string request(const json& id, std::string_view method, json params);
+/// A request a node forwards to the lease's owner for a host (docs/protocol.md section 6):
+/// request() plus `"forwardedFor": forwarded_for`; a notification when `id` is null.
+std::string forwarded_request(const json& id, std::string_view method, json params,
+                              json forwarded_for);
 /// `{"jsonrpc":"2.0","method":method,"params":params}`, serialized (no id: no answer).
 std::string notification(std::string_view method, json params);
 /// `{"jsonrpc":"2.0","id":id,"result":result}`, serialized.
@@ -39,6 +43,8 @@ struct Request {
     std::optional<json> id;
     std::string method;
     json params;  ///< an object, an array or null (absent)
+    /// The request's `forwardedFor` member as sent (any JSON; checked by the session).
+    std::optional<json> forwarded_for;
 };
 
 /// A response to one of our requests: exactly one of result and error is set.

@@ -1,0 +1,63 @@
+#include "server/audit.hpp"
+
+#include <spdlog/spdlog.h>
+
+#include <cerrno>
+#include <chrono>
+#include <ctime>
+#include <fcntl.h>
+#include <system_error>
+#include <unistd.h>
+
+namespace sandboxd {
+
+AuditLog::AuditLog(const std::string& path, std::string node_id, std::string instance_id)
+    : path_(path), node_id_(std::move(node_id)), instance_id_(std::move(instance_id)) {
+    fd_ = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
+    if (fd_ < 0) {
+        throw std::system_error(errno, std::generic_category(), "audit.file " + path);
+    }
+}
+
+AuditLog::~AuditLog() {
+    if (fd_ >= 0) ::close(fd_);
+}
+
+std::string rfc3339_now() {
+    const auto now = std::chrono::system_clock::now();
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch());
+    const std::time_t secs = static_cast<std::time_t>(ms.count() / 1000);
+    std::tm tm{};
+    ::gmtime_r(&secs, &tm);
+    char buf[40];
+    const std::size_t n = std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%S", &tm);
+    char frac[8];
+    std::snprintf(frac, sizeof frac, ".%03dZ", static_cast<int>(ms.count() % 1000));
+    return std::string(buf, n) + frac;
+}
+
+void AuditLog::write(std::string_view event, nlohmann::json fields) noexcept {
+    try {
+        nlohmann::json line = {{"time", rfc3339_now()}, {"event", event}, {"node", node_id_},
+                               {"instance", instance_id_}};
+        for (auto& [key, value] : fields.items()) line[key] = std::move(value);
+        std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+        text.push_back('\n');
+        std::lock_guard lock(mutex_);
+        const ssize_t n = ::write(fd_, text.data(), text.size());
+        if (n == static_cast<ssize_t>(text.size())) return;
+        const int err = n < 0 ? errno : ENOSPC;
+        const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                             std::chrono::steady_clock::now().time_since_epoch())
+                             .count();
+        if (last_failure_log_ms_ == 0 || now - last_failure_log_ms_ >= 60000) {
+            last_failure_log_ms_ = now;
+            spdlog::error("audit.file {}: a line could not be written: {}", path_,
+                          std::generic_category().message(err));
+        }
+    } catch (const std::exception& e) {
+        spdlog::error("audit: {}", e.what());
+    }
+}
+
+}  // namespace sandboxd
