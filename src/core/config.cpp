@@ -226,6 +226,7 @@ void parse_top(const json& j, Config& c) {
         o.str("prefix", c.registry.prefix);
         o.str("username", c.registry.username);
         o.str("passwordFile", c.registry.password_file);
+        o.integer("startupTimeoutMs", c.registry.startup_timeout_ms, 0, 3600000);
         o.done();
     }
     if (const auto* a = top.get("auth")) {
@@ -460,7 +461,8 @@ nlohmann::json config_to_json(const Config& c) {
           {"endpoints", c.registry.endpoints},
           {"prefix", c.registry.prefix},
           {"username", c.registry.username},
-          {"passwordFile", c.registry.password_file}}},
+          {"passwordFile", c.registry.password_file},
+          {"startupTimeoutMs", c.registry.startup_timeout_ms}}},
         {"auth", {{"tokens", tokens}}},
         {"routing",
          {{"mode", c.routing_mode}, {"nodeTtlMs", c.node_ttl_ms}, {"heartbeatMs", c.heartbeat_ms}}},

@@ -108,6 +108,11 @@ struct Node {
     ChannelTable channels;
     std::vector<Credential> credentials;
     std::atomic<bool> draining{false};
+    /// Set once this node has registered at start (docs/protocol.md section 7): before, it
+    /// answers /readyz and WebSocket upgrades with 503 and startup_problem.
+    std::atomic<bool> registered{false};
+    mutable std::mutex startup_mutex;
+    std::string startup_problem;  ///< guarded by startup_mutex
     std::atomic<std::uint64_t> channels_opened{0};
     std::atomic<std::uint64_t> rpc_errors{0};
     net::thread_pool blocking{4};

@@ -134,6 +134,11 @@ struct Daemon::Impl {
     awaitable<void> sweep_loop();
     void start_lease_watch();
     awaitable<bool> registry_reachable();
+    /// register_or_take_over(), retried with backoff while the registry is unreachable, for
+    /// at most registry.startupTimeoutMs; every failed attempt is logged and kept as
+    /// node.startup_problem. Throws the last error when the time runs out, and at once for
+    /// anything but REGISTRY_UNAVAILABLE (a live node with the same id).
+    awaitable<std::int64_t> register_at_start(NodeRecord record);
     awaitable<void> finish_stop();
     std::string metrics_text() const;
 };
@@ -276,12 +281,22 @@ std::string Daemon::start() {
     node.started_at_ms = now_ms();
     NodeRecord record{node.node_id, node.advertise_url, node.started_at_ms, node.started_at_ms,
                       node.instance_id};
+    auto log_failure = [](const std::exception_ptr& e) {
+        if (!e) return;
+        try {
+            std::rethrow_exception(e);
+        } catch (const std::exception& ex) {
+            spdlog::error("daemon task failed: {}", ex.what());
+        }
+    };
+    // Listening at once: /healthz and /readyz answer while the registration runs (and is
+    // retried while the registry cannot be reached); upgrades wait for it (503).
+    net::co_spawn(impl_->ioc, impl_->accept_loop(), log_failure);
+    spdlog::info("node={} bound {}; registering with the {} registry", node.node_id,
+                 impl_->bound, node.config.registry.kind);
     {
         // The io_context does not run yet: drive it here until the registration finished.
-        auto registered = net::co_spawn(impl_->ioc,
-                                        register_or_take_over(*node.registry, record,
-                                                              node.config.node_ttl_ms,
-                                                              node.config.heartbeat_ms),
+        auto registered = net::co_spawn(impl_->ioc, impl_->register_at_start(record),
                                         net::use_future);
         auto busy = net::make_work_guard(impl_->ioc);
         while (registered.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
@@ -292,18 +307,9 @@ std::string Daemon::start() {
         node.renewed_at_ms = registered.get();
     }
     impl_->start_lease_watch();
-
-    auto log_failure = [](const std::exception_ptr& e) {
-        if (!e) return;
-        try {
-            std::rethrow_exception(e);
-        } catch (const std::exception& ex) {
-            spdlog::error("daemon task failed: {}", ex.what());
-        }
-    };
-    net::co_spawn(impl_->ioc, impl_->accept_loop(), log_failure);
     net::co_spawn(impl_->ioc, impl_->heartbeat_loop(), log_failure);
     net::co_spawn(impl_->ioc, impl_->sweep_loop(), log_failure);
+    node.registered = true;
     spdlog::info("node={} version={} registry={} providers={}", node.node_id, version_string,
                  node.config.registry.kind, node.providers.size());
     return impl_->bound;
@@ -391,6 +397,48 @@ awaitable<void> Daemon::Impl::accept_loop() {
                 spdlog::error("connection failed: {}", ex2.what());
             }
         });
+    }
+}
+
+awaitable<std::int64_t> Daemon::Impl::register_at_start(NodeRecord record) {
+    const auto& c = node.config;
+    const auto limit = std::chrono::milliseconds(c.registry.startup_timeout_ms);
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    auto backoff = std::chrono::milliseconds(200);
+    net::steady_timer pause(co_await net::this_coro::executor);
+    for (int attempt = 1;; ++attempt) {
+        std::string problem;
+        try {
+            record.heartbeat_at_ms = now_ms();
+            const auto sent = co_await register_or_take_over(*node.registry, record, c.node_ttl_ms,
+                                                             c.heartbeat_ms);
+            if (attempt > 1) {
+                spdlog::info("node={} registered at attempt {}", node.node_id, attempt);
+            }
+            co_return sent;
+        } catch (const rpc_error& e) {
+            if (e.code() != errc::registry_unavailable) throw;
+            problem = e.what();
+        }
+        {
+            std::lock_guard lock(node.startup_mutex);
+            node.startup_problem = problem;
+        }
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now());
+        if (left.count() <= 0) {
+            throw rpc_error(errc::registry_unavailable,
+                            "register node: the registry could not be reached for " +
+                                std::to_string(limit.count()) +
+                                " ms (registry.startupTimeoutMs), " + std::to_string(attempt) +
+                                " attempts; the last: " + problem);
+        }
+        const auto wait = std::min(backoff, left);
+        spdlog::warn("node={} register attempt {} failed: {}; retrying in {} ms ({} ms left)",
+                     node.node_id, attempt, problem, wait.count(), left.count());
+        pause.expires_after(wait);
+        co_await pause.async_wait(use_awaitable);
+        backoff = std::min(backoff * 2, std::chrono::milliseconds(5000));
     }
 }
 
@@ -484,6 +532,10 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
                     res.set(http::field::www_authenticate, "Bearer realm=\"sandboxd\"");
                 } else if (node.draining) {
                     res = plain(http::status::service_unavailable, "node is draining\n", req.version(), false);
+                } else if (!node.registered) {
+                    res = plain(http::status::service_unavailable,
+                                "node is starting: not registered with the registry yet\n",
+                                req.version(), false);
                 } else {
                     auto session = std::make_shared<Session>(node, std::move(stream), *who);
                     {
@@ -501,9 +553,16 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
             res = plain(http::status::ok, "ok\n", req.version(), keep);
         } else if (target == "/readyz") {
             std::string why;
-            if (node.draining) why = "draining";
-            else if (!co_await registry_reachable()) why = "registry unreachable";
-            else if (const auto fenced = node.fenced_for_ms()) {
+            if (node.draining) {
+                why = "draining";
+            } else if (!node.registered) {
+                std::lock_guard lock(node.startup_mutex);
+                why = "not registered with the registry yet" +
+                      (node.startup_problem.empty() ? std::string()
+                                                    : ": " + node.startup_problem);
+            }
+            if (why.empty() && !co_await registry_reachable()) why = "registry unreachable";
+            if (const auto fenced = why.empty() ? node.fenced_for_ms() : 0) {
                 why = "membership not renewed for " + std::to_string(fenced) + " ms (fenced)";
             }
             std::string notes;

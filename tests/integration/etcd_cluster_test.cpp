@@ -313,3 +313,50 @@ TEST_CASE("etcd: failover time from the owner's death to OWNER_UNAVAILABLE on th
               << " s, lease pending_cleanup after " << seconds_since(killed) << " s\n";
     CHECK(answered[1] < 3.0);
 }
+
+TEST_CASE("etcd: a node started before etcd listens, answers 503 until registered, then serves",
+          "[etcd][multinode][startup]") {
+    EtcdServer etcd;  // private: stopped and started by this test
+    const auto prefix = EtcdServer::unique_prefix();
+    etcd.stop();
+    DaemonProcess node("node-1", etcd_cluster_config(etcd.endpoint(), prefix), {},
+                       DaemonProcess::start_mode::no_wait);
+    // Listening at once, though not registered.
+    REQUIRE(eventually([&] { return !node.bound_address().empty(); }, 30s));
+    const auto address = node.bound_address();
+    CHECK(http_get(address, "/healthz").first == 200);
+    const auto [status, body] = http_get(address, "/readyz");
+    CHECK(status == 503);
+    CHECK(body.find("not registered with the registry yet") != std::string::npos);
+    CHECK(http_get(address, "/v1/ws", "Bearer " + host_token, true).first == 503);
+    // Every attempt is logged; no ready file yet.
+    REQUIRE(eventually([&] { return node.log().find("register attempt 2 failed") != std::string::npos; },
+                       30s));
+    CHECK_FALSE(node.wait_ready(0ms));
+    etcd.start();
+    REQUIRE(node.wait_ready(30s));
+    CHECK(node.address() == address);
+    CHECK(http_get(address, "/readyz").first == 200);
+    Client c(node.url(), host_token);
+    auto lease = acquire_lease(c);
+    CHECK(c.run_channel(open_params(lease, {"echo", "up"})).out == "up\n");
+}
+
+TEST_CASE("etcd: a node whose registry stays unreachable exits 1 after registry.startupTimeoutMs",
+          "[etcd][startup]") {
+    EtcdServer etcd;
+    etcd.stop();
+    auto config = json::parse(etcd_cluster_config(etcd.endpoint(), EtcdServer::unique_prefix()));
+    config["registry"]["startupTimeoutMs"] = 1500;
+    const auto started = std::chrono::steady_clock::now();
+    DaemonProcess node("node-1", config.dump(), {}, DaemonProcess::start_mode::no_wait);
+    const auto status = node.wait_exit(30s);
+    const auto took = std::chrono::steady_clock::now() - started;
+    REQUIRE(status);
+    CHECK(*status == 1);
+    CHECK(took >= 1500ms);
+    CHECK(took < 15s);
+    INFO(node.log());
+    CHECK(node.log().find("registry.startupTimeoutMs") != std::string::npos);
+    CHECK(node.log().find("register attempt 1 failed") != std::string::npos);
+}

@@ -60,10 +60,10 @@ TempDir::~TempDir() {
 }
 
 DaemonProcess::DaemonProcess(std::string node_id, std::string config_json,
-                             std::vector<std::string> extra_args)
+                             std::vector<std::string> extra_args, start_mode mode)
     : node_id_(std::move(node_id)), config_json_(std::move(config_json)),
       extra_args_(std::move(extra_args)), state_dir_(dir_.path() / "state") {
-    launch();
+    launch(mode);
 }
 
 DaemonProcess::~DaemonProcess() {
@@ -80,7 +80,7 @@ DaemonProcess::~DaemonProcess() {
     fs::remove_all(runtime, ec);
 }
 
-void DaemonProcess::launch() {
+void DaemonProcess::launch(start_mode mode) {
     const auto ready = dir_.path() / "ready";
     fs::remove(ready);
     std::vector<std::string> args = {SANDBOXD_BIN, "--state-dir", state_dir_.string(), "--listen",
@@ -106,6 +106,14 @@ void DaemonProcess::launch() {
         ::execv(argv[0], argv.data());
         ::_exit(127);
     }
+    if (mode == start_mode::no_wait) return;
+    if (!wait_ready(std::chrono::seconds(30))) {
+        throw std::runtime_error("sandboxd did not become ready:\n" + log());
+    }
+}
+
+bool DaemonProcess::wait_ready(std::chrono::milliseconds timeout) {
+    const auto ready = dir_.path() / "ready";
     const bool up = eventually(
         [&] {
             int status = 0;
@@ -115,10 +123,31 @@ void DaemonProcess::launch() {
             }
             return fs::exists(ready);
         },
-        std::chrono::seconds(30));
-    if (!up) throw std::runtime_error("sandboxd did not become ready:\n" + log());
+        timeout);
+    if (!up) return false;
     std::ifstream in(ready);
     std::getline(in, address_);
+    return true;
+}
+
+std::optional<int> DaemonProcess::wait_exit(std::chrono::milliseconds timeout) {
+    if (pid_ <= 0) return std::nullopt;
+    int status = 0;
+    if (!eventually([&] { return ::waitpid(pid_, &status, WNOHANG) == pid_; }, timeout)) {
+        return std::nullopt;
+    }
+    pid_ = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+std::string DaemonProcess::bound_address() const {
+    const std::string text = log();
+    const std::string marker = " bound ";
+    const auto at = text.find(marker);
+    if (at == std::string::npos) return {};
+    const auto start = at + marker.size();
+    const auto end = text.find_first_of("; \n", start);
+    return text.substr(start, end == std::string::npos ? std::string::npos : end - start);
 }
 
 int DaemonProcess::stop() {

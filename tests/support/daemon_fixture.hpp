@@ -8,6 +8,7 @@
 #include <chrono>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,10 +29,20 @@ private:
 
 class DaemonProcess {
 public:
-    /// Starts the daemon and waits (at most 30 s) for its ready file. `config_json` is written
-    /// to a file and passed with --config when not empty.
+    enum class start_mode { wait_ready, no_wait };
+    /// Starts the daemon and (start_mode::wait_ready) waits at most 30 s for its ready file.
+    /// `config_json` is written to a file and passed with --config when not empty.
     explicit DaemonProcess(std::string node_id = "node-a", std::string config_json = "",
-                           std::vector<std::string> extra_args = {});
+                           std::vector<std::string> extra_args = {},
+                           start_mode mode = start_mode::wait_ready);
+    /// Waits for the ready file (then address() is set); false when it did not come within
+    /// `timeout`. Throws std::runtime_error (with the log) when the daemon exits meanwhile.
+    bool wait_ready(std::chrono::milliseconds timeout);
+    /// Waits for the daemon to exit by itself: its exit status (-1 for a signal), or nullopt
+    /// when it still runs after `timeout`.
+    std::optional<int> wait_exit(std::chrono::milliseconds timeout);
+    /// The address the daemon logged once bound ("bound HOST:PORT"), "" before.
+    std::string bound_address() const;
     ~DaemonProcess();
     DaemonProcess(const DaemonProcess&) = delete;
     DaemonProcess& operator=(const DaemonProcess&) = delete;
@@ -73,7 +84,7 @@ public:
     double metric(const std::string& name) const;
 
 private:
-    void launch();
+    void launch(start_mode mode = start_mode::wait_ready);
     std::string node_id_;
     std::string config_json_;
     std::vector<std::string> extra_args_;

@@ -37,6 +37,9 @@ struct RegistryConfig {
     std::string prefix = "/sandboxd/v1/";
     std::string username;       ///< etcd auth user; "" = no auth
     std::string password_file;  ///< file holding the etcd user's password (trailing whitespace trimmed)
+    /// How long the daemon keeps trying to register at start while the registry cannot be
+    /// reached (listening meanwhile, /readyz 503), ms, 0..3600000; then it exits 1.
+    std::uint32_t startup_timeout_ms = 60000;
 };
 
 /// Per-lease limits of the built-in provider (leaseAcquire's `config.limits`, and the node's
