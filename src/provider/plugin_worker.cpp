@@ -756,27 +756,30 @@ void WorkerManager::Impl::read_stderr(const std::shared_ptr<Worker>& w) {
 
 void WorkerManager::Impl::on_line(const std::shared_ptr<Worker>& w, std::string_view line) {
     if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
-    if (line.find_first_not_of(" \t") == std::string_view::npos) return;
-    json msg = json::parse(line, nullptr, false);
-    if (msg.is_discarded() || !msg.is_object()) {
+    auto parsed = parse_worker_line(line);
+    switch (parsed.kind) {
+    case worker_line_kind::blank:
+        return;
+    case worker_line_kind::text:
         // A plugin's console.log writes plain text to stdout (the SDK does not redirect it):
         // logged and dropped, as paperclip's host does. It can answer or forge nothing.
         spdlog::info("plugin={} pid={} stdout: {}", config.plugin_id, w->pid,
                      line.substr(0, log_text_max));
         return;
-    }
-    const bool has_method = msg.contains("method") && msg["method"].is_string();
-    const bool has_id = msg.contains("id") && !msg["id"].is_null();
-    if (!has_method && msg.contains("id") && (msg.contains("result") || msg.contains("error"))) {
-        on_response(w, msg);
-    } else if (has_method && has_id) {
-        on_worker_request(w, msg);
-    } else if (has_method && !msg.contains("id")) {
-        on_notification(w, msg);
-    } else {
+    case worker_line_kind::response:
+        on_response(w, parsed.message);
+        return;
+    case worker_line_kind::request:
+        on_worker_request(w, parsed.message);
+        return;
+    case worker_line_kind::notification:
+        on_notification(w, parsed.message);
+        return;
+    case worker_line_kind::invalid:
         spdlog::warn("plugin={} worker pid={}: a message that is neither a response, a request "
                      "nor a notification was dropped: {}",
                      config.plugin_id, w->pid, line.substr(0, 200));
+        return;
     }
 }
 

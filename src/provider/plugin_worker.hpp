@@ -27,7 +27,10 @@
 #include <string>
 #include <vector>
 
+#include "provider/worker_line.hpp"
+
 namespace sandboxd {
+
 
 class WorkerManager {
 public:

@@ -121,6 +121,10 @@ std::string prefix_end(std::string_view prefix);
 /// Throws std::invalid_argument when it is present and malformed.
 std::int64_t int64_field(const nlohmann::json& j, std::string_view name);
 
+/// The JSON of an etcd gateway answer's body; of a streaming answer (newline-delimited JSON,
+/// a lease keepalive), the first object. Throws nlohmann::json::exception when it is not JSON.
+nlohmann::json parse_reply_body(const std::string& body);
+
 /// Decodes one `kvs` element of a range answer.
 KeyValue decode_kv(const nlohmann::json& kv);
 
