@@ -323,13 +323,14 @@ std::string read_cmdline(const fs::path& proc_dir) {
     return cmd;
 }
 
+/// Calls `f(pid, command line)` for every process of this test's own tree: its descendants
+/// (the daemons it started and everything below them). The test process is a child subreaper
+/// (tests/support/catch_main.cpp), so a process of that tree that loses its parent stays in
+/// it; processes of other tests and other work on the machine are never looked at.
 template <typename F>
 void for_each_process(F f) {
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator("/proc", ec)) {
-        const auto name = entry.path().filename().string();
-        if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-        f(static_cast<pid_t>(std::stol(name)), read_cmdline(entry.path()));
+    for (pid_t pid : descendants_of(::getpid())) {
+        f(pid, read_cmdline("/proc/" + std::to_string(pid)));
     }
 }
 
@@ -384,20 +385,11 @@ char proc_state(pid_t pid) {
 }
 
 int count_processes_with(const std::string& needle) {
+    // Zombies have an empty command line and are not "left running"; bubblewrap and the init
+    // carry the command in their arguments, so only a command line that starts with `needle`
+    // is the command itself.
     int count = 0;
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator("/proc", ec)) {
-        const auto name = entry.path().filename().string();
-        if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-        std::string cmd = read_proc_file(entry.path() / "cmdline");
-        for (auto& c : cmd) {
-            if (c == '\0') c = ' ';
-        }
-        // Zombies have an empty command line and are not "left running"; bubblewrap and the
-        // init carry the command in their arguments, so only a command line that starts with
-        // `needle` is the command itself.
-        if (cmd.rfind(needle, 0) == 0) ++count;
-    }
+    for_each_process([&](pid_t, const std::string& cmd) { count += cmd.rfind(needle, 0) == 0; });
     return count;
 }
 

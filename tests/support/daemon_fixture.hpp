@@ -130,11 +130,14 @@ bool eventually(Pred pred, std::chrono::milliseconds timeout);
 /// PIDs of every descendant of `pid`, from /proc/<pid>/task/*/children (zombies included).
 std::vector<pid_t> descendants_of(pid_t pid);
 
-/// Number of host processes whose command line starts with `needle`.
+/// The process scans below look only at this test process's own tree (descendants_of(getpid()):
+/// the daemons it started, their sandboxes, and orphans of them, which a child subreaper keeps),
+/// never at the other processes of the machine.
+/// Number of this test's processes whose command line starts with `needle`.
 int count_processes_with(const std::string& needle);
-/// Number of host processes whose command line (arguments joined by spaces) is `command`.
+/// Number of this test's processes whose command line (arguments joined by spaces) is `command`.
 int count_processes_exactly(const std::string& command);
-/// PIDs of the host processes whose command line starts with `needle`.
+/// PIDs of this test's processes whose command line starts with `needle`.
 std::vector<pid_t> pids_with(const std::string& needle);
 /// A "Name:" field of /proc/<pid>/status as a number (e.g. "VmRSS" in KiB); -1 if absent.
 long proc_status_field(pid_t pid, const std::string& name);
