@@ -6,8 +6,8 @@
 // SANDBOXD_RACE_PAIRS pairs per registry (default 500, the CI count; the full count is 5,000:
 // `scripts/stress`), from four host connections at once; each pair acquires on one node and
 // releases through the other one every second time (a forwarded release).
+#include "support/clusters.hpp"
 #include "support/daemon_fixture.hpp"
-#include "support/etcd_fixture.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -29,22 +29,6 @@ int pairs() {
     const char* v = std::getenv("SANDBOXD_RACE_PAIRS");
     return v && *v ? std::max(1, std::atoi(v)) : 500;
 }
-
-struct Sqlite {
-    static constexpr const char* kind = "sqlite";
-    TempDir dir;
-    json registry() const {
-        return {{"kind", "sqlite"}, {"path", (dir.path() / "registry.db").string()}};
-    }
-};
-
-struct Etcd {
-    static constexpr const char* kind = "etcd";
-    std::string prefix = EtcdServer::unique_prefix();
-    json registry() const {
-        return {{"kind", "etcd"}, {"endpoints", {EtcdServer::shared().endpoint()}}, {"prefix", prefix}};
-    }
-};
 
 template <typename Registry>
 std::string config(const Registry& r) {
@@ -80,7 +64,7 @@ struct LogVerdict {
 }  // namespace
 
 TEMPLATE_TEST_CASE("Acquire and release pairs over two nodes never meet the sweeper",
-                   "[lease][multinode][race]", Sqlite, Etcd) {
+                   "[lease][multinode][race]", SqliteCluster, EtcdCluster) {
     TestType registry;
     INFO("registry: " << TestType::kind);
     DaemonProcess a("node-1", config(registry));

@@ -3,6 +3,7 @@
 // through the proxy. Every multi-node test runs once on each registry backend: SQLite (one
 // database file the nodes share) and etcd (the shared test server, a key prefix per test);
 // the backend is the suffix of the test's name ("- SqliteCluster", "- EtcdCluster").
+#include "support/clusters.hpp"
 #include "support/daemon_fixture.hpp"
 #include "support/etcd_fixture.hpp"
 
@@ -24,29 +25,6 @@ namespace {
 
 const std::string host_token = "host-secret";
 const std::string peer_token = "peer-secret";
-
-/// The registry the nodes of one test share: one SQLite file.
-struct SqliteCluster {
-    static constexpr const char* kind = "sqlite";
-    static constexpr int id = 0;  // tells its processes apart (ctest -j runs both at once)
-    TempDir dir;
-    json registry() const {
-        return {{"kind", "sqlite"}, {"path", (dir.path() / "registry.db").string()}};
-    }
-};
-
-/// The registry the nodes of one test share: a prefix of its own on the shared etcd server
-/// (SANDBOXD_ETCD_ENDPOINT, or one the test process starts).
-struct EtcdCluster {
-    static constexpr const char* kind = "etcd";
-    static constexpr int id = 1;
-    std::string prefix = EtcdServer::unique_prefix();
-    json registry() const {
-        return {{"kind", "etcd"},
-                {"endpoints", {EtcdServer::shared().endpoint()}},
-                {"prefix", prefix}};
-    }
-};
 
 template <typename Cluster>
 std::string cluster_config(const Cluster& cluster, const std::string& mode = "proxy") {

@@ -1,0 +1,33 @@
+#pragma once
+// The registry that the nodes of one multi-node test share, one type per backend, for
+// TEMPLATE_TEST_CASE: the backend's kind is the suffix of the test's name ("- SqliteCluster",
+// "- EtcdCluster"). Not thread-safe; one per test.
+#include "support/daemon_fixture.hpp"
+#include "support/etcd_fixture.hpp"
+
+#include <nlohmann/json.hpp>
+
+namespace sandboxd::test {
+
+/// One SQLite file in a temporary directory.
+struct SqliteCluster {
+    static constexpr const char* kind = "sqlite";
+    static constexpr int id = 0;  // tells its processes apart (ctest -j runs both at once)
+    TempDir dir;
+    nlohmann::json registry() const {
+        return {{"kind", "sqlite"}, {"path", (dir.path() / "registry.db").string()}};
+    }
+};
+
+/// A prefix of its own on the shared etcd server (SANDBOXD_ETCD_ENDPOINT, or one the test
+/// process starts).
+struct EtcdCluster {
+    static constexpr const char* kind = "etcd";
+    static constexpr int id = 1;
+    std::string prefix = EtcdServer::unique_prefix();
+    nlohmann::json registry() const {
+        return {{"kind", "etcd"}, {"endpoints", {EtcdServer::shared().endpoint()}}, {"prefix", prefix}};
+    }
+};
+
+}  // namespace sandboxd::test
