@@ -317,7 +317,8 @@ Config parse_config(std::string_view text) {
     json j;
     try {
         j = json::parse(text, nullptr, true, /*ignore_comments=*/true);
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {
+        // parse_error, and out_of_range for a number beyond a double (1e999): found by fuzzing.
         throw config_error(std::string("config: not valid JSON: ") + e.what());
     }
     Config c;

@@ -12,8 +12,10 @@
 namespace sandboxd {
 
 AuditLog::AuditLog(const std::string& path, std::string node_id, std::string instance_id)
-    : path_(path), node_id_(std::move(node_id)), instance_id_(std::move(instance_id)) {
-    fd_ = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
+    : path_(path),
+      node_id_(std::move(node_id)),
+      instance_id_(std::move(instance_id)),
+      fd_(::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600)) {
     if (fd_ < 0) {
         throw std::system_error(errno, std::generic_category(), "audit.file " + path);
     }

@@ -75,6 +75,7 @@ TEMPLATE_TEST_CASE("Acquire and release pairs over two nodes never meet the swee
     std::mutex mutex;
     std::vector<std::string> leases, problems;
     std::vector<std::thread> threads;
+    threads.reserve(workers);
     for (int w = 0; w < workers; ++w) {
         threads.emplace_back([&] {
             try {
@@ -95,7 +96,7 @@ TEMPLATE_TEST_CASE("Acquire and release pairs over two nodes never meet the swee
             } catch (const std::exception& e) {
                 ++errors;
                 std::lock_guard lock(mutex);
-                problems.push_back(e.what());
+                problems.emplace_back(e.what());
             }
         });
     }

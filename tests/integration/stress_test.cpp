@@ -48,6 +48,10 @@ struct Subreaper {
         reap();
     }
     ~Subreaper() { reap(); }
+    Subreaper(const Subreaper&) = delete;
+    Subreaper& operator=(const Subreaper&) = delete;
+    Subreaper(Subreaper&&) = delete;
+    Subreaper& operator=(Subreaper&&) = delete;
     static void reap() {
         eventually(
             [] {

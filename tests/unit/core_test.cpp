@@ -120,6 +120,8 @@ TEST_CASE("Invalid configs are rejected with the field path", "[config]") {
         return "accepted";
     };
     CHECK(error_of(R"({"nope": 1})") == "config: nope: unknown key");
+    // A number beyond a double: not valid JSON, not an escaping out_of_range (fuzzing found it).
+    CHECK(error_of(R"({"limits": {"outputWindow": 1e999}})").rfind("config: not valid JSON: ", 0) == 0);
     CHECK(error_of(R"({"limits": {"outputWindow": 10}})") ==
           "config: limits.outputWindow: must be an integer in 1024..1073741824, got 10");
     CHECK(error_of(R"({"limits": {"outputWindow": "big"}})") ==

@@ -141,6 +141,10 @@ TEST_CASE("A server classifies text messages with the protocol's errors", "[json
         return std::make_pair(bad->id, bad->error.to_json());
     };
     CHECK(invalid("{", 1024).second["code"] == -32700);
+    // A number beyond a double is a parse error too (found by tests/fuzz/fuzz_jsonrpc.cpp).
+    CHECK(invalid("2E802").second["code"] == -32700);
+    CHECK(invalid(R"({"jsonrpc":"2.0","id":1,"method":"x","params":{"n":1e999}})").second["code"] ==
+          -32700);
     CHECK(invalid("[]").second["message"] == "Batch requests are not supported");
     CHECK(invalid("3").second["message"] == "A request must be a JSON object");
     CHECK(invalid("{\"jsonrpc\":\"2.0\",\"method\":\"x\"}", 10).second["message"] ==
