@@ -9,6 +9,11 @@ std::shared_ptr<SandboxHandle> HandleCache::find(const SandboxScope& scope) cons
     return it->second.handle;
 }
 
+bool HandleCache::holds(const SandboxScope& scope) const {
+    std::lock_guard lock(mutex_);
+    return entries_.count(scope) > 0;
+}
+
 bool HandleCache::put(std::shared_ptr<SandboxHandle> handle) {
     std::lock_guard lock(mutex_);
     auto scope = handle->scope;

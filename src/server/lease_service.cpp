@@ -864,7 +864,9 @@ awaitable<void> sweep(Node& node) {
         for (auto& lease : co_await leases_of(node, node.node_id, lease_status::active)) {
             Provider* provider = provider_of(node, lease.provider);
             if (provider && provider->can_resume()) continue;  // resumed on first use
-            if (!held.count(lease.id) && !node.cache.find(scope_of(lease))) {
+            // Read again now: the snapshot may predate an acquire, and a release that began
+            // since (its record still active) is held, not lost.
+            if (!held.count(lease.id) && !node.cache.holds(scope_of(lease))) {
                 co_await lease_orphan(node, std::move(lease),
                                       "owner node restarted without the sandbox");
             }

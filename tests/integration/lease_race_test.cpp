@@ -37,7 +37,7 @@ std::string config(const Registry& r) {
                  {{"tokens",
                    {{{"name", "host"}, {"token", host_token}, {"role", "host"}, {"tenants", {"*"}}},
                     {{"name", "peer"}, {"token", "peer-secret"}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
-                {"routing", {{"mode", "proxy"}, {"nodeTtlMs", 1000}, {"heartbeatMs", 100}}}}
+                {"routing", {{"mode", "proxy"}, {"nodeTtlMs", 3000}, {"heartbeatMs", 100}}}}
         .dump();
 }
 

@@ -21,6 +21,9 @@ public:
     /// The handle for exactly this scope, or nullptr. An entry whose teardown has begun
     /// (see begin_teardown) is not returned: a release that is draining admits no new channel.
     std::shared_ptr<SandboxHandle> find(const SandboxScope& scope) const;
+    /// Whether this node holds a sandbox for exactly this scope, its teardown begun or not (the
+    /// sweeper: a lease being released is held, not lost).
+    bool holds(const SandboxScope& scope) const;
 
     /// Seeds the cache with a new sandbox (on acquire). Replaces nothing: returns false if the
     /// scope is already cached.
