@@ -92,7 +92,6 @@ json await_response(Client& c, ExitTally& tally, std::int64_t id) {
         return ev.type == ClientEvent::kind::response && ev.message.value("id", json()) == id;
     };
     std::optional<json> answer;
-    std::deque<ClientEvent> rest;
     for (auto& ev : c.take_queued()) {
         if (!answer && is_it(ev)) {
             answer = ev.message;
