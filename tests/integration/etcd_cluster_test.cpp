@@ -14,6 +14,7 @@
 
 #include <csignal>
 
+#include <atomic>
 #include <chrono>
 #include <iostream>
 #include <mutex>
@@ -152,7 +153,14 @@ TEST_CASE("etcd: the lease change feed delivers every write and lists again afte
     }
     // The re-listing delivered lease-1 again, as it now is.
     CHECK(count_of("lease-1", lease_status::released, released->epoch) >= 2);
-    // Nothing arrives after the feed is destroyed.
+    // Nothing arrives after the feed is destroyed: a second feed, started before and still
+    // alive, receives the next write, and the destroyed one never does.
+    std::atomic<bool> marker_seen{false};
+    std::atomic<int> second_resyncs{0};
+    auto live_feed = watcher->watch_leases([&](const Lease& l) { marker_seen = marker_seen || l.id == "lease-3"; },
+                                        [&] { ++second_resyncs; }, 100);
+    REQUIRE(live_feed);
+    REQUIRE(eventually([&] { return second_resyncs >= 1; }, 5s));
     feed.reset();
     std::size_t before = 0;
     {
@@ -163,7 +171,7 @@ TEST_CASE("etcd: the lease change feed delivers every write and lists again afte
     third.id = "lease-3";
     third.provider_lease_id = "pl-3";
     writer->create_lease(third);
-    std::this_thread::sleep_for(300ms);
+    CHECK(eventually([&] { return marker_seen.load(); }, 5s));
     std::lock_guard lock(mutex);
     CHECK(seen.size() == before);
 }
@@ -187,14 +195,25 @@ TEST_CASE("etcd: a daemon whose etcd stops fails closed with REGISTRY_UNAVAILABL
           "REGISTRY_UNAVAILABLE");
     CHECK(error_reason(c, "leaseGet", {{"leaseId", lease["id"]}}) == "REGISTRY_UNAVAILABLE");
     // Past 2/3 of the TTL without a renewal the node is fenced, whatever the call needs.
-    std::this_thread::sleep_for(std::chrono::milliseconds(node_ttl_ms * 2 / 3 + 300));
-    try {
-        c.call("duplexChannelOpen", open_params(lease, {"true"}));
-        FAIL("an open succeeded with etcd stopped");
-    } catch (const rpc_error& e) {
-        CHECK(e.data()["reason"] == "REGISTRY_UNAVAILABLE");
-        CHECK(std::string(e.what()).find("has not renewed its registry membership") != std::string::npos);
-    }
+    const auto stopped = std::chrono::steady_clock::now();
+    std::vector<std::string> answers;
+    const bool fenced = eventually(
+        [&] {
+            try {
+                c.call("duplexChannelOpen", open_params(lease, {"true"}));
+                answers.emplace_back("an open succeeded with etcd stopped");
+            } catch (const rpc_error& e) {
+                if (e.data()["reason"] != "REGISTRY_UNAVAILABLE") answers.emplace_back(e.what());
+                return std::string(e.what()).find("has not renewed its registry membership") !=
+                       std::string::npos;
+            }
+            return false;
+        },
+        std::chrono::milliseconds(node_ttl_ms * 2));
+    for (const auto& a : answers) UNSCOPED_INFO(a);
+    CHECK(fenced);
+    CHECK(answers.empty());
+    CHECK(seconds_since(stopped) * 1000 >= node_ttl_ms * 2 / 3 - 300);
     CHECK(p1.alive());
     CHECK(p1.channel_processes().size() == 1);  // the running channel is left alone
 

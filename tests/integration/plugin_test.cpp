@@ -332,8 +332,19 @@ TEST_CASE("A release while the plugin is down waits in pending_cleanup without s
 
     auto released = c->call("leaseRelease", {{"leaseId", lease["id"]}});
     CHECK(released["status"] == "pending_cleanup");
-    std::this_thread::sleep_for(milliseconds(7500));
-    CHECK(c->call("leaseGet", {{"leaseId", lease["id"]}})["status"] == "pending_cleanup");
+    // More teardowns fail than the five counted attempts allow (the sweeper runs every 100 ms
+    // and a transient failure adds no backoff); none of them was counted.
+    const std::string failed_line = "lease=" + lease["id"].get<std::string>() + " teardown failed";
+    const auto failures = [&] {
+        const std::string log = pd.daemon->log();
+        int n = 0;
+        for (auto at = log.find(failed_line); at != std::string::npos; at = log.find(failed_line, at + 1)) ++n;
+        return n;
+    };
+    CHECK(eventually([&] { return failures() >= 7; }, seconds(30)));
+    const auto waiting = c->call("leaseGet", {{"leaseId", lease["id"]}});
+    CHECK(waiting["status"] == "pending_cleanup");
+    CHECK(waiting["cleanupStatus"] != "slow retry");
 
     fs::remove(pd.fail_file());
     CHECK(eventually([&] { return c->call("leaseGet", {{"leaseId", lease["id"]}})["status"] == "released"; },

@@ -60,8 +60,9 @@ TempDir::~TempDir() {
 }
 
 DaemonProcess::DaemonProcess(std::string node_id, std::string config_json,
-                             std::vector<std::string> extra_args, start_mode mode)
-    : node_id_(std::move(node_id)), config_json_(std::move(config_json)),
+                             std::vector<std::string> extra_args, start_mode mode,
+                             std::string listen)
+    : node_id_(std::move(node_id)), config_json_(std::move(config_json)), listen_(std::move(listen)),
       extra_args_(std::move(extra_args)), state_dir_(dir_.path() / "state") {
     launch(mode);
 }
@@ -84,7 +85,7 @@ void DaemonProcess::launch(start_mode mode) {
     const auto ready = dir_.path() / "ready";
     fs::remove(ready);
     std::vector<std::string> args = {SANDBOXD_BIN, "--state-dir", state_dir_.string(), "--listen",
-                                     "127.0.0.1:0", "--ready-file", ready.string(), "--node-id",
+                                     listen_, "--ready-file", ready.string(), "--node-id",
                                      node_id_, "--log-level", "debug"};
     if (!config_json_.empty()) {
         const auto cfg = dir_.path() / "config.json";

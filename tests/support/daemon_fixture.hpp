@@ -31,10 +31,12 @@ class DaemonProcess {
 public:
     enum class start_mode { wait_ready, no_wait };
     /// Starts the daemon and (start_mode::wait_ready) waits at most 30 s for its ready file.
-    /// `config_json` is written to a file and passed with --config when not empty.
+    /// `config_json` is written to a file and passed with --config when not empty. `listen`
+    /// is the --listen address (HOST:PORT; port 0 takes a free one, again on each restart).
     explicit DaemonProcess(std::string node_id = "node-a", std::string config_json = "",
                            std::vector<std::string> extra_args = {},
-                           start_mode mode = start_mode::wait_ready);
+                           start_mode mode = start_mode::wait_ready,
+                           std::string listen = "127.0.0.1:0");
     /// Waits for the ready file (then address() is set); false when it did not come within
     /// `timeout`. Throws std::runtime_error (with the log) when the daemon exits meanwhile.
     bool wait_ready(std::chrono::milliseconds timeout);
@@ -87,6 +89,7 @@ private:
     void launch(start_mode mode = start_mode::wait_ready);
     std::string node_id_;
     std::string config_json_;
+    std::string listen_;
     std::vector<std::string> extra_args_;
     TempDir dir_;
     std::filesystem::path state_dir_;

@@ -1,0 +1,751 @@
+// Fault trials (issue 15, item 4): three real sandboxd nodes on one registry (SQLite, or a
+// private etcd), a stream of host work (acquire, open channels that echo their stdin, release)
+// from several connections, and in each trial one fault during that stream:
+//   kill9     SIGKILL a node, restart it on the same state directory;
+//   sigstop   SIGSTOP a node for 1.5 node TTLs, then SIGCONT;
+//   registry  (etcd) stop etcd for 0.5 to 1.5 node TTLs, then start it again;
+//   link_cut  cut every link to a node (its address is blackholed by a routing rule in the
+//             network namespace this program makes) for 0.5 to 1.5 node TTLs.
+// After each trial the stream stops, every lease still active is released, and within
+// 3 node TTLs of the trial's end every lease must be released, expired, retained or in
+// pending_cleanup, with no process (by cgroup) and no sandbox directory left of a released or
+// expired one. At the end every node is stopped and the checker reads every node's audit file
+// (`audit: {file}`) and log:
+//   - every channel.opened names the lease's owner and the epoch it was acquired with, and came
+//     before the lease left `active` (the first "lease=<id> pending_cleanup|released|expired"
+//     line of any node's log);
+//   - no lease has channels on two nodes, and no sandbox of a lease is on a node that does not
+//     own it;
+//   - every channel.opened has exactly one channel.ended of its process (instance), unless that
+//     process was killed;
+//   - no answer on the wire shows a status outside the protocol's.
+// Usage: fault_trials [--registry sqlite|etcd] [--trials N] [--seed S] [--node-ttl-ms MS]
+//                     [--max-seconds S] [--workers N]
+// Exit status 0 when every verdict holds, 1 when one fails, 2 for a usage error. Needs root
+// (the network namespace, bubblewrap's sandboxes); without a namespace of its own the link_cut
+// fault is skipped (said at start).
+#include "support/daemon_fixture.hpp"
+#include "support/etcd_fixture.hpp"
+
+#include <sandboxd/core/errors.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <sched.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <csignal>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+using namespace sandboxd;
+using namespace sandboxd::test;
+using json = nlohmann::json;
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+using steady = std::chrono::steady_clock;
+
+namespace {
+
+const std::string host_token = "host-secret";
+constexpr int node_count = 3;
+
+enum class fault { kill9, sigstop, registry, link_cut };
+
+const char* name_of(fault f) {
+    switch (f) {
+        case fault::kill9: return "kill9";
+        case fault::sigstop: return "sigstop";
+        case fault::registry: return "registry";
+        case fault::link_cut: return "link_cut";
+    }
+    return "?";
+}
+
+struct Options {
+    std::string registry = "sqlite";
+    int trials = 50;
+    std::uint64_t seed = 0;
+    int node_ttl_ms = 2000;
+    int max_seconds = 0;  // 0: no bound but the trial count
+    int workers = 3;
+};
+
+[[noreturn]] void usage(const std::string& why) {
+    std::cerr << "fault_trials: " << why
+              << "\nusage: fault_trials [--registry sqlite|etcd] [--trials N] [--seed S]"
+                 " [--node-ttl-ms MS] [--max-seconds S] [--workers N]\n";
+    std::exit(2);
+}
+
+Options parse(int argc, char** argv) {
+    Options o;
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (i + 1 >= argc) usage("missing value after " + a);
+        const std::string v = argv[++i];
+        try {
+            if (a == "--registry") {
+                if (v != "sqlite" && v != "etcd") usage("--registry must be sqlite or etcd");
+                o.registry = v;
+            } else if (a == "--trials") {
+                o.trials = std::stoi(v);
+            } else if (a == "--seed") {
+                o.seed = std::stoull(v);
+            } else if (a == "--node-ttl-ms") {
+                o.node_ttl_ms = std::stoi(v);
+            } else if (a == "--max-seconds") {
+                o.max_seconds = std::stoi(v);
+            } else if (a == "--workers") {
+                o.workers = std::stoi(v);
+            } else {
+                usage("unknown option " + a);
+            }
+        } catch (const std::logic_error&) {
+            usage("bad number for " + a + ": " + v);
+        }
+    }
+    if (o.trials < 1 || o.node_ttl_ms < 600 || o.workers < 1 || o.max_seconds < 0) {
+        usage("--trials and --workers must be at least 1, --node-ttl-ms at least 600");
+    }
+    return o;
+}
+
+/// Runs `command` with /bin/sh; true when it exits 0.
+bool sh(const std::string& command) { return std::system(command.c_str()) == 0; }
+
+/// A network namespace of this process's own, where 127.0.0.2.. can be cut one by one:
+/// the `local` routing table moves behind rule 100, so a `blackhole` rule before it drops what
+/// is sent to one address (connects fail, established connections stall).
+bool private_network() {
+    if (::unshare(CLONE_NEWNET) != 0) {
+        std::cout << "no network namespace of its own (unshare: " << std::strerror(errno)
+                  << "): the link_cut fault is skipped\n";
+        return false;
+    }
+    if (!sh("ip link set lo up && ip rule add pref 100 lookup local && ip rule del pref 0")) {
+        std::cerr << "fault_trials: cannot set up the network namespace (is iproute2 there?)\n";
+        std::exit(1);
+    }
+    return true;
+}
+
+std::string host_of(int node) { return "127.0.0." + std::to_string(node + 2); }
+
+/// What the stream saw; shared by the workers and the main thread (under `mutex`).
+struct Ledger {
+    struct LeaseRecord {
+        std::string owner, provider_lease_id;
+        std::int64_t epoch = 0;
+        int trial = 0;
+    };
+    std::mutex mutex;
+    std::map<std::string, LeaseRecord> leases;
+    std::map<std::string, long> errors;  // reason (or "transport") -> count
+    std::map<std::string, long> channel_ends;  // outcome -> count
+    long acquires = 0, releases = 0, channels_echoed = 0;
+    std::vector<std::string> violations;
+
+    void lease(const json& l, int trial) {
+        std::lock_guard lock(mutex);
+        leases.emplace(l["id"].get<std::string>(),
+                       LeaseRecord{l["ownerNodeId"], l["providerLeaseId"], l["epoch"], trial});
+    }
+    void error(const std::string& reason) {
+        std::lock_guard lock(mutex);
+        ++errors[reason];
+    }
+    void violation(const std::string& what) {
+        std::lock_guard lock(mutex);
+        violations.push_back(what);
+        std::cout << "VIOLATION: " << what << "\n" << std::flush;
+    }
+    /// Every status the wire shows must be one of the protocol's (no intermediate state).
+    void status_seen(const json& lease, const std::string& where) {
+        static const std::set<std::string> known = {"active",         "released", "expired",
+                                                    "failed",         "pending_cleanup",
+                                                    "retained"};
+        const auto status = lease.value("status", "");
+        if (!known.contains(status)) violation(where + " answered status '" + status + "'");
+    }
+};
+
+/// The nodes, the registry and the faults. The workers read urls under `mutex`; everything
+/// else belongs to the main thread.
+class Cluster {
+public:
+    Cluster(const Options& o, bool netns) : options_(o), netns_(netns) {
+        if (o.registry == "etcd") etcd_ = std::make_unique<EtcdServer>();
+        for (int i = 0; i < node_count; ++i) {
+            audit_[i] = dir_.path() / ("audit-" + std::to_string(i + 1) + ".jsonl");
+            nodes_[i] = std::make_unique<DaemonProcess>(
+                id_of(i), config(i), std::vector<std::string>{},
+                DaemonProcess::start_mode::wait_ready, netns ? host_of(i) + ":0" : "127.0.0.1:0");
+            urls_[i] = nodes_[i]->url();
+        }
+    }
+
+    static std::string id_of(int i) { return "node-" + std::to_string(i + 1); }
+    std::string url(int i) {
+        std::lock_guard lock(mutex_);
+        return urls_[i];
+    }
+    DaemonProcess& node(int i) { return *nodes_[i]; }
+    const fs::path& audit(int i) const { return audit_[i]; }
+    bool has_link_cut() const { return netns_; }
+    bool has_registry_fault() const { return etcd_ != nullptr; }
+    std::chrono::milliseconds ttl() const { return std::chrono::milliseconds(options_.node_ttl_ms); }
+
+    /// Injects `f` on node `victim` for `hold`, then undoes it and waits until every node is
+    /// ready again (at most 30 s; false when one is not).
+    bool inject(fault f, int victim, std::chrono::milliseconds hold) {
+        switch (f) {
+            case fault::kill9:
+                nodes_[victim]->kill9();
+                std::this_thread::sleep_for(hold);  // the fault's length, not a wait for state
+                nodes_[victim]->restart();
+                {
+                    std::lock_guard lock(mutex_);
+                    urls_[victim] = nodes_[victim]->url();
+                }
+                break;
+            case fault::sigstop:
+                ::kill(nodes_[victim]->pid(), SIGSTOP);
+                std::this_thread::sleep_for(hold);
+                ::kill(nodes_[victim]->pid(), SIGCONT);
+                break;
+            case fault::registry:
+                etcd_->stop();
+                std::this_thread::sleep_for(hold);
+                etcd_->start();
+                break;
+            case fault::link_cut: {
+                const auto rule = "ip rule add pref 50 to " + host_of(victim) + " blackhole";
+                if (!sh(rule)) throw std::runtime_error("cannot add: " + rule);
+                std::this_thread::sleep_for(hold);
+                if (!sh("ip rule del pref 50")) throw std::runtime_error("cannot remove the cut");
+                break;
+            }
+        }
+        return eventually(
+            [&] {
+                for (const auto& n : nodes_) {
+                    if (http_get(n->address(), "/readyz").first != 200) return false;
+                }
+                return true;
+            },
+            30s);
+    }
+
+    /// Sandbox directories of each node (providerLeaseIds), and the providerLeaseIds whose
+    /// cgroup holds a live process of this program's tree.
+    std::map<std::string, std::set<int>> sandbox_dirs() const {
+        std::map<std::string, std::set<int>> out;
+        for (int i = 0; i < node_count; ++i) {
+            std::error_code ec;
+            for (const auto& e : fs::directory_iterator(nodes_[i]->state_dir() / "sandboxes", ec)) {
+                const auto name = e.path().filename().string();
+                if (name.rfind("bw-", 0) == 0) out[name].insert(i);
+            }
+        }
+        return out;
+    }
+    static std::set<std::string> sandboxes_with_processes() {
+        static const std::regex id(R"(bw-[0-9a-f]{16})");
+        std::set<std::string> out;
+        for (pid_t pid : descendants_of(::getpid())) {
+            const char state = proc_state(pid);
+            if (state == 0 || state == 'Z' || state == 'X') continue;
+            std::ifstream in("/proc/" + std::to_string(pid) + "/cgroup");
+            std::string text((std::istreambuf_iterator<char>(in)), {});
+            for (std::sregex_iterator it(text.begin(), text.end(), id), end; it != end; ++it) {
+                out.insert(it->str());
+            }
+        }
+        return out;
+    }
+
+    /// Stops every node (SIGTERM: their channels end and are audited).
+    void stop_all() {
+        for (auto& n : nodes_) n->stop();
+    }
+
+private:
+    std::string config(int i) const {
+        json registry;
+        if (etcd_) {
+            registry = {{"kind", "etcd"}, {"endpoints", {etcd_->endpoint()}},
+                        {"prefix", "/sandboxd-fault/"}};
+        } else {
+            registry = {{"kind", "sqlite"}, {"path", (dir_.path() / "registry.db").string()}};
+        }
+        return json{{"registry", registry},
+                    {"auth",
+                     {{"tokens",
+                       {{{"name", "host"}, {"token", host_token}, {"role", "host"}, {"tenants", {"*"}}},
+                        {{"name", "peer"}, {"token", "peer-secret"}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
+                    {"routing",
+                     {{"mode", "proxy"},
+                      {"nodeTtlMs", options_.node_ttl_ms},
+                      {"heartbeatMs", options_.node_ttl_ms / 4}}},
+                    {"audit", {{"file", audit_[i].string()}}}}
+            .dump();
+    }
+
+    Options options_;
+    bool netns_;
+    TempDir dir_;
+    std::unique_ptr<EtcdServer> etcd_;
+    std::array<std::unique_ptr<DaemonProcess>, node_count> nodes_;
+    std::array<fs::path, node_count> audit_;
+    std::mutex mutex_;
+    std::array<std::string, node_count> urls_;
+};
+
+/// One connection of the stream: acquire on a random node, 1 to 3 channels through random
+/// nodes (each echoes a line and lingers briefly, so that faults meet running channels), and
+/// release through a random node, until `stop`. Leases whose release failed stay for the
+/// trial's settling.
+void stream(Cluster& cluster, Ledger& ledger, const std::atomic<bool>& stop, unsigned seed,
+            int trial) {
+    std::mt19937 rng(seed);
+    std::array<std::unique_ptr<Client>, node_count> clients;
+    const auto pick = [&] { return static_cast<int>(rng() % node_count); };
+    // Runs `f` on node `i`'s connection: false after an error answer or a broken connection
+    // (which is dropped, to reconnect next time).
+    const auto attempt = [&](int i, auto&& f) {
+        try {
+            if (!clients[i]) clients[i] = std::make_unique<Client>(cluster.url(i), host_token, 3s);
+            f(*clients[i]);
+            return true;
+        } catch (const rpc_error& e) {
+            ledger.error(e.data().value("reason", "code " + std::to_string(static_cast<int>(e.code()))));
+        } catch (const std::exception&) {
+            clients[i].reset();
+            ledger.error("transport (timeout or connection lost)");
+        }
+        return false;
+    };
+    long n = 0;
+    while (!stop) {
+        json lease;
+        const bool acquired = attempt(pick(), [&](Client& c) {
+            lease = c.call("leaseAcquire",
+                           {{"companyId", "acme"}, {"environmentId", "fault"}, {"provider", "bwrap"}});
+        });
+        if (!acquired) {
+            std::this_thread::sleep_for(50ms);  // pacing while a node is down
+            continue;
+        }
+        ledger.status_seen(lease, "leaseAcquire");
+        ledger.lease(lease, trial);
+        {
+            std::lock_guard lock(ledger.mutex);
+            ++ledger.acquires;
+        }
+        const int channels = 1 + static_cast<int>(rng() % 3);
+        for (int k = 0; k < channels && !stop; ++k) {
+            const std::string line = "line " + std::to_string(seed) + "-" + std::to_string(++n) + "\n";
+            const std::string linger = "0." + std::to_string(rng() % 4);
+            attempt(pick(), [&](Client& c) {
+                auto run = c.run_channel(open_params(lease, {"sh", "-c", "cat; sleep " + linger}), line);
+                const auto outcome = run.exit.value("outcome", "");
+                std::lock_guard lock(ledger.mutex);
+                ++ledger.channel_ends[outcome];
+                if (outcome == "exited" && run.exit.value("exitCode", -1) == 0) {
+                    if (run.out == line) {
+                        ++ledger.channels_echoed;
+                    } else {
+                        ledger.violations.push_back("channel on " + lease["id"].get<std::string>() +
+                                                    " echoed '" + run.out + "' for '" + line + "'");
+                    }
+                }
+            });
+        }
+        attempt(pick(), [&](Client& c) {
+            auto released = c.call("leaseRelease", {{"leaseId", lease["id"]}});
+            ledger.status_seen(released, "leaseRelease");
+            std::lock_guard lock(ledger.mutex);
+            ++ledger.releases;
+        });
+    }
+}
+
+const std::set<std::string> settled_statuses = {"released", "expired", "retained",
+                                                "pending_cleanup"};
+
+/// Calls methods on any node that answers, from the main thread.
+class AnyNode {
+public:
+    AnyNode(Cluster& cluster, std::mt19937& rng) : cluster_(cluster), rng_(rng) {}
+    /// The result of `method` from the first node that answers (nodes in random order), or
+    /// nullopt after an error answer or when none answers; `error` says which.
+    std::optional<json> call(const std::string& method, const json& params) {
+        const int first = static_cast<int>(rng_() % node_count);
+        for (int k = 0; k < node_count; ++k) {
+            const int i = (first + k) % node_count;
+            try {
+                if (!clients_[i]) clients_[i] = std::make_unique<Client>(cluster_.url(i), host_token, 2s);
+                return clients_[i]->call(method, params);
+            } catch (const rpc_error& e) {
+                error = method + ": " + e.what();
+                return std::nullopt;
+            } catch (const std::exception& e) {
+                error = method + " on " + Cluster::id_of(i) + ": " + e.what();
+                clients_[i].reset();
+            }
+        }
+        return std::nullopt;
+    }
+    /// Every lease of the registry with `status` ("" for all), page by page; nullopt when a
+    /// page did not come.
+    std::optional<std::vector<json>> list(const std::string& status) {
+        std::vector<json> out;
+        std::string cursor;
+        do {
+            json params = {{"limit", 500}};
+            if (!status.empty()) params["status"] = status;
+            if (!cursor.empty()) params["cursor"] = cursor;
+            auto page = call("leaseList", params);
+            if (!page) return std::nullopt;
+            for (auto& l : (*page)["leases"]) out.push_back(l);
+            const auto& next = (*page)["nextCursor"];
+            cursor = next.is_string() ? next.get<std::string>() : "";
+        } while (!cursor.empty());
+        return out;
+    }
+    std::string error;
+
+private:
+    Cluster& cluster_;
+    std::mt19937& rng_;
+    std::array<std::unique_ptr<Client>, node_count> clients_;
+};
+
+
+/// Adds what the registry says of `leases` to the ledger (a lease whose acquire answer was
+/// lost is known from here on), for `trial`.
+void learn(Ledger& ledger, const std::vector<json>& leases, int trial) {
+    std::lock_guard lock(ledger.mutex);
+    for (const auto& l : leases) {
+        ledger.leases.emplace(l["id"].get<std::string>(),
+                              Ledger::LeaseRecord{l["ownerNodeId"], l["providerLeaseId"], l["epoch"], trial});
+    }
+}
+
+/// After a trial: releases what is still active (the registry's view, so an acquire whose
+/// answer was lost is released too) and waits, at most 3 node TTLs from `end`, until every
+/// lease of the trial is settled (released, expired, retained or pending_cleanup) and no
+/// sandbox directory or process is left but those of leases in pending_cleanup. Records a
+/// violation for what is still wrong then.
+void settle(Cluster& cluster, Ledger& ledger, int trial, steady::time_point end, AnyNode& any) {
+    const auto deadline = end + 3 * cluster.ttl();
+    std::map<std::string, std::string> status;  // lease -> status last seen
+    std::map<std::string, std::string> sandbox_lease;  // providerLeaseId -> lease
+    {
+        std::lock_guard lock(ledger.mutex);
+        for (auto& [id, rec] : ledger.leases) {
+            sandbox_lease[rec.provider_lease_id] = id;
+            if (rec.trial == trial) status[id] = "active";
+        }
+    }
+    std::string problem;
+    const auto settled = [&] {
+        auto active = any.list("active");
+        if (!active) {
+            problem = any.error;
+            return false;
+        }
+        learn(ledger, *active, trial);
+        for (const auto& l : *active) {
+            const std::string id = l["id"];
+            sandbox_lease[l["providerLeaseId"]] = id;
+            status[id] = "active";
+            if (auto r = any.call("leaseRelease", {{"leaseId", id}})) {
+                ledger.status_seen(*r, "leaseRelease");
+                status[id] = (*r)["status"];
+            }
+        }
+        bool done = true;
+        for (auto& [id, st] : status) {
+            if (settled_statuses.contains(st)) continue;
+            if (auto l = any.call("leaseGet", {{"leaseId", id}})) {
+                ledger.status_seen(*l, "leaseGet");
+                st = (*l)["status"];
+            }
+            if (!settled_statuses.contains(st)) {
+                problem = "lease " + id + " is " + st;
+                done = false;
+            }
+        }
+        if (!done) return false;
+        const auto pending = [&](const std::string& sandbox) {
+            const auto it = sandbox_lease.find(sandbox);
+            if (it == sandbox_lease.end()) return false;
+            const auto st = status.find(it->second);
+            return st != status.end() && st->second == "pending_cleanup";
+        };
+        const auto name = [&](const std::string& sandbox) {
+            const auto it = sandbox_lease.find(sandbox);
+            return "sandbox " + sandbox + " (lease " + (it == sandbox_lease.end() ? "unknown" : it->second) + ")";
+        };
+        for (const auto& [sandbox, on] : cluster.sandbox_dirs()) {
+            if (!pending(sandbox)) {
+                problem = name(sandbox) + " still has its directory";
+                return false;
+            }
+        }
+        for (const auto& sandbox : Cluster::sandboxes_with_processes()) {
+            if (!pending(sandbox)) {
+                problem = name(sandbox) + " still has processes";
+                return false;
+            }
+        }
+        return true;
+    };
+    while (!settled()) {
+        if (steady::now() >= deadline) {
+            ledger.violation("trial " + std::to_string(trial) + ": 3 node TTLs after its end, " + problem);
+            return;
+        }
+        std::this_thread::sleep_for(100ms);  // polling the registry, bounded by the deadline
+    }
+    // A sandbox is only ever on its owner (two live owners would show as two nodes here).
+    std::lock_guard lock(ledger.mutex);
+    for (const auto& [sandbox, on] : cluster.sandbox_dirs()) {
+        const auto it = sandbox_lease.find(sandbox);
+        if (it == sandbox_lease.end()) continue;
+        const auto& owner = ledger.leases[it->second].owner;
+        for (int n : on) {
+            if (Cluster::id_of(n) != owner) {
+                ledger.violations.push_back("lease " + it->second + " has a sandbox on " + Cluster::id_of(n) +
+                                            ", owner " + owner);
+            }
+        }
+    }
+}
+
+/// Reaps the processes of killed nodes' trees that were re-parented to this program (a child
+/// subreaper) and have exited; the nodes and etcd are reaped by their own fixtures.
+void reap_orphans() {
+    for (pid_t pid : descendants_of(::getpid())) {
+        if (proc_state(pid) != 'Z') continue;
+        std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+        std::string stat((std::istreambuf_iterator<char>(in)), {});
+        const auto open = stat.find('('), close = stat.rfind(')');
+        if (open == std::string::npos || close == std::string::npos) continue;
+        const std::string comm = stat.substr(open + 1, close - open - 1);
+        if (comm == "sandboxd" || comm == "etcd") continue;
+        std::istringstream fields(stat.substr(close + 2));
+        char state = 0;
+        pid_t parent = 0;
+        fields >> state >> parent;
+        if (parent == ::getpid()) ::waitpid(pid, nullptr, WNOHANG);
+    }
+}
+
+/// The audit and the logs, after every node stopped.
+void check_audit(Cluster& cluster, Ledger& ledger, std::map<std::string, long>& counts) {
+    // When each lease left `active`: the earliest transition line of any node's log.
+    static const std::regex left(
+        R"(^(\S+) \w+ lease=(lse_[0-9a-f]+) (pending_cleanup:|released node=|expired node=|failed node=|retained))");
+    std::map<std::string, std::string> left_at;
+    for (int i = 0; i < node_count; ++i) {
+        std::istringstream in(cluster.node(i).log());
+        std::string line;
+        while (std::getline(in, line)) {
+            std::smatch m;
+            if (!std::regex_search(line, m, left)) continue;
+            auto [it, fresh] = left_at.emplace(m[2], m[1]);
+            if (!fresh && m[1].str() < it->second) it->second = m[1];
+        }
+    }
+    struct Channel {
+        json opened, ended;
+        int ends = 0;
+        int node = 0;
+    };
+    std::map<std::string, Channel> channels;  // instance/channel
+    std::map<std::string, std::set<std::string>> nodes_of_lease;
+    std::array<std::string, node_count> last_instance;
+    for (int i = 0; i < node_count; ++i) {
+        std::ifstream in(cluster.audit(i));
+        std::string text;
+        while (std::getline(in, text)) {
+            json line;
+            try {
+                line = json::parse(text);
+            } catch (const json::exception&) {
+                ledger.violations.push_back("audit of " + Cluster::id_of(i) + ": not JSON: " + text);
+                continue;
+            }
+            const std::string key = line.value("instance", "") + "/" + std::to_string(line.value("channel", -1));
+            last_instance[i] = line.value("instance", "");
+            auto& ch = channels[key];
+            ch.node = i;
+            if (line["event"] == "channel.opened") {
+                ++counts["channels opened"];
+                if (!ch.opened.is_null()) ledger.violations.push_back("channel " + key + " opened twice");
+                ch.opened = line;
+            } else if (line["event"] == "channel.ended") {
+                ++counts["channels ended"];
+                ++ch.ends;
+                ch.ended = line;
+            }
+        }
+    }
+    std::lock_guard lock(ledger.mutex);
+    for (const auto& [key, ch] : channels) {
+        if (ch.opened.is_null()) {
+            ledger.violations.push_back("channel " + key + " ended but never opened");
+            continue;
+        }
+        const std::string lease = ch.opened.value("lease", "");
+        const std::string node = ch.opened.value("node", "");
+        nodes_of_lease[lease].insert(node);
+        const auto rec = ledger.leases.find(lease);
+        if (rec == ledger.leases.end()) {
+            ledger.violations.push_back("channel " + key + " ran on lease " + lease + " that no one acquired");
+        } else {
+            if (node != rec->second.owner) {
+                ledger.violations.push_back("channel " + key + " of lease " + lease + " ran on " + node +
+                                            ", owner " + rec->second.owner);
+            }
+            if (ch.opened.value("epoch", std::int64_t{-1}) != rec->second.epoch) {
+                ledger.violations.push_back("channel " + key + " of lease " + lease + " opened under epoch " +
+                                            ch.opened["epoch"].dump() + ", acquired under " +
+                                            std::to_string(rec->second.epoch));
+            }
+        }
+        const auto l = left_at.find(lease);
+        if (l != left_at.end() && ch.opened.value("time", "") > l->second) {
+            ledger.violations.push_back("channel " + key + " of lease " + lease + " opened at " +
+                                        ch.opened.value("time", "") + ", after the lease left active at " +
+                                        l->second);
+        }
+        if (ch.ends > 1) ledger.violations.push_back("channel " + key + " ended " + std::to_string(ch.ends) + " times");
+        const bool killed = ch.opened.value("instance", "") != last_instance[ch.node];
+        if (ch.ends == 0) {
+            if (killed) {
+                ++counts["channels of killed processes (no end audited)"];
+            } else {
+                ledger.violations.push_back("channel " + key + " opened and never ended");
+            }
+        } else {
+            ++counts["outcome " + ch.ended.value("outcome", "?")];
+        }
+    }
+    for (const auto& [lease, nodes] : nodes_of_lease) {
+        if (nodes.size() > 1) {
+            ledger.violations.push_back("lease " + lease + " had channels on " + std::to_string(nodes.size()) +
+                                        " nodes");
+        }
+    }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    const Options o = parse(argc, argv);
+    // Orphans of the nodes' trees stay this program's descendants (the process checks).
+    ::prctl(PR_SET_CHILD_SUBREAPER, 1);
+    const bool netns = private_network();
+    const std::uint64_t seed =
+        o.seed ? o.seed : static_cast<std::uint64_t>(steady::now().time_since_epoch().count());
+    std::mt19937 rng(static_cast<unsigned>(seed));
+    std::cout << "fault trials: registry " << o.registry << ", " << o.trials << " trials, seed "
+              << seed << ", nodeTtlMs " << o.node_ttl_ms << ", " << o.workers << " stream connections\n"
+              << std::flush;
+    const auto started = steady::now();
+    Ledger ledger;
+    std::map<std::string, long> counts;
+    int ran = 0;
+    try {
+        Cluster cluster(o, netns);
+        std::vector<fault> kinds = {fault::kill9, fault::sigstop};
+        if (cluster.has_registry_fault()) kinds.push_back(fault::registry);
+        if (cluster.has_link_cut()) kinds.push_back(fault::link_cut);
+        const auto ttl = cluster.ttl();
+        AnyNode any(cluster, rng);
+        for (int t = 0; t < o.trials; ++t) {
+            if (o.max_seconds > 0 && steady::now() - started > std::chrono::seconds(o.max_seconds)) {
+                std::cout << "stopping after " << t << " trials: --max-seconds " << o.max_seconds << "\n";
+                break;
+            }
+            const fault f = kinds[static_cast<std::size_t>(t) % kinds.size()];
+            const int victim = static_cast<int>(rng() % node_count);
+            std::chrono::milliseconds hold =
+                f == fault::sigstop ? ttl * 3 / 2
+                                    : std::chrono::milliseconds(ttl.count() / 2 + static_cast<long>(rng() % ttl.count()));
+            if (f == fault::kill9) hold = std::chrono::milliseconds(rng() % 500);
+            std::atomic<bool> stop{false};
+            std::vector<std::thread> workers;
+            for (int w = 0; w < o.workers; ++w) {
+                workers.emplace_back(stream, std::ref(cluster), std::ref(ledger), std::cref(stop),
+                                     static_cast<unsigned>(rng()), t);
+            }
+            // The stream runs before, during and after the fault (pacing, not synchronisation).
+            std::this_thread::sleep_for(std::chrono::milliseconds(100 + rng() % 500));
+            if (!cluster.inject(f, victim, hold)) {
+                ledger.violation("trial " + std::to_string(t) + ": a node was not ready 30 s after " +
+                                 name_of(f));
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 300));
+            stop = true;
+            for (auto& w : workers) w.join();
+            settle(cluster, ledger, t, steady::now(), any);
+            reap_orphans();
+            ++counts[std::string("trials ") + name_of(f)];
+            ++ran;
+            if ((t + 1) % 10 == 0) {
+                std::cout << "  " << t + 1 << " trials, " << ledger.violations.size() << " violations, "
+                          << std::chrono::duration_cast<std::chrono::seconds>(steady::now() - started).count()
+                          << " s\n"
+                          << std::flush;
+            }
+        }
+        // Every lease of the run, once more: settled, and known to the checker.
+        if (auto all = any.list("")) {
+            learn(ledger, *all, -1);
+            for (const auto& l : *all) {
+                ledger.status_seen(l, "leaseList");
+                ++counts["leases " + l["status"].get<std::string>()];
+                if (!settled_statuses.contains(l["status"].get<std::string>())) {
+                    ledger.violation("lease " + l["id"].get<std::string>() + " ends the run " +
+                                     l["status"].get<std::string>());
+                }
+            }
+        } else {
+            ledger.violation("the final leaseList did not answer: " + any.error);
+        }
+        cluster.stop_all();
+        check_audit(cluster, ledger, counts);
+    } catch (const std::exception& e) {
+        std::cerr << "fault_trials: " << e.what() << "\n";
+        return 1;
+    }
+    const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(steady::now() - started).count();
+    std::cout << "\n" << ran << " trials on " << o.registry << " in " << seconds << " s\n";
+    for (const auto& [k, v] : counts) std::cout << "  " << k << ": " << v << "\n";
+    std::cout << "  acquires " << ledger.acquires << ", releases " << ledger.releases << ", channels echoed "
+              << ledger.channels_echoed << "\n";
+    for (const auto& [k, v] : ledger.channel_ends) std::cout << "  channel exit '" << k << "': " << v << "\n";
+    for (const auto& [k, v] : ledger.errors) std::cout << "  error " << k << ": " << v << "\n";
+    std::cout << "verdict: " << (ledger.violations.empty() ? "PASS" : "FAIL") << ", "
+              << ledger.violations.size() << " violations\n";
+    for (const auto& v : ledger.violations) std::cout << "  " << v << "\n";
+    return ledger.violations.empty() ? 0 : 1;
+}
