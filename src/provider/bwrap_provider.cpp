@@ -422,6 +422,16 @@ public:
         return handle;
     }
 
+    std::vector<std::string> stored_sandboxes() const override {
+        std::vector<std::string> ids;
+        std::error_code ec;
+        for (const auto& entry : fs::directory_iterator(options_.sandboxes_dir, ec)) {
+            auto name = entry.path().filename().string();
+            if (is_sandbox_id(name)) ids.push_back(std::move(name));
+        }
+        return ids;
+    }
+
     std::vector<std::string> capabilities() const override {
         return {"channels", "pty", "stderr", "signals", "closeStdin", "resize", "probe", "execute",
                 "validateConfig"};

@@ -840,6 +840,41 @@ constexpr int max_cleanup_attempts = 5;
 
 }  // namespace
 
+awaitable<std::size_t> destroy_unrecorded_sandboxes(Node& node) {
+    std::set<std::string> recorded;  // provider key + '\n' + providerLeaseId
+    for (const auto status : {lease_status::active, lease_status::pending_cleanup,
+                              lease_status::retained, lease_status::failed}) {
+        for (const auto& lease : co_await leases_of(node, node.node_id, status)) {
+            recorded.insert(lease.provider + '\n' + lease.provider_lease_id);
+        }
+    }
+    std::size_t destroyed = 0;
+    for (const auto& [key, provider] : node.providers) {
+        for (const auto& id : provider->stored_sandboxes()) {
+            if (recorded.contains(key + '\n' + id)) continue;
+            Lease orphan;
+            orphan.id = "(none)";
+            orphan.provider = key;
+            orphan.provider_lease_id = id;
+            orphan.owner_node_id = node.node_id;
+            auto handle = provider->handle_for_teardown(orphan);
+            if (!handle) continue;
+            try {
+                co_await provider->destroy(handle);
+                ++destroyed;
+                spdlog::warn("sandbox {} of provider={}: no lease records it (an earlier process "
+                             "was killed before storing its lease); destroyed",
+                             id, key);
+            } catch (const std::exception& e) {
+                spdlog::warn("sandbox {} of provider={}: no lease records it; destroying it "
+                             "failed (retried at the next start): {}",
+                             id, key, e.what());
+            }
+        }
+    }
+    co_return destroyed;
+}
+
 awaitable<void> expire_leases(Node& node);
 
 awaitable<void> sweep(Node& node) {

@@ -109,6 +109,15 @@ awaitable<void> reconcile_lease(Node& node, Lease lease);
 /// reconcile_lease for the registry's record of every sandbox in this node's cache.
 awaitable<void> reconcile_cached(Node& node);
 
+/// At start, once registered and before serving: destroys every sandbox that a provider keeps
+/// on this node's disk (Provider::stored_sandboxes) and that no lease of this node records in
+/// a status that may hold one (active, pending_cleanup, retained, failed). Such a sandbox was
+/// made by an earlier process of this node that was killed before it stored the lease, so no
+/// host ever got it and nothing else would ever remove it. Returns how many were destroyed.
+/// Throws what the registry throws (then nothing was destroyed); a sandbox whose teardown
+/// fails is logged and left for the next start.
+awaitable<std::size_t> destroy_unrecorded_sandboxes(Node& node);
+
 /// Ends every channel of `lease_id` on this node with outcome leaseReleased and waits (at
 /// most `wait`) until their processes are gone.
 awaitable<void> end_lease_channels(Node& node, const std::string& lease_id,

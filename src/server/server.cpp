@@ -28,6 +28,19 @@ namespace {
 
 namespace fs = std::filesystem;
 
+/// Runs `ioc`, which no thread runs yet, until `done` is ready (start-up steps that must end
+/// before the daemon serves); returns its value or rethrows its exception.
+template <typename T>
+T run_until_done(net::io_context& ioc, std::future<T> done) {
+    {
+        auto busy = net::make_work_guard(ioc);
+        while (done.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+            ioc.run_one_for(std::chrono::milliseconds(100));
+        }
+    }
+    ioc.restart();
+    return done.get();
+}
 
 std::string read_secret_file(const std::string& path) {
     std::ifstream in(path, std::ios::binary);
@@ -296,15 +309,20 @@ std::string Daemon::start() {
                  impl_->bound, node.config.registry.kind);
     {
         // The io_context does not run yet: drive it here until the registration finished.
-        auto registered = net::co_spawn(impl_->ioc, impl_->register_at_start(record),
-                                        net::use_future);
-        auto busy = net::make_work_guard(impl_->ioc);
-        while (registered.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
-            impl_->ioc.run_one_for(std::chrono::milliseconds(100));
+        node.renewed_at_ms = run_until_done(
+            impl_->ioc, net::co_spawn(impl_->ioc, impl_->register_at_start(record), net::use_future));
+    }
+    {
+        // Before any acquire can run (upgrades wait for node.registered): sandboxes that an
+        // earlier process made and was killed before recording are destroyed.
+        try {
+            run_until_done(impl_->ioc, net::co_spawn(impl_->ioc, destroy_unrecorded_sandboxes(node),
+                                                     net::use_future));
+        } catch (const std::exception& e) {
+            spdlog::warn("node={} could not check its sandboxes against the registry (left for "
+                         "the next start): {}",
+                         node.node_id, e.what());
         }
-        busy.reset();
-        impl_->ioc.restart();
-        node.renewed_at_ms = registered.get();
     }
     impl_->start_lease_watch();
     net::co_spawn(impl_->ioc, impl_->heartbeat_loop(), log_failure);

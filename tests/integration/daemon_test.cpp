@@ -13,6 +13,7 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <sqlite3.h>
 #include <sys/wait.h>
 
 using namespace sandboxd;
@@ -233,6 +234,43 @@ TEST_CASE("After a restart a lease survives and fails closed with SANDBOX_NOT_CA
     auto released = c->call("leaseRelease", {{"leaseId", lease["id"]}});
     CHECK(released["status"] == "released");
     CHECK(count_sandboxes(daemon) == sandboxes - 1);
+}
+
+TEST_CASE("A sandbox that no lease records is destroyed at the next start",
+          "[daemon][restart][fault]") {
+    // What a kill -9 between making a sandbox and storing its lease leaves (found by the fault
+    // trials): the sandbox on disk, no record. Made here by deleting one lease's record while
+    // the daemon is down.
+    DaemonProcess daemon;
+    json kept, lost;
+    {
+        auto c = daemon.connect();
+        kept = acquire(*c);
+        lost = acquire(*c);
+    }
+    const auto sandboxes = daemon.state_dir() / "sandboxes";
+    const std::string lost_id = lost["providerLeaseId"];
+    REQUIRE(fs::exists(sandboxes / lost_id));
+    daemon.kill9();
+    {
+        sqlite3* db = nullptr;
+        REQUIRE(sqlite3_open((daemon.state_dir() / "registry.db").c_str(), &db) == SQLITE_OK);
+        const std::string sql = "DELETE FROM leases WHERE id = '" + lost["id"].get<std::string>() + "'";
+        CHECK(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, nullptr) == SQLITE_OK);
+        CHECK(sqlite3_changes(db) == 1);
+        sqlite3_close(db);
+    }
+    daemon.restart();
+    // Gone before the daemon was ready (the ready file comes after the check).
+    CHECK_FALSE(fs::exists(sandboxes / lost_id));
+    CHECK(daemon.log().find("sandbox " + lost_id + " of provider=bwrap: no lease records it") !=
+          std::string::npos);
+    // The recorded one is untouched, and its release tears it down as before.
+    CHECK(fs::exists(sandboxes / kept["providerLeaseId"].get<std::string>()));
+    auto c = daemon.connect();
+    CHECK(c->call("leaseGet", {{"leaseId", kept["id"]}})["status"] == "active");
+    CHECK(c->call("leaseRelease", {{"leaseId", kept["id"]}})["status"] == "released");
+    CHECK_FALSE(fs::exists(sandboxes / kept["providerLeaseId"].get<std::string>()));
 }
 
 TEST_CASE("Malformed requests get JSON-RPC errors and the connection stays usable",

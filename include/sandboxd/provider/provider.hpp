@@ -205,6 +205,14 @@ public:
         return nullptr;
     }
 
+    /// The providerLeaseIds of every sandbox this provider keeps on this node's own disk,
+    /// whether or not a lease records it, for the start-up reconciliation: a sandbox that no
+    /// lease of this node records (its process was killed between create() and storing the
+    /// lease) is destroyed through handle_for_teardown() before the node serves. Providers
+    /// whose sandboxes live elsewhere (plugins) keep none here: empty. May block on the
+    /// directory listing; called once, at start.
+    virtual std::vector<std::string> stored_sandboxes() const { return {}; }
+
     /// Whether resume() may bring back a sandbox this process no longer caches (a plugin
     /// whose worker serves environmentResumeLease, or whose worker is not up yet to say).
     /// The sweeper leaves such leases active rather than orphaning them. Fast; no I/O.
