@@ -9,6 +9,8 @@
 #include "support/clusters.hpp"
 #include "support/daemon_fixture.hpp"
 
+#include <sandboxd/core/errors.hpp>
+
 #include <catch2/catch.hpp>
 
 #include <atomic>
@@ -71,7 +73,25 @@ TEMPLATE_TEST_CASE("Acquire and release pairs over two nodes never meet the swee
     DaemonProcess b("node-2", config(registry));
     const int n = pairs();
     constexpr int workers = 4;
-    std::atomic<int> next{0}, not_released{0}, errors{0};
+    std::atomic<int> next{0}, not_released{0}, errors{0}, fenced{0};
+    // A node that could not renew its membership in time (a loaded machine) fences itself and
+    // answers REGISTRY_UNAVAILABLE having changed nothing: fail closed, not what this test is
+    // about. The call is made again (at most for 30 s); the count is reported.
+    const auto unfenced = [&](auto call) {
+        const auto until = std::chrono::steady_clock::now() + 30s;
+        for (;;) {
+            try {
+                return call();
+            } catch (const rpc_error& e) {
+                if (e.data().value("reason", "") != "REGISTRY_UNAVAILABLE" ||
+                    std::chrono::steady_clock::now() > until) {
+                    throw;
+                }
+                ++fenced;
+                std::this_thread::sleep_for(50ms);  // pacing while the node renews
+            }
+        }
+    };
     std::mutex mutex;
     std::vector<std::string> leases, problems;
     std::vector<std::thread> threads;
@@ -84,8 +104,9 @@ TEMPLATE_TEST_CASE("Acquire and release pairs over two nodes never meet the swee
                 for (int i = next++; i < n; i = next++) {
                     Client& acquirer = *nodes[i % 2];
                     Client& releaser = *nodes[(i / 2) % 2];  // every other pair: the other node
-                    auto lease = acquire_lease(acquirer);
-                    auto released = releaser.call("leaseRelease", {{"leaseId", lease["id"]}});
+                    auto lease = unfenced([&] { return acquire_lease(acquirer); });
+                    auto released = unfenced(
+                        [&] { return releaser.call("leaseRelease", {{"leaseId", lease["id"]}}); });
                     std::lock_guard lock(mutex);
                     leases.push_back(lease["id"].get<std::string>());
                     if (released["status"] != "released") {
@@ -102,6 +123,7 @@ TEMPLATE_TEST_CASE("Acquire and release pairs over two nodes never meet the swee
     }
     for (auto& t : threads) t.join();
     for (const auto& p : problems) UNSCOPED_INFO(p);
+    if (fenced > 0) WARN(fenced << " calls were answered REGISTRY_UNAVAILABLE (fenced) and made again");
     CHECK(errors == 0);
     CHECK(not_released == 0);
     REQUIRE(leases.size() == static_cast<std::size_t>(n));

@@ -428,14 +428,41 @@ TEST_CASE("Only the personalities Docker allows can be set, and the query works"
     CHECK(out.empty());
 }
 
+#if defined(__x86_64__)
+namespace {
+/// i386 getpid (20) through the compat entry; the kernel clears r8-r11 on the way back.
+long int80_getpid() {
+    long rc = 20;
+    asm volatile("int $0x80" : "+a"(rc) : : "r8", "r9", "r10", "r11", "memory", "cc");
+    return rc;
+}
+
+/// Whether this kernel runs i386 system calls at all: a kernel built without IA32 emulation,
+/// or booted with it off, answers `int 0x80` with SIGSEGV. Tried in a child, unfiltered.
+bool kernel_has_ia32_entry() {
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+        ::signal(SIGSEGV, SIG_DFL);  // a plain death, not a report
+        ::_exit(int80_getpid() == ::getpid() ? 0 : 1);
+    }
+    int status = 0;
+    REQUIRE(::waitpid(pid, &status, 0) == pid);
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+}  // namespace
+#endif
+
 TEST_CASE("Syscalls of another architecture are refused with EPERM", "[seccomp]") {
 #if defined(__x86_64__)
-    report out = run_filtered([](report& r) {
-        // i386 getpid (20) through the compat entry; the kernel clears r8-r11 on the way back.
-        long rc = 20;
-        asm volatile("int $0x80" : "+a"(rc) : : "r8", "r9", "r10", "r11", "memory", "cc");
-        if (static_cast<int>(rc) != -EPERM)
-            r += "int 0x80 getpid: " + std::to_string(rc) + ", expected -EPERM\n";
+    const bool ia32 = kernel_has_ia32_entry();
+    if (!ia32) WARN("this kernel has no i386 system call entry (int 0x80 faults): nothing to filter there");
+    report out = run_filtered([ia32](report& r) {
+        if (ia32) {
+            const long rc = int80_getpid();
+            if (static_cast<int>(rc) != -EPERM)
+                r += "int 0x80 getpid: " + std::to_string(rc) + ", expected -EPERM\n";
+        }
         // x32 getpid: the x86_64 audit architecture, but numbers with bit 30 set.
         expect_denied(r, "x32 getpid", ::syscall(__X32_SYSCALL_BIT | SYS_getpid), EPERM);
         expect_allowed(r, "getpid", ::syscall(SYS_getpid));
