@@ -104,8 +104,8 @@ TEMPLATE_TEST_CASE("Acquire and release pairs over two nodes never meet the swee
                 for (int i = next++; i < n; i = next++) {
                     Client& acquirer = *nodes[i % 2];
                     Client& releaser = *nodes[(i / 2) % 2];  // every other pair: the other node
-                    auto lease = unfenced([&] { return acquire_lease(acquirer); });
-                    auto released = unfenced(
+                    const json lease = unfenced([&] { return acquire_lease(acquirer); });
+                    const json released = unfenced(
                         [&] { return releaser.call("leaseRelease", {{"leaseId", lease["id"]}}); });
                     std::lock_guard lock(mutex);
                     leases.push_back(lease["id"].get<std::string>());
