@@ -607,6 +607,12 @@ private:
     }
 
     int start_channel(const ChannelRequest& req, int& pidfd) {
+        if (req.header.start_deadline_ms > 0) {
+            timespec now{};
+            ::clock_gettime(CLOCK_MONOTONIC, &now);
+            const std::int64_t now_ms = static_cast<std::int64_t>(now.tv_sec) * 1000 + now.tv_nsec / 1000000;
+            if (now_ms >= req.header.start_deadline_ms) return ETIMEDOUT;
+        }
         // A raw clone without a new stack returns twice, like fork; CLONE_PIDFD stores the
         // child's pidfd in the parent_tid argument. This process is single-threaded.
         long pid = ::syscall(SYS_clone, CLONE_NEWPID | CLONE_NEWNS | CLONE_PIDFD | SIGCHLD,

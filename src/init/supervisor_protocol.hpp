@@ -52,6 +52,12 @@ struct Request {
     std::uint64_t open_files = 0;    ///< RLIMIT_NOFILE of the command; 0: inherited
     std::uint32_t payload_size = 0;  ///< bytes following this header, <= max_payload
     std::uint32_t reserved = 0;
+    /// CLOCK_MONOTONIC, ms: the channel is started only before it (else the reply's error is
+    /// ETIMEDOUT and nothing runs); 0: no deadline. The daemon's fencing deadline (its last
+    /// renewal + 2/3 of the node TTL): a daemon frozen between its checks and this request
+    /// cannot start a command after another node may have taken the lease over. The clock is
+    /// the daemon's too (no time namespace).
+    std::int64_t start_deadline_ms = 0;
 };
 
 struct Reply {

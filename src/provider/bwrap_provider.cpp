@@ -612,6 +612,7 @@ private:
                                                      *spec.drain_grace_ms, INT32_MAX))
                                                : -1;
         request.open_files = state.limits.open_files;
+        request.start_deadline_ms = spec.start_deadline_ms.value_or(0);
 
         std::vector<int>& fds = out.fds;
         out.pty = spec.pty.has_value();
@@ -1185,6 +1186,11 @@ private:
             fail_supervisor(*sandbox, name, EPROTO);
         }
         if (reply.error != 0) {
+            if (reply.error == ETIMEDOUT) {
+                throw rpc_error(errc::registry_unavailable,
+                                "sandbox " + name + ": the channel was not started: its node's "
+                                "fencing deadline passed before it could start");
+            }
             if (reply.error == EMFILE || reply.error == ENFILE || reply.error == EAGAIN) {
                 throw rpc_error(errc::channel_limit,
                                 "sandbox " + name + " cannot start another process: " +

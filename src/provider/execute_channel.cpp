@@ -97,6 +97,7 @@ awaitable<json> Provider::execute(std::shared_ptr<SandboxHandle> sandbox, Lease 
     spec.env = std::move(request.env);
     spec.stdin_attached = !request.stdin_data.empty();
     spec.drain_grace_ms = request.drain_grace_ms;
+    spec.start_deadline_ms = request.start_deadline_ms;
     const auto started = std::chrono::steady_clock::now();
     std::unique_ptr<ChannelBackend> backend = co_await open(std::move(sandbox), std::move(spec));
 

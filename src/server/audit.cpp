@@ -25,8 +25,9 @@ AuditLog::~AuditLog() {
     if (fd_ >= 0) ::close(fd_);
 }
 
-std::string rfc3339_now() {
-    const auto now = std::chrono::system_clock::now();
+std::string rfc3339_now() { return rfc3339_at(std::chrono::system_clock::now()); }
+
+std::string rfc3339_at(std::chrono::system_clock::time_point now) {
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch());
     const std::time_t secs = static_cast<std::time_t>(ms.count() / 1000);
     std::tm tm{};

@@ -9,6 +9,7 @@
 // interleave. May block: a write to the page cache (no fsync).
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -39,5 +40,7 @@ private:
 
 /// The current time as RFC 3339 in UTC with milliseconds ("2026-12-02T03:04:05.678Z").
 std::string rfc3339_now();
+/// `t` as RFC 3339 in UTC with milliseconds.
+std::string rfc3339_at(std::chrono::system_clock::time_point t);
 
 }  // namespace sandboxd

@@ -1,5 +1,6 @@
 #include "server/channel.hpp"
 
+#include <sandboxd/core/scope_exit.hpp>
 #include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/core/base64.hpp>
 #include <sandboxd/core/errors.hpp>
@@ -38,13 +39,16 @@ Channel::Channel(strand_t strand, ChannelOptions options, std::unique_ptr<Channe
       hangup_timer_(strand),
       done_timer_(strand),
       started_(std::chrono::steady_clock::now()) {
+    if (options_.unended) options_.unended->fetch_add(1, std::memory_order_relaxed);
     make_endless(credit_timer_);
     make_endless(stdin_timer_);
     make_endless(done_timer_);
 }
 
 // The backend kills what is left of a channel that never started or was not reaped.
-Channel::~Channel() = default;
+Channel::~Channel() {
+    if (!exit_sent_ && options_.unended) options_.unended->fetch_sub(1, std::memory_order_release);
+}
 
 void Channel::start() {
     auto log_failure = [id = options_.id](const std::exception_ptr& e) {
@@ -279,6 +283,10 @@ void Channel::kill_tree() noexcept {
 void Channel::send_exit() {
     if (exit_sent_) return;
     exit_sent_ = true;
+    // Counted down after the audit line below, on every path out of this function.
+    const ScopeExit ended([unended = options_.unended] {
+        if (unended) unended->fetch_sub(1, std::memory_order_release);
+    });
     nlohmann::json exit_code = nullptr;
     nlohmann::json signal = nullptr;
     channel_outcome outcome = channel_outcome::error;

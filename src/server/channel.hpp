@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -59,6 +60,10 @@ struct ChannelOptions {
     std::string opened_for;
     std::int64_t epoch = 0;
     std::uint64_t audit_key = 0;
+    /// Counts this channel from its construction until its end is recorded (send_exit) or it
+    /// is destroyed unended (null: not counted). The daemon's stop waits for it to reach 0, so
+    /// that every channel.opened gets its channel.ended (docs/protocol.md section 7).
+    std::atomic<std::int64_t>* unended = nullptr;
 };
 
 enum class channel_outcome { exited, signaled, timed_out, stopped, lease_released, transport_closed, error };

@@ -510,6 +510,7 @@ awaitable<json> lease_execute(Node& node, const Principal& who, methods::Execute
     }
     const ScopeExit unreserve([&node] { node.channels.unreserve(); });
     p.request.drain_grace_ms = limits.drain_grace_ms;
+    p.request.start_deadline_ms = node.fence_deadline_ms();
     p.request.output_limit = limits.execute_output_bytes;
     spdlog::info("lease={} execute: {}", live.lease.id, p.request.argv.front());
     co_return co_await live.provider->execute(live.sandbox, live.lease, std::move(p.request),

@@ -109,6 +109,11 @@ std::int64_t Node::fenced_for_ms() const {
     return age > static_cast<std::int64_t>(config.node_ttl_ms) * 2 / 3 ? age : 0;
 }
 
+std::int64_t Node::fence_deadline_ms() const {
+    return renewed_at_ms.load(std::memory_order_acquire) +
+           static_cast<std::int64_t>(config.node_ttl_ms) * 2 / 3;
+}
+
 void Node::require_membership() const {
     if (const auto age = fenced_for_ms()) {
         throw rpc_error(errc::registry_unavailable,

@@ -114,6 +114,8 @@ struct Node {
     mutable std::mutex startup_mutex;
     std::string startup_problem;  ///< guarded by startup_mutex
     std::atomic<std::uint64_t> channels_opened{0};
+    /// Channels made and not yet ended (ChannelOptions::unended): stop waits for 0.
+    std::atomic<std::int64_t> channels_unended{0};
     std::atomic<std::uint64_t> rpc_errors{0};
     net::thread_pool blocking{4};
     net::io_context* ioc = nullptr;
@@ -142,6 +144,9 @@ public:
     void require_membership() const;
     /// Milliseconds since the last renewal, when that is over the fencing limit; 0 otherwise.
     std::int64_t fenced_for_ms() const;
+    /// Steady-clock ms at which this node fences itself unless it renews first: the last
+    /// renewal + 2/3 of nodeTtlMs. A command is started only before it (ExecSpec).
+    std::int64_t fence_deadline_ms() const;
 
     /// The epoch of each lease whose sandbox this node created (its claim), compared on every
     /// open this node serves as owner. Thread-safe.

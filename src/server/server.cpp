@@ -373,7 +373,19 @@ awaitable<void> Daemon::Impl::finish_stop() {
         spdlog::warn("node={} could not remove its node record: {}", node.node_id, e.what());
     }
     net::steady_timer t(ioc);
-    while (node.channels.size() > 0) {
+    // Every process reaped, then every channel's end recorded (its output flushed, its
+    // channel.ended written), which follows the reap on the channel's strand.
+    // The reaping is bounded by the hangup grace (then SIGKILL); an end that still does not
+    // come within 5 s more is logged and left.
+    const auto give_up = std::chrono::steady_clock::now() +
+                         std::chrono::milliseconds(node.config.limits.hangup_grace_ms) +
+                         std::chrono::seconds(5);
+    while (node.channels.size() > 0 || node.channels_unended.load(std::memory_order_acquire) > 0) {
+        if (std::chrono::steady_clock::now() > give_up) {
+            spdlog::warn("node={} stopping with {} channels not reaped and {} not ended",
+                         node.node_id, node.channels.size(), node.channels_unended.load());
+            break;
+        }
         t.expires_after(std::chrono::milliseconds(20));
         co_await t.async_wait(use_awaitable);
     }

@@ -1,5 +1,6 @@
 #include "server/session.hpp"
 
+#include "server/audit.hpp"
 #include "server/lease_service.hpp"
 
 #include <sandboxd/core/base64.hpp>
@@ -688,7 +689,15 @@ awaitable<Session::Reply> Session::open_local(methods::OpenParams params, Lease 
     options.audit = node_.audit;
     options.opened_for = caller.name;
     options.epoch = lease.epoch;
+    options.unended = &node_.channels_unended;
     params.spec.drain_grace_ms = limits.drain_grace_ms;
+    // Started before this node may fence itself, or not at all: a node frozen from here on
+    // (SIGSTOP, a stalled VM) cannot start a command once another node may take the lease.
+    const std::int64_t start_deadline = node_.fence_deadline_ms();
+    params.spec.start_deadline_ms = start_deadline;
+    const std::string start_deadline_text =
+        rfc3339_at(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(start_deadline - steady_now_ms()));
     const std::string program = params.spec.argv.front();
     std::unique_ptr<ChannelBackend> backend;
     std::exception_ptr failed;
@@ -724,7 +733,8 @@ awaitable<Session::Reply> Session::open_local(methods::OpenParams params, Lease 
                                               {"channel", key},
                                               {"token", caller.name},
                                               {"argv0", program},
-                                              {"pty", options.pty}});
+                                              {"pty", options.pty},
+                                              {"startDeadline", start_deadline_text}});
     }
     node_.channels_opened.fetch_add(1, std::memory_order_relaxed);
     if (transport_.closing()) {

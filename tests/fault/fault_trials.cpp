@@ -11,9 +11,10 @@
 // pending_cleanup, with no process (by cgroup) and no sandbox directory left of a released or
 // expired one. At the end every node is stopped and the checker reads every node's audit file
 // (`audit: {file}`) and log:
-//   - every channel.opened names the lease's owner and the epoch it was acquired with, and came
-//     before the lease left `active` (the first "lease=<id> pending_cleanup|released|expired"
-//     line of any node's log);
+//   - every channel.opened names the lease's owner and the epoch it was acquired with, and its
+//     command started (by the line's time, or by its startDeadline, the node's fencing deadline
+//     that the sandbox's supervisor enforces) before the lease left `active` (the first
+//     "lease=<id> pending_cleanup|released|expired" line of any node's log);
 //   - no lease has channels on two nodes, and no sandbox of a lease is on a node that does not
 //     own it;
 //   - every channel.opened has exactly one channel.ended of its process (instance), unless that
@@ -654,11 +655,16 @@ void check_audit(Cluster& cluster, Ledger& ledger, std::map<std::string, long>& 
                                             std::to_string(rec->second.epoch));
             }
         }
+        // The command started by the time the line was written, and (for the built-in
+        // provider, whose supervisor enforces it) before the node's fencing deadline.
+        const std::string opened_at = ch.opened.value("time", "");
+        const std::string deadline = ch.opened.value("startDeadline", opened_at);
+        const std::string started_by = std::min(opened_at, deadline);
         const auto l = left_at.find(lease);
-        if (l != left_at.end() && ch.opened.value("time", "") > l->second) {
-            ledger.violations.push_back("channel " + key + " of lease " + lease + " opened at " +
-                                        ch.opened.value("time", "") + ", after the lease left active at " +
-                                        l->second);
+        if (l != left_at.end() && started_by > l->second) {
+            ledger.violations.push_back("channel " + key + " of lease " + lease + " on " + node +
+                                        " started by " + started_by + " (audited at " + opened_at +
+                                        "), after the lease left active at " + l->second);
         }
         if (ch.ends > 1) ledger.violations.push_back("channel " + key + " ended " + std::to_string(ch.ends) + " times");
         const bool killed = ch.opened.value("instance", "") != last_instance[ch.node];

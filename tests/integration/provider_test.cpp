@@ -640,6 +640,36 @@ TEST_CASE("process backend: output, stdin and the exit through the ChannelBacken
     CHECK(open_fd_count() == fds_before);
 }
 
+TEST_CASE("A command is started only before its start deadline (the node's fencing deadline)",
+          "[provider][fencing]") {
+    const int fds_before = open_fd_count();
+    {
+        Fixture fx;
+        const auto now_ms = [] {
+            return std::chrono::duration_cast<std::chrono::milliseconds>(
+                       std::chrono::steady_clock::now().time_since_epoch())
+                .count();
+        };
+        const auto marker = fx.sandbox->workspace / "started";
+        auto spec = command({"touch", "/workspace/started"});
+        spec.start_deadline_ms = now_ms() - 1;
+        try {
+            sandboxd::test::run_awaitable(test_io(), fx.provider->open(fx.sandbox, spec));
+            FAIL("a command past its start deadline was started");
+        } catch (const rpc_error& e) {
+            CHECK(e.code() == errc::registry_unavailable);
+            CHECK(std::string(e.what()).find("fencing deadline passed") != std::string::npos);
+        }
+        CHECK_FALSE(std::filesystem::exists(marker));
+        // The sandbox serves on: a deadline ahead starts the command.
+        spec.start_deadline_ms = now_ms() + 60000;
+        auto r = run(fx, spec);
+        CHECK(r.status == "exit 0");
+        CHECK(std::filesystem::exists(marker));
+    }
+    CHECK(open_fd_count() == fds_before);
+}
+
 TEST_CASE("exit status, stdout and stderr are reported", "[provider]") {
     const int fds_before = open_fd_count();
     {

@@ -107,6 +107,7 @@ struct ExecuteRequest {
     std::map<std::string, std::string> env;
     std::string stdin_data;
     std::optional<std::uint32_t> drain_grace_ms;
+    std::optional<std::int64_t> start_deadline_ms;  ///< as ExecSpec::start_deadline_ms
     /// How long the command may run (ms, 1..86400000): then it is killed and the result says
     /// timedOut. A plugin is sent it as timeoutMs and given 30 s more to answer.
     std::uint64_t timeout_ms = 300000;
@@ -136,6 +137,12 @@ struct ExecSpec {
     /// (ms), then kills them and exits, so the pipes reach EOF (the drain grace). Absent: the
     /// init keeps running until the daemon kills the namespace.
     std::optional<std::uint32_t> drain_grace_ms;
+    /// Present: std::chrono::steady_clock ms (CLOCK_MONOTONIC) by which the command must have
+    /// started, else it is not started and open() throws errc::registry_unavailable. The
+    /// daemon's fencing deadline (protocol section 6), enforced by providers that start the
+    /// command on this machine (bwrap: its supervisor checks it right before the clone);
+    /// providers that cannot (plugins, whose workers start commands themselves) ignore it.
+    std::optional<std::int64_t> start_deadline_ms;
 };
 
 /// Counts of limits that sandboxes hit, for /metrics (sandboxd_limit_events_total).
