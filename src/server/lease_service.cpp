@@ -842,17 +842,17 @@ constexpr int max_cleanup_attempts = 5;
 }  // namespace
 
 awaitable<std::size_t> destroy_unrecorded_sandboxes(Node& node) {
-    std::set<std::string> recorded;  // provider key + '\n' + providerLeaseId
+    std::set<std::pair<std::string, std::string>> recorded;  // provider key, providerLeaseId
     for (const auto status : {lease_status::active, lease_status::pending_cleanup,
                               lease_status::retained, lease_status::failed}) {
         for (const auto& lease : co_await leases_of(node, node.node_id, status)) {
-            recorded.insert(lease.provider + '\n' + lease.provider_lease_id);
+            recorded.emplace(lease.provider, lease.provider_lease_id);
         }
     }
     std::size_t destroyed = 0;
     for (const auto& [key, provider] : node.providers) {
         for (const auto& id : provider->stored_sandboxes()) {
-            if (recorded.contains(key + '\n' + id)) continue;
+            if (recorded.contains({key, id})) continue;
             Lease orphan;
             orphan.id = "(none)";
             orphan.provider = key;

@@ -328,8 +328,9 @@ std::string Daemon::start() {
     net::co_spawn(impl_->ioc, impl_->heartbeat_loop(), log_failure);
     net::co_spawn(impl_->ioc, impl_->sweep_loop(), log_failure);
     node.registered = true;
-    spdlog::info("node={} version={} registry={} providers={}", node.node_id, version_string,
-                 node.config.registry.kind, node.providers.size());
+    spdlog::info("node={} version={} registry={} providers={} instance={}", node.node_id,
+                 version_string, node.config.registry.kind, node.providers.size(),
+                 node.instance_id);
     return impl_->bound;
 }
 

@@ -65,6 +65,14 @@ namespace {
 const std::string host_token = "host-secret";
 constexpr int node_count = 3;
 
+/// The parts joined, in one string.
+template <typename... Parts>
+std::string concat(const Parts&... parts) {
+    std::string out;
+    (out += ... += parts);
+    return out;
+}
+
 enum class fault { kill9, sigstop, registry, link_cut };
 
 const char* name_of(fault f) {
@@ -117,7 +125,7 @@ Options parse(int argc, char** argv) {
                 usage("unknown option " + a);
             }
         } catch (const std::logic_error&) {
-            usage("bad number for " + a + ": " + v);
+            usage(concat("bad number for ", a, ": ", v));
         }
     }
     if (o.trials < 1 || o.node_ttl_ms < 600 || o.workers < 1 || o.max_seconds < 0) {
@@ -489,7 +497,7 @@ void settle(Cluster& cluster, Ledger& ledger, int trial, steady::time_point end,
                 st = (*l)["status"];
             }
             if (!settled_statuses.contains(st)) {
-                problem = "lease " + id + " is " + st;
+                problem = concat("lease ", id, " is ", st);
                 done = false;
             }
         }
@@ -598,14 +606,28 @@ void check_audit(Cluster& cluster, Ledger& ledger, std::map<std::string, long>& 
             if (!fresh && m[1].str() < it->second) it->second = m[1];
         }
     }
-    struct Channel {
+    struct Channel {  // NOLINT(bugprone-exception-escape): json's members, never thrown here
         json opened, ended;
         int ends = 0;
         int node = 0;
     };
     std::map<std::string, Channel> channels;  // instance/channel
     std::map<std::string, std::set<std::string>> nodes_of_lease;
+    // The process that was stopped at the end is each node's last start ("... instance=<id>");
+    // the earlier ones were killed.
+    static const std::regex started(R"( version=\S+ registry=\S+ providers=\d+ instance=(\S+))");
     std::array<std::string, node_count> last_instance;
+    for (int i = 0; i < node_count; ++i) {
+        std::istringstream log(cluster.node(i).log());
+        std::string line;
+        while (std::getline(log, line)) {
+            std::smatch m;
+            if (std::regex_search(line, m, started)) last_instance[i] = m[1];
+        }
+        if (last_instance[i].empty()) {
+            ledger.violations.push_back(concat(Cluster::id_of(i), "'s log never says its instance"));
+        }
+    }
     for (int i = 0; i < node_count; ++i) {
         std::ifstream in(cluster.audit(i));
         std::string text;
@@ -618,7 +640,6 @@ void check_audit(Cluster& cluster, Ledger& ledger, std::map<std::string, long>& 
                 continue;
             }
             const std::string key = line.value("instance", "") + "/" + std::to_string(line.value("channel", -1));
-            last_instance[i] = line.value("instance", "");
             auto& ch = channels[key];
             ch.node = i;
             if (line["event"] == "channel.opened") {
@@ -643,16 +664,16 @@ void check_audit(Cluster& cluster, Ledger& ledger, std::map<std::string, long>& 
         nodes_of_lease[lease].insert(node);
         const auto rec = ledger.leases.find(lease);
         if (rec == ledger.leases.end()) {
-            ledger.violations.push_back("channel " + key + " ran on lease " + lease + " that no one acquired");
+            ledger.violations.push_back(concat("channel ", key, " ran on lease ", lease, " that no one acquired"));
         } else {
             if (node != rec->second.owner) {
-                ledger.violations.push_back("channel " + key + " of lease " + lease + " ran on " + node +
-                                            ", owner " + rec->second.owner);
+                ledger.violations.push_back(concat("channel ", key, " of lease ", lease, " ran on ", node,
+                                            ", owner ", rec->second.owner));
             }
             if (ch.opened.value("epoch", std::int64_t{-1}) != rec->second.epoch) {
-                ledger.violations.push_back("channel " + key + " of lease " + lease + " opened under epoch " +
-                                            ch.opened["epoch"].dump() + ", acquired under " +
-                                            std::to_string(rec->second.epoch));
+                ledger.violations.push_back(concat("channel ", key, " of lease ", lease, " opened under epoch ",
+                                            ch.opened["epoch"].dump(), ", acquired under ",
+                                            std::to_string(rec->second.epoch)));
             }
         }
         // The command started by the time the line was written, and (for the built-in
@@ -662,9 +683,9 @@ void check_audit(Cluster& cluster, Ledger& ledger, std::map<std::string, long>& 
         const std::string started_by = std::min(opened_at, deadline);
         const auto l = left_at.find(lease);
         if (l != left_at.end() && started_by > l->second) {
-            ledger.violations.push_back("channel " + key + " of lease " + lease + " on " + node +
-                                        " started by " + started_by + " (audited at " + opened_at +
-                                        "), after the lease left active at " + l->second);
+            ledger.violations.push_back(concat("channel ", key, " of lease ", lease, " on ", node,
+                                        " started by ", started_by, " (audited at ", opened_at,
+                                        "), after the lease left active at ", l->second));
         }
         if (ch.ends > 1) ledger.violations.push_back("channel " + key + " ended " + std::to_string(ch.ends) + " times");
         const bool killed = ch.opened.value("instance", "") != last_instance[ch.node];
@@ -723,6 +744,7 @@ int main(int argc, char** argv) {
             if (f == fault::kill9) hold = std::chrono::milliseconds(rng() % 500);
             std::atomic<bool> stop{false};
             std::vector<std::thread> workers;
+            workers.reserve(static_cast<std::size_t>(o.workers));
             for (int w = 0; w < o.workers; ++w) {
                 workers.emplace_back(stream, std::ref(cluster), std::ref(ledger), std::cref(stop),
                                      static_cast<unsigned>(rng()), t);

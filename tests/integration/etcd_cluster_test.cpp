@@ -215,7 +215,7 @@ TEST_CASE("etcd: a daemon whose etcd stops fails closed with REGISTRY_UNAVAILABL
     CHECK(answers.empty());
     // Not before 2/3 of the TTL from its last renewal, which may be two heartbeats (300 ms
     // each) before the stop: one in flight when etcd stopped fails.
-    CHECK(seconds_since(stopped) * 1000 >= node_ttl_ms * 2 / 3 - 2 * 300 - 100);
+    CHECK(seconds_since(stopped) * 1000 >= node_ttl_ms * 2.0 / 3 - 2 * 300 - 100);
     CHECK(p1.alive());
     CHECK(p1.channel_processes().size() == 1);  // the running channel is left alone
 
