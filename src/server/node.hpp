@@ -105,6 +105,9 @@ struct Node {
     std::unique_ptr<Registry> registry;
     std::map<std::string, std::unique_ptr<Provider>> providers;
     HandleCache cache;
+    /// Channels made and not yet ended (ChannelOptions::unended): stop waits for 0. Declared
+    /// before `channels`, whose channels count it down when they are destroyed.
+    std::atomic<std::int64_t> channels_unended{0};
     ChannelTable channels;
     std::vector<Credential> credentials;
     std::atomic<bool> draining{false};
@@ -114,8 +117,6 @@ struct Node {
     mutable std::mutex startup_mutex;
     std::string startup_problem;  ///< guarded by startup_mutex
     std::atomic<std::uint64_t> channels_opened{0};
-    /// Channels made and not yet ended (ChannelOptions::unended): stop waits for 0.
-    std::atomic<std::int64_t> channels_unended{0};
     std::atomic<std::uint64_t> rpc_errors{0};
     net::thread_pool blocking{4};
     net::io_context* ioc = nullptr;

@@ -400,7 +400,9 @@ const std::set<std::string> settled_statuses = {"released", "expired", "retained
 /// Calls methods on any node that answers, from the main thread.
 class AnyNode {
 public:
-    AnyNode(Cluster& cluster, std::mt19937& rng) : cluster_(cluster), rng_(rng) {}
+    /// `timeout` bounds each call (a listing of every lease of a long run takes longer).
+    AnyNode(Cluster& cluster, std::mt19937& rng, std::chrono::milliseconds timeout = 2s)
+        : cluster_(cluster), rng_(rng), timeout_(timeout) {}
     /// The result of `method` from the first node that answers (nodes in random order), or
     /// nullopt after an error answer or when none answers; `error` says which.
     std::optional<json> call(const std::string& method, const json& params) {
@@ -408,7 +410,7 @@ public:
         for (int k = 0; k < node_count; ++k) {
             const int i = (first + k) % node_count;
             try {
-                if (!clients_[i]) clients_[i] = std::make_unique<Client>(cluster_.url(i), host_token, 2s);
+                if (!clients_[i]) clients_[i] = std::make_unique<Client>(cluster_.url(i), host_token, timeout_);
                 return clients_[i]->call(method, params);
             } catch (const rpc_error& e) {
                 error = method + ": " + e.what();
@@ -442,6 +444,7 @@ public:
 private:
     Cluster& cluster_;
     std::mt19937& rng_;
+    std::chrono::milliseconds timeout_;
     std::array<std::unique_ptr<Client>, node_count> clients_;
 };
 
@@ -769,8 +772,10 @@ int main(int argc, char** argv) {
                           << std::flush;
             }
         }
-        // Every lease of the run, once more: settled, and known to the checker.
-        if (auto all = any.list("")) {
+        // Every lease of the run, once more: settled, and known to the checker (pages of 500
+        // leases: up to 30 s each).
+        AnyNode lister(cluster, rng, 30s);
+        if (auto all = lister.list("")) {
             learn(ledger, *all, -1);
             for (const auto& l : *all) {
                 ledger.status_seen(l, "leaseList");
@@ -781,7 +786,7 @@ int main(int argc, char** argv) {
                 }
             }
         } else {
-            ledger.violation("the final leaseList did not answer: " + any.error);
+            ledger.violation("the final leaseList did not answer: " + lister.error);
         }
         cluster.stop_all();
         check_audit(cluster, ledger, counts);
