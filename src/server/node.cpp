@@ -105,8 +105,8 @@ std::int64_t steady_now_ms() {
 }
 
 std::int64_t Node::fenced_for_ms() const {
-    const auto age = steady_now_ms() - renewed_at_ms.load(std::memory_order_acquire);
-    return age > static_cast<std::int64_t>(config.node_ttl_ms) * 2 / 3 ? age : 0;
+    const auto now = steady_now_ms();
+    return now > fence_deadline_ms() ? now - renewed_at_ms.load(std::memory_order_acquire) : 0;
 }
 
 std::int64_t Node::fence_deadline_ms() const {
