@@ -1,0 +1,285 @@
+// A duplex channel as Node streams (docs/protocol.md sections 3 and 4).
+import { Duplex, Readable } from "node:stream";
+
+import type { Connection } from "./connection.js";
+import { SandboxdError } from "./errors.js";
+import { creditFrame, dataFrame, MAX_DATA_PAYLOAD, STREAM_STDERR, STREAM_STDIN, STREAM_STDOUT } from "./frames.js";
+import type { ChannelExit, ChannelSignal, DuplexChannelOpenParams, DuplexChannelOpenResult } from "./protocol.js";
+
+/** The exit made by the client when no exit comes from the node (close, dropped connection). */
+function madeExit(channel: number, hostRouteId: string | null, outcome: "stopped" | "transportClosed"): ChannelExit {
+  return {
+    channel,
+    hostRouteId,
+    exitCode: null,
+    signal: null,
+    outcome,
+    stdoutBytes: null,
+    stderrBytes: null,
+    stdinBytes: null,
+    durationMs: null,
+  };
+}
+
+interface QueuedWrite {
+  data: Buffer;
+  offset: number;
+  done: (error?: Error | null) => void;
+}
+
+/**
+ * One open channel. The channel itself is a Duplex: what you write is the command's stdin,
+ * what you read is its stdout (under a PTY, stdout and stderr merged); `stderr` is a second
+ * Readable.
+ *
+ * Flow control is automatic: output credit goes back to the node as you read (so a consumer
+ * that stops reading holds the command back, through the node, instead of buffering here:
+ * at most `outputWindow` bytes wait in this object), and stdin is sent only within the node's
+ * `stdinWindow` (beyond it `write()` returns false and `drain` follows once the node credits).
+ * `end()` closes the command's stdin once everything written before has been sent.
+ *
+ * The streams never emit 'error': how the channel ended is `exit`, a promise that resolves
+ * once with the exit object, after every byte of output has been pushed into the streams and
+ * the streams that are being read (a 'data' or 'readable' listener, a pipe, `resume()`, an
+ * async iterator) have emitted 'end'. After `close()`, which gets no exit from the node, and
+ * when the connection drops, the client makes the exit: outcome `stopped` or
+ * `transportClosed`, with null exitCode, signal and counters. The channel also emits 'exit'.
+ */
+export class Channel extends Duplex {
+  /** The channel's id on its connection. */
+  readonly id: number;
+  readonly hostRouteId: string | null;
+  /** The node whose sandbox runs the command. */
+  readonly ownerNodeId: string;
+  /** Whether the node that answered forwarded the open to the owner. */
+  readonly routed: boolean;
+  readonly outputWindow: number;
+  readonly stdinWindow: number;
+  readonly workerSessionId: string | null;
+  /** The command's stderr (empty under a PTY). */
+  readonly stderr: Readable;
+  /** Resolves once with how the channel ended; never rejects. */
+  readonly exit: Promise<ChannelExit>;
+
+  private readonly conn: Connection;
+  private resolveExit!: (exit: ChannelExit) => void;
+  private exitInfo: ChannelExit | null = null;
+  private closedByClient = false;
+  // Output flow control: bytes pushed into each readable, and credited back so far.
+  private pushedOut = 0;
+  private pushedErr = 0;
+  private credited = 0;
+  private readonly creditThreshold: number;
+  // Stdin flow control: bytes sent and not yet credited by the node.
+  private stdinInFlight = 0;
+  private readonly stdinQueue: QueuedWrite[] = [];
+  private readonly noStdin: boolean;
+
+  constructor(conn: Connection, result: DuplexChannelOpenResult, params: DuplexChannelOpenParams) {
+    const stdinWindow = positive(result.stdinWindow, conn.info?.limits?.stdinWindow, 1 << 20);
+    super({
+      allowHalfOpen: true,
+      // Stdin beyond this is kept waiting for the window and makes write() return false.
+      writableHighWaterMark: Math.min(stdinWindow, 1 << 20),
+      // Output is bounded by the window; the readable's own mark only says when to pause.
+      readableHighWaterMark: 64 * 1024,
+    });
+    this.conn = conn;
+    this.id = result.channel;
+    this.hostRouteId = result.hostRouteId ?? params.hostRouteId ?? null;
+    this.ownerNodeId = result.ownerNodeId;
+    this.routed = result.routed === true;
+    this.workerSessionId = result.workerSessionId ?? null;
+    this.outputWindow = positive(result.outputWindow, params.outputWindow, conn.info?.limits?.outputWindow ?? 1 << 20);
+    this.stdinWindow = stdinWindow;
+    // Credit in quarters of the window: few credit frames, and never a stall (a quarter is
+    // reached whenever the node has used its whole window and the consumer has read it).
+    this.creditThreshold = Math.max(1, Math.floor(this.outputWindow / 4));
+    this.stderr = new Readable({
+      highWaterMark: 64 * 1024,
+      read: () => this.returnCredit(),
+      destroy: (_err, cb) => {
+        this.returnCredit();
+        cb(null);
+      },
+    });
+    this.exit = new Promise<ChannelExit>((resolve) => (this.resolveExit = resolve));
+    this.noStdin = params.stdin === false;
+    if (this.noStdin) this.end();
+  }
+
+  // ---- controls (each a request on the channel's connection) ----
+
+  /** The terminal's new size (PTY channels only), 1..4096 each. */
+  async resize(cols: number, rows: number, options: { signal?: AbortSignal } = {}): Promise<void> {
+    await this.control("duplexChannelResize", { channel: this.id, cols, rows }, options);
+  }
+
+  /** Sends a signal to the command's process group. */
+  async signal(signal: ChannelSignal, options: { signal?: AbortSignal } = {}): Promise<void> {
+    await this.control("duplexChannelSignal", { channel: this.id, signal }, options);
+  }
+
+  /** Closes the command's stdin after what was written before it (same as `end()`, awaited). */
+  async closeStdin(): Promise<void> {
+    if (this.writableFinished) return;
+    await new Promise<void>((resolve) => {
+      this.once("finish", resolve);
+      this.once("close", resolve);
+      this.end();
+    });
+  }
+
+  /** Kills the command's process tree; its exit follows (outcome `stopped`). */
+  async stop(options: { signal?: AbortSignal } = {}): Promise<void> {
+    if (this.exitInfo) return;
+    await this.control("duplexChannelStop", { channel: this.id }, options);
+  }
+
+  /**
+   * Stops the channel and forgets it: no exit comes from the node; `exit` resolves with outcome
+   * `stopped` and null counters. Idempotent.
+   */
+  async close(): Promise<void> {
+    if (this.exitInfo || this.closedByClient) return;
+    this.closedByClient = true;
+    this.conn.forget(this);
+    const answer = this.conn.closed
+      ? Promise.resolve()
+      : this.conn
+          .request("duplexChannelClose", { channel: this.id }, { timeoutMs: 30_000 })
+          .then(() => undefined, () => undefined);
+    this.finish(madeExit(this.id, this.hostRouteId, "stopped"));
+    await answer;
+  }
+
+  private async control(method: string, params: Record<string, unknown>, options: { signal?: AbortSignal }): Promise<void> {
+    await this.conn.request(method, params, { timeoutMs: 30_000, ...(options.signal ? { signal: options.signal } : {}) });
+  }
+
+  // ---- from the connection ----
+
+  /** @internal */
+  onData(stream: number, payload: Buffer): void {
+    if (this.exitInfo) return;
+    if (stream === STREAM_STDERR) {
+      this.pushedErr += payload.length;
+      if (this.stderr.destroyed) this.returnCredit();
+      else this.stderr.push(payload);
+    } else if (stream === STREAM_STDOUT) {
+      this.pushedOut += payload.length;
+      if (this.destroyed || this.readableEnded) this.returnCredit();
+      else this.push(payload);
+    }
+  }
+
+  /** @internal */
+  onCredit(stream: number, bytes: number): void {
+    if (stream !== STREAM_STDIN) return;
+    this.stdinInFlight = Math.max(0, this.stdinInFlight - bytes);
+    this.pump();
+  }
+
+  /** @internal */
+  onExit(exit: ChannelExit): void {
+    this.finish(exit);
+  }
+
+  /** @internal */
+  onTransportClosed(): void {
+    this.finish(madeExit(this.id, this.hostRouteId, "transportClosed"));
+  }
+
+  private finish(exit: ChannelExit): void {
+    if (this.exitInfo) return;
+    this.exitInfo = exit;
+    // Stdin that can no longer reach the command is dropped, as the node drops it.
+    for (const w of this.stdinQueue.splice(0)) w.done();
+    if (!this.readableEnded && !this.destroyed) this.push(null);
+    if (!this.stderr.destroyed) this.stderr.push(null);
+    const streams: Readable[] = [this, this.stderr];
+    const waits = streams
+      .filter((s) => s.readableFlowing !== null && !s.readableEnded && !s.destroyed)
+      .map(
+        (s) =>
+          new Promise<void>((resolve) => {
+            s.once("end", resolve);
+            s.once("close", resolve);
+          }),
+      );
+    void Promise.all(waits).then(() => {
+      this.emit("exit", exit);
+      this.resolveExit(exit);
+    });
+  }
+
+  /** Credits back what the consumer has taken from both readables, a quarter window at a time. */
+  private returnCredit(): void {
+    if (this.exitInfo || this.conn.closed) return;
+    const heldOut = this.destroyed ? 0 : this.readableLength;
+    const heldErr = this.stderr.destroyed ? 0 : this.stderr.readableLength;
+    const consumed = this.pushedOut - heldOut + (this.pushedErr - heldErr);
+    const owed = consumed - this.credited;
+    if (owed < this.creditThreshold) return;
+    this.credited += owed;
+    this.conn.sendBinary(creditFrame(this.id, STREAM_STDOUT, owed));
+  }
+
+  // ---- stream internals ----
+
+  override _read(): void {
+    this.returnCredit();
+  }
+
+  override _write(chunk: Buffer, _encoding: BufferEncoding, done: (error?: Error | null) => void): void {
+    if (this.exitInfo || chunk.length === 0) {
+      done();
+      return;
+    }
+    this.stdinQueue.push({ data: chunk, offset: 0, done });
+    this.pump();
+  }
+
+  override _final(done: (error?: Error | null) => void): void {
+    if (this.exitInfo || this.conn.closed || this.noStdin) {
+      done();
+      return;
+    }
+    this.conn.request("duplexChannelCloseStdin", { channel: this.id }, { timeoutMs: 30_000 }).then(
+      () => done(),
+      // The channel ended meanwhile, or the connection dropped: exit says how.
+      () => done(),
+    );
+  }
+
+  override _destroy(error: Error | null, done: (error?: Error | null) => void): void {
+    // A consumer that destroys the channel no longer wants it: close it on the node.
+    if (!this.exitInfo) void this.close();
+    if (!this.stderr.destroyed) this.stderr.destroy();
+    done(error);
+  }
+
+  /** Sends queued stdin within the window, in frames of at most the node's payload limit. */
+  private pump(): void {
+    const maxPayload = Math.min(MAX_DATA_PAYLOAD, this.conn.info?.limits?.maxDataPayload ?? MAX_DATA_PAYLOAD);
+    while (this.stdinQueue.length > 0 && !this.exitInfo) {
+      const head = this.stdinQueue[0] as QueuedWrite;
+      const room = this.stdinWindow - this.stdinInFlight;
+      if (room <= 0) return;
+      const n = Math.min(room, maxPayload, head.data.length - head.offset);
+      const payload = head.data.subarray(head.offset, head.offset + n);
+      head.offset += n;
+      this.stdinInFlight += n;
+      this.conn.sendBinary(dataFrame(this.id, STREAM_STDIN, payload));
+      if (head.offset === head.data.length) {
+        this.stdinQueue.shift();
+        head.done();
+      }
+    }
+  }
+}
+
+function positive(...candidates: (number | undefined | null)[]): number {
+  for (const c of candidates) if (typeof c === "number" && Number.isFinite(c) && c > 0) return c;
+  throw SandboxdError.client("PROTOCOL_ERROR", "the node gave no window for the channel");
+}

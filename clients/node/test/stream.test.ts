@@ -1,0 +1,157 @@
+// Channels as Node streams against a real daemon: bytes both ways, exits, PTY, execute.
+import assert from "node:assert/strict";
+import { after, before, describe, it } from "node:test";
+
+import type { SandboxdClient, Lease } from "../src/index.js";
+import { bwrapLease, bytes, clientFor, collect, Daemon, sha256, writeAll } from "./helpers.js";
+
+describe("channels as streams", () => {
+  let daemon: Daemon;
+  let client: SandboxdClient;
+  let lease: Lease;
+
+  before(async () => {
+    daemon = await Daemon.start();
+    client = await clientFor(daemon);
+    lease = await bwrapLease(client);
+  });
+
+  after(async () => {
+    if (lease) await client.leaseRelease({ leaseId: lease.id }).catch(() => {});
+    client?.close();
+    await daemon?.dispose();
+  });
+
+  it("echoes stdin to stdout and exits 0 after the last byte", async () => {
+    const channel = await client.open({ lease, command: ["cat"] });
+    assert.equal(channel.routed, false);
+    const out = collect(channel);
+    channel.end("hello, sandbox\n");
+    assert.equal((await out).toString(), "hello, sandbox\n");
+    const exit = await channel.exit;
+    assert.equal(exit.outcome, "exited");
+    assert.equal(exit.exitCode, 0);
+    assert.equal(exit.stdoutBytes, 15);
+    assert.equal(exit.stdinBytes, 15);
+  });
+
+  it("moves 64 MiB both ways byte for byte (sha256 inside and outside the sandbox)", async () => {
+    const data = bytes(64 << 20);
+    // In: the sandbox hashes what it read.
+    const hasher = await client.open({ lease, command: ["sha256sum"] });
+    const hashOut = collect(hasher);
+    await writeAll(hasher, data);
+    assert.equal((await hashOut).toString().split(" ")[0], sha256(data));
+    assert.equal((await hasher.exit).exitCode, 0);
+    // Both ways: cat gives back exactly what it got, while both directions flow at once.
+    const cat = await client.open({ lease, command: ["cat"] });
+    const [, echoed] = await Promise.all([writeAll(cat, data), collect(cat)]);
+    assert.equal(echoed.length, data.length);
+    assert.equal(sha256(echoed), sha256(data));
+    const exit = await cat.exit;
+    assert.equal(exit.exitCode, 0);
+    assert.equal(exit.stdoutBytes, data.length);
+    assert.equal(exit.stdinBytes, data.length);
+  });
+
+  it("resolves exit only after all output, for 200 short channels in a row", async () => {
+    for (let i = 0; i < 200; i++) {
+      const channel = await client.open({ lease, command: ["sh", "-c", `printf 'out-${i}'; printf 'err-${i}' >&2`], stdin: false });
+      let out = "";
+      let err = "";
+      channel.on("data", (c: Buffer) => (out += c.toString()));
+      channel.stderr.on("data", (c: Buffer) => (err += c.toString()));
+      const exit = await channel.exit;
+      assert.equal(out, `out-${i}`, `channel ${i}: stdout when exit resolved`);
+      assert.equal(err, `err-${i}`, `channel ${i}: stderr when exit resolved`);
+      assert.equal(exit.exitCode, 0);
+      assert.equal(exit.outcome, "exited");
+    }
+  });
+
+  it("keeps stdin within the window: write returns false and drain follows", async () => {
+    // The command reads nothing until its stdin window is full and the client has waited.
+    const channel = await client.open({ lease, command: ["sh", "-c", "sleep 1; exec wc -c"] });
+    const out = collect(channel);
+    const data = bytes(channel.stdinWindow * 4);
+    const { sawBackpressure } = await writeAll(channel, data, 256 * 1024);
+    assert.ok(sawBackpressure, "write() returned false at least once");
+    assert.equal((await out).toString().trim(), String(data.length));
+    const exit = await channel.exit;
+    assert.equal(exit.outcome, "exited");
+    assert.equal(exit.stdinBytes, data.length);
+  });
+
+  it("runs under a PTY: resize reaches stty, signal and exit codes are real", async () => {
+    const channel = await client.open({ lease, command: ["sh"], pty: { cols: 80, rows: 24 } });
+    let screen = "";
+    channel.on("data", (c: Buffer) => (screen += c.toString()));
+    const waitFor = async (text: string) => {
+      const deadline = Date.now() + 10_000;
+      while (!screen.includes(text)) {
+        if (Date.now() > deadline) throw new Error(`no ${JSON.stringify(text)} on the terminal: ${JSON.stringify(screen)}`);
+        await new Promise((r) => setTimeout(r, 10));
+      }
+    };
+    channel.write("stty size\n");
+    await waitFor("24 80");
+    await channel.resize(132, 50);
+    channel.write("stty size\n");
+    await waitFor("50 132");
+    channel.write("exit 7\n");
+    const exit = await channel.exit;
+    assert.equal(exit.exitCode, 7);
+    assert.equal(exit.outcome, "exited");
+  });
+
+  it("stops a command: exit says stopped; close makes the exit itself", async () => {
+    const stopped = await client.open({ lease, command: ["sleep", "600"] });
+    stopped.resume();
+    await stopped.stop();
+    const exit = await stopped.exit;
+    assert.equal(exit.outcome, "stopped");
+    const closed = await client.open({ lease, command: ["sleep", "600"] });
+    await closed.close();
+    const made = await closed.exit;
+    assert.deepEqual(
+      { outcome: made.outcome, exitCode: made.exitCode, stdoutBytes: made.stdoutBytes, durationMs: made.durationMs },
+      { outcome: "stopped", exitCode: null, stdoutBytes: null, durationMs: null },
+    );
+  });
+
+  it("signals the command", async () => {
+    const channel = await client.open({ lease, command: ["sh", "-c", "trap 'echo got-term; exit 3' TERM; echo ready; while :; do sleep 0.05; done"] });
+    let out = "";
+    const ready = new Promise<void>((resolve) =>
+      channel.on("data", (c: Buffer) => {
+        out += c.toString();
+        if (out.includes("ready")) resolve();
+      }),
+    );
+    await ready;
+    await channel.signal("TERM");
+    const exit = await channel.exit;
+    assert.equal(exit.exitCode, 3);
+    assert.match(out, /got-term/);
+  });
+
+  it("executes a command with its log streamed before the answer", async () => {
+    const logs: string[] = [];
+    const result = await client.leaseExecute(
+      { leaseId: lease.id, command: "sh", args: ["-c", "echo one; echo two >&2; exit 5"] },
+      { onLog: (log) => logs.push(`${log.stream}:${log.chunk}`) },
+    );
+    assert.equal(result.exitCode, 5);
+    assert.equal(result.stdout, "one\n");
+    assert.equal(result.stderr, "two\n");
+    assert.deepEqual(logs.sort(), ["stderr:two\n", "stdout:one\n"]);
+  });
+
+  it("aborts a call with its AbortSignal", async () => {
+    const controller = new AbortController();
+    controller.abort();
+    await assert.rejects(client.leaseGet({ leaseId: lease.id }, { signal: controller.signal }), { reason: "ABORTED", code: 0 });
+    const got = await client.leaseGet({ leaseId: lease.id });
+    assert.equal(got.id, lease.id);
+  });
+});
