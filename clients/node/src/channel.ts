@@ -95,14 +95,7 @@ export class Channel extends Duplex {
     // Credit in quarters of the window: few credit frames, and never a stall (a quarter is
     // reached whenever the node has used its whole window and the consumer has read it).
     this.creditThreshold = Math.max(1, Math.floor(this.outputWindow / 4));
-    this.stderr = new Readable({
-      highWaterMark: 64 * 1024,
-      read: () => this.returnCredit(),
-      destroy: (_err, cb) => {
-        this.returnCredit();
-        cb(null);
-      },
-    });
+    this.stderr = new OutputStream(() => this.returnCredit());
     this.exit = new Promise<ChannelExit>((resolve) => (this.resolveExit = resolve));
     this.noStdin = params.stdin === false;
     if (this.noStdin) this.end();
@@ -227,8 +220,16 @@ export class Channel extends Duplex {
 
   // ---- stream internals ----
 
-  override _read(): void {
+  // Credit is returned when the consumer takes bytes out of a readable: after every read()
+  // (flowing mode reads through it too), and after _read, which Node calls before it takes them.
+  override read(size?: number): any {
+    const chunk: unknown = super.read(size);
     this.returnCredit();
+    return chunk;
+  }
+
+  override _read(): void {
+    queueMicrotask(() => this.returnCredit());
   }
 
   override _write(chunk: Buffer, _encoding: BufferEncoding, done: (error?: Error | null) => void): void {
@@ -276,6 +277,31 @@ export class Channel extends Duplex {
         head.done();
       }
     }
+  }
+}
+
+/** stderr: a Readable that tells its channel when the consumer took bytes from it. */
+class OutputStream extends Readable {
+  private readonly consumed: () => void;
+
+  constructor(consumed: () => void) {
+    super({ highWaterMark: 64 * 1024 });
+    this.consumed = consumed;
+  }
+
+  override read(size?: number): any {
+    const chunk: unknown = super.read(size);
+    this.consumed();
+    return chunk;
+  }
+
+  override _read(): void {
+    queueMicrotask(this.consumed);
+  }
+
+  override _destroy(error: Error | null, done: (error?: Error | null) => void): void {
+    queueMicrotask(this.consumed);
+    done(error);
   }
 }
 

@@ -69,6 +69,21 @@ describe("channels as streams", () => {
     }
   });
 
+  it("never stalls a consumer that reads small pieces in paused mode", async () => {
+    const total = 8 << 20;
+    const channel = await client.open({ lease, command: ["head", "-c", String(total), "/dev/zero"], outputWindow: 256 * 1024 });
+    let received = 0;
+    await new Promise<void>((resolve) => {
+      channel.on("readable", () => {
+        let chunk: Buffer | null;
+        while ((chunk = channel.read(1000) as Buffer | null) !== null) received += chunk.length;
+      });
+      channel.on("end", resolve);
+    });
+    assert.equal(received, total);
+    assert.equal((await channel.exit).stdoutBytes, total);
+  });
+
   it("keeps stdin within the window: write returns false and drain follows", async () => {
     // The command reads nothing until its stdin window is full and the client has waited.
     const channel = await client.open({ lease, command: ["sh", "-c", "sleep 1; exec wc -c"] });
