@@ -1012,6 +1012,10 @@ json cmd_report(const Args& a) {
         }
         latest[k] = all[k];
     }
+    // Optional figures: scenarios that a run may leave out.
+    for (const char* k : {"node_client_stream_mb_s"}) {
+        if (all.contains(k)) latest[k] = all[k];
+    }
     latest["machine"] = a.need("machine");
     latest["command"] = a.need("command");
     {
@@ -1069,6 +1073,12 @@ json cmd_report(const Args& a) {
         stream_ratio.is_null() ? "n/a" : verdict(stream_ratio.get<double>() >= 0.5) + " " + fmt(json(stream_ratio.get<double>() * 100), 0) + "%");
     row("websocketd --binary head (MB/s)", "", fmt(num("websocketd_stream_mb_s"), 0) +
         " (" + fmt(ratio(num("stream_mb_s"), num("websocketd_stream_mb_s")), 2) + "x of it)", "", "");
+    if (all.contains("node_client_stream_mb_s")) {
+        const json node_ratio = ratio(num("node_client_stream_mb_s"), num("stream_mb_s"));
+        row("stream, @sandboxd/client for Node (MB/s)", fmt(num("node_client_stream_mb_s"), 0),
+            "C++ client " + fmt(num("stream_mb_s"), 0), "",
+            node_ratio.is_null() ? "n/a" : fmt(json(node_ratio.get<double>() * 100), 0) + "% of C++");
+    }
     row("stdin into cat > /dev/null (MB/s)", fmt(num("stdin_mb_s"), 0), "pipe " + fmt(num("pipe_mb_s"), 0), "", "");
     if (num("proxy_open_p50_ms").is_null()) {
         row("proxied open p50 (ms)", "n/a", "routing not available", "", "n/a");

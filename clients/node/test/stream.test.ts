@@ -1,8 +1,12 @@
 // Channels as Node streams against a real daemon: bytes both ways, exits, PTY, execute.
 import assert from "node:assert/strict";
+import { execFile } from "node:child_process";
+import { join } from "node:path";
+import { promisify } from "node:util";
 import { after, before, describe, it } from "node:test";
 
 import type { SandboxdClient, Lease } from "../src/index.js";
+import { repoRoot } from "./daemon.js";
 import { bwrapLease, bytes, clientFor, collect, Daemon, sha256, writeAll } from "./helpers.js";
 
 describe("channels as streams", () => {
@@ -160,6 +164,14 @@ describe("channels as streams", () => {
     assert.equal(result.stdout, "one\n");
     assert.equal(result.stderr, "two\n");
     assert.deepEqual(logs.sort(), ["stderr:two\n", "stdout:one\n"]);
+  });
+
+  it("runs the README's example (clients/node/examples/hello.mjs) as it is", async () => {
+    const { stdout } = await promisify(execFile)(process.execPath, [join(repoRoot, "clients/node/examples/hello.mjs")], {
+      env: { ...process.env, SANDBOXD_URL: daemon.url, SANDBOXD_TOKEN: daemon.token },
+      timeout: 60_000,
+    });
+    assert.equal(stdout, "line 1\nline 2\nline 3\nexit 0 (exited)\n");
   });
 
   it("aborts a call with its AbortSignal", async () => {
