@@ -710,6 +710,21 @@ void check_audit(Cluster& cluster, Ledger& ledger, std::map<std::string, long>& 
     }
 }
 
+/// Sets the stream's stop flag and joins its threads when it goes out of scope.
+struct StopAndJoin {
+    std::atomic<bool>& stop;
+    std::vector<std::thread>& workers;
+    StopAndJoin(std::atomic<bool>& s, std::vector<std::thread>& w) : stop(s), workers(w) {}
+    StopAndJoin(const StopAndJoin&) = delete;
+    StopAndJoin& operator=(const StopAndJoin&) = delete;
+    ~StopAndJoin() {
+        stop = true;
+        for (auto& w : workers) {
+            if (w.joinable()) w.join();
+        }
+    }
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -747,6 +762,9 @@ int main(int argc, char** argv) {
             if (f == fault::kill9) hold = std::chrono::milliseconds(rng() % 500);
             std::atomic<bool> stop{false};
             std::vector<std::thread> workers;
+            // Whatever happens below, the stream stops and its threads are joined (a thread
+            // destroyed while joinable would end the run with std::terminate and no report).
+            const StopAndJoin joiner{stop, workers};
             workers.reserve(static_cast<std::size_t>(o.workers));
             for (int w = 0; w < o.workers; ++w) {
                 workers.emplace_back(stream, std::ref(cluster), std::ref(ledger), std::cref(stop),
@@ -754,9 +772,21 @@ int main(int argc, char** argv) {
             }
             // The stream runs before, during and after the fault (pacing, not synchronisation).
             std::this_thread::sleep_for(std::chrono::milliseconds(100 + rng() % 500));
-            if (!cluster.inject(f, victim, hold)) {
-                ledger.violation("trial " + std::to_string(t) + ": a node was not ready 30 s after " +
-                                 name_of(f));
+            try {
+                if (!cluster.inject(f, victim, hold)) {
+                    ledger.violation("trial " + std::to_string(t) + ": a node was not ready 30 s after " +
+                                     name_of(f));
+                }
+            } catch (const std::exception& e) {
+                // A node that did not come back (e.g. it exited during its restart): a violation
+                // with its log's tail, and the run goes on to its checks and report.
+                const std::string what = e.what();
+                ledger.violation(concat("trial ", std::to_string(t), ": ", name_of(f), " of ",
+                                        Cluster::id_of(victim), " failed: ",
+                                        what.size() > 4000 ? what.substr(what.size() - 4000) : what));
+                stop = true;
+                for (auto& w : workers) w.join();
+                break;
             }
             std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 300));
             stop = true;
