@@ -308,6 +308,12 @@ void parse_top(const json& j, Config& c) {
         o.str("file", c.audit_file);
         o.done();
     }
+    if (const auto* k = top.get("console")) {
+        Obj o(*k, "console");
+        o.boolean("enabled", c.console_enabled);
+        o.str("assetsDir", c.console_assets_dir);
+        o.done();
+    }
     top.done();
 }
 
@@ -504,6 +510,7 @@ nlohmann::json config_to_json(const Config& c) {
           {"retainedTtlMs", l.retained_ttl_ms}}},
         {"log", {{"level", c.log_level}, {"format", c.log_format}}},
         {"audit", {{"file", c.audit_file}}},
+        {"console", {{"enabled", c.console_enabled}, {"assetsDir", c.console_assets_dir}}},
     };
 }
 

@@ -1,5 +1,6 @@
 #include <sandboxd/server/server.hpp>
 
+#include "server/console.hpp"
 #include "server/lease_service.hpp"
 #include "server/node.hpp"
 #include "server/session.hpp"
@@ -135,6 +136,8 @@ struct Daemon::Impl {
     net::steady_timer sweep_timer{ioc};
     std::mutex sessions_mutex;
     std::vector<std::weak_ptr<Session>> sessions;
+    /// The browser console's files, read at start when console.enabled (read-only after).
+    ConsoleAssets console;
 
     awaitable<void> accept_loop();
     awaitable<void> serve(tcp::socket socket);
@@ -167,6 +170,14 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
     ::chmod(c.state_dir.c_str(), 0700);
     node.node_id = c.node_id.empty() ? host_name() : c.node_id;
     node.instance_id = random_hex(8);
+    if (c.console_enabled) {
+        impl_->console = ConsoleAssets::load(c.console_assets_dir);
+        if (impl_->console.available()) {
+            spdlog::info("console: serving GET /console from {}", impl_->console.dir());
+        } else {
+            spdlog::error("console: enabled but not available: {}", impl_->console.problem());
+        }
+    }
     if (!c.audit_file.empty()) {
         try {
             node.audit = std::make_shared<AuditLog>(c.audit_file, node.node_id, node.instance_id);
@@ -554,10 +565,28 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
             } else {
                 std::string_view auth = req[http::field::authorization];
                 const Principal* who = nullptr;
+                bool foreign_origin = false;
                 if (auth.size() > 7 && beast::iequals(auth.substr(0, 7), "Bearer ")) {
                     who = node.authenticate(auth.substr(7));
+                } else if (auth.empty()) {
+                    // A browser cannot set Authorization: its token comes as the subprotocol
+                    // sandboxd.bearer.<base64url>, and only from a page of this node's own origin.
+                    if (auto token = bearer_from_subprotocols(req[http::field::sec_websocket_protocol])) {
+                        if (origin_matches_host(req[http::field::origin], req[http::field::host])) {
+                            who = node.authenticate(*token);
+                        } else {
+                            foreign_origin = true;
+                        }
+                    }
                 }
-                if (!who) {
+                if (foreign_origin) {
+                    spdlog::info("rejected a browser upgrade from origin '{}' for host '{}'",
+                                 std::string(req[http::field::origin]).substr(0, 200),
+                                 std::string(req[http::field::host]).substr(0, 200));
+                    res = plain(http::status::forbidden,
+                                "a token in the subprotocol is accepted only from a page of this node's origin\n",
+                                req.version(), false);
+                } else if (!who) {
                     spdlog::info("rejected an upgrade without a valid token");
                     res = plain(http::status::unauthorized, "missing or invalid bearer token\n", req.version(), false);
                     res.set(http::field::www_authenticate, "Bearer realm=\"sandboxd\"");
@@ -607,6 +636,23 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
             res = why.empty() ? plain(http::status::ok, "ready\n" + notes, req.version(), keep)
                               : plain(http::status::service_unavailable, "not ready: " + why + "\n",
                                       req.version(), keep);
+        } else if (target == "/console" || target.rfind("/console/", 0) == 0 ||
+                   target.rfind("/console?", 0) == 0) {
+            if (!node.config.console_enabled) {
+                res = plain(http::status::not_found, "not found\n", req.version(), keep);
+            } else if (!console.available()) {
+                res = plain(http::status::service_unavailable, "console not available: " + console.problem() + "\n",
+                            req.version(), keep);
+            } else if (const auto* file = console.find(target)) {
+                res = plain(http::status::ok, file->body, req.version(), keep);
+                res.set(http::field::content_type, file->content_type);
+                res.set("Content-Security-Policy", std::string(console_csp));
+                res.set("X-Content-Type-Options", "nosniff");
+                res.set("Referrer-Policy", "no-referrer");
+                res.set(http::field::cache_control, "no-store");
+            } else {
+                res = plain(http::status::not_found, "not found\n", req.version(), keep);
+            }
         } else if (target == "/metrics") {
             res = plain(http::status::ok, metrics_text(), req.version(), keep);
             res.set(http::field::content_type, "text/plain; version=0.0.4");

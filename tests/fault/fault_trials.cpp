@@ -710,6 +710,12 @@ void check_audit(Cluster& cluster, Ledger& ledger, std::map<std::string, long>& 
     }
 }
 
+/// Set by SIGINT or SIGTERM: the run stops starting trials and goes on to its checks and report
+/// (and stops its nodes), instead of dying and leaving them running.
+std::atomic<bool> interrupted{false};
+
+extern "C" void on_interrupt(int /*signal*/) { interrupted = true; }
+
 /// Sets the stream's stop flag and joins its threads when it goes out of scope.
 struct StopAndJoin {
     std::atomic<bool>& stop;
@@ -731,6 +737,10 @@ int main(int argc, char** argv) {
     const Options o = parse(argc, argv);
     // Orphans of the nodes' trees stay this program's descendants (the process checks).
     ::prctl(PR_SET_CHILD_SUBREAPER, 1);
+    struct sigaction stop_action {};
+    stop_action.sa_handler = on_interrupt;
+    ::sigaction(SIGINT, &stop_action, nullptr);
+    ::sigaction(SIGTERM, &stop_action, nullptr);
     const bool netns = private_network();
     const std::uint64_t seed =
         o.seed ? o.seed : static_cast<std::uint64_t>(steady::now().time_since_epoch().count());
@@ -750,6 +760,10 @@ int main(int argc, char** argv) {
         const auto ttl = cluster.ttl();
         AnyNode any(cluster, rng);
         for (int t = 0; t < o.trials; ++t) {
+            if (interrupted) {
+                std::cout << "stopping after " << t << " trials: interrupted\n";
+                break;
+            }
             if (o.max_seconds > 0 && steady::now() - started > std::chrono::seconds(o.max_seconds)) {
                 std::cout << "stopping after " << t << " trials: --max-seconds " << o.max_seconds << "\n";
                 break;

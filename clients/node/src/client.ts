@@ -361,7 +361,10 @@ export class SandboxdClient {
 /** The promise, or ABORTED when the signal fires first (the promise itself goes on). */
 function withAbort<T>(promise: Promise<T>, signal?: AbortSignal): Promise<T> {
   if (!signal) return promise;
-  if (signal.aborted) return Promise.reject(SandboxdError.client("ABORTED", "the call was aborted"));
+  if (signal.aborted) {
+    promise.catch(() => {});  // its failure, if any, is nobody's now: not an unhandled rejection
+    return Promise.reject(SandboxdError.client("ABORTED", "the call was aborted"));
+  }
   return new Promise<T>((resolve, reject) => {
     const onAbort = () => reject(SandboxdError.client("ABORTED", "the call was aborted"));
     signal.addEventListener("abort", onAbort, { once: true });

@@ -5,9 +5,9 @@ import { join } from "node:path";
 import { promisify } from "node:util";
 import { after, before, describe, it } from "node:test";
 
-import type { SandboxdClient, Lease } from "../src/index.js";
+import { SandboxdClient, type Lease } from "../src/index.js";
 import { repoRoot } from "./daemon.js";
-import { bwrapLease, bytes, clientFor, collect, Daemon, sha256, writeAll } from "./helpers.js";
+import { bwrapLease, bytes, clientFor, collect, Daemon, eventually, sha256, writeAll } from "./helpers.js";
 
 describe("channels as streams", () => {
   let daemon: Daemon;
@@ -180,5 +180,26 @@ describe("channels as streams", () => {
     await assert.rejects(client.leaseGet({ leaseId: lease.id }, { signal: controller.signal }), { reason: "ABORTED", code: 0 });
     const got = await client.leaseGet({ leaseId: lease.id });
     assert.equal(got.id, lease.id);
+    // Before any connection exists.
+    const fresh = new SandboxdClient({ url: daemon.url, token: daemon.token });
+    await assert.rejects(fresh.leaseGet({ leaseId: lease.id }, { signal: controller.signal }), { reason: "ABORTED" });
+    fresh.close();
+  });
+
+  it("closes on the node an open that was aborted before its answer", async () => {
+    const channelsOnNode = async () => (await client.nodeList()).nodes.find((n) => n.nodeId === daemon.nodeId)?.channels;
+    assert.equal(await channelsOnNode(), 0);
+    const controller = new AbortController();
+    const opening = client.open({ lease, command: ["sh", "-c", "touch /workspace/aborted-open; exec sleep 600"] }, { signal: controller.signal });
+    // Aborted once the request is on the wire (a macrotask later), before its answer.
+    setImmediate(() => controller.abort());
+    await assert.rejects(opening, { reason: "ABORTED" });
+    // The open did happen on the node, and the client closed its channel when the answer came.
+    await eventually(
+      async () => (await client.leaseExecute({ leaseId: lease.id, command: "test", args: ["-e", "/workspace/aborted-open"] })).exitCode === 0,
+      10_000,
+      "the aborted open's command to have run",
+    );
+    await eventually(async () => (await channelsOnNode()) === 0, 10_000, "the aborted open's channel to be closed");
   });
 });

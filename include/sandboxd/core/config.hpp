@@ -170,6 +170,11 @@ struct Config {
     /// audit.file: one JSON line per channel opened and ended is appended here (created with
     /// mode 0600); "" = no audit file.
     std::string audit_file;
+    /// console.enabled: serve the browser console at GET /console (docs/protocol.md section 8).
+    bool console_enabled = false;
+    /// console.assetsDir: the console's files (index.html, console.js, xterm.js, ...); "" = the
+    /// build's: <dir of sandboxd>/console, else <dir of sandboxd>/../share/sandboxd/console.
+    std::string console_assets_dir;
 };
 
 /// Parses a config document (JSON with // and /* */ comments). Rejects unknown keys, wrong

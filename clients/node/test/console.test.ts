@@ -1,0 +1,160 @@
+// The browser console (GET /console) in headless Chromium: a real page, xterm.js from the
+// build tree, the token as a subprotocol, a PTY channel in a real sandbox.
+import assert from "node:assert/strict";
+import { mkdirSync, writeFileSync } from "node:fs";
+import { dirname, join } from "node:path";
+import { after, before, describe, it } from "node:test";
+import WebSocket from "ws";
+
+import type { Lease, SandboxdClient } from "../src/index.js";
+import { Browser, chromiumPath, pngColours } from "./chromium.js";
+import { repoRoot } from "./daemon.js";
+import { bwrapLease, clientFor, Daemon, eventually } from "./helpers.js";
+
+const screenshotPath = process.env.SANDBOXD_CONSOLE_SCREENSHOT ?? join(repoRoot, "clients/node/build-test/console.png");
+
+function b64url(text: string): string {
+  return Buffer.from(text).toString("base64url");
+}
+
+/** Whether an upgrade with these headers is accepted (101), or the HTTP status it got. */
+async function upgradeStatus(url: string, protocols: string[], origin?: string): Promise<number> {
+  return new Promise((resolve) => {
+    const ws = new WebSocket(url, protocols, origin ? { origin } : {});
+    ws.once("open", () => {
+      ws.close();
+      resolve(101);
+    });
+    ws.once("unexpected-response", (_req, res) => {
+      resolve(res.statusCode ?? 0);
+      ws.terminate();
+    });
+    ws.once("error", () => resolve(0));
+  });
+}
+
+describe("console", { skip: chromiumPath() ? false : "no chromium (scripts/bootstrap installs it)" }, () => {
+  let daemon: Daemon;
+  let client: SandboxdClient;
+  let lease: Lease;
+  let browser: Browser;
+  let page: string;
+
+  before(async () => {
+    daemon = await Daemon.start({ config: { console: { enabled: true } } });
+    client = await clientFor(daemon);
+    lease = await bwrapLease(client);
+    browser = await Browser.launch();
+    page = await browser.newPage();
+  });
+
+  after(async () => {
+    await browser?.close();
+    client?.close();
+    await daemon?.dispose();
+  });
+
+  const screen = () => browser.evaluate(page, "window.sandboxdConsole.screenText()") as Promise<string>;
+  const statusText = () => browser.evaluate(page, "document.getElementById('status').textContent") as Promise<string>;
+  const type = async (text: string) => {
+    await browser.send("Input.insertText", { text }, page);
+    for (const type of ["keyDown", "keyUp"]) {
+      await browser.send("Input.dispatchKeyEvent", { type, key: "Enter", code: "Enter", windowsVirtualKeyCode: 13, ...(type === "keyDown" ? { text: "\r" } : {}) }, page);
+    }
+  };
+  const waitForLine = async (line: string, what: string) => {
+    await eventually(async () => (await screen()).split("\n").some((l) => l.trim() === line), 15_000, what).catch(async (e) => {
+      throw new Error(`${(e as Error).message}; the terminal shows:\n${await screen()}`);
+    });
+  };
+  const submit = (token: string) =>
+    browser.evaluate(page, `document.getElementById('token').value = ${JSON.stringify(token)}; document.getElementById('open').click(); true`);
+
+  it("is served with a CSP of its own origin only, and only when enabled", async () => {
+    const res = await fetch(`http://${daemon.address}/console`);
+    assert.equal(res.status, 200);
+    const csp = res.headers.get("content-security-policy") ?? "";
+    assert.match(csp, /default-src 'none'/);
+    assert.match(csp, /script-src 'self';/);
+    assert.match(csp, /connect-src 'self';/);
+    assert.doesNotMatch(csp, /https?:|\*/);
+    assert.equal((await fetch(`http://${daemon.address}/console/xterm.js`)).status, 200);
+    assert.equal((await fetch(`http://${daemon.address}/console/../admin.token`)).status, 404);
+    const plain = await Daemon.start();
+    try {
+      assert.equal((await fetch(`http://${plain.address}/console`)).status, 404);
+    } finally {
+      await plain.dispose();
+    }
+  });
+
+  it("takes the token as a subprotocol only from its own origin", async () => {
+    const protocols = ["sandboxd.v1", `sandboxd.bearer.${b64url(daemon.token)}`];
+    assert.equal(await upgradeStatus(daemon.url, protocols, `http://${daemon.address}`), 101);
+    assert.equal(await upgradeStatus(daemon.url, protocols, "http://evil.example"), 403);
+    assert.equal(await upgradeStatus(daemon.url, protocols), 403);
+    assert.equal(await upgradeStatus(daemon.url, ["sandboxd.v1", `sandboxd.bearer.${b64url("wrong")}`], `http://${daemon.address}`), 401);
+  });
+
+  it("says so when the token is refused", async () => {
+    await browser.navigate(page, `http://${daemon.address}/console#lease=${lease.id}`);
+    await submit("not-the-token");
+    await eventually(async () => /refused/.test(await statusText()), 10_000, "the refusal on the page");
+  });
+
+  it("is a working terminal: typing, colours, Ctrl-C, resize, screenshot, end", async () => {
+    await browser.navigate(page, `http://${daemon.address}/console#lease=${lease.id}`);
+    await submit(daemon.token);
+    await eventually(async () => /^Connected/.test(await statusText()), 15_000, "the channel to open");
+
+    await type("echo $((6*7))");
+    await waitForLine("42", "42 on the terminal");
+
+    await type("printf '\\033[31mRED\\033[0m plain\\n'");
+    await waitForLine("RED plain", "the coloured line");
+    const red = await browser.evaluate(page, `(() => {
+      const b = window.sandboxdConsole.term.buffer.active;
+      for (let y = 0; y < b.length; y++) {
+        const line = b.getLine(y);
+        if (line.translateToString(true) === "RED plain") {
+          const c = line.getCell(0), p = line.getCell(4);
+          return { red: c.isFgPalette() && c.getFgColor() === 1, plain: p.isFgDefault() };
+        }
+      }
+      return null;
+    })()`);
+    assert.deepEqual(red, { red: true, plain: true });
+
+    // Ctrl-C interrupts the foreground command: the shell answers again.
+    await type("sleep 100");
+    await browser.send("Input.dispatchKeyEvent", { type: "keyDown", key: "c", code: "KeyC", windowsVirtualKeyCode: 67, modifiers: 2 }, page);
+    await browser.send("Input.dispatchKeyEvent", { type: "keyUp", key: "c", code: "KeyC", windowsVirtualKeyCode: 67, modifiers: 2 }, page);
+    await type("echo after-$((1+1))");
+    await waitForLine("after-2", "the shell after Ctrl-C");
+
+    // A smaller window: the terminal fits it, and the command in the sandbox sees the size.
+    const before = await browser.evaluate(page, "[window.sandboxdConsole.term.cols, window.sandboxdConsole.term.rows]");
+    await browser.send("Emulation.setDeviceMetricsOverride", { width: 640, height: 360, deviceScaleFactor: 1, mobile: false }, page);
+    await eventually(
+      async () => JSON.stringify(await browser.evaluate(page, "[window.sandboxdConsole.term.cols, window.sandboxdConsole.term.rows]")) !== JSON.stringify(before),
+      10_000,
+      "the terminal to fit the new window",
+    );
+    const [cols, rows] = (await browser.evaluate(page, "[window.sandboxdConsole.term.cols, window.sandboxdConsole.term.rows]")) as [number, number];
+    await type("stty size");
+    await waitForLine(`${rows} ${cols}`, `stty size = ${rows} ${cols}`);
+
+    const shot = await browser.send("Page.captureScreenshot", { format: "png" }, page);
+    const png = Buffer.from(shot.data as string, "base64");
+    mkdirSync(dirname(screenshotPath), { recursive: true });
+    writeFileSync(screenshotPath, png);
+    const { width, height, colours } = pngColours(png);
+    console.log(`screenshot ${screenshotPath}: ${width}x${height}, ${colours} colours`);
+    assert.equal(width, 640);
+    assert.ok(colours >= 8, `the screenshot has ${colours} colours: blank`);
+
+    await type("exit 0");
+    await eventually(async () => /Channel ended: exit 0/.test(await statusText()), 10_000, "the end of the channel on the page");
+    assert.match(await screen(), /\[channel ended: exit 0\]/);
+  });
+});
