@@ -33,7 +33,7 @@ fs::path default_dir() {
     std::error_code ec;
     const fs::path self = fs::read_symlink("/proc/self/exe", ec);
     if (ec) return {};
-    const fs::path build = self.parent_path() / "console";
+    fs::path build = self.parent_path() / "console";
     if (fs::exists(build / "index.html", ec)) return build;
     return self.parent_path().parent_path() / "share" / "sandboxd" / "console";
 }

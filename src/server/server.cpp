@@ -638,12 +638,12 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
                                       req.version(), keep);
         } else if (target == "/console" || target.rfind("/console/", 0) == 0 ||
                    target.rfind("/console?", 0) == 0) {
-            if (!node.config.console_enabled) {
-                res = plain(http::status::not_found, "not found\n", req.version(), keep);
-            } else if (!console.available()) {
+            // Off, or a name the page does not have: 404 (below). Enabled without its files: 503.
+            const auto* file = node.config.console_enabled ? console.find(target) : nullptr;
+            if (node.config.console_enabled && !console.available()) {
                 res = plain(http::status::service_unavailable, "console not available: " + console.problem() + "\n",
                             req.version(), keep);
-            } else if (const auto* file = console.find(target)) {
+            } else if (file) {
                 res = plain(http::status::ok, file->body, req.version(), keep);
                 res.set(http::field::content_type, file->content_type);
                 res.set("Content-Security-Policy", std::string(console_csp));

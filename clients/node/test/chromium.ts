@@ -101,7 +101,15 @@ export class Browser {
     const loaded = this.once("Page.loadEventFired", sessionId);
     const { errorText } = await this.send("Page.navigate", { url }, sessionId);
     if (errorText) throw new Error(`navigate ${url}: ${errorText}`);
-    await loaded;
+    let timer: NodeJS.Timeout | undefined;
+    const timeout = new Promise<never>((_, reject) => {
+      timer = setTimeout(() => reject(new Error(`navigate ${url}: no load event within 30 s`)), 30_000);
+    });
+    try {
+      await Promise.race([loaded, timeout]);
+    } finally {
+      clearTimeout(timer);
+    }
   }
 
   /** Evaluates an expression in the page; its value (awaited, by value). */

@@ -86,6 +86,16 @@ describe("console", { skip: chromiumPath() ? false : "no chromium (scripts/boots
     } finally {
       await plain.dispose();
     }
+    // Enabled without its files: the node starts, says why, and /console is 503.
+    const bare = await Daemon.start({ config: { console: { enabled: true, assetsDir: "/nonexistent-console" } } });
+    try {
+      const res503 = await fetch(`http://${bare.address}/console`);
+      assert.equal(res503.status, 503);
+      assert.match(await res503.text(), /nonexistent-console\/index.html/);
+      assert.match(bare.log, /console: enabled but not available/);
+    } finally {
+      await bare.dispose();
+    }
   });
 
   it("takes the token as a subprotocol only from its own origin", async () => {
@@ -103,7 +113,8 @@ describe("console", { skip: chromiumPath() ? false : "no chromium (scripts/boots
   });
 
   it("is a working terminal: typing, colours, Ctrl-C, resize, screenshot, end", async () => {
-    await browser.navigate(page, `http://${daemon.address}/console#lease=${lease.id}`);
+    // A new document (the query differs): a fragment-only change would not load the page again.
+    await browser.navigate(page, `http://${daemon.address}/console?again#lease=${lease.id}`);
     await submit(daemon.token);
     await eventually(async () => /^Connected/.test(await statusText()), 15_000, "the channel to open");
 

@@ -22,6 +22,8 @@ export interface DaemonOptions {
   config?: Record<string, unknown>;
   /** Added to the daemon's environment. */
   env?: Record<string, string>;
+  /** Write the audit trail to `<dir>/audit.jsonl` (Daemon.audit() reads it). */
+  audit?: boolean;
   /** HOST:PORT to listen on (default 127.0.0.1:0). */
   listen?: string;
 }
@@ -93,9 +95,11 @@ export class Daemon {
       "--node-id", this.nodeId,
       "--log-level", "debug",
     ];
-    if (this.options.config) {
+    if (this.options.config || this.options.audit) {
+      const config = { ...(this.options.config ?? {}) };
+      if (this.options.audit) config.audit = { file: join(this.dir, "audit.jsonl") };
       const cfg = join(this.dir, "config.json");
-      writeFileSync(cfg, JSON.stringify(this.options.config));
+      writeFileSync(cfg, JSON.stringify(config));
       args.unshift("--config", cfg);
     }
     const log = openSync(join(this.dir, "daemon.log"), "a");
@@ -117,6 +121,18 @@ export class Daemon {
       "sandboxd to become ready",
     );
     this.address = readFileSync(ready, "utf8").split("\n")[0] ?? "";
+  }
+
+  /** The audit trail's lines (with `audit: true`). */
+  audit(): Record<string, unknown>[] {
+    try {
+      return readFileSync(join(this.dir, "audit.jsonl"), "utf8")
+        .split("\n")
+        .filter((l) => l.trim() !== "")
+        .map((l) => JSON.parse(l) as Record<string, unknown>);
+    } catch {
+      return [];
+    }
   }
 
   /** VmHWM (peak resident set) of the daemon, in bytes, from /proc/<pid>/status. */
