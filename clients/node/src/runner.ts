@@ -5,7 +5,7 @@
 import type { Channel } from "./channel.js";
 import type { SandboxdClient } from "./client.js";
 import { SandboxdError } from "./errors.js";
-import type { ChannelLease, Lease } from "./protocol.js";
+import type { ChannelLease, Lease, LeaseExecuteParams } from "./protocol.js";
 
 /** adapter-utils' RunProcessResult, as the runner fills it in. */
 export interface SandboxdRunProcessResult {
@@ -21,17 +21,13 @@ export interface SandboxdRunProcessResult {
   durationMs?: number | null;
 }
 
-export interface SandboxdExecuteInput {
-  command: string;
-  args?: string[];
-  cwd?: string;
-  env?: Record<string, string>;
-  stdin?: string;
-  timeoutMs?: number;
+/** adapter-utils' execute input: leaseExecute's params (the lease is the runner's) and its callbacks. */
+export interface SandboxdExecuteInput extends Omit<LeaseExecuteParams, "leaseId"> {
   onLog?: (stream: "stdout" | "stderr", chunk: string) => Promise<void>;
+  /** Never called: no process id crosses the sandbox boundary. */
   onSpawn?: (meta: { pid: number; startedAt: string }) => Promise<void>;
+  /** Accepted and ignored: sandboxd has no persistent session. */
   useSession?: boolean;
-  bypassSession?: boolean;
 }
 
 /** adapter-utils' CommandManagedDuplexChannel. */

@@ -121,6 +121,30 @@ describe("routing", () => {
   });
 });
 
+describe("timeouts", () => {
+  it("a node that does not answer: TIMEOUT for a request and for a connect", async () => {
+    const daemon = await Daemon.start();
+    try {
+      const client = new SandboxdClient({ url: daemon.url, token: daemon.token, connectTimeoutMs: 500, requestTimeoutMs: 500, reconnect: false });
+      await client.connect();
+      process.kill(daemon.pid, "SIGSTOP");
+      try {
+        await assert.rejects(client.nodeList(), { reason: "TIMEOUT", code: 0 });
+        const late = new SandboxdClient({ url: daemon.url, token: daemon.token, connectTimeoutMs: 500, reconnect: false });
+        await assert.rejects(late.connect(), { reason: "TIMEOUT" });
+        late.close();
+      } finally {
+        process.kill(daemon.pid, "SIGCONT");
+      }
+      // The node answers again on the same connection.
+      assert.ok((await client.nodeList({ timeoutMs: 10_000 })).nodes.length >= 1);
+      client.close();
+    } finally {
+      await daemon.dispose();
+    }
+  });
+});
+
 describe("reconnect", () => {
   it("a lease call made while the node restarts is made again once it is back; an open is not", async () => {
     // A restarted node registers again once its old membership has expired (nodeTtlMs).
