@@ -1187,9 +1187,8 @@ private:
         }
         if (reply.error != 0) {
             if (reply.error == ETIMEDOUT) {
-                throw rpc_error(errc::registry_unavailable,
-                                "sandbox " + name + ": the channel was not started: its node's "
-                                "fencing deadline passed before it could start");
+                throw start_deadline_passed("sandbox " + name + ": the channel was not started: its node's "
+                                            "fencing deadline passed before it could start");
             }
             if (reply.error == EMFILE || reply.error == ENFILE || reply.error == EAGAIN) {
                 throw rpc_error(errc::channel_limit,

@@ -510,11 +510,24 @@ awaitable<json> lease_execute(Node& node, const Principal& who, methods::Execute
     }
     const ScopeExit unreserve([&node] { node.channels.unreserve(); });
     p.request.drain_grace_ms = limits.drain_grace_ms;
-    p.request.start_deadline_ms = node.fence_deadline_ms();
     p.request.output_limit = limits.execute_output_bytes;
     spdlog::info("lease={} execute: {}", live.lease.id, p.request.argv.front());
-    co_return co_await live.provider->execute(live.sandbox, live.lease, std::move(p.request),
-                                              std::move(log));
+    // As an open (Session): a start refused for its deadline is tried again with a renewed one
+    // while the membership held without a break; nothing ran, so no log line was sent.
+    const std::uint64_t breaks = node.membership_breaks.load(std::memory_order_acquire);
+    for (int attempt = 1;; ++attempt) {
+        ExecuteRequest request = p.request;
+        const std::int64_t deadline = node.fence_deadline_ms();
+        request.start_deadline_ms = deadline;
+        bool again = false;
+        try {
+            co_return co_await live.provider->execute(live.sandbox, live.lease, std::move(request), log);
+        } catch (const start_deadline_passed&) {
+            if (attempt >= 3 || !node.may_retry_start(deadline, breaks)) throw;
+            again = true;
+        }
+        if (again) spdlog::info("lease={} execute: start deadline passed in the sandbox's queue; again", live.lease.id);
+    }
 }
 
 awaitable<json> lease_realize_workspace(Node& node, const Principal& who,

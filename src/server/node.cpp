@@ -114,6 +114,12 @@ std::int64_t Node::fence_deadline_ms() const {
            static_cast<std::int64_t>(config.node_ttl_ms) * 2 / 3;
 }
 
+bool Node::may_retry_start(std::int64_t deadline, std::uint64_t breaks) const {
+    const std::int64_t now = steady_now_ms();
+    const std::int64_t next = fence_deadline_ms();
+    return membership_breaks.load(std::memory_order_acquire) == breaks && next > deadline && next > now;
+}
+
 void Node::require_membership() const {
     if (const auto age = fenced_for_ms()) {
         throw rpc_error(errc::registry_unavailable,

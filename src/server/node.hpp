@@ -136,6 +136,11 @@ public:
     /// Self-fencing (docs/protocol.md section 8): steady-clock milliseconds at which the last
     /// successful renewal of this node's registry membership was sent.
     std::atomic<std::int64_t> renewed_at_ms{0};
+    /// Incremented each time a heartbeat finds this node fenced, or its membership lost or
+    /// being rejoined: while it is unchanged, every renewal in between kept the membership
+    /// without a gap, so a command refused for a passed start deadline may be started again
+    /// with the later one (Node::retry_start).
+    std::atomic<std::uint64_t> membership_breaks{0};
     /// The change feed of the registry (etcd); nullptr for SQLite.
     std::unique_ptr<LeaseWatch> lease_watch;
 
@@ -148,6 +153,11 @@ public:
     /// Steady-clock ms at which this node fences itself unless it renews first: the last
     /// renewal + 2/3 of nodeTtlMs. A command is started only before it (ExecSpec).
     std::int64_t fence_deadline_ms() const;
+    /// Whether a command refused for passing `deadline` (start_deadline_passed) may be started
+    /// again: the membership was renewed since (a later deadline, not yet passed) without a
+    /// break since `breaks` (membership_breaks when the first attempt began). At most a few
+    /// attempts: the caller counts them.
+    bool may_retry_start(std::int64_t deadline, std::uint64_t breaks) const;
 
     /// The epoch of each lease whose sandbox this node created (its claim), compared on every
     /// open this node serves as owner. Thread-safe.

@@ -711,6 +711,7 @@ awaitable<void> Daemon::Impl::heartbeat_loop() {
             }
             beat_sent_ms.store(sent, std::memory_order_release);
             if (!mine || fenced != 0 || rejoining.load()) {
+                node.membership_breaks.fetch_add(1, std::memory_order_acq_rel);
                 if (!rejoining.exchange(true)) net::co_spawn(ioc, rejoin(), net::detached);
             } else {
                 node.renewed_at_ms.store(sent, std::memory_order_release);

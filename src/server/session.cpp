@@ -693,23 +693,40 @@ awaitable<Session::Reply> Session::open_local(methods::OpenParams params, Lease 
     params.spec.drain_grace_ms = limits.drain_grace_ms;
     // Started before this node may fence itself, or not at all: a node frozen from here on
     // (SIGSTOP, a stalled VM) cannot start a command once another node may take the lease.
-    const std::int64_t start_deadline = node_.fence_deadline_ms();
-    params.spec.start_deadline_ms = start_deadline;
-    const std::string start_deadline_text =
-        rfc3339_at(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(start_deadline - steady_now_ms()));
+    // A start refused for its deadline is tried again (at most twice) with the later deadline
+    // of a renewal since, when the membership held without a break: a long queue of opens at
+    // one sandbox under load is not a fenced node.
+    const std::uint64_t breaks = node_.membership_breaks.load(std::memory_order_acquire);
+    std::int64_t start_deadline = node_.fence_deadline_ms();
     const std::string program = params.spec.argv.front();
     std::unique_ptr<ChannelBackend> backend;
     std::exception_ptr failed;
     std::string unresumable;  // the provider lost the sandbox and could not resume it
-    try {
-        backend = co_await node_.providers.at(lease.provider)->open(sandbox, std::move(params.spec));
-    } catch (const rpc_error& e) {
-        failed = std::current_exception();
-        if (e.code() == errc::sandbox_not_cached) unresumable = e.what();
-    } catch (...) {
-        failed = std::current_exception();
+    for (int attempt = 1;; ++attempt) {
+        ExecSpec spec = params.spec;
+        spec.start_deadline_ms = start_deadline;
+        try {
+            backend = co_await node_.providers.at(lease.provider)->open(sandbox, std::move(spec));
+        } catch (const start_deadline_passed&) {
+            if (attempt < 3 && node_.may_retry_start(start_deadline, breaks)) {
+                spdlog::info("lease={} open: its start deadline passed in the sandbox's queue; "
+                             "again with the renewed one (attempt {})",
+                             lease.id, attempt + 1);
+                start_deadline = node_.fence_deadline_ms();
+                continue;
+            }
+            failed = std::current_exception();
+        } catch (const rpc_error& e) {
+            failed = std::current_exception();
+            if (e.code() == errc::sandbox_not_cached) unresumable = e.what();
+        } catch (...) {
+            failed = std::current_exception();
+        }
+        break;
     }
+    const std::string start_deadline_text =
+        rfc3339_at(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(start_deadline - steady_now_ms()));
     if (failed) {
         node_.channels.unreserve();
         if (!unresumable.empty()) co_await forget_unresumable(node_, lease, unresumable);

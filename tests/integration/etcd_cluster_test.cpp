@@ -213,9 +213,12 @@ TEST_CASE("etcd: a daemon whose etcd stops fails closed with REGISTRY_UNAVAILABL
     for (const auto& a : answers) UNSCOPED_INFO(a);
     CHECK(fenced);
     CHECK(answers.empty());
-    // Not before 2/3 of the TTL from its last renewal, which may be two heartbeats (300 ms
-    // each) before the stop: one in flight when etcd stopped fails.
-    CHECK(seconds_since(stopped) * 1000 >= node_ttl_ms * 2.0 / 3 - 2 * 300 - 100);
+    // Not at once: only when its last renewal is 2/3 of the TTL old. That renewal may be a few
+    // heartbeats (300 ms each) before the stop (one in flight when etcd stopped fails, and a
+    // loaded machine delays beats: 1288 ms against a bound of 2/3 TTL - 2 beats - 100 ms, seen
+    // beside a full build), so the bound is a third of the TTL: fencing came from the TTL, not
+    // from the first failed call.
+    CHECK(seconds_since(stopped) * 1000 >= node_ttl_ms / 3.0);
     CHECK(p1.alive());
     CHECK(p1.channel_processes().size() == 1);  // the running channel is left alone
 

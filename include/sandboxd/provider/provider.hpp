@@ -138,11 +138,21 @@ struct ExecSpec {
     /// init keeps running until the daemon kills the namespace.
     std::optional<std::uint32_t> drain_grace_ms;
     /// Present: std::chrono::steady_clock ms (CLOCK_MONOTONIC) by which the command must have
-    /// started, else it is not started and open() throws errc::registry_unavailable. The
+    /// started, else it is not started and open() throws start_deadline_passed. The
     /// daemon's fencing deadline (protocol section 6), enforced by providers that start the
     /// command on this machine (bwrap: its supervisor checks it right before the clone);
     /// providers that cannot (plugins, whose workers start commands themselves) ignore it.
     std::optional<std::int64_t> start_deadline_ms;
+};
+
+/// Thrown by Provider::open() and execute() when the sandbox did not start the command because
+/// its start deadline (ExecSpec::start_deadline_ms) had passed: nothing ran. To a host it is
+/// REGISTRY_UNAVAILABLE; the daemon may try again with a later deadline while its membership
+/// held without a break (a long queue of opens at one sandbox is not a fenced node).
+class start_deadline_passed : public rpc_error {
+public:
+    explicit start_deadline_passed(std::string message)
+        : rpc_error(errc::registry_unavailable, std::move(message)) {}
 };
 
 /// Counts of limits that sandboxes hit, for /metrics (sandboxd_limit_events_total).
