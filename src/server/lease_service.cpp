@@ -519,14 +519,14 @@ awaitable<json> lease_execute(Node& node, const Principal& who, methods::Execute
         ExecuteRequest request = p.request;
         const std::int64_t deadline = node.fence_deadline_ms();
         request.start_deadline_ms = deadline;
-        bool again = false;
         try {
             co_return co_await live.provider->execute(live.sandbox, live.lease, std::move(request), log);
         } catch (const start_deadline_passed&) {
             if (attempt >= 3 || !node.may_retry_start(deadline, breaks)) throw;
-            again = true;
+            spdlog::info("lease={} execute: its start deadline passed in the sandbox's queue; again with "
+                         "the renewed one (attempt {})",
+                         live.lease.id, attempt + 1);
         }
-        if (again) spdlog::info("lease={} execute: start deadline passed in the sandbox's queue; again", live.lease.id);
     }
 }
 
