@@ -144,11 +144,16 @@ awaitable<json> PeerLink::do_call(std::string method, json params, json forwarde
     co_await ensure_connected();
     if (broken_) throw unavailable(peer_.node_id, broken_reason_);
     const auto id = next_id_++;
-    // A peer that does not answer within its liveness TTL (frozen, overloaded, partitioned
-    // after the handshake) is unavailable: the caller fails closed instead of waiting forever.
-    const auto answer_within =
-        answer_within_override.value_or(std::chrono::milliseconds(node_.config.node_ttl_ms));
-    const auto deadline = std::chrono::steady_clock::now() + answer_within;
+    // A peer that does not answer within its liveness TTL (frozen, partitioned after the
+    // handshake) is unavailable: the caller fails closed instead of waiting forever. A peer
+    // whose membership stays live (renewed within the TTL: overloaded, or slow to tear a
+    // sandbox down) is given another TTL each time, up to max_answer_ttls TTLs in all: its
+    // answer, not a timeout here, says what happened to the lease.
+    const auto ttl = std::chrono::milliseconds(node_.config.node_ttl_ms);
+    const auto started = std::chrono::steady_clock::now();
+    const auto limit = started + (answer_within_override ? *answer_within_override
+                                                         : ttl * max_answer_ttls);
+    auto deadline = answer_within_override ? limit : started + ttl;
     auto& slot = pending_[id];
     slot.wake = std::make_unique<net::steady_timer>(strand_);
     slot.wake->expires_at(deadline);
@@ -158,8 +163,16 @@ awaitable<json> PeerLink::do_call(std::string method, json params, json forwarde
     const bool open = method == "duplexChannelOpen";
     json for_close = open ? forwarded_for : json();
     queue(false, jsonrpc::forwarded_request(id, method, std::move(params), std::move(forwarded_for)));
-    while (!pending_[id].response && !broken_ && std::chrono::steady_clock::now() < deadline) {
-        co_await pending_[id].wake->async_wait(as_tuple_awaitable);
+    bool live = false;  // the peer's membership was live when its last TTL ran out
+    for (;;) {
+        while (!pending_[id].response && !broken_ && std::chrono::steady_clock::now() < deadline) {
+            co_await pending_[id].wake->async_wait(as_tuple_awaitable);
+        }
+        if (pending_[id].response || broken_ || deadline >= limit) break;
+        live = co_await peer_membership_live();
+        if (!live || pending_[id].response || broken_) break;
+        deadline = std::min(limit, std::chrono::steady_clock::now() + ttl);
+        pending_[id].wake->expires_at(deadline);
     }
     auto node = pending_.extract(id);
     if (!node.mapped().response && open && !broken_) {
@@ -167,10 +180,28 @@ awaitable<json> PeerLink::do_call(std::string method, json params, json forwarde
     }
     if (!node.mapped().response) {
         if (broken_) throw unavailable(peer_.node_id, broken_reason_);
-        throw unavailable(peer_.node_id, "it did not answer " + method + " within " +
-                                             std::to_string(answer_within.count()) + " ms");
+        const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+            std::chrono::steady_clock::now() - started);
+        throw unavailable(peer_.node_id,
+                          "it did not answer " + method + " within " +
+                              std::to_string(waited.count()) + " ms" +
+                              (answer_within_override ? ""
+                               : live ? " (its membership stayed live)"
+                                      : " and its membership lapsed"));
     }
     co_return jsonrpc::result_or_throw(std::move(*node.mapped().response));
+}
+
+awaitable<bool> PeerLink::peer_membership_live() {
+    try {
+        auto record = co_await node_.registry->get_node(peer_.node_id);
+        co_return record && record->instance_id == peer_.instance_id &&
+            now_ms() - record->heartbeat_at_ms < node_.config.node_ttl_ms;
+    } catch (const std::exception& e) {
+        // Unknown is not live: the call fails closed as it would have without the check.
+        spdlog::warn("peer={}: cannot read its membership: {}", peer_.node_id, e.what());
+        co_return false;
+    }
 }
 
 void PeerLink::queue(bool binary, std::string bytes) {

@@ -50,10 +50,16 @@ public:
     const std::string& peer_id() const noexcept { return peer_.node_id; }
     bool broken() const noexcept { return broken_; }
 
+    /// How many liveness TTLs (routing.nodeTtlMs) a call waits at most for a peer whose
+    /// membership stays live; one TTL for a peer whose membership lapsed.
+    static constexpr int max_answer_ttls = 4;
+
     /// Sends a JSON-RPC request to the peer and returns its result; the peer's error is
     /// rethrown as rpc_error with the same reason. Connects first if needed. Throws
     /// rpc_error(errc::owner_unavailable) when the peer cannot be reached within the connect
-    /// timeout or the link drops before the response.
+    /// timeout, the link drops before the response, or no answer came within one nodeTtlMs
+    /// after which the peer's membership had lapsed (or could not be read), or within
+    /// max_answer_ttls nodeTtlMs. May block on the registry (get_node) once per TTL waited.
     /// `forwarded_for` ({tokenName, tenants} of the host the call acts for, see
     /// forwarded_for()) goes in the request's forwardedFor: the peer acts for that host only.
     awaitable<nlohmann::json> call(std::string method, nlohmann::json params,
@@ -106,6 +112,9 @@ private:
                                       std::weak_ptr<RelayTarget> target,
                                       std::uint32_t local_channel, Notify notify = {},
                                       std::optional<std::chrono::milliseconds> answer_within = {});
+    /// Whether the peer's registry record is this link's process, renewed within nodeTtlMs
+    /// (false when the registry cannot say). Runs on the link's strand.
+    awaitable<bool> peer_membership_live();
     awaitable<void> ensure_connected();
     awaitable<void> read_loop();
     awaitable<void> write_loop();
