@@ -250,15 +250,34 @@ public:
                 break;
             }
         }
-        return eventually(
+        std::string unready;
+        const bool ready = eventually(
             [&] {
-                for (const auto& n : nodes_) {
-                    if (http_get(n->address(), "/readyz").first != 200) return false;
+                for (int i = 0; i < node_count; ++i) {
+                    const auto& n = nodes_[static_cast<std::size_t>(i)];
+                    try {
+                        const auto [status, body] = http_get(n->address(), "/readyz");
+                        if (status == 200) continue;
+                        unready = concat(id_of(i), " answers /readyz ", std::to_string(status), ": ", body);
+                    } catch (const std::exception& e) {  // refused: restarting, or gone
+                        unready = concat(id_of(i), " at ", n->address(), ": ", e.what());
+                    }
+                    unready_node_ = i;
+                    return false;
                 }
                 return true;
             },
             30s);
+        if (!ready) {
+            const auto& n = nodes_[static_cast<std::size_t>(unready_node_)];
+            const auto log = n->log();
+            not_ready_ = concat(unready, n->alive() ? " (its process is alive)" : " (its process has exited)",
+                                "; its log ends:\n", log.size() > 3000 ? log.substr(log.size() - 3000) : log);
+        }
+        return ready;
     }
+    /// Why the last inject() found a node not ready.
+    const std::string& not_ready() const { return not_ready_; }
 
     /// Sandbox directories of each node (providerLeaseIds), and the providerLeaseIds whose
     /// cgroup holds a live process of this program's tree.
@@ -320,6 +339,8 @@ private:
     TempDir dir_;
     std::unique_ptr<EtcdServer> etcd_;
     std::array<std::unique_ptr<DaemonProcess>, node_count> nodes_;
+    std::string not_ready_;
+    int unready_node_ = 0;
     std::array<fs::path, node_count> audit_;
     std::mutex mutex_;
     std::array<std::string, node_count> urls_;
@@ -788,8 +809,8 @@ int main(int argc, char** argv) {
             std::this_thread::sleep_for(std::chrono::milliseconds(100 + rng() % 500));
             try {
                 if (!cluster.inject(f, victim, hold)) {
-                    ledger.violation("trial " + std::to_string(t) + ": a node was not ready 30 s after " +
-                                     name_of(f));
+                    ledger.violation(concat("trial ", std::to_string(t), ": a node was not ready 30 s after ",
+                                            name_of(f), ": ", cluster.not_ready()));
                 }
             } catch (const std::exception& e) {
                 // A node that did not come back (e.g. it exited during its restart): a violation
