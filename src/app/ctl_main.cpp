@@ -28,7 +28,10 @@ constexpr int exit_error = 255;
 
 const char* usage_text =
     "Usage: sandboxctl [--url URL] [--token TOKEN | --token-file FILE] [--output text|json]\n"
-    "                  COMMAND [ARGS]\n\n"
+    "                  [--cacert FILE | --insecure-skip-tls-verify] COMMAND [ARGS]\n\n"
+    "  --url wss://...  TLS: the node's certificate must chain to a CA of --cacert (default:\n"
+    "                   the system's trust store) and name the URL's host.\n"
+    "  --insecure-skip-tls-verify  no check of the node's certificate at all (warns).\n\n"
     "Commands:\n"
     "  lease acquire --company ID --environment ID [--provider KEY] [--ttl-ms N]\n"
     "                [--config JSON] [--idempotency-key KEY] [--run-id ID] [--policy P]\n"
@@ -45,7 +48,7 @@ const char* usage_text =
     "       the command's status (128+N for signal N, 255 for an error)\n"
     "  nodes                         lists the nodes sharing the registry\n\n"
     "Environment: SANDBOXD_URL (default ws://127.0.0.1:7800/v1/ws), SANDBOXD_TOKEN,\n"
-    "SANDBOXD_TOKEN_FILE.\n";
+    "SANDBOXD_TOKEN_FILE, SANDBOXD_CACERT.\n";
 
 struct Globals {
     std::string url;
@@ -503,6 +506,8 @@ int ctl_main(int argc, char** argv) {
     g.url = env_or("SANDBOXD_URL", "ws://127.0.0.1:7800/v1/ws");
     g.token = env_or("SANDBOXD_TOKEN", "");
     std::string token_file = env_or("SANDBOXD_TOKEN_FILE", "");
+    ClientTls tls;
+    tls.ca_file = env_or("SANDBOXD_CACERT", "");
     std::vector<std::string> args(argv + 1, argv + argc);
     std::size_t i = 0;
     try {
@@ -526,6 +531,10 @@ int ctl_main(int argc, char** argv) {
                 token_file = value("--token-file");
             } else if (a == "--output") {
                 g.output = value("--output");
+            } else if (a == "--cacert") {
+                tls.ca_file = value("--cacert");
+            } else if (a == "--insecure-skip-tls-verify") {
+                tls.insecure_skip_verify = true;
             } else if (!a.empty() && a[0] == '-') {
                 throw po::error("unknown option " + a);
             } else {
@@ -542,7 +551,11 @@ int ctl_main(int argc, char** argv) {
             throw po::error("unknown command \"" + command + "\"");
         }
         if (g.token.empty() && !token_file.empty()) g.token = read_token_file(token_file);
-        Client client(g.url, g.token);
+        if (tls.insecure_skip_verify) {
+            std::cerr << "sandboxctl: warning: --insecure-skip-tls-verify: the node's certificate is not "
+                         "checked; anyone on the path can read and change this session, token included\n";
+        }
+        Client client(g.url, g.token, std::chrono::seconds(30), 0, {}, tls);
         client.call("initialize", {{"protocolVersion", 1}, {"client", {{"name", "sandboxctl"}, {"version", version_string}}}});
         if (command == "lease") return lease_command(client, g, rest);
         if (command == "nodes") return nodes_command(client, g);

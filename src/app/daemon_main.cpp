@@ -17,20 +17,48 @@
 #include <fstream>
 #include <iostream>
 #include <thread>
+#include <vector>
 
 namespace sandboxd {
 namespace po = boost::program_options;
 
 namespace {
 
-void write_ready_file(const std::string& path, const std::string& address) {
+/// The bound `listen` address on the first line; the plainListen address, when there is
+/// one, on the second.
+void write_ready_file(const std::string& path, const std::string& address, const std::string& plain) {
     const std::string tmp = path + ".tmp";
     {
         std::ofstream out(tmp, std::ios::trunc);
         out << address << "\n";
+        if (!plain.empty()) out << plain << "\n";
         if (!out) throw std::runtime_error("cannot write ready file " + tmp);
     }
     std::filesystem::rename(tmp, path);
+}
+
+/// Files holding secrets that another user may read: one warning each (--check-config).
+std::vector<std::string> readable_secret_files(const Config& c) {
+    std::vector<std::pair<std::string, std::string>> files;  // field, path
+    for (std::size_t i = 0; i < c.tokens.size(); ++i) {
+        files.emplace_back("auth.tokens[" + std::to_string(i) + "].tokenFile", c.tokens[i].token_file);
+    }
+    files.emplace_back("tls.keyFile", c.tls.key_file);
+    files.emplace_back("routing.peerTls.keyFile", c.peer_tls.key_file);
+    files.emplace_back("registry.tls.keyFile", c.registry.tls.key_file);
+    files.emplace_back("registry.passwordFile", c.registry.password_file);
+    std::vector<std::string> out;
+    for (const auto& [field, path] : files) {
+        struct stat st {};
+        if (path.empty() || ::stat(path.c_str(), &st) != 0) continue;
+        if ((st.st_mode & 077) != 0) {
+            char mode[8];
+            std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+            out.push_back(field + ": " + path + " has mode " + mode +
+                          ": others can read this secret (chmod 600 it)");
+        }
+    }
+    return out;
 }
 
 }  // namespace
@@ -73,8 +101,9 @@ int daemon_main(int argc, char** argv) {
         std::cout << default_config_text();
         return 0;
     }
-    Config config;
-    try {
+    // The config file with the command line's flags on top: at start, and again on SIGHUP.
+    const auto load = [&vm] {
+        Config config;
         if (vm.count("config")) config = load_config_file(vm["config"].as<std::string>());
         if (vm.count("listen")) config.listen = vm["listen"].as<std::string>();
         if (vm.count("state-dir")) config.state_dir = vm["state-dir"].as<std::string>();
@@ -94,19 +123,25 @@ int daemon_main(int argc, char** argv) {
             }
         }
         validate_config(config);
+        return config;
+    };
+    Config config;
+    try {
+        config = load();
     } catch (const config_error& e) {
         std::cerr << "sandboxd: " << e.what() << "\n";
         return 2;
     }
     if (vm.count("check-config")) {
+        for (const auto& w : readable_secret_files(config)) std::cerr << "sandboxd: warning: " << w << "\n";
         std::cout << config_to_json(config).dump(2) << "\n";
         return 0;
     }
     setup_logging(config.log_level, config.log_format);
 
-    // SIGTERM and SIGINT (stop) and SIGHUP (logged, ignored: the config is read at start only;
-    // a closed terminal or a `systemctl reload` must not kill the daemon) are taken by a
-    // waiting thread; every other thread (and, reset at spawn, no child) has them blocked.
+    // SIGTERM and SIGINT (stop) and SIGHUP (reload: tokens and TLS material, Daemon::reload)
+    // are taken by a waiting thread; every other thread (and, reset at spawn, no child) has
+    // them blocked.
     // SIGPIPE is ignored: a closed pipe is an EPIPE error.
     std::signal(SIGPIPE, SIG_IGN);
     // Every channel holds a few pipes and every connection a socket: use the whole allowance
@@ -126,14 +161,23 @@ int daemon_main(int argc, char** argv) {
         Daemon daemon(config);
         const std::string address = daemon.start();
         spdlog::info("listening on {}", address);
-        if (vm.count("ready-file")) write_ready_file(vm["ready-file"].as<std::string>(), address);
+        if (vm.count("ready-file")) {
+            write_ready_file(vm["ready-file"].as<std::string>(), address, daemon.plain_address());
+        }
         sd_notify(0, "READY=1");
-        std::thread waiter([&daemon, stop_signals] {
+        std::thread waiter([&daemon, &load, stop_signals] {
             int sig = 0;
             for (;;) {
                 sigwait(&stop_signals, &sig);
                 if (sig != SIGHUP) break;
-                spdlog::info("received SIGHUP: ignored (the config is read at start only)");
+                spdlog::info("received SIGHUP: reloading tokens and certificates");
+                sd_notify(0, "RELOADING=1");
+                try {
+                    daemon.reload(load());
+                } catch (const std::exception& e) {
+                    spdlog::error("reload failed, keeping the tokens and certificates in use: {}", e.what());
+                }
+                sd_notify(0, "READY=1");
             }
             spdlog::info("received signal {}, stopping", sig);
             sd_notify(0, "STOPPING=1");

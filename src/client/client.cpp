@@ -27,15 +27,25 @@ void Client::Impl::run(Start start) {
 
 Client::Client(const std::string& url, const std::string& token, std::chrono::milliseconds timeout,
                int receive_buffer,
-               const std::vector<std::pair<std::string, std::string>>& extra_headers)
-    : impl_(std::make_unique<Impl>()) {
-    impl_->timeout = timeout;
+               const std::vector<std::pair<std::string, std::string>>& extra_headers,
+               const ClientTls& tls) {
     WsUrl parsed;
     try {
         parsed = parse_ws_url(url);
     } catch (const address_error& e) {
         throw client_error(std::string("url ") + e.what());
     }
+    std::shared_ptr<ssl::context> context;
+    if (parsed.tls) {
+        TlsClientOptions o;
+        o.ca_file = tls.ca_file;
+        o.cert_file = tls.cert_file;
+        o.key_file = tls.key_file;
+        o.insecure_skip_verify = tls.insecure_skip_verify;
+        context = make_client_tls(o, "client.tls");
+    }
+    impl_ = std::make_unique<Impl>(context);
+    impl_->timeout = timeout;
     const std::string authority = parsed.endpoint.authority();
     const std::string& target = parsed.target;
     tcp::resolver resolver(impl_->ioc);
@@ -64,6 +74,14 @@ Client::Client(const std::string& url, const std::string& token, std::chrono::mi
         if (last) throw client_error("cannot connect to " + authority);
     } else {
         impl_->run([&](auto handler) { lowest.async_connect(endpoints, handler); });
+    }
+    if (auto* t = impl_->ws.next_layer().tls()) {
+        expect_server_name(t->native_handle(), parsed.endpoint.host, !tls.insecure_skip_verify);
+        try {
+            impl_->run([&](auto handler) { t->async_handshake(ssl::stream_base::client, handler); });
+        } catch (const client_error& e) {
+            throw client_error(std::string("TLS handshake with ") + authority + " failed: " + e.what());
+        }
     }
     impl_->ws.set_option(websocket::stream_base::decorator([token, extra_headers](websocket::request_type& req) {
         if (!token.empty()) req.set(http::field::authorization, "Bearer " + token);

@@ -68,26 +68,31 @@ HostPort parse_host_port(std::string_view text, port_zero zero) {
 
 WsUrl parse_ws_url(std::string_view text) {
     const auto bad = [&] {
-        return address_error("must be ws://HOST[:PORT][/PATH], got " + quoted(text));
+        return address_error("must be ws://HOST[:PORT][/PATH] or wss://HOST[:PORT][/PATH], got " + quoted(text));
     };
     auto parsed = urls::parse_uri(text);
-    if (!parsed || parsed->scheme() != "ws" || !parsed->has_authority() || parsed->has_fragment()) {
+    if (!parsed || (parsed->scheme() != "ws" && parsed->scheme() != "wss") || !parsed->has_authority() ||
+        parsed->has_fragment()) {
         throw bad();
     }
     WsUrl out;
+    out.tls = parsed->scheme() == "wss";
     out.endpoint.host = host_of(parsed->authority());
     if (out.endpoint.host.empty()) throw bad();
     // "ws://host:/" has a port separator without digits: RFC 3986 allows it, meaning default.
-    out.endpoint.port = parsed->port().empty() ? 80 : port_of(parsed->port(), 1);
+    out.endpoint.port = parsed->port().empty() ? (out.tls ? 443 : 80) : port_of(parsed->port(), 1);
     out.target = std::string(parsed->encoded_target());
     if (out.target.empty() || out.target == "/") out.target = "/v1/ws";
     return out;
 }
 
-HostPort parse_http_endpoint(std::string_view text) {
-    const auto bad = [&] { return address_error("must be http://HOST:PORT, got " + quoted(text)); };
+HostPort parse_http_endpoint(std::string_view text, bool* https) {
+    const auto bad = [&] {
+        return address_error("must be http://HOST:PORT or https://HOST:PORT, got " + quoted(text));
+    };
     auto parsed = urls::parse_uri(text);
-    if (!parsed || parsed->scheme() != "http" || !parsed->has_authority() || parsed->has_query() ||
+    if (!parsed || (parsed->scheme() != "http" && parsed->scheme() != "https") ||
+        !parsed->has_authority() || parsed->has_query() ||
         parsed->has_fragment() ||
         (!parsed->encoded_path().empty() && parsed->encoded_path() != "/")) {
         throw bad();
@@ -98,6 +103,7 @@ HostPort parse_http_endpoint(std::string_view text) {
     out.host = host_of(authority);
     if (out.host.empty()) throw bad();
     out.port = port_of(authority.port(), 1);
+    if (https) *https = parsed->scheme() == "https";
     return out;
 }
 

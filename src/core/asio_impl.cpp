@@ -3,3 +3,4 @@
 #include <boost/asio/impl/src.hpp>
 #include <boost/beast/src.hpp>
 #include <boost/url/src.hpp>
+#include <boost/asio/ssl/impl/src.hpp>

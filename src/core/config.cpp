@@ -2,6 +2,8 @@
 
 #include <sandboxd/core/address.hpp>
 
+#include <boost/asio/ip/address.hpp>
+
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -211,11 +213,27 @@ void parse_plugin(Obj& o, PluginConfig& p) {
     o.done();
 }
 
+void parse_tls_files(Obj& o, TlsFilesConfig& t) {
+    o.str("caFile", t.ca_file);
+    o.str("certFile", t.cert_file);
+    o.str("keyFile", t.key_file);
+    o.done();
+}
+
 void parse_top(const json& j, Config& c) {
     Obj top(j, "");
     top.str("nodeId", c.node_id);
     top.str("listen", c.listen);
     top.str("advertiseUrl", c.advertise_url);
+    if (const auto* t = top.get("tls")) {
+        Obj o(*t, "tls");
+        o.str("certFile", c.tls.cert_file);
+        o.str("keyFile", c.tls.key_file);
+        o.str("clientCaFile", c.tls.client_ca_file);
+        o.one_of("minVersion", c.tls.min_version, {"1.2", "1.3"});
+        o.done();
+    }
+    top.str("plainListen", c.plain_listen);
     top.str("stateDir", c.state_dir);
     top.integer("threads", c.threads, 0, 256);
     if (const auto* r = top.get("registry")) {
@@ -227,6 +245,10 @@ void parse_top(const json& j, Config& c) {
         o.str("username", c.registry.username);
         o.str("passwordFile", c.registry.password_file);
         o.integer("startupTimeoutMs", c.registry.startup_timeout_ms, 0, 3600000);
+        if (const auto* t = o.get("tls")) {
+            Obj to(*t, "registry.tls");
+            parse_tls_files(to, c.registry.tls);
+        }
         o.done();
     }
     if (const auto* a = top.get("auth")) {
@@ -246,6 +268,10 @@ void parse_top(const json& j, Config& c) {
         o.one_of("mode", c.routing_mode, {"proxy", "redirect"});
         o.integer("nodeTtlMs", c.node_ttl_ms, 1000, 600000);
         o.integer("heartbeatMs", c.heartbeat_ms, 100, 60000);
+        if (const auto* t = o.get("peerTls")) {
+            Obj to(*t, "routing.peerTls");
+            parse_tls_files(to, c.peer_tls);
+        }
         o.done();
     }
     if (const auto* p = top.get("providers")) {
@@ -352,6 +378,42 @@ void validate_config(const Config& c) {
         fail("advertiseUrl", "must start with ws:// or wss://");
     }
     if (c.state_dir.empty()) fail("stateDir", "must not be empty");
+    if (c.tls.enabled() != !c.tls.key_file.empty()) {
+        fail(c.tls.enabled() ? "tls.keyFile" : "tls.certFile", "tls.certFile and tls.keyFile go together");
+    }
+    if (!c.tls.enabled() && !c.tls.client_ca_file.empty()) {
+        fail("tls.clientCaFile", "needs tls.certFile and tls.keyFile");
+    }
+    if (!c.plain_listen.empty()) {
+        if (!c.tls.enabled()) fail("plainListen", "is served beside a TLS listen: set tls.certFile and tls.keyFile");
+        HostPort plain;
+        try {
+            plain = parse_host_port(c.plain_listen);
+        } catch (const address_error& e) {
+            fail("plainListen", e.what());
+        }
+        boost::system::error_code ec;
+        const auto addr = boost::asio::ip::make_address(plain.host, ec);
+        if (plain.host != "localhost" && (ec || !addr.is_loopback())) {
+            fail("plainListen", "must be a loopback address (127.0.0.0/8 or [::1]), got \"" + c.plain_listen +
+                                    "\": plain text must not leave the host");
+        }
+    }
+    if (c.tls.enabled() && c.advertise_url.rfind("ws://", 0) == 0) {
+        fail("advertiseUrl", "must start with wss:// when tls is set");
+    }
+    for (const auto& [field, t] : {std::pair<std::string, const TlsFilesConfig*>{"routing.peerTls", &c.peer_tls},
+                                   {"registry.tls", &c.registry.tls}}) {
+        if (t->cert_file.empty() != t->key_file.empty()) {
+            fail(field + (t->cert_file.empty() ? ".certFile" : ".keyFile"),
+                 field + ".certFile and " + field + ".keyFile go together");
+        }
+    }
+    if (!c.peer_tls.empty()) {
+        if (c.peer_tls.ca_file.empty()) fail("routing.peerTls.caFile", "the cluster CA is required");
+        if (c.peer_tls.cert_file.empty()) fail("routing.peerTls.certFile", "a node presents a certificate to its peers");
+        if (!c.tls.enabled()) fail("routing.peerTls", "needs tls on the listener (peers connect with wss://)");
+    }
     {
         const auto& d = c.bwrap.limits.defaults;
         const auto& m = c.bwrap.limits.max;
@@ -430,6 +492,12 @@ void validate_config(const Config& c) {
     }
 }
 
+namespace {
+json tls_files_json(const TlsFilesConfig& t) {
+    return {{"caFile", t.ca_file}, {"certFile", t.cert_file}, {"keyFile", t.key_file}};
+}
+}  // namespace
+
 nlohmann::json config_to_json(const Config& c) {
     json tokens = json::array();
     for (const auto& t : c.tokens) {
@@ -460,6 +528,12 @@ nlohmann::json config_to_json(const Config& c) {
         {"nodeId", c.node_id},
         {"listen", c.listen},
         {"advertiseUrl", c.advertise_url},
+        {"tls",
+         {{"certFile", c.tls.cert_file},
+          {"keyFile", c.tls.key_file},
+          {"clientCaFile", c.tls.client_ca_file},
+          {"minVersion", c.tls.min_version}}},
+        {"plainListen", c.plain_listen},
         {"stateDir", c.state_dir},
         {"threads", c.threads},
         {"registry",
@@ -469,10 +543,14 @@ nlohmann::json config_to_json(const Config& c) {
           {"prefix", c.registry.prefix},
           {"username", c.registry.username},
           {"passwordFile", c.registry.password_file},
-          {"startupTimeoutMs", c.registry.startup_timeout_ms}}},
+          {"startupTimeoutMs", c.registry.startup_timeout_ms},
+          {"tls", tls_files_json(c.registry.tls)}}},
         {"auth", {{"tokens", tokens}}},
         {"routing",
-         {{"mode", c.routing_mode}, {"nodeTtlMs", c.node_ttl_ms}, {"heartbeatMs", c.heartbeat_ms}}},
+         {{"mode", c.routing_mode},
+          {"nodeTtlMs", c.node_ttl_ms},
+          {"heartbeatMs", c.heartbeat_ms},
+          {"peerTls", tls_files_json(c.peer_tls)}}},
         {"providers",
          {{"bwrap",
            {{"enabled", c.bwrap.enabled},

@@ -738,13 +738,14 @@ awaitable<std::shared_ptr<PeerLink>> owner_link(Node& node, const Lease& lease) 
                         "Sandbox lease " + lease.id + " is served by node " + record->node_id + ".",
                         {{"ownerNodeId", record->node_id}, {"ownerUrl", record->url}, {"leaseId", lease.id}});
     }
-    if (node.peer_token.empty()) {
+    const auto security = node.security();
+    if (security->peer_token.empty()) {
         throw rpc_error(errc::owner_unavailable,
                         "Owner node " + lease.owner_node_id + " is unavailable: this node has no "
                         "peer token to reach it.",
                         {{"ownerNodeId", lease.owner_node_id}});
     }
-    co_return node.peers.get(node, *record, node.peer_token, *node.ioc);
+    co_return node.peers.get(node, *record, security->peer_token, *node.ioc);
 }
 
 

@@ -2,6 +2,9 @@
 
 #include <sandboxd/core/errors.hpp>
 
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+
 #include <algorithm>
 #include <chrono>
 
@@ -21,26 +24,38 @@ std::vector<std::string> Principal::query_tenants() const {
     return tenants;
 }
 
-namespace {
-/// Compares in time that depends only on the lengths, never on where the bytes differ.
-bool constant_time_equal(std::string_view a, std::string_view b) {
-    const std::size_t n = std::max(a.size(), b.size());
-    unsigned char diff = a.size() == b.size() ? 0 : 1;
-    for (std::size_t i = 0; i < n; ++i) {
-        const auto x = static_cast<unsigned char>(i < a.size() ? a[i] : 0);
-        const auto y = static_cast<unsigned char>(i < b.size() ? b[i] : 0);
-        diff = static_cast<unsigned char>(diff | (x ^ y));
+std::array<unsigned char, 32> token_hash(std::string_view secret) {
+    std::array<unsigned char, 32> out{};
+    unsigned int n = 0;
+    if (EVP_Digest(secret.data(), secret.size(), out.data(), &n, EVP_sha256(), nullptr) != 1 ||
+        n != out.size()) {
+        throw std::runtime_error("SHA-256 failed");
     }
-    return diff == 0;
+    return out;
 }
-}  // namespace
 
-const Principal* Node::authenticate(std::string_view bearer_token) const {
+std::shared_ptr<const Security> Node::security() const {
+    std::lock_guard lock(security_mutex_);
+    return security_;
+}
+
+void Node::set_security(std::shared_ptr<const Security> next) {
+    std::lock_guard lock(security_mutex_);
+    security_ = std::move(next);
+}
+
+std::optional<Principal> Node::authenticate(std::string_view bearer_token) const {
+    // Hashing first makes every comparison the same length; CRYPTO_memcmp takes the same
+    // time wherever the bytes differ, and every credential is compared.
+    const auto presented = token_hash(bearer_token);
+    const auto current = security();
     const Principal* found = nullptr;
-    for (const auto& c : credentials) {
-        if (constant_time_equal(c.secret, bearer_token) && !found) found = &c.principal;
+    for (const auto& c : current->credentials) {
+        const bool same = CRYPTO_memcmp(c.principal.token_sha256.data(), presented.data(), presented.size()) == 0;
+        if (same && !found) found = &c.principal;
     }
-    return found;
+    if (!found) return std::nullopt;
+    return *found;
 }
 
 bool ChannelTable::try_reserve(std::size_t limit) {

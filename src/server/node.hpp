@@ -7,10 +7,12 @@
 #include <boost/asio/experimental/concurrent_channel.hpp>
 
 #include <sandboxd/core/config.hpp>
+#include <sandboxd/core/tls.hpp>
 #include <sandboxd/provider/handle_cache.hpp>
 #include <sandboxd/provider/provider.hpp>
 #include <sandboxd/registry/registry.hpp>
 
+#include <array>
 #include <atomic>
 #include <functional>
 #include <map>
@@ -29,6 +31,9 @@ struct Principal {
     std::string name;
     std::string role;  ///< "host" or "peer"
     std::vector<std::string> tenants;
+    /// SHA-256 of the token that authenticated the connection (all zero for a principal a
+    /// peer forwarded): a reload that drops it revokes the connection.
+    std::array<unsigned char, 32> token_sha256{};
     /// True when this token may act for `company_id` ("*" or listed).
     bool allows(const std::string& company_id) const;
     /// Tenants for a registry query: empty when the token has "*".
@@ -39,10 +44,26 @@ struct Principal {
 /// section 6).
 nlohmann::json forwarded_for(const Principal& who);
 
-/// A configured token with its secret resolved (tokenFile read at start).
+/// A configured token, its secret resolved (tokenFile read) and kept only as its SHA-256
+/// (principal.token_sha256).
 struct Credential {
-    std::string secret;
     Principal principal;
+};
+
+/// SHA-256 of `secret`.
+std::array<unsigned char, 32> token_hash(std::string_view secret);
+
+/// The tokens a node accepts, and the TLS material of its listener and peer links: built
+/// whole at start and on each SIGHUP, then never changed (readers hold a shared_ptr).
+struct Security {
+    std::vector<Credential> credentials;
+    /// The secret of the first `peer` token: what this node presents to its peers ("" none).
+    std::string peer_token;
+    std::shared_ptr<ssl::context> listener_tls;     ///< `tls`; null: plain
+    std::shared_ptr<ssl::context> peer_client_tls;  ///< routing.peerTls; null: none
+    /// routing.peerTls.caFile: a `peer` token needs a client certificate it verifies; null
+    /// when peerTls is not set.
+    std::shared_ptr<const ClientCertVerifier> peer_ca;
 };
 
 /// Every live channel of this node, by lease, for release and the node channel limit.
@@ -109,7 +130,6 @@ struct Node {
     /// before `channels`, whose channels count it down when they are destroyed.
     std::atomic<std::int64_t> channels_unended{0};
     ChannelTable channels;
-    std::vector<Credential> credentials;
     std::atomic<bool> draining{false};
     /// Set once this node has registered at start (docs/protocol.md section 7): before, it
     /// answers /readyz and WebSocket upgrades with 503 and startup_problem.
@@ -120,8 +140,6 @@ struct Node {
     std::atomic<std::uint64_t> rpc_errors{0};
     net::thread_pool blocking{4};
     net::io_context* ioc = nullptr;
-    /// The secret of the first `peer` token: what this node presents to its peers.
-    std::string peer_token;
     PeerLinks peers;
     KeyedLocks reuse_locks;
     /// The audit trail (config audit.file); null when none is configured.
@@ -165,9 +183,20 @@ public:
     std::optional<std::int64_t> claim_of(const std::string& lease_id) const;
     void unclaim(const std::string& lease_id);
 
-    /// The principal of `bearer_token`, compared in constant time against every credential;
-    /// nullptr when none matches.
-    const Principal* authenticate(std::string_view bearer_token) const;
+    /// The principal of `bearer_token`: its SHA-256 compared in constant time against every
+    /// credential's; nullopt when none matches. Thread-safe.
+    std::optional<Principal> authenticate(std::string_view bearer_token) const;
+    /// The current tokens and TLS material. Thread-safe; never null after the Daemon's
+    /// constructor.
+    std::shared_ptr<const Security> security() const;
+    /// Replaces them (start, SIGHUP). Thread-safe.
+    void set_security(std::shared_ptr<const Security> next);
+
+private:
+    mutable std::mutex security_mutex_;
+    std::shared_ptr<const Security> security_;
+
+public:
 };
 
 }  // namespace sandboxd

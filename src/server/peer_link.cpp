@@ -36,7 +36,6 @@ PeerLink::PeerLink(Node& node, NodeRecord peer, std::string peer_token, net::any
       peer_(std::move(peer)),
       token_(std::move(peer_token)),
       strand_(strand),
-      ws_(strand),
       connect_wait_(strand),
       out_wake_(strand) {
     connect_wait_.expires_at(net::steady_timer::time_point::max());
@@ -82,35 +81,52 @@ awaitable<void> PeerLink::ensure_connected() {
             throw unavailable(peer_.node_id, "its url " + std::string(e.what()));
         }
         const std::string& host = url.endpoint.host;
+        std::shared_ptr<ssl::context> tls;
+        if (url.tls) {
+            // routing.peerTls: the cluster CA and this node's certificate; without it, the
+            // system's trust store and no client certificate.
+            tls = node_.security()->peer_client_tls;
+            if (!tls) tls = make_client_tls(TlsClientOptions{}, "routing.peerTls");
+            ws_.emplace(ConnStream(beast::tcp_stream(strand_), tls));
+        } else {
+            ws_.emplace(ConnStream(beast::tcp_stream(strand_)));
+        }
         tcp::resolver resolver(strand_);
         auto [rec, endpoints] =
             co_await resolver.async_resolve(host, url.endpoint.port_text(), as_tuple_awaitable);
         if (rec) throw unavailable(peer_.node_id, "cannot resolve " + host + ": " + rec.message());
-        auto& lowest = beast::get_lowest_layer(ws_);
+        auto& lowest = beast::get_lowest_layer(*ws_);
         lowest.expires_after(connect_timeout);
         auto [cec, ep] = co_await lowest.async_connect(endpoints, as_tuple_awaitable);
         if (cec) throw unavailable(peer_.node_id, "cannot connect to " + peer_.url + ": " + cec.message());
-        ws_.set_option(websocket::stream_base::decorator(
+        if (auto* t = ws_->next_layer().tls()) {
+            expect_server_name(t->native_handle(), host, true);
+            auto [tec] = co_await t->async_handshake(ssl::stream_base::client, as_tuple_awaitable);
+            if (tec) {
+                throw unavailable(peer_.node_id, "TLS handshake with " + peer_.url + " failed: " + tec.message());
+            }
+        }
+        ws_->set_option(websocket::stream_base::decorator(
             [token = token_, me = node_.node_id](websocket::request_type& req) {
                 req.set(http::field::authorization, "Bearer " + token);
                 req.set(http::field::sec_websocket_protocol, "sandboxd.v1");
                 req.set(http::field::user_agent, std::string("sandboxd-peer/") + version_string);
                 req.set("Sandboxd-Forwarded-By", me);
             }));
-        ws_.read_message_max(64ULL << 20);
-        ws_.auto_fragment(false);
-        ws_.write_buffer_bytes(512 * 1024);  // masking buffer: one write per relayed frame
+        ws_->read_message_max(64ULL << 20);
+        ws_->auto_fragment(false);
+        ws_->write_buffer_bytes(512 * 1024);  // masking buffer: one write per relayed frame
         beast::error_code nodelay_ec;
         lowest.socket().set_option(tcp::no_delay(true), nodelay_ec);
         auto [hec] =
-            co_await ws_.async_handshake(url.endpoint.authority(), url.target, as_tuple_awaitable);
+            co_await ws_->async_handshake(url.endpoint.authority(), url.target, as_tuple_awaitable);
         if (hec) throw unavailable(peer_.node_id, "handshake with " + peer_.url + " failed: " + hec.message());
         lowest.expires_never();
         websocket::stream_base::timeout timeouts{};
         timeouts.handshake_timeout = std::chrono::seconds(10);
         timeouts.idle_timeout = std::chrono::milliseconds(node_.config.limits.idle_timeout_ms);
         timeouts.keep_alive_pings = true;
-        ws_.set_option(timeouts);
+        ws_->set_option(timeouts);
         connected_ = true;
         connecting_ = false;
         connect_wait_.cancel();
@@ -240,8 +256,8 @@ awaitable<void> PeerLink::write_loop() {
         }
         auto item = std::move(out_.front());
         out_.pop_front();
-        ws_.binary(item.first);
-        auto [ec, n] = co_await ws_.async_write(net::buffer(item.second), as_tuple_awaitable);
+        ws_->binary(item.first);
+        auto [ec, n] = co_await ws_->async_write(net::buffer(item.second), as_tuple_awaitable);
         if (ec) {
             fail_all("write failed: " + ec.message());
             co_return;
@@ -253,14 +269,14 @@ awaitable<void> PeerLink::read_loop() {
     auto self = shared_from_this();
     beast::flat_buffer buffer;
     for (;;) {
-        auto [ec, n] = co_await ws_.async_read(buffer, as_tuple_awaitable);
+        auto [ec, n] = co_await ws_->async_read(buffer, as_tuple_awaitable);
         if (ec) {
             fail_all("the link closed: " + ec.message());
             co_return;
         }
         const auto data = buffer.data();
         std::string_view message(static_cast<const char*>(data.data()), data.size());
-        if (ws_.got_text()) {
+        if (ws_->got_text()) {
             on_text(std::string(message));
         } else {
             on_binary(message);
@@ -361,7 +377,7 @@ void PeerLink::fail_all(const std::string& why) {
     routes_.clear();
     out_wake_.cancel();
     beast::error_code ec;
-    beast::get_lowest_layer(ws_).socket().close(ec);
+    if (ws_) beast::get_lowest_layer(*ws_).socket().close(ec);
 }
 
 std::shared_ptr<PeerLink> PeerLinks::get(Node& node, const NodeRecord& peer, const std::string& token,

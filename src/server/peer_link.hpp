@@ -9,6 +9,7 @@
 #include <sandboxd/core/net.hpp>
 
 #include <sandboxd/core/jsonrpc.hpp>
+#include <sandboxd/core/tls.hpp>
 #include <sandboxd/registry/registry.hpp>
 
 #include <nlohmann/json.hpp>
@@ -127,7 +128,8 @@ private:
     NodeRecord peer_;
     std::string token_;
     net::any_io_executor strand_;
-    websocket::stream<beast::tcp_stream> ws_;
+    /// Made at connect: plain or TLS, by the peer's URL (ws:// or wss://).
+    std::optional<websocket::stream<ConnStream>> ws_;
     bool connected_ = false;
     bool connecting_ = false;
     bool broken_ = false;

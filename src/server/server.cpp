@@ -123,13 +123,52 @@ awaitable<std::int64_t> register_or_take_over(Registry& registry, NodeRecord rec
                     "node id " + record.node_id + " is still held by another process");
 }
 
+/// The tokens and the TLS material of `c` (files read now): config_error naming the field and
+/// file when one cannot be used. `admin_token_path`: the generated token, when c has none.
+Security build_security(const Config& c, const std::string& admin_token_path) {
+    Security s;
+    for (const auto& t : c.tokens) {
+        const std::string secret = t.token.empty() ? read_secret_file(t.token_file) : t.token;
+        Principal p{t.name, t.role, t.tenants};
+        p.token_sha256 = token_hash(secret);
+        if (t.role == "peer" && s.peer_token.empty()) s.peer_token = secret;
+        s.credentials.push_back({std::move(p)});
+    }
+    if (s.credentials.empty() && !admin_token_path.empty()) {
+        Principal p{"admin", "host", {"*"}};
+        p.token_sha256 = token_hash(read_secret_file(admin_token_path));
+        s.credentials.push_back({std::move(p)});
+    }
+    if (c.tls.enabled()) {
+        TlsServerOptions o;
+        o.cert_file = c.tls.cert_file;
+        o.key_file = c.tls.key_file;
+        o.client_ca_file = c.tls.client_ca_file;
+        o.peer_ca_file = c.peer_tls.ca_file;
+        o.min_version = c.tls.min_version;
+        s.listener_tls = make_server_tls(o, "tls");
+    }
+    if (!c.peer_tls.empty()) {
+        TlsClientOptions o;
+        o.ca_file = c.peer_tls.ca_file;
+        o.cert_file = c.peer_tls.cert_file;
+        o.key_file = c.peer_tls.key_file;
+        s.peer_client_tls = make_client_tls(o, "routing.peerTls");
+        s.peer_ca = std::make_shared<const ClientCertVerifier>(c.peer_tls.ca_file, "routing.peerTls.caFile");
+    }
+    return s;
+}
+
 }  // namespace
 
 struct Daemon::Impl {
     Node node;
     net::io_context ioc;
     tcp::acceptor acceptor{ioc};
+    /// plainListen: plain text on loopback beside a TLS `listen`; closed when not configured.
+    tcp::acceptor plain_acceptor{ioc};
     std::string bound;
+    std::string plain_bound;
     std::string token_path;
     std::atomic<bool> stopping{false};
     net::steady_timer heartbeat_timer{ioc};
@@ -139,8 +178,13 @@ struct Daemon::Impl {
     /// The browser console's files, read at start when console.enabled (read-only after).
     ConsoleAssets console;
 
-    awaitable<void> accept_loop();
-    awaitable<void> serve(tcp::socket socket);
+    /// Accepts on `acc`; `tls`: each connection's TLS handshake first (the listener's
+    /// context at the time of the accept).
+    awaitable<void> accept_loop(tcp::acceptor& acc, bool tls);
+    awaitable<void> serve(tcp::socket socket, bool tls);
+    awaitable<void> serve_http(ConnStream stream);
+    /// Binds `acc` to `address` (config field `field`); returns the bound HOST:PORT.
+    std::string bind(tcp::acceptor& acc, const std::string& address, const std::string& field);
     awaitable<void> heartbeat_loop();
     awaitable<void> rejoin();
     /// Steady-clock time at which the last heartbeat that succeeded was sent.
@@ -157,6 +201,15 @@ struct Daemon::Impl {
     awaitable<std::int64_t> register_at_start(NodeRecord record);
     awaitable<void> finish_stop();
     std::string metrics_text() const;
+    /// Whether `who` may use this connection: a `peer` token needs, when routing.peerTls is
+    /// set, a client certificate that the cluster CA verified (in the TLS handshake).
+    bool peer_certified(ConnStream& stream, const Principal& who) const {
+        if (who.role != "peer") return true;
+        const auto security = node.security();
+        if (!security->peer_ca) return true;
+        auto* t = stream.tls();
+        return t != nullptr && security->peer_ca->verifies(t->native_handle());
+    }
 };
 
 Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
@@ -187,14 +240,7 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
     }
 
     node.ioc = &impl_->ioc;
-    for (const auto& t : c.tokens) {
-        Credential cred;
-        cred.secret = t.token.empty() ? read_secret_file(t.token_file) : t.token;
-        cred.principal = Principal{t.name, t.role, t.tenants};
-        if (t.role == "peer" && node.peer_token.empty()) node.peer_token = cred.secret;
-        node.credentials.push_back(std::move(cred));
-    }
-    if (node.credentials.empty()) {
+    if (c.tokens.empty()) {
         impl_->token_path = (fs::path(c.state_dir) / "admin.token").string();
         if (!fs::exists(impl_->token_path)) {
             const auto tmp = impl_->token_path + ".tmp";
@@ -206,8 +252,8 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
             ::chmod(tmp.c_str(), 0600);
             fs::rename(tmp, impl_->token_path);
         }
-        node.credentials.push_back({read_secret_file(impl_->token_path), Principal{"admin", "host", {"*"}}});
     }
+    node.set_security(std::make_shared<const Security>(build_security(c, impl_->token_path)));
 
     if (c.registry.kind == "etcd") {
         std::string password;
@@ -280,28 +326,19 @@ Daemon::~Daemon() {
 }
 
 const std::string& Daemon::node_id() const noexcept { return impl_->node.node_id; }
+const std::string& Daemon::plain_address() const noexcept { return impl_->plain_bound; }
 const std::string& Daemon::generated_token_path() const noexcept { return impl_->token_path; }
 
 std::string Daemon::start() {
     auto& node = impl_->node;
-    const auto listen = parse_host_port(node.config.listen);  // validate_config checked it
-    tcp::resolver resolver(impl_->ioc);
-    beast::error_code ec;
-    auto results = resolver.resolve(listen.host, listen.port_text(),
-                                    tcp::resolver::passive | tcp::resolver::numeric_service, ec);
-    if (ec || results.empty()) {
-        throw config_error("config: listen: cannot resolve " + node.config.listen + ": " + ec.message());
+    const bool tls = node.security()->listener_tls != nullptr;
+    impl_->bound = impl_->bind(impl_->acceptor, node.config.listen, "listen");
+    if (!node.config.plain_listen.empty()) {
+        impl_->plain_bound = impl_->bind(impl_->plain_acceptor, node.config.plain_listen, "plainListen");
     }
-    tcp::endpoint endpoint = results.begin()->endpoint();
-    auto& acc = impl_->acceptor;
-    acc.open(endpoint.protocol());
-    acc.set_option(net::socket_base::reuse_address(true));
-    acc.bind(endpoint, ec);
-    if (ec) throw config_error("config: listen: cannot bind " + node.config.listen + ": " + ec.message());
-    acc.listen(net::socket_base::max_listen_connections);
-    impl_->bound = format_endpoint(acc.local_endpoint());
-    node.advertise_url = node.config.advertise_url.empty() ? "ws://" + impl_->bound + "/v1/ws"
-                                                           : node.config.advertise_url;
+    node.advertise_url = node.config.advertise_url.empty()
+                             ? std::string(tls ? "wss://" : "ws://") + impl_->bound + "/v1/ws"
+                             : node.config.advertise_url;
     node.started_at_ms = now_ms();
     NodeRecord record{node.node_id, node.advertise_url, node.started_at_ms, node.started_at_ms,
                       node.instance_id};
@@ -315,9 +352,14 @@ std::string Daemon::start() {
     };
     // Listening at once: /healthz and /readyz answer while the registration runs (and is
     // retried while the registry cannot be reached); upgrades wait for it (503).
-    net::co_spawn(impl_->ioc, impl_->accept_loop(), log_failure);
-    spdlog::info("node={} bound {}; registering with the {} registry", node.node_id,
-                 impl_->bound, node.config.registry.kind);
+    net::co_spawn(impl_->ioc, impl_->accept_loop(impl_->acceptor, tls), log_failure);
+    if (impl_->plain_acceptor.is_open()) {
+        net::co_spawn(impl_->ioc, impl_->accept_loop(impl_->plain_acceptor, false), log_failure);
+    }
+    spdlog::info("node={} bound {} ({}){}; registering with the {} registry", node.node_id,
+                 impl_->bound, tls ? "TLS" : "plain",
+                 impl_->plain_bound.empty() ? std::string() : ", and " + impl_->plain_bound + " (plain)",
+                 node.config.registry.kind);
     {
         // The io_context does not run yet: drive it here until the registration finished.
         node.renewed_at_ms = run_until_done(
@@ -345,6 +387,95 @@ std::string Daemon::start() {
     return impl_->bound;
 }
 
+bool Daemon::reload(const Config& next) {
+    auto& node = impl_->node;
+    std::shared_ptr<const Security> fresh;
+    try {
+        validate_config(next);
+        fresh = std::make_shared<const Security>(build_security(next, impl_->token_path));
+    } catch (const std::exception& e) {
+        spdlog::error("node={} reload failed, keeping the tokens and certificates in use: {}", node.node_id,
+                      e.what());
+        return false;
+    }
+    // What a reload does not apply: everything but the tokens and the TLS files.
+    const auto without_reloaded = [](const Config& c) {
+        auto j = config_to_json(c);
+        j["auth"].erase("tokens");
+        j.erase("tls");
+        j["routing"].erase("peerTls");
+        return j;
+    };
+    const auto before = without_reloaded(node.config);
+    const auto after = without_reloaded(next);
+    std::vector<std::string> ignored;
+    for (const auto& [key, value] : after.items()) {
+        if (!before.contains(key) || before[key] != value) ignored.push_back(key);
+    }
+    if (!ignored.empty()) {
+        std::string keys;
+        for (const auto& k : ignored) keys += (keys.empty() ? "" : ", ") + k;
+        spdlog::warn("node={} reload: changes to {} are not applied until a restart", node.node_id, keys);
+    }
+    if ((fresh->listener_tls != nullptr) != (node.security()->listener_tls != nullptr)) {
+        // A listener cannot turn TLS on or off under its connections.
+        spdlog::error("node={} reload failed: tls cannot be turned {} without a restart", node.node_id,
+                      fresh->listener_tls ? "on" : "off");
+        return false;
+    }
+    const auto old = node.security();
+    node.set_security(fresh);
+    const auto same = [](const Principal& a, const Principal& b) {
+        return a.token_sha256 == b.token_sha256 && a.name == b.name && a.role == b.role &&
+               a.tenants == b.tenants;
+    };
+    const auto kept = [&](const Principal& p) {
+        return std::any_of(fresh->credentials.begin(), fresh->credentials.end(),
+                           [&](const Credential& c) { return same(c.principal, p); });
+    };
+    std::size_t added = 0;
+    std::size_t revoked = 0;
+    for (const auto& c : fresh->credentials) {
+        if (std::none_of(old->credentials.begin(), old->credentials.end(),
+                         [&](const Credential& o) { return same(o.principal, c.principal); })) {
+            ++added;
+        }
+    }
+    for (const auto& c : old->credentials) revoked += kept(c.principal) ? 0 : 1;
+    std::size_t closed = 0;
+    {
+        std::lock_guard lock(impl_->sessions_mutex);
+        for (auto& weak : impl_->sessions) {
+            auto session = weak.lock();
+            if (!session || kept(session->principal())) continue;
+            session->revoke();
+            ++closed;
+        }
+    }
+    spdlog::info("node={} reloaded: {} tokens ({} added, {} revoked; {} connections closed), TLS {}",
+                 node.node_id, fresh->credentials.size(), added, revoked, closed,
+                 fresh->listener_tls ? "certificate and key read again" : "off");
+    return true;
+}
+
+std::string Daemon::Impl::bind(tcp::acceptor& acc, const std::string& address, const std::string& field) {
+    const auto listen = parse_host_port(address);  // validate_config checked it
+    tcp::resolver resolver(ioc);
+    beast::error_code ec;
+    auto results = resolver.resolve(listen.host, listen.port_text(),
+                                    tcp::resolver::passive | tcp::resolver::numeric_service, ec);
+    if (ec || results.empty()) {
+        throw config_error("config: " + field + ": cannot resolve " + address + ": " + ec.message());
+    }
+    tcp::endpoint endpoint = results.begin()->endpoint();
+    acc.open(endpoint.protocol());
+    acc.set_option(net::socket_base::reuse_address(true));
+    acc.bind(endpoint, ec);
+    if (ec) throw config_error("config: " + field + ": cannot bind " + address + ": " + ec.message());
+    acc.listen(net::socket_base::max_listen_connections);
+    return format_endpoint(acc.local_endpoint());
+}
+
 void Daemon::run() {
     const unsigned n = impl_->node.config.threads ? impl_->node.config.threads
                                                   : std::max(1U, std::thread::hardware_concurrency());
@@ -362,6 +493,7 @@ void Daemon::stop() {
         spdlog::info("node={} stopping: closing connections and channels", node.node_id);
         beast::error_code ec;
         impl->acceptor.close(ec);
+        impl->plain_acceptor.close(ec);
         impl->heartbeat_timer.cancel();
         impl->sweep_timer.cancel();
         {
@@ -404,7 +536,7 @@ awaitable<void> Daemon::Impl::finish_stop() {
     ioc.stop();
 }
 
-awaitable<void> Daemon::Impl::accept_loop() {
+awaitable<void> Daemon::Impl::accept_loop(tcp::acceptor& acc, bool tls) {
     // A failed accept (EMFILE, ENFILE, ENOBUFS) leaves the connection in the backlog: retrying
     // at once would spin. Back off 10 ms, doubling to 1 s, and log once per streak.
     // (The wait sits outside the scope of the accept's structured binding: GCC 12 corrupts a
@@ -415,11 +547,11 @@ awaitable<void> Daemon::Impl::accept_loop() {
         if (delay.count() != 0) {
             backoff.expires_after(delay);
             auto waited = co_await backoff.async_wait(as_tuple_awaitable);
-            if (std::get<0>(waited) || !acceptor.is_open()) co_return;
+            if (std::get<0>(waited) || !acc.is_open()) co_return;
         }
-        auto [ec, socket] = co_await acceptor.async_accept(net::make_strand(ioc), as_tuple_awaitable);
+        auto [ec, socket] = co_await acc.async_accept(net::make_strand(ioc), as_tuple_awaitable);
         if (ec) {
-            if (ec == net::error::operation_aborted || !acceptor.is_open()) co_return;
+            if (ec == net::error::operation_aborted || !acc.is_open()) co_return;
             if (delay.count() == 0) spdlog::warn("accept failed: {}; backing off", ec.message());
             delay = std::min<std::chrono::milliseconds>(
                 delay.count() == 0 ? std::chrono::milliseconds(10) : delay * 2,
@@ -431,7 +563,7 @@ awaitable<void> Daemon::Impl::accept_loop() {
         beast::error_code nodelay_ec;
         socket.set_option(tcp::no_delay(true), nodelay_ec);  // no Nagle wait behind an unacked frame
         auto ex = socket.get_executor();
-        net::co_spawn(ex, serve(std::move(socket)), [](const std::exception_ptr& e) {
+        net::co_spawn(ex, serve(std::move(socket), tls), [](const std::exception_ptr& e) {
             if (!e) return;
             try {
                 std::rethrow_exception(e);
@@ -521,14 +653,33 @@ std::string Daemon::Impl::metrics_text() const {
     return m.str();
 }
 
-awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
-    beast::tcp_stream stream(std::move(socket));
+awaitable<void> Daemon::Impl::serve(tcp::socket socket, bool tls) {
+    if (!tls) {
+        co_await serve_http(ConnStream(beast::tcp_stream(std::move(socket))));
+        co_return;
+    }
+    // The listener's context as of now: a reload (SIGHUP) changes what later connections get.
+    ConnStream stream(beast::tcp_stream(std::move(socket)), node.security()->listener_tls);
+    beast::get_lowest_layer(stream).expires_after(std::chrono::seconds(10));
+    auto [ec] = co_await stream.tls()->async_handshake(ssl::stream_base::server, as_tuple_awaitable);
+    if (ec) {
+        // Plain HTTP to the TLS port, an untrusted or missing client certificate, an old
+        // protocol version: the handshake fails and the connection is dropped.
+        beast::error_code ignored;
+        const auto remote = beast::get_lowest_layer(stream).socket().remote_endpoint(ignored);
+        spdlog::info("peer={} TLS handshake failed: {}", format_endpoint(remote), ec.message());
+        co_return;
+    }
+    co_await serve_http(std::move(stream));
+}
+
+awaitable<void> Daemon::Impl::serve_http(ConnStream stream) {
     beast::flat_buffer buffer;
     for (;;) {
         http::request_parser<http::string_body> parser;
         parser.header_limit(16 * 1024);
         parser.body_limit(64 * 1024);
-        stream.expires_after(std::chrono::seconds(30));
+        beast::get_lowest_layer(stream).expires_after(std::chrono::seconds(30));
         auto [ec, n] = co_await http::async_read(stream, buffer, parser, as_tuple_awaitable);
         if (ec == http::error::header_limit || ec == http::error::body_limit) {
             // Too large to read: answered with its status, then closed (the rest is unread).
@@ -544,8 +695,8 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
             // 1 MiB or 2 s), so that closing with unread bytes does not reset the connection
             // and lose the status on the client's side.
             beast::error_code ignored;
-            stream.socket().shutdown(tcp::socket::shutdown_send, ignored);
-            stream.expires_after(std::chrono::seconds(2));
+            beast::get_lowest_layer(stream).socket().shutdown(tcp::socket::shutdown_send, ignored);
+            beast::get_lowest_layer(stream).expires_after(std::chrono::seconds(2));
             std::array<char, 16384> sink{};
             for (std::size_t drained = 0; drained < (1U << 20);) {
                 auto [rec, got] = co_await stream.async_read_some(net::buffer(sink), as_tuple_awaitable);
@@ -564,7 +715,7 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
                 res = plain(http::status::bad_request, "expected a WebSocket upgrade\n", req.version(), false);
             } else {
                 std::string_view auth = req[http::field::authorization];
-                const Principal* who = nullptr;
+                std::optional<Principal> who;
                 bool foreign_origin = false;
                 if (auth.size() > 7 && beast::iequals(auth.substr(0, 7), "Bearer ")) {
                     who = node.authenticate(auth.substr(7));
@@ -590,6 +741,13 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
                     spdlog::info("rejected an upgrade without a valid token");
                     res = plain(http::status::unauthorized, "missing or invalid bearer token\n", req.version(), false);
                     res.set(http::field::www_authenticate, "Bearer realm=\"sandboxd\"");
+                } else if (!peer_certified(stream, *who)) {
+                    spdlog::info("rejected peer token \"{}\": no client certificate that routing.peerTls.caFile "
+                                 "verifies",
+                                 who->name);
+                    res = plain(http::status::forbidden,
+                                "a peer token needs a client certificate that the cluster CA verified\n",
+                                req.version(), false);
                 } else if (node.draining) {
                     res = plain(http::status::service_unavailable, "node is draining\n", req.version(), false);
                 } else if (!node.registered) {
@@ -597,7 +755,7 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
                                 "node is starting: not registered with the registry yet\n",
                                 req.version(), false);
                 } else {
-                    auto session = std::make_shared<Session>(node, std::move(stream), *who);
+                    auto session = std::make_shared<Session>(node, std::move(stream), std::move(*who));
                     {
                         std::lock_guard lock(sessions_mutex);
                         std::erase_if(sessions, [](const auto& w) { return w.expired(); });
@@ -661,7 +819,7 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket) {
         }
         auto [wec, wn] = co_await http::async_write(stream, res, as_tuple_awaitable);
         if (wec || !res.keep_alive()) {
-            stream.socket().shutdown(tcp::socket::shutdown_send, wec);
+            beast::get_lowest_layer(stream).socket().shutdown(tcp::socket::shutdown_send, wec);
             co_return;
         }
     }

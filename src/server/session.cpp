@@ -36,7 +36,7 @@ void log_task_failure(const std::string& peer, const std::exception_ptr& e) {
 
 }  // namespace
 
-Session::Session(Node& node, beast::tcp_stream stream, Principal who)
+Session::Session(Node& node, ConnStream stream, Principal who)
     : node_(node),
       transport_(std::move(stream), node.config.limits),
       who_(std::move(who)),
@@ -81,6 +81,14 @@ void Session::shutdown() {
     net::post(strand_, [self = shared_from_this()] {
         self->mux_.close_all();
         self->transport_.close(websocket::close_code::going_away, self);
+    });
+}
+
+void Session::revoke() {
+    net::post(strand_, [self = shared_from_this()] {
+        spdlog::info("peer={} token \"{}\" revoked: closing the connection (1008)", self->peer_, self->who_.name);
+        self->mux_.close_all();
+        self->transport_.close(websocket::close_code::policy_error, self);
     });
 }
 

@@ -38,7 +38,7 @@ class Session final : public ChannelSink,
                       public std::enable_shared_from_this<Session> {
 public:
     /// `stream`: the connection, its upgrade request read (by the server) and not answered.
-    Session(Node& node, beast::tcp_stream stream, Principal who);
+    Session(Node& node, ConnStream stream, Principal who);
     ~Session() override;
     Session(const Session&) = delete;
     Session& operator=(const Session&) = delete;
@@ -48,6 +48,11 @@ public:
 
     /// Closes the connection (1001 going away) from any thread; channels are hung up.
     void shutdown();
+    /// Closes the connection with 1008 (policy violation) from any thread, its channels hung
+    /// up: its token was revoked (a reload no longer has it).
+    void revoke();
+    /// The token the connection authenticated with. Immutable.
+    const Principal& principal() const noexcept { return who_; }
 
     void send_binary(std::string frame) override;
     void send_text(std::string text) override;

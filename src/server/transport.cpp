@@ -38,7 +38,7 @@ std::string remote_of(const tcp::socket& socket) {
 
 }  // namespace
 
-Transport::Transport(beast::tcp_stream stream, const LimitsConfig& limits)
+Transport::Transport(ConnStream stream, const LimitsConfig& limits)
     : ws_(std::move(stream)),
       limits_(limits),
       strand_(ws_.get_executor()),

@@ -11,6 +11,7 @@
 
 #include <sandboxd/core/config.hpp>
 #include <sandboxd/core/net.hpp>
+#include <sandboxd/core/tls.hpp>
 
 #include <chrono>
 #include <deque>
@@ -40,9 +41,10 @@ public:
         Receiver& operator=(const Receiver&) = default;
     };
 
-    /// Takes the TCP stream of a connection whose HTTP upgrade request has been read. `limits`
-    /// (message sizes, ping interval, idle timeout) must outlive the transport.
-    Transport(beast::tcp_stream stream, const LimitsConfig& limits);
+    /// Takes the stream (plain TCP, or TLS after its handshake) of a connection whose HTTP
+    /// upgrade request has been read. `limits` (message sizes, ping interval, idle timeout)
+    /// must outlive the transport.
+    Transport(ConnStream stream, const LimitsConfig& limits);
     Transport(const Transport&) = delete;
     Transport& operator=(const Transport&) = delete;
 
@@ -84,7 +86,7 @@ private:
     /// peer for limits.idleTimeoutMs.
     awaitable<void> idle_loop();
 
-    websocket::stream<frame_guard<beast::tcp_stream>> ws_;  // see frame_guard.hpp
+    websocket::stream<frame_guard<ConnStream>> ws_;  // see frame_guard.hpp
     const LimitsConfig& limits_;
     strand_t strand_;
     std::string peer_;

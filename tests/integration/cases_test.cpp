@@ -210,7 +210,7 @@ std::vector<ChannelRun> run_batch(Client& c, const std::vector<json>& params) {
 
 /// Resets the client's TCP connection (RST, no WebSocket close).
 void hard_drop(std::unique_ptr<Client>& c) {
-    auto& socket = c->impl().ws.next_layer().socket();
+    auto& socket = beast::get_lowest_layer(c->impl().ws).socket();
     beast::error_code ec;
     socket.set_option(net::socket_base::linger(true, 0), ec);
     socket.close(ec);

@@ -53,15 +53,30 @@ struct ChannelRun {
     std::size_t messages_after_exit = 0;
 };
 
+/// How a wss:// connection verifies the node (and, for mutual TLS, presents itself).
+struct ClientTls {
+    std::string ca_file;    ///< PEM CAs (sandboxctl --cacert); "" = the system's trust store
+    std::string cert_file;  ///< PEM client certificate; "" = none
+    std::string key_file;   ///< its key
+    /// No verification of the node's certificate or name (sandboxctl
+    /// --insecure-skip-tls-verify, which warns on every use).
+    bool insecure_skip_verify = false;
+};
+
 class Client {
 public:
-    /// Connects to `url` (ws://host:port/path) with `Authorization: Bearer <token>`, offering
-    /// the subprotocol sandboxd.v1. `timeout` bounds every later blocking call.
+    /// Connects to `url` (ws://host:port/path, or wss:// with TLS verified as `tls` says: the
+    /// certificate must chain to a trusted CA and name the URL's host) with
+    /// `Authorization: Bearer <token>`, offering the subprotocol sandboxd.v1. `timeout`
+    /// bounds every later blocking call (and the connect, TLS and WebSocket handshakes).
+    /// Throws client_error (a TLS failure says so, e.g. "TLS handshake failed: certificate
+    /// verify failed"), config_error for unusable `tls` files.
     /// `receive_buffer` > 0 sets SO_RCVBUF (bytes) on the socket before it connects (a small
     /// TCP window, e.g. to model a slow link); 0 keeps the system's default.
     Client(const std::string& url, const std::string& token,
            std::chrono::milliseconds timeout = std::chrono::seconds(30), int receive_buffer = 0,
-           const std::vector<std::pair<std::string, std::string>>& extra_headers = {});
+           const std::vector<std::pair<std::string, std::string>>& extra_headers = {},
+           const ClientTls& tls = {});
     ~Client();
     Client(const Client&) = delete;
     Client& operator=(const Client&) = delete;

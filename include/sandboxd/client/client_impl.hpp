@@ -6,12 +6,16 @@
 /// blocks the calling thread for at most `timeout` and throws client_error when it expires or fails.
 #include <sandboxd/client/client.hpp>
 #include <sandboxd/core/net.hpp>
+#include <sandboxd/core/tls.hpp>
 
 namespace sandboxd {
 
 struct Client::Impl {
+    /// `tls`: the context of a wss:// connection; null for ws://.
+    explicit Impl(std::shared_ptr<ssl::context> tls)
+        : ws(tls ? ConnStream(beast::tcp_stream(ioc), std::move(tls)) : ConnStream(beast::tcp_stream(ioc))) {}
     net::io_context ioc;
-    websocket::stream<beast::tcp_stream> ws{ioc};
+    websocket::stream<ConnStream> ws;
     std::chrono::milliseconds timeout;
     std::deque<ClientEvent> pending;
     std::int64_t next_id = 1;

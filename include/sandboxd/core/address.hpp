@@ -50,18 +50,20 @@ HostPort parse_host_port(std::string_view text, port_zero zero = port_zero::allo
 
 /// A WebSocket URL split for a connect and a handshake.
 struct WsUrl {
-    HostPort endpoint;   ///< port 80 when the URL names none
+    HostPort endpoint;   ///< port 80 (ws) or 443 (wss) when the URL names none
     std::string target;  ///< path and query as written; "/v1/ws" for no path or "/"
+    bool tls = false;    ///< wss://
 };
 
-/// Parses `ws://HOST[:PORT][/PATH[?QUERY]]` (the scheme exactly "ws"; no user info, no
-/// fragment). Throws address_error: `must be ws://HOST[:PORT][/PATH], got "<text>"`, or
-/// `port must be 1..65535, got "<port>"`.
+/// Parses `ws://HOST[:PORT][/PATH[?QUERY]]` or the same with `wss://` (no user info, no
+/// fragment). Throws address_error: `must be ws://HOST[:PORT][/PATH] or
+/// wss://HOST[:PORT][/PATH], got "<text>"`, or `port must be 1..65535, got "<port>"`.
 WsUrl parse_ws_url(std::string_view text);
 
-/// Parses an etcd endpoint `http://HOST:PORT`, optionally with one trailing "/" and nothing
-/// else (no path, query, user info). Throws address_error:
-/// `must be http://HOST:PORT, got "<text>"`, or `port must be 1..65535, got "<port>"`.
-HostPort parse_http_endpoint(std::string_view text);
+/// Parses an etcd endpoint `http://HOST:PORT` or `https://HOST:PORT` (then `*https` is set,
+/// when given), optionally with one trailing "/" and nothing else (no path, query, user info).
+/// Throws address_error: `must be http://HOST:PORT or https://HOST:PORT, got "<text>"`, or
+/// `port must be 1..65535, got "<port>"`.
+HostPort parse_http_endpoint(std::string_view text, bool* https = nullptr);
 
 }  // namespace sandboxd

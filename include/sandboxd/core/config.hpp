@@ -30,10 +30,32 @@ struct TokenConfig {
     std::vector<std::string> tenants = {"*"};  ///< companyIds, or "*" for every tenant
 };
 
+/// PEM files of one side of a TLS connection (docs/protocol.md section 7). Empty strings: not
+/// given.
+struct TlsFilesConfig {
+    std::string ca_file;    ///< CAs that verify the other side
+    std::string cert_file;  ///< this side's certificate chain
+    std::string key_file;   ///< its private key
+    [[nodiscard]] bool empty() const { return ca_file.empty() && cert_file.empty() && key_file.empty(); }
+};
+
+/// `tls`: the listener serves TLS (wss://, https://) when cert_file is set.
+struct ListenerTlsConfig {
+    std::string cert_file;
+    std::string key_file;
+    /// CAs every client certificate must verify against; "" = no client certificate required.
+    std::string client_ca_file;
+    std::string min_version = "1.2";  ///< "1.2" or "1.3"
+    [[nodiscard]] bool enabled() const { return !cert_file.empty(); }
+};
+
 struct RegistryConfig {
     std::string kind = "sqlite";  ///< "sqlite" or "etcd"
     std::string path;             ///< sqlite file; "" = <stateDir>/registry.db
-    std::vector<std::string> endpoints;  ///< etcd gateway URLs, http://host:port
+    std::vector<std::string> endpoints;  ///< etcd gateway URLs, http://host:port or https://
+    /// registry.tls: for https:// endpoints, as etcd's --cacert/--cert/--key ("" ca: the
+    /// system's trust store).
+    TlsFilesConfig tls;
     std::string prefix = "/sandboxd/v1/";
     std::string username;       ///< etcd auth user; "" = no auth
     std::string password_file;  ///< file holding the etcd user's password (trailing whitespace trimmed)
@@ -149,7 +171,10 @@ struct LimitsConfig {
 struct Config {
     std::string node_id;  ///< "" = the host name
     std::string listen = "127.0.0.1:7800";  ///< HOST:PORT; port 0 picks a free port
-    std::string advertise_url;  ///< "" = ws://<listen address>/v1/ws once bound
+    std::string advertise_url;  ///< "" = ws[s]://<listen address>/v1/ws once bound
+    ListenerTlsConfig tls;  ///< `tls`: TLS on `listen`
+    /// plainListen: HOST:PORT (loopback only) served in plain text beside a TLS `listen`; "" = none.
+    std::string plain_listen;
     std::string state_dir = "/var/lib/sandboxd";
     unsigned threads = 0;  ///< I/O threads; 0 = number of cores
     RegistryConfig registry;
@@ -162,6 +187,10 @@ struct Config {
     std::uint32_t node_ttl_ms = 10000;
     /// Heartbeat (membership renewal) and sweep period, 100..60000 ms, at most nodeTtlMs / 3.
     std::uint32_t heartbeat_ms = 2000;
+    /// routing.peerTls: peer links use wss:// verified against ca_file and present
+    /// cert_file; a `peer` token is then accepted only with a client certificate that
+    /// ca_file verified. Empty: peer links follow the peers' URLs without a client certificate.
+    TlsFilesConfig peer_tls;
     BwrapConfig bwrap;
     std::vector<PluginConfig> plugins;
     LimitsConfig limits;

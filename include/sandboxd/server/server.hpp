@@ -34,6 +34,19 @@ public:
     /// record removed. Idempotent; run() returns once done.
     void stop();
 
+    /// SIGHUP: applies the tokens (auth.tokens, every tokenFile read again) and the TLS
+    /// material (tls, routing.peerTls: certificates, keys and CAs read again) of `next`, the
+    /// config file read again. New connections get the new material; open connections stay,
+    /// except those whose token is no longer accepted (or whose name, role or tenants
+    /// changed): they are closed with 1008 at once. Any other difference is logged as not
+    /// applied. When `next` is invalid or a file cannot be used, nothing changes, the reason
+    /// is logged, and it returns false. Thread-safe; does not block on I/O beyond reading
+    /// the files.
+    bool reload(const Config& next);
+
+    /// The plainListen address once bound ("" without one).
+    const std::string& plain_address() const noexcept;
+
     const std::string& node_id() const noexcept;
     /// The bearer token made for a config without tokens (<stateDir>/admin.token), or "".
     const std::string& generated_token_path() const noexcept;
