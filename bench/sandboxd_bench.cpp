@@ -10,6 +10,7 @@
 // answering makes the bench fail, never hang.
 
 #include <sandboxd/core/address.hpp>
+#include <sandboxd/core/tls.hpp>
 
 #include <boost/asio/connect.hpp>
 #include <boost/asio/io_context.hpp>
@@ -183,11 +184,21 @@ long rss_kib(long pid) {
 
 struct Url {
     std::string host, port, target;
+    bool tls = false;
+    std::string cacert;  ///< wss://: the CA that verifies the node
 };
 
-Url parse_url(const std::string& url) {
+Url parse_url(const std::string& url, const std::string& cacert = "") {
     const auto parsed = sandboxd::parse_ws_url(url);  // throws sandboxd::address_error
-    return Url{parsed.endpoint.host, parsed.endpoint.port_text(), parsed.target};
+    return Url{parsed.endpoint.host, parsed.endpoint.port_text(), parsed.target, parsed.tls, cacert};
+}
+
+/// The stream of a connection to `u`: TLS for wss:// (verified with u.cacert).
+sandboxd::ConnStream make_stream(net::io_context& ioc, const Url& u) {
+    if (!u.tls) return sandboxd::ConnStream(beast::tcp_stream(ioc));
+    sandboxd::TlsClientOptions o;
+    o.ca_file = u.cacert;
+    return sandboxd::ConnStream(beast::tcp_stream(ioc), sandboxd::make_client_tls(o, "bench"));
 }
 
 class RpcError : public std::runtime_error {
@@ -230,10 +241,15 @@ void put_be32(unsigned char* p, std::uint32_t v) {
 class Conn {
 public:
     /// `token` empty: no Authorization header and no subprotocol (websocketd).
-    Conn(const Url& u, const std::string& token) : ws_(ioc_) {
+    Conn(const Url& u, const std::string& token) : ws_(make_stream(ioc_, u)) {
         tcp::resolver resolver(ioc_);
-        net::connect(ws_.next_layer(), resolver.resolve(u.host, u.port));
-        ws_.next_layer().set_option(tcp::no_delay(true));
+        auto& socket = beast::get_lowest_layer(ws_).socket();
+        net::connect(socket, resolver.resolve(u.host, u.port));
+        socket.set_option(tcp::no_delay(true));
+        if (auto* t = ws_.next_layer().tls()) {
+            sandboxd::expect_server_name(t->native_handle(), u.host, true);
+            t->handshake(sandboxd::ssl::stream_base::client);
+        }
         // One frame per message (Beast fragments at 4 KiB by default) and a masking buffer
         // as large as a data frame, so a 256 KiB stdin frame is one write.
         ws_.auto_fragment(false);
@@ -252,7 +268,7 @@ public:
     Conn& operator=(const Conn&) = delete;
     ~Conn() {
         beast::error_code ec;
-        ws_.next_layer().close(ec);
+        beast::get_lowest_layer(ws_).socket().close(ec);
     }
 
     /// Reads one message; false when the connection closed (websocketd at process exit).
@@ -365,7 +381,7 @@ public:
 
 private:
     net::io_context ioc_;
-    websocket::stream<tcp::socket> ws_;
+    websocket::stream<sandboxd::ConnStream> ws_;
     beast::flat_buffer buf_;
     std::deque<Msg> pending_;
     std::int64_t next_id_ = 1;
@@ -379,7 +395,7 @@ struct Target {
 };
 
 Target target_of(const Args& a, const std::string& url_key = "url", const std::string& token_key = "token-file") {
-    return Target{parse_url(a.need(url_key)), read_file(a.need(token_key))};
+    return Target{parse_url(a.need(url_key), a.str("cacert", "")), read_file(a.need(token_key))};
 }
 
 json acquire(Conn& c, const std::string& company = "bench", const std::string& env = "bench",
@@ -656,6 +672,42 @@ json cmd_open(const Args& a) {
             {"execute_p50_ms", exec["p50"]},
             {"execute_p99_ms", exec["p99"]},
             {"details", {{"open_sequential", seq}, {"open_concurrent", conc}, {"execute_sequential", exec}}}};
+}
+
+/// tls: the same node through its TLS `listen` (--tls-url, verified with --cacert) and its
+/// plainListen (--url), in one run: sequential opens of `true` and streams of --bytes, the two
+/// transports taking turns run by run, so that both see the same machine.
+json cmd_tls(const Args& a) {
+    const Target plain = target_of(a);
+    const Target tls = target_of(a, "tls-url");
+    const std::uint64_t bytes = a.num("bytes", 1ULL << 30);
+    const std::uint64_t window = a.num("window", 16ULL << 20);
+    const std::uint64_t batch = a.num("credit-batch", window / 8);
+    const long pid = static_cast<long>(a.num("pid", 0));
+    const std::size_t count = a.num("count", 500);
+    Conn c(plain.url, plain.token);
+    const json lease = acquire(c);
+    stream_once(tls, lease, std::min<std::uint64_t>(bytes, 32ULL << 20), window, batch, pid);  // warm-up
+    std::vector<json> plain_runs, tls_runs;
+    json plain_opens, tls_opens;
+    for (std::uint64_t i = 0; i < a.num("runs", 3); ++i) {
+        plain_runs.push_back(stream_once(plain, lease, bytes, window, batch, pid));
+        tls_runs.push_back(stream_once(tls, lease, bytes, window, batch, pid));
+    }
+    plain_opens = sequential_opens(plain, lease, count);
+    tls_opens = sequential_opens(tls, lease, count);
+    c.call("leaseRelease", {{"leaseId", lease["id"]}});
+    c.close();
+    json ps = runs_summary(plain_runs);
+    json ts = runs_summary(tls_runs);
+    return {{"tls_stream_mb_s", ts["median_mb_s"]},
+            {"plain_stream_mb_s", ps["median_mb_s"]},
+            {"tls_open_p50_ms", tls_opens["to_exit_ms"]["p50"]},
+            {"plain_open_p50_ms", plain_opens["to_exit_ms"]["p50"]},
+            {"details",
+             {{"tls",
+               {{"stream", ts}, {"plain_stream", ps}, {"open", tls_opens}, {"plain_open", plain_opens},
+                {"bytes", bytes}}}}}};
 }
 
 /// stream: head -c N /dev/zero through a channel.
@@ -1013,7 +1065,8 @@ json cmd_report(const Args& a) {
         latest[k] = all[k];
     }
     // Optional figures: scenarios that a run may leave out.
-    for (const char* k : {"node_client_stream_mb_s"}) {
+    for (const char* k : {"node_client_stream_mb_s", "tls_stream_mb_s", "plain_stream_mb_s", "tls_open_p50_ms",
+                          "plain_open_p50_ms"}) {
         if (all.contains(k)) latest[k] = all[k];
     }
     latest["machine"] = a.need("machine");
@@ -1079,6 +1132,14 @@ json cmd_report(const Args& a) {
             "C++ client " + fmt(num("stream_mb_s"), 0), "",
             node_ratio.is_null() ? "n/a" : fmt(json(node_ratio.get<double>() * 100), 0) + "% of C++");
     }
+    if (all.contains("tls_stream_mb_s")) {
+        const json tr = ratio(num("tls_stream_mb_s"), num("plain_stream_mb_s"));
+        row("stream over TLS (wss://) (MB/s)", fmt(num("tls_stream_mb_s"), 0),
+            "plain " + fmt(num("plain_stream_mb_s"), 0), "",
+            tr.is_null() ? "n/a" : fmt(json(tr.get<double>() * 100), 0) + "% of plain");
+        row("open `true` p50 over TLS (ms)", fmt(num("tls_open_p50_ms"), 2),
+            "plain " + fmt(num("plain_open_p50_ms"), 2), "", "");
+    }
     row("stdin into cat > /dev/null (MB/s)", fmt(num("stdin_mb_s"), 0), "pipe " + fmt(num("pipe_mb_s"), 0), "", "");
     if (num("proxy_open_p50_ms").is_null()) {
         row("proxied open p50 (ms)", "n/a", "routing not available", "", "n/a");
@@ -1118,6 +1179,7 @@ json cmd_report(const Args& a) {
 json dispatch(const Args& a) {
     if (a.command == "open") return cmd_open(a);
     if (a.command == "stream") return cmd_stream(a);
+    if (a.command == "tls") return cmd_tls(a);
     if (a.command == "stdin") return cmd_stdin(a);
     if (a.command == "pipe") return cmd_pipe(a);
     if (a.command == "ws-open") return cmd_ws_open(a);

@@ -91,12 +91,20 @@ Client::Client(const std::string& url, const std::string& token, std::chrono::mi
     }));
     impl_->ws.read_message_max(64ULL << 20);
     websocket::response_type response;
+    // Only Beast's upgrade_declined means an HTTP answer was read: after any other failure
+    // (a dropped connection, a TLS alert) the response holds no status of the node's.
+    beast::error_code handshake_ec;
     try {
-        impl_->run(
-            [&](auto handler) { impl_->ws.async_handshake(response, authority, target, handler); });
+        impl_->run([&](auto handler) {
+            impl_->ws.async_handshake(response, authority, target,
+                                      [&handshake_ec, handler](beast::error_code result) mutable {
+                                          handshake_ec = result;
+                                          handler(result);
+                                      });
+        });
     } catch (const client_error& e) {
         const int status = static_cast<int>(response.result_int());
-        if (status != 0 && status != 101) {
+        if (handshake_ec == websocket::error::upgrade_declined && status != 101) {
             throw client_error("upgrade refused: HTTP " + std::to_string(status) + " " +
                                    std::string(response.reason()),
                                status);

@@ -79,18 +79,21 @@ void set_min_version(ssl::context& ctx, const std::string& field, const std::str
 /// The certificate chain and its key; both files checked (readable, PEM, in date, matching).
 void use_identity(ssl::context& ctx, const std::string& field, const std::string& cert_file,
                   const std::string& key_file) {
-    read_certificates(field + ".certFile", cert_file);
-    open_file(field + ".keyFile", key_file);
+    const auto certs = read_certificates(field + ".certFile", cert_file);
+    auto f = open_file(field + ".keyFile", key_file);
+    std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(PEM_read_PrivateKey(f.get(), nullptr, nullptr, nullptr),
+                                                             &EVP_PKEY_free);
+    if (!key) fail(field + ".keyFile", key_file + " holds no usable PEM private key: " + openssl_error());
+    if (X509_check_private_key(certs.front().get(), key.get()) != 1) {
+        ERR_clear_error();
+        fail(field + ".keyFile", "the key in " + key_file + " does not match the certificate in " + cert_file);
+    }
     SSL_CTX* c = ctx.native_handle();
     if (SSL_CTX_use_certificate_chain_file(c, cert_file.c_str()) != 1) {
         fail(field + ".certFile", "cannot use " + cert_file + ": " + openssl_error());
     }
-    if (SSL_CTX_use_PrivateKey_file(c, key_file.c_str(), SSL_FILETYPE_PEM) != 1) {
-        fail(field + ".keyFile", key_file + " holds no usable PEM private key: " + openssl_error());
-    }
-    if (SSL_CTX_check_private_key(c) != 1) {
-        ERR_clear_error();
-        fail(field + ".keyFile", "the key in " + key_file + " does not match the certificate in " + cert_file);
+    if (SSL_CTX_use_PrivateKey(c, key.get()) != 1) {
+        fail(field + ".keyFile", "cannot use " + key_file + ": " + openssl_error());
     }
 }
 

@@ -5,6 +5,7 @@
 #include <sandboxd/core/address.hpp>
 #include <sandboxd/core/base64.hpp>
 #include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/tls.hpp>
 
 #include <atomic>
 #include <charconv>
@@ -32,16 +33,19 @@ struct Endpoint {
     std::string host;  ///< without brackets
     std::string port;
     std::string host_header;
+    bool https = false;
 };
 
 Endpoint parse_endpoint(const std::string& text) {
     HostPort parsed;
+    bool https = false;
     try {
-        parsed = parse_http_endpoint(text);
+        parsed = parse_http_endpoint(text, &https);
     } catch (const address_error& e) {
         throw std::invalid_argument("etcd endpoint: " + std::string(e.what()));
     }
     Endpoint ep;
+    ep.https = https;
     ep.url = text.back() == '/' ? text.substr(0, text.size() - 1) : text;
     ep.host = parsed.host;
     ep.port = parsed.port_text();
@@ -49,17 +53,41 @@ Endpoint parse_endpoint(const std::string& text) {
     return ep;
 }
 
+/// Connects `stream` (made here: plain, or TLS with `tls` for an https:// endpoint) to `ep`,
+/// with the TLS handshake (the certificate must name ep.host). Throws system_error.
+awaitable<void> connect_to(std::optional<ConnStream>& stream, const Endpoint& ep,
+                           std::shared_ptr<ssl::context> tls) {
+    auto ex = co_await net::this_coro::executor;
+    if (ep.https) {
+        if (!tls) tls = make_client_tls(TlsClientOptions{}, "registry.tls");
+        stream.emplace(beast::tcp_stream(ex), std::move(tls));
+    } else {
+        stream.emplace(beast::tcp_stream(ex));
+    }
+    tcp::resolver resolver(ex);
+    auto results = co_await resolver.async_resolve(ep.host, ep.port, use_awaitable);
+    co_await beast::get_lowest_layer(*stream).async_connect(results, use_awaitable);
+    beast::error_code ignored;
+    beast::get_lowest_layer(*stream).socket().set_option(tcp::no_delay(true), ignored);
+    if (auto* t = stream->tls()) {
+        expect_server_name(t->native_handle(), ep.host, true);
+        co_await t->async_handshake(ssl::stream_base::client, use_awaitable);
+    }
+}
+
 /// One keep-alive HTTP connection, used by one call at a time (taken from the pool).
 struct Connection {
-    explicit Connection(net::any_io_executor ex) : stream(std::move(ex)) {}
-    beast::tcp_stream stream;
+    explicit Connection(net::any_io_executor ex) : executor(std::move(ex)) {}
+    net::any_io_executor executor;
+    std::optional<ConnStream> stream;  ///< made by each connect
     beast::flat_buffer buffer;
 
-    bool is_open() const { return stream.socket().is_open(); }
+    bool is_open() { return stream && beast::get_lowest_layer(*stream).socket().is_open(); }
     void close() {
+        if (!stream) return;
         beast::error_code ignored;
-        stream.socket().shutdown(tcp::socket::shutdown_both, ignored);
-        stream.socket().close(ignored);
+        beast::get_lowest_layer(*stream).socket().shutdown(tcp::socket::shutdown_both, ignored);
+        beast::get_lowest_layer(*stream).socket().close(ignored);
         buffer.clear();
     }
 };
@@ -77,6 +105,7 @@ struct Client::Impl {
     std::string username;
     std::string password;
     std::chrono::milliseconds timeout{0};
+    TlsSource tls;  // immutable after construction
     std::atomic<std::size_t> preferred{0};
 
     std::mutex mutex;  // guards idle and token; never held across a co_await
@@ -177,22 +206,19 @@ struct Attempt {
 /// Connects `conn` when it is closed, writes `req` and reads the answer. Errors come back in
 /// the result, not as exceptions: `exchange || timer` completes on the first operation that
 /// succeeds (wait_for_one_success), so a throwing exchange would wait out the timer.
-awaitable<Attempt> exchange(std::shared_ptr<Connection> conn, Endpoint ep, request_t req) {
+awaitable<Attempt> exchange(std::shared_ptr<Connection> conn, Endpoint ep, request_t req,
+                            std::shared_ptr<ssl::context> tls) {
     Attempt out;
     try {
         if (!conn->is_open()) {
             conn->buffer.clear();
-            tcp::resolver resolver(conn->stream.get_executor());
-            auto results = co_await resolver.async_resolve(ep.host, ep.port, use_awaitable);
-            co_await conn->stream.async_connect(results, use_awaitable);
-            beast::error_code ignored;
-            conn->stream.socket().set_option(tcp::no_delay(true), ignored);
+            co_await connect_to(conn->stream, ep, std::move(tls));
         }
-        co_await http::async_write(conn->stream, req, use_awaitable);
+        co_await http::async_write(*conn->stream, req, use_awaitable);
         http::response_parser<http::string_body> parser;
         parser.body_limit(max_body_bytes);
         parser.eager(true);
-        co_await http::async_read(conn->stream, conn->buffer, parser, use_awaitable);
+        co_await http::async_read(*conn->stream, conn->buffer, parser, use_awaitable);
         out.res = parser.release();
     } catch (const boost::system::system_error& e) {
         out.ec = e.code();
@@ -223,7 +249,10 @@ awaitable<Exchange> post(std::shared_ptr<Impl> impl, std::size_t idx, std::strin
         beast::error_code ec;
         std::optional<response_t> res;
         using namespace net::experimental::awaitable_operators;
-        auto won = co_await (exchange(conn, ep, req) || timer.async_wait(as_tuple_awaitable));
+        // A named local: GCC 12 destroys a temporary of a conditional inside co_await twice.
+        std::shared_ptr<ssl::context> tls;
+        if (ep.https && impl->tls) tls = impl->tls();
+        auto won = co_await (exchange(conn, ep, req, std::move(tls)) || timer.async_wait(as_tuple_awaitable));
         if (won.index() == 0) {
             ec = std::get<0>(won).ec;
             if (!ec) res.emplace(std::move(std::get<0>(won).res));
@@ -361,8 +390,9 @@ awaitable<json> call_any(std::shared_ptr<Impl> impl, std::string op, std::string
 }  // namespace
 
 Client::Client(net::any_io_executor ex, std::vector<std::string> endpoints, std::string username,
-               std::string password, std::chrono::milliseconds timeout)
+               std::string password, std::chrono::milliseconds timeout, TlsSource tls)
     : impl_(std::make_shared<Impl>()) {
+    impl_->tls = std::move(tls);
     if (endpoints.empty()) throw std::invalid_argument("etcd: no endpoints");
     for (const auto& e : endpoints) impl_->endpoints.push_back(parse_endpoint(e));
     impl_->ex = std::move(ex);
@@ -508,15 +538,14 @@ WatchMessage decode_watch_message(const json& result) {
 /// Connects, sends the create request and reads the answer's header. The references are to
 /// the awaiting frame of Client::watch, which outlives this call (it awaits it directly).
 /// Errors come back in the result (see exchange()).
-awaitable<beast::error_code> open_stream(beast::tcp_stream& stream, Endpoint ep,
+awaitable<beast::error_code> open_stream(std::optional<ConnStream>& stream, Endpoint ep,
                                          const request_t& req, beast::flat_buffer& buffer,
-                                         http::response_parser<http::empty_body>& parser) {
+                                         http::response_parser<http::empty_body>& parser,
+                                         std::shared_ptr<ssl::context> tls) {
     try {
-        tcp::resolver resolver(stream.get_executor());
-        auto results = co_await resolver.async_resolve(ep.host, ep.port, use_awaitable);
-        co_await stream.async_connect(results, use_awaitable);
-        co_await http::async_write(stream, req, use_awaitable);
-        co_await http::async_read_header(stream, buffer, parser, use_awaitable);
+        co_await connect_to(stream, ep, std::move(tls));
+        co_await http::async_write(*stream, req, use_awaitable);
+        co_await http::async_read_header(*stream, buffer, parser, use_awaitable);
     } catch (const boost::system::system_error& e) {
         co_return e.code();
     }
@@ -546,7 +575,7 @@ awaitable<void> Client::watch(std::string op, std::string prefix, std::int64_t s
             failures += (failures.empty() ? "" : "; ") + f.detail;
             continue;
         }
-        beast::tcp_stream stream(co_await net::this_coro::executor);
+        std::optional<ConnStream> stream;
         const request_t req = make_request(ep, "/v3/watch", payload, auth);
         beast::flat_buffer buffer;
         std::string pending;  // body bytes not yet split into messages
@@ -561,7 +590,9 @@ awaitable<void> Client::watch(std::string op, std::string prefix, std::int64_t s
 
         std::string failure;
         net::steady_timer timer(co_await net::this_coro::executor, impl->timeout);
-        auto won = co_await (open_stream(stream, ep, req, buffer, parser) ||
+        std::shared_ptr<ssl::context> tls;  // a named local: see post()
+        if (ep.https && impl->tls) tls = impl->tls();
+        auto won = co_await (open_stream(stream, ep, req, buffer, parser, std::move(tls)) ||
                              timer.async_wait(as_tuple_awaitable));
         if (won.index() == 1) {
             failure = "timed out";
@@ -613,7 +644,7 @@ awaitable<void> Client::watch(std::string op, std::string prefix, std::int64_t s
             }
             if (parser.is_done()) co_return;
             auto [ec, bytes] =
-                co_await http::async_read_some(stream, buffer, parser, as_tuple_awaitable);
+                co_await http::async_read_some(*stream, buffer, parser, as_tuple_awaitable);
             (void)bytes;
             if (ec) co_return;  // broken, closed or cancelled: the caller lists and watches again
         }

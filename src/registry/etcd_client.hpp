@@ -43,6 +43,10 @@
 #include <string_view>
 #include <vector>
 
+namespace boost::asio::ssl {
+class context;
+}  // namespace boost::asio::ssl
+
 namespace sandboxd::etcd {
 
 /// gRPC status codes the registry tells apart.
@@ -132,13 +136,18 @@ KeyValue decode_kv(const nlohmann::json& kv);
 /// ::responses), decoded; empty when the range found nothing.
 std::vector<KeyValue> txn_range_kvs(const nlohmann::json& response);
 
+/// The TLS client context for https:// endpoints, asked for each new connection (null or
+/// empty: the system's trust store, no client certificate).
+using TlsSource = std::function<std::shared_ptr<boost::asio::ssl::context>()>;
+
 class Client {
 public:
-    /// `endpoints` are "http://HOST:PORT" (a trailing "/" is allowed); throws
-    /// std::invalid_argument for anything else or for none. No network I/O happens here.
-    /// `timeout` bounds each attempt on one endpoint.
+    /// `endpoints` are "http://HOST:PORT" or "https://HOST:PORT" (a trailing "/" is
+    /// allowed); throws std::invalid_argument for anything else or for none. No network I/O
+    /// happens here. `timeout` bounds each attempt on one endpoint (TLS handshake included).
     Client(boost::asio::any_io_executor ex, std::vector<std::string> endpoints,
-           std::string username, std::string password, std::chrono::milliseconds timeout);
+           std::string username, std::string password, std::chrono::milliseconds timeout,
+           TlsSource tls = {});
     ~Client();
     Client(const Client&) = delete;
     Client& operator=(const Client&) = delete;

@@ -325,12 +325,12 @@ awaitable<void> run_watch(std::shared_ptr<etcd::Client> client, std::shared_ptr<
 class EtcdRegistry final : public Registry {
 public:
     EtcdRegistry(net::any_io_executor ex, std::vector<std::string> endpoints, std::string prefix,
-                 std::int64_t node_ttl_ms, std::string username, std::string password)
+                 std::int64_t node_ttl_ms, std::string username, std::string password,
+                 etcd::TlsSource tls)
         : ex_(ex),
-          client_(
-              std::make_shared<etcd::Client>(ex, endpoints, username, password, request_timeout)),
+          client_(std::make_shared<etcd::Client>(ex, endpoints, username, password, request_timeout, tls)),
           membership_(std::make_shared<etcd::Client>(ex, std::move(endpoints), std::move(username),
-                                                     std::move(password), request_timeout)),
+                                                     std::move(password), request_timeout, tls)),
           prefix_(std::move(prefix)),
           node_ttl_s_(std::max<std::int64_t>(1, (node_ttl_ms + 999) / 1000)) {
         if (node_ttl_ms <= 0) throw std::invalid_argument("etcd registry: node TTL must be > 0");
@@ -937,9 +937,11 @@ awaitable<void> run_watch(std::shared_ptr<etcd::Client> client, std::shared_ptr<
 std::unique_ptr<Registry> make_etcd_registry(net::any_io_executor ex,
                                              std::vector<std::string> endpoints, std::string prefix,
                                              std::int64_t node_ttl_ms, std::string username,
-                                             std::string password) {
+                                             std::string password,
+                                             etcd::TlsSource tls) {
     return std::make_unique<EtcdRegistry>(std::move(ex), std::move(endpoints), std::move(prefix),
-                                          node_ttl_ms, std::move(username), std::move(password));
+                                          node_ttl_ms, std::move(username), std::move(password),
+                                          std::move(tls));
 }
 
 }  // namespace sandboxd

@@ -61,6 +61,7 @@ struct Security {
     std::string peer_token;
     std::shared_ptr<ssl::context> listener_tls;     ///< `tls`; null: plain
     std::shared_ptr<ssl::context> peer_client_tls;  ///< routing.peerTls; null: none
+    std::shared_ptr<ssl::context> registry_tls;     ///< registry.tls; null: none
     /// routing.peerTls.caFile: a `peer` token needs a client certificate it verifies; null
     /// when peerTls is not set.
     std::shared_ptr<const ClientCertVerifier> peer_ca;
@@ -186,15 +187,15 @@ public:
     /// The principal of `bearer_token`: its SHA-256 compared in constant time against every
     /// credential's; nullopt when none matches. Thread-safe.
     std::optional<Principal> authenticate(std::string_view bearer_token) const;
-    /// The current tokens and TLS material. Thread-safe; never null after the Daemon's
-    /// constructor.
+    /// The current tokens and TLS material (none until the Daemon's constructor sets them).
+    /// Thread-safe; never null.
     std::shared_ptr<const Security> security() const;
     /// Replaces them (start, SIGHUP). Thread-safe.
     void set_security(std::shared_ptr<const Security> next);
 
 private:
     mutable std::mutex security_mutex_;
-    std::shared_ptr<const Security> security_;
+    std::shared_ptr<const Security> security_ = std::make_shared<const Security>();
 
 public:
 };

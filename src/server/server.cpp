@@ -156,6 +156,13 @@ Security build_security(const Config& c, const std::string& admin_token_path) {
         s.peer_client_tls = make_client_tls(o, "routing.peerTls");
         s.peer_ca = std::make_shared<const ClientCertVerifier>(c.peer_tls.ca_file, "routing.peerTls.caFile");
     }
+    if (!c.registry.tls.empty()) {
+        TlsClientOptions o;
+        o.ca_file = c.registry.tls.ca_file;
+        o.cert_file = c.registry.tls.cert_file;
+        o.key_file = c.registry.tls.key_file;
+        s.registry_tls = make_client_tls(o, "registry.tls");
+    }
     return s;
 }
 
@@ -267,7 +274,8 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
         }
         node.registry = make_etcd_registry(impl_->ioc.get_executor(), c.registry.endpoints,
                                            c.registry.prefix,
-                                           c.node_ttl_ms, c.registry.username, password);
+                                           c.node_ttl_ms, c.registry.username, password,
+                                           [n = &node] { return n->security()->registry_tls; });
     } else {
         const auto db = c.registry.path.empty()
                             ? (fs::path(c.state_dir) / "registry.db").string()
@@ -404,6 +412,7 @@ bool Daemon::reload(const Config& next) {
         j["auth"].erase("tokens");
         j.erase("tls");
         j["routing"].erase("peerTls");
+        j["registry"].erase("tls");
         return j;
     };
     const auto before = without_reloaded(node.config);

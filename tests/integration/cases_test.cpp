@@ -1520,7 +1520,7 @@ TEST_CASE("cases: B18: terminal size: initial size, early resize, invalid sizes"
                                  {"method", "duplexChannelResize"},
                                  {"params", {{"channel", 1}, {"cols", 100}, {"rows", 30}}}};
         const std::string both = client_frame(1, open.dump()) + client_frame(1, resize.dump());
-        net::write(fresh->impl().ws.next_layer().socket(), net::buffer(both));
+        net::write(beast::get_lowest_layer(fresh->impl().ws).socket(), net::buffer(both));
         CHECK(fresh->wait_response(9001)["channel"] == 1);
         CHECK(fresh->wait_response(9002) == json::object());
         auto run = collect(*fresh, 1);

@@ -1,6 +1,7 @@
 #include "support/etcd_fixture.hpp"
 
 #include <sandboxd/core/address.hpp>
+#include <sandboxd/core/tls.hpp>
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -127,6 +128,64 @@ bool etcd_healthy(const std::string& endpoint, std::chrono::milliseconds timeout
     return answer.find("\"health\":\"true\"") != std::string::npos;
 }
 
+bool etcd_healthy_tls(const std::string& endpoint, const EtcdTls& tls, std::chrono::milliseconds timeout) {
+    std::string host;
+    unsigned short port = 0;
+    if (!split_endpoint(endpoint, host, port)) return false;
+    try {
+        TlsClientOptions o;
+        o.ca_file = tls.ca_file.string();
+        o.cert_file = tls.cert_file.string();
+        o.key_file = tls.key_file.string();
+        auto context = make_client_tls(o, "etcd health probe");
+        net::io_context ioc;
+        ConnStream stream(beast::tcp_stream(ioc), context);
+        auto& lowest = beast::get_lowest_layer(stream);
+        lowest.expires_after(timeout);
+        expect_server_name(stream.tls()->native_handle(), host, true);
+        bool ok = false;
+        lowest.async_connect(tcp::endpoint(net::ip::make_address(host), port), [&](beast::error_code ec) {
+            if (ec) return;
+            stream.tls()->async_handshake(ssl::stream_base::client, [&](beast::error_code hec) {
+                if (hec) return;
+                auto req = std::make_shared<http::request<http::empty_body>>(http::verb::get, "/health", 11);
+                req->set(http::field::host, host);
+                auto buffer = std::make_shared<beast::flat_buffer>();
+                auto res = std::make_shared<http::response<http::string_body>>();
+                http::async_write(stream, *req, [&, req, buffer, res](beast::error_code wec, std::size_t) {
+                    if (wec) return;
+                    http::async_read(stream, *buffer, *res, [&, buffer, res](beast::error_code rec, std::size_t) {
+                        ok = !rec && res->body().find("\"health\":\"true\"") != std::string::npos;
+                    });
+                });
+            });
+        });
+        ioc.run();
+        return ok;
+    } catch (const std::exception&) {
+        return false;
+    }
+}
+
+bool EtcdServer::healthy(std::chrono::milliseconds timeout) const {
+    return tls_ ? etcd_healthy_tls(endpoint_, *tls_, timeout) : etcd_healthy(endpoint_, timeout);
+}
+
+EtcdServer::EtcdServer(EtcdTls tls) : dir_(make_temp_dir()), tls_(std::move(tls)) {
+    client_port_ = free_port();
+    do {
+        peer_port_ = free_port();
+    } while (peer_port_ == client_port_);
+    endpoint_ = "https://127.0.0.1:" + std::to_string(client_port_);
+    try {
+        start();
+    } catch (...) {
+        std::error_code ec;
+        fs::remove_all(dir_, ec);
+        throw;
+    }
+}
+
 EtcdServer::EtcdServer() : dir_(make_temp_dir()) {
     // A free port may be taken by another process before etcd binds it: try other ports.
     for (int attempt = 1;; ++attempt) {
@@ -214,6 +273,13 @@ void EtcdServer::start() {
                                      "--initial-advertise-peer-urls", peer_url,
                                      "--initial-cluster", "t=" + peer_url};
     // clang-format on
+    if (tls_) {
+        for (const auto& a : {std::string("--cert-file"), tls_->cert_file.string(), std::string("--key-file"),
+                              tls_->key_file.string(), std::string("--trusted-ca-file"), tls_->ca_file.string(),
+                              std::string("--client-cert-auth")}) {
+            args.push_back(a);
+        }
+    }
     std::vector<char*> argv;
     argv.reserve(args.size() + 1);
     for (auto& a : args) argv.push_back(a.data());
@@ -246,7 +312,7 @@ void EtcdServer::start() {
     }
     paused_ = false;
     const auto deadline = began + std::chrono::seconds(30);
-    while (!etcd_healthy(endpoint_, std::chrono::milliseconds(500))) {
+    while (!healthy(std::chrono::milliseconds(500))) {
         int status = 0;
         if (::waitpid(pid_, &status, WNOHANG) == pid_) {
             pid_ = -1;

@@ -5,11 +5,22 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <optional>
 #include <filesystem>
 #include <memory>
 #include <string>
 
 namespace sandboxd::test {
+
+/// The files of an etcd that serves its clients over TLS only and requires their
+/// certificates (etcd --cert-file --key-file --trusted-ca-file --client-cert-auth). The
+/// fixture's own health probe presents cert_file/key_file as its client certificate: it must
+/// allow clientAuth.
+struct EtcdTls {
+    std::filesystem::path cert_file;
+    std::filesystem::path key_file;
+    std::filesystem::path ca_file;
+};
 
 class EtcdServer {
 public:
@@ -17,6 +28,9 @@ public:
     /// (at most 30 s) until GET /health answers {"health":"true"}. Throws std::runtime_error
     /// with etcd's log when it does not come up.
     EtcdServer();
+    /// The same, serving https:// with client certificate authentication (endpoint() is
+    /// "https://127.0.0.1:PORT").
+    explicit EtcdServer(EtcdTls tls);
     /// Stops it (SIGTERM, SIGKILL after 10 s) and removes its data directory.
     ~EtcdServer();
     EtcdServer(const EtcdServer&) = delete;
@@ -29,7 +43,7 @@ public:
     /// A key prefix no other test (or test process) uses: "/sandboxd-test/<pid>-<n>-<ms>/".
     static std::string unique_prefix();
 
-    /// "http://127.0.0.1:PORT".
+    /// "http://127.0.0.1:PORT" (https:// with EtcdTls).
     const std::string& endpoint() const { return endpoint_; }
     /// True for the SANDBOXD_ETCD_ENDPOINT server, which stop()/start()/pause() refuse.
     bool external() const { return external_; }
@@ -62,9 +76,13 @@ private:
     pid_t pid_ = -1;
     bool paused_ = false;
     std::chrono::milliseconds last_start_{0};
+    std::optional<EtcdTls> tls_;
+    bool healthy(std::chrono::milliseconds timeout) const;
 };
 
 /// True when GET `endpoint`/health answers {"health":"true"} within `timeout`.
 bool etcd_healthy(const std::string& endpoint, std::chrono::milliseconds timeout);
+/// The same over TLS, verifying etcd with tls.ca_file and presenting tls.cert_file.
+bool etcd_healthy_tls(const std::string& endpoint, const EtcdTls& tls, std::chrono::milliseconds timeout);
 
 }  // namespace sandboxd::test

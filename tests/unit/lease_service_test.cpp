@@ -321,7 +321,7 @@ TEST_CASE(
     }
     SECTION("a live owner in proxy mode, with no peer token to reach it") {
         h.put_live_node("node-b");
-        h.node.peer_token.clear();
+        h.node.set_security(std::make_shared<const Security>());
     }
     auto err = rpc_error_of([&] { h.run(owner_link(h.node, lease)); });
     REQUIRE(err);

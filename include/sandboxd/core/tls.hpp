@@ -134,6 +134,32 @@ public:
             handler, buffers);
     }
 
+    // Blocking forms (Beast's SyncStream), for blocking clients (benchmarks, tools).
+    template <typename MutableBufferSequence>
+    std::size_t read_some(const MutableBufferSequence& buffers, beast::error_code& ec) {
+        if (auto* t = tls()) return t->read_some(buffers, ec);
+        return std::get<beast::tcp_stream>(stream_).socket().read_some(buffers, ec);
+    }
+    template <typename MutableBufferSequence>
+    std::size_t read_some(const MutableBufferSequence& buffers) {
+        beast::error_code ec;
+        const auto n = read_some(buffers, ec);
+        if (ec) throw boost::system::system_error(ec);
+        return n;
+    }
+    template <typename ConstBufferSequence>
+    std::size_t write_some(const ConstBufferSequence& buffers, beast::error_code& ec) {
+        if (auto* t = tls()) return t->write_some(buffers, ec);
+        return std::get<beast::tcp_stream>(stream_).socket().write_some(buffers, ec);
+    }
+    template <typename ConstBufferSequence>
+    std::size_t write_some(const ConstBufferSequence& buffers) {
+        beast::error_code ec;
+        const auto n = write_some(buffers, ec);
+        if (ec) throw boost::system::system_error(ec);
+        return n;
+    }
+
 private:
     std::shared_ptr<ssl::context> context_;
     std::variant<beast::tcp_stream, tls_stream> stream_;

@@ -31,6 +31,10 @@
 #include <string>
 #include <vector>
 
+namespace boost::asio::ssl {
+class context;
+}  // namespace boost::asio::ssl
+
 namespace sandboxd {
 
 /// Filter of leaseList. Empty optionals match everything. `tenants` restricts to these
@@ -189,10 +193,15 @@ std::unique_ptr<Registry> make_sqlite_registry(const std::string& path, int read
 /// std::invalid_argument here; nothing is sent until the first call. Afterwards, an etcd that
 /// cannot be reached, times out, answers HTTP 5xx, an error or a malformed body makes the call
 /// throw rpc_error(errc::registry_unavailable, "registry: <op>: <detail>").
+///
+/// https:// endpoints: `tls` gives the client context (registry.tls: its CA, certificate and
+/// key), asked again for every new connection, so that a reload applies to the next ones;
+/// without it (or when it returns null) the system's trust store and no client certificate.
 std::unique_ptr<Registry> make_etcd_registry(boost::asio::any_io_executor ex,
                                              std::vector<std::string> endpoints,
                                              std::string prefix, std::int64_t node_ttl_ms,
                                              std::string username = "",
-                                             std::string password = "");
+                                             std::string password = "",
+                                             std::function<std::shared_ptr<boost::asio::ssl::context>()> tls = {});
 
 }  // namespace sandboxd
