@@ -117,20 +117,6 @@ std::size_t occurrences(const std::string& text, const std::string& part) {
     return n;
 }
 
-std::string read_file(const fs::path& path) {
-    std::ifstream in(path, std::ios::binary);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-}
-
-void write_file(const fs::path& path, const std::string& text) {
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.close();
-    REQUIRE(out.good());
-}
-
 std::string without_leading_zeros(std::string hex) {
     const auto first = hex.find_first_not_of('0');
     return first == std::string::npos ? "0" : hex.substr(first);

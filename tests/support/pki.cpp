@@ -11,8 +11,6 @@
 namespace sandboxd::test {
 namespace fs = std::filesystem;
 
-namespace {
-
 std::string read_file(const fs::path& path) {
     std::ifstream in(path, std::ios::binary);
     std::stringstream ss;
@@ -24,8 +22,10 @@ void write_file(const fs::path& path, const std::string& text) {
     std::ofstream out(path, std::ios::binary | std::ios::trunc);
     out << text;
     out.close();
-    if (!out) throw std::runtime_error("TestPki: cannot write " + path.string());
+    if (!out) throw std::runtime_error("cannot write " + path.string());
 }
+
+namespace {
 
 /// What every certificate of a server carries (server_cert, the rotated ones, the expired one).
 const char* const server_extensions =

@@ -7,6 +7,11 @@
 
 namespace sandboxd::test {
 
+/// The whole file ("" when it cannot be read).
+std::string read_file(const std::filesystem::path& path);
+/// Replaces the file's contents with `text`; std::runtime_error when it cannot.
+void write_file(const std::filesystem::path& path, const std::string& text);
+
 class TestPki {
 public:
     /// Makes every file below. Throws std::runtime_error naming the openssl command (and its
