@@ -54,8 +54,10 @@ std::vector<std::string> readable_secret_files(const Config& c) {
         if ((st.st_mode & 077) != 0) {
             char mode[8];
             std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
-            out.push_back(field + ": " + path + " has mode " + mode +
-                          ": others can read this secret (chmod 600 it)");
+            std::string warning = field;
+            warning.append(": ").append(path).append(" has mode ").append(mode);
+            warning += ": others can read this secret (chmod 600 it)";
+            out.push_back(std::move(warning));
         }
     }
     return out;

@@ -405,8 +405,9 @@ void validate_config(const Config& c) {
     for (const auto& [field, t] : {std::pair<std::string, const TlsFilesConfig*>{"routing.peerTls", &c.peer_tls},
                                    {"registry.tls", &c.registry.tls}}) {
         if (t->cert_file.empty() != t->key_file.empty()) {
-            fail(field + (t->cert_file.empty() ? ".certFile" : ".keyFile"),
-                 field + ".certFile and " + field + ".keyFile go together");
+            std::string why = field;
+            why.append(".certFile and ").append(field).append(".keyFile go together");
+            fail(field + (t->cert_file.empty() ? ".certFile" : ".keyFile"), why);
         }
     }
     if (!c.peer_tls.empty()) {

@@ -178,10 +178,16 @@ void expect_server_name(SSL* ssl, const std::string& host, bool verify) {
     }
 }
 
-ClientCertVerifier::ClientCertVerifier(const std::string& ca_file, const std::string& field) {
-    auto cas = read_certificates(field, ca_file);
-    store_ = X509_STORE_new();
+ClientCertVerifier::ClientCertVerifier(const std::string& ca_file, const std::string& field)
+    : store_(X509_STORE_new()) {
     if (!store_) throw std::bad_alloc();
+    std::vector<X509Ptr> cas;
+    try {
+        cas = read_certificates(field, ca_file);
+    } catch (...) {
+        X509_STORE_free(store_);
+        throw;
+    }
     for (const auto& x : cas) {
         if (X509_STORE_add_cert(store_, x.get()) != 1) ERR_clear_error();
     }

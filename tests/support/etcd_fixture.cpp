@@ -171,8 +171,7 @@ bool EtcdServer::healthy(std::chrono::milliseconds timeout) const {
     return tls_ ? etcd_healthy_tls(endpoint_, *tls_, timeout) : etcd_healthy(endpoint_, timeout);
 }
 
-EtcdServer::EtcdServer(EtcdTls tls) : dir_(make_temp_dir()), tls_(std::move(tls)) {
-    client_port_ = free_port();
+EtcdServer::EtcdServer(EtcdTls tls) : dir_(make_temp_dir()), client_port_(free_port()), tls_(std::move(tls)) {
     do {
         peer_port_ = free_port();
     } while (peer_port_ == client_port_);
