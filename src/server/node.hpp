@@ -60,8 +60,11 @@ struct Security {
     /// The secret of the first `peer` token: what this node presents to its peers ("" none).
     std::string peer_token;
     std::shared_ptr<ssl::context> listener_tls;     ///< `tls`; null: plain
-    std::shared_ptr<ssl::context> peer_client_tls;  ///< routing.peerTls; null: none
-    std::shared_ptr<ssl::context> registry_tls;     ///< registry.tls; null: none
+    /// routing.peerTls; else, on a TLS node, the system trust store; null: none (built when a
+    /// link needs it)
+    std::shared_ptr<ssl::context> peer_client_tls;
+    /// registry.tls, or the system trust store for https:// endpoints; null: not needed
+    std::shared_ptr<ssl::context> registry_tls;
     /// routing.peerTls.caFile: a `peer` token needs a client certificate it verifies; null
     /// when peerTls is not set.
     std::shared_ptr<const ClientCertVerifier> peer_ca;

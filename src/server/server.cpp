@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <filesystem>
 #include <fstream>
@@ -156,12 +157,22 @@ Security build_security(const Config& c, const std::string& admin_token_path) {
         s.peer_client_tls = make_client_tls(o, "routing.peerTls");
         s.peer_ca = std::make_shared<const ClientCertVerifier>(c.peer_tls.ca_file, "routing.peerTls.caFile");
     }
-    if (!c.registry.tls.empty()) {
+    const bool https_registry =
+        c.registry.kind == "etcd" &&
+        std::any_of(c.registry.endpoints.begin(), c.registry.endpoints.end(),
+                    [](const std::string& e) { return e.rfind("https://", 0) == 0; });
+    if (!c.registry.tls.empty() || https_registry) {
+        // Built once here (not per connection): registry.tls, else the system's trust store.
         TlsClientOptions o;
         o.ca_file = c.registry.tls.ca_file;
         o.cert_file = c.registry.tls.cert_file;
         o.key_file = c.registry.tls.key_file;
         s.registry_tls = make_client_tls(o, "registry.tls");
+    }
+    if (!s.peer_client_tls && c.tls.enabled()) {
+        // Peers of a TLS node are reached with wss://: the system's trust store, no client
+        // certificate, built once.
+        s.peer_client_tls = make_client_tls(TlsClientOptions{}, "routing.peerTls");
     }
     return s;
 }
