@@ -241,10 +241,12 @@ awaitable<Lease> make_lease(Node& node, Provider* provider, Lease lease, std::ui
     lease.acquired_at_ms = lease.last_used_at_ms = now_ms();
     lease.expires_at_ms = lease.acquired_at_ms + static_cast<std::int64_t>(ttl);
     lease.metadata = {{"pluginId", provider->plugin_id()}, {"provider", provider->key()}};
-    lease.capabilities = provider->capabilities();
 
     // providerLeaseId is minted by create(); expires_at_ms bounds the sandbox's own expiry.
     auto handle = co_await provider->create(lease);
+    // After create(): a plugin provider knows its capabilities only once its worker is up
+    // (its supportedMethods), and create() waits for the worker to come up.
+    lease.capabilities = provider->capabilities();
     lease.provider_lease_id = handle->scope.provider_lease_id;
     lease.limits = handle->limits;
     lease.provider_metadata = handle->provider_metadata;
