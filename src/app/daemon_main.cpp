@@ -167,6 +167,22 @@ int daemon_main(int argc, char** argv) {
             write_ready_file(vm["ready-file"].as<std::string>(), address, daemon.plain_address());
         }
         sd_notify(0, "READY=1");
+        if (std::getenv("NOTIFY_SOCKET") != nullptr) {
+            // The watchdog: pinged from the io_context, so a wedged I/O loop stops the pings
+            // and systemd restarts the daemon (WatchdogSec=). Twice per watchdog period.
+            std::uint64_t watchdog_usec = 0;
+            if (sd_watchdog_enabled(0, &watchdog_usec) > 0 && watchdog_usec >= 2000) {
+                daemon.on_tick(std::chrono::milliseconds(watchdog_usec / 2000),
+                               [] { sd_notify(0, "WATCHDOG=1"); });
+            }
+            // STATUS= when it changes, checked every second.
+            daemon.on_tick(std::chrono::seconds(1), [&daemon, last = std::string()]() mutable {
+                auto now = daemon.status();
+                if (now == last) return;
+                last = std::move(now);
+                sd_notify(0, ("STATUS=" + last).c_str());
+            });
+        }
         std::thread waiter([&daemon, &load, stop_signals] {
             int sig = 0;
             for (;;) {

@@ -332,6 +332,7 @@ void parse_top(const json& j, Config& c) {
     if (const auto* a = top.get("audit")) {
         Obj o(*a, "audit");
         o.str("file", c.audit_file);
+        o.boolean("journald", c.audit_journald);
         o.done();
     }
     if (const auto* k = top.get("console")) {
@@ -588,7 +589,7 @@ nlohmann::json config_to_json(const Config& c) {
           {"executeTimeoutMs", l.execute_timeout_ms},
           {"retainedTtlMs", l.retained_ttl_ms}}},
         {"log", {{"level", c.log_level}, {"format", c.log_format}}},
-        {"audit", {{"file", c.audit_file}}},
+        {"audit", {{"file", c.audit_file}, {"journald", c.audit_journald}}},
         {"console", {{"enabled", c.console_enabled}, {"assetsDir", c.console_assets_dir}}},
     };
 }

@@ -87,6 +87,9 @@ public:
     const std::string& key() const noexcept override { return key_; }
     const std::string& plugin_id() const noexcept override { return plugin_id_; }
     bool ready() const noexcept override { return manager_.ready(); }
+    std::optional<WorkerStatus> worker_status() const noexcept override {
+        return WorkerStatus{manager_.ready(), manager_.restarts()};
+    }
 
     awaitable<std::shared_ptr<SandboxHandle>> create(Lease lease) override {
         if (!lease.config.is_null() && !lease.config.is_object()) {

@@ -282,6 +282,7 @@ struct WorkerManager::Impl {
 
     std::atomic<bool> ready_flag{false};
     std::atomic<std::uint64_t> ready_generation{0};
+    std::atomic<std::uint64_t> restarts{0};
     std::atomic<bool> stopping{false};
     mutable std::mutex supported_mutex;
     std::set<std::string> supported_snapshot;
@@ -492,7 +493,9 @@ void WorkerManager::Impl::schedule_restart() {
                  config.plugin_id, delay.count(), n);
     restart_timer.expires_after(delay);
     restart_timer.async_wait([this](beast::error_code ec) {
-        if (!ec) start_worker();
+        if (ec) return;
+        restarts.fetch_add(1, std::memory_order_relaxed);
+        start_worker();
     });
 }
 
@@ -1574,6 +1577,8 @@ const PluginConfig& WorkerManager::config() const noexcept { return impl_->confi
 bool WorkerManager::ready() const noexcept { return impl_->ready_flag.load(); }
 
 std::uint64_t WorkerManager::generation() const noexcept { return impl_->ready_generation.load(); }
+
+std::uint64_t WorkerManager::restarts() const noexcept { return impl_->restarts.load(); }
 
 void WorkerManager::on_late_acquire(std::function<void(json params, json result, json context)> f) {
     impl_->late_acquire = std::move(f);

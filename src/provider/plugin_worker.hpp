@@ -51,6 +51,9 @@ public:
     /// A sandbox acquired or resumed under another generation is not in the worker's own
     /// handle cache. Fast; thread-safe.
     std::uint64_t generation() const noexcept;
+    /// How many times the worker was started again after it exited, was retired or failed to
+    /// start (sandboxd_plugin_worker_restarts_total). Fast; thread-safe.
+    std::uint64_t restarts() const noexcept;
     /// Called on the manager's thread with the params, result and caller's context (see
     /// call()) of an environmentAcquireLease answered after its timeout: a sandbox nobody
     /// holds. Set once, before the first call.

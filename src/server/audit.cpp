@@ -1,6 +1,7 @@
 #include "server/audit.hpp"
 
 #include <spdlog/spdlog.h>
+#include <systemd/sd-journal.h>
 
 #include <cerrno>
 #include <chrono>
@@ -11,18 +12,38 @@
 
 namespace sandboxd {
 
-AuditLog::AuditLog(const std::string& path, std::string node_id, std::string instance_id)
+namespace {
+
+int open_append(const std::string& path) {
+    return ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
+}
+
+}  // namespace
+
+AuditLog::AuditLog(const std::string& path, bool journald, std::string node_id,
+                   std::string instance_id)
     : path_(path),
+      journald_(journald),
       node_id_(std::move(node_id)),
       instance_id_(std::move(instance_id)),
-      fd_(::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600)) {
-    if (fd_ < 0) {
+      fd_(path.empty() ? -1 : open_append(path)) {
+    if (!path.empty() && fd_ < 0) {
         throw std::system_error(errno, std::generic_category(), "audit.file " + path);
     }
 }
 
 AuditLog::~AuditLog() {
     if (fd_ >= 0) ::close(fd_);
+}
+
+std::string AuditLog::reopen() {
+    if (path_.empty()) return {};
+    const int fd = open_append(path_);
+    if (fd < 0) return "audit.file " + path_ + ": " + std::generic_category().message(errno);
+    std::lock_guard lock(mutex_);
+    ::close(fd_);
+    fd_ = fd;
+    return {};
 }
 
 std::string rfc3339_now() { return rfc3339_at(std::chrono::system_clock::now()); }
@@ -45,6 +66,12 @@ void AuditLog::write(std::string_view event, nlohmann::json fields) noexcept {
                                {"instance", instance_id_}};
         for (auto& [key, value] : fields.items()) line[key] = std::move(value);
         std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+        if (journald_) {
+            const std::string event_field = "SANDBOXD_EVENT=" + std::string(event);
+            sd_journal_send("MESSAGE=%s", text.c_str(), "SYSLOG_IDENTIFIER=sandboxd-audit",
+                            "PRIORITY=6", event_field.c_str(), nullptr);
+        }
+        if (path_.empty()) return;
         text.push_back('\n');
         std::lock_guard lock(mutex_);
         const ssize_t n = ::write(fd_, text.data(), text.size());

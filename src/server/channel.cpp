@@ -51,12 +51,12 @@ Channel::~Channel() {
 }
 
 void Channel::start() {
-    auto log_failure = [id = options_.id](const std::exception_ptr& e) {
+    auto log_failure = [key = options_.audit_key](const std::exception_ptr& e) {
         if (!e) return;
         try {
             std::rethrow_exception(e);
         } catch (const std::exception& ex) {
-            spdlog::error("channel={} task failed: {}", id, ex.what());
+            spdlog::error("channel={} task failed: {}", key, ex.what());
         }
     };
     for (auto stream : {output_stream::out, output_stream::err}) {
@@ -133,6 +133,7 @@ awaitable<void> Channel::pump_output(output_stream stream) {
         if (*n == 0) continue;
         if (!hung_up_) unacked_ += *n;
         (is_stdout ? stdout_bytes_ : stderr_bytes_) += *n;
+        if (options_.bytes) options_.bytes->count(wire_stream(stream), *n);
         if (hung_up_) continue;  // nobody to send to: drain so that writers never block
         auto sink = sink_.lock();
         if (!sink) continue;
@@ -165,6 +166,7 @@ awaitable<void> Channel::pump_stdin() {
         const bool taken = co_await backend_->write_stdin(stdin_queue_.front());
         if (!taken) break;  // the command no longer reads; the rest is discarded below
         stdin_bytes_ += n;
+        if (options_.bytes) options_.bytes->count(stream_id::stdin_, n);
         stdin_pending_ -= n;
         stdin_queue_.pop_front();
         if (auto sink = sink_.lock(); sink && !hung_up_) {
@@ -309,7 +311,7 @@ void Channel::send_exit() {
         std::chrono::steady_clock::now() - started_);
     spdlog::info("channel={} lease={} ended: outcome={} exit={} signal={}{}{} stdout={} "
                  "stderr={} stdin={} duration_ms={}",
-                 options_.id, options_.lease_id, to_string(outcome),
+                 options_.audit_key, options_.lease_id, to_string(outcome),
                  exit_code_ ? std::to_string(*exit_code_) : std::string("-"),
                  term_signal_ > 0 ? signal_name(term_signal_) : std::string("-"),
                  limit_.empty() ? "" : " limit=", limit_,
@@ -319,6 +321,10 @@ void Channel::send_exit() {
                               {{"lease", options_.lease_id},
                                {"epoch", options_.epoch},
                                {"channel", options_.audit_key},
+                               {"token", options_.opened_for},
+                               {"argv0", options_.argv0},
+                               {"argvSha256", options_.argv_sha256},
+                               {"pty", options_.pty},
                                {"outcome", std::string(to_string(outcome))},
                                {"exitCode", exit_code},
                                {"signal", signal},

@@ -14,6 +14,7 @@
 #include <sandboxd/provider/provider.hpp>
 
 #include "server/audit.hpp"
+#include "server/node_metrics.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -58,12 +59,20 @@ struct ChannelOptions {
     std::shared_ptr<AuditLog> audit;
     /// The token name of the host it was opened for (on a peer link: forwardedFor.tokenName).
     std::string opened_for;
+    /// The command's program and the SHA-256 (hex) of its whole argv as a JSON array, for
+    /// the audit (never the arguments themselves).
+    std::string argv0;
+    std::string argv_sha256;
     std::int64_t epoch = 0;
+    /// The node-wide key (ChannelTable), unique within this daemon process: what the audit
+    /// and the log call the channel (`channel=<key>`; the connection's id is per connection).
     std::uint64_t audit_key = 0;
     /// Counts this channel from its construction until its end is recorded (send_exit) or it
     /// is destroyed unended (null: not counted). The daemon's stop waits for it to reach 0, so
     /// that every channel.opened gets its channel.ended (docs/protocol.md section 7).
     std::atomic<std::int64_t>* unended = nullptr;
+    /// Counts the payload bytes of each stream (null: not counted).
+    const ChannelByteCounters* bytes = nullptr;
 };
 
 enum class channel_outcome { exited, signaled, timed_out, stopped, lease_released, transport_closed, error };

@@ -8,8 +8,9 @@
 
 namespace sandboxd {
 
-ChannelMux::ChannelMux(ChannelSink& out, std::size_t max_data_payload, std::string peer)
-    : out_(out), max_data_payload_(max_data_payload), peer_(std::move(peer)) {}
+ChannelMux::ChannelMux(ChannelSink& out, std::size_t max_data_payload, std::string peer,
+                       const ChannelByteCounters* bytes)
+    : out_(out), max_data_payload_(max_data_payload), peer_(std::move(peer)), bytes_(bytes) {}
 
 void ChannelMux::add_local(std::uint32_t id, std::shared_ptr<Channel> channel) {
     local_.emplace(id, std::move(channel));
@@ -71,7 +72,12 @@ void ChannelMux::relay_binary(std::uint32_t id, std::string frame) {
     }
     auto it = relayed_.find(id);
     if (it == relayed_.end()) return;
-    // Only stdin credits change the relay's count; data frames pass without being parsed.
+    // Only stdin credits change the relay's count; data frames pass without being parsed
+    // (the stream byte of their checked header is counted).
+    if (bytes_ && frame.size() > frame_header_size &&
+        frame[0] == static_cast<char>(frame_kind::data)) {
+        bytes_->count(static_cast<stream_id>(frame[5]), frame.size() - frame_header_size);
+    }
     if (!frame.empty() && frame[0] == static_cast<char>(frame_kind::credit)) {
         auto decoded = decode_frame(frame, max_data_payload_);
         if (auto* credit = std::get_if<CreditFrame>(&decoded);
@@ -115,11 +121,13 @@ void ChannelMux::apply_frame(std::string_view message) {
         auto& r = it->second;
         if (data && data->stream == stream_id::stdin_) {
             if (r.stdin_overrun) return;  // the owner is ending the channel
+            if (bytes_) bytes_->count(stream_id::stdin_, data->payload.size());
             r.stdin_outstanding += data->payload.size();
             if (r.stdin_window != 0 && r.stdin_outstanding > r.stdin_window) {
                 r.stdin_overrun = true;  // this frame still goes: the owner reports FLOW_CONTROL
-                spdlog::info("peer={} channel={} overran the stdin window of its owner", peer_,
-                             channel);
+                spdlog::info("peer={} channel={}/{} (connection channel {}) overran the stdin "
+                             "window of its owner",
+                             peer_, r.link->peer_id(), r.remote_id, channel);
             }
         }
         std::string copy(message);

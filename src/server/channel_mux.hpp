@@ -39,7 +39,9 @@ public:
         bool stdin_overrun = false;
     };
 
-    ChannelMux(ChannelSink& out, std::size_t max_data_payload, std::string peer);
+    /// `bytes` counts the payload of relayed data frames (null: not counted).
+    ChannelMux(ChannelSink& out, std::size_t max_data_payload, std::string peer,
+               const ChannelByteCounters* bytes = nullptr);
 
     /// A fresh channel id of this connection (ids are never reused on a connection).
     std::uint32_t next_id() noexcept { return next_id_++; }
@@ -107,6 +109,7 @@ private:
     ChannelSink& out_;
     std::size_t max_data_payload_;
     std::string peer_;
+    const ChannelByteCounters* bytes_;
     std::uint32_t next_id_ = 1;
     std::size_t reserved_ = 0;
     std::map<std::uint32_t, std::shared_ptr<Channel>> local_;

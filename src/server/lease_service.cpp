@@ -54,7 +54,20 @@ awaitable<Lease> current_record(Node& node, const std::string& id) {
 
 /// Tears the sandbox down and records the outcome: released, or pending_cleanup with the
 /// failure. Returns the stored lease.
-awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
+/// Appends a lease.* line to the audit trail (when one is configured).
+void audit_lease(Node& node, std::string_view event, const Lease& lease, std::string_view actor) {
+    if (!node.audit) return;
+    node.audit->write(event, {{"lease", lease.id},
+                              {"tenant", lease.company_id},
+                              {"environment", lease.environment_id},
+                              {"provider", lease.provider},
+                              {"status", std::string(to_string(lease.status))},
+                              {"epoch", lease.epoch},
+                              {"actor", actor}});
+}
+
+awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status,
+                          std::string actor) {
     auto scope = scope_of(lease);
     auto handle = node.cache.begin_teardown(scope);
     co_await end_lease_channels(node, lease.id, std::chrono::milliseconds(3000));
@@ -80,6 +93,7 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
     const auto now = now_ms();
     next.epoch = lease.epoch + 1;
     next.last_used_at_ms = now;
+    node.metrics.teardowns.with({failure ? "failed" : "done"}).inc();
     if (failure) {
         spdlog::warn("lease={} teardown failed: {}", lease.id, *failure);
         next.status = lease_status::pending_cleanup;
@@ -100,6 +114,7 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status) {
     }
     if (!stored) co_return co_await current_record(node, lease.id);
     spdlog::info("lease={} {} node={}", lease.id, to_string(stored->status), node.node_id);
+    if (!failure) audit_lease(node, "lease.torn_down", *stored, actor);
     co_return *stored;
 }
 
@@ -163,7 +178,7 @@ awaitable<std::optional<Lease>> resume_retained(Node& node, Provider& provider, 
                      lease.id, failure);
         Lease mine = lease;
         mine.owner_node_id = node.node_id;  // this node's sweeper finishes a failed teardown
-        (void)co_await teardown(node, std::move(mine), lease_status::released);
+        (void)co_await teardown(node, std::move(mine), lease_status::released, "node");
         co_return std::nullopt;
     }
     const auto now = now_ms();
@@ -286,7 +301,18 @@ awaitable<Lease> make_lease(Node& node, Provider* provider, Lease lease, std::ui
 
 }  // namespace
 
+namespace {
+awaitable<Lease> acquire(Node& node, const Principal& who, methods::LeaseAcquireParams p);
+}  // namespace
+
 awaitable<Lease> lease_acquire(Node& node, const Principal& who, methods::LeaseAcquireParams p) {
+    Lease lease = co_await acquire(node, who, std::move(p));
+    audit_lease(node, "lease.acquired", lease, who.name);
+    co_return lease;
+}
+
+namespace {
+awaitable<Lease> acquire(Node& node, const Principal& who, methods::LeaseAcquireParams p) {
     Lease lease;
     lease.company_id = std::move(p.company_id);
     lease.environment_id = std::move(p.environment_id);
@@ -332,6 +358,7 @@ awaitable<Lease> lease_acquire(Node& node, const Principal& who, methods::LeaseA
     if (auto reused = co_await reuse_lease(node, who, *provider, lease, ttl)) co_return *reused;
     co_return co_await make_lease(node, provider, std::move(lease), ttl);
 }
+}  // namespace
 
 awaitable<Lease> lease_get(Node& node, const Principal& who, std::string lease_id) {
     co_return co_await load_visible(node, who, lease_id);
@@ -378,7 +405,10 @@ awaitable<Lease> lease_renew(Node& node, const Principal& who, std::string lease
         }
         next.last_used_at_ms = now;
         auto stored = co_await node.registry->update_lease(next, next.epoch);
-        if (stored) co_return *stored;
+        if (stored) {
+            audit_lease(node, "lease.renewed", *stored, who.name);
+            co_return *stored;
+        }
     }
     throw rpc_error(errc::registry_unavailable, "lease " + lease_id + " kept changing during renew");
 }
@@ -435,7 +465,18 @@ bool retains_by_default(const std::string& policy, bool failed) {
 
 }  // namespace
 
+namespace {
+awaitable<Lease> release(Node& node, const Principal& who, methods::LeaseReleaseParams p);
+}  // namespace
+
 awaitable<Lease> lease_release(Node& node, const Principal& who, methods::LeaseReleaseParams p) {
+    Lease lease = co_await release(node, who, std::move(p));
+    audit_lease(node, "lease.released", lease, who.name);
+    co_return lease;
+}
+
+namespace {
+awaitable<Lease> release(Node& node, const Principal& who, methods::LeaseReleaseParams p) {
     node.require_membership();
     Lease lease = co_await load_visible(node, who, p.lease_id);
     if (lease.status == lease_status::released || lease.status == lease_status::failed) {
@@ -447,7 +488,7 @@ awaitable<Lease> lease_release(Node& node, const Principal& who, methods::LeaseR
         if (retain) co_return lease;  // idempotent
         // No node holds a retained sandbox: this one destroys it from the lease's record.
         lease.owner_node_id = node.node_id;
-        co_return co_await teardown(node, std::move(lease), lease_status::released);
+        co_return co_await teardown(node, std::move(lease), lease_status::released, who.name);
     }
     if (retain && lease.status == lease_status::active) {
         co_return co_await retain_lease(node, std::move(lease));
@@ -457,8 +498,9 @@ awaitable<Lease> lease_release(Node& node, const Principal& who, methods::LeaseR
                                            std::string(to_string(lease.status)) +
                                            ": only an active lease can be retained");
     }
-    co_return co_await teardown(node, std::move(lease), lease_status::released);
+    co_return co_await teardown(node, std::move(lease), lease_status::released, who.name);
 }
+}  // namespace
 
 namespace {
 
@@ -694,7 +736,7 @@ awaitable<std::shared_ptr<SandboxHandle>> sandbox_for(Node& node, Lease lease) {
 awaitable<void> forget_unresumable(Node& node, Lease lease, std::string why) {
     node.cache.erase(scope_of(lease));
     node.unclaim(lease.id);
-    co_await lease_orphan(node, std::move(lease), std::move(why));
+    co_await lease_orphan(node, std::move(lease), std::move(why), "node");
 }
 
 namespace {
@@ -826,7 +868,7 @@ awaitable<void> reconcile_cached(Node& node) {
     }
 }
 
-awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why) {
+awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why, std::string actor) {
     if (lease.status != lease_status::active) co_return lease;
     Lease next = lease;
     next.status = lease_status::pending_cleanup;
@@ -836,6 +878,8 @@ awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why) {
     auto stored = co_await node.registry->update_lease(next, lease.epoch);
     if (stored) {
         spdlog::info("lease={} pending_cleanup: {}", lease.id, why);
+        node.metrics.orphans_found.only().inc();
+        audit_lease(node, "lease.orphaned", *stored, actor);
         co_return *stored;
     }
     auto current = co_await node.registry->get_lease(lease.id);
@@ -920,14 +964,15 @@ awaitable<void> sweep(Node& node) {
             // since (its record still active) is held, not lost.
             if (!held.count(lease.id) && !node.cache.holds(scope_of(lease))) {
                 co_await lease_orphan(node, std::move(lease),
-                                      "owner node restarted without the sandbox");
+                                      "owner node restarted without the sandbox", "sweeper");
             }
         }
     }
     for (const auto& owner : co_await node.registry->active_owner_nodes()) {
         if (owner == node.node_id || alive(owner)) continue;
         for (auto& lease : co_await leases_of(node, owner, lease_status::active)) {
-            co_await lease_orphan(node, std::move(lease), "owner node " + owner + " is dead");
+            co_await lease_orphan(node, std::move(lease), "owner node " + owner + " is dead",
+                                  "sweeper");
         }
     }
     // Only the owner holds the sandbox of a lease pending cleanup.
@@ -953,7 +998,7 @@ awaitable<void> sweep(Node& node) {
                 continue;
             }
             if (now - lease.last_used_at_ms < policy.slow_retry_ms) continue;
-            co_await teardown(node, std::move(lease), lease_status::released);
+            co_await teardown(node, std::move(lease), lease_status::released, "sweeper");
             continue;
         }
         if (lease.cleanup_attempts >= policy.attempts) {
@@ -967,6 +1012,7 @@ awaitable<void> sweep(Node& node) {
                 // cache holds live sandboxes only (the operator finds the lease `failed`).
                 node.cache.erase(scope_of(lease));
                 node.unclaim(lease.id);
+                node.metrics.teardowns.with({"given_up"}).inc();
                 spdlog::warn("lease={} failed: {}", lease.id, *next.failure_reason);
             }
             continue;
@@ -978,22 +1024,25 @@ awaitable<void> sweep(Node& node) {
         const std::int64_t wait =
             policy.slow_retry_ms > 0 ? std::min(backoff, policy.slow_retry_ms) : backoff;
         if (lease.cleanup_attempts > 0 && now - lease.last_used_at_ms < wait) continue;
-        co_await teardown(node, std::move(lease), lease_status::released);
+        co_await teardown(node, std::move(lease), lease_status::released, "sweeper");
     }
+    node.metrics.sweeper_passes.only().inc();
 }
 
 awaitable<void> expire_leases(Node& node) {
     auto expired = co_await node.registry->expired_leases(node.node_id, now_ms());
     for (auto& lease : expired) {
         spdlog::info("lease={} expired", lease.id);
-        co_await teardown(node, std::move(lease), lease_status::expired);
+        audit_lease(node, "lease.expired", lease, "sweeper");
+        co_await teardown(node, std::move(lease), lease_status::expired, "sweeper");
     }
     // Retained leases that no reuse came for within limits.retainedTtlMs (by the owner index).
     const auto now = now_ms();
     for (auto& lease : co_await leases_of(node, node.node_id, lease_status::retained)) {
         if (!lease.expires_at_ms || *lease.expires_at_ms > now) continue;
         spdlog::info("lease={} retained and not reused: expired", lease.id);
-        co_await teardown(node, std::move(lease), lease_status::expired);
+        audit_lease(node, "lease.expired", lease, "sweeper");
+        co_await teardown(node, std::move(lease), lease_status::expired, "sweeper");
     }
 }
 

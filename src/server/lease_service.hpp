@@ -80,7 +80,9 @@ awaitable<std::shared_ptr<PeerLink>> owner_link(Node& node, const Lease& lease);
 
 /// Moves an active lease whose owner cannot serve it to pending_cleanup (epoch + 1), with
 /// `why` as its cleanupStatus. Returns the stored lease (another writer's if it changed).
-awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why);
+/// Audited as lease.orphaned with `actor` (a token name, "sweeper" or "node").
+awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why,
+                              std::string actor = "sweeper");
 
 /// One pass of the sweeper (run every heartbeat): releases this node's expired leases
 /// (status `expired`); once this process has run for a liveness TTL, moves its own active

@@ -2,6 +2,7 @@
 // The state one daemon process (a node) shares between its sessions.
 #include <sandboxd/core/net.hpp>
 #include "server/audit.hpp"
+#include "server/node_metrics.hpp"
 #include "server/peer_link.hpp"
 
 #include <boost/asio/experimental/concurrent_channel.hpp>
@@ -140,8 +141,8 @@ struct Node {
     std::atomic<bool> registered{false};
     mutable std::mutex startup_mutex;
     std::string startup_problem;  ///< guarded by startup_mutex
-    std::atomic<std::uint64_t> channels_opened{0};
-    std::atomic<std::uint64_t> rpc_errors{0};
+    /// GET /metrics (node_metrics.hpp).
+    NodeMetrics metrics;
     net::thread_pool blocking{4};
     net::io_context* ioc = nullptr;
     PeerLinks peers;

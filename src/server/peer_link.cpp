@@ -128,6 +128,7 @@ awaitable<void> PeerLink::ensure_connected() {
         timeouts.keep_alive_pings = true;
         ws_->set_option(timeouts);
         connected_ = true;
+        up_ = true;
         connecting_ = false;
         connect_wait_.cancel();
         auto self = shared_from_this();
@@ -362,6 +363,7 @@ void PeerLink::fail_all(const std::string& why) {
     abandoned_opens_.clear();
     broken_reason_ = why;
     connected_ = false;
+    up_ = false;
     spdlog::warn("peer={} link down: {}", peer_.node_id, why);
     for (auto& [id, p] : pending_) p.wake->cancel();
     for (auto& [remote, route] : routes_) {
@@ -388,6 +390,13 @@ std::shared_ptr<PeerLink> PeerLinks::get(Node& node, const NodeRecord& peer, con
         link = std::make_shared<PeerLink>(node, peer, token, net::make_strand(ioc));
     }
     return link;
+}
+
+std::map<std::string, bool> PeerLinks::states() {
+    std::lock_guard lock(mutex_);
+    std::map<std::string, bool> up;
+    for (const auto& [id, link] : links_) up.emplace(id, link->up());
+    return up;
 }
 
 void PeerLinks::clear() {

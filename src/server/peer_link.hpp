@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <functional>
@@ -50,6 +51,8 @@ public:
 
     const std::string& peer_id() const noexcept { return peer_.node_id; }
     bool broken() const noexcept { return broken_; }
+    /// True while the link is connected (sandboxd_peer_link_up). Thread-safe.
+    bool up() const noexcept { return up_.load(std::memory_order_relaxed); }
 
     /// How many liveness TTLs (routing.nodeTtlMs) a call waits at most for a peer whose
     /// membership stays live; one TTL for a peer whose membership lapsed.
@@ -133,6 +136,7 @@ private:
     bool connected_ = false;
     bool connecting_ = false;
     bool broken_ = false;
+    std::atomic<bool> up_{false};
     std::string broken_reason_;
     net::steady_timer connect_wait_;
     std::deque<std::pair<bool, std::string>> out_;
@@ -148,6 +152,8 @@ public:
     /// The live link to `peer` (made if absent or broken).
     std::shared_ptr<PeerLink> get(Node& node, const NodeRecord& peer, const std::string& token,
                                   net::io_context& ioc);
+    /// Whether each peer's link is up, by peer node id. Thread-safe.
+    std::map<std::string, bool> states();
     /// Drops every link; called while their io_context still exists (their timers and
     /// sockets must be destroyed before it is).
     void clear();

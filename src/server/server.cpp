@@ -2,6 +2,7 @@
 
 #include "server/console.hpp"
 #include "server/lease_service.hpp"
+#include "server/metered.hpp"
 #include "server/node.hpp"
 #include "server/session.hpp"
 
@@ -191,6 +192,12 @@ struct Daemon::Impl {
     std::atomic<bool> stopping{false};
     net::steady_timer heartbeat_timer{ioc};
     net::steady_timer sweep_timer{ioc};
+    net::steady_timer fence_timer{ioc};
+    /// Daemon::on_tick's timers: they run until the io_context stops, through the drain.
+    std::vector<std::unique_ptr<net::steady_timer>> tick_timers;
+    /// sandboxd_leases{status}: when it was last read from the registry (steady ms; 0 never).
+    std::atomic<std::int64_t> leases_read_ms{0};
+    std::atomic<std::int64_t> active_leases{0};
     std::mutex sessions_mutex;
     std::vector<std::weak_ptr<Session>> sessions;
     /// The browser console's files, read at start when console.enabled (read-only after).
@@ -218,7 +225,16 @@ struct Daemon::Impl {
     /// anything but REGISTRY_UNAVAILABLE (a live node with the same id).
     awaitable<std::int64_t> register_at_start(NodeRecord record);
     awaitable<void> finish_stop();
-    std::string metrics_text() const;
+    /// Logs the moment this node fences itself (its membership not renewed within 2/3 of
+    /// nodeTtlMs) and the moment it unfences, and keeps sandboxd_fenced.
+    awaitable<void> fence_watch();
+    awaitable<void> tick_loop(net::steady_timer& timer, std::chrono::milliseconds interval,
+                              std::function<void()> fn);
+    /// Reads this node's lease counts by status from the registry when the last reading is
+    /// older than 10 s (sandboxd_leases); a failure keeps the last values.
+    awaitable<void> refresh_lease_counts();
+    /// Brings the gauges and mirrored counters up to date (MetricRegistry::on_collect).
+    void collect_metrics();
     /// Whether `who` may use this connection: a `peer` token needs, when routing.peerTls is
     /// set, a client certificate that the cluster CA verified (in the TLS handshake).
     bool peer_certified(ConnStream& stream, const Principal& who) const {
@@ -249,9 +265,10 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
             spdlog::error("console: enabled but not available: {}", impl_->console.problem());
         }
     }
-    if (!c.audit_file.empty()) {
+    if (!c.audit_file.empty() || c.audit_journald) {
         try {
-            node.audit = std::make_shared<AuditLog>(c.audit_file, node.node_id, node.instance_id);
+            node.audit = std::make_shared<AuditLog>(c.audit_file, c.audit_journald, node.node_id,
+                                                    node.instance_id);
         } catch (const std::system_error& e) {
             throw config_error(std::string("config: audit.file: ") + e.what());
         }
@@ -283,15 +300,16 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
                                    c.registry.password_file + ", or it is empty");
             }
         }
-        node.registry = make_etcd_registry(impl_->ioc.get_executor(), c.registry.endpoints,
-                                           c.registry.prefix,
-                                           c.node_ttl_ms, c.registry.username, password,
-                                           [n = &node] { return n->security()->registry_tls; });
+        node.registry = metered_registry(
+            make_etcd_registry(impl_->ioc.get_executor(), c.registry.endpoints, c.registry.prefix,
+                               c.node_ttl_ms, c.registry.username, password,
+                               [n = &node] { return n->security()->registry_tls; }),
+            node.metrics);
     } else {
         const auto db = c.registry.path.empty()
                             ? (fs::path(c.state_dir) / "registry.db").string()
                             : c.registry.path;
-        node.registry = make_sqlite_registry(db);
+        node.registry = metered_registry(make_sqlite_registry(db), node.metrics);
     }
 
     if (c.bwrap.enabled) {
@@ -319,7 +337,7 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
             spdlog::warn("provider bwrap: {}", note);
         }
         auto key = provider->key();
-        node.providers.emplace(key, std::move(provider));
+        node.providers.emplace(key, metered_provider(std::move(provider), node.metrics));
     }
     for (std::size_t i = 0; i < c.plugins.size(); ++i) {
         if (node.providers.count(c.plugins[i].provider)) {
@@ -331,8 +349,10 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
         tuning.instance_id = node.node_id;
         auto provider = make_plugin_provider(c.plugins[i], std::move(tuning));
         provider->on_late_sandbox([&node](Lease lease) { record_late_sandbox(node, std::move(lease)); });
-        node.providers.emplace(key, std::move(provider));
+        node.providers.emplace(key, metered_provider(std::move(provider), node.metrics));
     }
+    node.metrics.build_info.with({version_string}).set(1);
+    node.metrics.registry.on_collect([impl = impl_.get()] { impl->collect_metrics(); });
 }
 
 Daemon::~Daemon() {
@@ -399,6 +419,7 @@ std::string Daemon::start() {
     impl_->start_lease_watch();
     net::co_spawn(impl_->ioc, impl_->heartbeat_loop(), log_failure);
     net::co_spawn(impl_->ioc, impl_->sweep_loop(), log_failure);
+    net::co_spawn(impl_->ioc, impl_->fence_watch(), log_failure);
     node.registered = true;
     spdlog::info("node={} version={} registry={} providers={} instance={}", node.node_id,
                  version_string, node.config.registry.kind, node.providers.size(),
@@ -408,6 +429,13 @@ std::string Daemon::start() {
 
 bool Daemon::reload(const Config& next) {
     auto& node = impl_->node;
+    // The audit file first, whatever becomes of the rest: logrotate moved it away.
+    if (node.audit) {
+        if (auto problem = node.audit->reopen(); !problem.empty()) {
+            spdlog::error("node={} reload: cannot reopen the audit file, lines go to the old one: {}",
+                          node.node_id, problem);
+        }
+    }
     std::shared_ptr<const Security> fresh;
     try {
         validate_config(next);
@@ -516,6 +544,7 @@ void Daemon::stop() {
         impl->plain_acceptor.close(ec);
         impl->heartbeat_timer.cancel();
         impl->sweep_timer.cancel();
+        impl->fence_timer.cancel();
         {
             std::lock_guard lock(impl->sessions_mutex);
             for (auto& weak : impl->sessions) {
@@ -645,32 +674,101 @@ awaitable<bool> Daemon::Impl::registry_reachable() {
     }
 }
 
-std::string Daemon::Impl::metrics_text() const {
-    std::ostringstream m;
+void Daemon::Impl::collect_metrics() {
+    auto& m = node.metrics;
+    m.channels_running.only().set(static_cast<double>(node.channels.size()));
     LimitEvents limit_events;
     for (const auto& [key, provider] : node.providers) {
         const auto e = provider->limit_events();
         limit_events.memory += e.memory;
         limit_events.pids += e.pids;
+        if (const auto worker = provider->worker_status()) {
+            const auto& plugin = provider->plugin_id();
+            m.plugin_worker_up.with({plugin}).set(worker->up ? 1 : 0);
+            m.plugin_worker_restarts.with({plugin}).advance_to(static_cast<double>(worker->restarts));
+        }
     }
-    m << "# HELP sandboxd_limit_events_total Limits that sandboxes hit: channels OOM-killed "
-         "(memory), forks refused (pids).\n"
-      << "# TYPE sandboxd_limit_events_total counter\n"
-      << "sandboxd_limit_events_total{kind=\"memory\"} " << limit_events.memory << "\n"
-      << "sandboxd_limit_events_total{kind=\"pids\"} " << limit_events.pids << "\n";
-    m << "# HELP sandboxd_channels_open Channels running on this node.\n"
-      << "# TYPE sandboxd_channels_open gauge\n"
-      << "sandboxd_channels_open " << node.channels.size() << "\n"
-      << "# HELP sandboxd_channels_opened_total Channels opened since start.\n"
-      << "# TYPE sandboxd_channels_opened_total counter\n"
-      << "sandboxd_channels_opened_total " << node.channels_opened.load() << "\n"
-      << "# HELP sandboxd_sandboxes_cached Sandboxes in this node's handle cache.\n"
-      << "# TYPE sandboxd_sandboxes_cached gauge\n"
-      << "sandboxd_sandboxes_cached " << node.cache.size() << "\n"
-      << "# HELP sandboxd_rpc_errors_total JSON-RPC error responses sent.\n"
-      << "# TYPE sandboxd_rpc_errors_total counter\n"
-      << "sandboxd_rpc_errors_total " << node.rpc_errors.load() << "\n";
-    return m.str();
+    m.limit_events.with({"memory"}).advance_to(static_cast<double>(limit_events.memory));
+    m.limit_events.with({"pids"}).advance_to(static_cast<double>(limit_events.pids));
+    for (const auto& [peer, up] : node.peers.states()) m.peer_link_up.with({peer}).set(up ? 1 : 0);
+    m.fenced.only().set(node.fenced_for_ms() != 0 ? 1 : 0);
+}
+
+awaitable<void> Daemon::Impl::refresh_lease_counts() {
+    const auto now = steady_now_ms();
+    const auto last = leases_read_ms.load();
+    if (last != 0 && now - last < 10000) co_return;
+    leases_read_ms = now;
+    try {
+        for (const auto status :
+             {lease_status::active, lease_status::pending_cleanup, lease_status::retained}) {
+            LeaseQuery q;
+            q.owner_node_id = node.node_id;
+            q.status = status;
+            q.limit = 1000;
+            std::int64_t count = 0;
+            for (;;) {
+                auto page = co_await node.registry->list_leases(q);
+                count += static_cast<std::int64_t>(page.leases.size());
+                if (page.next_cursor.empty()) break;
+                q.cursor = std::move(page.next_cursor);
+            }
+            node.metrics.leases.with({to_string(status)}).set(static_cast<double>(count));
+            if (status == lease_status::active) active_leases = count;
+        }
+    } catch (const std::exception& e) {
+        spdlog::warn("node={} metrics: cannot read the lease counts: {}", node.node_id, e.what());
+    }
+}
+
+awaitable<void> Daemon::Impl::fence_watch() {
+    bool fenced = false;
+    for (;;) {
+        const auto fenced_for = node.fenced_for_ms();
+        if ((fenced_for != 0) != fenced) {
+            fenced = !fenced;
+            node.metrics.fenced.only().set(fenced ? 1 : 0);
+            if (fenced) {
+                spdlog::warn("node={} fenced: membership not renewed for {} ms (limit {} ms): no "
+                             "opens and no lease changes until it renews",
+                             node.node_id, fenced_for, node.config.node_ttl_ms * 2 / 3);
+            } else {
+                spdlog::info("node={} unfenced: membership renewed", node.node_id);
+            }
+        }
+        // Awake at the fencing deadline; while fenced, often enough to see the renewal.
+        const auto wait = fenced ? std::int64_t{50}
+                                 : std::clamp<std::int64_t>(
+                                       node.fence_deadline_ms() - steady_now_ms() + 1, 1,
+                                       static_cast<std::int64_t>(node.config.heartbeat_ms));
+        fence_timer.expires_after(std::chrono::milliseconds(wait));
+        auto [ec] = co_await fence_timer.async_wait(as_tuple_awaitable);
+        if (ec || node.draining) co_return;
+    }
+}
+
+awaitable<void> Daemon::Impl::tick_loop(net::steady_timer& timer, std::chrono::milliseconds interval,
+                                        std::function<void()> fn) {
+    for (;;) {
+        fn();
+        timer.expires_after(interval);
+        auto [ec] = co_await timer.async_wait(as_tuple_awaitable);
+        if (ec) co_return;
+    }
+}
+
+void Daemon::on_tick(std::chrono::milliseconds interval, std::function<void()> fn) {
+    auto& timer = *impl_->tick_timers.emplace_back(std::make_unique<net::steady_timer>(impl_->ioc));
+    net::co_spawn(impl_->ioc, impl_->tick_loop(timer, interval, std::move(fn)), net::detached);
+}
+
+std::string Daemon::status() const {
+    // The lease count comes from the registry, read at most every 10 s, in the background.
+    net::co_spawn(impl_->ioc, impl_->refresh_lease_counts(), net::detached);
+    const auto& node = impl_->node;
+    const char* state = node.draining ? "draining" : node.fenced_for_ms() != 0 ? "fenced" : "serving";
+    return std::to_string(node.channels.size()) + " channels, " +
+           std::to_string(impl_->active_leases.load()) + " leases, " + state;
 }
 
 awaitable<void> Daemon::Impl::serve(tcp::socket socket, bool tls) {
@@ -688,6 +786,11 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket, bool tls) {
         beast::error_code ignored;
         const auto remote = beast::get_lowest_layer(stream).socket().remote_endpoint(ignored);
         spdlog::info("peer={} TLS handshake failed: {}", format_endpoint(remote), ec.message());
+        if (node.audit) {
+            node.audit->write("connection.refused", {{"peer", format_endpoint(remote)},
+                                                     {"token", nullptr},
+                                                     {"reason", "TLS handshake failed: " + ec.message()}});
+        }
         co_return;
     }
     co_await serve_http(std::move(stream));
@@ -734,6 +837,19 @@ awaitable<void> Daemon::Impl::serve_http(ConnStream stream) {
             if (!websocket::is_upgrade(req)) {
                 res = plain(http::status::bad_request, "expected a WebSocket upgrade\n", req.version(), false);
             } else {
+                beast::error_code ignored;
+                const std::string peer =
+                    format_endpoint(beast::get_lowest_layer(stream).socket().remote_endpoint(ignored));
+                // Logged with the peer's address, and audited as connection.refused.
+                const auto refused = [&](const std::string& why, const std::optional<Principal>& token) {
+                    spdlog::info("peer={} rejected an upgrade: {}", peer, why);
+                    if (node.audit) {
+                        node.audit->write("connection.refused",
+                                          {{"peer", peer},
+                                           {"token", token ? nlohmann::json(token->name) : nlohmann::json()},
+                                           {"reason", why}});
+                    }
+                };
                 std::string_view auth = req[http::field::authorization];
                 std::optional<Principal> who;
                 bool foreign_origin = false;
@@ -751,26 +867,29 @@ awaitable<void> Daemon::Impl::serve_http(ConnStream stream) {
                     }
                 }
                 if (foreign_origin) {
-                    spdlog::info("rejected a browser upgrade from origin '{}' for host '{}'",
-                                 std::string(req[http::field::origin]).substr(0, 200),
-                                 std::string(req[http::field::host]).substr(0, 200));
+                    refused("a browser upgrade from origin '" +
+                                std::string(req[http::field::origin]).substr(0, 200) + "' for host '" +
+                                std::string(req[http::field::host]).substr(0, 200) + "'",
+                            std::nullopt);
                     res = plain(http::status::forbidden,
                                 "a token in the subprotocol is accepted only from a page of this node's origin\n",
                                 req.version(), false);
                 } else if (!who) {
-                    spdlog::info("rejected an upgrade without a valid token");
+                    refused("missing or invalid bearer token", std::nullopt);
                     res = plain(http::status::unauthorized, "missing or invalid bearer token\n", req.version(), false);
                     res.set(http::field::www_authenticate, "Bearer realm=\"sandboxd\"");
                 } else if (!peer_certified(stream, *who)) {
-                    spdlog::info("rejected peer token \"{}\": no client certificate that routing.peerTls.caFile "
-                                 "verifies",
-                                 who->name);
+                    refused("peer token \"" + who->name +
+                                "\": no client certificate that routing.peerTls.caFile verifies",
+                            who);
                     res = plain(http::status::forbidden,
                                 "a peer token needs a client certificate that the cluster CA verified\n",
                                 req.version(), false);
                 } else if (node.draining) {
+                    refused("node is draining", who);
                     res = plain(http::status::service_unavailable, "node is draining\n", req.version(), false);
                 } else if (!node.registered) {
+                    refused("node is starting: not registered with the registry yet", who);
                     res = plain(http::status::service_unavailable,
                                 "node is starting: not registered with the registry yet\n",
                                 req.version(), false);
@@ -832,7 +951,9 @@ awaitable<void> Daemon::Impl::serve_http(ConnStream stream) {
                 res = plain(http::status::not_found, "not found\n", req.version(), keep);
             }
         } else if (target == "/metrics") {
-            res = plain(http::status::ok, metrics_text(), req.version(), keep);
+            co_await refresh_lease_counts();
+            res = plain(http::status::ok, node.metrics.registry.render() + process_metrics_text(),
+                        req.version(), keep);
             res.set(http::field::content_type, "text/plain; version=0.0.4");
         } else {
             res = plain(http::status::not_found, "not found\n", req.version(), keep);

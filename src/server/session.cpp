@@ -21,6 +21,19 @@ using namespace net::experimental::awaitable_operators;
 
 Session::Reply empty_result() { return {json::object(), {}}; }
 
+/// SHA-256 (hex) of the JSON array of `argv`: the audit names a command without its arguments.
+std::string argv_digest(const std::vector<std::string>& argv) {
+    const auto digest = token_hash(json(argv).dump());
+    static constexpr char hex[] = "0123456789abcdef";
+    std::string out;
+    out.reserve(digest.size() * 2);
+    for (const unsigned char b : digest) {
+        out.push_back(hex[b >> 4]);
+        out.push_back(hex[b & 15]);
+    }
+    return out;
+}
+
 // Handlers below never co_await inside Reply{...}: GCC 12 frees a co_await result in an
 // aggregate's braced initializer too early (heap-use-after-free under ASan), so each result
 // is awaited into a local first.
@@ -43,7 +56,8 @@ Session::Session(Node& node, ConnStream stream, Principal who)
       strand_(transport_.strand()),
       slot_free_(strand_),
       peer_(transport_.peer()),
-      mux_(*this, node.config.limits.max_data_payload, peer_) {
+      mux_(*this, node.config.limits.max_data_payload, peer_,
+           &node.metrics.channel_byte_counters) {
     slot_free_.expires_at(net::steady_timer::time_point::max());
 }
 
@@ -53,7 +67,14 @@ awaitable<void> Session::run(http::request<http::string_body> request) {
     auto self = shared_from_this();
     if (who_.role == "peer") forwarded_by_ = std::string(request["Sandboxd-Forwarded-By"]);
     if (!co_await transport_.accept(request)) co_return;
+    auto& connections = node_.metrics.connections.with({who_.role});
+    connections.add(1);
+    const ScopeExit counted([&connections] { connections.add(-1); });
     spdlog::info("peer={} connected as token \"{}\"", peer_, who_.name);
+    if (node_.audit) {
+        node_.audit->write("connection.accepted",
+                           {{"peer", peer_}, {"token", who_.name}, {"role", who_.role}});
+    }
     co_await transport_.serve(*this);
     mux_.close_all();
     spdlog::info("peer={} disconnected", peer_);
@@ -101,7 +122,6 @@ void Session::respond(const json& id, json result) {
 }
 
 void Session::respond_error(const json& id, const json& error) {
-    node_.rpc_errors.fetch_add(1, std::memory_order_relaxed);
     send_text(jsonrpc::error(id, error));
 }
 
@@ -212,22 +232,43 @@ awaitable<void> Session::serve(std::shared_ptr<Session> self, jsonrpc::Request r
                                std::optional<std::uint32_t> lane) {
     const json id = request.id.value_or(json());
     const bool open = request.method == "duplexChannelOpen";
+    const auto started = std::chrono::steady_clock::now();
+    std::string_view result = "ok";
+    // The lease an open names, for open.refused (null when the params do not name one).
+    json open_lease;
+    if (open && request.params.is_object()) {
+        if (const auto l = request.params.find("lease"); l != request.params.end() && l->is_object()) {
+            if (const auto named = l->find("id"); named != l->end() && named->is_string()) open_lease = *named;
+        }
+    }
+    bool routed = false;
     try {
         auto entry = method_table().find(request.method);
         Call c{std::move(request.params), id,
                caller_of(request, entry == method_table().end() ? nullptr : &entry->second)};
         auto reply = co_await call(request.method, std::move(c));
+        routed = open && reply.result.is_object() && reply.result.value("routed", false);
         if (request.id) respond(id, std::move(reply.result));
         if (reply.after) reply.after();
     } catch (const rpc_error& e) {
+        result = reason(e.code());
         if (request.id) respond_error(id, e.to_json());
         spdlog::debug("peer={} method={} failed: {} ({})", peer_, request.method, e.what(),
                       reason(e.code()));
     } catch (const std::exception& e) {
+        result = reason(errc::internal_error);
         spdlog::error("peer={} method={} internal error: {}", peer_, request.method, e.what());
         if (request.id) {
             respond_error(id, rpc_error(errc::internal_error, "Internal error").to_json());
         }
+    }
+    count_request(request.method, result, routed, std::chrono::steady_clock::now() - started);
+    if (open && result != "ok" && node_.audit) {
+        node_.audit->write("open.refused", {{"peer", peer_},
+                                            {"token", who_.name},
+                                            {"forwardedBy", forwarded_by_.empty() ? json() : json(forwarded_by_)},
+                                            {"lease", open_lease},
+                                            {"reason", result}});
     }
     --in_flight_;
     slot_free_.cancel();
@@ -235,6 +276,20 @@ awaitable<void> Session::serve(std::shared_ptr<Session> self, jsonrpc::Request r
     if (open) {
         --opens_in_flight_;
         self->replay_after_opens();  // what names its channel goes now; the rest waits on
+    }
+}
+
+void Session::count_request(const std::string& method, std::string_view result, bool routed,
+                            std::chrono::steady_clock::duration took) {
+    auto& m = node_.metrics;
+    if (method == "duplexChannelOpen") {
+        m.channel_opens.with({result}).inc();
+        if (result == "ok") {
+            m.channel_open_seconds.with({routed ? "routed" : "local"})
+                .observe(std::chrono::duration<double>(took).count());
+        }
+    } else if (method.rfind("lease", 0) == 0 && method_table().count(method) != 0) {
+        m.lease_operations.with({method, result}).inc();
     }
 }
 
@@ -456,7 +511,8 @@ awaitable<std::optional<Session::Reply>> Session::lease_change_at_owner(
         unavailable = e.what();
     }
     // A dead owner cannot tear down: the lease waits for cleanup instead.
-    json result = to_json(co_await lease_orphan(node_, std::move(lease), std::move(unavailable)));
+    json result = to_json(
+        co_await lease_orphan(node_, std::move(lease), std::move(unavailable), caller.name));
     co_return Reply{std::move(result), {}};
 }
 
@@ -664,8 +720,8 @@ awaitable<Session::Reply> Session::open_relayed(json p, Lease lease, Principal c
         link->forget(route.remote_id);
         co_return Reply{json::object(), {}};
     }
-    spdlog::info("channel={} lease={} forwarded to node={} as channel {} peer={}", local,
-                 lease.id, lease.owner_node_id, route.remote_id, peer_);
+    spdlog::info("channel={}/{} lease={} forwarded to node={} (connection channel {}) peer={}",
+                 lease.owner_node_id, route.remote_id, lease.id, lease.owner_node_id, local, peer_);
     result["channel"] = local;
     result["routed"] = true;
     // The frames that overtook the result go out right after it.
@@ -696,8 +752,11 @@ awaitable<Session::Reply> Session::open_local(methods::OpenParams params, Lease 
     options.hangup_grace = std::chrono::milliseconds(limits.hangup_grace_ms);
     options.audit = node_.audit;
     options.opened_for = caller.name;
+    options.argv0 = params.spec.argv.front();
+    options.argv_sha256 = argv_digest(params.spec.argv);
     options.epoch = lease.epoch;
     options.unended = &node_.channels_unended;
+    options.bytes = &node_.metrics.channel_byte_counters;
     params.spec.drain_grace_ms = limits.drain_grace_ms;
     // Started before this node may fence itself, or not at all: a node frozen from here on
     // (SIGSTOP, a stalled VM) cannot start a command once another node may take the lease.
@@ -757,11 +816,11 @@ awaitable<Session::Reply> Session::open_local(methods::OpenParams params, Lease 
                                               {"epoch", lease.epoch},
                                               {"channel", key},
                                               {"token", caller.name},
-                                              {"argv0", program},
+                                              {"argv0", options.argv0},
+                                              {"argvSha256", options.argv_sha256},
                                               {"pty", options.pty},
                                               {"startDeadline", start_deadline_text}});
     }
-    node_.channels_opened.fetch_add(1, std::memory_order_relaxed);
     if (transport_.closing()) {
         // The host left while the command started: it is hung up at once, as on a drop.
         channel->start();
@@ -769,8 +828,8 @@ awaitable<Session::Reply> Session::open_local(methods::OpenParams params, Lease 
         co_return Reply{json::object(), {}};
     }
     mux_.add_local(options.id, channel);
-    spdlog::info("channel={} lease={} opened: {} pty={} peer={}", options.id, options.lease_id,
-                 program, options.pty, peer_);
+    spdlog::info("channel={} lease={} opened: {} pty={} peer={} (connection channel {})", key,
+                 options.lease_id, program, options.pty, peer_, options.id);
     // The result goes out before the first data frame of the channel.
     co_return Reply{json{{"channel", options.id},
                          {"hostRouteId", options.host_route_id},

@@ -23,6 +23,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <deque>
 #include <functional>
 #include <map>
@@ -124,6 +125,10 @@ private:
     Principal caller_of(const jsonrpc::Request& request, const Method* method) const;
     /// The request on `lane` is done: applies what waited behind it, up to the next request.
     void release(std::uint32_t lane);
+    /// Counts an answered request in the node's metrics (opens by result and route, lease
+    /// methods by result).
+    void count_request(const std::string& method, std::string_view result, bool routed,
+                       std::chrono::steady_clock::duration took);
 
     // methods
     awaitable<Reply> initialize(Call c);

@@ -666,7 +666,7 @@ TEST_CASE("cases: B09: a client disconnect leaves no process behind", "[cases][B
     auto params = open_params(lease, {"sleep", "6091"});
     if (pty) params = with_pty(params, 80, 24);
     INFO("pty " << pty);
-    const double baseline = daemon.metric("sandboxd_channels_open");
+    const double baseline = daemon.metric("sandboxd_channels_running");
     REQUIRE(baseline == 0);
 
     SECTION("(a) a WebSocket close (1000) without stdin EOF") {
@@ -732,7 +732,7 @@ TEST_CASE("cases: B09: a client disconnect leaves no process behind", "[cases][B
     const auto dropped = steady::now();
     CHECK(eventually([&] { return count_processes_with(marker) == 0; }, 5s));
     INFO("gone after " << ms_since(dropped) << " ms");
-    CHECK(eventually([&] { return daemon.metric("sandboxd_channels_open") == baseline; }, 5s));
+    CHECK(eventually([&] { return daemon.metric("sandboxd_channels_running") == baseline; }, 5s));
     CHECK(eventually([&] { return daemon.channel_processes().empty(); }, 5s));
     auto ok = control->run_channel(open_params(lease, {"echo", "ok"}));
     CHECK(ok.out == "ok\n");
@@ -936,7 +936,7 @@ TEST_CASE("cases: B12: no fd leak across many channels, and none at a low RLIMIT
     CHECK(failures == 0);
     // 5 s after quiescence: fds back to the baseline (+8), no PTY held, RSS bounded.
     CHECK(eventually(
-        [&] { return daemon.channel_processes().empty() && daemon.metric("sandboxd_channels_open") == 0; },
+        [&] { return daemon.channel_processes().empty() && daemon.metric("sandboxd_channels_running") == 0; },
         10s));
     const bool fds_back = eventually([&] { return daemon.fd_count() <= fds_before + 8; }, 5s);
     {

@@ -138,11 +138,11 @@ std::uint32_t open_channel(Client& c, ExitTally& tally, const json& params) {
 void require_baseline(const DaemonProcess& d, std::size_t descendants, std::size_t fds) {
     const bool back = eventually(
         [&] {
-            return d.metric("sandboxd_channels_open") == 0 && own_descendants() == descendants &&
+            return d.metric("sandboxd_channels_running") == 0 && own_descendants() == descendants &&
                    d.fd_count() == fds;
         },
         seconds(20));
-    INFO("channels open " << d.metric("sandboxd_channels_open") << ", descendants "
+    INFO("channels open " << d.metric("sandboxd_channels_running") << ", descendants "
                           << own_descendants() << " (baseline " << descendants << "), fds "
                           << d.fd_count() << " (baseline " << fds << ")");
     if (!back) {

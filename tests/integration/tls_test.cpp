@@ -349,7 +349,7 @@ TEST_CASE("Two nodes on peer mTLS route an open, and a node without a valid clie
     CHECK(run.out == "routed\n");
     CHECK(run.exit["exitCode"] == 3);
     CHECK(run.exit["outcome"] == "exited");
-    CHECK_FALSE(contains(p1.log(), "rejected peer token"));
+    CHECK_FALSE(contains(p1.log(), "rejected an upgrade: peer token"));
 
     // The peer token without a client certificate: the upgrade is refused.
     {
@@ -357,7 +357,7 @@ TEST_CASE("Two nodes on peer mTLS route an open, and a node without a valid clie
         INFO(a.what);
         CHECK_FALSE(a.connected);
         CHECK(a.http_status == 403);
-        CHECK(eventually([&] { return contains(p1.log(), "rejected peer token \"peer\""); }, 5s));
+        CHECK(eventually([&] { return contains(p1.log(), "rejected an upgrade: peer token \"peer\""); }, 5s));
     }
     // A client certificate of another CA: the node asks for one and verifies it; its
     // handshake fails. With TLS 1.3 the client has finished its side of the handshake by then

@@ -82,7 +82,7 @@ public:
     std::vector<std::string> fd_targets() const;
     /// RLIMIT_NOFILE (soft and hard) for the next start (restart()); 0 inherits the test's.
     void set_fd_limit_for_next_start(unsigned long limit) { fd_limit_ = limit; }
-    /// The value of a sample in GET /metrics (e.g. "sandboxd_channels_open"); -1 if absent.
+    /// The value of a sample in GET /metrics (e.g. "sandboxd_channels_running"); -1 if absent.
     double metric(const std::string& name) const;
 
 private:

@@ -196,9 +196,11 @@ struct Config {
     LimitsConfig limits;
     std::string log_level = "info";  ///< trace, debug, info, warn, error, critical, off
     std::string log_format = "text"; ///< "text" or "json"
-    /// audit.file: one JSON line per channel opened and ended is appended here (created with
-    /// mode 0600); "" = no audit file.
+    /// audit.file: one JSON line per security-relevant event is appended here (created with
+    /// mode 0600; reopened on SIGHUP); "" = no audit file.
     std::string audit_file;
+    /// audit.journald: the same lines go to journald (identifier sandboxd-audit).
+    bool audit_journald = false;
     /// console.enabled: serve the browser console at GET /console (docs/protocol.md section 8).
     bool console_enabled = false;
     /// console.assetsDir: the console's files (index.html, console.js, xterm.js, ...); "" = the

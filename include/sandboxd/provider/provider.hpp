@@ -161,6 +161,13 @@ struct LimitEvents {
     std::uint64_t pids = 0;    ///< forks refused by a lease's pids limit
 };
 
+/// A plugin provider's worker, for /metrics (sandboxd_plugin_worker_up and
+/// sandboxd_plugin_worker_restarts_total).
+struct WorkerStatus {
+    bool up = false;            ///< a worker is running and has answered `initialize`
+    std::uint64_t restarts = 0; ///< starts after the first since the daemon started
+};
+
 class Provider {
 public:
     virtual ~Provider() = default;
@@ -205,6 +212,10 @@ public:
 
     /// Limit events since start. Fast; thread-safe.
     virtual LimitEvents limit_events() const noexcept { return {}; }
+
+    /// The state of the provider's worker process; nullopt for a provider without one
+    /// (built-in). Fast; thread-safe.
+    virtual std::optional<WorkerStatus> worker_status() const noexcept { return std::nullopt; }
 
     /// A sentence for /readyz and the log when the node serves with a weaker guarantee than
     /// the operator would assume (e.g. "no limits are enforced"), else "". Fast.

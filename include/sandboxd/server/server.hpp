@@ -6,6 +6,7 @@
 
 #include <sandboxd/core/config.hpp>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -43,6 +44,17 @@ public:
     /// is logged, and it returns false. Thread-safe; does not block on I/O beyond reading
     /// the files.
     bool reload(const Config& next);
+
+    /// Calls `fn` every `interval` (> 0) on the daemon's io_context, from now until stop()
+    /// completes: while the I/O threads are wedged, no call is made (the systemd watchdog
+    /// relies on it). `fn` must not block. Call before run().
+    void on_tick(std::chrono::milliseconds interval, std::function<void()> fn);
+
+    /// One line for systemd's STATUS=: "<N> channels, <M> leases, serving" (or "fenced",
+    /// "draining"); the lease count is this node's active leases as last read from the
+    /// registry (a call starts a new reading in the background when the last is over 10 s
+    /// old, shared with /metrics). Thread-safe; does not block.
+    std::string status() const;
 
     /// The plainListen address once bound ("" without one).
     const std::string& plain_address() const noexcept;
