@@ -663,6 +663,9 @@ void check_audit(Cluster& cluster, Ledger& ledger, std::map<std::string, long>& 
                 ledger.violations.push_back("audit of " + Cluster::id_of(i) + ": not JSON: " + text);
                 continue;
             }
+            // Only the channel lines: the audit also records connections and lease changes.
+            const std::string event = line.value("event", "");
+            if (event != "channel.opened" && event != "channel.ended") continue;
             const std::string key = line.value("instance", "") + "/" + std::to_string(line.value("channel", -1));
             auto& ch = channels[key];
             ch.node = i;

@@ -187,6 +187,8 @@ struct AuditTally {
         std::string line;
         while (std::getline(in, line)) {
             const auto j = json::parse(line);
+            // Only the channel lines: the audit also records connections and lease changes.
+            if (j["event"] != "channel.opened" && j["event"] != "channel.ended") continue;
             const std::string key =
                 j["instance"].get<std::string>() + "/" + std::to_string(j["channel"].get<std::uint64_t>());
             if (j["event"] == "channel.opened") ++lines[key].first;
