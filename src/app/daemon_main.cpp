@@ -10,6 +10,7 @@
 #include <spdlog/spdlog.h>
 #include <systemd/sd-daemon.h>
 
+#include <atomic>
 #include <csignal>
 #include <sys/resource.h>
 #include <cstdio>
@@ -183,26 +184,39 @@ int daemon_main(int argc, char** argv) {
                 sd_notify(0, ("STATUS=" + last).c_str());
             });
         }
-        std::thread waiter([&daemon, &load, stop_signals] {
+        // The first SIGTERM (or SIGINT) drains, then stops (limits.drainTimeoutMs); a second
+        // one stops at once. `finished` ends the wait once run() has returned.
+        std::atomic<bool> finished{false};
+        std::thread waiter([&daemon, &load, &finished, stop_signals] {
             int sig = 0;
+            bool draining = false;
             for (;;) {
                 sigwait(&stop_signals, &sig);
-                if (sig != SIGHUP) break;
-                spdlog::info("received SIGHUP: reloading tokens and certificates");
-                sd_notify(0, "RELOADING=1");
-                try {
-                    daemon.reload(load());
-                } catch (const std::exception& e) {
-                    spdlog::error("reload failed, keeping the tokens and certificates in use: {}", e.what());
+                if (finished) break;
+                if (sig == SIGHUP) {
+                    spdlog::info("received SIGHUP: reloading tokens and certificates");
+                    sd_notify(0, "RELOADING=1");
+                    try {
+                        daemon.reload(load());
+                    } catch (const std::exception& e) {
+                        spdlog::error("reload failed, keeping the tokens and certificates in use: {}", e.what());
+                    }
+                    sd_notify(0, "READY=1");
+                } else if (!draining) {
+                    draining = true;
+                    spdlog::info("received signal {}: draining, then stopping (again to stop at once)", sig);
+                    sd_notify(0, "STOPPING=1");
+                    daemon.drain_then_stop();
+                } else {
+                    spdlog::info("received signal {} again: stopping now", sig);
+                    daemon.stop();
+                    break;
                 }
-                sd_notify(0, "READY=1");
             }
-            spdlog::info("received signal {}, stopping", sig);
-            sd_notify(0, "STOPPING=1");
-            daemon.stop();
         });
         daemon.run();
         // run() returned because stop() completed; wake the waiter if it still waits.
+        finished = true;
         if (waiter.joinable()) {
             // Not a kill: SIGTERM is blocked and in the waiter's sigwait() set, so this only
             // ends its wait.

@@ -143,6 +143,7 @@ void parse_limits(Obj& o, LimitsConfig& l) {
     o.integer("idleTimeoutMs", l.idle_timeout_ms, 300, 3 * 3600000);
     o.integer("drainGraceMs", l.drain_grace_ms, 0, 60000);
     o.integer("hangupGraceMs", l.hangup_grace_ms, 0, 5000);
+    o.integer("drainTimeoutMs", l.drain_timeout_ms, 0, 3600000);
     o.integer("defaultTtlMs", l.default_ttl_ms, 1000, 365ULL * 24 * 3600000);
     o.integer("maxTtlMs", l.max_ttl_ms, 1000, 365ULL * 24 * 3600000);
     o.integer("executeOutputBytes", l.execute_output_bytes, kib, 64 * mib);
@@ -583,6 +584,7 @@ nlohmann::json config_to_json(const Config& c) {
           {"idleTimeoutMs", l.idle_timeout_ms},
           {"drainGraceMs", l.drain_grace_ms},
           {"hangupGraceMs", l.hangup_grace_ms},
+          {"drainTimeoutMs", l.drain_timeout_ms},
           {"defaultTtlMs", l.default_ttl_ms},
           {"maxTtlMs", l.max_ttl_ms},
           {"executeOutputBytes", l.execute_output_bytes},

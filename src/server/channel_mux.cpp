@@ -9,8 +9,29 @@
 namespace sandboxd {
 
 ChannelMux::ChannelMux(ChannelSink& out, std::size_t max_data_payload, std::string peer,
-                       const ChannelByteCounters* bytes)
-    : out_(out), max_data_payload_(max_data_payload), peer_(std::move(peer)), bytes_(bytes) {}
+                       const ChannelByteCounters* bytes, std::atomic<std::int64_t>* relays)
+    : out_(out), max_data_payload_(max_data_payload), peer_(std::move(peer)), bytes_(bytes),
+      relays_(relays) {}
+
+void ChannelMux::opening(std::uint32_t id) {
+    opening_[id];
+    count_relays();
+}
+
+void ChannelMux::open_failed(std::uint32_t id) {
+    opening_.erase(id);
+    count_relays();
+}
+
+ChannelMux::~ChannelMux() {
+    if (relays_ && relays_counted_ != 0) relays_->fetch_sub(relays_counted_, std::memory_order_acq_rel);
+}
+
+void ChannelMux::count_relays() {
+    const auto now = static_cast<std::int64_t>(relayed_.size() + opening_.size());
+    if (relays_ && now != relays_counted_) relays_->fetch_add(now - relays_counted_, std::memory_order_acq_rel);
+    relays_counted_ = now;
+}
 
 void ChannelMux::add_local(std::uint32_t id, std::shared_ptr<Channel> channel) {
     local_.emplace(id, std::move(channel));
@@ -52,6 +73,7 @@ void ChannelMux::opened(std::uint32_t id, Relayed route) {
         }
     }
     if (!early.empty() && !early.back().first) relayed_.erase(id);  // its exit came early
+    count_relays();
 }
 
 const ChannelMux::Relayed* ChannelMux::relayed(std::uint32_t id) const {
@@ -62,6 +84,7 @@ const ChannelMux::Relayed* ChannelMux::relayed(std::uint32_t id) const {
 std::optional<ChannelMux::Relayed> ChannelMux::take_relayed(std::uint32_t id) {
     auto node = relayed_.extract(id);
     if (!node) return std::nullopt;
+    count_relays();
     return std::move(node.mapped());
 }
 
@@ -95,7 +118,10 @@ void ChannelMux::relay_exit(std::uint32_t id, nlohmann::json exit_params) {
         it->second.emplace_back(false, std::move(text));
         return;
     }
-    if (relayed_.erase(id)) out_.send_text(std::move(text));
+    if (relayed_.erase(id)) {
+        count_relays();
+        out_.send_text(std::move(text));
+    }
 }
 
 std::variant<std::uint32_t, websocket::close_reason> ChannelMux::check_frame(
@@ -160,6 +186,7 @@ void ChannelMux::close_all() {
         route.link->forget(route.remote_id);
     }
     relayed_.clear();
+    count_relays();
 }
 
 }  // namespace sandboxd

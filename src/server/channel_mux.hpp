@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -39,9 +40,16 @@ public:
         bool stdin_overrun = false;
     };
 
-    /// `bytes` counts the payload of relayed data frames (null: not counted).
+    /// `bytes` counts the payload of relayed data frames (null: not counted). `relays` (null:
+    /// not counted) holds the node-wide number of relayed channels: this mux adds its own
+    /// while they are open and takes them back when they end or the mux is destroyed (drain
+    /// waits for it to reach 0).
     ChannelMux(ChannelSink& out, std::size_t max_data_payload, std::string peer,
-               const ChannelByteCounters* bytes = nullptr);
+               const ChannelByteCounters* bytes = nullptr,
+               std::atomic<std::int64_t>* relays = nullptr);
+    ~ChannelMux();
+    ChannelMux(const ChannelMux&) = delete;
+    ChannelMux& operator=(const ChannelMux&) = delete;
 
     /// A fresh channel id of this connection (ids are never reused on a connection).
     std::uint32_t next_id() noexcept { return next_id_++; }
@@ -78,9 +86,9 @@ public:
 
     // --- relayed channels ---
     /// A forwarded open of `id` is under way: frames from the owner wait until opened().
-    void opening(std::uint32_t id) { opening_[id]; }
+    void opening(std::uint32_t id);
     /// The forwarded open failed: the frames that waited are dropped.
-    void open_failed(std::uint32_t id) { opening_.erase(id); }
+    void open_failed(std::uint32_t id);
     /// The forwarded open succeeded and its result is queued: the frames that waited go out
     /// after it, in order (an exit among them ends the route).
     void opened(std::uint32_t id, Relayed route);
@@ -106,10 +114,15 @@ public:
     void close_all();
 
 private:
+    /// Brings *relays_ in line with the relayed and opening channels (after every change).
+    void count_relays();
+
     ChannelSink& out_;
     std::size_t max_data_payload_;
     std::string peer_;
     const ChannelByteCounters* bytes_;
+    std::atomic<std::int64_t>* relays_;
+    std::int64_t relays_counted_ = 0;
     std::uint32_t next_id_ = 1;
     std::size_t reserved_ = 0;
     std::map<std::uint32_t, std::shared_ptr<Channel>> local_;

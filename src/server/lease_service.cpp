@@ -329,7 +329,10 @@ awaitable<Lease> acquire(Node& node, const Principal& who, methods::LeaseAcquire
     if (!who.allows(lease.company_id)) {
         params::invalid("companyId", "this token may not act for tenant \"" + lease.company_id + "\"");
     }
-    if (node.draining) throw rpc_error(errc::owner_unavailable, "node " + node.node_id + " is draining");
+    if (node.draining) {
+        throw rpc_error(errc::owner_unavailable, "node " + node.node_id + " is draining: it takes no new leases",
+                        {{"nodeId", node.node_id}, {"draining", true}});
+    }
     node.require_membership();
     Provider* provider = provider_of(node, lease.provider);
     if (!provider) params::invalid("provider", "no provider \"" + lease.provider + "\" on this node");
@@ -426,7 +429,7 @@ awaitable<Lease> retain_lease(Node& node, Lease lease) {
                                            "\" cannot retain a sandbox: it accepts only "
                                            "\"destroy\"");
     }
-    auto handle = co_await sandbox_for(node, lease);
+    auto handle = co_await sandbox_for(node, lease, sandbox_use::release);
     const auto scope = scope_of(lease);
     (void)node.cache.begin_teardown(scope);  // no new channel, and no reconcile destroys it
     co_await end_lease_channels(node, lease.id, std::chrono::milliseconds(3000));
@@ -668,10 +671,10 @@ awaitable<Lease> resolve_lease(Node& node, const Principal& who, json lp) {
     co_return *lease;
 }
 
-std::shared_ptr<SandboxHandle> cached_sandbox(Node& node, const Lease& lease) {
-    if (node.draining) {
-        throw rpc_error(errc::owner_unavailable, "node " + node.node_id + " is draining",
-                        {{"ownerNodeId", node.node_id}});
+std::shared_ptr<SandboxHandle> cached_sandbox(Node& node, const Lease& lease, sandbox_use use) {
+    if (use == sandbox_use::new_work && node.draining) {
+        throw rpc_error(errc::owner_unavailable, "node " + node.node_id + " is draining: it opens no new channels",
+                        {{"ownerNodeId", node.node_id}, {"draining", true}});
     }
     node.require_membership();
     // Step 6: the cache must resolve the full scope; never a re-create, never a bare id.
@@ -691,10 +694,10 @@ std::shared_ptr<SandboxHandle> cached_sandbox(Node& node, const Lease& lease) {
     return sandbox;
 }
 
-awaitable<std::shared_ptr<SandboxHandle>> sandbox_for(Node& node, Lease lease) {
+awaitable<std::shared_ptr<SandboxHandle>> sandbox_for(Node& node, Lease lease, sandbox_use use) {
     std::exception_ptr missing;
     try {
-        co_return cached_sandbox(node, lease);
+        co_return cached_sandbox(node, lease, use);
     } catch (const rpc_error& e) {
         if (e.code() != errc::sandbox_not_cached) throw;
         missing = std::current_exception();

@@ -53,16 +53,22 @@ nlohmann::json provider_list(const Node& node);
 /// the given epoch (LEASE_NOT_ACTIVE). Returns the registered lease.
 awaitable<Lease> resolve_lease(Node& node, const Principal& who, nlohmann::json lease_param);
 
+/// What the sandbox is wanted for: new work (an open, an execute, a probe) is refused while
+/// this node drains; a release (retain) is not.
+enum class sandbox_use { new_work, release };
+
 /// Step 6 on the owner: the cached sandbox of exactly the lease's scope, else
-/// SANDBOX_NOT_CACHED; OWNER_UNAVAILABLE while this node drains.
-std::shared_ptr<SandboxHandle> cached_sandbox(Node& node, const Lease& lease);
+/// SANDBOX_NOT_CACHED; OWNER_UNAVAILABLE (data.draining) while this node drains, for new work.
+std::shared_ptr<SandboxHandle> cached_sandbox(Node& node, const Lease& lease,
+                                              sandbox_use use = sandbox_use::new_work);
 
 /// Step 6 with resume: cached_sandbox(), or, when this node owns the active lease but does
 /// not cache it (it restarted with the same nodeId) and its provider can_resume(), the
 /// sandbox resumed from the lease's record and cached. A resume that fails orphans the lease
 /// (pending_cleanup, for the sweeper) and gives SANDBOX_NOT_CACHED; PROVIDER_NOT_READY while
 /// the provider cannot serve (nothing changes).
-awaitable<std::shared_ptr<SandboxHandle>> sandbox_for(Node& node, Lease lease);
+awaitable<std::shared_ptr<SandboxHandle>> sandbox_for(Node& node, Lease lease,
+                                                       sandbox_use use = sandbox_use::new_work);
 
 /// The provider could not resume the cached sandbox of `lease` (a plugin worker restarted
 /// and its environmentResumeLease failed): evicts it and orphans the lease for the sweeper.

@@ -104,6 +104,14 @@ std::size_t ChannelTable::size() const {
     return entries_.size();
 }
 
+std::vector<ChannelTable::Entry> ChannelTable::all() const {
+    std::lock_guard lock(mutex_);
+    std::vector<Entry> out;
+    out.reserve(entries_.size());
+    for (const auto& [key, e] : entries_) out.push_back(e);
+    return out;
+}
+
 std::vector<ChannelTable::Entry> ChannelTable::of_lease(const std::string& lease_id) const {
     std::lock_guard lock(mutex_);
     std::vector<Entry> out;

@@ -88,6 +88,7 @@ public:
     void remove(std::uint64_t key);
     std::size_t size() const;
     std::vector<Entry> of_lease(const std::string& lease_id) const;
+    std::vector<Entry> all() const;
 
     /// A signal that remove() sends (without waiting: capacity 1, so removals coalesce) to
     /// every watcher still alive; awaited on the watcher's own executor.
@@ -135,7 +136,17 @@ struct Node {
     /// before `channels`, whose channels count it down when they are destroyed.
     std::atomic<std::int64_t> channels_unended{0};
     ChannelTable channels;
+    /// Draining (SIGTERM, POST /admin/drain; docs/protocol.md section 7): no new opens and
+    /// no new leases here, running channels finish; heartbeats, renewals and releases go on.
     std::atomic<bool> draining{false};
+    /// Stopping (Daemon::stop): connections and channels are being closed; loops end.
+    std::atomic<bool> stopping{false};
+    /// Channels of this node's connections relayed to their owners (ChannelMux), open or
+    /// being opened now.
+    std::atomic<std::int64_t> relays_open{0};
+    /// duplexChannelOpen calls past the draining check and not yet answered: a drain waits
+    /// for them (Session::channel_open counts first, then reads `draining`).
+    std::atomic<std::int64_t> opens_in_flight{0};
     /// Set once this node has registered at start (docs/protocol.md section 7): before, it
     /// answers /readyz and WebSocket upgrades with 503 and startup_problem.
     std::atomic<bool> registered{false};

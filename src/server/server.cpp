@@ -189,7 +189,6 @@ struct Daemon::Impl {
     std::string bound;
     std::string plain_bound;
     std::string token_path;
-    std::atomic<bool> stopping{false};
     net::steady_timer heartbeat_timer{ioc};
     net::steady_timer sweep_timer{ioc};
     net::steady_timer fence_timer{ioc};
@@ -224,7 +223,22 @@ struct Daemon::Impl {
     /// node.startup_problem. Throws the last error when the time runs out, and at once for
     /// anything but REGISTRY_UNAVAILABLE (a live node with the same id).
     awaitable<std::int64_t> register_at_start(NodeRecord record);
+    /// Daemon::stop().
+    void stop();
     awaitable<void> finish_stop();
+    /// Drain (Daemon::drain): the drain's one run, then stop() when stop_when_drained.
+    std::atomic<bool> drain_started{false};
+    std::atomic<bool> drain_over{false};
+    std::atomic<bool> stop_when_drained{false};
+    /// Daemon::drain().
+    void begin_drain();
+    awaitable<void> drain_loop();
+    /// Waits until `done()` or `until`, woken by each channel that ends here and every
+    /// 100 ms (relayed channels end on their connections' strands, with no signal).
+    awaitable<void> wait_channels(std::function<bool()> done, std::chrono::steady_clock::time_point until);
+    /// POST /admin/drain: `who` authenticated; the response.
+    http::response<http::string_body> admin_drain(const std::optional<Principal>& who, ConnStream& stream,
+                                                  const std::string& peer, unsigned version);
     /// Logs the moment this node fences itself (its membership not renewed within 2/3 of
     /// nodeTtlMs) and the moment it unfences, and keeps sandboxd_fenced.
     awaitable<void> fence_watch();
@@ -533,12 +547,13 @@ void Daemon::run() {
     for (auto& t : threads) t.join();
 }
 
-void Daemon::stop() {
-    if (impl_->stopping.exchange(true)) return;
-    net::post(impl_->ioc, [impl = impl_.get()] {
-        auto& node = impl->node;
-        node.draining = true;
-        spdlog::info("node={} stopping: closing connections and channels", node.node_id);
+void Daemon::stop() { impl_->stop(); }
+
+void Daemon::Impl::stop() {
+    if (node.stopping.exchange(true)) return;
+    net::post(ioc, [impl = this] {
+        impl->node.draining = true;
+        spdlog::info("node={} stopping: closing connections and channels", impl->node.node_id);
         beast::error_code ec;
         impl->acceptor.close(ec);
         impl->plain_acceptor.close(ec);
@@ -555,6 +570,81 @@ void Daemon::stop() {
         // until every one is reaped, then run() returns.
         net::co_spawn(impl->ioc, impl->finish_stop(), net::detached);
     });
+}
+
+void Daemon::drain() { impl_->begin_drain(); }
+
+void Daemon::Impl::begin_drain() {
+    if (drain_started.exchange(true)) return;
+    node.draining = true;  // from this moment: no opens, no leases, /readyz draining
+    net::co_spawn(ioc, drain_loop(), net::detached);
+}
+
+void Daemon::drain_then_stop() {
+    // Either this sees the drain over, or the drain's end sees the flag (both sequentially
+    // consistent): stop() runs at least once, and it is idempotent.
+    impl_->stop_when_drained = true;
+    if (impl_->drain_over) {
+        impl_->stop();
+    } else {
+        impl_->begin_drain();
+    }
+}
+
+awaitable<void> Daemon::Impl::wait_channels(std::function<bool()> done,
+                                            std::chrono::steady_clock::time_point until) {
+    using namespace net::experimental::awaitable_operators;
+    auto ex = co_await net::this_coro::executor;
+    auto removed = std::make_shared<ChannelTable::RemovalSignal>(ex, 1);
+    node.channels.watch_removals(removed);
+    net::steady_timer timer(ex);
+    while (!done() && !node.stopping && std::chrono::steady_clock::now() < until) {
+        timer.expires_at(std::min(until, std::chrono::steady_clock::now() + std::chrono::milliseconds(100)));
+        co_await (removed->async_receive(as_tuple_awaitable) || timer.async_wait(as_tuple_awaitable));
+    }
+}
+
+awaitable<void> Daemon::Impl::drain_loop() {
+    const auto timeout = std::chrono::milliseconds(node.config.limits.drain_timeout_ms);
+    // A channel is over once its exit is queued on its connection (channels_unended), which
+    // follows its removal from the table (the reap).
+    const auto ended_here = [this] {
+        return node.channels.size() == 0 && node.channels_unended.load() == 0;
+    };
+    const auto running = [&] {
+        return !ended_here() || node.relays_open.load() > 0 || node.opens_in_flight.load() > 0;
+    };
+    spdlog::info("node={} draining: new opens and leases are refused; {} channels and {} relayed "
+                 "channels running get up to {} ms to finish",
+                 node.node_id, node.channels.size(), node.relays_open.load(), timeout.count());
+    if (node.audit) {
+        node.audit->write("node.draining", {{"channels", node.channels.size()},
+                                            {"relayedChannels", node.relays_open.load()},
+                                            {"drainTimeoutMs", timeout.count()}});
+    }
+    co_await wait_channels([&] { return !running(); }, std::chrono::steady_clock::now() + timeout);
+    if (node.stopping) co_return;
+    if (const auto left = node.channels.all(); !left.empty()) {
+        // The time is over: the channels still running here are stopped (their exits say
+        // "stopped"); relayed ones are closed with the connections when the node stops.
+        spdlog::info("node={} drain timeout of {} ms over: stopping {} channels", node.node_id,
+                     timeout.count(), left.size());
+        for (const auto& e : left) {
+            net::post(e.strand, [weak = e.channel] {
+                if (auto ch = weak.lock()) ch->stop(channel_outcome::stopped);
+            });
+        }
+        co_await wait_channels(ended_here,
+                               std::chrono::steady_clock::now() +
+                                   std::chrono::milliseconds(node.config.limits.hangup_grace_ms) +
+                                   std::chrono::seconds(5));
+    } else {
+        spdlog::info("node={} drained: no channel runs here", node.node_id);
+    }
+    drain_over = true;
+    if (stop_when_drained) {
+        stop();
+    }
 }
 
 awaitable<void> Daemon::Impl::finish_stop() {
@@ -582,6 +672,23 @@ awaitable<void> Daemon::Impl::finish_stop() {
         t.expires_after(std::chrono::milliseconds(20));
         co_await t.async_wait(use_awaitable);
     }
+    // Every connection writes what it has queued (an exit just sent among it), then its close
+    // (Session::shutdown): at most 3 s more for hosts that do not read.
+    const auto closed_by = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+    const auto sessions_left = [this] {
+        std::lock_guard lock(sessions_mutex);
+        return std::count_if(sessions.begin(), sessions.end(), [](const auto& w) {
+            auto s = w.lock();
+            return s && !s->close_written();
+        });
+    };
+    while (sessions_left() > 0 && std::chrono::steady_clock::now() < closed_by) {
+        t.expires_after(std::chrono::milliseconds(20));
+        co_await t.async_wait(use_awaitable);
+    }
+    // The close frames just started go out on the next turns of the loop.
+    t.expires_after(std::chrono::milliseconds(20));
+    co_await t.async_wait(use_awaitable);
     ioc.stop();
 }
 
@@ -743,7 +850,7 @@ awaitable<void> Daemon::Impl::fence_watch() {
                                        static_cast<std::int64_t>(node.config.heartbeat_ms));
         fence_timer.expires_after(std::chrono::milliseconds(wait));
         auto [ec] = co_await fence_timer.async_wait(as_tuple_awaitable);
-        if (ec || node.draining) co_return;
+        if (ec || node.stopping) co_return;
     }
 }
 
@@ -885,9 +992,9 @@ awaitable<void> Daemon::Impl::serve_http(ConnStream stream) {
                     res = plain(http::status::forbidden,
                                 "a peer token needs a client certificate that the cluster CA verified\n",
                                 req.version(), false);
-                } else if (node.draining) {
-                    refused("node is draining", who);
-                    res = plain(http::status::service_unavailable, "node is draining\n", req.version(), false);
+                } else if (node.stopping) {
+                    refused("node is stopping", who);
+                    res = plain(http::status::service_unavailable, "node is stopping\n", req.version(), false);
                 } else if (!node.registered) {
                     refused("node is starting: not registered with the registry yet", who);
                     res = plain(http::status::service_unavailable,
@@ -904,6 +1011,22 @@ awaitable<void> Daemon::Impl::serve_http(ConnStream stream) {
                     co_return;
                 }
             }
+        } else if (target == "/admin/drain") {
+            beast::error_code ignored;
+            const std::string peer =
+                format_endpoint(beast::get_lowest_layer(stream).socket().remote_endpoint(ignored));
+            std::string_view auth = req[http::field::authorization];
+            std::optional<Principal> who;
+            if (auth.size() > 7 && beast::iequals(auth.substr(0, 7), "Bearer ")) {
+                who = node.authenticate(auth.substr(7));
+            }
+            if (req.method() != http::verb::post) {
+                res = plain(http::status::method_not_allowed, "POST /admin/drain\n", req.version(), keep);
+                res.set(http::field::allow, "POST");
+            } else {
+                res = admin_drain(who, stream, peer, req.version());
+            }
+            res.keep_alive(keep);
         } else if (req.method() != http::verb::get) {
             res = plain(http::status::method_not_allowed, "method not allowed\n", req.version(), keep);
         } else if (target == "/healthz") {
@@ -966,6 +1089,47 @@ awaitable<void> Daemon::Impl::serve_http(ConnStream stream) {
     }
 }
 
+http::response<http::string_body> Daemon::Impl::admin_drain(const std::optional<Principal>& who,
+                                                            ConnStream& stream, const std::string& peer,
+                                                            unsigned version) {
+    // Only a peer-role token (with its client certificate, where routing.peerTls asks for one):
+    // the operators' and the cluster's credential, never a host's.
+    const auto refuse = [&](http::status status, const std::string& why) {
+        spdlog::info("peer={} POST /admin/drain refused: {}", peer, why);
+        if (node.audit) {
+            node.audit->write("drain.refused", {{"peer", peer},
+                                                {"token", who ? nlohmann::json(who->name) : nlohmann::json()},
+                                                {"reason", why}});
+        }
+        auto res = plain(status, why + "\n", version, false);
+        if (status == http::status::unauthorized) res.set(http::field::www_authenticate, "Bearer realm=\"sandboxd\"");
+        return res;
+    };
+    if (!who) return refuse(http::status::unauthorized, "missing or invalid bearer token");
+    if (who->role != "peer") {
+        return refuse(http::status::forbidden, "token \"" + who->name + "\" has role " + who->role +
+                                                   "; POST /admin/drain takes a peer-role token");
+    }
+    if (!peer_certified(stream, *who)) {
+        return refuse(http::status::forbidden,
+                      "peer token \"" + who->name +
+                          "\": no client certificate that routing.peerTls.caFile verifies");
+    }
+    const bool already = drain_started.load();
+    spdlog::info("peer={} token \"{}\": POST /admin/drain{}", peer, who->name,
+                 already ? " (already draining)" : "");
+    if (node.audit) node.audit->write("drain.requested", {{"peer", peer}, {"token", who->name}});
+    begin_drain();
+    const nlohmann::json body = {{"nodeId", node.node_id},
+                                 {"draining", true},
+                                 {"channels", node.channels.size()},
+                                 {"relayedChannels", node.relays_open.load()},
+                                 {"drainTimeoutMs", node.config.limits.drain_timeout_ms}};
+    auto res = plain(http::status::accepted, body.dump() + "\n", version, false);
+    res.set(http::field::content_type, "application/json");
+    return res;
+}
+
 void Daemon::Impl::start_lease_watch() {
     // Events arrive on an I/O thread; only those that concern this node's cache or channels
     // start a reconciliation.
@@ -986,7 +1150,7 @@ awaitable<void> Daemon::Impl::heartbeat_loop() {
     for (;;) {
         heartbeat_timer.expires_after(std::chrono::milliseconds(node.config.heartbeat_ms));
         auto [ec] = co_await heartbeat_timer.async_wait(as_tuple_awaitable);
-        if (ec || node.draining) co_return;
+        if (ec || node.stopping) co_return;
         const auto sent = steady_now_ms();
         const auto fenced = node.fenced_for_ms();
         try {
@@ -1040,7 +1204,7 @@ awaitable<void> Daemon::Impl::sweep_loop() {
     for (;;) {
         sweep_timer.expires_after(std::chrono::milliseconds(node.config.heartbeat_ms));
         auto [ec] = co_await sweep_timer.async_wait(as_tuple_awaitable);
-        if (ec || node.draining) co_return;
+        if (ec || node.stopping) co_return;
         try {
             co_await sweep(node);
         } catch (const std::exception& e) {

@@ -57,7 +57,7 @@ Session::Session(Node& node, ConnStream stream, Principal who)
       slot_free_(strand_),
       peer_(transport_.peer()),
       mux_(*this, node.config.limits.max_data_payload, peer_,
-           &node.metrics.channel_byte_counters) {
+           &node.metrics.channel_byte_counters, &node.relays_open) {
     slot_free_.expires_at(net::steady_timer::time_point::max());
 }
 
@@ -669,6 +669,14 @@ awaitable<Session::Reply> Session::channel_open(Call c) {
     json p = std::move(c.params);
     // Step 1: the shape of the params.
     auto params = methods::parse_open(p);
+    // A draining node opens nothing, here or relayed: its connections end with the drain.
+    // Counted first, then checked: a drain that begins meanwhile waits for this open.
+    node_.opens_in_flight.fetch_add(1);
+    const ScopeExit counted([this] { node_.opens_in_flight.fetch_sub(1); });
+    if (node_.draining) {
+        throw rpc_error(errc::owner_unavailable, "node " + node_.node_id + " is draining: it opens no new channels",
+                        {{"nodeId", node_.node_id}, {"draining", true}});
+    }
     // Steps 2-4: the lease, its scope and status.
     Lease lease = co_await resolve_lease(node_, c.caller, params.lease);
     const auto limit = node_.config.limits.channels_per_connection;

@@ -49,6 +49,9 @@ public:
 
     /// Closes the connection (1001 going away) from any thread; channels are hung up.
     void shutdown();
+    /// True once the connection has written everything queued before shutdown() and started
+    /// its close handshake, or has ended. Thread-safe.
+    [[nodiscard]] bool close_written() const noexcept { return transport_.close_written(); }
     /// Closes the connection with 1008 (policy violation) from any thread, its channels hung
     /// up: its token was revoked (a reload no longer has it).
     void revoke();

@@ -88,6 +88,7 @@ awaitable<void> Transport::serve(Receiver& receiver) {
         spdlog::error("peer={} connection loop failed: {}", peer_, e.what());
     }
     closing_ = true;
+    close_written_ = true;
     queue_.clear();
 }
 
@@ -122,9 +123,16 @@ awaitable<void> Transport::read_loop(Receiver& receiver) {
 awaitable<void> Transport::write_loop() {
     for (;;) {
         if (queue_.empty()) {
+            if (close_code_) {
+                // close(): everything queued before it is written; now the close handshake.
+                // The read loop ends when the peer answers it (or the socket fails).
+                close_written_ = true;
+                co_await ws_.async_close(*close_code_, as_tuple_awaitable);
+                co_return;
+            }
             co_await queue_timer_.async_wait(as_tuple_awaitable);  // woken by a cancel
             auto cs = co_await net::this_coro::cancellation_state;
-            if (cs.cancelled() != net::cancellation_type::none || closing_) co_return;
+            if (cs.cancelled() != net::cancellation_type::none || (closing_ && !close_code_)) co_return;
             continue;
         }
         Outgoing out = std::move(queue_.front());
@@ -181,11 +189,12 @@ void Transport::send(bool binary, std::string bytes) {
 }
 
 void Transport::close(websocket::close_code code, std::shared_ptr<void> keep_alive) {
-    net::post(strand_, [this, code, keep_alive = std::move(keep_alive)]() mutable {
+    net::post(strand_, [this, code, keep_alive = std::move(keep_alive)] {
+        (void)keep_alive;
         if (closing_) return;
         closing_ = true;  // what opens from now on is hung up at once (Session::open_local)
-        // A plain completion handler: no capturing coroutine lambda (CP.51).
-        ws_.async_close(code, [keep = std::move(keep_alive)](beast::error_code) {});
+        close_code_ = code;
+        queue_timer_.cancel();  // the write loop flushes the queue, then closes
     });
 }
 

@@ -13,6 +13,7 @@
 #include <sandboxd/core/net.hpp>
 #include <sandboxd/core/tls.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -67,12 +68,19 @@ public:
     /// responses by limits.requestsPerConnection, notifications by the channels.
     void send(bool binary, std::string bytes);
 
-    /// Starts the close handshake with `code`, from any thread; `keep_alive` (the owner) is
-    /// held until it completes. Nothing happens when the connection is already closing.
+    /// Closes with `code`, from any thread: from now on nothing more is queued (closing() is
+    /// true), what was queued before is written, and then the close handshake starts (so an
+    /// exit sent just before a stop is not lost). `keep_alive` (the owner) is held until the
+    /// request reaches the strand; the serving coroutine holds it after that.
+    /// Nothing happens when the connection is already closing.
     void close(websocket::close_code code, std::shared_ptr<void> keep_alive);
 
     /// True once the connection has ended (or is ending): nothing sent will be written.
     [[nodiscard]] bool closing() const noexcept { return closing_; }
+    /// True once close() has written everything queued before it and started the close
+    /// handshake (its frame goes out at once; the peer's answer may take long), or the
+    /// connection has ended. Thread-safe.
+    [[nodiscard]] bool close_written() const noexcept { return close_written_.load(std::memory_order_acquire); }
 
 private:
     struct Outgoing {
@@ -94,6 +102,9 @@ private:
     net::steady_timer queue_timer_;  // woken (cancelled) when the queue gets work
     std::chrono::steady_clock::time_point last_heard_;  // last frame read from the peer
     bool closing_ = false;
+    /// Set by close(): the write loop sends it once the queue is empty.
+    std::optional<websocket::close_code> close_code_;
+    std::atomic<bool> close_written_{false};
 };
 
 }  // namespace sandboxd

@@ -59,6 +59,24 @@ TempDir::~TempDir() {
     fs::remove_all(path_, ec);
 }
 
+namespace {
+
+/// Tests stop their daemons with SIGTERM: without a limits.drainTimeoutMs of their own, the
+/// drain is 0 (its 30 s default would hold every stop with a channel left running). A config
+/// that does not parse is passed on unchanged (the tests of bad configs).
+std::string with_test_drain(const std::string& config_json) {
+    auto config = config_json.empty() ? nlohmann::json::object()
+                                      : nlohmann::json::parse(config_json, nullptr, false, true);
+    if (!config.is_object()) return config_json;
+    auto& limits = config["limits"];
+    if (limits.is_null()) limits = nlohmann::json::object();
+    if (!limits.is_object() || limits.contains("drainTimeoutMs")) return config_json;
+    limits["drainTimeoutMs"] = 0;
+    return config.dump();
+}
+
+}  // namespace
+
 DaemonProcess::DaemonProcess(std::string node_id, std::string config_json,
                              std::vector<std::string> extra_args, start_mode mode,
                              std::string listen)
@@ -87,9 +105,9 @@ void DaemonProcess::launch(start_mode mode) {
     std::vector<std::string> args = {SANDBOXD_BIN, "--state-dir", state_dir_.string(), "--listen",
                                      listen_, "--ready-file", ready.string(), "--node-id",
                                      node_id_, "--log-level", "debug"};
-    if (!config_json_.empty()) {
+    {
         const auto cfg = dir_.path() / "config.json";
-        std::ofstream(cfg) << config_json_;
+        std::ofstream(cfg) << with_test_drain(config_json_);
         args.insert(args.begin() + 1, {"--config", cfg.string()});
     }
     args.insert(args.end(), extra_args_.begin(), extra_args_.end());
@@ -486,8 +504,11 @@ ExecuteRun execute(Client& c, const nlohmann::json& params) {
     return run;
 }
 
-std::pair<int, std::string> http_get(const std::string& address, const std::string& target,
-                                     const std::string& authorization, bool upgrade) {
+namespace {
+
+std::pair<int, std::string> http_request(boost::beast::http::verb verb, const std::string& address,
+                                         const std::string& target, const std::string& authorization,
+                                         bool upgrade) {
     namespace net = boost::asio;
     namespace http = boost::beast::http;
     net::io_context ioc;
@@ -495,7 +516,7 @@ std::pair<int, std::string> http_get(const std::string& address, const std::stri
     auto colon = address.rfind(':');
     net::ip::tcp::socket socket(ioc);
     net::connect(socket, resolver.resolve(address.substr(0, colon), address.substr(colon + 1)));
-    http::request<http::empty_body> req{http::verb::get, target, 11};
+    http::request<http::empty_body> req{verb, target, 11};
     req.set(http::field::host, address);
     if (!authorization.empty()) req.set(http::field::authorization, authorization);
     if (upgrade) {
@@ -509,6 +530,18 @@ std::pair<int, std::string> http_get(const std::string& address, const std::stri
     http::response<http::string_body> res;
     http::read(socket, buffer, res);
     return {static_cast<int>(res.result_int()), res.body()};
+}
+
+}  // namespace
+
+std::pair<int, std::string> http_get(const std::string& address, const std::string& target,
+                                     const std::string& authorization, bool upgrade) {
+    return http_request(boost::beast::http::verb::get, address, target, authorization, upgrade);
+}
+
+std::pair<int, std::string> http_post(const std::string& address, const std::string& target,
+                                      const std::string& authorization) {
+    return http_request(boost::beast::http::verb::post, address, target, authorization, false);
 }
 
 }  // namespace sandboxd::test

@@ -188,6 +188,9 @@ std::vector<std::string> plugin_fields_not_refused(Client& c, const nlohmann::js
 std::pair<int, std::string> http_get(const std::string& address, const std::string& target,
                                      const std::string& authorization = "",
                                      bool upgrade = false);
+/// Raw HTTP POST with an empty body: status and body.
+std::pair<int, std::string> http_post(const std::string& address, const std::string& target,
+                                      const std::string& authorization = "");
 
 }  // namespace sandboxd::test
 

@@ -156,6 +156,9 @@ struct LimitsConfig {
     std::uint32_t idle_timeout_ms = 60000;          ///< peer silent this long is dropped
     std::uint32_t drain_grace_ms = 250;             ///< output drain after the main process ends
     std::uint32_t hangup_grace_ms = 5000;           ///< SIGHUP to SIGKILL on a dropped connection
+    /// Drain (SIGTERM, POST /admin/drain): how long running channels may go on finishing
+    /// once new opens are refused, before they are stopped; ms, 0..3600000.
+    std::uint32_t drain_timeout_ms = 30000;
     std::uint64_t default_ttl_ms = 3600000;         ///< lease TTL when leaseAcquire gives none
     std::uint64_t max_ttl_ms = 7 * 24 * 3600000ULL; ///< largest ttlMs accepted
     /// leaseExecute: bytes of each stream (stdout, stderr) kept in its result and streamed

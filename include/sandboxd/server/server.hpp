@@ -30,10 +30,22 @@ public:
     /// Runs the I/O threads until stop() completes. Blocks the caller (which is one of them).
     void run();
 
-    /// Begins a graceful stop from any thread or a signal handler's strand: no new
-    /// connections, every channel hung up (SIGHUP, then SIGKILL after the grace), the node
-    /// record removed. Idempotent; run() returns once done.
+    /// Stops now, from any thread: no new connections, every channel hung up (SIGHUP, then
+    /// SIGKILL after limits.hangupGraceMs; no exit is sent, connections close with 1001), the
+    /// node record removed. Idempotent; run() returns once done. Does not block.
     void stop();
+
+    /// Begins a drain from any thread (docs/protocol.md section 7; POST /admin/drain): from
+    /// this call on, opens (own and relayed) and leaseAcquire/leaseExecute/leaseProbe are
+    /// refused with OWNER_UNAVAILABLE and data.draining true, /readyz answers 503 draining,
+    /// while heartbeats, renewals, releases and running channels go on. Channels running here
+    /// and relayed from here get limits.drainTimeoutMs to end; this node's own are then stopped
+    /// (their exits say "stopped"). The node stays up. Idempotent; does not block.
+    void drain();
+
+    /// SIGTERM: drain(), then stop() once the drain is over (at once when it is already
+    /// over). Idempotent; does not block. A stop() meanwhile (a second SIGTERM) cuts it short.
+    void drain_then_stop();
 
     /// SIGHUP: applies the tokens (auth.tokens, every tokenFile read again) and the TLS
     /// material (tls, routing.peerTls: certificates, keys and CAs read again) of `next`, the
