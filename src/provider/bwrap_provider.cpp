@@ -335,6 +335,12 @@ public:
         write_etc(runtime_dir_ / ".etc" / "net", true);
         reclaim_identities();
         release_stale_mounts();
+        probe_problem_ = probe_sandbox();
+        if (!probe_problem_.empty()) {
+            spdlog::error("bwrap provider: cannot make a sandbox on this node: {}; /readyz says "
+                          "not ready and every leaseAcquire fails until the daemon restarts",
+                          probe_problem_);
+        }
     }
 
     BwrapProvider(const BwrapProvider&) = delete;
@@ -361,16 +367,23 @@ public:
     const std::string& plugin_id() const noexcept override { return plugin_id_; }
 
     std::string degraded() const override {
+        if (!probe_problem_.empty()) return "cannot make a sandbox: " + probe_problem_;
         return options_.limits.enforce ? std::string()
                                        : "no limits are enforced (providers.bwrap.limits.enforce "
                                          "is false)";
     }
+
+    bool ready() const noexcept override { return probe_problem_.empty(); }
 
     LimitEvents limit_events() const noexcept override {
         return {counters_->memory.load(), counters_->pids.load()};
     }
 
     awaitable<std::shared_ptr<SandboxHandle>> create(Lease lease) override {
+        if (!probe_problem_.empty()) {
+            throw rpc_error(errc::provider_not_ready,
+                            "provider " + key_ + " cannot make a sandbox on this node: " + probe_problem_);
+        }
         auto work = [this, lease = std::move(lease)] {
             return create_now(scope_of(lease), lease.id, lease.config);
         };
@@ -707,6 +720,56 @@ private:
         if (::flock(dir_lock_.get(), LOCK_EX | LOCK_NB) < 0) {
             throw std::runtime_error("another live sandboxd process uses " +
                                      options_.sandboxes_dir.string());
+        }
+    }
+
+    /// At start: bubblewrap with a lease's own namespaces, mounts and capabilities, as a
+    /// lease's uid, running /usr/bin/true (about 10 ms). "" when it exits 0; else why not,
+    /// with bubblewrap's own words (a container without the privileges it needs, a seccomp
+    /// profile that refuses sethostname, no user namespaces).
+    std::string probe_sandbox() {
+        uid_t uid = 0;
+        try {
+            uid = pool_.acquire();
+        } catch (const std::exception& e) {
+            return e.what();
+        }
+        const ScopeExit release([&] { pool_.release(uid); });
+        auto argv = bwrap_argv(parse_config(json::object()));
+        // The lease's command line up to "--", then true instead of the supervisor.
+        argv.erase(std::find(argv.rbegin(), argv.rend(), std::string("--")).base(), argv.end());
+        argv.emplace_back("/usr/bin/true");
+        try {
+            unique_fd workspace = open_path(runtime_dir_ / ".etc" / "private", "the probe's workspace");
+            unique_fd etc = open_path(runtime_dir_ / ".etc" / "private", "the sandbox /etc");
+            unique_fd init = open_path(init_path_, "sandboxd-init");
+            detail::Pipe errors = detail::make_pipe(detail::daemon_end::read);
+            detail::SpawnRequest request;
+            request.argv = std::move(argv);
+            request.envp = {"PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"};
+            request.fds = {-1, -1, errors.write_end.get(), -1, -1, workspace.get(), etc.get(), init.get()};
+            request.run_as = std::make_pair(uid, static_cast<gid_t>(uid));
+            auto child = detail::spawn_process(request, "bubblewrap");
+            errors.write_end.reset();
+            pollfd p{child.pidfd.get(), POLLIN, 0};
+            if (::poll(&p, 1, 10000) != 1) {
+                ::kill(child.pid, SIGKILL);
+                ::waitpid(child.pid, nullptr, 0);
+                return "bubblewrap did not exit within 10 s";
+            }
+            int status = 0;
+            ::waitpid(child.pid, &status, 0);
+            if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return {};
+            char text[2048];
+            const ssize_t got = ::read(errors.read_end.get(), text, sizeof text - 1);
+            std::string why = got > 0 ? std::string(text, static_cast<std::size_t>(got)) : "";
+            while (!why.empty() && (why.back() == '\n' || why.back() == '\r')) why.pop_back();
+            return "bubblewrap " +
+                   (WIFEXITED(status) ? "exited with status " + std::to_string(WEXITSTATUS(status))
+                                      : "died of signal " + std::to_string(WTERMSIG(status))) +
+                   (why.empty() ? std::string() : ": " + why);
+        } catch (const std::exception& e) {
+            return e.what();
         }
     }
 
@@ -1235,6 +1298,9 @@ private:
     unique_fd dir_lock_;
     std::string instance_;   ///< this daemon's name in cgroups and /run
     fs::path runtime_dir_;
+    /// Why the start-up probe could not make a sandbox ("" when it could); set once in the
+    /// constructor, read-only after.
+    std::string probe_problem_;
     unique_fd program_;
     std::unique_ptr<detail::CgroupManager> cgroups_;
     std::shared_ptr<Counters> counters_ = std::make_shared<Counters>();

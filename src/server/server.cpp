@@ -1047,7 +1047,14 @@ awaitable<void> Daemon::Impl::serve_http(ConnStream stream) {
             }
             std::string notes;
             for (const auto& [key, provider] : node.providers) {
-                if (why.empty() && !provider->ready()) why = "provider " + key + " not ready";
+                if (!provider->ready()) {
+                    // Why, where the provider knows (the bwrap provider's start-up probe).
+                    if (why.empty()) {
+                        const auto note = provider->degraded();
+                        why = "provider " + key + " not ready" + (note.empty() ? "" : ": " + note);
+                    }
+                    continue;
+                }
                 if (auto note = provider->degraded(); !note.empty()) {
                     notes.append("warning: provider ").append(key).append(": ").append(note);
                     notes += '\n';

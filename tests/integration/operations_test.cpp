@@ -4,6 +4,8 @@
 #include "support/clusters.hpp"
 #include "support/daemon_fixture.hpp"
 
+#include <sandboxd/core/errors.hpp>
+
 #include <catch2/catch.hpp>
 
 #include <sys/socket.h>
@@ -475,4 +477,41 @@ TEST_CASE("operations: JSON logs carry node, lease, channel and peer as fields",
     CHECK(http_get(d.address(), "/v1/ws", "Bearer wrong", true).first == 401);
     CHECK(eventually([&] { return d.log().find("rejected an upgrade: missing or invalid bearer token") !=
                                   std::string::npos; }, 5s));
+}
+
+TEST_CASE("operations: /readyz is not ready while bubblewrap cannot make a sandbox", "[operations]") {
+    // A bubblewrap that fails as it does in a container without the privileges it needs. A
+    // stand-in for the failure only: the real one is probed in every other test's start.
+    TempDir dir;
+    std::filesystem::permissions(dir.path(), std::filesystem::perms::owner_all |
+                                                 std::filesystem::perms::group_exec |
+                                                 std::filesystem::perms::others_exec);
+    const auto fake = dir.path() / "bwrap";
+    std::ofstream(fake) << "#!/bin/sh\necho 'bwrap: Creating new namespace failed: Operation not permitted' >&2\nexit 1\n";
+    std::filesystem::permissions(fake, std::filesystem::perms::owner_all |
+                                           std::filesystem::perms::group_exec | std::filesystem::perms::group_read |
+                                           std::filesystem::perms::others_exec | std::filesystem::perms::others_read);
+    DaemonProcess d("node-a", json{{"auth", tokens()},
+                                   {"providers", {{"bwrap", {{"path", fake.string()}, {"limits", {{"enforce", false}}}}}}}}
+                                  .dump());
+    const auto [status, body] = http_get(d.address(), "/readyz");
+    CHECK(status == 503);
+    CHECK(body ==
+          "not ready: provider bwrap not ready: cannot make a sandbox: bubblewrap exited with status 1: "
+          "bwrap: Creating new namespace failed: Operation not permitted\n");
+    Client c(d.url(), host_token);
+    try {
+        acquire_lease(c);
+        FAIL("leaseAcquire succeeded with a bubblewrap that cannot make a sandbox");
+    } catch (const rpc_error& e) {
+        CHECK(e.data().value("reason", "") == "PROVIDER_NOT_READY");
+        CHECK(std::string(e.what()).find("cannot make a sandbox on this node: bubblewrap exited with status 1") !=
+              std::string::npos);
+    }
+    CHECK(d.log().find("bwrap provider: cannot make a sandbox on this node") != std::string::npos);
+}
+
+TEST_CASE("operations: /readyz is ready once the start-up probe made a sandbox", "[operations]") {
+    DaemonProcess d("node-a", json{{"auth", tokens()}}.dump());
+    CHECK(http_get(d.address(), "/readyz") == std::pair<int, std::string>(200, "ready\n"));
 }
