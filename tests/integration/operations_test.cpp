@@ -26,14 +26,9 @@ using namespace std::chrono_literals;
 
 namespace {
 
-const std::string host_token = "host-secret";
-const std::string peer_token = "peer-secret";
-
-json tokens() {
-    return {{"tokens",
-             {{{"name", "host"}, {"token", host_token}, {"role", "host"}, {"tenants", {"*"}}},
-              {{"name", "peer"}, {"token", peer_token}, {"role", "peer"}, {"tenants", {"*"}}}}}};
-}
+const std::string& host_token = test_host_token;
+const std::string& peer_token = test_peer_token;
+json tokens() { return host_and_peer_tokens(); }
 
 /// A datagram socket bound in `dir`: what systemd listens on for sd_notify.
 class NotifySocket {

@@ -1354,20 +1354,24 @@ TEST_CASE("a missing bubblewrap or init is a provider error", "[provider]") {
         }
         REQUIRE_FALSE(instance_cgroup.empty());
         {
-            // A missing bubblewrap: create fails, and leaves no process, directory, mount or
-            // cgroup.
+            // A missing bubblewrap: the start-up probe finds it, the provider is not ready
+            // (saying why), and create fails, leaving no process, directory, mount or cgroup.
             // Searchable by the lease's uid (which execs bubblewrap): ENOENT, not EACCES.
             fs::permissions(dir.path, fs::perms(0711));
             auto options = test_options(sandboxes);
             options.bwrap_path = dir.path / "no-bwrap";
             auto provider = make_bwrap_provider(options);
+            CHECK_FALSE(provider->ready());
+            CHECK(provider->degraded() ==
+                  "cannot make a sandbox: cannot start bubblewrap: No such file or directory");
             try {
                 create_sandbox(*provider, {"bwrap", "c", "e", ""}, "lease", nullptr);
                 FAIL("create succeeded");
             } catch (const rpc_error& e) {
-                CHECK(e.code() == errc::provider_error);
+                CHECK(e.code() == errc::provider_not_ready);
                 CHECK(std::string(e.what()) ==
-                      "cannot start bubblewrap: No such file or directory");
+                      "provider bwrap cannot make a sandbox on this node: cannot start bubblewrap: "
+                      "No such file or directory");
             }
             errno = 0;
             CHECK(::waitpid(-1, nullptr, WNOHANG) == -1);

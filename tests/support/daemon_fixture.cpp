@@ -534,6 +534,12 @@ std::pair<int, std::string> http_request(boost::beast::http::verb verb, const st
 
 }  // namespace
 
+nlohmann::json host_and_peer_tokens() {
+    return {{"tokens",
+             {{{"name", "host"}, {"token", test_host_token}, {"role", "host"}, {"tenants", {"*"}}},
+              {{"name", "peer"}, {"token", test_peer_token}, {"role", "peer"}, {"tenants", {"*"}}}}}};
+}
+
 std::pair<int, std::string> http_get(const std::string& address, const std::string& target,
                                      const std::string& authorization, bool upgrade) {
     return http_request(boost::beast::http::verb::get, address, target, authorization, upgrade);

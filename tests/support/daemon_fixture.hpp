@@ -184,6 +184,12 @@ nlohmann::json open_params(const nlohmann::json& lease, std::vector<std::string>
 /// INVALID_PARAMS naming that field (empty when all were refused as they must be).
 std::vector<std::string> plugin_fields_not_refused(Client& c, const nlohmann::json& lease);
 
+/// The tokens of tests that need both roles: `auth` with "host" (host-secret) and "peer"
+/// (peer-secret), both for every tenant.
+inline const std::string test_host_token = "host-secret";
+inline const std::string test_peer_token = "peer-secret";
+nlohmann::json host_and_peer_tokens();
+
 /// Raw HTTP GET on the daemon's port (`address` is host:port): status and body.
 std::pair<int, std::string> http_get(const std::string& address, const std::string& target,
                                      const std::string& authorization = "",

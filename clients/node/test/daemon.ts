@@ -18,7 +18,7 @@ export function sandboxdBin(): string {
 
 export interface DaemonOptions {
   nodeId?: string;
-  /** The config file's JSON (no config file when absent). */
+  /** The config file's JSON (always written: limits.drainTimeoutMs is 0 unless it sets one). */
   config?: Record<string, unknown>;
   /** Added to the daemon's environment. */
   env?: Record<string, string>;
@@ -95,9 +95,14 @@ export class Daemon {
       "--node-id", this.nodeId,
       "--log-level", "debug",
     ];
-    if (this.options.config || this.options.audit) {
+    {
       const config = { ...(this.options.config ?? {}) };
       if (this.options.audit) config.audit = { file: join(this.dir, "audit.jsonl") };
+      // Tests stop their daemons with SIGTERM: without a drain of their own it is 0 (the 30 s
+      // default would hold a stop with a channel left running), as in tests/support.
+      const limits = { ...((config.limits as Record<string, unknown> | undefined) ?? {}) };
+      if (!("drainTimeoutMs" in limits)) limits.drainTimeoutMs = 0;
+      config.limits = limits;
       const cfg = join(this.dir, "config.json");
       writeFileSync(cfg, JSON.stringify(config));
       args.unshift("--config", cfg);
