@@ -41,8 +41,10 @@ bool readyz_says(const DaemonProcess& d, const std::string& text) {
     return body.find(text) != std::string::npos;
 }
 
-/// An open channel of a test: what it printed, and its exit once it came.
-struct Running {
+/// An open channel of a test: what it printed, and its exit once it came. (clang-tidy counts
+/// the implicit moves of nlohmann::json, whose invariant checks it cannot see through, as
+/// throwing.)
+struct Running {  // NOLINT(bugprone-exception-escape)
     std::uint32_t channel = 0;
     std::string out;
     json exit;
@@ -214,12 +216,14 @@ TEMPLATE_TEST_CASE("drain: a rolling restart of three nodes under a stream of op
                             .dump();
     constexpr int nodes = 3;
     std::vector<std::unique_ptr<DaemonProcess>> daemons;
+    daemons.reserve(nodes);
     for (int i = 0; i < nodes; ++i) {
         daemons.push_back(std::make_unique<DaemonProcess>("node-" + std::to_string(i), config));
     }
     // What the streams read: each node's current URL, and which node restarts now.
     std::mutex urls_mutex;
     std::vector<std::string> urls;
+    urls.reserve(nodes);
     for (auto& d : daemons) urls.push_back(d->url());
     std::atomic<int> restarting{-1};
     std::atomic<bool> done{false};
@@ -241,6 +245,7 @@ TEMPLATE_TEST_CASE("drain: a rolling restart of three nodes under a stream of op
     };
     std::vector<Stream> streams(nodes);
     std::vector<std::thread> threads;
+    threads.reserve(nodes);
     for (int i = 0; i < nodes; ++i) {
         threads.emplace_back([&, i] {
             auto& s = streams[static_cast<std::size_t>(i)];
@@ -310,6 +315,7 @@ TEMPLATE_TEST_CASE("drain: a rolling restart of three nodes under a stream of op
     };
     const auto marks = [&] {
         std::vector<int> m;
+        m.reserve(nodes);
         for (auto& s : streams) m.push_back(s.ok);
         return m;
     };
