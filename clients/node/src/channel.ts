@@ -190,19 +190,24 @@ export class Channel extends Duplex {
     for (const w of this.stdinQueue.splice(0)) w.done();
     if (!this.readableEnded && !this.destroyed) this.push(null);
     if (!this.stderr.destroyed) this.stderr.push(null);
-    const streams: Readable[] = [this, this.stderr];
-    const waits = streams
-      .filter((s) => s.readableFlowing !== null && !s.readableEnded && !s.destroyed)
-      .map(
-        (s) =>
-          new Promise<void>((resolve) => {
-            s.once("end", resolve);
-            s.once("close", resolve);
-          }),
-      );
-    void Promise.all(waits).then(() => {
-      this.emit("exit", exit);
-      this.resolveExit(exit);
+    // Which streams are being read is decided a turn later: the output and the exit may
+    // arrive in the same socket read as the open's answer, before the code that awaited
+    // open() has attached its listeners (it runs in the microtasks before that turn).
+    setImmediate(() => {
+      const streams: Readable[] = [this, this.stderr];
+      const waits = streams
+        .filter((s) => s.readableFlowing !== null && !s.readableEnded && !s.destroyed)
+        .map(
+          (s) =>
+            new Promise<void>((resolve) => {
+              s.once("end", resolve);
+              s.once("close", resolve);
+            }),
+        );
+      void Promise.all(waits).then(() => {
+        this.emit("exit", exit);
+        this.resolveExit(exit);
+      });
     });
   }
 
