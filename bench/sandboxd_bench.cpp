@@ -399,8 +399,8 @@ Target target_of(const Args& a, const std::string& url_key = "url", const std::s
 }
 
 json acquire(Conn& c, const std::string& company = "bench", const std::string& env = "bench",
-             const json& limits = json::object()) {
-    json params = {{"companyId", company}, {"environmentId", env}, {"provider", "bwrap"}};
+             const json& limits = json::object(), const std::string& provider = "bwrap") {
+    json params = {{"companyId", company}, {"environmentId", env}, {"provider", provider}};
     if (!limits.empty()) params["config"] = {{"limits", limits}};
     return c.call("leaseAcquire", params);
 }
@@ -952,33 +952,76 @@ json cmd_hold(const Args& a) {
                 {"open_while_held_ms", probe}}}}}};
 }
 
-/// lease-ops: leaseAcquire + leaseRelease pairs per second, sequential on one connection.
+/// One connection's leaseAcquire + leaseRelease pairs, one after the other, for `seconds`.
+struct LeasePairs {
+    std::size_t pairs = 0;
+    std::vector<double> acquire_ms, release_ms;
+};
+
+LeasePairs lease_pairs(const Target& t, const std::string& provider, double seconds, std::size_t index) {
+    Conn c(t.url, t.token);
+    LeasePairs out;
+    const auto t0 = clock_type::now();
+    while (secs_since(t0) < seconds) {
+        auto t1 = clock_type::now();
+        const json lease = acquire(c, "bench", "ops-" + std::to_string(index), json::object(), provider);
+        out.acquire_ms.push_back(ms_since(t1));
+        t1 = clock_type::now();
+        c.call("leaseRelease", {{"leaseId", lease["id"]}});
+        out.release_ms.push_back(ms_since(t1));
+        ++out.pairs;
+    }
+    c.close();
+    return out;
+}
+
+/// lease-ops [--provider P] [--connections N] [--key NAME]: leaseAcquire + leaseRelease pairs
+/// per second, sequential on each of N connections (1: one after the other), all N in
+/// parallel; the figure is named NAME (default lease_ops_per_s).
 json cmd_lease_ops(const Args& a) {
     const Target t = target_of(a);
     const double seconds = static_cast<double>(a.num("seconds", 10));
-    Conn c(t.url, t.token);
-    std::vector<double> acquire_ms, release_ms;
+    const std::string provider = a.str("provider", "bwrap");
+    const std::size_t connections = a.num("connections", 1);
+    const std::string key = a.str("key", "lease_ops_per_s");
+    if (connections < 1 || connections > 64) throw std::runtime_error("--connections: 1..64");
+    std::vector<LeasePairs> results(connections);
+    std::vector<std::exception_ptr> errors(connections);
     const auto t0 = clock_type::now();
-    std::size_t pairs = 0;
-    while (secs_since(t0) < seconds) {
-        auto t1 = clock_type::now();
-        const json lease = acquire(c, "bench", "ops");
-        acquire_ms.push_back(ms_since(t1));
-        t1 = clock_type::now();
-        c.call("leaseRelease", {{"leaseId", lease["id"]}});
-        release_ms.push_back(ms_since(t1));
-        ++pairs;
+    {
+        std::vector<std::jthread> threads;
+        threads.reserve(connections);
+        for (std::size_t i = 0; i < connections; ++i) {
+            threads.emplace_back([&, i] {
+                try {
+                    results[i] = lease_pairs(t, provider, seconds, i);
+                } catch (...) {
+                    errors[i] = std::current_exception();
+                }
+            });
+        }
     }
     const double secs = secs_since(t0);
-    c.close();
-    const double rate = static_cast<double>(pairs) / secs;
-    return {{"lease_ops_per_s", rate},
+    for (const auto& e : errors) {
+        if (e) std::rethrow_exception(e);
+    }
+    LeasePairs all;
+    for (auto& r : results) {
+        all.pairs += r.pairs;
+        all.acquire_ms.insert(all.acquire_ms.end(), r.acquire_ms.begin(), r.acquire_ms.end());
+        all.release_ms.insert(all.release_ms.end(), r.release_ms.begin(), r.release_ms.end());
+    }
+    const double rate = static_cast<double>(all.pairs) / secs;
+    const std::string detail = key.substr(0, key.size() - std::string_view("_per_s").size());
+    return {{key, rate},
             {"details",
-             {{"lease_ops",
-               {{"pairs", pairs},
+             {{detail,
+               {{"provider", provider},
+                {"connections", connections},
+                {"pairs", all.pairs},
                 {"seconds", secs},
-                {"acquire_ms", summary(acquire_ms)},
-                {"release_ms", summary(release_ms)}}}}}};
+                {"acquire_ms", summary(all.acquire_ms)},
+                {"release_ms", summary(all.release_ms)}}}}}};
 }
 
 /// proxy: a lease owned by node A (--owner-url), opened through node B (--url).
@@ -1066,8 +1109,12 @@ json cmd_report(const Args& a) {
     }
     // Optional figures: scenarios that a run may leave out.
     for (const char* k : {"node_client_stream_mb_s", "tls_stream_mb_s", "plain_stream_mb_s", "tls_open_p50_ms",
-                          "plain_open_p50_ms"}) {
+                          "plain_open_p50_ms", "noop_lease_ops_per_s", "noop_lease_ops_parallel_per_s"}) {
         if (all.contains(k)) latest[k] = all[k];
+    }
+    if (details.contains("lease_ops")) {  // bwrap: leaseAcquire p50 + leaseRelease p50
+        latest["lease_pair_p50_ms"] = details["lease_ops"]["acquire_ms"]["p50"].get<double>() +
+                                      details["lease_ops"]["release_ms"]["p50"].get<double>();
     }
     latest["machine"] = a.need("machine");
     latest["command"] = a.need("command");
@@ -1164,6 +1211,22 @@ json cmd_report(const Args& a) {
             "idle p99 " + fmt(num("open_p99_ms"), 1), "", "");
     }
     row("leaseAcquire+leaseRelease (per s)", fmt(num("lease_ops_per_s"), 0), "sqlite registry", "", "");
+    if (details.contains("lease_ops")) {
+        const auto& l = details["lease_ops"];
+        const double pair = l["acquire_ms"]["p50"].get<double>() + l["release_ms"]["p50"].get<double>();
+        row("  bwrap acquire + release p50 (ms)", fmt(json(pair), 1),
+            fmt(l["acquire_ms"]["p50"], 1) + " + " + fmt(l["release_ms"]["p50"], 1), "<= 30 ms",
+            verdict(pair <= 30.0));
+    }
+    if (all.contains("noop_lease_ops_per_s")) {
+        row("  no-op provider, 1 connection (per s)", fmt(num("noop_lease_ops_per_s"), 0), "sqlite registry",
+            ">= 1,000", verdict(num("noop_lease_ops_per_s").get<double>() >= 1000.0));
+    }
+    if (all.contains("noop_lease_ops_parallel_per_s")) {
+        row("  no-op provider, 4 connections (per s)", fmt(num("noop_lease_ops_parallel_per_s"), 0),
+            "1 connection " + fmt(num("noop_lease_ops_per_s"), 0), "> 1 connection",
+            verdict(num("noop_lease_ops_parallel_per_s").get<double>() > num("noop_lease_ops_per_s").get<double>()));
+    }
     if (details.contains("load")) {
         t << "load average (1/5/15 min) before: " << details["load"].value("before", "?")
           << ", after: " << details["load"].value("after", "?") << "\n";

@@ -309,6 +309,11 @@ void parse_top(const json& j, Config& c) {
             bo.strings("etcFiles", c.bwrap.etc_files);
             bo.done();
         }
+        if (const auto* n = o.get("noop")) {
+            Obj no(*n, "providers.noop");
+            no.boolean("enabled", c.noop_provider);
+            no.done();
+        }
         if (const auto* pl = o.get("plugins")) {
             if (!pl->is_array()) fail("providers.plugins", "must be an array");
             for (std::size_t i = 0; i < pl->size(); ++i) {
@@ -571,6 +576,7 @@ nlohmann::json config_to_json(const Config& c) {
               {"insideGid", c.bwrap.identity.inside_gid},
               {"lockFile", c.bwrap.identity.lock_file}}},
             {"etcFiles", c.bwrap.etc_files}}},
+          {"noop", {{"enabled", c.noop_provider}}},
           {"plugins", plugins}}},
         {"limits",
          {{"maxTextMessage", l.max_text_message},

@@ -647,7 +647,7 @@ private:
             }
             out.stdout_pipe = detail::make_pipe(detail::daemon_end::read);
             out.stderr_pipe = detail::make_pipe(detail::daemon_end::read);
-            ::fcntl(out.stdout_pipe.read_end.get(), F_SETPIPE_SZ, 1 << 20);  // fewer, larger reads
+            // The pipes keep their default size: ProcessBackend grows one once it streams.
             fds.push_back(out.stdout_pipe.write_end.get());
             fds.push_back(out.stderr_pipe.write_end.get());
         }

@@ -83,6 +83,8 @@ private:
     pid_t pid_;
     bool pty_;
     bool gone_ = false;
+    /// Per output stream: its pipe was grown to streaming_pipe_size (once it first filled).
+    bool grown_[2] = {false, false};
     unique_fd control_;
     net::posix::stream_descriptor pidfd_;
     net::posix::stream_descriptor status_;

@@ -1,6 +1,7 @@
 #pragma once
 /// @file spawn.hpp
-/// fork/exec for a multi-threaded process, and the pipes and PTYs that go with it.
+/// Starting a program from the multi-threaded daemon without fork (clone with
+/// CLONE_VM|CLONE_VFORK, as posix_spawn does), and the pipes and PTYs that go with it.
 /// Internal to the providers. Every function is safe to call from any thread.
 
 #include <sandboxd/core/unique_fd.hpp>
@@ -64,7 +65,9 @@ struct SpawnResult {
 };
 
 /// Starts `request` in a new session: the child gets exactly the fds asked for, an empty signal mask
-/// and default dispositions. Only async-signal-safe calls run between fork and exec.
+/// and default dispositions. The child shares the daemon's memory until its exec (CLONE_VM,
+/// CLONE_VFORK): only async-signal-safe calls run in it, and the calling thread blocks (with
+/// every signal blocked) until the exec or the child's failure, typically well under 1 ms.
 /// Returns once the exec has succeeded. If it fails, the child is reaped and
 /// rpc_error(errc::provider_error, "cannot start <what>: <strerror>") is thrown.
 /// The caller must reap `pid` (e.g. once `pidfd` is readable).

@@ -35,6 +35,10 @@ public:
     virtual ~ChannelSink() = default;
     /// Queues a binary frame, already encoded.
     virtual void send_binary(std::string frame) = 0;
+    /// A string to resize and overwrite entirely, then send_binary(): a frame written before,
+    /// with its old size and bytes (or an empty one). Reusing it spares the allocation, the
+    /// zero-fill and the page faults of a fresh 256 KiB buffer per frame.
+    virtual std::string frame_buffer() { return {}; }
     /// Queues a text frame (a JSON-RPC notification).
     virtual void send_text(std::string text) = 0;
     /// The channel has sent its exit (or can no longer send it) and may be forgotten.
@@ -162,6 +166,11 @@ private:
     bool reaped_ = false;
     std::optional<channel_outcome> forced_outcome_;
     std::uint64_t stdout_bytes_ = 0, stderr_bytes_ = 0, stdin_bytes_ = 0;
+    struct LastRead {
+        std::size_t bytes = 0;
+        std::chrono::steady_clock::time_point at{};
+    };
+    LastRead stdout_last_read_, stderr_last_read_;  // for output coalescing
     /// The end of the main process as the backend reported it: exited with exit_code_, or
     /// killed by term_signal_ (> 0). Neither: no valid report.
     std::optional<int> exit_code_;

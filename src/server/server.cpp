@@ -353,6 +353,11 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
         auto key = provider->key();
         node.providers.emplace(key, metered_provider(std::move(provider), node.metrics));
     }
+    if (c.noop_provider) {
+        auto provider = make_noop_provider();
+        auto key = provider->key();
+        node.providers.emplace(key, metered_provider(std::move(provider), node.metrics));
+    }
     for (std::size_t i = 0; i < c.plugins.size(); ++i) {
         if (node.providers.count(c.plugins[i].provider)) {
             throw config_error("config: providers.plugins[" + std::to_string(i) +

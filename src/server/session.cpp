@@ -114,6 +114,7 @@ void Session::revoke() {
 }
 
 void Session::send_binary(std::string frame) { transport_.send(true, std::move(frame)); }
+std::string Session::frame_buffer() { return transport_.take_buffer(); }
 
 void Session::send_text(std::string text) { transport_.send(false, std::move(text)); }
 

@@ -59,6 +59,7 @@ public:
     const Principal& principal() const noexcept { return who_; }
 
     void send_binary(std::string frame) override;
+    std::string frame_buffer() override;
     void send_text(std::string text) override;
     void channel_finished(std::uint32_t channel) override;
 

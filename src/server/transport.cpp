@@ -130,7 +130,11 @@ awaitable<void> Transport::write_loop() {
                 co_await ws_.async_close(*close_code_, as_tuple_awaitable);
                 co_return;
             }
-            co_await queue_timer_.async_wait(as_tuple_awaitable);  // woken by a cancel
+            // Woken by a cancel. Spare buffers are kept only while the connection writes.
+            if (!spare_.empty()) queue_timer_.expires_after(spare_buffer_idle);
+            auto [idle] = co_await queue_timer_.async_wait(as_tuple_awaitable);
+            if (!idle) spare_.clear();  // the timer expired: nothing was sent for a while
+            queue_timer_.expires_at(net::steady_timer::time_point::max());
             auto cs = co_await net::this_coro::cancellation_state;
             if (cs.cancelled() != net::cancellation_type::none || (closing_ && !close_code_)) co_return;
             continue;
@@ -143,6 +147,9 @@ awaitable<void> Transport::write_loop() {
             // The read then fails too; closing here makes sure it does at once.
             beast::get_lowest_layer(ws_).socket().close(ec);
             co_return;
+        }
+        if (out.binary && out.bytes.capacity() >= min_spare_capacity && spare_.size() < max_spare_buffers) {
+            spare_.push_back(std::move(out.bytes));  // size and bytes kept: see take_buffer()
         }
     }
 }
@@ -186,6 +193,13 @@ void Transport::send(bool binary, std::string bytes) {
     if (closing_) return;
     queue_.push_back({binary, std::move(bytes)});
     queue_timer_.cancel();
+}
+
+std::string Transport::take_buffer() {
+    if (spare_.empty()) return {};
+    std::string out = std::move(spare_.back());
+    spare_.pop_back();
+    return out;
 }
 
 void Transport::close(websocket::close_code code, std::shared_ptr<void> keep_alive) {

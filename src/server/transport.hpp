@@ -20,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace sandboxd {
 
@@ -68,6 +69,14 @@ public:
     /// responses by limits.requestsPerConnection, notifications by the channels.
     void send(bool binary, std::string bytes);
 
+    /// A binary message written before, to resize, overwrite and send() (none: an empty
+    /// string). It keeps its size and old bytes, so that resizing it to a frame of the same
+    /// size or less writes nothing (std::string has no uninitialised resize in C++20): the
+    /// caller must overwrite every byte it sends. At most `max_spare_buffers` are kept, and only
+    /// while the connection writes: they are freed once it has been idle for
+    /// `spare_buffer_idle`.
+    std::string take_buffer();
+
     /// Closes with `code`, from any thread: from now on nothing more is queued (closing() is
     /// true), what was queued before is written, and then the close handshake starts (so an
     /// exit sent just before a stop is not lost). `keep_alive` (the owner) is held until the
@@ -99,6 +108,10 @@ private:
     strand_t strand_;
     std::string peer_;
     std::deque<Outgoing> queue_;
+    static constexpr std::size_t max_spare_buffers = 4;
+    static constexpr std::size_t min_spare_capacity = 64 * 1024;
+    static constexpr auto spare_buffer_idle = std::chrono::milliseconds(50);
+    std::vector<std::string> spare_;  // written binary messages' buffers, for take_buffer()
     net::steady_timer queue_timer_;  // woken (cancelled) when the queue gets work
     std::chrono::steady_clock::time_point last_heard_;  // last frame read from the peer
     bool closing_ = false;

@@ -506,3 +506,37 @@ TEST_CASE("With limits not enforced the node serves, says so, and removes a plai
     c->call("leaseRelease", {{"leaseId", lease["id"]}});
     CHECK(count_sandboxes(daemon) == 0);
 }
+
+TEST_CASE("The no-op provider makes and releases leases and runs nothing and only where enabled",
+          "[daemon][lease][provider]") {
+    {
+        DaemonProcess d("node-a", R"({"providers": {"noop": {"enabled": true}}})");
+        auto c = d.connect();
+        const json lease = c->call("leaseAcquire",
+                                   {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "noop"}});
+        CHECK(lease["status"] == "active");
+        CHECK(lease["provider"] == "noop");
+        CHECK(lease["metadata"]["pluginId"] == "builtin");
+        const auto pl_id = lease["providerLeaseId"].get<std::string>();
+        CHECK(pl_id.rfind("noop-", 0) == 0);
+        CHECK(pl_id.size() == 5 + 16);
+        CHECK(count_sandboxes(d) == 0);  // nothing of bwrap was made
+
+        auto [reason, message] = call_error(*c, "duplexChannelOpen", open_params(lease, {"true"}));
+        CHECK(reason == "PROVIDER_ERROR");
+        CHECK(message.find("provider noop runs no commands") != std::string::npos);
+
+        const json released = c->call("leaseRelease", {{"leaseId", lease["id"]}});
+        CHECK(released["status"] == "released");
+        // bwrap is still there beside it.
+        CHECK(acquire(*c)["provider"] == "bwrap");
+    }
+    {
+        DaemonProcess d("node-b");
+        auto c = d.connect();
+        auto [reason, message] = call_error(
+            *c, "leaseAcquire", {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "noop"}});
+        CHECK(reason == "INVALID_PARAMS");
+        CHECK(message.find("no provider \"noop\"") != std::string::npos);
+    }
+}

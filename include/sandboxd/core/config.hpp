@@ -195,6 +195,8 @@ struct Config {
     /// ca_file verified. Empty: peer links follow the peers' URLs without a client certificate.
     TlsFilesConfig peer_tls;
     BwrapConfig bwrap;
+    /// providers.noop.enabled: the no-op provider (make_noop_provider), for benchmarks only.
+    bool noop_provider = false;
     std::vector<PluginConfig> plugins;
     LimitsConfig limits;
     std::string log_level = "info";  ///< trace, debug, info, warn, error, critical, off

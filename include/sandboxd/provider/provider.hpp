@@ -345,4 +345,10 @@ struct BwrapOptions {
 /// holds sandboxes_dir. Logs the mechanism it uses.
 std::unique_ptr<Provider> make_bwrap_provider(BwrapOptions options);
 
+/// The no-op provider (key "noop", pluginId "builtin", src/provider/noop_provider.cpp): its
+/// sandboxes are nothing, create and destroy return at once, and every open fails with
+/// rpc_error(errc::provider_error). For measuring the node's own cost per lease operation
+/// (bench/run); enabled only by providers.noop.enabled. Thread-safe.
+std::unique_ptr<Provider> make_noop_provider();
+
 }  // namespace sandboxd
