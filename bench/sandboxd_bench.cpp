@@ -828,11 +828,18 @@ json cmd_hold(const Args& a) {
     const std::size_t total = a.num("channels", 1000);
     const std::size_t nconn = a.num("connections", 8);
     const std::size_t probes = a.num("probe", 200);
+    const std::size_t nleases = a.num("leases", 1);
+    if (nleases < 1 || nleases > total) throw std::runtime_error("hold: --leases must be 1..channels");
 
     Conn control(t.url, t.token);
-    // Every held channel is two processes of the lease (its init and the command): room for
-    // them all above the default pids limit (1024).
-    const json lease = acquire(control, "bench", "bench", {{"pids", 2 * total + 64}});
+    // The channels go round-robin over the leases. Every held channel is two processes of its
+    // lease (its init and the command): room for them all above the default pids limit (1024).
+    std::vector<json> leases;
+    const std::size_t per_lease = (total + nleases - 1) / nleases;
+    for (std::size_t i = 0; i < nleases; ++i) {
+        leases.push_back(acquire(control, "bench", "hold-" + std::to_string(i), {{"pids", 2 * per_lease + 64}}));
+    }
+    const json& lease = leases.front();
     open_true_once(control, lease);  // warm the daemon's paths once
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     const long rss_before = rss_kib(pid);
@@ -856,13 +863,15 @@ json cmd_hold(const Args& a) {
             try {
                 // Pipelined, but never more requests in flight than the daemon serves at once
                 // on one connection (it refuses the rest with CHANNEL_LIMIT).
-                const std::size_t window =
-                    c.call("initialize", {{"protocolVersion", 1}})["limits"].value("requestsPerConnection", 1U);
+                const std::size_t window = std::min<std::size_t>(
+                    a.num("window", 64),
+                    c.call("initialize", {{"protocolVersion", 1}})["limits"].value("requestsPerConnection", 1U));
                 std::deque<std::int64_t> ids;
                 std::size_t sent = 0;
                 while (sent < mine || !ids.empty()) {
                     while (sent < mine && ids.size() < window) {
-                        ids.push_back(c.send_request("duplexChannelOpen", open_params(lease, {"sleep", "600"}, false)));
+                        const json& on = leases[(ci + sent * nconn) % nleases];
+                        ids.push_back(c.send_request("duplexChannelOpen", open_params(on, {"sleep", "600"}, false)));
                         ++sent;
                     }
                     channels.push_back(c.wait(ids.front()).at("channel").get<std::uint32_t>());
@@ -924,7 +933,7 @@ json cmd_hold(const Args& a) {
     for (auto& th : threads) th.join();
     stop_all_s = secs_since(stop_start);
     for (auto& c : conns) c->close();
-    control.call("leaseRelease", {{"leaseId", lease["id"]}});
+    for (const auto& l : leases) control.call("leaseRelease", {{"leaseId", l["id"]}});
     control.close();
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     const long rss_after = rss_kib(pid);
@@ -941,6 +950,7 @@ json cmd_hold(const Args& a) {
             {"details",
              {{"hold",
                {{"channels", opened},
+                {"leases", nleases},
                 {"connections", nconn},
                 {"rss_before_kib", rss_before},
                 {"rss_held_kib", rss_held},
@@ -1112,6 +1122,11 @@ json cmd_report(const Args& a) {
                           "plain_open_p50_ms", "noop_lease_ops_per_s", "noop_lease_ops_parallel_per_s"}) {
         if (all.contains(k)) latest[k] = all[k];
     }
+    if (details.contains("hold")) {  // measured at 10,000 channels, or extrapolated to it
+        const auto& h = details["hold"];
+        latest["held_rss_10k_mb"] =
+            (h["rss_before_kib"].get<double>() + h["rss_per_channel_kib"].get<double>() * 10000.0) / 1024.0;
+    }
     if (details.contains("lease_ops")) {  // bwrap: leaseAcquire p50 + leaseRelease p50
         latest["lease_pair_p50_ms"] = details["lease_ops"]["acquire_ms"]["p50"].get<double>() +
                                       details["lease_ops"]["release_ms"]["p50"].get<double>();
@@ -1149,11 +1164,16 @@ json cmd_report(const Args& a) {
 
     const json open_ratio = ratio(num("open_p50_ms"), num("websocketd_open_p50_ms"));
     row("open `true` p50, sequential (ms)", fmt(num("open_p50_ms"), 2),
-        "websocketd /bin/true " + fmt(num("websocketd_open_p50_ms"), 2), "<= 3x websocketd",
-        open_ratio.is_null() ? "n/a" : verdict(open_ratio.get<double>() <= 3.0) + " " + fmt(open_ratio, 1) + "x");
-    row("open `true` p99, sequential (ms)", fmt(num("open_p99_ms"), 2),
-        details.contains("websocketd_open") ? "websocketd p99 " + fmt(details["websocketd_open"]["p99"], 2) : "",
-        "", "");
+        "websocketd /bin/true " + fmt(num("websocketd_open_p50_ms"), 2), "<= 1.0x websocketd",
+        open_ratio.is_null() ? "n/a" : verdict(open_ratio.get<double>() <= 1.0) + " " + fmt(open_ratio, 1) + "x");
+    if (details.contains("websocketd_open")) {
+        const json p99_ratio = ratio(num("open_p99_ms"), details["websocketd_open"]["p99"]);
+        row("open `true` p99, sequential (ms)", fmt(num("open_p99_ms"), 2),
+            "websocketd p99 " + fmt(details["websocketd_open"]["p99"], 2), "<= 1.5x websocketd",
+            p99_ratio.is_null() ? "n/a" : verdict(p99_ratio.get<double>() <= 1.5) + " " + fmt(p99_ratio, 1) + "x");
+    } else {
+        row("open `true` p99, sequential (ms)", fmt(num("open_p99_ms"), 2), "", "", "");
+    }
     if (details.contains("execute_sequential")) {
         const json exec_ratio = ratio(num("execute_p50_ms"), num("open_p50_ms"));
         row("leaseExecute `true` p50 / p99, sequential (ms)",
@@ -1169,8 +1189,8 @@ json cmd_report(const Args& a) {
     }
     const json stream_ratio = ratio(num("stream_mb_s"), num("pipe_mb_s"));
     row("stream head|channel (MB/s)", fmt(num("stream_mb_s"), 0), "pipe " + fmt(num("pipe_mb_s"), 0),
-        ">= 50% of pipe",
-        stream_ratio.is_null() ? "n/a" : verdict(stream_ratio.get<double>() >= 0.5) + " " + fmt(json(stream_ratio.get<double>() * 100), 0) + "%");
+        ">= 90% of pipe",
+        stream_ratio.is_null() ? "n/a" : verdict(stream_ratio.get<double>() >= 0.9) + " " + fmt(json(stream_ratio.get<double>() * 100), 0) + "%");
     row("websocketd --binary head (MB/s)", "", fmt(num("websocketd_stream_mb_s"), 0) +
         " (" + fmt(ratio(num("stream_mb_s"), num("websocketd_stream_mb_s")), 2) + "x of it)", "", "");
     if (all.contains("node_client_stream_mb_s")) {
@@ -1190,20 +1210,27 @@ json cmd_report(const Args& a) {
     row("stdin into cat > /dev/null (MB/s)", fmt(num("stdin_mb_s"), 0), "pipe " + fmt(num("pipe_mb_s"), 0), "", "");
     if (num("proxy_open_p50_ms").is_null()) {
         row("proxied open p50 (ms)", "n/a", "routing not available", "", "n/a");
-        row("proxied stream (MB/s)", "n/a", "routing not available", ">= 80% of direct", "n/a");
+        row("proxied stream (MB/s)", "n/a", "routing not available", "90-110% of direct", "n/a");
     } else {
         const json pr = ratio(num("proxy_stream_mb_s"), num("stream_mb_s"));
         row("proxied open p50 (ms)", fmt(num("proxy_open_p50_ms"), 2),
             "direct " + fmt(num("open_p50_ms"), 2) + " (" + fmt(ratio(num("proxy_open_p50_ms"), num("open_p50_ms")), 2) + "x)", "", "");
         row("proxied stream (MB/s)", fmt(num("proxy_stream_mb_s"), 0), "direct " + fmt(num("stream_mb_s"), 0),
-            ">= 80% of direct", pr.is_null() ? "n/a" : verdict(pr.get<double>() >= 0.8) + " " + fmt(json(pr.get<double>() * 100), 0) + "%");
+            "90-110% of direct",
+            pr.is_null() ? "n/a"
+                         : verdict(pr.get<double>() >= 0.9 && pr.get<double>() <= 1.1) + " " +
+                               fmt(json(pr.get<double>() * 100), 0) + "%");
     }
-    std::string held_status = verdict(num("held_rss_mb").get<double>() <= 64.0);
-    if (num("held_channels").get<double>() < 1000) held_status = "n/a (<1000)";
     row("held `sleep 600` channels: daemon RSS (MiB)", fmt(num("held_rss_mb"), 1),
-        fmt(num("held_channels"), 0) + " channels", "<= 64 MiB at 1,000", held_status);
+        fmt(num("held_channels"), 0) + " channels", "", "");
     if (details.contains("hold")) {
         const auto& h = details["hold"];
+        // 10,000 channels need some 50,000 descriptors: where the process may not have them,
+        // the run holds fewer and the figure at 10,000 is its per-channel cost times 10,000.
+        const double at_10k = (h["rss_before_kib"].get<double>() + h["rss_per_channel_kib"].get<double>() * 10000.0) / 1024.0;
+        const bool measured = num("held_channels").get<double>() >= 10000;
+        row(measured ? "  daemon RSS at 10,000 channels (MiB)" : "  daemon RSS at 10,000, extrapolated (MiB)",
+            fmt(json(at_10k), 1), fmt(h.value("leases", json(1)), 0) + " leases", "<= 64 MiB", verdict(at_10k <= 64.0));
         row("  RSS per held channel (KiB)", fmt(h["rss_per_channel_kib"], 1),
             "before " + fmt(json(h["rss_before_kib"].get<double>() / 1024.0), 1) + " MiB", "", "");
         row("  open p50 / p99 while held (ms)",
