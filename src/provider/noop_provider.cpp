@@ -16,16 +16,22 @@ namespace {
 
 constexpr std::string_view id_prefix = "noop-";
 
+/// The handle of `lease`'s (empty) sandbox: its scope and id, nothing else.
+std::shared_ptr<SandboxHandle> handle_of(const Lease& lease) {
+    auto handle = std::make_shared<SandboxHandle>();
+    handle->scope = scope_of(lease);
+    handle->lease_id = lease.id;
+    return handle;
+}
+
 class NoopProvider final : public Provider {
 public:
     const std::string& key() const noexcept override { return key_; }
     const std::string& plugin_id() const noexcept override { return plugin_id_; }
 
     awaitable<std::shared_ptr<SandboxHandle>> create(Lease lease) override {
-        auto handle = std::make_shared<SandboxHandle>();
-        handle->scope = scope_of(lease);
+        auto handle = handle_of(lease);
         handle->scope.provider_lease_id = std::string(id_prefix) + random_hex(8);
-        handle->lease_id = lease.id;
         co_return handle;
     }
 
@@ -45,20 +51,12 @@ public:
 
     std::shared_ptr<SandboxHandle> handle_for_teardown(const Lease& lease) override {
         if (lease.provider_lease_id.rfind(id_prefix, 0) != 0) return nullptr;
-        auto handle = std::make_shared<SandboxHandle>();
-        handle->scope = scope_of(lease);
-        handle->lease_id = lease.id;
-        return handle;
+        return handle_of(lease);
     }
 
     /// Nothing is lost with the process: a restarted node serves its leases again.
     bool can_resume() const noexcept override { return true; }
-    awaitable<std::shared_ptr<SandboxHandle>> resume(Lease lease) override {
-        auto handle = std::make_shared<SandboxHandle>();
-        handle->scope = scope_of(lease);
-        handle->lease_id = lease.id;
-        co_return handle;
-    }
+    awaitable<std::shared_ptr<SandboxHandle>> resume(Lease lease) override { co_return handle_of(lease); }
 
 private:
     std::string key_ = "noop";
