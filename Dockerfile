@@ -18,7 +18,7 @@
 # first form). --privileged is not needed:
 #   providers.bwrap.limits.enforce: false (a config mounted at /etc/sandboxd/sandboxd.jsonc):
 #     podman run -d --read-only --cap-drop ALL --cap-add CHOWN --cap-add DAC_OVERRIDE \
-#       --cap-add FOWNER --cap-add KILL --cap-add SETUID --cap-add SETGID --cap-add NET_ADMIN \
+#       --cap-add FOWNER --cap-add KILL --cap-add SETUID --cap-add SETGID \
 #       --security-opt 'unmask=/proc/*' --security-opt seccomp=sandboxd-seccomp.json ...
 #     (bubblewrap mounts a fresh /proc in each lease's user namespace, which the kernel refuses
 #     while masked paths cover parts of the container's /proc; and it names the lease's UTS

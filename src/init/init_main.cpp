@@ -453,6 +453,9 @@ bool take_channel_fds(const std::vector<int>& fds) {
         print_error("cannot change to directory ", req.cwd, errno);
         ::_exit(125);
     }
+    // The command's own umask, as `docker exec` and a login give it: not the daemon's 0077
+    // (daemon_main.cpp, the unit's UMask=), which every process it starts inherits.
+    ::umask(022);
     Options opts;
     opts.pty = pty;
     opts.grace_ms = req.header.grace_ms;
@@ -484,7 +487,16 @@ public:
             return 1;
         }
         ::fcntl(proto::socket_fd, F_SETFD, FD_CLOEXEC);
-        send_reply(proto::Reply{}, -1);  // hello (id 0): the sandbox is up and serving
+        // Hello (id 0): the sandbox is up and serving. It carries a pidfd of this process
+        // (PID 1 here), by which the daemon ends the sandbox without reading /proc (which a
+        // unit's ProtectProc=invisible hides from it: this process runs as the lease's uid).
+        const int self = static_cast<int>(::syscall(SYS_pidfd_open, ::getpid(), 0));
+        if (self < 0) {
+            print_error("pidfd_open", "", errno);
+            return 1;
+        }
+        send_reply(proto::Reply{}, self);
+        ::close(self);
         // Not zero-filled: pages are touched only as large requests need them.
         buffer_.reset(new char[buffer_size]);
         for (;;) {
@@ -558,6 +570,10 @@ private:
         }
         proto::Reply reply;
         int err = parse(buffer_.get(), static_cast<std::size_t>(n), msg.msg_flags, req);
+        if (err == 0 && (req.header.flags & proto::flag_payload_memfd) != 0) {
+            err = read_payload(req);
+            if (err == 0) err = parse_strings(buffer_.get() + sizeof req.header, req);
+        }
         reply.id = req.header.id;
         int pidfd = -1;
         if (err == 0) err = start_channel(req, pidfd);
@@ -569,18 +585,57 @@ private:
     }
 
     // Validates a request in place (the strings point into buffer_). Returns 0 or an errno.
+    // A payload in a memfd is left for read_payload() and parse_strings().
     static int parse(char* data, std::size_t size, int msg_flags, ChannelRequest& req) {
         if ((msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0) return EMSGSIZE;
         if (size < sizeof(proto::Request)) return EPROTO;
         std::memcpy(&req.header, data, sizeof req.header);
         const auto& h = req.header;
+        const bool in_memfd = (h.flags & proto::flag_payload_memfd) != 0;
         if (h.magic != proto::request_magic || h.argc == 0 ||
-            h.payload_size != size - sizeof h || h.cgroup_fds > proto::max_cgroup_fds ||
-            req.fds.size() != proto::channel_fds + h.cgroup_fds ||
+            h.cgroup_fds > proto::max_cgroup_fds ||
+            req.fds.size() != proto::channel_fds + h.cgroup_fds + (in_memfd ? 1U : 0U) ||
             static_cast<std::uint64_t>(h.argc) + h.envc > proto::max_strings) {
             return EPROTO;
         }
-        char* p = data + sizeof h;
+        if (in_memfd ? size != sizeof h || h.payload_size > proto::max_payload
+                     : h.payload_size != size - sizeof h) {
+            return EPROTO;
+        }
+        return in_memfd ? 0 : parse_strings(data + sizeof h, req);
+    }
+
+    // Reads a memfd payload (the request's last descriptor, closed here) into buffer_ after
+    // the header. Returns 0 or an errno.
+    int read_payload(ChannelRequest& req) {
+        const int fd = req.fds.back();
+        req.fds.pop_back();
+        struct stat st {};
+        int err = 0;
+        if (::fstat(fd, &st) < 0) {
+            err = errno;
+        } else if (static_cast<std::uint64_t>(st.st_size) != req.header.payload_size) {
+            err = EPROTO;
+        }
+        char* to = buffer_.get() + sizeof req.header;
+        for (std::size_t done = 0; err == 0 && done < req.header.payload_size;) {
+            const ssize_t n = ::pread(fd, to + done, req.header.payload_size - done,
+                                      static_cast<off_t>(done));
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) {
+                err = n < 0 ? errno : EPROTO;
+                break;
+            }
+            done += static_cast<std::size_t>(n);
+        }
+        ::close(fd);
+        return err;
+    }
+
+    // The cwd, argv and env strings of a payload of header.payload_size bytes at `data`.
+    static int parse_strings(char* data, ChannelRequest& req) {
+        const auto& h = req.header;
+        char* p = data;
         char* end = p + h.payload_size;
         auto next = [&p, end]() -> char* {
             char* s = p;

@@ -11,9 +11,15 @@
 ///    the channel's stdin, stdout and stderr (under a PTY, the slave three times), the status
 ///    pipe's write end, the control pipe's read end, then `cgroup_fds` cgroup.procs files
 ///    opened by the daemon (the channel's child cgroup, one per hierarchy).
+///    A payload above `max_inline_payload` bytes travels instead in a sealed memfd of exactly
+///    `payload_size` bytes, the last descriptor, with `flag_payload_memfd` set and nothing after
+///    the header: a packet must fit the socket's send buffer, and the default one (wmem_default,
+///    208 KiB) is smaller than `max_payload`. Raising it would take SO_SNDBUFFORCE, that is
+///    CAP_NET_ADMIN, which the daemon does without (systemd/sandboxd.service).
 ///  - Reply (supervisor -> daemon): `Reply`; when `error` is 0, SCM_RIGHTS carries one pidfd of
 ///    the channel's init (PID 1 of the channel's own PID namespace). Replies come in request
-///    order, one per request.
+///    order, one per request. The first reply, id 0 ("hello": the supervisor serves), carries
+///    a pidfd of the supervisor itself, which the daemon kills to end the whole sandbox.
 /// Nothing here is parsed from the sandbox's commands: the supervisor and each channel's init
 /// are not dumpable, so a command (same uid, no capabilities) cannot open their descriptors,
 /// and this socket is closed in every channel before its command runs.
@@ -31,14 +37,17 @@ inline constexpr std::uint32_t reply_magic = 0x53425250;    // "SBRP"
 inline constexpr int socket_fd = 3;   ///< the supervisor's end of the socket pair
 inline constexpr int program_fd = 4;  ///< memfd holding the seccomp BPF program (read at start)
 inline constexpr std::size_t max_payload = 2U << 20;  ///< cwd + argv + env, as execve allows
+/// The largest payload sent in the packet itself; above it, a memfd carries it.
+inline constexpr std::size_t max_inline_payload = 64U << 10;
 inline constexpr std::size_t max_cgroup_fds = 8;
 inline constexpr std::size_t channel_fds = 5;
-inline constexpr std::size_t max_fds = channel_fds + max_cgroup_fds;
+inline constexpr std::size_t max_fds = channel_fds + max_cgroup_fds + 1;  ///< + the payload memfd
 inline constexpr std::size_t max_program = 64U << 10;  ///< bytes of BPF
 inline constexpr std::uint32_t max_strings = 1U << 16; ///< argc + envc
 
 enum request_flags : std::uint32_t {
     flag_pty = 1U << 0,  ///< fd 0 is a PTY slave: make it the controlling terminal
+    flag_payload_memfd = 1U << 1,  ///< the payload is in the last descriptor, a sealed memfd
 };
 
 struct Request {
@@ -50,7 +59,7 @@ struct Request {
     std::uint32_t envc = 0;
     std::uint32_t cgroup_fds = 0;    ///< <= max_cgroup_fds
     std::uint64_t open_files = 0;    ///< RLIMIT_NOFILE of the command; 0: inherited
-    std::uint32_t payload_size = 0;  ///< bytes following this header, <= max_payload
+    std::uint32_t payload_size = 0;  ///< <= max_payload: after the header, or in the memfd
     std::uint32_t reserved = 0;
     /// CLOCK_MONOTONIC, ms: the channel is started only before it (else the reply's error is
     /// ETIMEDOUT and nothing runs); 0: no deadline. The daemon's fencing deadline (its last

@@ -198,7 +198,10 @@ public:
             // The supervisor dies first, so that bubblewrap (its parent, which exits once it
             // has reaped it) is never killed under it: a supervisor that outlived bubblewrap
             // would be re-parented out of the daemon's tree (to the host's init) as an orphan.
-            kill_children_of_bwrap();
+            if (supervisor_pidfd) {
+                ::syscall(SYS_pidfd_send_signal, supervisor_pidfd.get(), SIGKILL, nullptr, 0);
+                supervisor_pidfd.reset();
+            }
             pollfd p{pidfd.get(), POLLIN, 0};
             if (::poll(&p, 1, bwrap_exit_grace_ms) != 1) {
                 ::syscall(SYS_pidfd_send_signal, pidfd.get(), SIGKILL, nullptr, 0);
@@ -217,33 +220,6 @@ public:
     /// How long bubblewrap has to exit by itself once the supervisor is killed, ms.
     static constexpr int bwrap_exit_grace_ms = 2000;
 
-    /// SIGKILL to bubblewrap's children (the supervisor: PID 1 of the lease's namespace, whose
-    /// death ends every process in it). Children are read from /proc; a child's pid cannot be
-    /// reused while bubblewrap has not reaped it, and the pidfd pins it from then on.
-    void kill_children_of_bwrap() noexcept {
-        const std::string path =
-            "/proc/" + std::to_string(pid) + "/task/" + std::to_string(pid) + "/children";
-        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-        if (fd < 0) return;
-        char buf[256];
-        const ssize_t n = ::read(fd, buf, sizeof buf - 1);
-        ::close(fd);
-        if (n <= 0) return;
-        buf[n] = '\0';
-        char* cursor = buf;
-        for (;;) {
-            char* end = nullptr;
-            const long child = std::strtol(cursor, &end, 10);
-            if (end == cursor || child <= 0) break;
-            const long child_fd = ::syscall(SYS_pidfd_open, static_cast<pid_t>(child), 0);
-            if (child_fd >= 0) {
-                ::syscall(SYS_pidfd_send_signal, static_cast<int>(child_fd), SIGKILL, nullptr, 0);
-                ::close(static_cast<int>(child_fd));
-            }
-            cursor = end;
-        }
-    }
-
     /// Whether bubblewrap (and so the supervisor, PID 1 inside) still runs and its socket
     /// is in step. A poll of its pidfd; no wait.
     bool supervisor_alive() {
@@ -260,6 +236,9 @@ public:
     pid_t pid = -1;    ///< bubblewrap, our child
     unique_fd pidfd;
     unique_fd socket;  ///< the daemon's end of the supervisor's socket pair
+    /// The supervisor (PID 1 of the lease's namespaces, bubblewrap's child), from its hello:
+    /// its death ends every process of the sandbox. Empty before the hello and after shutdown.
+    unique_fd supervisor_pidfd;
     std::uint64_t next_request = 1;
     bool broken = false;  ///< a request timed out: the replies may be out of step
 
@@ -484,6 +463,7 @@ private:
         unique_fd dev_null;
         std::unique_ptr<detail::ChannelCgroup> cgroup;
         std::vector<unique_fd> procs;
+        unique_fd payload_memfd;  ///< a payload above max_inline_payload (the last of fds)
     };
 
     std::shared_ptr<SandboxHandle> create_now(SandboxScope scope, const std::string& lease_id,
@@ -662,7 +642,45 @@ private:
             for (const auto& fd : out.procs) fds.push_back(fd.get());
         }
         request.cgroup_fds = static_cast<std::uint32_t>(out.procs.size());
+        if (payload.size() > proto::max_inline_payload) {
+            out.payload_memfd = payload_in_memfd(payload);
+            fds.push_back(out.payload_memfd.get());
+            request.flags |= proto::flag_payload_memfd;
+            payload.clear();
+        }
         return out;
+    }
+
+    /// A memfd holding `bytes`, sealed against any change; empty (errno set) on failure.
+    static unique_fd sealed_memfd(const char* name, const std::string& bytes) {
+        unique_fd fd(static_cast<int>(
+            ::syscall(SYS_memfd_create, name, MFD_CLOEXEC | MFD_ALLOW_SEALING)));
+        std::size_t done = 0;
+        while (fd && done < bytes.size()) {
+            const ssize_t n = ::write(fd.get(), bytes.data() + done, bytes.size() - done);
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) {
+                if (n == 0) errno = EIO;
+                return {};
+            }
+            done += static_cast<std::size_t>(n);
+        }
+        if (!fd || ::fcntl(fd.get(), F_ADD_SEALS,
+                           F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE) != 0) {
+            return {};
+        }
+        return fd;
+    }
+
+    /// The payload of a request in a sealed memfd (supervisor_protocol.hpp: above
+    /// max_inline_payload).
+    static unique_fd payload_in_memfd(const std::string& payload) {
+        unique_fd fd = sealed_memfd("sandboxd-request", payload);
+        if (!fd) {
+            provider_failure(std::string("cannot pass a command's arguments to its sandbox: ") +
+                             std::strerror(errno));
+        }
+        return fd;
     }
 
     /// The daemon's ends of a started channel; the child's ends close with `prepared`.
@@ -850,16 +868,12 @@ private:
     }
 
     static unique_fd make_program_fd() {
-        const std::string program = detail::build_seccomp_filter();
-        unique_fd fd(static_cast<int>(::syscall(SYS_memfd_create, "sandboxd-seccomp",
-                                                MFD_CLOEXEC | MFD_ALLOW_SEALING)));
-        if (!fd || ::write(fd.get(), program.data(), program.size()) !=
-                       static_cast<ssize_t>(program.size())) {
+        // Sealed: nothing may change the filter that every later sandbox reads.
+        unique_fd fd = sealed_memfd("sandboxd-seccomp", detail::build_seccomp_filter());
+        if (!fd) {
             throw std::runtime_error(std::string("cannot hold the syscall filter: ") +
                                      std::strerror(errno));
         }
-        // Sealed: nothing may change the filter that every later sandbox reads.
-        ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE);
         return fd;
     }
 
@@ -1052,9 +1066,6 @@ private:
         }
         unique_fd ours(sv[0]);
         unique_fd theirs(sv[1]);
-        // Room for the largest request (execve's own limit on argv and env).
-        const int sndbuf = static_cast<int>(proto::max_payload + (64 << 10));
-        ::setsockopt(ours.get(), SOL_SOCKET, SO_SNDBUFFORCE, &sndbuf, sizeof sndbuf);
         const timeval tv{supervisor_timeout_ms / 1000, 0};
         ::setsockopt(ours.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
         ::setsockopt(ours.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
@@ -1082,11 +1093,13 @@ private:
 
         // The supervisor says hello (a reply with id 0) once it serves; EOF means bubblewrap
         // failed, and its stderr says why.
+        // The hello carries the supervisor's pidfd.
         proto::Reply hello{};
-        ssize_t n = ::recv(ours.get(), &hello, sizeof hello, 0);
+        unique_fd supervisor;
+        const ssize_t n = recv_reply(ours.get(), hello, supervisor, 0);
         if (n != static_cast<ssize_t>(sizeof hello) || hello.magic != proto::reply_magic ||
-            hello.id != 0 || hello.error != 0) {
-            const int err = n < 0 ? errno : 0;
+            hello.id != 0 || hello.error != 0 || !supervisor) {
+            const int err = n < 0 ? static_cast<int>(-n) : 0;
             char text[2048];
             ssize_t got = ::read(errors.read_end.get(), text, sizeof text - 1);
             std::string why = got > 0 ? std::string(text, static_cast<std::size_t>(got)) : "";
@@ -1096,6 +1109,7 @@ private:
             provider_failure("cannot start the sandbox: " + why);
         }
         sandbox.socket = std::move(ours);
+        sandbox.supervisor_pidfd = std::move(supervisor);
     }
 
     /// What one exchange with a supervisor got: 0 or the errno that ended it, the reply and
@@ -1131,8 +1145,9 @@ private:
     }
 
     /// One reply packet and the pidfd it may carry; -errno on failure (EAGAIN: try when
-    /// readable), 0 at EOF.
-    static ssize_t recv_reply(int socket, proto::Reply& reply, unique_fd& pidfd) {
+    /// readable), 0 at EOF. `flags`: MSG_DONTWAIT, or 0 to block (up to SO_RCVTIMEO).
+    static ssize_t recv_reply(int socket, proto::Reply& reply, unique_fd& pidfd,
+                              int flags = MSG_DONTWAIT) {
         alignas(cmsghdr) char reply_control[CMSG_SPACE(sizeof(int))];
         iovec riov{&reply, sizeof reply};
         msghdr rmsg{};
@@ -1142,7 +1157,7 @@ private:
         rmsg.msg_controllen = sizeof reply_control;
         ssize_t got = 0;
         do {
-            got = ::recvmsg(socket, &rmsg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+            got = ::recvmsg(socket, &rmsg, MSG_CMSG_CLOEXEC | flags);
         } while (got < 0 && errno == EINTR);
         if (got < 0) return -errno;
         for (cmsghdr* rc = CMSG_FIRSTHDR(&rmsg); rc != nullptr; rc = CMSG_NXTHDR(&rmsg, rc)) {

@@ -510,3 +510,50 @@ TEST_CASE("operations: /readyz is ready once the start-up probe made a sandbox",
     DaemonProcess d("node-a", json{{"auth", tokens()}}.dump());
     CHECK(http_get(d.address(), "/readyz") == std::pair<int, std::string>(200, "ready\n"));
 }
+
+TEST_CASE("operations: a daemon confined as its systemd unit confines it runs and ends sandboxes",
+          "[operations]") {
+    // 4 MiB requests: room for an argv of up to 2 MiB (the supervisor's limit) in JSON.
+    DaemonProcess d("node-a", json{{"limits", {{"maxTextMessage", 4 << 20}}}}.dump());
+    d.confine_like_the_unit_for_next_start();
+    d.restart();
+    {
+        // The unit's bounding set: no CAP_NET_ADMIN (12), no CAP_NET_BIND_SERVICE (10).
+        std::ifstream status("/proc/" + std::to_string(d.pid()) + "/status");
+        std::string line;
+        unsigned long long bounding = ~0ULL;
+        while (std::getline(status, line)) {
+            if (line.rfind("CapBnd:", 0) == 0) bounding = std::stoull(line.substr(7), nullptr, 16);
+        }
+        CHECK((bounding & (1ULL << 12)) == 0);
+        CHECK((bounding & (1ULL << 10)) == 0);
+        CHECK((bounding & (1ULL << 21)) != 0);  // CAP_SYS_ADMIN kept
+    }
+    Client c(d.url(), d.token());
+    const auto lease = acquire_lease(c);
+
+    // 15 arguments of 100,000 bytes: a 1.5 MB request to the lease's supervisor, far above the
+    // socket's default send buffer, which the daemon cannot raise without CAP_NET_ADMIN.
+    std::vector<std::string> argv = {"sh", "-c",
+                                     "n=0; for a; do n=$((n + ${#a})); done; echo \"$# $n\"", "sh"};
+    for (char letter = 'a'; letter < 'a' + 15; ++letter) argv.emplace_back(100000, letter);
+    auto big = c.run_channel(open_params(lease, argv));
+    CHECK(big.out == "15 1500000\n");
+    CHECK(big.exit["exitCode"] == 0);
+
+    // Above the supervisor's 2 MiB: refused, and the lease goes on serving.
+    for (char letter = 'a'; letter < 'a' + 7; ++letter) argv.emplace_back(100000, letter);
+    CHECK(error_reason(c, "duplexChannelOpen", open_params(lease, argv)) == "INVALID_PARAMS");
+    // Small requests still travel in the packet itself; the command's umask is its own.
+    auto small = c.run_channel(open_params(lease, {"sh", "-c", "echo small; umask"}));
+    CHECK(small.out == "small\n0022\n");
+
+    // A channel still running when its lease is released: the supervisor is killed by the
+    // pidfd its hello carried (ProtectProc=invisible hides the lease's processes from the
+    // daemon's /proc), and nothing of the sandbox is left.
+    c.send_request("duplexChannelOpen", open_params(lease, {"sleep", "600"}));
+    REQUIRE(eventually([&] { return !d.channel_processes().empty(); }, 10s));
+    CHECK(c.call("leaseRelease", {{"leaseId", lease["id"]}})["status"] == "released");
+    CHECK(eventually([&] { return d.descendants().empty(); }, 10s));
+    CHECK(d.stop() == 0);
+}

@@ -9,6 +9,10 @@
 
 #include <csignal>
 #include <sys/mount.h>
+#include <sys/prctl.h>
+#include <linux/capability.h>
+#include <sched.h>
+#include <algorithm>
 #include <fcntl.h>
 #include <cstdlib>
 #include <fstream>
@@ -99,6 +103,30 @@ DaemonProcess::~DaemonProcess() {
     fs::remove_all(runtime, ec);
 }
 
+namespace {
+
+/// In the forked child before the exec: what DaemonProcess::confine_like_the_unit_for_next_start
+/// promises. Keep the capabilities in step with CapabilityBoundingSet= of systemd/*.service.
+bool confine_like_the_unit() {
+    if (::unshare(CLONE_NEWNS) != 0 ||
+        ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        ::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible") !=
+            0) {
+        return false;
+    }
+    // No allocation here: the test process may have other threads.
+    static constexpr int kept[] = {CAP_SYS_ADMIN, CAP_SETUID,       CAP_SETGID, CAP_CHOWN,
+                                   CAP_FOWNER,    CAP_DAC_OVERRIDE, CAP_KILL};
+    for (int cap = 0; cap <= CAP_LAST_CAP; ++cap) {
+        if (std::find(std::begin(kept), std::end(kept), cap) != std::end(kept)) continue;
+        if (::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0) return false;
+    }
+    ::umask(077);
+    return true;
+}
+
+}  // namespace
+
 void DaemonProcess::launch(start_mode mode) {
     const auto ready = dir_.path() / "ready";
     fs::remove(ready);
@@ -122,6 +150,7 @@ void DaemonProcess::launch(start_mode mode) {
         int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
         ::dup2(fd, 2);
         if (fd_limit_ > 0 && ::setrlimit(RLIMIT_NOFILE, &nofile) != 0) ::_exit(126);
+        if (unit_confined_ && !confine_like_the_unit()) ::_exit(124);
         ::execv(argv[0], argv.data());
         ::_exit(127);
     }

@@ -84,6 +84,11 @@ public:
     void set_fd_limit_for_next_start(unsigned long limit) { fd_limit_ = limit; }
     /// The value of a sample in GET /metrics (e.g. "sandboxd_channels_running"); -1 if absent.
     double metric(const std::string& name) const;
+    /// From the next start (restart()) on, runs the daemon confined as systemd/sandboxd.service
+    /// confines it, as far as a test can without systemd: in a mount namespace of its own
+    /// (PrivateMounts=) whose /proc is a fresh instance with hidepid=invisible (ProtectProc=),
+    /// with only the unit's capability bounding set, and under umask 0077 (UMask=).
+    void confine_like_the_unit_for_next_start() { unit_confined_ = true; }
 
 private:
     void launch(start_mode mode = start_mode::wait_ready);
@@ -96,6 +101,7 @@ private:
     pid_t pid_ = -1;
     std::string address_;
     unsigned long fd_limit_ = 0;
+    bool unit_confined_ = false;
 };
 
 /// Sets an environment variable (inherited by daemons started meanwhile) and restores it.
