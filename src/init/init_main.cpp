@@ -569,11 +569,7 @@ private:
             }
         }
         proto::Reply reply;
-        int err = parse(buffer_.get(), static_cast<std::size_t>(n), msg.msg_flags, req);
-        if (err == 0 && (req.header.flags & proto::flag_payload_memfd) != 0) {
-            err = read_payload(req);
-            if (err == 0) err = parse_strings(buffer_.get() + sizeof req.header, req);
-        }
+        int err = parse(static_cast<std::size_t>(n), msg.msg_flags, req);
         reply.id = req.header.id;
         int pidfd = -1;
         if (err == 0) err = start_channel(req, pidfd);
@@ -584,9 +580,10 @@ private:
         return true;
     }
 
-    // Validates a request in place (the strings point into buffer_). Returns 0 or an errno.
-    // A payload in a memfd is left for read_payload() and parse_strings().
-    static int parse(char* data, std::size_t size, int msg_flags, ChannelRequest& req) {
+    // Validates the request of `size` bytes in buffer_ in place (the strings point into
+    // buffer_), reading a memfd payload into it first. Returns 0 or an errno.
+    int parse(std::size_t size, int msg_flags, ChannelRequest& req) {
+        char* data = buffer_.get();
         if ((msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0) return EMSGSIZE;
         if (size < sizeof(proto::Request)) return EPROTO;
         std::memcpy(&req.header, data, sizeof req.header);
@@ -602,7 +599,11 @@ private:
                      : h.payload_size != size - sizeof h) {
             return EPROTO;
         }
-        return in_memfd ? 0 : parse_strings(data + sizeof h, req);
+        if (in_memfd) {
+            const int err = read_payload(req);
+            if (err != 0) return err;
+        }
+        return parse_strings(data + sizeof h, req);
     }
 
     // Reads a memfd payload (the request's last descriptor, closed here) into buffer_ after

@@ -13,6 +13,7 @@
 #include <poll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <deque>
 #include <fstream>
@@ -514,6 +515,21 @@ TEST_CASE("operations: /readyz is ready once the start-up probe made a sandbox",
 TEST_CASE("operations: a daemon confined as its systemd unit confines it runs and ends sandboxes",
           "[operations]") {
     // 4 MiB requests: room for an argv of up to 2 MiB (the supervisor's limit) in JSON.
+    // The fixture keeps exactly the capabilities that the unit keeps.
+    {
+        std::ifstream unit(std::string(SANDBOXD_SOURCE_DIR) + "/systemd/sandboxd.service");
+        std::vector<std::string> in_unit;
+        std::string line;
+        while (std::getline(unit, line)) {
+            if (line.rfind("CapabilityBoundingSet=", 0) != 0) continue;
+            std::istringstream names(line.substr(line.find('=') + 1));
+            for (std::string name; names >> name;) in_unit.push_back(name);
+        }
+        auto in_fixture = unit_capability_names();
+        std::sort(in_unit.begin(), in_unit.end());
+        std::sort(in_fixture.begin(), in_fixture.end());
+        CHECK(in_unit == in_fixture);
+    }
     DaemonProcess d("node-a", json{{"limits", {{"maxTextMessage", 4 << 20}}}}.dump());
     d.confine_like_the_unit_for_next_start();
     d.restart();

@@ -105,8 +105,20 @@ DaemonProcess::~DaemonProcess() {
 
 namespace {
 
+/// The capabilities that systemd/*.service keep (CapabilityBoundingSet=); the operations test
+/// checks this list against the unit file.
+struct KeptCapability {
+    const char* name;
+    int value;
+};
+constexpr KeptCapability unit_capabilities[] = {
+    {"CAP_SYS_ADMIN", CAP_SYS_ADMIN}, {"CAP_SETUID", CAP_SETUID},
+    {"CAP_SETGID", CAP_SETGID},       {"CAP_CHOWN", CAP_CHOWN},
+    {"CAP_DAC_OVERRIDE", CAP_DAC_OVERRIDE}, {"CAP_FOWNER", CAP_FOWNER},
+    {"CAP_KILL", CAP_KILL}};
+
 /// In the forked child before the exec: what DaemonProcess::confine_like_the_unit_for_next_start
-/// promises. Keep the capabilities in step with CapabilityBoundingSet= of systemd/*.service.
+/// promises. No allocation here: the test process may have other threads.
 bool confine_like_the_unit() {
     if (::unshare(CLONE_NEWNS) != 0 ||
         ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
@@ -114,18 +126,22 @@ bool confine_like_the_unit() {
             0) {
         return false;
     }
-    // No allocation here: the test process may have other threads.
-    static constexpr int kept[] = {CAP_SYS_ADMIN, CAP_SETUID,       CAP_SETGID, CAP_CHOWN,
-                                   CAP_FOWNER,    CAP_DAC_OVERRIDE, CAP_KILL};
     for (int cap = 0; cap <= CAP_LAST_CAP; ++cap) {
-        if (std::find(std::begin(kept), std::end(kept), cap) != std::end(kept)) continue;
-        if (::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0) return false;
+        const bool kept = std::any_of(std::begin(unit_capabilities), std::end(unit_capabilities),
+                                      [cap](const KeptCapability& k) { return k.value == cap; });
+        if (!kept && ::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0) return false;
     }
     ::umask(077);
     return true;
 }
 
 }  // namespace
+
+std::vector<std::string> unit_capability_names() {
+    std::vector<std::string> out;
+    for (const auto& k : unit_capabilities) out.emplace_back(k.name);
+    return out;
+}
 
 void DaemonProcess::launch(start_mode mode) {
     const auto ready = dir_.path() / "ready";

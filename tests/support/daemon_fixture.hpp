@@ -132,6 +132,10 @@ inline constexpr bool rss_is_meaningful = true;
 /// memory that ASan holds back (up to 256 MiB by default) to catch use-after-free.
 ScopedEnv measure_memory_env();
 
+/// The capability names that confine_like_the_unit_for_next_start() keeps in the bounding set
+/// ("CAP_SYS_ADMIN", ...), in no particular order.
+std::vector<std::string> unit_capability_names();
+
 /// Waits until `pred` holds or `timeout` passes; returns whether it held.
 template <typename Pred>
 bool eventually(Pred pred, std::chrono::milliseconds timeout);
