@@ -13,16 +13,54 @@ namespace sandboxd {
 
 using json = nlohmann::json;
 
+namespace {
+
+client_error timed_out(std::chrono::milliseconds timeout) {
+    return client_error("timed out after " + std::to_string(timeout.count()) + " ms");
+}
+
+}  // namespace
+
 template <typename Start>
 void Client::Impl::run(Start start) {
-    beast::get_lowest_layer(ws).expires_after(timeout);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
     beast::error_code result = net::error::would_block;
     start([&result](beast::error_code ec, auto&&...) { result = ec; });
     ioc.restart();
-    while (result == net::error::would_block && ioc.run_one() > 0) {
+    bool expired = false;
+    while (result == net::error::would_block) {
+        if (!expired && ioc.run_one_until(deadline) == 0) {
+            if (std::chrono::steady_clock::now() < deadline) break;  // no work left
+            // The operation's handler still refers to `result`: close, then let it finish.
+            expired = true;
+            beast::error_code ignored;
+            beast::get_lowest_layer(ws).socket().close(ignored);
+            ioc.restart();
+        } else if (expired && ioc.run_one() == 0) {
+            break;
+        }
     }
-    if (result == beast::error::timeout) throw client_error("timed out after " + std::to_string(timeout.count()) + " ms");
+    if (expired) throw timed_out(timeout);
+    if (result == net::error::would_block) throw client_error("the connection's I/O stopped");
     if (result) throw client_error(result.message());
+}
+
+void Client::Impl::start_read() {
+    if (read_in_flight) return;
+    buffer.clear();
+    read_in_flight = true;
+    read_done = false;
+    ws.async_read(buffer, [this](beast::error_code ec, std::size_t) {
+        read_error = ec;
+        read_done = true;
+    });
+}
+
+bool Client::Impl::wait_read(std::chrono::steady_clock::time_point deadline) {
+    ioc.restart();
+    while (!read_done && ioc.run_one_until(deadline) > 0) {
+    }
+    return read_done;
 }
 
 Client::Client(const std::string& url, const std::string& token, std::chrono::milliseconds timeout,
@@ -144,12 +182,27 @@ ClientEvent decode_event(bool text, std::string_view message) {
     return ev;
 }
 
-ClientEvent Client::Impl::read_one() {
-    buffer.clear();
-    run([&](auto handler) { ws.async_read(buffer, handler); });
+ClientEvent Client::Impl::take_read() {
+    read_in_flight = false;
+    if (read_error) throw client_error(read_error.message());
     const auto data = buffer.data();
     return decode_event(ws.got_text(),
                         std::string_view(static_cast<const char*>(data.data()), data.size()));
+}
+
+ClientEvent Client::Impl::read_one() {
+    start_read();
+    if (!wait_read(std::chrono::steady_clock::now() + timeout)) {
+        // As run(): close, and let the read's handler run before it is forgotten.
+        beast::error_code ignored;
+        beast::get_lowest_layer(ws).socket().close(ignored);
+        ioc.restart();
+        while (!read_done && ioc.run_one() > 0) {
+        }
+        read_in_flight = false;
+        throw timed_out(timeout);
+    }
+    return take_read();
 }
 
 std::int64_t Client::send_request(const std::string& method, const json& params) {
@@ -207,16 +260,9 @@ ClientEvent Client::next_event() {
 
 std::optional<ClientEvent> Client::poll_event(std::chrono::milliseconds wait) {
     if (!impl_->pending.empty()) return next_event();
-    const auto saved = impl_->timeout;
-    impl_->timeout = wait;
-    try {
-        auto ev = impl_->read_one();
-        impl_->timeout = saved;
-        return ev;
-    } catch (const client_error&) {
-        impl_->timeout = saved;
-        throw;
-    }
+    impl_->start_read();
+    if (!impl_->wait_read(std::chrono::steady_clock::now() + wait)) return std::nullopt;
+    return impl_->take_read();
 }
 
 std::deque<ClientEvent> Client::take_queued() {

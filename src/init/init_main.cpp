@@ -4,7 +4,8 @@
 /// Usage: sandboxd-init --lease   (run by bubblewrap as PID 1 of the lease's PID namespace)
 ///
 /// As the **supervisor** it reads the seccomp program from fd 4 (supervisor_protocol.hpp),
-/// then serves channel requests on the SOCK_SEQPACKET socket at fd 3 until the daemon closes
+/// empties the capability bounding set and resets every signal disposition (once for every
+/// channel: each is its clone), then serves channel requests on the SOCK_SEQPACKET socket at fd 3 until the daemon closes
 /// it; it reaps every process reparented to it. For each request it clones a **channel init**
 /// in a new PID and mount namespace (so channels of one lease cannot see or signal each
 /// other), and answers with a pidfd of it.
@@ -35,6 +36,7 @@
 #include <poll.h>
 #include <sched.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -98,6 +100,32 @@ void ignore_sigpipe() {
 // signals are blocked and read from the signalfd, so this never runs in practice.
 void ignore_signal(int) {}
 
+// Once per lease, in the supervisor: every channel init is its clone and inherits the result.
+// Empties the capability bounding set, so that no exec in the sandbox (as uid 0 of its user
+// namespace, or of a file with capabilities) grants any; the supervisor's own effective set,
+// which a channel's init needs for its mounts, stays. False (with errno) on failure: the
+// sandbox then refuses to serve.
+bool empty_bounding_set() {
+    for (int cap = 0; cap <= 63; ++cap) {
+        if (::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0) continue;
+        if (errno == EINVAL) return true;  // past the kernel's last capability
+        return false;
+    }
+    return true;
+}
+
+// Once per lease, in the supervisor: every disposition back to the default, whatever
+// bubblewrap or the daemon left, so that a command only needs init_handled_signals reset.
+void reset_signal_dispositions() {
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    ::sigemptyset(&dfl.sa_mask);
+    for (int sig = 1; sig < NSIG; ++sig) {
+        if (sig == SIGKILL || sig == SIGSTOP) continue;
+        ::sigaction(sig, &dfl, nullptr);  // fails harmlessly for libc-reserved signals
+    }
+}
+
 struct Options {
     bool pty = false;
     long grace_ms = -1;  // < 0: keep running after the report (the daemon kills the namespace)
@@ -107,19 +135,24 @@ struct Options {
     const std::string* program = nullptr;  // seccomp BPF; empty: none
 };
 
-// In the forked child: becomes its own group, takes the terminal if any, sheds every
-// privilege, restores default signal handling and execs. Never returns.
+// The dispositions a channel's init changes (the rest are the defaults that the supervisor
+// set once, reset_signal_dispositions()): its command gets them back before exec.
+constexpr int init_handled_signals[] = {SIGINT,  SIGTERM, SIGHUP,   SIGQUIT, SIGUSR1,
+                                        SIGUSR2, SIGWINCH, SIGCHLD, SIGPIPE};
+
+// In the child made by start_command() (CLONE_VM | CLONE_VFORK: the init waits until the exec
+// and shares this memory, so nothing here writes to the init's state but `environ`, which the
+// init never reads): becomes its own group, takes the terminal if any, sheds every privilege,
+// restores default signal handling and execs. Never returns.
 [[noreturn]] void exec_command(const Options& opts) {
     ::setpgid(0, 0);
     if (opts.pty) {
         // SIGTTOU is blocked (inherited mask), so this works from a background group.
         ::tcsetpgrp(STDIN_FILENO, ::getpid());
     }
-    // No capability survives: the bounding set is emptied (so that exec as uid 0 grants
-    // none), then the ambient, effective, permitted and inheritable sets.
-    for (int cap = 0; cap <= 63; ++cap) {
-        if (::prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno == EINVAL) break;
-    }
+    // No capability survives: the bounding set is already empty (the supervisor emptied it
+    // once, empty_bounding_set(), so that exec as uid 0 grants none); here the ambient,
+    // effective, permitted and inheritable sets.
     ::prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
     __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
     __user_cap_data_struct data[2] = {};
@@ -140,13 +173,11 @@ struct Options {
             ::_exit(126);
         }
     }
+    // Before the mask opens: a signal already pending acts as it would on the command.
     struct sigaction dfl {};
     dfl.sa_handler = SIG_DFL;
     ::sigemptyset(&dfl.sa_mask);
-    for (int sig = 1; sig < NSIG; ++sig) {
-        if (sig == SIGKILL || sig == SIGSTOP) continue;
-        ::sigaction(sig, &dfl, nullptr);  // fails harmlessly for libc-reserved signals
-    }
+    for (int sig : init_handled_signals) ::sigaction(sig, &dfl, nullptr);
     if (opts.program != nullptr && !opts.program->empty()) {
         if (int err = sandboxd::detail::apply_seccomp_filter(opts.program->data(),
                                                              opts.program->size());
@@ -212,15 +243,35 @@ private:
         return true;
     }
 
+    // The command's process, as posix_spawn makes one: clone(CLONE_VM | CLONE_VFORK) on a
+    // stack of its own, so that no page table is copied and no page is faulted in twice (the
+    // init resumes once the child has exec'd or exited). The stack has room for execvp's copy
+    // of argv (a script without "#!" runs through /bin/sh with argv on the stack, as in
+    // posix_spawn) and a guard page below it: an overflow faults instead of writing into the
+    // memory that the child shares with the init.
     void start_command() {
-        pid_t pid = ::fork();
+        std::size_t argc = 0;
+        while (opts_.command[argc] != nullptr) ++argc;
+        const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+        const std::size_t stack_size =
+            (64 * 1024 + (argc + 3) * sizeof(char*) + page - 1) / page * page;
+        void* map = ::mmap(nullptr, stack_size + page, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+        int pid = -1;
+        if (map != MAP_FAILED && ::mprotect(map, page, PROT_NONE) == 0) {
+            pid = ::clone(
+                [](void* opts) -> int { exec_command(*static_cast<const Options*>(opts)); },
+                static_cast<char*>(map) + page + stack_size, CLONE_VM | CLONE_VFORK | SIGCHLD,
+                &opts_);
+        }
+        const int err = errno;
+        if (map != MAP_FAILED) ::munmap(map, stack_size + page);
         if (pid < 0) {
-            print_error("fork", "", errno);
+            print_error("cannot start the command", "", err);
             report("exit 126\n");
             command_done_ = true;
             return;
         }
-        if (pid == 0) exec_command(opts_);
         command_pid_ = pid;
         // Also done by the child; whichever runs first wins, the other fails harmlessly.
         ::setpgid(pid, pid);
@@ -473,6 +524,11 @@ public:
     int run() {
         if (!read_program()) return 1;
         ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+        if (!empty_bounding_set()) {
+            print_error("cannot empty the capability bounding set", "", errno);
+            return 1;
+        }
+        reset_signal_dispositions();
         ignore_sigpipe();
         sigset_t mask;
         ::sigemptyset(&mask);

@@ -21,11 +21,13 @@
 #include <linux/magic.h>
 #include <spawn.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/statvfs.h>
 #include <sys/sysmacros.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -36,9 +38,13 @@
 #include <csignal>
 #include <cstring>
 #include <initializer_list>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 namespace sandboxd::detail {
@@ -85,7 +91,8 @@ struct spawn_setup {
     posix_spawnattr_t attr{};
     int err;  ///< the first error of the setup, 0 if none
 
-    explicit spawn_setup(int out_fd) : err(prepare(out_fd)) {}
+    /// `pass_fd` >= 0 becomes the tool's fd 3.
+    explicit spawn_setup(int out_fd, int pass_fd = -1) : err(prepare(out_fd, pass_fd)) {}
     ~spawn_setup() {
         posix_spawn_file_actions_destroy(&actions);
         posix_spawnattr_destroy(&attr);
@@ -96,7 +103,7 @@ struct spawn_setup {
     spawn_setup& operator=(spawn_setup&&) = delete;
 
 private:
-    int prepare(int out_fd) {
+    int prepare(int out_fd, int pass_fd) {
         sigset_t none;
         sigset_t all;
         sigemptyset(&none);
@@ -108,8 +115,9 @@ private:
         step(posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0));
         step(posix_spawn_file_actions_adddup2(&actions, out_fd, 1));
         step(posix_spawn_file_actions_adddup2(&actions, out_fd, 2));
+        if (pass_fd >= 0) step(posix_spawn_file_actions_adddup2(&actions, pass_fd, 3));
         // Descriptors another thread opened without O_CLOEXEC must not leak into the tool.
-        step(posix_spawn_file_actions_addclosefrom_np(&actions, 3));
+        step(posix_spawn_file_actions_addclosefrom_np(&actions, pass_fd >= 0 ? 4 : 3));
         // The calling thread may block signals (Asio's signal handling does): the tool must
         // not inherit that, nor a disposition of ours.
         step(posix_spawnattr_setsigmask(&attr, &none));
@@ -119,8 +127,9 @@ private:
     }
 };
 
-// Runs `argv` (argv[0] an absolute path, no PATH search) to completion.
-tool_result run_tool(std::vector<std::string> argv) {
+// Runs `argv` (argv[0] an absolute path, no PATH search) to completion; `pass_fd` >= 0 is its
+// fd 3.
+tool_result run_tool(std::vector<std::string> argv, int pass_fd = -1) {
     const std::string what = "cannot run " + argv[0];
     int ends[2];
     if (::pipe2(ends, O_CLOEXEC) != 0) fail(what, errno);
@@ -138,7 +147,7 @@ tool_result run_tool(std::vector<std::string> argv) {
 
     pid_t pid = -1;
     {
-        spawn_setup setup(write_end.get());
+        spawn_setup setup(write_end.get(), pass_fd);
         if (setup.err != 0) fail(what, setup.err);
         int err = posix_spawn(&pid, args[0], &setup.actions, &setup.attr, args.data(), envp);
         if (err != 0) fail(what, err);
@@ -180,15 +189,124 @@ std::string describe(const tool_result& result) {
 // holes, which read back as zeros), so it marks the inode tables zeroed without writing them
 // and the kernel's ext4lazyinit thread never fills the image in behind us. Block size, inode
 // size and ratio are explicit because mke2fs.conf's "small" type (under 512 MiB) would
-// otherwise pick 1 KiB blocks and an inode per 4 KiB.
-void make_filesystem(const std::string& image, uid_t uid, gid_t gid) {
+// otherwise pick 1 KiB blocks and an inode per 4 KiB. `target` is a path mkfs opens: the image,
+// or /proc/self/fd/3 for `pass_fd`.
+void make_filesystem(const std::string& target, const std::string& image, uid_t uid, gid_t gid,
+                     int pass_fd = -1) {
     const std::string mkfs = find_program({"/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4"});
     const std::string owner = std::to_string(uid) + ":" + std::to_string(gid);
-    tool_result result = run_tool({mkfs, "-q", "-F", "-b", "4096", "-I", "256", "-i", "16384", "-m",
-                                   "0", "-O", "^has_journal", "-E", "root_owner=" + owner, image});
+    tool_result result =
+        run_tool({mkfs, "-q", "-F", "-b", "4096", "-I", "256", "-i", "16384", "-m", "0", "-O",
+                  "^has_journal", "-E", "root_owner=" + owner, target},
+                 pass_fd);
     if (!WIFEXITED(result.status) || WEXITSTATUS(result.status) != 0) {
         throw rpc_error(errc::provider_error,
                         "mkfs.ext4 failed for " + image + ": " + describe(result));
+    }
+}
+
+// --- Formatted images kept per size. ---
+//
+// mkfs.ext4 was most of a lease's creation (a process start and its own discard of the whole
+// image, issue 19). So the first disk of a size is formatted in a memfd, the bytes mkfs wrote
+// (about 140 KiB for 64 MiB: everything else reads as zeros) are kept with their offsets, and
+// every disk of that size is a sparse file with those bytes written at those offsets. All
+// disks of one size in one daemon process therefore share the filesystem's UUID and directory
+// hash seed, which nothing in a sandbox can read (it has no access to the device or the image)
+// and nothing outside uses (the images are never mounted by UUID). The root directory is
+// root's in the kept image; create_lease_disk hands it to the lease's uid after the mount.
+
+constexpr std::size_t max_kept_formats = 4;              // distinct sizes kept
+constexpr std::uint64_t max_kept_format_data = 8 << 20;  // bytes written by mkfs, per size
+
+struct kept_format {
+    std::uint64_t bytes = 0;                                 // the image's size
+    std::vector<std::pair<std::uint64_t, std::string>> data;  // offset, bytes: the rest is zeros
+};
+
+// The data extents of `fd` (SEEK_DATA / SEEK_HOLE), read into memory; nullopt past `limit`.
+std::optional<kept_format> read_extents(int fd, std::uint64_t bytes, std::uint64_t limit) {
+    kept_format format;
+    format.bytes = bytes;
+    std::uint64_t total = 0;
+    off_t at = 0;
+    for (;;) {
+        const off_t begin = ::lseek(fd, at, SEEK_DATA);
+        if (begin < 0) {
+            if (errno == ENXIO) return format;  // no data past `at`
+            fail("cannot read a formatted image", errno);
+        }
+        off_t end = ::lseek(fd, begin, SEEK_HOLE);
+        if (end < 0) fail("cannot read a formatted image", errno);
+        const auto size = static_cast<std::uint64_t>(end - begin);
+        total += size;
+        if (total > limit) return std::nullopt;
+        std::string chunk(size, '\0');
+        for (std::uint64_t done = 0; done < size;) {
+            const ssize_t n = ::pread(fd, chunk.data() + done, size - done,
+                                      static_cast<off_t>(static_cast<std::uint64_t>(begin) + done));
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) fail("cannot read a formatted image", n < 0 ? errno : EIO);
+            done += static_cast<std::size_t>(n);
+        }
+        format.data.emplace_back(static_cast<std::uint64_t>(begin), std::move(chunk));
+        at = end;
+    }
+}
+
+// A formatted image of `bytes` made in a memfd by mkfs.ext4 (root directory root:root); nullopt
+// when mkfs wrote more than max_kept_format_data.
+std::optional<kept_format> make_kept_format(std::uint64_t bytes) {
+    unique_fd memfd(static_cast<int>(::syscall(SYS_memfd_create, "sandboxd-disk-format", MFD_CLOEXEC)));
+    if (!memfd) fail("cannot make a memfd to format a disk in", errno);
+    if (::ftruncate(memfd.get(), static_cast<off_t>(bytes)) != 0) {
+        fail("cannot size a memfd to format a disk in", errno);
+    }
+    make_filesystem("/proc/self/fd/3", "a disk of " + std::to_string(bytes) + " bytes", 0, 0,
+                    memfd.get());
+    return read_extents(memfd.get(), bytes, max_kept_format_data);
+}
+
+// The kept format for `bytes`, made on first use; nullptr when none can be kept (then every
+// disk of that size runs mkfs). Thread-safe: a format is made once, under the lock.
+std::shared_ptr<const kept_format> kept_format_for(std::uint64_t bytes) {
+    static std::mutex mutex;
+    static std::vector<std::shared_ptr<const kept_format>> kept;
+    static std::vector<std::uint64_t> not_kept;
+    const std::lock_guard lock(mutex);
+    for (const auto& f : kept) {
+        if (f->bytes == bytes) return f;
+    }
+    if (kept.size() >= max_kept_formats ||
+        std::find(not_kept.begin(), not_kept.end(), bytes) != not_kept.end()) {
+        return nullptr;
+    }
+    auto made = make_kept_format(bytes);
+    if (!made) {
+        if (not_kept.size() < 64) not_kept.push_back(bytes);
+        return nullptr;
+    }
+    kept.push_back(std::make_shared<const kept_format>(std::move(*made)));
+    return kept.back();
+}
+
+// Writes a filesystem of `bytes` into the empty, sized image at `image_fd`: the kept format's
+// bytes, or mkfs.ext4 (owner uid:gid) when no format of that size can be kept.
+void format_image(int image_fd, const std::string& image, std::uint64_t bytes, uid_t uid,
+                  gid_t gid) {
+    const auto format = kept_format_for(bytes);
+    if (!format) {
+        make_filesystem(image, image, uid, gid);
+        return;
+    }
+    for (const auto& [offset, chunk] : format->data) {
+        for (std::size_t done = 0; done < chunk.size();) {
+            const ssize_t n = ::pwrite(image_fd, chunk.data() + done, chunk.size() - done,
+                                       static_cast<off_t>(offset + done));
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) fail("cannot write " + image, n < 0 ? errno : EIO);
+            done += static_cast<std::size_t>(n);
+        }
     }
 }
 
@@ -343,7 +461,7 @@ void create_lease_disk(const fs::path& image, const fs::path& workspace, std::ui
     if (::ftruncate(image_fd.get(), static_cast<off_t>(bytes)) != 0) {
         fail("cannot size " + image.string(), errno);
     }
-    make_filesystem(image.string(), uid, gid);
+    format_image(image_fd.get(), image.string(), bytes, uid, gid);
 
     loop_device loop = attach_loop(image_fd.get(), image.string());
     image_fd.reset();  // the loop device holds the file now
@@ -357,8 +475,8 @@ void create_lease_disk(const fs::path& image, const fs::path& workspace, std::ui
     undo.mounted = true;
     loop.fd.reset();  // the mount holds the device now; unmounting frees it (autoclear)
 
-    // mkfs's root_owner did this; an e2fsprogs that ignored it must not hand the tenant a
-    // root-owned workspace.
+    // A kept format's root is root's (mkfs's root_owner did this where it ran, unless an
+    // e2fsprogs ignored it): the tenant must not get a root-owned workspace.
     struct stat root {};
     if (::stat(workspace.c_str(), &root) != 0) fail("cannot inspect " + workspace.string(), errno);
     if (root.st_uid != uid || root.st_gid != gid || (root.st_mode & 07777) != 0755) {

@@ -386,6 +386,25 @@ TEST_CASE("leaseAcquire with an idempotency key returns the same lease", "[daemo
     CHECK(renewed["epoch"] == first["epoch"]);
 }
 
+TEST_CASE("Client::poll_event returns nothing when nothing came and the connection serves on",
+          "[daemon][client]") {
+    DaemonProcess daemon;
+    auto c = daemon.connect();
+    auto lease = acquire(*c);
+    const auto channel =
+        c->call("duplexChannelOpen", open_params(lease, {"cat"}))["channel"].get<std::uint32_t>();
+    // cat writes nothing until it reads: every poll is empty, and none closes the connection.
+    for (int i = 0; i < 3; ++i) CHECK_FALSE(c->poll_event(std::chrono::milliseconds(50)));
+    // A call after an empty poll takes over the read the poll left in flight.
+    CHECK(c->call("leaseGet", {{"leaseId", lease["id"]}})["id"] == lease["id"]);
+    c->send_stdin(channel, "x");
+    std::string out;
+    while (out != "x") {
+        auto ev = c->poll_event(std::chrono::milliseconds(50));
+        if (ev && ev->type == ClientEvent::kind::data && ev->channel == channel) out += ev->bytes;
+    }
+}
+
 TEST_CASE("sandboxctl exec and run stream like docker exec and exit with the status",
           "[daemon][sandboxctl]") {
     DaemonProcess daemon;
@@ -423,6 +442,14 @@ TEST_CASE("sandboxctl exec and run stream like docker exec and exit with the sta
     CHECK(std::string((std::istreambuf_iterator<char>(run_err)), {}) == "E");
     status = std::system((base + " run --timeout-ms 100 " + id + " -- sleep 30").c_str());
     CHECK(WEXITSTATUS(status) == 124);
+    // A command quiet for longer than sandboxctl's 1 s poll of the connection is waited for
+    // (the poll once closed the connection: "timed out after 1000 ms", status 255).
+    status = std::system((base + " run " + id + " -- sh -c 'sleep 2.5; echo late' > " +
+                          out_file)
+                             .c_str());
+    CHECK(WEXITSTATUS(status) == 0);
+    std::ifstream late_out(out_file);
+    CHECK(std::string((std::istreambuf_iterator<char>(late_out)), {}) == "late\n");
     status = std::system((base + " run " + id + " -- sh -c 'kill -TERM $$'").c_str());
     CHECK(WEXITSTATUS(status) == 128 + SIGTERM);
     const std::string probe = base + " lease probe " + id + " > " + out_file;

@@ -222,6 +222,52 @@ TEST_CASE("A lease disk is an ext4 filesystem of its own, owned by the lease, no
     CHECK((image.st_mode & 07777) == 0600);
 }
 
+TEST_CASE("Disks of one size made from the kept format are separate filesystems of their owners",
+          "[disk]") {
+    // The first disk of a size is formatted by mkfs.ext4, the later ones are written from the
+    // bytes it kept (lease_disk.hpp): each must still be a filesystem of its own, owned by its
+    // own lease, with room for the same number of files and bytes.
+    temp_dir a, b, c;
+    const std::uint64_t size = 40 * mib;  // a size no other test of this process uses first
+    fs::path first = create_lease_disk(a.path, size, tenant, tenant);
+    scope_guard undo_a([&] { destroy_lease_disk(a.path); });
+    fs::path second = create_lease_disk(b.path, size, tenant + 1, tenant + 2);
+    scope_guard undo_b([&] { destroy_lease_disk(b.path); });
+    fs::path third = create_lease_disk(c.path, size, tenant, tenant);
+    scope_guard undo_c([&] { destroy_lease_disk(c.path); });
+
+    struct stat root {};
+    REQUIRE(::stat(second.c_str(), &root) == 0);
+    CHECK(root.st_uid == tenant + 1);
+    CHECK(root.st_gid == tenant + 2);
+    CHECK((root.st_mode & 07777) == 0755);
+    for (const auto& w : {first, second, third}) {
+        INFO(w);
+        auto mount = find_mount(w);
+        REQUIRE(mount);
+        CHECK(mount->fstype == "ext4");
+        struct statvfs st {};
+        REQUIRE(::statvfs(w.c_str(), &st) == 0);
+        struct statvfs st1 {};
+        REQUIRE(::statvfs(first.c_str(), &st1) == 0);
+        CHECK(st.f_blocks == st1.f_blocks);
+        CHECK(st.f_files == st1.f_files);
+        CHECK(fs::file_size(w.parent_path() / "disk.img") == size);
+    }
+    touch(first / "only-in-first");
+    touch(third / "only-in-third");
+    CHECK(fs::exists(first / "only-in-first"));
+    CHECK_FALSE(fs::exists(second / "only-in-first"));
+    CHECK_FALSE(fs::exists(third / "only-in-first"));
+    CHECK_FALSE(fs::exists(first / "only-in-third"));
+    // The disk made between them holds nothing but what mkfs made.
+    std::size_t entries = 0;
+    for (const auto& e : fs::directory_iterator(second)) {
+        entries += e.path().filename() == "lost+found" ? 0 : 1;
+    }
+    CHECK(entries == 0);
+}
+
 TEST_CASE("Writing past the size of a lease disk fails with ENOSPC and costs the host no more",
           "[disk]") {
     temp_dir dir;

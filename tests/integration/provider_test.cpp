@@ -723,6 +723,31 @@ TEST_CASE("the command has no capabilities", "[provider]") {
     CHECK(open_fd_count() == fds_before);
 }
 
+TEST_CASE("the command starts with no signal blocked, ignored or caught", "[provider]") {
+    const int fds_before = open_fd_count();
+    {
+        Fixture fx;
+        // The supervisor resets every disposition once and each channel's init hands its own
+        // handlers (the forwarded signals, SIGCHLD) and its ignored SIGPIPE back to the default
+        // before the exec; the mask is empty. A shell would change these: cat reads them.
+        auto r = run(fx, command({"cat", "/proc/self/status"}));
+        std::string sig;
+        std::istringstream lines(r.out);
+        for (std::string line; std::getline(lines, line);) {
+            if (line.rfind("SigBlk:", 0) == 0 || line.rfind("SigIgn:", 0) == 0 ||
+                line.rfind("SigCgt:", 0) == 0) {
+                sig += line + "\n";
+            }
+        }
+        CHECK(sig ==
+              "SigBlk:\t0000000000000000\n"
+              "SigIgn:\t0000000000000000\n"
+              "SigCgt:\t0000000000000000\n");
+        CHECK(r.status == "exit 0");
+    }
+    CHECK(open_fd_count() == fds_before);
+}
+
 TEST_CASE("the command sees fds 0, 1 and 2 only", "[provider]") {
     const int fds_before = open_fd_count();
     {
@@ -1313,6 +1338,25 @@ TEST_CASE("a missing command exits 127", "[provider]") {
         CHECK(r.status == "exit 127");
         CHECK(r.err.find("no-such-command-xyz") != std::string::npos);
         CHECK(r.out.empty());
+    }
+    CHECK(open_fd_count() == fds_before);
+}
+
+TEST_CASE("a script without #! runs through sh with all of a long argv", "[provider]") {
+    const int fds_before = open_fd_count();
+    {
+        Fixture fx;
+        // execvp runs a file the kernel cannot exec (ENOEXEC) with /bin/sh, copying argv onto
+        // the stack of the init's child: that stack must fit 50,000 arguments.
+        const std::string script = "printf 'echo $# \"$1\" \"${50000}\"\\n' > /tmp/s";
+        auto made = run(fx, command({"sh", "-c", script + " && chmod +x /tmp/s"}));
+        REQUIRE(made.status == "exit 0");
+        std::vector<std::string> argv{"/tmp/s"};
+        argv.reserve(50001);
+        for (int i = 1; i <= 50000; ++i) argv.push_back(std::to_string(i));
+        auto r = run(fx, command(argv));
+        CHECK(r.out == "50000 1 50000\n");
+        CHECK(r.status == "exit 0");
     }
     CHECK(open_fd_count() == fds_before);
 }

@@ -42,7 +42,10 @@ export class Browser {
     // Chromium's own sandbox cannot run as root.
     if (process.getuid?.() === 0) args.push("--no-sandbox");
     args.push("about:blank");
-    const child = spawn(bin, args, { detached: true, stdio: ["ignore", "ignore", "ignore"] });
+    // Its temporary files (org.chromium.Chromium.*) go inside the profile, removed at close.
+    const child = spawn(bin, args, {
+      detached: true, stdio: ["ignore", "ignore", "ignore"], env: { ...process.env, TMPDIR: profile },
+    });
     const b = new Browser(child, profile);
     const portFile = join(profile, "DevToolsActivePort");
     await eventually(() => existsSync(portFile) && readFileSync(portFile, "utf8").split("\n").length >= 2, 30_000, "Chromium's DevTools port");
