@@ -6,8 +6,7 @@
 /// Killing on v2 is one write to cgroup.kill. v1 has no such file, and signalling pids one by
 /// one races with forks, so the subtree is frozen first (freezer.state), every pid in it is
 /// signalled while frozen, and it is thawed so that the pending SIGKILLs land; repeated until
-/// the subtree is empty (a channel, which has a cgroup in the memory hierarchy only, is killed
-/// the same way without the freeze). Signals go through pidfds, and only to pids still seen in the subtree
+/// the subtree is empty. Signals go through pidfds, and only to pids still seen in the subtree
 /// after their pidfd was opened, so a pid recycled by an unrelated process is never signalled.
 
 #include "provider/cgroups.hpp"
@@ -253,9 +252,7 @@ void signal_pids(const Layout& layout, const std::string& rel, const std::vector
     }
 }
 
-/// Kills everything in `rel` and below; true when it is empty within `budget`. A channel has
-/// no freezer cgroup of its own: its pids are signalled round by round until none is left (its
-/// PID namespace already ends with its init; this is the fallback).
+/// Kills everything in `rel` and below; true when it is empty within `budget`.
 bool kill_subtree(const Layout& layout, const std::string& rel, steady::duration budget) {
     auto deadline = steady::now() + budget;
     auto empty = [&] { return subtree_pids(layout, rel).empty(); };
@@ -402,10 +399,6 @@ void check_limits(const CgroupLimits& limits) {
 
 // --- Leases and channels. ---
 
-/// A channel's cgroup exists only in the memory hierarchy (the unified one on v2): it tells
-/// which channel an OOM kill hit. pids, cpu and the freezer apply to the whole lease, and the
-/// channel's PID namespace ends its processes; a cgroup in each of those hierarchies cost a
-/// mkdir, an open, a migration and an rmdir each per channel (issue 19).
 class Channel final : public ChannelCgroup {
 public:
     Channel(std::shared_ptr<const Layout> layout, std::string rel)
@@ -415,21 +408,12 @@ public:
     Channel(Channel&&) = delete;
     Channel& operator=(Channel&&) = delete;
     ~Channel() override {
-        // Usually empty by now (the channel's init and its namespace are gone): one rmdir.
-        const fs::path dir = layout_->dir(layout_->memory, rel_);
-        if (::rmdir(dir.c_str()) == 0 || errno == ENOENT) return;
         kill();
         // Debug only: whatever is left goes with the lease.
         remove_subtree(*layout_, rel_, spdlog::level::debug);
     }
 
-    std::vector<unique_fd> open_procs() const override {
-        const fs::path path = layout_->dir(layout_->memory, rel_) / "cgroup.procs";
-        std::vector<unique_fd> fds;
-        fds.emplace_back(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
-        if (!fds.back()) throw_errno("cannot open " + path.string(), errno);
-        return fds;
-    }
+    std::vector<unique_fd> open_procs() const override { return open_procs_of(*layout_, rel_); }
 
     std::uint64_t oom_kills() const noexcept override {
         if (layout_->mode == cgroup_mode::v2) {
@@ -474,8 +458,7 @@ public:
     std::unique_ptr<ChannelCgroup> create_channel(const std::string& name) override {
         check_name(name, "channel");
         std::string rel = name_ + "/" + name;
-        const fs::path dir = layout_->dir(layout_->memory, rel);
-        if (::mkdir(dir.c_str(), 0755) != 0) throw_errno("cannot make cgroup " + dir.string(), errno);
+        make_everywhere(*layout_, rel);
         return std::make_unique<Channel>(layout_, std::move(rel));
     }
 

@@ -1,8 +1,7 @@
 #pragma once
 /// @file cgroups.hpp
 /// Kernel-enforced limits of the built-in provider: one cgroup per lease, one child cgroup per
-/// channel in the memory hierarchy only (v1; v2 has one hierarchy), which tells which channel
-/// an OOM kill hit. Internal to the provider layer.
+/// channel. Internal to the provider layer.
 ///
 /// Two mechanisms, chosen once by probe():
 ///  - cgroup v2: the unified hierarchy at <root> (a `cgroup2` mount) whose cgroup of this
@@ -13,9 +12,7 @@
 ///    and <root>/freezer (co-mounted ones such as "cpu,cpuacct" are found by /proc/self/mounts),
 ///    writable by this process. This project's test machines have only these.
 /// The subtree of this daemon instance is `<this process's cgroup>/<instance>` in every
-/// hierarchy used; leases are `<instance>/<lease name>`, channels `<lease>/<channel name>` (in
-/// the memory hierarchy only: a channel's processes stay in the lease's pids, cpu, cpuacct and
-/// freezer cgroups, where its limits and its kill apply).
+/// hierarchy used; leases are `<instance>/<lease name>`, channels `<lease>/<channel name>`.
 ///
 /// Limits (v1 file / v2 file):
 ///  - memory_bytes: memory.limit_in_bytes (and memory.memsw.limit_in_bytes when present, so
@@ -61,23 +58,22 @@ struct CgroupUsage {
     std::uint64_t cpu_ms = 0;        ///< cpuacct.usage / cpu.stat usage_usec, in milliseconds
 };
 
-/// A channel's child cgroup, in the memory hierarchy only (v2: the unified one). Destroying it
-/// removes it; when it still holds processes, it kills them first (best effort: a directory
-/// the kernel still holds is removed with its lease).
+/// A channel's child cgroup. Destroying it kills what is left in it and removes it
+/// (best effort: a directory the kernel still holds is removed with its lease).
 class ChannelCgroup {
 public:
     virtual ~ChannelCgroup() = default;
-    /// cgroup.procs of this cgroup (one descriptor), opened O_WRONLY|O_CLOEXEC by this (root)
-    /// process. A process that writes "0" to each joins the cgroup: the kernel checks
+    /// cgroup.procs of this cgroup in every hierarchy used, opened O_WRONLY|O_CLOEXEC by this
+    /// (root) process. A process that writes "0" to each joins the cgroup: the kernel checks
     /// the opener's credentials, so an unprivileged process inside a user namespace may use
     /// them. Throws provider_error (or errc::channel_limit on EMFILE/ENFILE).
     virtual std::vector<unique_fd> open_procs() const = 0;
     /// OOM kills of processes in this cgroup since it was made (v1 memory.oom_control
     /// "oom_kill", v2 memory.events "oom_kill"). 0 when unreadable.
     virtual std::uint64_t oom_kills() const noexcept = 0;
-    /// Kills every process in this cgroup from outside (v2 cgroup.kill; v1 SIGKILL each pid in
-    /// cgroup.procs, repeated until empty: a channel has no freezer cgroup of its own). Waits at
-    /// most ~1 s. noexcept: a failure is logged.
+    /// Kills every process in this cgroup from outside (v2 cgroup.kill; v1 freeze, SIGKILL
+    /// each pid in cgroup.procs, thaw, repeat until empty). Waits at most ~1 s. noexcept: a
+    /// failure is logged.
     virtual void kill() noexcept = 0;
 };
 
@@ -88,8 +84,7 @@ public:
     virtual ~LeaseCgroup() = default;
     /// As ChannelCgroup::open_procs, for the lease's own cgroup (the supervisor joins it).
     virtual std::vector<unique_fd> open_procs() const = 0;
-    /// Makes the child cgroup `name` ([A-Za-z0-9_-], 1..64 chars) for a channel: one mkdir in
-    /// the memory hierarchy.
+    /// Makes the child cgroup `name` ([A-Za-z0-9_-], 1..64 chars) for a channel.
     virtual std::unique_ptr<ChannelCgroup> create_channel(const std::string& name) = 0;
     /// Current usage. noexcept: unreadable fields are 0.
     virtual CgroupUsage usage() const noexcept = 0;

@@ -94,14 +94,6 @@ bool join(const std::vector<unique_fd>& fds) {
                        [](const unique_fd& fd) { return ::write(fd.get(), "0", 1) == 1; });
 }
 
-/// What a channel's process writes to: the lease's cgroup.procs (the supervisor's cgroups, which
-/// its child starts in), then the channel's (memory only).
-std::vector<unique_fd> channel_procs(const LeaseCgroup& lease, const ChannelCgroup& channel) {
-    auto fds = lease.open_procs();
-    for (auto& fd : channel.open_procs()) fds.push_back(std::move(fd));
-    return fds;
-}
-
 /// One int at a time from forked children to the test.
 class Pipe {
 public:
@@ -282,13 +274,6 @@ bool exists_everywhere(const Fixture& f, const std::string& rel) {
                        [&](const std::string& c) { return fs::is_directory(f.dir(c, rel)); });
 }
 
-/// A channel's cgroup: a directory in the memory hierarchy and in no other.
-bool exists_as_channel(const Fixture& f, const std::string& rel) {
-    return std::all_of(controllers.begin(), controllers.end(), [&](const std::string& c) {
-        return fs::is_directory(f.dir(c, rel)) == (c == "memory");
-    });
-}
-
 template <class F>
 void require_provider_error(F&& f) {
     try {
@@ -393,10 +378,9 @@ TEST_CASE("A lease is made with its limits written to the cgroup files", "[cgrou
         CHECK_FALSE(exists_anywhere(f, "bad"));
         CHECK(f.manager().create_lease(std::string(64, 'a'), {}) != nullptr);
     }
-    SECTION("channels are child cgroups in the memory hierarchy with unique names") {
+    SECTION("channels are child cgroups with unique names") {
         auto channel = lease->create_channel("c-1");
-        CHECK(exists_as_channel(f, "limits/c-1"));
-        CHECK(channel->open_procs().size() == 1);
+        CHECK(exists_everywhere(f, "limits/c-1"));
         require_provider_error([&] { lease->create_channel("c-1"); });
         channel.reset();
         CHECK_FALSE(exists_anywhere(f, "limits/c-1"));
@@ -423,33 +407,29 @@ TEST_CASE("A forked child that writes 0 to the open procs descriptors joins the 
     SECTION("as root") {}
     SECTION("as an unprivileged user inside a new user namespace") { in_user_namespace = true; }
 
-    // Joins `first`, then `then` (a channel's process is the lease supervisor's child: it
-    // starts in the lease's cgroups and then joins the channel's).
-    auto start = [&](std::vector<unique_fd> first, std::vector<unique_fd> then) {
+    auto start = [&](std::vector<unique_fd> fds) {
+        REQUIRE(fds.size() >= 4);  // memory, pids, cpu(+cpuacct), freezer
         return f.spawn([&] {
             if (in_user_namespace &&
                 (::setresgid(65534, 65534, 65534) != 0 || ::setresuid(65534, 65534, 65534) != 0 ||
                  ::unshare(CLONE_NEWUSER) != 0)) {
                 return 2;
             }
-            if (!join(first) || !join(then)) return 3;
+            if (!join(fds)) return 3;
             ready.send(1);
             ::pause();
             return 0;
         });
     };
-    REQUIRE(lease->open_procs().size() >= 4);  // memory, pids, cpu(+cpuacct), freezer
-    REQUIRE(channel->open_procs().size() == 1);  // memory
-    pid_t in_lease = start(lease->open_procs(), {});
+    pid_t in_lease = start(lease->open_procs());
     REQUIRE(ready.receive() == 1);
-    pid_t in_channel = start(lease->open_procs(), channel->open_procs());
+    pid_t in_channel = start(channel->open_procs());
     REQUIRE(ready.receive() == 1);
 
     for (const auto& c : controllers) {
         INFO("controller " << c);
         CHECK_THAT(cgroup_of(in_lease, c), EndsWith("/" + f.instance() + "/join"));
-        CHECK_THAT(cgroup_of(in_channel, c),
-                   EndsWith("/" + f.instance() + (c == "memory" ? "/join/ch" : "/join")));
+        CHECK_THAT(cgroup_of(in_channel, c), EndsWith("/" + f.instance() + "/join/ch"));
     }
     CHECK(lease->usage().pids == 2);
 
@@ -499,7 +479,7 @@ TEST_CASE("A pids limit of 20 makes the 21st fork of the lease fail", "[cgroup]"
     SECTION("forking in the lease itself") { fds = lease->open_procs(); }
     SECTION("forking in a channel of the lease") {
         channel = lease->create_channel("forks");
-        fds = channel_procs(*lease, *channel);
+        fds = channel->open_procs();
     }
     CHECK(lease->pids_limit_hits() == 0);
     Pipe forked;
@@ -539,7 +519,7 @@ TEST_CASE("A channel child that buffers 300 MiB under a 64 MiB lease limit is OO
     auto lease = f.manager().create_lease("oom", limits);
     auto channel = lease->create_channel("hog");
     CHECK(channel->oom_kills() == 0);
-    auto fds = channel_procs(*lease, *channel);
+    auto fds = channel->open_procs();
     pid_t hog = f.spawn([&] {
         if (!join(fds)) return 3;
         std::size_t size = 300 * mib;
@@ -561,7 +541,7 @@ TEST_CASE("Killing a lease kills a forking process tree and destroying it remove
     auto lease = f.manager().create_lease("tree", {});
     auto channel = lease->create_channel("work");
     Pipe ready;
-    auto channel_fds = channel_procs(*lease, *channel);
+    auto channel_fds = channel->open_procs();
     pid_t forker = f.spawn([&] {
         if (!join(channel_fds)) return 3;
         for (int i = 0; i < 50; ++i) {
@@ -629,7 +609,7 @@ TEST_CASE("Killing a channel leaves the rest of its lease running", "[cgroup]") 
     };
     pid_t survivor = start(lease->open_procs(), 0);
     REQUIRE(pids.receive() == 0);
-    pid_t victim = start(channel_procs(*lease, *channel), 5);
+    pid_t victim = start(channel->open_procs(), 5);
     std::vector<pid_t> grandchildren;
     for (auto pid = pids.receive(); pid && *pid > 0; pid = pids.receive()) {
         grandchildren.push_back(*pid);
