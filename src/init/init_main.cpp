@@ -5,8 +5,8 @@
 ///
 /// As the **supervisor** it reads the seccomp program from fd 4 (supervisor_protocol.hpp),
 /// empties the capability bounding set and resets every signal disposition (once for every
-/// channel: each is its clone), then serves channel requests on the SOCK_SEQPACKET socket at fd 3 until the daemon closes
-/// it; it reaps every process reparented to it. For each request it clones a **channel init**
+/// channel: each is its clone), then serves channel requests on the SOCK_SEQPACKET socket at
+/// fd 3 until the daemon closes it; it reaps every process reparented to it. For each request it clones a **channel init**
 /// in a new PID and mount namespace (so channels of one lease cannot see or signal each
 /// other), and answers with a pidfd of it.
 ///
