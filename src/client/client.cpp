@@ -21,27 +21,31 @@ client_error timed_out(std::chrono::milliseconds timeout) {
 
 }  // namespace
 
+template <typename Done>
+void Client::Impl::close_and_drain(Done done) {
+    beast::error_code ignored;
+    beast::get_lowest_layer(ws).socket().close(ignored);
+    ioc.restart();
+    while (!done() && ioc.run_one() > 0) {
+    }
+}
+
 template <typename Start>
 void Client::Impl::run(Start start) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     beast::error_code result = net::error::would_block;
     start([&result](beast::error_code ec, auto&&...) { result = ec; });
     ioc.restart();
-    bool expired = false;
-    while (result == net::error::would_block) {
-        if (!expired && ioc.run_one_until(deadline) == 0) {
-            if (std::chrono::steady_clock::now() < deadline) break;  // no work left
-            // The operation's handler still refers to `result`: close, then let it finish.
-            expired = true;
-            beast::error_code ignored;
-            beast::get_lowest_layer(ws).socket().close(ignored);
-            ioc.restart();
-        } else if (expired && ioc.run_one() == 0) {
-            break;
-        }
+    while (result == net::error::would_block && ioc.run_one_until(deadline) > 0) {
     }
-    if (expired) throw timed_out(timeout);
-    if (result == net::error::would_block) throw client_error("the connection's I/O stopped");
+    if (result == net::error::would_block) {
+        if (std::chrono::steady_clock::now() < deadline) {
+            throw client_error("the connection's I/O stopped");
+        }
+        // The operation's handler still refers to `result`: let it finish first.
+        close_and_drain([&result] { return result != net::error::would_block; });
+        throw timed_out(timeout);
+    }
     if (result) throw client_error(result.message());
 }
 
@@ -193,12 +197,7 @@ ClientEvent Client::Impl::take_read() {
 ClientEvent Client::Impl::read_one() {
     start_read();
     if (!wait_read(std::chrono::steady_clock::now() + timeout)) {
-        // As run(): close, and let the read's handler run before it is forgotten.
-        beast::error_code ignored;
-        beast::get_lowest_layer(ws).socket().close(ignored);
-        ioc.restart();
-        while (!read_done && ioc.run_one() > 0) {
-        }
+        close_and_drain([this] { return read_done; });
         read_in_flight = false;
         throw timed_out(timeout);
     }

@@ -115,7 +115,8 @@ bool empty_bounding_set() {
 }
 
 // Once per lease, in the supervisor: every disposition back to the default, whatever
-// bubblewrap or the daemon left, so that a command only needs init_handled_signals reset.
+// bubblewrap or the daemon left, so that a command only needs the init's own changes undone
+// (exec_command()).
 void reset_signal_dispositions() {
     struct sigaction dfl {};
     dfl.sa_handler = SIG_DFL;
@@ -134,11 +135,6 @@ struct Options {
     std::uint64_t open_files = 0;  // RLIMIT_NOFILE of the command; 0: inherited
     const std::string* program = nullptr;  // seccomp BPF; empty: none
 };
-
-// The dispositions a channel's init changes (the rest are the defaults that the supervisor
-// set once, reset_signal_dispositions()): its command gets them back before exec.
-constexpr int init_handled_signals[] = {SIGINT,  SIGTERM, SIGHUP,   SIGQUIT, SIGUSR1,
-                                        SIGUSR2, SIGWINCH, SIGCHLD, SIGPIPE};
 
 // In the child made by start_command() (CLONE_VM | CLONE_VFORK: the init waits until the exec
 // and shares this memory, so nothing here writes to the init's state but `environ`, which the
@@ -177,7 +173,11 @@ constexpr int init_handled_signals[] = {SIGINT,  SIGTERM, SIGHUP,   SIGQUIT, SIG
     struct sigaction dfl {};
     dfl.sa_handler = SIG_DFL;
     ::sigemptyset(&dfl.sa_mask);
-    for (int sig : init_handled_signals) ::sigaction(sig, &dfl, nullptr);
+    // The init's own changes (setup_signals(), ignore_sigpipe()); the rest are the defaults
+    // that the supervisor set once (reset_signal_dispositions()).
+    for (int sig : forwarded_signals) ::sigaction(sig, &dfl, nullptr);
+    ::sigaction(SIGCHLD, &dfl, nullptr);
+    ::sigaction(SIGPIPE, &dfl, nullptr);
     if (opts.program != nullptr && !opts.program->empty()) {
         if (int err = sandboxd::detail::apply_seccomp_filter(opts.program->data(),
                                                              opts.program->size());

@@ -38,6 +38,10 @@ struct Client::Impl {
     ClientEvent read_one();
     /// Runs `ioc` until the read in flight completes or `deadline`; whether it completed.
     bool wait_read(std::chrono::steady_clock::time_point deadline);
+    /// Closes the connection (a timeout) and runs `ioc` until `done()`: the handler of the
+    /// operation that was waiting has run and no longer refers to anything of the caller's.
+    template <typename Done>
+    void close_and_drain(Done done);
     /// Starts a message read unless one is in flight.
     void start_read();
     /// Decodes the completed read (throws client_error for its error).
