@@ -96,16 +96,14 @@ public:
             throw rpc_error(errc::invalid_params, "config: must be an object");
         }
         json params = acquire_params(lease);
-        const std::uint64_t generation = manager_.generation();
-        json result = co_await manager_.call("environmentAcquireLease", std::move(params),
-                                             lease_context(lease));
-        co_return handle_of(lease, result, "environmentAcquireLease", generation);
+        auto answer = co_await manager_.call_answered("environmentAcquireLease",
+                                                      std::move(params), lease_context(lease));
+        co_return handle_of(lease, answer.result, "environmentAcquireLease", answer.generation);
     }
 
     awaitable<std::shared_ptr<SandboxHandle>> resume(Lease lease) override {
-        const std::uint64_t generation = manager_.generation();
-        json result = co_await resume_call(lease);
-        co_return handle_of(lease, result, "environmentResumeLease", generation);
+        auto answer = co_await resume_call(lease);
+        co_return handle_of(lease, answer.result, "environmentResumeLease", answer.generation);
     }
 
     bool can_resume() const noexcept override {
@@ -246,7 +244,7 @@ private:
                                 ") is not ready: its worker is down or starting");
         }
         if (state && state->generation != generation) {
-            co_await resume_cached(sandbox, *state, generation);
+            co_return co_await resume_cached(sandbox, *state);
         }
         co_return generation;
     }
@@ -280,12 +278,13 @@ private:
         if (!spec.stdin_attached) refuse("stdin", "open a channel without stdin");
     }
 
-    awaitable<json> resume_call(Lease lease) {
-        co_return co_await manager_.call("environmentResumeLease", resume_params(lease));
+    awaitable<WorkerManager::Answer> resume_call(Lease lease) {
+        co_return co_await manager_.call_answered("environmentResumeLease", resume_params(lease));
     }
 
-    awaitable<void> resume_cached(SandboxHandle& sandbox, PluginSandbox& state,
-                                  std::uint64_t generation) {
+    /// Resumes `sandbox` in the ready worker; returns the generation of the worker that
+    /// answered the resume (the one whose cache now holds it).
+    awaitable<std::uint64_t> resume_cached(SandboxHandle& sandbox, PluginSandbox& state) {
         Lease lease;
         lease.id = sandbox.lease_id;
         lease.provider = sandbox.scope.provider;
@@ -301,9 +300,11 @@ private:
                                 " restarted and cannot resume leases)",
                             {{"leaseId", lease.id}});
         }
+        std::uint64_t generation = 0;
         try {
-            json result = co_await resume_call(lease);
-            (void)handle_of(lease, result, "environmentResumeLease", generation);
+            auto answer = co_await resume_call(lease);
+            (void)handle_of(lease, answer.result, "environmentResumeLease", answer.generation);
+            generation = answer.generation;
         } catch (const rpc_error& e) {
             if (e.code() == errc::provider_not_ready) throw;
             throw rpc_error(errc::sandbox_not_cached,
@@ -313,6 +314,7 @@ private:
         }
         state.generation = generation;
         spdlog::info("lease={} resumed by plugin={} after a worker restart", lease.id, plugin_id_);
+        co_return generation;
     }
 
     /// The handle of what acquire or resume answered; PROVIDER_ERROR for an unusable answer.

@@ -1598,6 +1598,20 @@ awaitable<json> WorkerManager::call(std::string method, json params, json contex
     co_return co_await on_manager(impl, std::move(start));
 }
 
+awaitable<WorkerManager::Answer> WorkerManager::call_answered(std::string method, json params,
+                                                              json context) {
+    Impl* impl = impl_.get();
+    // Written on the manager's thread before the reply is handed back (the hand-off orders it).
+    auto served_by = std::make_shared<std::uint64_t>(0);
+    auto start = [impl, method = std::move(method), params = std::move(params),
+                  context = std::move(context), served_by](ReplyFn done) mutable {
+        if (impl->usable(impl->current)) *served_by = impl->current->generation;
+        impl->call_on_io(method, std::move(params), false, std::move(done), std::move(context));
+    };
+    json result = co_await on_manager(impl, std::move(start));
+    co_return Answer{std::move(result), *served_by};
+}
+
 awaitable<std::optional<json>> WorkerManager::call_if_supported(std::string method,
                                                                 json params) {
     Impl* impl = impl_.get();

@@ -72,6 +72,17 @@ public:
     /// `context` is kept with an environmentAcquireLease call and handed to on_late_acquire.
     awaitable<nlohmann::json> call(std::string method, nlohmann::json params,
                                    nlohmann::json context = nullptr);
+    /// What call_answered() returns: the result, and the generation of the worker that
+    /// answered it (whose handle cache now holds what the call made or resumed).
+    struct Answer {
+        nlohmann::json result;
+        std::uint64_t generation = 0;
+    };
+    /// Like call(), but also says which worker answered. Reading generation() before a call
+    /// is not that: a worker that becomes ready between the read and the call serves it under
+    /// a generation the caller never saw.
+    awaitable<Answer> call_answered(std::string method, nlohmann::json params,
+                                    nlohmann::json context = nullptr);
     /// Like call(), but when the running worker does not list `method` in its
     /// supportedMethods, returns nullopt without calling it (decided atomically with the
     /// readiness check: a worker that is down still gives errc::provider_not_ready).

@@ -39,7 +39,11 @@ std::string config(const Registry& r) {
                  {{"tokens",
                    {{{"name", "host"}, {"token", host_token}, {"role", "host"}, {"tenants", {"*"}}},
                     {{"name", "peer"}, {"token", "peer-secret"}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
-                {"routing", {{"mode", "proxy"}, {"nodeTtlMs", 3000}, {"heartbeatMs", 100}}}}
+                // The sweeper runs every heartbeatMs. The node TTL is wide because this test is
+                // about the sweeper meeting acquire and release, not about liveness: on a loaded
+                // machine a node's SQLite heartbeat (an fsync) stalled past 3 s once, and the node
+                // was then rightly declared dead (the fault trials test that verdict).
+                {"routing", {{"mode", "proxy"}, {"nodeTtlMs", 10000}, {"heartbeatMs", 100}}}}
         .dump();
 }
 

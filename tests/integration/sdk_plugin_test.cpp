@@ -329,6 +329,7 @@ TEST_CASE("A killed SDK worker is restarted and its leases are resumed on first 
     CHECK(run.out == "after\n");
     CHECK(run.exit["exitCode"] == 0);
     auto resumed = sd.journal_of("environmentResumeLease");
+    INFO("journal: " << json(sd.journal()).dump() << "\nlog: " << sd.daemon->log());
     REQUIRE(resumed.size() == 1);
     CHECK(resumed[0]["params"]["providerLeaseId"] == lease["providerLeaseId"]);
     CHECK(resumed[0]["params"]["leaseMetadata"] == lease["providerMetadata"]);
@@ -459,6 +460,7 @@ TEST_CASE("A node restarted with the same nodeId keeps its SDK plugin leases act
     auto run = run_sdk(*c, open_params(lease, {"echo", "after"}));
     CHECK(run.out == "after\n");
     auto resumed = sd.journal_of("environmentResumeLease");
+    INFO("journal: " << json(sd.journal()).dump() << "\nlog: " << sd.daemon->log());
     REQUIRE(resumed.size() == 1);
     CHECK(resumed[0]["params"]["leaseMetadata"] == lease["providerMetadata"]);
     CHECK(status_of(*c, lease) == "active");
