@@ -503,6 +503,34 @@ private:
         co_return out;
     }
 
+    /// Every owner index entry of `status` over all nodes after `after` (a suffix; empty:
+    /// all), ordered by suffix, i.e. by (acquiredAt, id). Keys only, read in pages.
+    awaitable<std::vector<OwnerEntry>> status_entries(lease_status status, std::string after,
+                                                      std::string op) {
+        constexpr std::int64_t page = 1000;
+        const std::string base = owner_base(status);
+        const std::string end = etcd::prefix_end(base);
+        std::vector<OwnerEntry> out;
+        std::string from = base;
+        for (;;) {
+            auto r = co_await client_->range(op, from, end, page, 0, /*keys_only=*/true);
+            for (const auto& kv : r.kvs) {
+                // "<escaped node>/<acquired>/<escaped id>" below the base: the node goes.
+                const auto slash = kv.key.find('/', base.size());
+                if (slash == std::string::npos) {
+                    throw std::invalid_argument("bad index key " + kv.key);
+                }
+                auto e = decode_owner(kv, std::string_view(kv.key).substr(0, slash + 1));
+                if (e.suffix > after) out.push_back(std::move(e));
+            }
+            if (!r.more || r.kvs.empty()) break;
+            from = r.kvs.back().key + std::string(1, '\0');
+        }
+        std::sort(out.begin(), out.end(),
+                  [](const OwnerEntry& a, const OwnerEntry& b) { return a.suffix < b.suffix; });
+        co_return out;
+    }
+
     /// Writes the missing index keys of leases stored before they existed, once per store (the
     /// marker key says it was done) and per process. Idempotent: each lease's keys are written
     /// in a txn that compares its record's revision, so a lease changed meanwhile is left to
@@ -650,6 +678,26 @@ private:
                 from = entries.back().suffix;
             }
             // read_leases keeps the index order, which is the cursor's order.
+        } else if (query.status) {
+            // From the owner index of that status over every node: its keys only, ordered by
+            // (acquiredAt, escaped id) here; then the records of limit + 1 of them at a time
+            // until limit + 1 match. The active leases of a long-lived store are few; reading
+            // every record made this listing grow with all the leases ever released.
+            co_await ensure_indexed();
+            const std::string from = after ? owner_suffix(after->first, after->second) : "";
+            auto entries = co_await status_entries(*query.status, from, op);
+            for (std::size_t next = 0; next < entries.size() && leases.size() <= limit;) {
+                std::vector<std::string> ids;
+                for (; next < entries.size() && ids.size() <= limit; ++next) {
+                    ids.push_back(entries[next].id);
+                }
+                auto fetched = co_await read_leases(std::move(ids), op);
+                for (auto& l : fetched) {
+                    if (matches(l) && leases.size() <= limit) leases.push_back(std::move(l));
+                }
+            }
+            // A lease whose status changed between the index and its record read has matches()
+            // against its record; the order is the index's (its acquiredAt never changes).
         } else {
             // No index serves this filter: every lease is read (registry.hpp, LeaseQuery).
             leases = co_await all_leases(op);

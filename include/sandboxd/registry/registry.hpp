@@ -37,14 +37,14 @@ class context;
 
 namespace sandboxd {
 
-/// Filter of leaseList. Empty optionals match everything. `tenants` restricts to these
-/// companyIds; empty means every tenant (a `*` token).
-/// Filter of leaseList (a page at a time, in (acquiredAt, id) order). Both registries serve
-/// a query that names owner_node_id (with or without status) from the owner index, so the
-/// sweeper reads only the leases it asked for. Other filters: SQLite uses its company and
-/// status indexes; etcd reads the lease records in key order and filters them, so a
-/// tenant's leaseList on etcd costs in proportion to every lease of the prefix (the
-/// host-facing list, not on any per-request path).
+/// Filter of leaseList (a page at a time, in (acquiredAt, id) order). Empty optionals match
+/// everything. `tenants` restricts to these companyIds; empty means every tenant (a `*`
+/// token). Both registries serve a query that names owner_node_id or status from the owner
+/// index (etcd: the keys of that status over every node, then only the records of a page),
+/// so the sweeper and a listing of the active leases read only what they asked for. Other
+/// filters: SQLite uses its company index; etcd reads every lease record of the prefix and
+/// filters them, so a tenant's leaseList on etcd without a status costs in proportion to
+/// every lease stored (the host-facing list, not on any per-request path).
 struct LeaseQuery {
     std::optional<std::string> company_id;
     std::optional<std::string> environment_id;
