@@ -555,7 +555,8 @@ TEMPLATE_TEST_CASE("Contract: list_leases by status pages over every owner in (a
         if (l.status == lease_status::active && l.company_id == "co-1") active_co1.push_back(l.id);
         all.push_back(std::move(l));
     }
-    for (auto it = all.rbegin(); it != all.rend(); ++it) registry->create_lease(*it);
+    std::reverse(all.begin(), all.end());
+    for (const auto& l : all) registry->create_lease(l);
 
     const auto pages = [&](LeaseQuery q) {
         std::vector<std::string> got;
