@@ -252,10 +252,6 @@ NodeRecord decode_node(const etcd::KeyValue& kv, std::string_view op) {
     }
 }
 
-bool by_acquired(const Lease& a, const Lease& b) {
-    return std::tie(a.acquired_at_ms, a.id) < std::tie(b.acquired_at_ms, b.id);
-}
-
 /// One entry of the owner index.
 struct OwnerEntry {
     std::string suffix;  ///< "<acquired>/<escaped id>": the key below the node's prefix
@@ -475,13 +471,6 @@ private:
         co_return out;
     }
 
-    awaitable<std::vector<Lease>> all_leases(std::string op) {
-        std::vector<Lease> out;
-        auto all = co_await client_->get_prefix(op, prefix_ + "leases/");
-        for (const auto& kv : all.kvs) out.push_back(decode_lease(kv, op));
-        co_return out;
-    }
-
     /// At most `n` owner index entries of `node` in `statuses`, after `after` (a suffix; empty:
     /// from the start), in suffix order: one range per status, merged.
     awaitable<std::vector<OwnerEntry>> owner_entries(std::string node,
@@ -503,32 +492,49 @@ private:
         co_return out;
     }
 
-    /// Every owner index entry of `status` over all nodes after `after` (a suffix; empty:
-    /// all), ordered by suffix, i.e. by (acquiredAt, id). Keys only, read in pages.
-    awaitable<std::vector<OwnerEntry>> status_entries(lease_status status, std::string after,
-                                                      std::string op) {
+    /// Every owner index entry of `statuses` over all nodes after `after` (a suffix; empty:
+    /// all), ordered by suffix, i.e. by (acquiredAt, id). Keys only, read in pages at one
+    /// revision, so that a lease whose status changes meanwhile is seen exactly once (its old
+    /// and new keys change in one txn); read again from the top if that revision is compacted
+    /// between two pages. Costs one key per lease of those statuses, never a record.
+    awaitable<std::vector<OwnerEntry>> index_entries(std::vector<lease_status> statuses,
+                                                     std::string after, std::string op) {
         constexpr std::int64_t page = 1000;
-        const std::string base = owner_base(status);
-        const std::string end = etcd::prefix_end(base);
-        std::vector<OwnerEntry> out;
-        std::string from = base;
-        for (;;) {
-            auto r = co_await client_->range(op, from, end, page, 0, /*keys_only=*/true);
-            for (const auto& kv : r.kvs) {
-                // "<escaped node>/<acquired>/<escaped id>" below the base: the node goes.
-                const auto slash = kv.key.find('/', base.size());
-                if (slash == std::string::npos) {
-                    throw std::invalid_argument("bad index key " + kv.key);
+        for (int attempt = 0;; ++attempt) {
+            std::vector<OwnerEntry> out;
+            std::int64_t revision = 0;
+            try {
+                for (auto status : statuses) {
+                    const std::string base = owner_base(status);
+                    const std::string end = etcd::prefix_end(base);
+                    std::string from = base;
+                    for (;;) {
+                        auto r = co_await client_->range(op, from, end, page, revision,
+                                                         /*keys_only=*/true);
+                        if (revision == 0) revision = r.revision;
+                        for (const auto& kv : r.kvs) {
+                            // "<escaped node>/<acquired>/<escaped id>" below the base: the
+                            // node goes.
+                            const auto slash = kv.key.find('/', base.size());
+                            if (slash == std::string::npos) {
+                                throw std::invalid_argument("bad index key " + kv.key);
+                            }
+                            auto e = decode_owner(
+                                kv, std::string_view(kv.key).substr(0, slash + 1));
+                            if (e.suffix > after) out.push_back(std::move(e));
+                        }
+                        if (!r.more || r.kvs.empty()) break;
+                        from = r.kvs.back().key + std::string(1, '\0');
+                    }
                 }
-                auto e = decode_owner(kv, std::string_view(kv.key).substr(0, slash + 1));
-                if (e.suffix > after) out.push_back(std::move(e));
+            } catch (const etcd::status_error& e) {
+                if (e.code() != etcd::code_out_of_range || attempt >= 3) throw;
+                continue;
             }
-            if (!r.more || r.kvs.empty()) break;
-            from = r.kvs.back().key + std::string(1, '\0');
+            std::sort(out.begin(), out.end(),
+                      [](const OwnerEntry& a, const OwnerEntry& b) { return a.suffix < b.suffix; });
+            co_return out;
         }
-        std::sort(out.begin(), out.end(),
-                  [](const OwnerEntry& a, const OwnerEntry& b) { return a.suffix < b.suffix; });
-        co_return out;
     }
 
     /// Writes the missing index keys of leases stored before they existed, once per store (the
@@ -678,14 +684,22 @@ private:
                 from = entries.back().suffix;
             }
             // read_leases keeps the index order, which is the cursor's order.
-        } else if (query.status) {
-            // From the owner index of that status over every node: its keys only, ordered by
-            // (acquiredAt, escaped id) here; then the records of limit + 1 of them at a time
-            // until limit + 1 match. The active leases of a long-lived store are few; reading
-            // every record made this listing grow with all the leases ever released.
+        } else {
+            // From the owner index of that status (or of every status) over every node: its
+            // keys only, ordered by (acquiredAt, escaped id) here; then the records of
+            // limit + 1 of them at a time until limit + 1 match. The active leases of a
+            // long-lived store are few; reading every record made these listings grow with
+            // all the leases ever released, and each page of an unfiltered listing read them
+            // all again.
             co_await ensure_indexed();
             const std::string from = after ? owner_suffix(after->first, after->second) : "";
-            auto entries = co_await status_entries(*query.status, from, op);
+            std::vector<lease_status> statuses;
+            if (query.status) {
+                statuses.push_back(*query.status);
+            } else {
+                statuses.assign(all_statuses.begin(), all_statuses.end());
+            }
+            auto entries = co_await index_entries(std::move(statuses), from, op);
             for (std::size_t next = 0; next < entries.size() && leases.size() <= limit;) {
                 std::vector<std::string> ids;
                 for (; next < entries.size() && ids.size() <= limit; ++next) {
@@ -698,14 +712,6 @@ private:
             }
             // A lease whose status changed between the index and its record read has matches()
             // against its record; the order is the index's (its acquiredAt never changes).
-        } else {
-            // No index serves this filter: every lease is read (registry.hpp, LeaseQuery).
-            leases = co_await all_leases(op);
-            std::erase_if(leases, [&](const Lease& l) {
-                return !matches(l) || (after && std::tie(l.acquired_at_ms, l.id) <=
-                                                    std::tie(after->first, after->second));
-            });
-            std::sort(leases.begin(), leases.end(), by_acquired);
         }
 
         LeasePage page;

@@ -536,7 +536,7 @@ TEMPLATE_TEST_CASE("Contract: list_leases pages through 250 leases exactly once,
     }
 }
 
-TEMPLATE_TEST_CASE("Contract: list_leases by status pages over every owner in (acquiredAt, id) order",
+TEMPLATE_TEST_CASE("Contract: list_leases with or without a status pages over every owner in (acquiredAt, id) order",
                    "[registry][contract]", SqliteBackend, EtcdBackend) {
     TestType backend;
     auto registry = backend.open();
@@ -589,6 +589,15 @@ TEMPLATE_TEST_CASE("Contract: list_leases by status pages over every owner in (a
     auto now_released = pages(q);
     CHECK(now_released.front() == "lease-000");
     CHECK(now_released.size() == released.size() + 1);
+    // No status: every lease once, over every owner and status, in (acquiredAt, id) order.
+    q.status.reset();
+    std::vector<std::string> every;
+    for (int i = 0; i < 90; ++i) {
+        char id[16];
+        std::snprintf(id, sizeof id, "lease-%03d", i);
+        every.emplace_back(id);
+    }
+    CHECK(pages(q) == every);
 }
 
 TEMPLATE_TEST_CASE("Contract: list_leases clamps the limit to 1..1000", "[registry][contract]",

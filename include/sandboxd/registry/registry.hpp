@@ -42,8 +42,9 @@ namespace sandboxd {
 /// token). Both registries serve a query that names owner_node_id or status from the owner
 /// index (etcd: the keys of that status over every node, then only the records of a page),
 /// so the sweeper and a listing of the active leases read only what they asked for. Other
-/// filters: SQLite uses its company index; etcd reads every lease record of the prefix and
-/// filters them, so a tenant's leaseList on etcd without a status costs in proportion to
+/// filters: SQLite uses its company index; etcd reads the owner index keys of every status
+/// (one key per lease stored, no record) and then the records of a page, skipping those the
+/// filter rejects, so a tenant's leaseList on etcd without a status costs in proportion to
 /// every lease stored (the host-facing list, not on any per-request path).
 struct LeaseQuery {
     std::optional<std::string> company_id;
