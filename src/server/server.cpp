@@ -199,6 +199,24 @@ struct Daemon::Impl {
     std::atomic<std::int64_t> active_leases{0};
     std::mutex sessions_mutex;
     std::vector<std::weak_ptr<Session>> sessions;
+    /// The connections' event loops beside `ioc` (threads - 1 of them, one thread each,
+    /// started by start_connection_loops()). A connection runs on one loop for its whole
+    /// life (round robin over `ioc` and these): its socket, its channels' pipes and its
+    /// timers are served by one thread, so a stream's handlers never hop between threads.
+    /// Declared after `ioc`: destroyed (with the handlers they still hold) before it.
+    std::vector<std::unique_ptr<net::io_context>> connection_loops;
+    std::vector<net::executor_work_guard<net::io_context::executor_type>> connection_work;
+    std::vector<std::thread> connection_threads;
+    std::atomic<std::size_t> next_loop{0};
+    /// Makes and starts the connection loops (once, from start()).
+    void start_connection_loops();
+    /// Stops them and joins their threads (idempotent; from run() and the destructor).
+    void stop_connection_loops();
+    /// The loop of the next accepted connection: `ioc` or one of connection_loops.
+    net::io_context& next_connection_loop() {
+        const auto i = next_loop.fetch_add(1, std::memory_order_relaxed) % (connection_loops.size() + 1);
+        return i == 0 ? ioc : *connection_loops[i - 1];
+    }
     /// The browser console's files, read at start when console.enabled (read-only after).
     ConsoleAssets console;
 
@@ -375,6 +393,7 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
 }
 
 Daemon::~Daemon() {
+    impl_->stop_connection_loops();
     impl_->node.lease_watch.reset();
     impl_->node.blocking.join();
     impl_->node.registry.reset();  // its lanes finish while the io_context still exists
@@ -410,6 +429,7 @@ std::string Daemon::start() {
     };
     // Listening at once: /healthz and /readyz answer while the registration runs (and is
     // retried while the registry cannot be reached); upgrades wait for it (503).
+    impl_->start_connection_loops();
     net::co_spawn(impl_->ioc, impl_->accept_loop(impl_->acceptor, tls), log_failure);
     if (impl_->plain_acceptor.is_open()) {
         net::co_spawn(impl_->ioc, impl_->accept_loop(impl_->plain_acceptor, false), log_failure);
@@ -544,12 +564,33 @@ std::string Daemon::Impl::bind(tcp::acceptor& acc, const std::string& address, c
 }
 
 void Daemon::run() {
-    const unsigned n = impl_->node.config.threads ? impl_->node.config.threads
-                                                  : std::max(1U, std::thread::hardware_concurrency());
-    std::vector<std::thread> threads;
-    for (unsigned i = 1; i < n; ++i) threads.emplace_back([this] { impl_->ioc.run(); });
+    // This thread runs `ioc` (the node's own work and its share of the connections); the
+    // other connection loops run on theirs since start(). Once `ioc` stopped (finish_stop:
+    // every channel reaped, every connection closed), the other loops are stopped too.
     impl_->ioc.run();
-    for (auto& t : threads) t.join();
+    impl_->stop_connection_loops();
+}
+
+void Daemon::Impl::start_connection_loops() {
+    if (!connection_loops.empty()) return;
+    const unsigned n = node.config.threads ? node.config.threads
+                                           : std::max(1U, std::thread::hardware_concurrency());
+    for (unsigned i = 1; i < n; ++i) {
+        connection_loops.push_back(std::make_unique<net::io_context>(1));
+        connection_work.push_back(net::make_work_guard(*connection_loops.back()));
+    }
+    for (auto& loop : connection_loops) {
+        connection_threads.emplace_back([&ctx = *loop] { ctx.run(); });
+    }
+}
+
+void Daemon::Impl::stop_connection_loops() {
+    connection_work.clear();
+    for (auto& loop : connection_loops) loop->stop();
+    for (auto& t : connection_threads) {
+        if (t.joinable()) t.join();
+    }
+    connection_threads.clear();
 }
 
 void Daemon::stop() { impl_->stop(); }
@@ -710,7 +751,8 @@ awaitable<void> Daemon::Impl::accept_loop(tcp::acceptor& acc, bool tls) {
             auto waited = co_await backoff.async_wait(as_tuple_awaitable);
             if (std::get<0>(waited) || !acc.is_open()) co_return;
         }
-        auto [ec, socket] = co_await acc.async_accept(net::make_strand(ioc), as_tuple_awaitable);
+        auto [ec, socket] = co_await acc.async_accept(net::make_strand(next_connection_loop()),
+                                                      as_tuple_awaitable);
         if (ec) {
             if (ec == net::error::operation_aborted || !acc.is_open()) co_return;
             if (delay.count() == 0) spdlog::warn("accept failed: {}; backing off", ec.message());

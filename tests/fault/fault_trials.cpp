@@ -292,6 +292,18 @@ public:
         }
         return out;
     }
+    /// Copies every node's log and audit to a new directory that outlives the run and
+    /// returns its path (for a failed verdict; the run's own directories are removed).
+    std::string keep_files() const {
+        std::string tmpl = "/tmp/sandboxd-fault-kept-XXXXXX";
+        if (::mkdtemp(tmpl.data()) == nullptr) return std::string("(cannot make a directory: ") + std::strerror(errno) + ")";
+        for (int i = 0; i < node_count; ++i) {
+            std::ofstream(fs::path(tmpl) / (id_of(i) + ".log")) << nodes_[i]->log();
+            std::error_code ec;
+            fs::copy_file(audit_[i], fs::path(tmpl) / (id_of(i) + ".audit.jsonl"), ec);
+        }
+        return tmpl;
+    }
     static std::set<std::string> sandboxes_with_processes() {
         static const std::regex id(R"(bw-[0-9a-f]{16})");
         std::set<std::string> out;
@@ -532,9 +544,22 @@ void settle(Cluster& cluster, Ledger& ledger, int trial, steady::time_point end,
             const auto st = status.find(it->second);
             return st != status.end() && st->second == "pending_cleanup";
         };
+        // The sandbox, its lease and that lease's last seen status and owner: what a
+        // violation needs to be followed in the kept logs.
         const auto name = [&](const std::string& sandbox) {
             const auto it = sandbox_lease.find(sandbox);
-            return "sandbox " + sandbox + " (lease " + (it == sandbox_lease.end() ? "unknown" : it->second) + ")";
+            if (it == sandbox_lease.end()) return "sandbox " + sandbox + " (lease unknown)";
+            const auto st = status.find(it->second);
+            std::string owner;
+            {
+                std::lock_guard lock(ledger.mutex);
+                if (auto rec = ledger.leases.find(it->second); rec != ledger.leases.end()) {
+                    owner = rec->second.owner;
+                }
+            }
+            return concat("sandbox ", sandbox, " (lease ", it->second, ", ",
+                          st == status.end() ? std::string("status unknown") : st->second,
+                          ", owner ", owner.empty() ? std::string("unknown") : owner, ")");
         };
         auto dirs = cluster.sandbox_dirs();
         auto running = Cluster::sandboxes_with_processes();
@@ -557,7 +582,9 @@ void settle(Cluster& cluster, Ledger& ledger, int trial, steady::time_point end,
         }
         for (const auto& [sandbox, on] : dirs) {
             if (!pending(sandbox)) {
-                problem = name(sandbox) + " still has its directory";
+                std::string where;
+                for (int n : on) where += (where.empty() ? "" : ", ") + Cluster::id_of(n);
+                problem = name(sandbox) + " still has its directory on " + where;
                 return false;
             }
         }
@@ -858,6 +885,10 @@ int main(int argc, char** argv) {
         }
         cluster.stop_all();
         check_audit(cluster, ledger, counts);
+        if (!ledger.violations.empty()) {
+            // The nodes' logs, audits and state, to follow each violation.
+            std::cout << "kept for the violations below: " << cluster.keep_files() << "\n";
+        }
     } catch (const std::exception& e) {
         std::cerr << "fault_trials: " << e.what() << "\n";
         return 1;

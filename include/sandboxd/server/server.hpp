@@ -28,6 +28,11 @@ public:
     std::string start();
 
     /// Runs the I/O threads until stop() completes. Blocks the caller (which is one of them).
+    /// Config `threads` (0: one per core) event loops, one thread each: the caller's also
+    /// runs the node's own work (registry calls, heartbeat, sweeper); the others start in
+    /// start(), so that connections accepted during the registration are served. Each
+    /// connection is served by one loop for its whole life (round robin), so a stream's
+    /// handlers do not hop between threads.
     void run();
 
     /// Stops now, from any thread: no new connections, every channel hung up (SIGHUP, then
