@@ -107,11 +107,13 @@ awaitable<void> PeerLink::ensure_connected() {
             }
         }
         ws_->set_option(websocket::stream_base::decorator(
-            [token = token_, me = node_.node_id](websocket::request_type& req) {
+            [token = token_, me = node_.node_id, to = peer_.node_id](websocket::request_type& req) {
                 req.set(http::field::authorization, "Bearer " + token);
                 req.set(http::field::sec_websocket_protocol, "sandboxd.v1");
                 req.set(http::field::user_agent, std::string("sandboxd-peer/") + version_string);
                 req.set("Sandboxd-Forwarded-By", me);
+                // The node meant: another node that answers at its address refuses (421).
+                req.set("Sandboxd-Forwarded-To", to);
             }));
         ws_->read_message_max(64ULL << 20);
         ws_->auto_fragment(false);

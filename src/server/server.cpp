@@ -1039,6 +1039,16 @@ awaitable<void> Daemon::Impl::serve_http(ConnStream stream) {
                     res = plain(http::status::forbidden,
                                 "a peer token needs a client certificate that the cluster CA verified\n",
                                 req.version(), false);
+                } else if (who->role == "peer" && req.count("Sandboxd-Forwarded-To") != 0 &&
+                           req["Sandboxd-Forwarded-To"] != node.node_id) {
+                    // A peer link meant for another node (its record's address now reaches
+                    // this one, e.g. after a restart on another port): what it forwards must
+                    // never run here, on a node that does not hold the lease.
+                    const std::string meant(req["Sandboxd-Forwarded-To"]);
+                    refused("peer link meant for node " + meant + " reached node " + node.node_id, who);
+                    res = plain(http::status::misdirected_request,
+                                "this is node " + node.node_id + ", not " + meant + "\n",
+                                req.version(), false);
                 } else if (node.stopping) {
                     refused("node is stopping", who);
                     res = plain(http::status::service_unavailable, "node is stopping\n", req.version(), false);

@@ -221,6 +221,25 @@ TEMPLATE_TEST_CASE("A forwarded open is never forwarded again", "[routing][multi
     CHECK(p1.channel_processes().empty());
 }
 
+TEMPLATE_TEST_CASE("A peer link meant for another node is refused before anything runs",
+                   "[routing][multinode][auth]", SqliteCluster, EtcdCluster) {
+    TestType cluster;
+    INFO("registry: " << TestType::kind);
+    DaemonProcess p1("node-1", cluster_config(cluster));
+    Client host(p1.url(), host_token);
+    auto lease = acquire_lease(host);
+    // As a link of node-2's made for node-3 whose record's address now reaches node-1.
+    CHECK_THROWS(Client(p1.url(), peer_token, std::chrono::seconds(10), 0,
+                        {{"Sandboxd-Forwarded-By", "node-2"}, {"Sandboxd-Forwarded-To", "node-3"}}));
+    CHECK(p1.log().find("peer link meant for node node-3 reached node node-1") != std::string::npos);
+    CHECK(host.call("leaseGet", {{"leaseId", lease["id"]}})["status"] == "active");
+    // The node meant is served.
+    Client meant(p1.url(), peer_token, std::chrono::seconds(10), 0,
+                 {{"Sandboxd-Forwarded-By", "node-2"}, {"Sandboxd-Forwarded-To", "node-1"}});
+    const json forwarded_for = {{"tokenName", "host"}, {"tenants", {"*"}}};
+    CHECK(forwarded_reason(meant, "leaseGet", {{"leaseId", lease["id"]}}, forwarded_for) == "ok");
+}
+
 TEMPLATE_TEST_CASE("A second live process with the same node id refuses to start",
                    "[routing][multinode]", SqliteCluster, EtcdCluster) {
     TestType cluster;
