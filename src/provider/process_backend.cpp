@@ -29,6 +29,22 @@ std::optional<int> parse_number(std::string_view digits, int max) {
     return value;
 }
 
+/// The line comes from the channel's init, yet it is read as untrusted input: bounded, and
+/// only "exit N" (0..255) or "signal N" (1..64).
+constexpr const char* invalid_status = "the channel's init sent an invalid status";
+
+/// A whole status line without its '\n'.
+ChannelExit parse_status_line(std::string_view text) {
+    ChannelExit exit;
+    if (text.rfind("exit ", 0) == 0) {
+        exit.exit_code = parse_number(text.substr(5), 255);
+    } else if (text.rfind("signal ", 0) == 0) {
+        if (auto sig = parse_number(text.substr(7), 64); sig && *sig > 0) exit.signal = *sig;
+    }
+    if (!exit.exit_code && exit.signal == 0) exit.error = invalid_status;
+    return exit;
+}
+
 }  // namespace
 
 ProcessBackend::ProcessBackend(net::any_io_executor executor, ProcessEnds ends)
@@ -65,13 +81,33 @@ awaitable<std::size_t> ProcessBackend::output_ready(output_stream s) {
         // epoll_ctl and a turn of the reactor per frame. One turn of the executor instead, so
         // that the connection's writes run between this stream's reads.
         co_await net::post(co_await net::this_coro::executor, use_awaitable);
-        if (!fd.is_open()) co_return 0;
     } else {
         // No buffer while idle: wait until the pipe is readable, then say how much is there.
         auto [ec] = co_await fd.async_wait(net::posix::descriptor_base::wait_read, as_tuple_awaitable);
-        if (ec || !fd.is_open()) co_return 0;
+        if (ec) co_return 0;
     }
+    co_return readable_now(s);
+}
+
+void ProcessBackend::notify_output_ready(output_stream s, std::shared_ptr<ChannelEvents> to) {
+    // As output_ready(), with a handler of a few words in place of two coroutine frames.
+    auto& fd = stream(s);
+    int avail = 0;
+    if (!fd.is_open() || (::ioctl(fd.native_handle(), FIONREAD, &avail) == 0 && avail > 0)) {
+        net::post(fd.get_executor(), [this, s, to = std::move(to)] { to->output_ready(s, readable_now(s)); });
+        return;
+    }
+    fd.async_wait(net::posix::descriptor_base::wait_read,
+                  [this, s, to = std::move(to)](const beast::error_code& ec) {
+                      to->output_ready(s, ec ? 0 : readable_now(s));
+                  });
+}
+
+std::size_t ProcessBackend::readable_now(output_stream s) noexcept {
+    auto& fd = stream(s);
+    if (!fd.is_open()) return 0;
     // Readable with nothing queued is EOF (or EIO on a PTY): read_output() finds out.
+    int avail = 0;
     if (::ioctl(fd.native_handle(), FIONREAD, &avail) < 0 || avail <= 0) avail = 1;
     // A pipe that fills its default 64 KiB streams: grow it so that the channel can send whole
     // frames of 256 KiB (issue 19). Only then: a bigger pipe costs kernel memory (15 KiB per
@@ -81,7 +117,7 @@ awaitable<std::size_t> ProcessBackend::output_ready(output_stream s) {
         grown = true;
         (void)::fcntl(fd.native_handle(), F_SETPIPE_SZ, streaming_pipe_size);
     }
-    co_return static_cast<std::size_t>(avail);
+    return static_cast<std::size_t>(avail);
 }
 
 std::optional<std::size_t> ProcessBackend::read_output(output_stream s, std::span<char> into) {
@@ -146,29 +182,65 @@ void ProcessBackend::resize(std::uint16_t cols, std::uint16_t rows) {
 }
 
 awaitable<ChannelExit> ProcessBackend::wait_exit() {
-    // The line comes from the channel's init, yet it is read as untrusted input: bounded, and
-    // only "exit N" (0..255) or "signal N" (1..64).
     ChannelExit exit;
-    const std::string invalid = "the channel's init sent an invalid status";
     std::string line;
     auto [ec, n] = co_await net::async_read_until(
         status_, net::dynamic_buffer(line, max_status_line), '\n', as_tuple_awaitable);
     if (ec && n == 0) {
         // EOF with no line (the channel could not be set up, or its init was killed), or a
         // line too long to be one.
-        if (ec != net::error::eof && !line.empty()) exit.error = invalid;
+        if (ec != net::error::eof && !line.empty()) exit.error = invalid_status;
     } else {
-        line.resize(n - 1);
-        const std::string_view text(line);
-        if (text.rfind("exit ", 0) == 0) {
-            exit.exit_code = parse_number(text.substr(5), 255);
-        } else if (text.rfind("signal ", 0) == 0) {
-            if (auto sig = parse_number(text.substr(7), 64); sig && *sig > 0) exit.signal = *sig;
-        }
-        if (!exit.exit_code && exit.signal == 0) exit.error = invalid;
+        exit = parse_status_line(std::string_view(line).substr(0, n - 1));
     }
-    if (resources_) exit.limit = resources_->limit_hit(exit.signal);
+    add_limit(exit);
     co_return exit;
+}
+
+void ProcessBackend::notify_exit(std::shared_ptr<ChannelEvents> to) {
+    status_.async_wait(net::posix::descriptor_base::wait_read,
+                       [this, to = std::move(to)](const beast::error_code& ec) mutable {
+                           read_status(std::move(to), ec);
+                       });
+}
+
+void ProcessBackend::read_status(std::shared_ptr<ChannelEvents> to, const beast::error_code& ec) {
+    // The same outcomes as wait_exit()'s read: a line, EOF before one (no error unless a
+    // partial line meets a read error) or a line too long to be one.
+    ChannelExit exit;
+    if (ec) {
+        if (!status_line_.empty()) exit.error = invalid_status;
+    } else {
+        for (;;) {
+            char chunk[max_status_line];
+            const ssize_t n = ::read(status_.native_handle(), chunk, max_status_line - status_line_.size());
+            if (n < 0 && errno == EINTR) continue;
+            if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+                notify_exit(std::move(to));  // the rest of the line is still to come
+                return;
+            }
+            if (n <= 0) {
+                if (n < 0 && !status_line_.empty()) exit.error = invalid_status;
+                break;
+            }
+            status_line_.append(chunk, static_cast<std::size_t>(n));
+            if (const auto end = status_line_.find('\n'); end != std::string::npos) {
+                exit = parse_status_line(std::string_view(status_line_).substr(0, end));
+                break;
+            }
+            if (status_line_.size() >= max_status_line) {
+                exit.error = invalid_status;
+                break;
+            }
+        }
+    }
+    status_line_ = std::string();
+    add_limit(exit);
+    to->exited(std::move(exit));
+}
+
+void ProcessBackend::add_limit(ChannelExit& exit) {
+    if (resources_) exit.limit = resources_->limit_hit(exit.signal);
 }
 
 awaitable<void> ProcessBackend::wait_gone() {
@@ -176,6 +248,14 @@ awaitable<void> ProcessBackend::wait_gone() {
     // supervisor's child, which reaps it.
     co_await pidfd_.async_wait(net::posix::descriptor_base::wait_read, as_tuple_awaitable);
     gone_ = true;
+}
+
+void ProcessBackend::notify_gone(std::shared_ptr<ChannelEvents> to) {
+    pidfd_.async_wait(net::posix::descriptor_base::wait_read,
+                      [this, to = std::move(to)](const beast::error_code&) {
+                          gone_ = true;
+                          to->gone();
+                      });
 }
 
 ProcessEnds ProcessBackend::release_for_test() {

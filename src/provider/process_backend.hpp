@@ -65,6 +65,10 @@ public:
     void resize(std::uint16_t cols, std::uint16_t rows) override;
     awaitable<ChannelExit> wait_exit() override;
     awaitable<void> wait_gone() override;
+    /// Readiness waits on the descriptors themselves: no coroutine frame while a channel waits.
+    void notify_output_ready(output_stream stream, std::shared_ptr<ChannelEvents> to) override;
+    void notify_exit(std::shared_ptr<ChannelEvents> to) override;
+    void notify_gone(std::shared_ptr<ChannelEvents> to) override;
 
     /// The channel init's host pid (-1 when unknown), for logs and tests.
     pid_t pid() const noexcept { return pid_; }
@@ -79,6 +83,15 @@ private:
         return s == output_stream::err ? stderr_ : stdout_;
     }
     void send_control(unsigned char byte) noexcept;
+    /// After readiness: the bytes that `s` holds (at least 1 while it is open: a readable
+    /// stream with nothing queued is at its end, which read_output() finds), or 0 once it is
+    /// closed. Grows a pipe that streams.
+    std::size_t readable_now(output_stream s) noexcept;
+    /// Reads what the status fd holds now; reports the exit once the line (or EOF) is there,
+    /// else waits for readiness again.
+    void read_status(std::shared_ptr<ChannelEvents> to, const beast::error_code& ec);
+    /// Adds the limit that ended the channel (when its resources know one).
+    void add_limit(ChannelExit& exit);
 
     pid_t pid_;
     bool pty_;
@@ -92,6 +105,7 @@ private:
     net::posix::stream_descriptor stderr_;
     net::posix::stream_descriptor stdin_;
     std::unique_ptr<ChannelResources> resources_;
+    std::string status_line_;  ///< what notify_exit() has read of the status line so far
 };
 
 }  // namespace sandboxd::detail

@@ -29,27 +29,26 @@ stream_id wire_stream(output_stream s) {
     return s == output_stream::err ? stream_id::stderr_ : stream_id::stdout_;
 }
 
-void make_endless(net::steady_timer& t) { t.expires_at(net::steady_timer::time_point::max()); }
+void log_task_failure(std::uint64_t key, const std::exception_ptr& e) {
+    if (!e) return;
+    try {
+        std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+        spdlog::error("channel={} task failed: {}", key, ex.what());
+    }
+}
 
 }  // namespace
 
 Channel::Channel(strand_t strand, ChannelOptions options, std::unique_ptr<ChannelBackend> backend,
                  std::shared_ptr<SandboxHandle> sandbox, std::weak_ptr<ChannelSink> sink)
-    : strand_(strand),
+    : strand_(std::move(strand)),
       options_(std::move(options)),
       sandbox_(std::move(sandbox)),
       sink_(std::move(sink)),
       backend_(std::move(backend)),
-      credit_timer_(strand),
-      stdin_timer_(strand),
-      deadline_(strand),
-      hangup_timer_(strand),
-      done_timer_(strand),
       started_(std::chrono::steady_clock::now()) {
     if (options_.unended) options_.unended->fetch_add(1, std::memory_order_relaxed);
-    make_endless(credit_timer_);
-    make_endless(stdin_timer_);
-    make_endless(done_timer_);
 }
 
 // The backend kills what is left of a channel that never started or was not reaped.
@@ -58,116 +57,120 @@ Channel::~Channel() {
 }
 
 void Channel::start() {
-    auto log_failure = [key = options_.audit_key](const std::exception_ptr& e) {
-        if (!e) return;
-        try {
-            std::rethrow_exception(e);
-        } catch (const std::exception& ex) {
-            spdlog::error("channel={} task failed: {}", key, ex.what());
-        }
-    };
+    begun_ = true;
     for (auto stream : {output_stream::out, output_stream::err}) {
         if (!backend_->has_output(stream)) continue;
         ++pumps_running_;
-        net::co_spawn(strand_, pump_output(stream), log_failure);
+        pump_next(stream);
     }
     // A PTY channel opened with stdin: false has a terminal, yet no stdin from the host.
-    if (backend_->has_stdin() && options_.stdin_attached) {
-        net::co_spawn(strand_, pump_stdin(), log_failure);
-    } else {
-        stdin_closed_ = true;
-    }
+    if (!backend_->has_stdin() || !options_.stdin_attached) stdin_closed_ = true;
+    kick_stdin();  // bytes the host sent before the start
     if (options_.timeout) {
-        deadline_.expires_after(*options_.timeout);
-        deadline_.async_wait([self = shared_from_this()](beast::error_code ec) {
+        deadline_ = std::make_unique<net::steady_timer>(strand_, *options_.timeout);
+        deadline_->async_wait([self = shared_from_this()](beast::error_code ec) {
             if (!ec && !self->main_exited_) self->stop(channel_outcome::timed_out);
         });
     }
-    net::co_spawn(strand_, supervise(), log_failure);
+    backend_->notify_exit(shared_from_this());
 }
 
-awaitable<void> Channel::supervise() {
-    auto self = shared_from_this();
-    const ChannelExit exit = co_await backend_->wait_exit();
+void Channel::exited(ChannelExit exit) {
     exit_code_ = exit.exit_code;
     term_signal_ = exit.signal;
     lost_ = exit.lost;
     limit_ = exit.limit;
     main_exited_ = true;
-    deadline_.cancel();
+    if (deadline_) deadline_->cancel();
     if (!exit.error.empty()) {
         error_ = rpc_error(exit.error_code, exit.error).to_json();
         if (exit.error_code == errc::flow_control) {
             // The host did not keep up: what it has not credited is dropped, not waited on.
             abandon_output_ = true;
-            wake(credit_timer_);
+            resume_credit_waiters();
         }
         kill_tree();  // a backend that says nonsense is not waited for
     }
-    co_await backend_->wait_gone();
+    backend_->notify_gone(shared_from_this());
+}
+
+void Channel::gone() {
     reaped_ = true;
-    hangup_timer_.cancel();
+    if (hangup_timer_) hangup_timer_->cancel();
     if (options_.on_reaped) std::exchange(options_.on_reaped, nullptr)();
+    maybe_finish();
+}
+
+void Channel::maybe_finish() {
     // Exit after output: every byte the command wrote is sent before its exit.
-    while (pumps_running_ > 0) {
-        co_await done_timer_.async_wait(as_tuple_awaitable);
-    }
-    stdin_closed_ = true;
-    wake(stdin_timer_);
+    if (!reaped_ || pumps_running_ > 0 || exit_sent_) return;
+    stdin_closed_ = true;  // a running stdin pump stops after its write
     send_exit();
 }
 
-awaitable<void> Channel::pump_output(output_stream stream) {
-    auto self = shared_from_this();
-    const bool is_stdout = stream == output_stream::out;
-    std::optional<net::steady_timer> coalesce_timer;  // made when this stream first streams
-    for (;;) {
-        while (unacked_ >= options_.output_window && !hung_up_ && !abandon_output_) {
-            co_await credit_timer_.async_wait(as_tuple_awaitable);
-        }
-        if (abandon_output_) break;
-        // No buffer while idle: wait until the backend has bytes, then size it to them.
-        std::size_t avail = co_await backend_->output_ready(stream);
-        if (avail == 0 || abandon_output_) break;  // the stream ended
-        if (unacked_ >= options_.output_window && !hung_up_) continue;  // the other stream took it
-        // Reading takes no wait: stdout and stderr together never have more than
-        // outputWindow bytes in flight.
-        auto room = [&] {
-            return std::min<std::uint64_t>(read_chunk, hung_up_ ? read_chunk : options_.output_window - unacked_);
-        };
-        // Full frames while a stream runs (docs/protocol.md, "Output frames"): the frame count,
-        // not the copying, bounds throughput, and a writer of 8 KiB at a time wakes this pump
-        // for each write. So when the previous read of this stream was large and recent, wait
-        // up to coalesce_waits x coalesce_wait for the rest of a frame. Interactive output (a
-        // small or first read) is never held back.
-        const auto now = std::chrono::steady_clock::now();
-        auto& last = is_stdout ? stdout_last_read_ : stderr_last_read_;
-        if (last.bytes >= coalesce_after && now - last.at < streaming_gap && !hung_up_) {
-            for (int i = 0; i < coalesce_waits && avail < room(); ++i) {
-                if (!coalesce_timer) coalesce_timer.emplace(strand_);
-                coalesce_timer->expires_after(coalesce_wait);
-                co_await coalesce_timer->async_wait(as_tuple_awaitable);
-                // Returns at once: the bytes seen before are still there (or the stream ended,
-                // which the read below finds out).
-                avail = std::max(avail, co_await backend_->output_ready(stream));
-                if (abandon_output_) break;
-            }
-            if (abandon_output_) break;
-            if (unacked_ >= options_.output_window && !hung_up_) continue;
-        }
-        const std::size_t size = std::min<std::uint64_t>(avail, room());
-        auto sink = sink_.lock();
-        std::string frame = sink && !options_.base64 ? sink->frame_buffer() : std::string();
-        frame.resize(frame_header_size + size);
-        const auto n = backend_->read_output(
-            stream, std::span<char>(frame.data() + frame_header_size, size));
-        if (!n) break;
-        if (*n == 0) continue;
-        last = {*n, std::chrono::steady_clock::now()};
-        if (!hung_up_) unacked_ += *n;
-        (is_stdout ? stdout_bytes_ : stderr_bytes_) += *n;
-        if (options_.bytes) options_.bytes->count(wire_stream(stream), *n);
-        if (hung_up_ || !sink) continue;  // nobody to send to: drain so that writers never block
+void Channel::pump_next(output_stream stream) {
+    auto& p = pump(stream);
+    p.coalesce_round = 0;
+    if (abandon_output_) return pump_ended(stream);
+    if (unacked_ >= options_.output_window && !hung_up_) {
+        p.waiting_credit = true;  // add_credit() or hangup() resumes it
+        return;
+    }
+    // No buffer while idle: wait until the backend has bytes, then size the frame to them.
+    backend_->notify_output_ready(stream, shared_from_this());
+}
+
+void Channel::output_ready(output_stream stream, std::size_t avail) {
+    auto& p = pump(stream);
+    if (p.coalesce_round > 0) {
+        // The bytes seen before are still there (or the stream ended, which the read finds).
+        avail = std::max(p.avail, avail);
+    } else if (avail == 0) {
+        return pump_ended(stream);  // the stream ended
+    }
+    if (abandon_output_) return pump_ended(stream);
+    // The other stream took the window meanwhile: wait for credit again. Reading takes no
+    // wait: stdout and stderr together never have more than outputWindow bytes in flight.
+    if (unacked_ >= options_.output_window && !hung_up_) return pump_next(stream);
+    const std::uint64_t room =
+        std::min<std::uint64_t>(read_chunk, hung_up_ ? read_chunk : options_.output_window - unacked_);
+    // Full frames while a stream runs (docs/protocol.md, "Output frames"): the frame count,
+    // not the copying, bounds throughput, and a writer of 8 KiB at a time wakes this pump for
+    // each write. So when the previous read of this stream was large and recent, wait up to
+    // coalesce_waits x coalesce_wait for the rest of a frame. Interactive output (a small or
+    // first read) is never held back.
+    const bool coalesce =
+        p.coalesce_round > 0 ||
+        (p.last_bytes >= coalesce_after && std::chrono::steady_clock::now() - p.last_at < streaming_gap &&
+         !hung_up_);
+    if (coalesce && p.coalesce_round < coalesce_waits && avail < room) {
+        ++p.coalesce_round;
+        p.avail = avail;
+        if (!p.coalesce_timer) p.coalesce_timer = std::make_unique<net::steady_timer>(strand_);
+        p.coalesce_timer->expires_after(coalesce_wait);
+        p.coalesce_timer->async_wait([self = shared_from_this(), stream](beast::error_code) {
+            self->backend_->notify_output_ready(stream, self);
+        });
+        return;
+    }
+    p.coalesce_round = 0;
+    pump_send(stream, static_cast<std::size_t>(std::min<std::uint64_t>(avail, room)));
+}
+
+void Channel::pump_send(output_stream stream, std::size_t size) {
+    auto& p = pump(stream);
+    auto sink = sink_.lock();
+    std::string frame = sink && !options_.base64 ? sink->frame_buffer() : std::string();
+    frame.resize(frame_header_size + size);
+    const auto n = backend_->read_output(stream, std::span<char>(frame.data() + frame_header_size, size));
+    if (!n) return pump_ended(stream);
+    if (*n == 0) return pump_next(stream);
+    p.last_bytes = *n;
+    p.last_at = std::chrono::steady_clock::now();
+    if (!hung_up_) unacked_ += *n;
+    (stream == output_stream::out ? stdout_bytes_ : stderr_bytes_) += *n;
+    if (options_.bytes) options_.bytes->count(wire_stream(stream), *n);
+    if (!hung_up_ && sink) {  // else nobody to send to: drain so that writers never block
         if (options_.base64) {
             sink->send_text(jsonrpc::notification(
                 "duplexChannel.data",
@@ -180,8 +183,33 @@ awaitable<void> Channel::pump_output(output_stream stream) {
             sink->send_binary(std::move(frame));
         }
     }
+    pump_next(stream);
+}
+
+void Channel::pump_ended(output_stream stream) {
+    pump(stream).waiting_credit = false;
     --pumps_running_;
-    wake(done_timer_);
+    maybe_finish();
+}
+
+void Channel::resume_credit_waiters() {
+    // On the next turn, as a woken coroutine would: never inside the caller (a frame handler
+    // of the session), which an exit sent from here would reach again.
+    for (auto stream : {output_stream::out, output_stream::err}) {
+        auto& p = pump(stream);
+        if (!p.waiting_credit) continue;
+        p.waiting_credit = false;
+        net::post(strand_, [self = shared_from_this(), stream] { self->pump_next(stream); });
+    }
+}
+
+void Channel::kick_stdin() {
+    if (!begun_ || stdin_running_ || stdin_closed_) return;
+    if (stdin_queue_.empty() && !stdin_eof_requested_) return;
+    stdin_running_ = true;
+    net::co_spawn(strand_, pump_stdin(), [key = options_.audit_key](const std::exception_ptr& e) {
+        log_task_failure(key, e);
+    });
 }
 
 awaitable<void> Channel::pump_stdin() {
@@ -189,8 +217,8 @@ awaitable<void> Channel::pump_stdin() {
     while (!stdin_closed_) {
         if (stdin_queue_.empty()) {
             if (stdin_eof_requested_) break;
-            co_await stdin_timer_.async_wait(as_tuple_awaitable);
-            continue;
+            stdin_running_ = false;  // kick_stdin() starts it again with the next bytes
+            co_return;
         }
         const auto n = static_cast<std::uint32_t>(stdin_queue_.front().size());
         // Backpressure: the next chunk goes once the command has taken this one.
@@ -214,6 +242,7 @@ awaitable<void> Channel::pump_stdin() {
     stdin_pending_ = 0;
     if (stdin_eof_requested_) backend_->close_stdin();
     stdin_closed_ = true;
+    stdin_running_ = false;
 }
 
 void Channel::write_stdin(std::string_view data) {
@@ -245,19 +274,19 @@ void Channel::write_stdin(std::string_view data) {
     }
     stdin_pending_ += data.size();
     stdin_queue_.emplace_back(data);
-    wake(stdin_timer_);
+    kick_stdin();
 }
 
 void Channel::close_stdin() {
     require(channel_control::close_stdin, "duplexChannelCloseStdin");
     if (!options_.stdin_attached) return;
     stdin_eof_requested_ = true;
-    wake(stdin_timer_);
+    kick_stdin();
 }
 
 void Channel::add_credit(std::uint32_t bytes) {
     unacked_ = bytes >= unacked_ ? 0 : unacked_ - bytes;
-    wake(credit_timer_);
+    if (unacked_ < options_.output_window) resume_credit_waiters();
 }
 
 void Channel::require(channel_control control, const char* method) const {
@@ -299,10 +328,10 @@ void Channel::hangup(channel_outcome why) {
     // Whatever the command does from now on, nobody receives it: never logged as a success.
     if (!forced_outcome_) forced_outcome_ = why;
     sink_.reset();
-    wake(credit_timer_);
+    resume_credit_waiters();
     backend_->signal_all(SIGHUP);
-    hangup_timer_.expires_after(options_.hangup_grace);
-    hangup_timer_.async_wait([self = shared_from_this()](beast::error_code ec) {
+    hangup_timer_ = std::make_unique<net::steady_timer>(strand_, options_.hangup_grace);
+    hangup_timer_->async_wait([self = shared_from_this()](beast::error_code ec) {
         if (!ec) self->kill_tree();
     });
 }

@@ -5,8 +5,10 @@
 // exit-after-output rule, the same for every backend.
 //
 // Threading: a Channel lives on its session's strand, the executor its backend is bound to;
-// every public method must be called on that strand. Its pumps are coroutines on the same
-// strand.
+// every public method must be called on that strand. Its output pumps and its end are state
+// machines driven by the backend's reports (ChannelEvents) on the same strand; its stdin pump
+// is a coroutine there while stdin bytes are queued. A channel that merely waits holds the
+// backend's pending readiness waits and no coroutine frame (issue 19).
 #include <sandboxd/core/net.hpp>
 
 #include <sandboxd/core/frame.hpp>
@@ -21,8 +23,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <functional>
+#include <list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -87,16 +89,17 @@ std::string signal_name(int sig);
 /// "WINCH"), or 0 for any other text.
 int parse_signal_name(std::string_view name) noexcept;
 
-class Channel : public std::enable_shared_from_this<Channel> {
+class Channel final : public ChannelEvents, public std::enable_shared_from_this<Channel> {
 public:
     /// `backend` is bound to `strand` (the provider's open() was awaited on it).
     Channel(strand_t strand, ChannelOptions options, std::unique_ptr<ChannelBackend> backend,
             std::shared_ptr<SandboxHandle> sandbox, std::weak_ptr<ChannelSink> sink);
-    ~Channel();
+    ~Channel() override;
     Channel(const Channel&) = delete;
     Channel& operator=(const Channel&) = delete;
 
-    /// Starts the pumps and the supervisor. Call once.
+    /// Starts the output pumps, the stdin pump (when bytes come) and the wait for the end.
+    /// Call once.
     void start();
 
     std::uint32_t id() const noexcept { return options_.id; }
@@ -133,11 +136,36 @@ public:
     void hangup(channel_outcome why = channel_outcome::transport_closed);
 
 private:
-    awaitable<void> supervise();
-    awaitable<void> pump_output(output_stream stream);
+    /// One output stream's pump: wait for credit, wait for bytes (and, while the stream
+    /// streams, a little longer for a fuller frame), read one frame, send it; again until the
+    /// stream ends.
+    struct OutputPump {
+        bool waiting_credit = false;  ///< parked until credit arrives or the host hangs up
+        int coalesce_round = 0;       ///< waits done for a fuller frame (0: not coalescing)
+        std::size_t avail = 0;        ///< bytes known to be readable while coalescing
+        std::size_t last_bytes = 0;   ///< the previous read of the stream, and when
+        std::chrono::steady_clock::time_point last_at{};
+        std::unique_ptr<net::steady_timer> coalesce_timer;  ///< made when the stream streams
+    };
+    OutputPump& pump(output_stream s) noexcept { return pumps_[s == output_stream::err ? 1 : 0]; }
+
+    // ChannelEvents: the backend's reports, on the strand.
+    net::any_io_executor events_executor() const override { return strand_; }
+    void output_ready(output_stream stream, std::size_t bytes) override;
+    void exited(ChannelExit exit) override;
+    void gone() override;
+
+    void pump_next(output_stream stream);
+    void pump_send(output_stream stream, std::size_t avail);
+    void pump_ended(output_stream stream);
+    /// Resumes the pumps parked for credit, on the next turn of the strand.
+    void resume_credit_waiters();
+    /// Sends the exit once every process is gone and every output pump has ended.
+    void maybe_finish();
+    /// Starts the stdin pump when bytes or the half-close wait and it is not running.
+    void kick_stdin();
     awaitable<void> pump_stdin();
     void kill_tree() noexcept;
-    static void wake(net::steady_timer& t) { t.cancel(); }
     void send_exit();
 
     strand_t strand_;
@@ -145,18 +173,18 @@ private:
     std::shared_ptr<SandboxHandle> sandbox_;
     std::weak_ptr<ChannelSink> sink_;
     std::unique_ptr<ChannelBackend> backend_;
-    net::steady_timer credit_timer_;  // woken (cancelled) when credit arrives
-    net::steady_timer stdin_timer_;   // woken when stdin is queued or closed
-    net::steady_timer deadline_;      // timeoutMs
-    net::steady_timer hangup_timer_;
-    net::steady_timer done_timer_;    // woken when an output pump ends
+    OutputPump pumps_[2];
+    std::unique_ptr<net::steady_timer> deadline_;      // timeoutMs
+    std::unique_ptr<net::steady_timer> hangup_timer_;  // made at a hangup
     std::chrono::steady_clock::time_point started_;
 
     std::uint64_t unacked_ = 0;  // output bytes sent and not yet credited
-    std::deque<std::string> stdin_queue_;
+    std::list<std::string> stdin_queue_;  // (an empty std::deque allocates 576 bytes)
     std::uint64_t stdin_pending_ = 0;  // received from the host, not yet credited back
     bool stdin_eof_requested_ = false;
     bool stdin_closed_ = false;
+    bool stdin_running_ = false;  // pump_stdin() is running
+    bool begun_ = false;          // start() has run
     int pumps_running_ = 0;
     bool main_exited_ = false;
     bool exit_sent_ = false;
@@ -166,11 +194,6 @@ private:
     bool reaped_ = false;
     std::optional<channel_outcome> forced_outcome_;
     std::uint64_t stdout_bytes_ = 0, stderr_bytes_ = 0, stdin_bytes_ = 0;
-    struct LastRead {
-        std::size_t bytes = 0;
-        std::chrono::steady_clock::time_point at{};
-    };
-    LastRead stdout_last_read_, stderr_last_read_;  // for output coalescing
     /// The end of the main process as the backend reported it: exited with exit_code_, or
     /// killed by term_signal_ (> 0). Neither: no valid report.
     std::optional<int> exit_code_;

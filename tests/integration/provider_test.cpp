@@ -24,6 +24,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <spawn.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
@@ -39,6 +40,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -636,6 +638,161 @@ TEST_CASE("process backend: output, stdin and the exit through the ChannelBacken
         } catch (const rpc_error& e) {
             CHECK(e.code() == errc::invalid_params);
         }
+    }
+    CHECK(open_fd_count() == fds_before);
+}
+
+/// Records what a backend reports through the callback forms (ChannelBackend::notify_*()).
+class Recorder final : public ChannelEvents {
+public:
+    explicit Recorder(boost::asio::any_io_executor executor) : executor_(std::move(executor)) {}
+    boost::asio::any_io_executor events_executor() const override { return executor_; }
+    void output_ready(output_stream stream, std::size_t bytes) override { ready.emplace_back(stream, bytes); }
+    void exited(ChannelExit e) override { exit = std::move(e); }
+    void gone() override { gone_reported = true; }
+
+    std::vector<std::pair<output_stream, std::size_t>> ready;
+    std::optional<ChannelExit> exit;
+    bool gone_reported = false;
+
+private:
+    boost::asio::any_io_executor executor_;
+};
+
+/// A process backend over pipes that the test writes itself (its stdout and its status line),
+/// around a `sleep` child of this process as the channel init that its pidfd watches.
+struct PipeBackend {
+    explicit PipeBackend(boost::asio::io_context& io) {
+        const char* argv[] = {"sleep", "60", nullptr};
+        REQUIRE(::posix_spawnp(&child, "sleep", nullptr, nullptr, const_cast<char**>(argv), environ) == 0);
+        ProcessEnds ends;
+        ends.pid = child;
+        ends.pidfd.reset(static_cast<int>(::syscall(SYS_pidfd_open, child, 0)));
+        REQUIRE(ends.pidfd);
+        int status[2], out[2], control[2];
+        REQUIRE(::pipe2(status, O_CLOEXEC | O_NONBLOCK) == 0);
+        REQUIRE(::pipe2(out, O_CLOEXEC | O_NONBLOCK) == 0);
+        REQUIRE(::pipe2(control, O_CLOEXEC | O_NONBLOCK) == 0);
+        ends.status_fd.reset(status[0]);
+        status_w.reset(status[1]);
+        ends.stdout_fd.reset(out[0]);
+        out_w.reset(out[1]);
+        control_r.reset(control[0]);
+        ends.control_fd.reset(control[1]);
+        backend = std::make_unique<ProcessBackend>(io.get_executor(), std::move(ends));
+    }
+    ~PipeBackend() {
+        backend.reset();  // SIGKILL to the child unless it is known to be gone
+        int status = 0;
+        ::waitpid(child, &status, 0);
+    }
+    PipeBackend(const PipeBackend&) = delete;
+    PipeBackend& operator=(const PipeBackend&) = delete;
+
+    void write_status(std::string_view text) const {
+        REQUIRE(::write(status_w.get(), text.data(), text.size()) == static_cast<ssize_t>(text.size()));
+    }
+
+    pid_t child = -1;
+    unique_fd status_w, out_w, control_r;
+    std::unique_ptr<ProcessBackend> backend;
+};
+
+TEST_CASE("process backend: its callback forms report what its awaitables do, without a frame",
+          "[provider]") {
+    const int fds_before = open_fd_count();
+    {
+        boost::asio::io_context io;
+        // Runs the handlers that are ready now (an io_context that ran out of work is stopped
+        // until restarted).
+        auto poll = [&io] {
+            io.restart();
+            return io.poll();
+        };
+        // Runs handlers until `done` or a bound (never a sleep: each step waits on a pipe).
+        auto run_until = [&io](const std::function<bool()>& done) {
+            const auto deadline = Clock::now() + status_timeout;
+            while (!done() && Clock::now() < deadline) {
+                io.restart();
+                io.run_one_for(milliseconds(100));
+            }
+            return done();
+        };
+        auto recorder = std::make_shared<Recorder>(io.get_executor());
+        PipeBackend pipes(io);
+        auto& backend = *pipes.backend;
+
+        SECTION("a status line in two writes is one exit") {
+            backend.notify_exit(recorder);
+            poll();
+            CHECK_FALSE(recorder->exit);
+            pipes.write_status("sig");
+            io.restart();
+            REQUIRE(io.run_one_for(status_timeout) == 1);  // reads "sig", waits again
+            CHECK_FALSE(recorder->exit);
+            pipes.write_status("nal 9\n");
+            REQUIRE(run_until([&] { return recorder->exit.has_value(); }));
+            CHECK(recorder->exit->signal == 9);
+            CHECK_FALSE(recorder->exit->exit_code);
+            CHECK(recorder->exit->error.empty());
+        }
+        SECTION("a whole line") {
+            pipes.write_status("exit 3\n");
+            backend.notify_exit(recorder);
+            CHECK_FALSE(recorder->exit);  // never inside the call
+            REQUIRE(run_until([&] { return recorder->exit.has_value(); }));
+            CHECK(recorder->exit->exit_code == 3);
+            CHECK(recorder->exit->error.empty());
+        }
+        SECTION("a line too long to be one is an invalid status") {
+            pipes.write_status(std::string(40, '7'));
+            backend.notify_exit(recorder);
+            REQUIRE(run_until([&] { return recorder->exit.has_value(); }));
+            CHECK_FALSE(recorder->exit->exit_code);
+            CHECK(recorder->exit->error == "the channel's init sent an invalid status");
+        }
+        SECTION("a number out of range is an invalid status") {
+            pipes.write_status("exit 300\n");
+            backend.notify_exit(recorder);
+            REQUIRE(run_until([&] { return recorder->exit.has_value(); }));
+            CHECK_FALSE(recorder->exit->exit_code);
+            CHECK_FALSE(recorder->exit->error.empty());
+        }
+        SECTION("EOF with no line is an end with no report") {
+            pipes.status_w.reset();
+            backend.notify_exit(recorder);
+            REQUIRE(run_until([&] { return recorder->exit.has_value(); }));
+            CHECK_FALSE(recorder->exit->exit_code);
+            CHECK(recorder->exit->signal == 0);
+            CHECK(recorder->exit->error.empty());
+        }
+        SECTION("output readiness: bytes, then the end; and the init's end") {
+            backend.notify_output_ready(output_stream::out, recorder);
+            poll();
+            CHECK(recorder->ready.empty());  // an empty pipe waits
+            REQUIRE(::write(pipes.out_w.get(), "abc", 3) == 3);
+            REQUIRE(run_until([&] { return !recorder->ready.empty(); }));
+            CHECK(recorder->ready.back() == std::pair{output_stream::out, std::size_t{3}});
+            std::string buf(8, '\0');
+            CHECK(backend.read_output(output_stream::out, buf) == std::optional<std::size_t>{3});
+            pipes.out_w.reset();
+            backend.notify_output_ready(output_stream::out, recorder);
+            REQUIRE(run_until([&] { return recorder->ready.size() == 2; }));
+            CHECK(recorder->ready.back().second >= 1);  // readable: read_output finds the end
+            CHECK_FALSE(backend.read_output(output_stream::out, buf));
+            backend.notify_output_ready(output_stream::out, recorder);
+            REQUIRE(run_until([&] { return recorder->ready.size() == 3; }));
+            CHECK(recorder->ready.back().second == 0);  // closed: ended
+
+            backend.notify_gone(recorder);
+            poll();
+            CHECK_FALSE(recorder->gone_reported);
+            backend.kill();
+            REQUIRE(run_until([&] { return recorder->gone_reported; }));
+        }
+        // The handlers hold the recorder until they have run; none is left pending.
+        poll();
+        CHECK(recorder.use_count() == 1);
     }
     CHECK(open_fd_count() == fds_before);
 }

@@ -18,13 +18,17 @@
 /// strand, or a single-threaded io_context). Every call, and the destructor, must run on that
 /// executor. Calls of different kinds may be outstanding at the same time (an output_ready()
 /// per stream, one write_stdin(), one wait_exit() or wait_gone()); two calls of the same kind
-/// at once are not allowed. No call blocks the thread.
+/// at once are not allowed (a notify_*() call counts as its awaitable's kind). No call blocks
+/// the thread.
 
 #include <sandboxd/core/async.hpp>
 #include <sandboxd/core/errors.hpp>
 
+#include <boost/asio/any_io_executor.hpp>
+
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -54,6 +58,23 @@ struct ChannelExit {
     /// The backend lost the command without a report (a plugin worker that went away, or
     /// reported exitCode null): the outcome is transportClosed unless the daemon ended it.
     bool lost = false;
+};
+
+/// Where a backend's notify_*() calls report (the daemon's Channel). Every callback runs on
+/// events_executor(), never inside the notify_*() call that asked for it, and at most once per
+/// notify_*() call. The backend holds the ChannelEvents (a shared_ptr) until it has called it.
+class ChannelEvents {
+public:
+    virtual ~ChannelEvents() = default;
+    /// The executor that the backend is bound to (a strand), where the callbacks run.
+    virtual boost::asio::any_io_executor events_executor() const = 0;
+    /// What output_ready(`stream`) would have returned: at least 1 byte to read, or 0 once
+    /// the stream has ended.
+    virtual void output_ready(output_stream stream, std::size_t bytes) = 0;
+    /// What wait_exit() would have returned.
+    virtual void exited(ChannelExit exit) = 0;
+    /// wait_gone() would have completed: every process of the channel is gone.
+    virtual void gone() = 0;
 };
 
 class ChannelBackend {
@@ -112,6 +133,17 @@ public:
     /// Completes once every process of the channel is gone (after wait_exit(); the output
     /// streams end at the latest then). Never throws.
     virtual awaitable<void> wait_gone() = 0;
+
+    /// Callback forms of output_ready(), wait_exit() and wait_gone(), with the same rules:
+    /// `to` gets the result once, on its events_executor(). The daemon's Channel uses only
+    /// these, so that a channel that merely waits holds a pending readiness wait and no
+    /// coroutine frame (issue 19: a held channel cost about 5 KiB of frames). The defaults run
+    /// the awaitable form in a coroutine on `to`'s executor; a backend that can wait for
+    /// readiness without one (the process backend) overrides them. Never throw (bad_alloc
+    /// aside).
+    virtual void notify_output_ready(output_stream stream, std::shared_ptr<ChannelEvents> to);
+    virtual void notify_exit(std::shared_ptr<ChannelEvents> to);
+    virtual void notify_gone(std::shared_ptr<ChannelEvents> to);
 };
 
 }  // namespace sandboxd
