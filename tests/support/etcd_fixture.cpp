@@ -30,6 +30,23 @@ namespace fs = std::filesystem;
 
 namespace {
 
+/// Whether every thread of `pid` is stopped: state T in each /proc/PID/task/TID/stat.
+bool all_threads_stopped(pid_t pid) {
+    std::error_code ec;
+    bool any = false;
+    for (const auto& task : fs::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
+        std::ifstream in(task.path() / "stat");
+        std::string stat;
+        std::getline(in, stat);
+        // "TID (comm) S ...": the state follows the last ')' (comm may hold one).
+        const auto close = stat.rfind(')');
+        if (close == std::string::npos || close + 2 >= stat.size()) continue;  // exited meanwhile
+        if (stat[close + 2] != 'T') return false;
+        any = true;
+    }
+    return any;
+}
+
 /// A loopback TCP port that was free a moment ago.
 unsigned short free_port() {
     int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -350,6 +367,15 @@ void EtcdServer::pause() {
     if (pid_ <= 0 || paused_) return;
     ::kill(pid_, SIGSTOP);
     paused_ = true;
+    // kill() returns once the signal is queued; a thread of etcd running on the other core
+    // can still answer a request until it is stopped too. Paused means every thread stopped.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!all_threads_stopped(pid_)) {
+        if (std::chrono::steady_clock::now() > deadline) {
+            throw std::runtime_error("etcd (pid " + std::to_string(pid_) + ") did not stop within 10 s");
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
 }
 
 void EtcdServer::resume() {

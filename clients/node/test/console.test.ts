@@ -136,8 +136,11 @@ describe("console", { skip: chromiumPath() ? false : "no chromium (scripts/boots
     })()`);
     assert.deepEqual(red, { red: true, plain: true });
 
-    // Ctrl-C interrupts the foreground command: the shell answers again.
-    await type("sleep 100");
+    // Ctrl-C interrupts the foreground command: the shell answers again. The command says when
+    // it runs (a line its own text does not hold): a Ctrl-C before that would reach the shell,
+    // not the command (the window is wide on a loaded machine).
+    await type("sh -c 'echo sleeping-$((3*3)); exec sleep 100'");
+    await waitForLine("sleeping-9", "the foreground command to run");
     await browser.send("Input.dispatchKeyEvent", { type: "keyDown", key: "c", code: "KeyC", windowsVirtualKeyCode: 67, modifiers: 2 }, page);
     await browser.send("Input.dispatchKeyEvent", { type: "keyUp", key: "c", code: "KeyC", windowsVirtualKeyCode: 67, modifiers: 2 }, page);
     await type("echo after-$((1+1))");

@@ -8,11 +8,13 @@
 /// credit window that stdout and stderr share, the stdin window, FLOW_CONTROL errors) and the
 /// exit-after-output rule belong to the daemon's Channel (src/server/channel.hpp), which drives
 /// every backend the same way:
-///  - one output pump per stream that has_output(): output_ready(), then read_output() at most
-///    as many bytes as its window allows, until output_ready() returns 0;
+///  - one output pump per stream that has_output(): output_ready() (in its callback form,
+///    notify_output_ready()), then read_output() at most as many bytes as its window allows,
+///    until the stream reports 0;
 ///  - one stdin pump: write_stdin() one chunk at a time, each awaited before the next (the
 ///    backpressure), then close_stdin() when the host half-closes;
-///  - wait_exit() once, then wait_gone() once; the exit is sent after every output pump ended.
+///  - wait_exit() once, then wait_gone() once (notify_exit(), notify_gone()); the exit is sent
+///    after every output pump ended.
 ///
 /// Threading: a backend is bound to the executor its provider's open() was awaited on (a
 /// strand, or a single-threaded io_context). Every call, and the destructor, must run on that
