@@ -974,7 +974,11 @@ private:
         const fs::path workspace = run_dir / "workspace";
         std::error_code ec;
         const bool have_dir = fs::exists(fs::symlink_status(dir, ec));
-        if (!have_dir && !fs::exists(fs::symlink_status(run_dir, ec))) return;
+        const bool have_run_dir = fs::exists(fs::symlink_status(run_dir, ec));
+        spdlog::debug("sandbox {} teardown: directory {}, runtime directory {}",
+                      sandbox.scope.provider_lease_id, have_dir ? "present" : "absent",
+                      have_run_dir ? "present" : "absent");
+        if (!have_dir && !have_run_dir) return;
         const auto uid = have_dir ? read_identity(dir) : std::nullopt;
         detail::destroy_lease_disk(dir / "disk.img", workspace);
         if (fs::exists(fs::symlink_status(workspace, ec))) {

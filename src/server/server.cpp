@@ -1220,6 +1220,12 @@ awaitable<void> Daemon::Impl::heartbeat_loop() {
         try {
             bool mine = co_await node.registry->heartbeat_node(node.node_id, node.instance_id,
                                                                 now_ms());
+            if (const auto took = steady_now_ms() - sent; took > node.config.heartbeat_ms) {
+                // A renewal that takes longer than the period eats into the fencing margin
+                // (2/3 of nodeTtlMs): said, so that a slow registry shows in the log.
+                spdlog::warn("node={} heartbeat took {} ms (heartbeatMs {})", node.node_id, took,
+                             node.config.heartbeat_ms);
+            }
             if (!mine) {
                 // The record expired (the process was stopped, or the registry unreachable,
                 // past the TTL) or another process took the node id. Other nodes may have
