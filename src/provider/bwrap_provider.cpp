@@ -424,6 +424,21 @@ public:
         return ids;
     }
 
+    std::string describe_stored(const std::string& provider_lease_id) const override {
+        if (!is_sandbox_id(provider_lease_id)) return "not a sandbox id";
+        const auto list = [](const fs::path& d) {
+            std::error_code ec;
+            if (!fs::exists(fs::symlink_status(d, ec))) return std::string("absent");
+            std::string names;
+            for (const auto& e : fs::directory_iterator(d, ec)) {
+                names += (names.empty() ? "" : ", ") + e.path().filename().string();
+            }
+            return names.empty() ? std::string("empty") : names;
+        };
+        return "directory: " + list(options_.sandboxes_dir / provider_lease_id) +
+               "; runtime directory: " + list(runtime_dir_ / provider_lease_id);
+    }
+
     std::vector<std::string> capabilities() const override {
         return {"channels", "pty", "stderr", "signals", "closeStdin", "resize", "probe", "execute",
                 "validateConfig"};

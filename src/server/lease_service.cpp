@@ -939,6 +939,43 @@ awaitable<std::size_t> destroy_unrecorded_sandboxes(Node& node) {
     co_return destroyed;
 }
 
+awaitable<std::size_t> destroy_leftover_sandboxes(Node& node) {
+    std::set<std::pair<std::string, std::string>> cached;  // provider key, providerLeaseId
+    for (const auto& handle : node.cache.snapshot()) {
+        cached.emplace(handle->scope.provider, handle->scope.provider_lease_id);
+    }
+    std::size_t destroyed = 0;
+    for (const auto& [key, provider] : node.providers) {
+        for (const auto& id : provider->stored_sandboxes()) {
+            if (cached.contains({key, id})) continue;
+            // Read after the listing: a sandbox being created now has no record yet (skipped),
+            // and a record that says released or expired never becomes active again.
+            auto lease = co_await node.registry->find_by_provider_lease(key, id);
+            if (!lease || lease->owner_node_id != node.node_id ||
+                (lease->status != lease_status::released && lease->status != lease_status::expired)) {
+                continue;
+            }
+            if (node.cache.holds(scope_of(*lease))) continue;  // cached since the snapshot
+            auto handle = provider->handle_for_teardown(*lease);
+            if (!handle) continue;
+            spdlog::warn("lease={} is {} but its sandbox {} of provider={} is still on node {}: "
+                         "destroying it ({})",
+                         lease->id, to_string(lease->status), id, key, node.node_id,
+                         provider->describe_stored(id));
+            try {
+                co_await provider->destroy(handle);
+                ++destroyed;
+                node.metrics.teardowns.with({"leftover"}).inc();
+            } catch (const std::exception& e) {
+                spdlog::warn("lease={}: destroying the leftover sandbox {} failed (retried at the "
+                             "next check): {}",
+                             lease->id, id, e.what());
+            }
+        }
+    }
+    co_return destroyed;
+}
+
 awaitable<void> expire_leases(Node& node);
 
 awaitable<void> sweep(Node& node) {
@@ -1028,6 +1065,10 @@ awaitable<void> sweep(Node& node) {
             policy.slow_retry_ms > 0 ? std::min(backoff, policy.slow_retry_ms) : backoff;
         if (lease.cleanup_attempts > 0 && now - lease.last_used_at_ms < wait) continue;
         co_await teardown(node, std::move(lease), lease_status::released, "sweeper");
+    }
+    if (const auto at = now_ms(); at - node.leftovers_checked_at_ms >= node.config.node_ttl_ms) {
+        node.leftovers_checked_at_ms = at;
+        co_await destroy_leftover_sandboxes(node);
     }
     node.metrics.sweeper_passes.only().inc();
 }

@@ -96,7 +96,8 @@ awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why,
 /// dead owners (no heartbeat within the TTL) to pending_cleanup; tears down this node's
 /// pending_cleanup leases through their recorded provider, as its CleanupPolicy says: quick
 /// attempts backing off, then either `failed` (built-in providers) or, once warned, a slow
-/// retry for ever (plugins: a remote sandbox may still exist). Leases of this node whose
+/// retry for ever (plugins: a remote sandbox may still exist); once per nodeTtlMs,
+/// destroy_leftover_sandboxes. Leases of this node whose
 /// provider can_resume() stay active after a restart (the first use resumes them). It never touches a lease whose owner is alive
 /// and holds it (CASES.md B21, B23). Reads only this node's leases (owner index) and those
 /// of owners whose membership lapsed (Registry::active_owner_nodes against list_nodes),
@@ -125,6 +126,16 @@ awaitable<void> reconcile_cached(Node& node);
 /// Throws what the registry throws (then nothing was destroyed); a sandbox whose teardown
 /// fails is logged and left for the next start.
 awaitable<std::size_t> destroy_unrecorded_sandboxes(Node& node);
+
+/// Run by the sweeper once per nodeTtlMs: destroys every sandbox that a provider keeps on
+/// this node's disk, that this process does not cache, and whose lease (by providerLeaseId)
+/// is this node's and released or expired: a teardown recorded the end, yet the sandbox is
+/// there. Logged as a warning with what the disk holds (Provider::describe_stored) and
+/// counted as sandboxd_teardowns_total{outcome="leftover"}. A sandbox with no record (being
+/// created, or left by a killed process: destroy_unrecorded_sandboxes at the next start) or
+/// in any other status is left alone. Returns how many were destroyed; throws what the
+/// registry throws.
+awaitable<std::size_t> destroy_leftover_sandboxes(Node& node);
 
 /// Ends every channel of `lease_id` on this node with outcome leaseReleased and waits (at
 /// most `wait`) until their processes are gone.

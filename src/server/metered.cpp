@@ -140,6 +140,9 @@ public:
     std::vector<std::string> stored_sandboxes() const override {
         return inner_->stored_sandboxes();
     }
+    std::string describe_stored(const std::string& provider_lease_id) const override {
+        return inner_->describe_stored(provider_lease_id);
+    }
     bool can_resume() const noexcept override { return inner_->can_resume(); }
     awaitable<std::shared_ptr<SandboxHandle>> resume(Lease lease) override {
         return time("resume", inner_->resume(std::move(lease)));

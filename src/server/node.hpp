@@ -129,6 +129,9 @@ struct Node {
     std::string instance_id;
     std::string advertise_url;
     std::int64_t started_at_ms = 0;
+    /// When the sweeper last looked for sandboxes of ended leases on this node's disk (ms
+    /// since the epoch; the sweep loop's own, one pass at a time).
+    std::int64_t leftovers_checked_at_ms = 0;
     std::unique_ptr<Registry> registry;
     std::map<std::string, std::unique_ptr<Provider>> providers;
     HandleCache cache;

@@ -101,7 +101,8 @@ struct NodeMetrics {
         "Leases the sweeper recorded as orphaned (their owner dead or without the sandbox).");
     Family<Counter>& teardowns = registry.counter(
         "sandboxd_teardowns_total",
-        "Sandbox teardowns this node ran, by outcome: done, failed (to be retried), given_up.",
+        "Sandbox teardowns this node ran, by outcome: done, failed (to be retried), given_up, "
+        "leftover (a sandbox of an ended lease found on disk by the sweeper).",
         {"outcome"});
     Family<Gauge>& fenced = registry.gauge(
         "sandboxd_fenced",

@@ -273,6 +273,43 @@ TEST_CASE("A sandbox that no lease records is destroyed at the next start",
     CHECK_FALSE(fs::exists(sandboxes / kept["providerLeaseId"].get<std::string>()));
 }
 
+TEST_CASE("The sweeper destroys a sandbox of a released lease that is still on disk",
+          "[daemon][sweeper][fault]") {
+    // What two etcd fault trials found: a lease recorded released (by its owner's sweeper)
+    // while its sandbox's directory stayed on the owner's disk. Made here by putting the
+    // directory back after a release; a directory that no lease records is a killed
+    // process's (destroyed at the next start, see above) and is left alone while running.
+    DaemonProcess daemon("node-a", json{{"routing", {{"nodeTtlMs", 2000}, {"heartbeatMs", 300}}}}.dump());
+    auto c = daemon.connect();
+    const auto sandboxes = daemon.state_dir() / "sandboxes";
+    auto lease = acquire(*c);
+    const std::string id = lease["providerLeaseId"];
+    REQUIRE(c->call("leaseRelease", {{"leaseId", lease["id"]}})["status"] == "released");
+    REQUIRE_FALSE(fs::exists(sandboxes / id));
+    const std::string unrecorded = "bw-0123456789abcdef";
+    for (const auto& dir : {sandboxes / id, sandboxes / unrecorded}) {
+        REQUIRE(fs::create_directory(dir));
+        std::ofstream(dir / "identity") << "1500000042\n";
+    }
+    const std::string leftover_metric = R"(sandboxd_teardowns_total{outcome="leftover"})";
+    CHECK(eventually([&] { return !fs::exists(sandboxes / id); }, std::chrono::seconds(10)));
+    CHECK(daemon.metric(leftover_metric) == 1);
+    const auto log = daemon.log();
+    CHECK(log.find("lease=" + lease["id"].get<std::string>() + " is released but its sandbox " +
+                   id + " of provider=bwrap is still on node node-a: destroying it (directory: "
+                   "identity; runtime directory: absent)") != std::string::npos);
+    // The unrecorded one stays, through two more checks (a check per nodeTtlMs), and a live
+    // lease's sandbox is never touched.
+    auto live = acquire(*c);
+    const auto passes = daemon.metric("sandboxd_sweeper_passes_total");
+    CHECK(eventually([&] { return daemon.metric("sandboxd_sweeper_passes_total") >= passes + 14; }, std::chrono::seconds(15)));
+    CHECK(fs::exists(sandboxes / unrecorded));
+    CHECK(fs::exists(sandboxes / live["providerLeaseId"].get<std::string>()));
+    CHECK(daemon.metric(leftover_metric) == 1);
+    CHECK(c->call("leaseRelease", {{"leaseId", live["id"]}})["status"] == "released");
+    fs::remove_all(sandboxes / unrecorded);
+}
+
 TEST_CASE("Malformed requests get JSON-RPC errors and the connection stays usable",
           "[daemon][rpc]") {
     DaemonProcess daemon;

@@ -238,8 +238,16 @@ public:
     /// lease of this node records (its process was killed between create() and storing the
     /// lease) is destroyed through handle_for_teardown() before the node serves. Providers
     /// whose sandboxes live elsewhere (plugins) keep none here: empty. May block on the
-    /// directory listing; called once, at start.
+    /// directory listing; called at start and by the sweeper (once per nodeTtlMs), which
+    /// destroys a stored sandbox whose lease of this node is released or expired.
     virtual std::vector<std::string> stored_sandboxes() const { return {}; }
+    /// What this node's disk holds of stored sandbox `provider_lease_id`, in a few words for
+    /// a log line ("directory: identity, disk.img; runtime directory: absent"). May block on
+    /// the file system; never throws.
+    virtual std::string describe_stored(const std::string& provider_lease_id) const {
+        (void)provider_lease_id;
+        return {};
+    }
 
     /// Whether resume() may bring back a sandbox this process no longer caches (a plugin
     /// whose worker serves environmentResumeLease, or whose worker is not up yet to say).
