@@ -766,6 +766,12 @@ void check_audit(Cluster& cluster, Ledger& ledger, std::map<std::string, long>& 
         std::string line;
         while (std::getline(in, line)) {
             std::smatch m;
+            // The sweeper's safety net (destroy_leftover_sandboxes): counted, so that a run
+            // shows how often a teardown left a sandbox behind.
+            if (line.find(" is still on node ") != std::string::npos &&
+                line.find("destroying it") != std::string::npos) {
+                ++counts["sandboxes of ended leases found left on disk by a sweeper"];
+            }
             if (!std::regex_search(line, m, left)) continue;
             auto [it, fresh] = left_at.emplace(m[2], m[1]);
             if (!fresh && m[1].str() < it->second) it->second = m[1];
