@@ -68,6 +68,15 @@ void audit_lease(Node& node, std::string_view event, const Lease& lease, std::st
 
 awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status,
                           std::string actor) {
+    // One teardown of a lease at a time here (a release racing the sweeper's pass over a
+    // lease pending cleanup): the later one finds the record changed and does not destroy
+    // again (issue 15, item 2: no double teardown).
+    const auto turn = co_await node.teardown_locks.lock(lease.id);
+    if (turn.waited) {
+        auto current = co_await node.registry->get_lease(lease.id);
+        if (!current) not_found(lease.id);
+        if (current->epoch != lease.epoch) co_return *current;
+    }
     auto scope = scope_of(lease);
     auto handle = node.cache.begin_teardown(scope);
     co_await end_lease_channels(node, lease.id, std::chrono::milliseconds(3000));

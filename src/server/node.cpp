@@ -171,14 +171,16 @@ void Node::unclaim(const std::string& lease_id) {
     claims_.erase(lease_id);
 }
 
-awaitable<std::shared_ptr<void>> KeyedLocks::lock(std::string key) {
+awaitable<KeyedLocks::Guard> KeyedLocks::lock(std::string key) {
     auto executor = co_await net::this_coro::executor;
     std::shared_ptr<Gate> gate;
+    bool waited = false;
     {
         std::lock_guard lock(mutex_);
         std::erase_if(gates_, [](const auto& entry) { return entry.second.expired(); });
         auto& slot = gates_[key];
         gate = slot.lock();
+        waited = gate != nullptr;  // a guard, or a waiter holding the gate, is alive
         if (!gate) {
             gate = std::make_shared<Gate>(executor, 1);
             slot = gate;
@@ -193,7 +195,7 @@ awaitable<std::shared_ptr<void>> KeyedLocks::lock(std::string key) {
         ~Held() { gate->try_receive([](boost::system::error_code) {}); }
         std::shared_ptr<Gate> gate;
     };
-    co_return std::make_shared<Held>(std::move(gate));
+    co_return Guard{std::make_shared<Held>(std::move(gate)), waited};
 }
 
 }  // namespace sandboxd

@@ -105,12 +105,19 @@ private:
 };
 
 /// Async locks by name: the reuse acquires of one lease scope on this node run one at a time
-/// (docs/protocol.md, "Lease policies"). Thread-safe; a lock is awaited without blocking a
-/// thread, and released when the returned guard is destroyed (on any thread).
+/// (docs/protocol.md, "Lease policies"), and so do the teardowns of one lease. Thread-safe; a
+/// lock is awaited without blocking a thread, and released when the returned guard's `held`
+/// is destroyed (on any thread).
 class KeyedLocks {
 public:
+    struct Guard {
+        std::shared_ptr<void> held;
+        /// Whether another guard of the key was alive or awaited when this one was asked for
+        /// (the caller waited its turn), decided atomically with taking the turn.
+        bool waited = false;
+    };
     /// Waits until no other guard of `key` is alive, then returns this caller's.
-    awaitable<std::shared_ptr<void>> lock(std::string key);
+    awaitable<Guard> lock(std::string key);
 
 private:
     /// A semaphore of one: a send takes it (waiting while it is full), a receive frees it.
@@ -161,6 +168,8 @@ struct Node {
     net::io_context* ioc = nullptr;
     PeerLinks peers;
     KeyedLocks reuse_locks;
+    /// One teardown of a lease at a time on this node (a release racing the sweeper).
+    KeyedLocks teardown_locks;
     /// The audit trail (config audit.file); null when none is configured.
     std::shared_ptr<AuditLog> audit;
 

@@ -290,3 +290,37 @@ TEST_CASE("A sweep in the middle of an acquire or a release neither orphans nor 
     CHECK(h.provider->destroys == 1);          // one teardown
     CHECK_FALSE(h.node.cache.find(scope_of(lease)));
 }
+
+TEST_CASE("A release racing the sweeper's teardown of a lease pending cleanup destroys its "
+          "sandbox once",
+          "[unit][sweeper][race]") {
+    // Issue 15, item 2: a lease is torn down once. The release of a lease pending cleanup and
+    // the sweeper's pass over it both tear it down; the one that comes second waits for the
+    // first and finds the record changed.
+    NodeHarness h;
+    auto lease = h.acquire();
+    edit(h, lease.id, [](Lease& l) {
+        l.status = lease_status::pending_cleanup;
+        l.epoch += 1;
+        l.cleanup_status = "owner node node-a is dead";
+    });
+    const auto pending_epoch = lease.epoch + 1;
+    bool swept = false;
+    // The sweep starts while the release's teardown is between its destroy and its record.
+    h.registry->before_write = [&](const std::string& op, const Lease& next) {
+        if (op != "update_lease" || next.status != lease_status::released || swept) return;
+        swept = true;
+        boost::asio::co_spawn(h.ioc, sweep(h.node), boost::asio::detached);
+    };
+    auto released = h.run(lease_release(h.node, h.host, lease.id));
+    h.registry->before_write = nullptr;
+    h.ioc.restart();
+    h.ioc.run();  // the sweep, once the release's turn is over
+    REQUIRE(swept);
+    CHECK(released.status == lease_status::released);
+    CHECK(released.epoch == pending_epoch + 1);
+    CHECK(h.registry->lease_for_test(lease.id)->status == lease_status::released);
+    CHECK(h.registry->lease_for_test(lease.id)->epoch == pending_epoch + 1);
+    CHECK(h.provider->destroys == 1);
+    CHECK_FALSE(h.node.cache.find(scope_of(lease)));
+}
