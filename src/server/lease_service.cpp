@@ -960,7 +960,9 @@ awaitable<std::size_t> destroy_leftover_sandboxes(Node& node) {
             // Read after the listing: a sandbox being created now has no record yet (skipped),
             // and a record that says released or expired never becomes active again.
             auto lease = co_await node.registry->find_by_provider_lease(key, id);
-            if (!lease || lease->owner_node_id != node.node_id ||
+            // Whichever node recorded the end (a retained lease is released from its record,
+            // by any node): the sandbox on this disk is nobody's any more.
+            if (!lease ||
                 (lease->status != lease_status::released && lease->status != lease_status::expired)) {
                 continue;
             }

@@ -129,8 +129,8 @@ awaitable<std::size_t> destroy_unrecorded_sandboxes(Node& node);
 
 /// Run by the sweeper once per nodeTtlMs: destroys every sandbox that a provider keeps on
 /// this node's disk, that this process does not cache, and whose lease (by providerLeaseId)
-/// is this node's and released or expired: a teardown recorded the end, yet the sandbox is
-/// there. Logged as a warning with what the disk holds (Provider::describe_stored) and
+/// is released or expired, by this node or another: a teardown recorded the end, yet the
+/// sandbox is there. Logged as a warning with what the disk holds (Provider::describe_stored) and
 /// counted as sandboxd_teardowns_total{outcome="leftover"}. A sandbox with no record (being
 /// created, or left by a killed process: destroy_unrecorded_sandboxes at the next start) or
 /// in any other status is left alone. Returns how many were destroyed; throws what the

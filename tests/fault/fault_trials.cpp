@@ -514,7 +514,9 @@ private:
         if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr_), sizeof addr_) == 0 &&
             ::send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
             char buf[1024];
-            for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) > 0;) answer.append(buf, static_cast<std::size_t>(n));
+            for (ssize_t n = 0; (n = ::read(fd, buf, sizeof buf)) > 0;) {
+                answer.append(buf, static_cast<std::size_t>(n));
+            }
         }
         ::close(fd);
         return answer.rfind("HTTP/1.1 200", 0) == 0;

@@ -239,7 +239,7 @@ public:
     /// lease) is destroyed through handle_for_teardown() before the node serves. Providers
     /// whose sandboxes live elsewhere (plugins) keep none here: empty. May block on the
     /// directory listing; called at start and by the sweeper (once per nodeTtlMs), which
-    /// destroys a stored sandbox whose lease of this node is released or expired.
+    /// destroys a stored sandbox whose lease is released or expired.
     virtual std::vector<std::string> stored_sandboxes() const { return {}; }
     /// What this node's disk holds of stored sandbox `provider_lease_id`, in a few words for
     /// a log line ("directory: identity, disk.img; runtime directory: absent"). May block on
