@@ -275,6 +275,10 @@ struct WatchState {
     bool stopped = false;
     const std::function<void(const Lease&)> on_change;
     const std::function<void()> on_resync;
+    /// The store revision up to which every change was delivered (the listing's, then each
+    /// event's), and whether the next round must list again; only on `strand`.
+    std::int64_t revision = 0;
+    bool list_needed = true;
 
     bool is_stopped() {
         std::lock_guard lock(mutex);
@@ -288,8 +292,13 @@ struct WatchState {
 };
 
 /// The change feed of one EtcdRegistry: a coroutine on a strand of the registry's executor
-/// that lists the leases, then follows a watch on them from the listing's revision, listing
-/// again whenever the watch ends (broken, compacted, canceled).
+/// that lists the leases, then follows a watch on them from the listing's revision. When the
+/// watch breaks (etcd restarted, a connection lost) it watches again from the last revision it
+/// delivered, so etcd replays only what changed meanwhile; it lists again only when etcd
+/// canceled the watch (that revision was compacted) or the store is behind that revision (a
+/// different store). A listing reads every lease record, which costs seconds of CPU once the
+/// store holds many thousands; every node doing it at once after each etcd restart starved
+/// their heartbeats (fault trials, issue 15).
 class EtcdLeaseWatch final : public LeaseWatch {
 public:
     explicit EtcdLeaseWatch(std::shared_ptr<WatchState> state) : state_(std::move(state)) {}
@@ -954,8 +963,19 @@ awaitable<std::optional<etcd::PrefixResult>> try_list(std::shared_ptr<etcd::Clie
 awaitable<void> try_watch(std::shared_ptr<etcd::Client> client, std::shared_ptr<WatchState> state,
                           std::string op, std::string prefix, std::int64_t start_revision) {
     auto on_message = [state](const etcd::WatchMessage& m) {
+        if (m.canceled) {
+            state->list_needed = true;  // compacted past the start revision, or ended by etcd
+            return;
+        }
+        if (m.created && m.revision < state->revision) {
+            // The store is behind what this watch delivered: not the store it watched. Ends
+            // the watch (Client::watch passes the exception on); the next round lists.
+            state->list_needed = true;
+            throw std::runtime_error("etcd's revision went back");
+        }
         for (const auto& ev : m.events) {
             if (!ev.deleted) state->deliver(ev.kv);
+            state->revision = std::max(state->revision, ev.kv.mod_revision);
         }
     };
     try {
@@ -971,13 +991,26 @@ awaitable<void> run_watch(std::shared_ptr<etcd::Client> client, std::shared_ptr<
     const std::string op = "watch leases";
     net::steady_timer pause(state->strand);
     while (!state->is_stopped()) {
-        auto listing = co_await (try_list(client, op, prefix) ||
-                                 state->stop_timer.async_wait(as_tuple_awaitable));
-        if (listing.index() == 1) break;
-        if (auto& all = std::get<0>(listing)) {
-            for (const auto& kv : all->kvs) state->deliver(kv);
-            state->resynced();
-            co_await (try_watch(client, state, op, prefix, all->revision + 1) ||
+        if (state->list_needed) {
+            auto listing = co_await (try_list(client, op, prefix) ||
+                                     state->stop_timer.async_wait(as_tuple_awaitable));
+            if (listing.index() == 1) break;
+            if (auto& all = std::get<0>(listing)) {
+                std::size_t delivered = 0;
+                for (const auto& kv : all->kvs) {
+                    state->deliver(kv);
+                    // The node's heartbeat runs on this thread too: a long listing lets it in.
+                    if (++delivered % 256 == 0) {
+                        co_await net::post(state->strand, net::use_awaitable);
+                    }
+                }
+                state->revision = all->revision;
+                state->list_needed = false;
+                state->resynced();
+            }
+        }
+        if (!state->list_needed) {
+            co_await (try_watch(client, state, op, prefix, state->revision + 1) ||
                       state->stop_timer.async_wait(as_tuple_awaitable));
         }
         pause.expires_after(retry);
