@@ -414,17 +414,29 @@ public:
         return handle;
     }
 
-    std::vector<std::string> stored_sandboxes() const override {
-        std::vector<std::string> ids;
-        std::error_code ec;
-        for (const auto& entry : fs::directory_iterator(options_.sandboxes_dir, ec)) {
-            auto name = entry.path().filename().string();
-            if (is_sandbox_id(name)) ids.push_back(std::move(name));
-        }
-        return ids;
+    awaitable<std::vector<std::string>> stored_sandboxes() override {
+        auto work = [this] {
+            std::vector<std::string> ids;
+            std::error_code ec;
+            try {  // an entry that cannot be read ends the listing, as its contract says
+                for (const auto& entry : fs::directory_iterator(options_.sandboxes_dir, ec)) {
+                    auto name = entry.path().filename().string();
+                    if (is_sandbox_id(name)) ids.push_back(std::move(name));
+                }
+            } catch (const fs::filesystem_error& e) {
+                spdlog::warn("listing {}: {}", options_.sandboxes_dir.string(), e.what());
+            }
+            return ids;
+        };
+        co_return co_await offload(workers_, std::move(work));
     }
 
-    std::string describe_stored(const std::string& provider_lease_id) const override {
+    awaitable<std::string> describe_stored(std::string provider_lease_id) override {
+        auto work = [this, id = std::move(provider_lease_id)] { return describe_stored_now(id); };
+        co_return co_await offload(workers_, std::move(work));
+    }
+
+    std::string describe_stored_now(const std::string& provider_lease_id) const {
         if (!is_sandbox_id(provider_lease_id)) return "not a sandbox id";
         const auto list = [](const fs::path& d) {
             std::error_code ec;

@@ -911,6 +911,23 @@ awaitable<std::vector<Lease>> leases_of(Node& node, std::string owner_node_id,
 
 constexpr int max_cleanup_attempts = 5;
 
+/// A sandbox that a provider keeps on this node's disk.
+struct StoredSandbox {
+    std::string provider_key;
+    Provider* provider;
+    std::string provider_lease_id;
+};
+
+/// Every sandbox on this node's disk, of every provider (listed off this thread).
+awaitable<std::vector<StoredSandbox>> stored_sandboxes(Node& node) {
+    std::vector<StoredSandbox> stored;
+    for (const auto& [key, provider] : node.providers) {
+        auto ids = co_await provider->stored_sandboxes();
+        for (auto& id : ids) stored.push_back({key, provider.get(), std::move(id)});
+    }
+    co_return stored;
+}
+
 }  // namespace
 
 awaitable<std::size_t> destroy_unrecorded_sandboxes(Node& node) {
@@ -922,27 +939,26 @@ awaitable<std::size_t> destroy_unrecorded_sandboxes(Node& node) {
         }
     }
     std::size_t destroyed = 0;
-    for (const auto& [key, provider] : node.providers) {
-        for (const auto& id : provider->stored_sandboxes()) {
-            if (recorded.contains({key, id})) continue;
-            Lease orphan;
-            orphan.id = "(none)";
-            orphan.provider = key;
-            orphan.provider_lease_id = id;
-            orphan.owner_node_id = node.node_id;
-            auto handle = provider->handle_for_teardown(orphan);
-            if (!handle) continue;
-            try {
-                co_await provider->destroy(handle);
-                ++destroyed;
-                spdlog::warn("sandbox {} of provider={}: no lease records it (an earlier process "
-                             "was killed before storing its lease); destroyed",
-                             id, key);
-            } catch (const std::exception& e) {
-                spdlog::warn("sandbox {} of provider={}: no lease records it; destroying it "
-                             "failed (retried at the next start): {}",
-                             id, key, e.what());
-            }
+    const auto stored = co_await stored_sandboxes(node);
+    for (const auto& [key, provider, id] : stored) {
+        if (recorded.contains({key, id})) continue;
+        Lease orphan;
+        orphan.id = "(none)";
+        orphan.provider = key;
+        orphan.provider_lease_id = id;
+        orphan.owner_node_id = node.node_id;
+        auto handle = provider->handle_for_teardown(orphan);
+        if (!handle) continue;
+        try {
+            co_await provider->destroy(handle);
+            ++destroyed;
+            spdlog::warn("sandbox {} of provider={}: no lease records it (an earlier process "
+                         "was killed before storing its lease); destroyed",
+                         id, key);
+        } catch (const std::exception& e) {
+            spdlog::warn("sandbox {} of provider={}: no lease records it; destroying it "
+                         "failed (retried at the next start): {}",
+                         id, key, e.what());
         }
     }
     co_return destroyed;
@@ -954,34 +970,33 @@ awaitable<std::size_t> destroy_leftover_sandboxes(Node& node) {
         cached.emplace(handle->scope.provider, handle->scope.provider_lease_id);
     }
     std::size_t destroyed = 0;
-    for (const auto& [key, provider] : node.providers) {
-        for (const auto& id : provider->stored_sandboxes()) {
-            if (cached.contains({key, id})) continue;
-            // Read after the listing: a sandbox being created now has no record yet (skipped),
-            // and a record that says released or expired never becomes active again.
-            auto lease = co_await node.registry->find_by_provider_lease(key, id);
-            // Whichever node recorded the end (a retained lease is released from its record,
-            // by any node): the sandbox on this disk is nobody's any more.
-            if (!lease ||
-                (lease->status != lease_status::released && lease->status != lease_status::expired)) {
-                continue;
-            }
-            if (node.cache.holds(scope_of(*lease))) continue;  // cached since the snapshot
-            auto handle = provider->handle_for_teardown(*lease);
-            if (!handle) continue;
-            spdlog::warn("lease={} is {} but its sandbox {} of provider={} is still on node {}: "
-                         "destroying it ({})",
-                         lease->id, to_string(lease->status), id, key, node.node_id,
-                         provider->describe_stored(id));
-            try {
-                co_await provider->destroy(handle);
-                ++destroyed;
-                node.metrics.teardowns.with({"leftover"}).inc();
-            } catch (const std::exception& e) {
-                spdlog::warn("lease={}: destroying the leftover sandbox {} failed (retried at the "
-                             "next check): {}",
-                             lease->id, id, e.what());
-            }
+    const auto stored = co_await stored_sandboxes(node);
+    for (const auto& [key, provider, id] : stored) {
+        if (cached.contains({key, id})) continue;
+        // Read after the listing: a sandbox being created now has no record yet (skipped),
+        // and a record that says released or expired never becomes active again.
+        auto lease = co_await node.registry->find_by_provider_lease(key, id);
+        // Whichever node recorded the end (a retained lease is released from its record,
+        // by any node): the sandbox on this disk is nobody's any more.
+        if (!lease ||
+            (lease->status != lease_status::released && lease->status != lease_status::expired)) {
+            continue;
+        }
+        if (node.cache.holds(scope_of(*lease))) continue;  // cached since the snapshot
+        auto handle = provider->handle_for_teardown(*lease);
+        if (!handle) continue;
+        const auto held = co_await provider->describe_stored(id);
+        spdlog::warn("lease={} is {} but its sandbox {} of provider={} is still on node {}: "
+                     "destroying it ({})",
+                     lease->id, to_string(lease->status), id, key, node.node_id, held);
+        try {
+            co_await provider->destroy(handle);
+            ++destroyed;
+            node.metrics.teardowns.with({"leftover"}).inc();
+        } catch (const std::exception& e) {
+            spdlog::warn("lease={}: destroying the leftover sandbox {} failed (retried at the "
+                         "next check): {}",
+                         lease->id, id, e.what());
         }
     }
     co_return destroyed;

@@ -137,11 +137,11 @@ public:
     std::shared_ptr<SandboxHandle> handle_for_teardown(const Lease& lease) override {
         return inner_->handle_for_teardown(lease);
     }
-    std::vector<std::string> stored_sandboxes() const override {
+    awaitable<std::vector<std::string>> stored_sandboxes() override {
         return inner_->stored_sandboxes();
     }
-    std::string describe_stored(const std::string& provider_lease_id) const override {
-        return inner_->describe_stored(provider_lease_id);
+    awaitable<std::string> describe_stored(std::string provider_lease_id) override {
+        return inner_->describe_stored(std::move(provider_lease_id));
     }
     bool can_resume() const noexcept override { return inner_->can_resume(); }
     awaitable<std::shared_ptr<SandboxHandle>> resume(Lease lease) override {

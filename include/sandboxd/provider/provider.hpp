@@ -237,16 +237,19 @@ public:
     /// whether or not a lease records it, for the start-up reconciliation: a sandbox that no
     /// lease of this node records (its process was killed between create() and storing the
     /// lease) is destroyed through handle_for_teardown() before the node serves. Providers
-    /// whose sandboxes live elsewhere (plugins) keep none here: empty. May block on the
-    /// directory listing; called at start and by the sweeper (once per nodeTtlMs), which
-    /// destroys a stored sandbox whose lease is released or expired.
-    virtual std::vector<std::string> stored_sandboxes() const { return {}; }
+    /// whose sandboxes live elsewhere (plugins) keep none here: empty. The directory listing
+    /// runs off the caller's thread (the provider's blocking workers); called at start and by
+    /// the sweeper (once per nodeTtlMs), which destroys a stored sandbox whose lease is
+    /// released or expired. Never throws: an unreadable directory lists nothing.
+    virtual awaitable<std::vector<std::string>> stored_sandboxes() {
+        co_return std::vector<std::string>{};
+    }
     /// What this node's disk holds of stored sandbox `provider_lease_id`, in a few words for
-    /// a log line ("directory: identity, disk.img; runtime directory: absent"). May block on
-    /// the file system; never throws.
-    virtual std::string describe_stored(const std::string& provider_lease_id) const {
+    /// a log line ("directory: identity, disk.img; runtime directory: absent"). Reads the file
+    /// system off the caller's thread, like stored_sandboxes(); never throws.
+    virtual awaitable<std::string> describe_stored(std::string provider_lease_id) {
         (void)provider_lease_id;
-        return {};
+        co_return std::string{};
     }
 
     /// Whether resume() may bring back a sandbox this process no longer caches (a plugin
