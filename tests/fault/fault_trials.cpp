@@ -46,6 +46,8 @@
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -55,6 +57,7 @@
 #include <regex>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 
 using namespace sandboxd;
@@ -906,8 +909,35 @@ struct StopAndJoin {
 
 }  // namespace
 
+/// Copies of sandboxd and sandboxd-init (found beside it) for this run, removed at exit: a run
+/// lasts an hour or more, and a rebuild of the tree meanwhile replaced the binary while a node
+/// restarted (its exec failed: a violation that was the build's, not the daemon's).
+class PrivateBinaries {
+public:
+    PrivateBinaries() {
+        std::string tmpl = "/tmp/sandboxd-fault-bin-XXXXXX";
+        if (::mkdtemp(tmpl.data()) == nullptr) {
+            throw std::runtime_error(std::string("mkdtemp: ") + std::strerror(errno));
+        }
+        dir_ = tmpl;
+        std::filesystem::copy_file(SANDBOXD_BIN, dir_ / "sandboxd");
+        std::filesystem::copy_file(SANDBOXD_INIT_BIN, dir_ / "sandboxd-init");
+        set_daemon_binary((dir_ / "sandboxd").string());
+    }
+    ~PrivateBinaries() {
+        std::error_code ec;
+        std::filesystem::remove_all(dir_, ec);
+    }
+    PrivateBinaries(const PrivateBinaries&) = delete;
+    PrivateBinaries& operator=(const PrivateBinaries&) = delete;
+
+private:
+    std::filesystem::path dir_;
+};
+
 int main(int argc, char** argv) {
     const Options o = parse(argc, argv);
+    const PrivateBinaries binaries;
     // Orphans of the nodes' trees stay this program's descendants (the process checks).
     ::prctl(PR_SET_CHILD_SUBREAPER, 1);
     struct sigaction stop_action {};

@@ -5,10 +5,12 @@
 #include "support/daemon_fixture.hpp"
 #include "support/etcd_fixture.hpp"
 
+#include <sandboxd/core/address.hpp>
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/registry/registry.hpp>
 
 #include "support/sync_registry.hpp"
+#include "support/tcp_relay.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -179,6 +181,81 @@ TEST_CASE("etcd: the lease change feed delivers every write and resumes after et
     CHECK(eventually([&] { return marker_seen.load(); }, 5s));
     std::lock_guard lock(mutex);
     CHECK(seen.size() == before);
+}
+
+TEST_CASE("etcd: a change feed cut off while etcd compacted its revision lists every lease again",
+          "[registry][etcd][watch]") {
+    EtcdServer etcd;  // private: this test compacts its history
+    const auto target = parse_http_endpoint(etcd.endpoint());
+    TcpRelay relay("127.0.0.1", target.port);
+    const auto prefix = EtcdServer::unique_prefix();
+    auto watcher = test::open_etcd({relay.endpoint()}, prefix, 30000);
+    auto writer = test::open_etcd({etcd.endpoint()}, prefix, 30000);
+
+    std::mutex mutex;
+    std::vector<Lease> seen;
+    int resyncs = 0;
+    auto feed = watcher->watch_leases(
+        [&](const Lease& l) {
+            std::lock_guard lock(mutex);
+            seen.push_back(l);
+        },
+        [&] {
+            std::lock_guard lock(mutex);
+            ++resyncs;
+        },
+        100);
+    REQUIRE(feed);
+    REQUIRE(eventually([&] { std::lock_guard lock(mutex); return resyncs == 1; }, 5s));
+    auto count_of = [&](const std::string& id, lease_status status, std::int64_t epoch) {
+        std::lock_guard lock(mutex);
+        return std::count_if(seen.begin(), seen.end(), [&](const Lease& l) {
+            return l.id == id && l.status == status && l.epoch == epoch;
+        });
+    };
+
+    Lease lease;
+    lease.id = "lease-1";
+    lease.company_id = "co";
+    lease.environment_id = "env";
+    lease.provider = "bwrap";
+    lease.provider_lease_id = "pl-1";
+    lease.owner_node_id = "node-a";
+    lease.metadata = {{"pluginId", "p"}, {"provider", "bwrap"}};
+    const Lease created = writer->create_lease(lease);
+    REQUIRE(eventually([&] { return count_of("lease-1", lease_status::active, created.epoch) == 1; }, 5s));
+
+    // The feed's connection breaks and its reconnects fail while lease-1 ends, lease-2 is
+    // made, and etcd forgets the history the feed would resume from. A watch from the feed's
+    // next revision is then canceled by etcd (compacted): only a new listing shows the two
+    // writes, and without one the feed would watch on for ever and never see them.
+    relay.cut();
+    Lease next = created;
+    next.status = lease_status::released;
+    next.epoch = created.epoch + 1;
+    const auto released = writer->update_lease(next, created.epoch);
+    REQUIRE(released);
+    Lease second = lease;
+    second.id = "lease-2";
+    second.provider_lease_id = "pl-2";
+    const Lease second_created = writer->create_lease(second);
+    etcd.compact();
+    const auto relayed_before = relay.relayed();
+    relay.resume();
+
+    CHECK(eventually([&] { std::lock_guard lock(mutex); return resyncs == 2; }, 10s));
+    CHECK(relay.relayed() > relayed_before);  // it did come back through the relay
+    CHECK(eventually([&] { return count_of("lease-1", lease_status::released, released->epoch) == 1; }, 5s));
+    CHECK(eventually([&] { return count_of("lease-2", lease_status::active, second_created.epoch) == 1; }, 5s));
+
+    // And it follows new writes after the listing.
+    Lease third = lease;
+    third.id = "lease-3";
+    third.provider_lease_id = "pl-3";
+    const Lease third_created = writer->create_lease(third);
+    CHECK(eventually([&] { return count_of("lease-3", lease_status::active, third_created.epoch) == 1; }, 5s));
+    std::lock_guard lock(mutex);
+    CHECK(resyncs == 2);
 }
 
 TEST_CASE("etcd: a daemon whose etcd stops fails closed with REGISTRY_UNAVAILABLE and recovers",

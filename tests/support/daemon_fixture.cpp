@@ -143,10 +143,21 @@ std::vector<std::string> unit_capability_names() {
     return out;
 }
 
+namespace {
+std::string& daemon_binary_path() {
+    static std::string path = SANDBOXD_BIN;
+    return path;
+}
+}  // namespace
+
+const std::string& daemon_binary() { return daemon_binary_path(); }
+
+void set_daemon_binary(std::string path) { daemon_binary_path() = std::move(path); }
+
 void DaemonProcess::launch(start_mode mode) {
     const auto ready = dir_.path() / "ready";
     fs::remove(ready);
-    std::vector<std::string> args = {SANDBOXD_BIN, "--state-dir", state_dir_.string(), "--listen",
+    std::vector<std::string> args = {daemon_binary(), "--state-dir", state_dir_.string(), "--listen",
                                      listen_, "--ready-file", ready.string(), "--node-id",
                                      node_id_, "--log-level", "debug"};
     {

@@ -27,6 +27,14 @@ private:
     std::filesystem::path path_;
 };
 
+/// The sandboxd binary that DaemonProcess starts: SANDBOXD_BIN unless set_daemon_binary()
+/// named another. sandboxd finds sandboxd-init beside itself.
+const std::string& daemon_binary();
+/// Makes DaemonProcess start `path` from now on: a long run's own copy of the binaries, so
+/// that rebuilding the tree under it (ld replaces the file) never meets a restart. Set it
+/// before any daemon starts: not thread-safe against a launch.
+void set_daemon_binary(std::string path);
+
 class DaemonProcess {
 public:
     enum class start_mode { wait_ready, no_wait };

@@ -3,6 +3,8 @@
 #include <sandboxd/core/address.hpp>
 #include <sandboxd/core/tls.hpp>
 
+#include <nlohmann/json.hpp>
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -109,24 +111,30 @@ std::atomic<int> prefix_counter{0};
 
 }  // namespace
 
-bool etcd_healthy(const std::string& endpoint, std::chrono::milliseconds timeout) {
+namespace {
+
+/// Sends `request`, a whole HTTP/1.0 request, to the plain http:// `endpoint` and returns the
+/// whole answer (the server closes after it), or what came within `timeout`; "" when it
+/// could not connect.
+std::string http_exchange(const std::string& endpoint, const std::string& request,
+                          std::chrono::milliseconds timeout) {
     std::string host;
     unsigned short port = 0;
-    if (!split_endpoint(endpoint, host, port)) return false;
+    if (!split_endpoint(endpoint, host, port)) return {};
     int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return false;
+    if (fd < 0) return {};
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
     addr.sin_port = htons(port);
     if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1 ||
         ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
         ::close(fd);
-        return false;
+        return {};
     }
-    const std::string req = "GET /health HTTP/1.0\r\nHost: " + host + "\r\n\r\n";
-    if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size())) {
+    if (::send(fd, request.data(), request.size(), MSG_NOSIGNAL) !=
+        static_cast<ssize_t>(request.size())) {
         ::close(fd);
-        return false;
+        return {};
     }
     std::string answer;
     const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -142,7 +150,47 @@ bool etcd_healthy(const std::string& endpoint, std::chrono::milliseconds timeout
         answer.append(buf, static_cast<std::size_t>(n));
     }
     ::close(fd);
+    return answer;
+}
+
+/// POSTs `body` to etcd's JSON gateway at `path` and returns the reply's JSON body. Throws
+/// std::runtime_error unless etcd answered 200 within 10 s.
+nlohmann::json etcd_post(const std::string& endpoint, const std::string& path,
+                         const nlohmann::json& body) {
+    const std::string text = body.dump();
+    const std::string answer =
+        http_exchange(endpoint,
+                      "POST " + path + " HTTP/1.0\r\nContent-Type: application/json\r\n" +
+                          "Content-Length: " + std::to_string(text.size()) + "\r\n\r\n" + text,
+                      std::chrono::seconds(10));
+    const auto head_end = answer.find("\r\n\r\n");
+    const auto status_line = answer.substr(0, answer.find("\r\n"));
+    if (status_line.find(" 200 ") == std::string::npos || head_end == std::string::npos) {
+        throw std::runtime_error("etcd " + path + " failed: " + answer.substr(0, 300));
+    }
+    return nlohmann::json::parse(answer.substr(head_end + 4));
+}
+
+}  // namespace
+
+bool etcd_healthy(const std::string& endpoint, std::chrono::milliseconds timeout) {
+    std::string host;
+    unsigned short port = 0;
+    if (!split_endpoint(endpoint, host, port)) return false;
+    const std::string answer =
+        http_exchange(endpoint, "GET /health HTTP/1.0\r\nHost: " + host + "\r\n\r\n", timeout);
     return answer.find("\"health\":\"true\"") != std::string::npos;
+}
+
+std::int64_t EtcdServer::compact() {
+    require_private("compact");
+    if (tls_) throw std::logic_error("EtcdServer::compact: plain http:// servers only");
+    // Any read answers with the store's revision in its header.
+    const auto range = etcd_post(endpoint_, "/v3/kv/range", {{"key", "AA=="}});
+    const std::int64_t revision = std::stoll(range.at("header").at("revision").get<std::string>());
+    etcd_post(endpoint_, "/v3/kv/compaction",
+              {{"revision", std::to_string(revision)}, {"physical", true}});
+    return revision;
 }
 
 bool etcd_healthy_tls(const std::string& endpoint, const EtcdTls& tls, std::chrono::milliseconds timeout) {

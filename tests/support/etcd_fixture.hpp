@@ -5,6 +5,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cstdint>
 #include <optional>
 #include <filesystem>
 #include <memory>
@@ -54,6 +55,11 @@ public:
     void stop();
     /// Starts it again on the same data directory and ports; waits for /health.
     void start();
+    /// Compacts the store's history up to its current revision (physically) and returns that
+    /// revision: a watch asked to start at or before it is then canceled by etcd. Private
+    /// plain-http servers only (a shared server's other watchers would see it); throws
+    /// std::runtime_error when etcd refuses.
+    std::int64_t compact();
     /// SIGSTOP / SIGCONT: a server that accepts connections but never answers.
     void pause();
     void resume();
