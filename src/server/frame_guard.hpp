@@ -11,13 +11,31 @@
 // read before its length can be judged (1 byte, or 2 with the 64-bit length code) is held
 // back and delivered with the next read, so that its first byte can still be marked.
 //
-// Threading: as the stream it wraps: one read and one write at a time, on one strand.
+// On the write side it follows the frame boundaries of what Beast writes, so that a frame can
+// be written around Beast (async_write_spliced: a header, then payload spliced from a pipe
+// straight into the socket, never copied through user space) without ever landing inside one
+// of Beast's frames: it starts only between two of Beast's frames with no Beast write
+// outstanding, and a Beast write that comes while it runs (an automatic pong, a ping, a close)
+// waits until it is done. This is the documented deviation of issue 19 item 3: data frames
+// written beside Beast's writer, never interleaved with them.
+//
+// Threading: as the stream it wraps: one read and one write at a time, on one strand; a
+// spliced write counts as a write (one at a time, on the same strand).
 #include <sandboxd/core/net.hpp>
 
+#include <boost/asio/any_completion_handler.hpp>
+
+#include <fcntl.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace sandboxd {
 
@@ -34,7 +52,35 @@ public:
 
     template <typename ConstBufferSequence, typename WriteHandler>
     auto async_write_some(const ConstBufferSequence& buffers, WriteHandler&& handler) {
-        return next_.async_write_some(buffers, std::forward<WriteHandler>(handler));
+        return net::async_compose<WriteHandler, void(beast::error_code, std::size_t)>(
+            write_op<ConstBufferSequence>{this, buffers}, handler, next_);
+    }
+
+    /// Whether async_write_spliced() can write to this stream: plain TCP (a TLS stream must
+    /// encrypt every byte in user space).
+    bool can_splice() noexcept {
+        if constexpr (requires { next_.is_tls(); }) {
+            return !next_.is_tls();
+        } else {
+            return true;
+        }
+    }
+
+    /// Writes one whole WebSocket frame around Beast: `head` (the frame's header and the
+    /// first bytes of its payload, which the caller built: an unmasked server frame), then
+    /// `count` bytes spliced from the pipe `pipe_fd` into the socket. The pipe must hold at
+    /// least `count` bytes that nobody else reads meanwhile (else the frame could not be
+    /// finished: error::message_size, and the connection must be dropped, since the peer has
+    /// a partial frame). Starts between two of Beast's frames (see above); completes with the
+    /// bytes written (head + count) or the error that ended it (a failed socket: drop the
+    /// connection). Only when can_splice(). `pipe_fd` must stay open until completion.
+    /// splice(2) has no MSG_NOSIGNAL: on a socket whose peer is gone it raises SIGPIPE, so
+    /// the process must ignore SIGPIPE (sandboxd does, src/app/daemon_main.cpp); then it is
+    /// EPIPE.
+    template <typename WriteHandler>
+    auto async_write_spliced(std::string head, int pipe_fd, std::size_t count, WriteHandler&& handler) {
+        return net::async_compose<WriteHandler, void(beast::error_code, std::size_t)>(
+            spliced_op{this, std::move(head), pipe_fd, count}, handler, next_);
     }
 
     template <typename MutableBufferSequence, typename ReadHandler>
@@ -52,7 +98,162 @@ public:
             read_op{this, target}, handler, next_);
     }
 
+    /// How often the write side took its slower paths (diagnostics and tests).
+    struct WriteStats {
+        std::uint64_t splice_waits = 0;     ///< a spliced frame waited for room in the socket
+        std::uint64_t splices_parked = 0;   ///< a spliced frame waited for Beast's frame to end
+        std::uint64_t writes_deferred = 0;  ///< a Beast write waited for a spliced frame
+    };
+    const WriteStats& write_stats() const noexcept { return stats_; }
+
+    /// The write side's state in a few words, for a test's failure message.
+    std::string write_state() const {
+        return "beast_writing=" + std::to_string(beast_writing_) +
+               " splicing=" + std::to_string(splicing_) + " out_left=" + std::to_string(out_left_) +
+               " out_header_len=" + std::to_string(out_header_len_) +
+               " parked_splice=" + std::to_string(parked_splice_.has_value()) +
+               " deferred_write=" + std::to_string(deferred_write_.has_value()) +
+               " splice_waits=" + std::to_string(stats_.splice_waits);
+    }
+
 private:
+    /// One of Beast's writes: waits while a spliced frame is being written, then writes and
+    /// follows the frame boundaries of what was written.
+    template <typename Buffers>
+    struct write_op {
+        frame_guard* guard;
+        Buffers buffers;
+        enum class state { start, writing } at = state::start;
+
+        template <typename Self>
+        void operator()(Self& self, beast::error_code ec = {}, std::size_t n = 0) {
+            if (at == state::start) {
+                if (guard->splicing_) {
+                    ++guard->stats_.writes_deferred;
+                    guard->deferred_write_ = std::move(self);  // resumed by the spliced frame's end
+                    return;
+                }
+                at = state::writing;
+                guard->beast_writing_ = true;
+                guard->next_.async_write_some(buffers, std::move(self));
+                return;
+            }
+            guard->beast_writing_ = false;
+            if (!ec) guard->follow_written(buffers, n);
+            // A spliced frame waiting for a boundary goes first, before Beast writes again.
+            if (guard->out_left_ == 0 && guard->out_header_len_ == 0 && guard->parked_splice_) {
+                guard->splicing_ = true;
+                net::post(guard->next_.get_executor(), std::move(*guard->parked_splice_));
+                guard->parked_splice_.reset();
+            }
+            self.complete(ec, n);
+        }
+    };
+
+    /// A frame written around Beast (async_write_spliced).
+    struct spliced_op {
+        frame_guard* guard = nullptr;
+        std::string head;
+        int pipe_fd = -1;
+        std::size_t count = 0;
+        std::size_t head_done = 0;
+        std::size_t spliced = 0;
+        bool started = false;
+
+        template <typename Self>
+        void operator()(Self& self, beast::error_code ec = {}) {
+            if (!started) {
+                // Between frames, with no Beast write outstanding; else after the one that
+                // ends Beast's frame (write_op). `splicing_` already set when resumed from there.
+                const bool resumed = guard->splicing_;
+                if (!resumed && (guard->beast_writing_ || guard->out_left_ != 0 ||
+                                 guard->out_header_len_ != 0)) {
+                    ++guard->stats_.splices_parked;
+                    guard->parked_splice_ = std::move(self);
+                    return;
+                }
+                started = true;
+                guard->splicing_ = true;
+            }
+            if (ec) return finish(self, ec);
+            auto& socket = beast::get_lowest_layer(guard->next_).socket();
+            const int fd = socket.native_handle();
+            while (head_done < head.size()) {
+                const ssize_t n = ::send(fd, head.data() + head_done, head.size() - head_done,
+                                         MSG_NOSIGNAL | (count > 0 ? MSG_MORE : 0));
+                if (n < 0 && errno == EINTR) continue;
+                if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+                    ++guard->stats_.splice_waits;
+                    return socket.async_wait(net::socket_base::wait_write, std::move(self));
+                }
+                if (n < 0) return finish(self, beast::error_code(errno, beast::system_category()));
+                head_done += static_cast<std::size_t>(n);
+            }
+            while (spliced < count) {
+                const ssize_t n = ::splice(pipe_fd, nullptr, fd, nullptr, count - spliced,
+                                           SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
+                if (n < 0 && errno == EINTR) continue;
+                if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+                    // The socket is full, or the pipe is empty: only the first may be waited for.
+                    int queued = 0;
+                    if (::ioctl(pipe_fd, FIONREAD, &queued) == 0 && queued == 0) {
+                        return finish(self, net::error::message_size);
+                    }
+                    ++guard->stats_.splice_waits;
+                    return socket.async_wait(net::socket_base::wait_write, std::move(self));
+                }
+                if (n == 0) return finish(self, net::error::message_size);  // the pipe ended
+                if (n < 0) return finish(self, beast::error_code(errno, beast::system_category()));
+                spliced += static_cast<std::size_t>(n);
+            }
+            finish(self, {});
+        }
+
+        template <typename Self>
+        void finish(Self& self, beast::error_code ec) {
+            guard->splicing_ = false;
+            if (guard->deferred_write_) {
+                net::post(guard->next_.get_executor(), std::move(*guard->deferred_write_));
+                guard->deferred_write_.reset();
+            }
+            self.complete(ec, head_done + spliced);
+        }
+    };
+
+    /// Follows the outgoing frames through the first `n` bytes of `buffers` (just written).
+    template <typename Buffers>
+    void follow_written(const Buffers& buffers, std::size_t n) {
+        for (auto it = net::buffer_sequence_begin(buffers);
+             n > 0 && it != net::buffer_sequence_end(buffers); ++it) {
+            net::const_buffer b(*it);
+            const auto* p = static_cast<const unsigned char*>(b.data());
+            std::size_t len = std::min(b.size(), n);
+            n -= len;
+            for (std::size_t i = 0; i < len;) {
+                if (out_left_ > 0) {
+                    const auto k = static_cast<std::size_t>(std::min<std::uint64_t>(out_left_, len - i));
+                    out_left_ -= k;
+                    i += k;
+                    continue;
+                }
+                out_header_[out_header_len_++] = p[i++];
+                if (out_header_len_ < 2) continue;
+                const unsigned code = out_header_[1] & 0x7f;
+                const std::size_t need = 2 + (code == 126 ? 2 : code == 127 ? 8 : 0) +
+                                         ((out_header_[1] & 0x80) != 0 ? 4 : 0);
+                if (out_header_len_ < need) continue;
+                std::uint64_t length = code;
+                if (code == 126) length = std::uint64_t{out_header_[2]} << 8 | out_header_[3];
+                if (code == 127) {
+                    length = 0;
+                    for (int k = 2; k < 10; ++k) length = length << 8 | out_header_[k];
+                }
+                out_left_ = length;
+                out_header_len_ = 0;
+            }
+        }
+    }
+
     struct read_op {
         frame_guard* guard;
         net::mutable_buffer target;
@@ -145,6 +346,16 @@ private:
     }
 
     NextLayer next_;
+    // Write side (see async_write_spliced).
+    bool beast_writing_ = false;  ///< one of Beast's async_write_some is outstanding
+    bool splicing_ = false;       ///< a spliced frame is being written (or about to resume)
+    WriteStats stats_;
+    unsigned char out_header_[14] = {};
+    std::size_t out_header_len_ = 0;  ///< bytes of an outgoing header seen so far
+    std::uint64_t out_left_ = 0;      ///< payload bytes of Beast's current frame still to go
+    std::optional<net::any_completion_handler<void()>> parked_splice_;
+    std::optional<net::any_completion_handler<void()>> deferred_write_;
+    // Read side.
     std::string held_;
     unsigned char header_[14] = {};
     std::size_t header_len_ = 0;

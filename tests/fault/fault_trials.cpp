@@ -937,7 +937,13 @@ private:
 
 int main(int argc, char** argv) {
     const Options o = parse(argc, argv);
-    const PrivateBinaries binaries;
+    std::optional<PrivateBinaries> binaries;
+    try {
+        binaries.emplace();
+    } catch (const std::exception& e) {
+        std::cerr << "fault_trials: cannot copy sandboxd for the run: " << e.what() << "\n";
+        return 1;
+    }
     // Orphans of the nodes' trees stay this program's descendants (the process checks).
     ::prctl(PR_SET_CHILD_SUBREAPER, 1);
     struct sigaction stop_action {};
