@@ -82,6 +82,54 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+/// What a lease change feed delivered, for the feed tests: every lease and the listings.
+struct FeedRecord {
+    std::mutex mutex;
+    std::vector<Lease> seen;
+    int resyncs = 0;
+
+    /// A feed of `registry` into this record (retrying every 100 ms), once it has listed.
+    std::unique_ptr<LeaseWatch> follow(SyncRegistry& registry) {
+        auto feed = registry.watch_leases(
+            [this](const Lease& l) {
+                std::lock_guard lock(mutex);
+                seen.push_back(l);
+            },
+            [this] {
+                std::lock_guard lock(mutex);
+                ++resyncs;
+            },
+            100);
+        REQUIRE(feed);
+        REQUIRE(eventually([&] { return listings() == 1; }, 5s));
+        return feed;
+    }
+    int listings() {
+        std::lock_guard lock(mutex);
+        return resyncs;
+    }
+    /// How often `id` was delivered with `status` at `epoch`.
+    std::ptrdiff_t count_of(const std::string& id, lease_status status, std::int64_t epoch) {
+        std::lock_guard lock(mutex);
+        return std::count_if(seen.begin(), seen.end(), [&](const Lease& l) {
+            return l.id == id && l.status == status && l.epoch == epoch;
+        });
+    }
+};
+
+/// An active lease record `id` (sandbox "pl-" + id) for the feed tests.
+Lease feed_lease(const std::string& id) {
+    Lease lease;
+    lease.id = id;
+    lease.company_id = "co";
+    lease.environment_id = "env";
+    lease.provider = "bwrap";
+    lease.provider_lease_id = "pl-" + id;
+    lease.owner_node_id = "node-a";
+    lease.metadata = {{"pluginId", "p"}, {"provider", "bwrap"}};
+    return lease;
+}
+
 }  // namespace
 
 TEST_CASE("etcd: the lease change feed delivers every write and resumes after etcd restarts "
@@ -92,38 +140,12 @@ TEST_CASE("etcd: the lease change feed delivers every write and resumes after et
     auto watcher = test::open_etcd({etcd.endpoint()}, prefix, 30000);
     auto writer = test::open_etcd({etcd.endpoint()}, prefix, 30000);
 
-    std::mutex mutex;
-    std::vector<Lease> seen;
-    int resyncs = 0;
-    auto feed = watcher->watch_leases(
-        [&](const Lease& l) {
-            std::lock_guard lock(mutex);
-            seen.push_back(l);
-        },
-        [&] {
-            std::lock_guard lock(mutex);
-            ++resyncs;
-        },
-        100);
-    REQUIRE(feed);
-    REQUIRE(eventually([&] { std::lock_guard lock(mutex); return resyncs == 1; }, 5s));
-    auto count_of = [&](const std::string& id, lease_status status, std::int64_t epoch) {
-        std::lock_guard lock(mutex);
-        return std::count_if(seen.begin(), seen.end(), [&](const Lease& l) {
-            return l.id == id && l.status == status && l.epoch == epoch;
-        });
-    };
+    FeedRecord record;
+    auto feed = record.follow(*watcher);
 
-    Lease lease;
-    lease.id = "lease-1";
-    lease.company_id = "co";
-    lease.environment_id = "env";
-    lease.provider = "bwrap";
-    lease.provider_lease_id = "pl-1";
-    lease.owner_node_id = "node-a";
-    lease.metadata = {{"pluginId", "p"}, {"provider", "bwrap"}};
+    const Lease lease = feed_lease("lease-1");
     const Lease created = writer->create_lease(lease);
-    CHECK(eventually([&] { return count_of("lease-1", lease_status::active, created.epoch) == 1; }, 5s));
+    CHECK(eventually([&] { return record.count_of("lease-1", lease_status::active, created.epoch) == 1; }, 5s));
 
     Lease next = created;
     next.status = lease_status::released;
@@ -131,16 +153,14 @@ TEST_CASE("etcd: the lease change feed delivers every write and resumes after et
     auto released = writer->update_lease(next, created.epoch);
     REQUIRE(released);
     CHECK(released->epoch > created.epoch);
-    CHECK(eventually([&] { return count_of("lease-1", lease_status::released, released->epoch) == 1; }, 5s));
+    CHECK(eventually([&] { return record.count_of("lease-1", lease_status::released, released->epoch) == 1; }, 5s));
 
     // etcd restarts: the feed breaks, watches again from the last revision it delivered (no
     // listing of every lease: with many thousands stored that cost every node seconds of CPU
     // at once, found by the fault trials), and follows new writes.
     etcd.stop();
     etcd.start();
-    Lease second = lease;
-    second.id = "lease-2";
-    second.provider_lease_id = "pl-2";
+    const Lease second = feed_lease("lease-2");
     Lease second_created;
     REQUIRE(eventually(
         [&] {
@@ -152,14 +172,11 @@ TEST_CASE("etcd: the lease change feed delivers every write and resumes after et
             }
         },
         10s));
-    CHECK(eventually([&] { return count_of("lease-2", lease_status::active, second_created.epoch) == 1; }, 10s));
-    {
-        std::lock_guard lock(mutex);
-        CHECK(resyncs == 1);
-    }
+    CHECK(eventually([&] { return record.count_of("lease-2", lease_status::active, second_created.epoch) == 1; }, 10s));
+    CHECK(record.listings() == 1);
     // Nothing was delivered twice: lease-1 once per write.
-    CHECK(count_of("lease-1", lease_status::released, released->epoch) == 1);
-    CHECK(count_of("lease-1", lease_status::active, created.epoch) == 1);
+    CHECK(record.count_of("lease-1", lease_status::released, released->epoch) == 1);
+    CHECK(record.count_of("lease-1", lease_status::active, created.epoch) == 1);
     // Nothing arrives after the feed is destroyed: a second feed, started before and still
     // alive, receives the next write, and the destroyed one never does.
     std::atomic<bool> marker_seen{false};
@@ -171,16 +188,14 @@ TEST_CASE("etcd: the lease change feed delivers every write and resumes after et
     feed.reset();
     std::size_t before = 0;
     {
-        std::lock_guard lock(mutex);
-        before = seen.size();
+        std::lock_guard lock(record.mutex);
+        before = record.seen.size();
     }
-    Lease third = lease;
-    third.id = "lease-3";
-    third.provider_lease_id = "pl-3";
+    const Lease third = feed_lease("lease-3");
     writer->create_lease(third);
     CHECK(eventually([&] { return marker_seen.load(); }, 5s));
-    std::lock_guard lock(mutex);
-    CHECK(seen.size() == before);
+    std::lock_guard lock(record.mutex);
+    CHECK(record.seen.size() == before);
 }
 
 TEST_CASE("etcd: a change feed cut off while etcd compacted its revision lists every lease again",
@@ -192,38 +207,12 @@ TEST_CASE("etcd: a change feed cut off while etcd compacted its revision lists e
     auto watcher = test::open_etcd({relay.endpoint()}, prefix, 30000);
     auto writer = test::open_etcd({etcd.endpoint()}, prefix, 30000);
 
-    std::mutex mutex;
-    std::vector<Lease> seen;
-    int resyncs = 0;
-    auto feed = watcher->watch_leases(
-        [&](const Lease& l) {
-            std::lock_guard lock(mutex);
-            seen.push_back(l);
-        },
-        [&] {
-            std::lock_guard lock(mutex);
-            ++resyncs;
-        },
-        100);
-    REQUIRE(feed);
-    REQUIRE(eventually([&] { std::lock_guard lock(mutex); return resyncs == 1; }, 5s));
-    auto count_of = [&](const std::string& id, lease_status status, std::int64_t epoch) {
-        std::lock_guard lock(mutex);
-        return std::count_if(seen.begin(), seen.end(), [&](const Lease& l) {
-            return l.id == id && l.status == status && l.epoch == epoch;
-        });
-    };
+    FeedRecord record;
+    auto feed = record.follow(*watcher);
 
-    Lease lease;
-    lease.id = "lease-1";
-    lease.company_id = "co";
-    lease.environment_id = "env";
-    lease.provider = "bwrap";
-    lease.provider_lease_id = "pl-1";
-    lease.owner_node_id = "node-a";
-    lease.metadata = {{"pluginId", "p"}, {"provider", "bwrap"}};
+    const Lease lease = feed_lease("lease-1");
     const Lease created = writer->create_lease(lease);
-    REQUIRE(eventually([&] { return count_of("lease-1", lease_status::active, created.epoch) == 1; }, 5s));
+    REQUIRE(eventually([&] { return record.count_of("lease-1", lease_status::active, created.epoch) == 1; }, 5s));
 
     // The feed's connection breaks and its reconnects fail while lease-1 ends, lease-2 is
     // made, and etcd forgets the history the feed would resume from. A watch from the feed's
@@ -235,27 +224,22 @@ TEST_CASE("etcd: a change feed cut off while etcd compacted its revision lists e
     next.epoch = created.epoch + 1;
     const auto released = writer->update_lease(next, created.epoch);
     REQUIRE(released);
-    Lease second = lease;
-    second.id = "lease-2";
-    second.provider_lease_id = "pl-2";
+    const Lease second = feed_lease("lease-2");
     const Lease second_created = writer->create_lease(second);
     etcd.compact();
     const auto relayed_before = relay.relayed();
     relay.resume();
 
-    CHECK(eventually([&] { std::lock_guard lock(mutex); return resyncs == 2; }, 10s));
+    CHECK(eventually([&] { return record.listings() == 2; }, 10s));
     CHECK(relay.relayed() > relayed_before);  // it did come back through the relay
-    CHECK(eventually([&] { return count_of("lease-1", lease_status::released, released->epoch) == 1; }, 5s));
-    CHECK(eventually([&] { return count_of("lease-2", lease_status::active, second_created.epoch) == 1; }, 5s));
+    CHECK(eventually([&] { return record.count_of("lease-1", lease_status::released, released->epoch) == 1; }, 5s));
+    CHECK(eventually([&] { return record.count_of("lease-2", lease_status::active, second_created.epoch) == 1; }, 5s));
 
     // And it follows new writes after the listing.
-    Lease third = lease;
-    third.id = "lease-3";
-    third.provider_lease_id = "pl-3";
+    const Lease third = feed_lease("lease-3");
     const Lease third_created = writer->create_lease(third);
-    CHECK(eventually([&] { return count_of("lease-3", lease_status::active, third_created.epoch) == 1; }, 5s));
-    std::lock_guard lock(mutex);
-    CHECK(resyncs == 2);
+    CHECK(eventually([&] { return record.count_of("lease-3", lease_status::active, third_created.epoch) == 1; }, 5s));
+    CHECK(record.listings() == 2);
 }
 
 TEST_CASE("etcd: a daemon whose etcd stops fails closed with REGISTRY_UNAVAILABLE and recovers",
