@@ -34,6 +34,7 @@
 #include <nlohmann/json.hpp>
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sched.h>
 #include <sys/socket.h>
@@ -439,7 +440,90 @@ void stream(Cluster& cluster, Ledger& ledger, const std::atomic<bool>& stop, uns
 const std::set<std::string> settled_statuses = {"released", "expired", "retained",
                                                 "pending_cleanup"};
 
-/// Calls methods on any node that answers, from the main thread.
+/// Spans of time in which a probe's operation took over `slow` (an operation still running
+/// past it counts up to now), merged while they last. Thread-safe.
+class StallSpans {
+public:
+    static constexpr auto slow = 500ms;
+    void begin(steady::time_point at) {
+        std::lock_guard lock(mutex_);
+        in_flight_ = at;
+    }
+    /// The operation begun at `sent` ended at `answered`; `ok` false counts as a stall.
+    void end(steady::time_point sent, steady::time_point answered, bool ok) {
+        std::lock_guard lock(mutex_);
+        in_flight_.reset();
+        if (ok && answered - sent <= slow) return;
+        if (!spans_.empty() && spans_.back().second >= sent - 200ms) {
+            spans_.back().second = answered;  // one span while it lasts
+        } else {
+            spans_.emplace_back(sent, answered);
+        }
+    }
+    /// The time within [from, to] spent stalled.
+    std::chrono::milliseconds within(steady::time_point from, steady::time_point to) const {
+        std::lock_guard lock(mutex_);
+        auto spans = spans_;
+        if (in_flight_ && to - *in_flight_ > slow) spans.emplace_back(*in_flight_, to);
+        std::chrono::milliseconds total{0};
+        for (const auto& [a, b] : spans) {
+            const auto lo = std::max(a, from), hi = std::min(b, to);
+            if (hi > lo) total += std::chrono::duration_cast<std::chrono::milliseconds>(hi - lo);
+        }
+        return total;
+    }
+
+private:
+    mutable std::mutex mutex_;
+    std::optional<steady::time_point> in_flight_;
+    std::vector<std::pair<steady::time_point, steady::time_point>> spans_;
+};
+
+/// Stalls of this machine as a writer sees them: every 100 ms, one 4 KiB page rewritten in an
+/// unlinked file in /tmp (where the nodes write their logs and audit files); a stall is a
+/// round that ended over 500 ms after it was due (a late wake-up or a throttled write). Never
+/// added to a deadline, only reported beside a violation: it tells a node starved by other
+/// work on the machine (a linker dirtying hundreds of MB throttles every writer) from a fault
+/// of the daemon.
+class HostProbe {
+public:
+    HostProbe() {
+        std::string path = "/tmp/sandboxd-fault-probe-XXXXXX";
+        fd_ = ::mkostemp(path.data(), O_CLOEXEC);
+        if (fd_ >= 0) ::unlink(path.c_str());
+        thread_ = std::thread([this] { run(); });
+    }
+    ~HostProbe() {
+        stop_ = true;
+        thread_.join();
+        if (fd_ >= 0) ::close(fd_);
+    }
+    HostProbe(const HostProbe&) = delete;
+    HostProbe& operator=(const HostProbe&) = delete;
+
+    std::chrono::milliseconds stalled(steady::time_point from, steady::time_point to) const {
+        return spans_.within(from, to);
+    }
+
+private:
+    void run() {
+        std::array<char, 4096> page{};
+        while (!stop_) {
+            const auto due = steady::now() + 100ms;
+            std::this_thread::sleep_for(100ms);  // the probe's period, not a synchronisation
+            spans_.begin(due);
+            const bool ok = fd_ >= 0 && ::pwrite(fd_, page.data(), page.size(), 0) ==
+                                            static_cast<ssize_t>(page.size());
+            spans_.end(due, steady::now(), ok);
+        }
+    }
+
+    int fd_ = -1;
+    std::atomic<bool> stop_{false};
+    StallSpans spans_;
+    std::thread thread_;  // last: started once the rest is made
+};
+
 /// Measures the registry itself (etcd), apart from the nodes: a write every 100 ms from its own
 /// thread (a put, so that it waits for etcd's fsync as the nodes' renewals do), and the
 /// spans during which etcd did not answer one within 500 ms or refused it. A trial's
@@ -466,39 +550,16 @@ public:
     /// The time within [from, to] that the registry stalled (including a write still
     /// unanswered after 500 ms).
     std::chrono::milliseconds stalled(steady::time_point from, steady::time_point to) const {
-        std::lock_guard lock(mutex_);
-        auto spans = stalls_;
-        if (in_flight_ && to - *in_flight_ > slow) spans.emplace_back(*in_flight_, to);
-        std::chrono::milliseconds total{0};
-        for (const auto& [a, b] : spans) {
-            const auto lo = std::max(a, from), hi = std::min(b, to);
-            if (hi > lo) total += std::chrono::duration_cast<std::chrono::milliseconds>(hi - lo);
-        }
-        return total;
+        return spans_.within(from, to);
     }
 
 private:
-    static constexpr auto slow = 500ms;
     void run() {
         while (!stop_) {
             const auto sent = steady::now();
-            {
-                std::lock_guard lock(mutex_);
-                in_flight_ = sent;
-            }
+            spans_.begin(sent);
             const bool ok = put();
-            const auto answered = steady::now();
-            {
-                std::lock_guard lock(mutex_);
-                in_flight_.reset();
-                if (!ok || answered - sent > slow) {
-                    if (!stalls_.empty() && stalls_.back().second >= sent - 200ms) {
-                        stalls_.back().second = answered;  // one span while it lasts
-                    } else {
-                        stalls_.emplace_back(sent, answered);
-                    }
-                }
-            }
+            spans_.end(sent, steady::now(), ok);
             std::this_thread::sleep_for(100ms);  // the probe's period, not a synchronisation
         }
     }
@@ -527,12 +588,11 @@ private:
 
     sockaddr_in addr_{};
     std::atomic<bool> stop_{false};
-    mutable std::mutex mutex_;
-    std::optional<steady::time_point> in_flight_;
-    std::vector<std::pair<steady::time_point, steady::time_point>> stalls_;
+    StallSpans spans_;
     std::thread thread_;  // last: started once the rest is made
 };
 
+/// Calls methods on any node that answers, from the main thread.
 class AnyNode {
 public:
     /// `timeout` bounds each call (a listing of every lease of a long run takes longer).
@@ -600,7 +660,7 @@ void learn(Ledger& ledger, const std::vector<json>& leases, int trial) {
 /// sandbox directory or process is left but those of leases in pending_cleanup. Records a
 /// violation for what is still wrong then.
 void settle(Cluster& cluster, Ledger& ledger, int trial, steady::time_point end, AnyNode& any,
-            const RegistryProbe* probe, std::map<std::string, long>& counts) {
+            const RegistryProbe* probe, const HostProbe& host, std::map<std::string, long>& counts) {
     const auto due = end + 3 * cluster.ttl();
     // 3 node TTLs of a working registry: the registry's own stalls since `end` are added.
     const auto extension = [&] {
@@ -715,10 +775,21 @@ void settle(Cluster& cluster, Ledger& ledger, int trial, steady::time_point end,
         if (const auto more = extension(); steady::now() >= due + more) {
             note_extension(more);
             if (said.insert(problem).second) {
+                // This machine's own stalls meanwhile (other work on it), said, not excused.
+                const auto host_stalls = host.stalled(end, steady::now());
+                if (host_stalls > 0ms) {
+                    ++counts["violations during host stalls"];
+                    auto& longest = counts["longest host stall in a violating settle (ms)"];
+                    longest = std::max(longest, static_cast<long>(host_stalls.count()));
+                }
                 ledger.violation(concat("trial ", std::to_string(trial), ": 3 node TTLs after its end",
                                         more > 0ms ? concat(" (and ", std::to_string(more.count()),
                                                             " ms of registry stalls)")
                                                    : std::string(),
+                                        host_stalls > 0ms
+                                            ? concat(" (this machine stalled ", std::to_string(host_stalls.count()),
+                                                     " ms meanwhile)")
+                                            : std::string(),
                                         ", ", problem));
             }
             return;
@@ -968,6 +1039,7 @@ int main(int argc, char** argv) {
         if (cluster.has_link_cut()) kinds.push_back(fault::link_cut);
         const auto ttl = cluster.ttl();
         AnyNode any(cluster, rng);
+        const HostProbe host;
         std::unique_ptr<RegistryProbe> probe;
         if (cluster.has_registry_fault()) probe = std::make_unique<RegistryProbe>(cluster.registry_endpoint());
         for (int t = 0; t < o.trials; ++t) {
@@ -1016,7 +1088,7 @@ int main(int argc, char** argv) {
             std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 300));
             stop = true;
             for (auto& w : workers) w.join();
-            settle(cluster, ledger, t, steady::now(), any, probe.get(), counts);
+            settle(cluster, ledger, t, steady::now(), any, probe.get(), host, counts);
             reap_orphans();
             ++counts[std::string("trials ") + name_of(f)];
             ++ran;
