@@ -177,6 +177,12 @@ private:
             }
             if (ec) return finish(self, ec);
             auto& socket = beast::get_lowest_layer(guard->next_).socket();
+            if (!socket.native_non_blocking()) {
+                // Asio makes the descriptor non-blocking lazily: the calls below never block.
+                beast::error_code nb;
+                socket.native_non_blocking(true, nb);
+                if (nb) return finish(self, nb);
+            }
             const int fd = socket.native_handle();
             while (head_done < head.size()) {
                 const ssize_t n = ::send(fd, head.data() + head_done, head.size() - head_done,
