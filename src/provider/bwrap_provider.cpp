@@ -1020,6 +1020,7 @@ private:
             }
         }
         if (uid) pool_.release(*uid);
+        spdlog::debug("sandbox {} teardown: files removed", sandbox.scope.provider_lease_id);
     }
 
     /// The SDK's validation result for a lease config: the effective limits when it is good.

@@ -39,6 +39,7 @@
 #include <sched.h>
 #include <sys/socket.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -48,6 +49,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -301,6 +303,30 @@ public:
             }
         }
         return out;
+    }
+    /// What a leftover sandbox directory of node `i` holds and when it was made (its birth
+    /// time, UTC, as the node logs write it), for a violation to be lined up with the logs.
+    std::string describe_sandbox_dir(int i, const std::string& id) const {
+        const fs::path dir = nodes_[i]->state_dir() / "sandboxes" / id;
+        struct statx st {};
+        std::string made = "birth time unknown";
+        if (::statx(AT_FDCWD, dir.c_str(), AT_SYMLINK_NOFOLLOW, STATX_BTIME, &st) == 0 &&
+            (st.stx_mask & STATX_BTIME) != 0) {
+            const std::time_t secs = st.stx_btime.tv_sec;
+            std::tm tm{};
+            ::gmtime_r(&secs, &tm);
+            char text[40];
+            std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%S", &tm);
+            char ms[8];
+            std::snprintf(ms, sizeof ms, ".%03uZ", st.stx_btime.tv_nsec / 1000000U);
+            made = std::string("made ") + text + ms;
+        }
+        std::string names;
+        std::error_code ec;
+        for (const auto& e : fs::directory_iterator(dir, ec)) {
+            names += (names.empty() ? "" : ", ") + e.path().filename().string();
+        }
+        return concat(made, ", holding ", names.empty() ? std::string("nothing") : names);
     }
     /// Copies every node's log and audit to a new directory that outlives the run and
     /// returns its path (for a failed verdict; the run's own directories are removed).
@@ -750,7 +776,10 @@ void settle(Cluster& cluster, Ledger& ledger, int trial, steady::time_point end,
         for (const auto& [sandbox, on] : dirs) {
             if (!pending(sandbox)) {
                 std::string where;
-                for (int n : on) where += (where.empty() ? "" : ", ") + Cluster::id_of(n);
+                for (int n : on) {
+                    where += concat(where.empty() ? "" : ", ", Cluster::id_of(n), " (",
+                                    cluster.describe_sandbox_dir(n, sandbox), ")");
+                }
                 problem = name(sandbox) + " still has its directory on " + where;
                 return false;
             }
