@@ -135,6 +135,11 @@ std::optional<std::size_t> ProcessBackend::read_output(output_stream s, std::spa
     return std::nullopt;
 }
 
+int ProcessBackend::output_pipe(output_stream s) noexcept {
+    auto& fd = stream(s);
+    return pty_ || !fd.is_open() ? -1 : fd.native_handle();
+}
+
 awaitable<bool> ProcessBackend::write_stdin(std::string data) {
     if (!stdin_.is_open()) co_return false;
     // async_write retries short writes until every byte is in the pipe (or the PTY).

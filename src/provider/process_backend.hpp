@@ -57,6 +57,8 @@ public:
     bool has_stdin() const noexcept override { return stdin_.is_open(); }
     awaitable<std::size_t> output_ready(output_stream stream) override;
     std::optional<std::size_t> read_output(output_stream stream, std::span<char> into) override;
+    /// The stream's pipe for splice(2); -1 under a PTY (a terminal is no pipe) or once ended.
+    int output_pipe(output_stream stream) noexcept override;
     awaitable<bool> write_stdin(std::string data) override;
     void close_stdin() noexcept override;
     void signal(int sig) noexcept override;

@@ -1,4 +1,5 @@
 #include "server/channel.hpp"
+#include "server/frame_guard.hpp"
 
 #include <sandboxd/core/scope_exit.hpp>
 #include <sandboxd/core/jsonrpc.hpp>
@@ -7,6 +8,9 @@
 
 #include <spdlog/spdlog.h>
 
+#include <sys/ioctl.h>
+
+#include <algorithm>
 #include <csignal>
 
 namespace sandboxd {
@@ -160,6 +164,16 @@ void Channel::output_ready(output_stream stream, std::size_t avail) {
 void Channel::pump_send(output_stream stream, std::size_t size) {
     auto& p = pump(stream);
     auto sink = sink_.lock();
+    if (sink && !hung_up_ && !options_.base64) {
+        // A pipe and a plain connection: the payload goes from the pipe into the socket
+        // without a copy through this process (docs/protocol.md, "Output frames").
+        if (const int fd = backend_->output_pipe(stream); fd >= 0 && sink->can_splice()) {
+            int queued = 0;  // the exact count: a frame may declare only bytes the pipe holds
+            if (::ioctl(fd, FIONREAD, &queued) == 0 && queued > 0) {
+                return pump_splice(*sink, stream, fd, std::min(size, static_cast<std::size_t>(queued)));
+            }
+        }
+    }
     std::string frame = sink && !options_.base64 ? sink->frame_buffer() : std::string();
     frame.resize(frame_header_size + size);
     const auto n = backend_->read_output(stream, std::span<char>(frame.data() + frame_header_size, size));
@@ -181,9 +195,33 @@ void Channel::pump_send(output_stream stream, std::size_t size) {
             frame.resize(frame_header_size + *n);
             write_data_header(frame.data(), options_.id, wire_stream(stream));
             sink->send_binary(std::move(frame));
+            if (options_.bytes) options_.bytes->count_frame(false);
         }
     }
     pump_next(stream);
+}
+
+void Channel::pump_splice(ChannelSink& sink, output_stream stream, int pipe_fd, std::size_t size) {
+    auto& p = pump(stream);
+    p.last_bytes = size;
+    p.last_at = std::chrono::steady_clock::now();
+    unacked_ += size;
+    (stream == output_stream::out ? stdout_bytes_ : stderr_bytes_) += size;
+    if (options_.bytes) {
+        options_.bytes->count(wire_stream(stream), size);
+        options_.bytes->count_frame(true);
+    }
+    std::string head = websocket_binary_header(frame_header_size + size);
+    const std::size_t at = head.size();
+    head.resize(at + frame_header_size);
+    write_data_header(head.data() + at, options_.id, wire_stream(stream));
+    // The pump waits for the frame: nothing else reads the pipe until it is written.
+    sink.send_spliced(std::move(head), pipe_fd, size, [self = shared_from_this(), stream](bool written) {
+        // Not written: the connection ended, and the session hangs the channel up; the pump
+        // then drains what is left of the pipe, as it does after any hangup.
+        (void)written;
+        self->pump_next(stream);
+    });
 }
 
 void Channel::pump_ended(output_stream stream) {

@@ -23,6 +23,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <list>
 #include <memory>
@@ -41,6 +42,23 @@ public:
     /// with its old size and bytes (or an empty one). Reusing it spares the allocation, the
     /// zero-fill and the page faults of a fresh 256 KiB buffer per frame.
     virtual std::string frame_buffer() { return {}; }
+    /// Whether send_spliced() can be used now (a plain connection still writing; not TLS).
+    virtual bool can_splice() { return false; }
+    /// Queues a data frame whose first bytes are `head` (its WebSocket header and data
+    /// header, websocket_binary_header()) and whose other `count` bytes are then moved from
+    /// the pipe `pipe_fd` into the connection with splice(2), in turn with the other frames.
+    /// The pipe must hold `count` bytes that nobody else reads until `done` runs, and stay
+    /// open until then. `done(written)` runs once, on the sink's strand, never inside this
+    /// call: true once the frame is written; false when the connection ended first (the
+    /// pipe's bytes, or some of them, are still there). Only when can_splice().
+    virtual void send_spliced(std::string head, int pipe_fd, std::size_t count,
+                              std::function<void(bool written)> done) {
+        (void)head;
+        (void)pipe_fd;
+        (void)count;
+        (void)done;
+        std::terminate();  // only when can_splice(), which is false here
+    }
     /// Queues a text frame (a JSON-RPC notification).
     virtual void send_text(std::string text) = 0;
     /// The channel has sent its exit (or can no longer send it) and may be forgotten.
@@ -157,6 +175,9 @@ private:
 
     void pump_next(output_stream stream);
     void pump_send(output_stream stream, std::size_t avail);
+    /// Sends `size` bytes of the pipe `pipe_fd` (which holds them) as one spliced frame, and
+    /// resumes the pump once it is written.
+    void pump_splice(ChannelSink& sink, output_stream stream, int pipe_fd, std::size_t size);
     void pump_ended(output_stream stream);
     /// Resumes the pumps parked for credit, on the next turn of the strand.
     void resume_credit_waiters();

@@ -35,9 +35,28 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace sandboxd {
+
+/// The header of one unmasked binary WebSocket frame (FIN set, opcode 2) whose payload is
+/// `length` bytes (RFC 6455 section 5.2: 7-bit, 16-bit or 64-bit length): what a server
+/// writes before a frame's payload in async_write_spliced. `length` < 2^63.
+inline std::string websocket_binary_header(std::uint64_t length) {
+    std::string h(1, static_cast<char>(0x82));
+    if (length < 126) {
+        h.push_back(static_cast<char>(length));
+    } else if (length <= 0xffff) {
+        h.push_back(static_cast<char>(126));
+        h.push_back(static_cast<char>(length >> 8));
+        h.push_back(static_cast<char>(length & 0xff));
+    } else {
+        h.push_back(static_cast<char>(127));
+        for (int b = 7; b >= 0; --b) h.push_back(static_cast<char>((length >> (8 * b)) & 0xff));
+    }
+    return h;
+}
 
 template <typename NextLayer>
 class frame_guard {
@@ -54,6 +73,15 @@ public:
     auto async_write_some(const ConstBufferSequence& buffers, WriteHandler&& handler) {
         return net::async_compose<WriteHandler, void(beast::error_code, std::size_t)>(
             write_op<ConstBufferSequence>{this, buffers}, handler, next_);
+    }
+
+    /// Starts following the outgoing frames: call once the WebSocket handshake is done, with
+    /// no write outstanding (the HTTP response written before is no frame). Before it,
+    /// async_write_spliced() fails with operation_not_supported.
+    void begin_frames() noexcept {
+        following_ = true;
+        out_header_len_ = 0;
+        out_left_ = 0;
     }
 
     /// Whether async_write_spliced() can write to this stream: plain TCP (a TLS stream must
@@ -74,6 +102,10 @@ public:
     /// a partial frame). Starts between two of Beast's frames (see above); completes with the
     /// bytes written (head + count) or the error that ended it (a failed socket: drop the
     /// connection). Only when can_splice(). `pipe_fd` must stay open until completion.
+    /// Once a write failed part-way (this kind or Beast's), every later spliced frame fails at
+    /// once with that error and writes nothing. Cancelling it while it waits for the end of
+    /// Beast's frame completes it with operation_aborted, having written nothing; once it has
+    /// started, cancellation reaches its wait for room in the socket.
     /// splice(2) has no MSG_NOSIGNAL: on a socket whose peer is gone it raises SIGPIPE, so
     /// the process must ignore SIGPIPE (sandboxd does, src/app/daemon_main.cpp); then it is
     /// EPIPE.
@@ -139,12 +171,17 @@ private:
                 return;
             }
             guard->beast_writing_ = false;
-            if (!ec) guard->follow_written(buffers, n);
+            if (ec) {
+                // Beast's frame may be cut short: no frame can follow it on this stream, and
+                // a spliced frame waiting for its end fails with this error.
+                if (!guard->write_error_) guard->write_error_ = ec;
+            } else if (guard->following_) {
+                guard->follow_written(buffers, n);
+            }
             // A spliced frame waiting for a boundary goes first, before Beast writes again.
-            if (guard->out_left_ == 0 && guard->out_header_len_ == 0 && guard->parked_splice_) {
-                guard->splicing_ = true;
-                net::post(guard->next_.get_executor(), std::move(*guard->parked_splice_));
-                guard->parked_splice_.reset();
+            if (guard->parked_splice_ &&
+                (guard->write_error_ || (guard->out_left_ == 0 && guard->out_header_len_ == 0))) {
+                guard->resume_parked();
             }
             self.complete(ec, n);
         }
@@ -166,14 +203,30 @@ private:
                 // Between frames, with no Beast write outstanding; else after the one that
                 // ends Beast's frame (write_op). `splicing_` already set when resumed from there.
                 const bool resumed = guard->splicing_;
-                if (!resumed && (guard->beast_writing_ || guard->out_left_ != 0 ||
-                                 guard->out_header_len_ != 0)) {
+                if (!guard->following_) return self.complete(net::error::operation_not_supported, 0);
+                if (!resumed && !guard->write_error_ &&
+                    (guard->beast_writing_ || guard->out_left_ != 0 || guard->out_header_len_ != 0)) {
                     ++guard->stats_.splices_parked;
                     guard->parked_splice_ = std::move(self);
+                    // A cancellation (the connection ending) resumes it, to fail. On the slot
+                    // of the type-erased handler: it takes over the operation's slot.
+                    auto slot = guard->parked_splice_->get_cancellation_slot();
+                    if (slot.is_connected()) {
+                        slot.assign([g = guard](net::cancellation_type) {
+                            if (!g->parked_splice_) return;
+                            g->parked_cancelled_ = true;
+                            g->resume_parked();
+                        });
+                    }
                     return;
                 }
                 started = true;
                 guard->splicing_ = true;
+                if (std::exchange(guard->parked_cancelled_, false)) {
+                    return finish(self, net::error::operation_aborted);  // nothing written
+                }
+                // After a failed write the peer may hold part of a frame: nothing may follow.
+                if (guard->write_error_) return finish(self, guard->write_error_);
             }
             if (ec) return finish(self, ec);
             auto& socket = beast::get_lowest_layer(guard->next_).socket();
@@ -218,6 +271,8 @@ private:
         template <typename Self>
         void finish(Self& self, beast::error_code ec) {
             guard->splicing_ = false;
+            // Part of this frame on the wire: the peer would take what follows as its rest.
+            if (ec && head_done + spliced > 0 && !guard->write_error_) guard->write_error_ = ec;
             if (guard->deferred_write_) {
                 net::post(guard->next_.get_executor(), std::move(*guard->deferred_write_));
                 guard->deferred_write_.reset();
@@ -225,6 +280,13 @@ private:
             self.complete(ec, head_done + spliced);
         }
     };
+
+    /// Resumes the spliced frame parked for a frame boundary (or to fail), on the executor.
+    void resume_parked() {
+        splicing_ = true;
+        net::post(next_.get_executor(), std::move(*parked_splice_));
+        parked_splice_.reset();
+    }
 
     /// Follows the outgoing frames through the first `n` bytes of `buffers` (just written).
     template <typename Buffers>
@@ -355,6 +417,11 @@ private:
     // Write side (see async_write_spliced).
     bool beast_writing_ = false;  ///< one of Beast's async_write_some is outstanding
     bool splicing_ = false;       ///< a spliced frame is being written (or about to resume)
+    /// The first write that failed part-way (Beast's, or a spliced frame's): the peer may
+    /// hold part of a frame, so no spliced frame starts any more; they fail with this error.
+    beast::error_code write_error_;
+    bool parked_cancelled_ = false;  ///< the parked spliced frame was cancelled: it fails
+    bool following_ = false;  ///< begin_frames() was called: the handshake is done
     WriteStats stats_;
     unsigned char out_header_[14] = {};
     std::size_t out_header_len_ = 0;  ///< bytes of an outgoing header seen so far

@@ -17,6 +17,13 @@ struct ChannelByteCounters {
     Counter* stdin_in = nullptr;
     Counter* stdout_out = nullptr;
     Counter* stderr_out = nullptr;
+    /// sandboxd_output_frames_total: output data frames by how their payload was written.
+    Counter* frames_spliced = nullptr;
+    Counter* frames_copied = nullptr;
+    /// Counts one output frame. Thread-safe; never blocks.
+    void count_frame(bool spliced) const noexcept {
+        if (Counter* c = spliced ? frames_spliced : frames_copied) c->inc();
+    }
     /// Adds `bytes` of `stream`. Thread-safe; never blocks.
     void count(stream_id stream, std::size_t bytes) const noexcept {
         Counter* c = stream == stream_id::stdin_    ? stdin_in
@@ -113,10 +120,19 @@ struct NodeMetrics {
         "Limits that sandboxes hit: channels OOM-killed (memory), forks refused (pids).",
         {"kind"});
 
+    Family<Counter>& output_frames = registry.counter(
+        "sandboxd_output_frames_total",
+        "Output data frames of this node's channels, by how the payload reached the socket: "
+        "spliced (from the command's pipe, no copy through the daemon) or copied (TLS, a PTY, "
+        "a plugin channel).",
+        {"path"});
+
     /// The byte counters of every channel and relay of this node.
     const ChannelByteCounters channel_byte_counters{&channel_bytes.with({"in", "stdin"}),
                                                     &channel_bytes.with({"out", "stdout"}),
-                                                    &channel_bytes.with({"out", "stderr"})};
+                                                    &channel_bytes.with({"out", "stderr"}),
+                                                    &output_frames.with({"spliced"}),
+                                                    &output_frames.with({"copied"})};
 };
 
 }  // namespace sandboxd

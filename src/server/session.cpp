@@ -115,6 +115,11 @@ void Session::revoke() {
 
 void Session::send_binary(std::string frame) { transport_.send(true, std::move(frame)); }
 std::string Session::frame_buffer() { return transport_.take_buffer(); }
+bool Session::can_splice() { return transport_.can_splice(); }
+void Session::send_spliced(std::string head, int pipe_fd, std::size_t count,
+                           std::function<void(bool written)> done) {
+    transport_.send_spliced(std::move(head), pipe_fd, count, std::move(done));
+}
 
 void Session::send_text(std::string text) { transport_.send(false, std::move(text)); }
 

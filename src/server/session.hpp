@@ -60,6 +60,9 @@ public:
 
     void send_binary(std::string frame) override;
     std::string frame_buffer() override;
+    bool can_splice() override;
+    void send_spliced(std::string head, int pipe_fd, std::size_t count,
+                      std::function<void(bool written)> done) override;
     void send_text(std::string text) override;
     void channel_finished(std::uint32_t channel) override;
 

@@ -76,6 +76,8 @@ awaitable<bool> Transport::accept(const http::request<http::string_body>& reques
         spdlog::debug("peer={} websocket handshake failed: {}", peer_, ec.message());
         co_return false;
     }
+    // From here on every byte written is a frame (frame_guard follows them).
+    ws_.next_layer().begin_frames();
     last_heard_ = std::chrono::steady_clock::now();
     co_return true;
 }
@@ -89,7 +91,15 @@ awaitable<void> Transport::serve(Receiver& receiver) {
     }
     closing_ = true;
     close_written_ = true;
+    // Spliced frames never written: their channels read their pipes again.
+    for (auto& out : queue_) {
+        if (out.spliced) complete_spliced(std::move(out.spliced), false);
+    }
     queue_.clear();
+}
+
+void Transport::complete_spliced(std::function<void(bool)> done, bool written) {
+    net::post(strand_, [done = std::move(done), written] { done(written); });
 }
 
 awaitable<void> Transport::read_loop(Receiver& receiver) {
@@ -141,6 +151,17 @@ awaitable<void> Transport::write_loop() {
         }
         Outgoing out = std::move(queue_.front());
         queue_.pop_front();
+        if (out.spliced) {
+            auto [ec, n] = co_await ws_.next_layer().async_write_spliced(
+                std::move(out.bytes), out.splice_fd, out.splice_count, as_tuple_awaitable);
+            complete_spliced(std::move(out.spliced), !ec);
+            if (ec) {
+                closing_ = true;  // the peer may hold part of a frame: nothing more is written
+                beast::get_lowest_layer(ws_).socket().close(ec);
+                co_return;
+            }
+            continue;
+        }
         ws_.binary(out.binary);
         auto [ec, n] = co_await ws_.async_write(net::buffer(out.bytes), as_tuple_awaitable);
         if (ec) {
@@ -191,7 +212,14 @@ awaitable<void> Transport::idle_loop() {
 
 void Transport::send(bool binary, std::string bytes) {
     if (closing_) return;
-    queue_.push_back({binary, std::move(bytes)});
+    queue_.push_back({binary, std::move(bytes), -1, 0, {}});
+    queue_timer_.cancel();
+}
+
+void Transport::send_spliced(std::string head, int pipe_fd, std::size_t count,
+                             std::function<void(bool written)> done) {
+    if (!can_splice()) return complete_spliced(std::move(done), false);
+    queue_.push_back({true, std::move(head), pipe_fd, count, std::move(done)});
     queue_timer_.cancel();
 }
 

@@ -16,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -69,6 +70,19 @@ public:
     /// responses by limits.requestsPerConnection, notifications by the channels.
     void send(bool binary, std::string bytes);
 
+    /// Whether send_spliced() may be used: a plain TCP connection (TLS encrypts every byte
+    /// in user space) that has not begun to close.
+    [[nodiscard]] bool can_splice() noexcept { return !closing_ && ws_.next_layer().can_splice(); }
+
+    /// Queues a binary frame written around Beast (frame_guard::async_write_spliced): `head`
+    /// (the frame's WebSocket header and its first payload bytes), then `count` bytes spliced
+    /// from `pipe_fd`, in queue order with the other messages. The caller keeps the pipe open
+    /// and unread until `done` runs. `done(written)` runs once on the strand, never inside
+    /// this call: true once the frame is written, false when the connection ended first (or
+    /// is closing now). Only when can_splice() (else done(false)).
+    void send_spliced(std::string head, int pipe_fd, std::size_t count,
+                      std::function<void(bool written)> done);
+
     /// A binary message written before, to resize, overwrite and send() (none: an empty
     /// string). It keeps its size and old bytes, so that resizing it to a frame of the same
     /// size or less writes nothing (std::string has no uninitialised resize in C++20): the
@@ -94,8 +108,14 @@ public:
 private:
     struct Outgoing {
         bool binary;
-        std::string bytes;
+        std::string bytes;  ///< the message; for a spliced frame, its head
+        /// A spliced frame (send_spliced): its pipe, payload bytes and completion.
+        int splice_fd = -1;
+        std::size_t splice_count = 0;
+        std::function<void(bool)> spliced;
     };
+    /// Runs a spliced frame's completion on the next turn of the strand.
+    void complete_spliced(std::function<void(bool)> done, bool written);
     awaitable<void> read_loop(Receiver& receiver);
     awaitable<void> write_loop();
     awaitable<void> ping_loop();

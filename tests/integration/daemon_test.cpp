@@ -87,6 +87,40 @@ TEST_CASE("cat returns 1 MiB of every byte value exactly after stdin half-close"
     CHECK(run.exit["stdinBytes"] == 1 << 20);
 }
 
+TEST_CASE("A pipe channel's output is spliced into a plain connection, a PTY's is copied, the "
+          "same bytes either way",
+          "[daemon][channel][splice]") {
+    DaemonProcess daemon;
+    auto c = daemon.connect();
+    auto lease = acquire(*c);
+    const std::string spliced = R"(sandboxd_output_frames_total{path="spliced"})";
+    const std::string copied = R"(sandboxd_output_frames_total{path="copied"})";
+    const auto numbers = [](int from, int to, const char* eol) {
+        std::string out;
+        for (int i = from; i <= to; ++i) out += std::to_string(i) + eol;
+        return out;
+    };
+    // About 2.6 MB on stdout and 1.3 MB on stderr, written while the other stream runs.
+    auto run = c->run_channel(
+        open_params(lease, {"sh", "-c", "seq 1 400000 & seq 1 200000 >&2; wait"}));
+    REQUIRE(run.out.size() == numbers(1, 400000, "\n").size());
+    CHECK(run.out == numbers(1, 400000, "\n"));
+    CHECK(run.err == numbers(1, 200000, "\n"));
+    CHECK(run.exit["exitCode"] == 0);
+    const double spliced_frames = daemon.metric(spliced);
+    CHECK(spliced_frames > 0);
+    CHECK(daemon.metric(copied) == 0);
+
+    // A terminal is no pipe: its output is read and written by the daemon.
+    auto pty_params = open_params(lease, {"seq", "1", "20000"});
+    pty_params["pty"] = {{"cols", 80}, {"rows", 24}};
+    auto pty = c->run_channel(pty_params);
+    CHECK(pty.out == numbers(1, 20000, "\r\n"));
+    CHECK(pty.exit["exitCode"] == 0);
+    CHECK(daemon.metric(copied) > 0);
+    CHECK(daemon.metric(spliced) == spliced_frames);
+}
+
 TEST_CASE("base64 data notifications carry the same bytes", "[daemon][channel]") {
     DaemonProcess daemon;
     auto c = daemon.connect();

@@ -29,22 +29,6 @@ std::string spliced_payload(int j) {
     return out;
 }
 
-/// An unmasked binary frame's header for a payload of `length` bytes (RFC 6455 section 5.2).
-std::string binary_header(std::size_t length) {
-    std::string h(1, static_cast<char>(0x82));
-    if (length < 126) {
-        h.push_back(static_cast<char>(length));
-    } else if (length <= 0xffff) {
-        h.push_back(static_cast<char>(126));
-        h.push_back(static_cast<char>(length >> 8));
-        h.push_back(static_cast<char>(length & 0xff));
-    } else {
-        h.push_back(static_cast<char>(127));
-        for (int b = 7; b >= 0; --b) h.push_back(static_cast<char>((length >> (8 * b)) & 0xff));
-    }
-    return h;
-}
-
 }  // namespace
 
 TEST_CASE("Frames spliced around Beast never interleave with its messages, pings or pongs",
@@ -123,10 +107,10 @@ TEST_CASE("Frames spliced around Beast never interleave with its messages, pings
                 co_return fail("filling the pipe", beast::error_code(errno, beast::system_category()));
             }
             auto [ec, n] = co_await server.next_layer().async_write_spliced(
-                binary_header(prefix.size() + payload.size()) + prefix, pipe_r.get(), payload.size(),
+                websocket_binary_header(prefix.size() + payload.size()) + prefix, pipe_r.get(), payload.size(),
                 as_tuple_awaitable);
             if (ec) co_return fail("server splice", ec);
-            CHECK(n == binary_header(prefix.size() + payload.size()).size() + prefix.size() + payload.size());
+            CHECK(n == websocket_binary_header(prefix.size() + payload.size()).size() + prefix.size() + payload.size());
         }
     };
     // Client: reads everything and pings the server meanwhile.
@@ -155,6 +139,7 @@ TEST_CASE("Frames spliced around Beast never interleave with its messages, pings
     net::co_spawn(ioc, [&]() -> net::awaitable<void> {
         auto [ec] = co_await server.async_accept(as_tuple_awaitable);
         if (ec) co_return fail("accept", ec);
+        server.next_layer().begin_frames();  // as the transport does after its handshake
         net::co_spawn(ioc, server_reader(), net::detached);
         net::co_spawn(ioc, server_texts(), net::detached);
         net::co_spawn(ioc, server_pinger(), net::detached);
@@ -208,6 +193,7 @@ TEST_CASE("A spliced frame whose pipe holds fewer bytes than it declared fails w
     tcp::socket client_socket(ioc);
     client_socket.connect(acceptor.local_endpoint());
     frame_guard<ConnStream> guard{ConnStream{beast::tcp_stream{acceptor.accept()}}};
+    guard.begin_frames();  // no handshake here: frames from the first byte
     int pipe_fds[2];
     REQUIRE(::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) == 0);
     const unique_fd pipe_r(pipe_fds[0]);
@@ -215,7 +201,7 @@ TEST_CASE("A spliced frame whose pipe holds fewer bytes than it declared fails w
     REQUIRE(::write(pipe_w.get(), "abc", 3) == 3);
     beast::error_code result;
     std::size_t written = 0;
-    guard.async_write_spliced(binary_header(10), pipe_r.get(), 10,
+    guard.async_write_spliced(websocket_binary_header(10), pipe_r.get(), 10,
                               [&](beast::error_code ec, std::size_t n) {
                                   result = ec;
                                   written = n;
@@ -223,4 +209,143 @@ TEST_CASE("A spliced frame whose pipe holds fewer bytes than it declared fails w
     ioc.run_for(std::chrono::seconds(10));
     CHECK(result == net::error::message_size);
     CHECK(written == 2 + 3);  // the header and the 3 bytes there were
+}
+
+TEST_CASE("After a spliced frame failed, the next one fails at once and writes nothing",
+          "[frame_guard]") {
+    net::io_context ioc;
+    tcp::acceptor acceptor(ioc, tcp::endpoint(net::ip::address_v4::loopback(), 0));
+    tcp::socket client_socket(ioc);
+    client_socket.connect(acceptor.local_endpoint());
+    frame_guard<ConnStream> guard{ConnStream{beast::tcp_stream{acceptor.accept()}}};
+    guard.begin_frames();  // no handshake here: frames from the first byte
+    int pipe_fds[2];
+    REQUIRE(::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) == 0);
+    const unique_fd pipe_r(pipe_fds[0]);
+    const unique_fd pipe_w(pipe_fds[1]);
+    REQUIRE(::write(pipe_w.get(), "abc", 3) == 3);
+    std::vector<beast::error_code> results;
+    std::vector<std::size_t> written;
+    const auto record = [&](beast::error_code ec, std::size_t n) {
+        results.push_back(ec);
+        written.push_back(n);
+    };
+    guard.async_write_spliced(websocket_binary_header(10), pipe_r.get(), 10, record);
+    ioc.run_for(std::chrono::seconds(10));
+    REQUIRE(results.size() == 1);
+    // The peer holds a cut frame: 3 more bytes in the pipe must not be taken as its rest.
+    REQUIRE(::write(pipe_w.get(), "def", 3) == 3);
+    guard.async_write_spliced(websocket_binary_header(3), pipe_r.get(), 3, record);
+    ioc.restart();
+    ioc.run_for(std::chrono::seconds(10));
+    REQUIRE(results.size() == 2);
+    CHECK(results[1] == net::error::message_size);
+    CHECK(written[1] == 0);
+    int queued = -1;
+    CHECK(::ioctl(pipe_r.get(), FIONREAD, &queued) == 0);
+    CHECK(queued == 3);
+}
+
+TEST_CASE("A spliced frame waiting for the end of Beast's frame fails when cancelled",
+          "[frame_guard]") {
+    // Beast writes a message the client never reads, so its frame stays unfinished; a spliced
+    // frame waits for its end. Cancelling the spliced frame (the connection ending) completes
+    // it with operation_aborted at once, having written nothing.
+    net::io_context ioc;
+    tcp::acceptor acceptor(ioc, tcp::endpoint(net::ip::address_v4::loopback(), 0));
+    tcp::socket client_socket(ioc);
+    client_socket.connect(acceptor.local_endpoint());
+    tcp::socket server_socket = acceptor.accept();
+    server_socket.set_option(net::socket_base::send_buffer_size(4096));
+    using Guarded = websocket::stream<frame_guard<ConnStream>>;
+    Guarded server(frame_guard<ConnStream>(ConnStream(beast::tcp_stream(std::move(server_socket)))));
+    websocket::stream<beast::tcp_stream> client(beast::tcp_stream(std::move(client_socket)));
+    bool accepted = false;
+    bool handshaken = false;
+    server.async_accept([&](beast::error_code ec) { accepted = !ec; });
+    client.async_handshake("localhost", "/", [&](beast::error_code ec) { handshaken = !ec; });
+    for (int i = 0; i < 200 && !(accepted && handshaken); ++i) ioc.run_one_for(std::chrono::milliseconds(50));
+    REQUIRE(accepted);
+    REQUIRE(handshaken);
+    server.next_layer().begin_frames();
+    server.auto_fragment(false);
+    server.binary(true);
+    // From here on the client reads nothing.
+    ioc.restart();  // it ran out of work after the handshake
+
+    int pipe_fds[2];
+    REQUIRE(::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) == 0);
+    const unique_fd pipe_r(pipe_fds[0]);
+    const unique_fd pipe_w(pipe_fds[1]);
+    REQUIRE(::write(pipe_w.get(), "abc", 3) == 3);
+
+    const std::string big(8 << 20, 'b');  // far more than the socket buffers hold
+    beast::error_code beast_result;
+    bool beast_done = false;
+    bool spliced_done = false;
+    beast::error_code spliced_result;
+    std::size_t spliced_written = 99;
+    net::cancellation_signal cancel;
+    net::post(ioc, [&] {
+        server.async_write(net::buffer(big), [&](beast::error_code ec, std::size_t) {
+            beast_result = ec;
+            beast_done = true;
+        });
+        server.next_layer().async_write_spliced(
+            websocket_binary_header(3), pipe_r.get(), 3,
+            net::bind_cancellation_slot(cancel.slot(), [&](beast::error_code ec, std::size_t n) {
+                spliced_result = ec;
+                spliced_written = n;
+                spliced_done = true;
+            }));
+    });
+    // Until the spliced frame is parked behind Beast's unfinished frame.
+    for (int i = 0; i < 200 && server.next_layer().write_stats().splices_parked == 0; ++i) {
+        ioc.run_one_for(std::chrono::milliseconds(50));
+    }
+    INFO(server.next_layer().write_state() << " spliced_done=" << spliced_done << " "
+                                            << spliced_result.message());
+    REQUIRE(server.next_layer().write_stats().splices_parked == 1);
+    CHECK_FALSE(spliced_done);
+    cancel.emit(net::cancellation_type::terminal);
+    for (int i = 0; i < 200 && !spliced_done; ++i) ioc.run_one_for(std::chrono::milliseconds(50));
+    REQUIRE(spliced_done);
+    CHECK(spliced_result == net::error::operation_aborted);
+    CHECK(spliced_written == 0);
+    CHECK_FALSE(beast_done);  // Beast's frame was still being written
+    int queued = -1;
+    CHECK(::ioctl(pipe_r.get(), FIONREAD, &queued) == 0);
+    CHECK(queued == 3);  // the pipe's bytes untouched
+    // Beast's write ends when the socket does.
+    beast::get_lowest_layer(server).socket().close();
+    for (int i = 0; i < 200 && !beast_done; ++i) ioc.run_one_for(std::chrono::milliseconds(50));
+    CHECK(beast_done);
+    CHECK(beast_result);
+}
+
+TEST_CASE("A spliced frame before the handshake's end fails and writes nothing", "[frame_guard]") {
+    // Until begin_frames(), what is written (the HTTP upgrade response) is no frame, so the
+    // guard cannot know where a frame may start.
+    net::io_context ioc;
+    tcp::acceptor acceptor(ioc, tcp::endpoint(net::ip::address_v4::loopback(), 0));
+    tcp::socket client_socket(ioc);
+    client_socket.connect(acceptor.local_endpoint());
+    frame_guard<ConnStream> guard{ConnStream{beast::tcp_stream{acceptor.accept()}}};
+    int pipe_fds[2];
+    REQUIRE(::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) == 0);
+    const unique_fd pipe_r(pipe_fds[0]);
+    const unique_fd pipe_w(pipe_fds[1]);
+    REQUIRE(::write(pipe_w.get(), "abc", 3) == 3);
+    beast::error_code result;
+    std::size_t written = 99;
+    guard.async_write_spliced(websocket_binary_header(3), pipe_r.get(), 3, [&](beast::error_code ec, std::size_t n) {
+        result = ec;
+        written = n;
+    });
+    ioc.run_for(std::chrono::seconds(10));
+    CHECK(result == net::error::operation_not_supported);
+    CHECK(written == 0);
+    int queued = -1;
+    CHECK(::ioctl(pipe_r.get(), FIONREAD, &queued) == 0);
+    CHECK(queued == 3);
 }

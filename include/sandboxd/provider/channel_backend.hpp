@@ -105,6 +105,16 @@ public:
     /// (0: nothing right now, wait again), or nullopt once the stream has ended.
     virtual std::optional<std::size_t> read_output(output_stream stream,
                                                    std::span<char> into) = 0;
+    /// The read end of `stream` when it is a pipe (a pipe channel of the process backend):
+    /// the caller may move bytes from it itself, with splice(2), in place of read_output()
+    /// (issue 19: output written to the socket without a copy through user space). -1 when
+    /// the stream is no pipe (a PTY, a plugin worker's channel) or has ended. The descriptor
+    /// stays the backend's (never close it): open until read_output() finds the stream's end
+    /// or the backend is destroyed. Constant for the stream's life.
+    virtual int output_pipe(output_stream stream) noexcept {
+        (void)stream;
+        return -1;
+    }
 
     /// Hands `data` to the command's stdin; completes once the command (its pipe, its PTY or
     /// its worker) has taken every byte: awaiting each write before the next is the
