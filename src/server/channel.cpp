@@ -17,6 +17,9 @@ namespace sandboxd {
 namespace {
 
 constexpr std::size_t read_chunk = 256 * 1024;
+/// Spliced frames of one stream queued at once: one being written while the next waits, so
+/// that the socket never idles between two frames.
+constexpr int max_spliced_in_flight = 2;
 /// Output coalescing (docs/protocol.md, "Output frames"): a stream whose previous read took at
 /// least coalesce_after bytes less than streaming_gap ago waits up to coalesce_waits times
 /// coalesce_wait (200 us in all) for a fuller frame.
@@ -138,6 +141,19 @@ void Channel::output_ready(output_stream stream, std::size_t avail) {
     if (unacked_ >= options_.output_window && !hung_up_) return pump_next(stream);
     const std::uint64_t room =
         std::min<std::uint64_t>(read_chunk, hung_up_ ? read_chunk : options_.output_window - unacked_);
+    if (p.claimed > 0) {
+        // Spliced frames still queued hold bytes of the pipe: only the rest is new. A second
+        // frame is queued only when a whole one is there beside them; else the end of the
+        // frame in flight resumes the pump (the bytes gather meanwhile).
+        const std::size_t fresh = avail > p.claimed ? avail - p.claimed : 0;
+        if (p.in_flight >= max_spliced_in_flight || fresh < room || hung_up_) {
+            p.coalesce_round = 0;
+            p.waiting_splice = true;
+            return;
+        }
+        p.coalesce_round = 0;
+        return pump_send(stream, static_cast<std::size_t>(room));
+    }
     // Full frames while a stream runs (docs/protocol.md, "Output frames"): the frame count,
     // not the copying, bounds throughput, and a writer of 8 KiB at a time wakes this pump for
     // each write. So when the previous read of this stream was large and recent, wait up to
@@ -169,10 +185,16 @@ void Channel::pump_send(output_stream stream, std::size_t size) {
         // without a copy through this process (docs/protocol.md, "Output frames").
         if (const int fd = backend_->output_pipe(stream); fd >= 0 && sink->can_splice()) {
             int queued = 0;  // the exact count: a frame may declare only bytes the pipe holds
-            if (::ioctl(fd, FIONREAD, &queued) == 0 && queued > 0) {
-                return pump_splice(*sink, stream, fd, std::min(size, static_cast<std::size_t>(queued)));
+            if (::ioctl(fd, FIONREAD, &queued) == 0 && static_cast<std::size_t>(std::max(queued, 0)) > p.claimed) {
+                return pump_splice(*sink, stream, fd,
+                                   std::min(size, static_cast<std::size_t>(queued) - p.claimed));
             }
         }
+    }
+    if (p.claimed > 0) {
+        // Never read bytes that a queued spliced frame will send: wait for its end.
+        p.waiting_splice = true;
+        return;
     }
     std::string frame = sink && !options_.base64 ? sink->frame_buffer() : std::string();
     frame.resize(frame_header_size + size);
@@ -215,13 +237,23 @@ void Channel::pump_splice(ChannelSink& sink, output_stream stream, int pipe_fd, 
     const std::size_t at = head.size();
     head.resize(at + frame_header_size);
     write_data_header(head.data() + at, options_.id, wire_stream(stream));
-    // The pump waits for the frame: nothing else reads the pipe until it is written.
-    sink.send_spliced(std::move(head), pipe_fd, size, [self = shared_from_this(), stream](bool written) {
+    // Its bytes stay claimed until it is written: nothing reads them meanwhile, and the next
+    // frame takes the bytes after them.
+    p.claimed += size;
+    ++p.in_flight;
+    sink.send_spliced(std::move(head), pipe_fd, size, [self = shared_from_this(), stream, size](bool written) {
         // Not written: the connection ended, and the session hangs the channel up; the pump
         // then drains what is left of the pipe, as it does after any hangup.
         (void)written;
-        self->pump_next(stream);
+        auto& q = self->pump(stream);
+        q.claimed -= size;
+        --q.in_flight;
+        if (q.waiting_splice) {
+            q.waiting_splice = false;
+            self->pump_next(stream);
+        }
     });
+    pump_next(stream);
 }
 
 void Channel::pump_ended(output_stream stream) {

@@ -164,6 +164,9 @@ private:
         std::size_t last_bytes = 0;   ///< the previous read of the stream, and when
         std::chrono::steady_clock::time_point last_at{};
         std::unique_ptr<net::steady_timer> coalesce_timer;  ///< made when the stream streams
+        std::size_t claimed = 0;      ///< pipe bytes of spliced frames queued, not yet written
+        int in_flight = 0;            ///< spliced frames queued, not yet written
+        bool waiting_splice = false;  ///< parked until a spliced frame's end
     };
     OutputPump& pump(output_stream s) noexcept { return pumps_[s == output_stream::err ? 1 : 0]; }
 
