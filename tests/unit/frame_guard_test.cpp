@@ -14,7 +14,9 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 using namespace sandboxd;
@@ -28,6 +30,31 @@ std::string spliced_payload(int j) {
     for (std::size_t i = 0; i < size; ++i) out[i] = static_cast<char>('a' + (i * 31 + static_cast<std::size_t>(j)) % 26);
     return out;
 }
+
+/// A frame_guard on one end of a loopback TCP connection, and a pipe holding "abc".
+struct GuardedPipe {
+    net::io_context ioc;
+    tcp::acceptor acceptor{ioc, tcp::endpoint(net::ip::address_v4::loopback(), 0)};
+    tcp::socket client_socket{ioc};
+    std::optional<frame_guard<ConnStream>> guard;
+    unique_fd pipe_r;
+    unique_fd pipe_w;
+
+    /// `frames`: call begin_frames() (no handshake here: frames from the first byte).
+    explicit GuardedPipe(bool frames) {
+        client_socket.connect(acceptor.local_endpoint());
+        guard.emplace(ConnStream{beast::tcp_stream{acceptor.accept()}});
+        if (frames) guard->begin_frames();
+        int fds[2];
+        REQUIRE(::pipe2(fds, O_CLOEXEC | O_NONBLOCK) == 0);
+        pipe_r.reset(fds[0]);
+        pipe_w.reset(fds[1]);
+        REQUIRE(::write(pipe_w.get(), "abc", 3) == 3);
+    }
+    std::tuple<net::io_context&, frame_guard<ConnStream>&, unique_fd&, unique_fd&> parts() {
+        return {ioc, *guard, pipe_r, pipe_w};
+    }
+};
 
 }  // namespace
 
@@ -188,17 +215,8 @@ TEST_CASE("Frames spliced around Beast never interleave with its messages, pings
 
 TEST_CASE("A spliced frame whose pipe holds fewer bytes than it declared fails with message_size",
           "[frame_guard]") {
-    net::io_context ioc;
-    tcp::acceptor acceptor(ioc, tcp::endpoint(net::ip::address_v4::loopback(), 0));
-    tcp::socket client_socket(ioc);
-    client_socket.connect(acceptor.local_endpoint());
-    frame_guard<ConnStream> guard{ConnStream{beast::tcp_stream{acceptor.accept()}}};
-    guard.begin_frames();  // no handshake here: frames from the first byte
-    int pipe_fds[2];
-    REQUIRE(::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) == 0);
-    const unique_fd pipe_r(pipe_fds[0]);
-    const unique_fd pipe_w(pipe_fds[1]);
-    REQUIRE(::write(pipe_w.get(), "abc", 3) == 3);
+    GuardedPipe t(true);
+    auto [ioc, guard, pipe_r, pipe_w] = t.parts();
     beast::error_code result;
     std::size_t written = 0;
     guard.async_write_spliced(websocket_binary_header(10), pipe_r.get(), 10,
@@ -213,17 +231,8 @@ TEST_CASE("A spliced frame whose pipe holds fewer bytes than it declared fails w
 
 TEST_CASE("After a spliced frame failed, the next one fails at once and writes nothing",
           "[frame_guard]") {
-    net::io_context ioc;
-    tcp::acceptor acceptor(ioc, tcp::endpoint(net::ip::address_v4::loopback(), 0));
-    tcp::socket client_socket(ioc);
-    client_socket.connect(acceptor.local_endpoint());
-    frame_guard<ConnStream> guard{ConnStream{beast::tcp_stream{acceptor.accept()}}};
-    guard.begin_frames();  // no handshake here: frames from the first byte
-    int pipe_fds[2];
-    REQUIRE(::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) == 0);
-    const unique_fd pipe_r(pipe_fds[0]);
-    const unique_fd pipe_w(pipe_fds[1]);
-    REQUIRE(::write(pipe_w.get(), "abc", 3) == 3);
+    GuardedPipe t(true);
+    auto [ioc, guard, pipe_r, pipe_w] = t.parts();
     std::vector<beast::error_code> results;
     std::vector<std::size_t> written;
     const auto record = [&](beast::error_code ec, std::size_t n) {
@@ -326,16 +335,8 @@ TEST_CASE("A spliced frame waiting for the end of Beast's frame fails when cance
 TEST_CASE("A spliced frame before the handshake's end fails and writes nothing", "[frame_guard]") {
     // Until begin_frames(), what is written (the HTTP upgrade response) is no frame, so the
     // guard cannot know where a frame may start.
-    net::io_context ioc;
-    tcp::acceptor acceptor(ioc, tcp::endpoint(net::ip::address_v4::loopback(), 0));
-    tcp::socket client_socket(ioc);
-    client_socket.connect(acceptor.local_endpoint());
-    frame_guard<ConnStream> guard{ConnStream{beast::tcp_stream{acceptor.accept()}}};
-    int pipe_fds[2];
-    REQUIRE(::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) == 0);
-    const unique_fd pipe_r(pipe_fds[0]);
-    const unique_fd pipe_w(pipe_fds[1]);
-    REQUIRE(::write(pipe_w.get(), "abc", 3) == 3);
+    GuardedPipe t(false);
+    auto [ioc, guard, pipe_r, pipe_w] = t.parts();
     beast::error_code result;
     std::size_t written = 99;
     guard.async_write_spliced(websocket_binary_header(3), pipe_r.get(), 3, [&](beast::error_code ec, std::size_t n) {
