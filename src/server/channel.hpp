@@ -178,8 +178,10 @@ private:
 
     void pump_next(output_stream stream);
     void pump_send(output_stream stream, std::size_t avail);
-    /// Sends `size` bytes of the pipe `pipe_fd` (which holds them) as one spliced frame, and
-    /// resumes the pump once it is written.
+    /// Queues `size` bytes of the pipe `pipe_fd` (which holds them beyond those already
+    /// claimed) as one spliced frame and claims them until it is written; the pump goes on at
+    /// once, and parks (waiting_splice) while max_spliced_in_flight frames are queued or no
+    /// whole frame's worth of new bytes is there, until a queued frame's end resumes it.
     void pump_splice(ChannelSink& sink, output_stream stream, int pipe_fd, std::size_t size);
     void pump_ended(output_stream stream);
     /// Resumes the pumps parked for credit, on the next turn of the strand.
