@@ -28,6 +28,7 @@ struct TcpRelay::Impl {
     bool holding = false;
     std::vector<std::weak_ptr<tcp::socket>> sockets;
     std::atomic<std::size_t> relayed{0};
+    std::atomic<std::size_t> bytes_from_target{0};
     std::thread thread;
 
     void close_all() {
@@ -54,12 +55,15 @@ struct TcpRelay::Impl {
 
 namespace {
 
-/// Copies `from` to `to` until either side ends, then closes both.
-net::awaitable<void> pump(std::shared_ptr<tcp::socket> from, std::shared_ptr<tcp::socket> to) {
+/// Copies `from` to `to` until either side ends, then closes both; adds each read's size to
+/// `count` when it is not null.
+net::awaitable<void> pump(std::shared_ptr<tcp::socket> from, std::shared_ptr<tcp::socket> to,
+                          std::atomic<std::size_t>* count) {
     std::array<char, 16384> buf{};
     for (;;) {
         auto [ec, n] = co_await from->async_read_some(net::buffer(buf), as_tuple_awaitable);
         if (ec) break;
+        if (count) *count += n;
         auto [wec, written] =
             co_await net::async_write(*to, net::buffer(buf.data(), n), as_tuple_awaitable);
         if (wec) break;
@@ -80,8 +84,8 @@ net::awaitable<void> relay(TcpRelay::Impl* s, std::shared_ptr<tcp::socket> clien
         server->close(ignored);
         co_return;
     }
-    net::co_spawn(s->ioc, pump(client, server), net::detached);
-    net::co_spawn(s->ioc, pump(server, client), net::detached);
+    net::co_spawn(s->ioc, pump(client, server, nullptr), net::detached);
+    net::co_spawn(s->ioc, pump(server, client, &s->bytes_from_target), net::detached);
 }
 
 net::awaitable<void> accept_loop(TcpRelay::Impl* s) {
@@ -144,5 +148,7 @@ void TcpRelay::resume() {
 }
 
 std::size_t TcpRelay::relayed() const { return impl_->relayed.load(); }
+
+std::size_t TcpRelay::bytes_from_target() const { return impl_->bytes_from_target.load(); }
 
 }  // namespace sandboxd::test

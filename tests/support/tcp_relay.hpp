@@ -28,6 +28,9 @@ public:
     void resume();
     /// Connections accepted and relayed so far (not those closed while cut). Thread-safe.
     std::size_t relayed() const;
+    /// Bytes that the target has sent through the relay so far, over every connection.
+    /// Thread-safe.
+    std::size_t bytes_from_target() const;
 
     struct Impl;  ///< tcp_relay.cpp's own
 
