@@ -361,8 +361,7 @@ public:
         for (pid_t pid : descendants_of(::getpid())) {
             const char state = proc_state(pid);
             if (state == 0 || state == 'Z' || state == 'X') continue;
-            std::ifstream in("/proc/" + std::to_string(pid) + "/cgroup");
-            std::string text((std::istreambuf_iterator<char>(in)), {});
+            const std::string text = read_proc_file("/proc/" + std::to_string(pid) + "/cgroup");
             for (std::sregex_iterator it(text.begin(), text.end(), id), end; it != end; ++it) {
                 out.insert(it->str());
             }
@@ -880,8 +879,7 @@ void settle(Cluster& cluster, Ledger& ledger, int trial, steady::time_point end,
 void reap_orphans() {
     for (pid_t pid : descendants_of(::getpid())) {
         if (proc_state(pid) != 'Z') continue;
-        std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-        std::string stat((std::istreambuf_iterator<char>(in)), {});
+        const std::string stat = read_proc_file("/proc/" + std::to_string(pid) + "/stat");
         const auto open = stat.find('('), close = stat.rfind(')');
         if (open == std::string::npos || close == std::string::npos) continue;
         const std::string comm = stat.substr(open + 1, close - open - 1);

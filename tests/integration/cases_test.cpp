@@ -1033,8 +1033,7 @@ TEST_CASE(
 
 /// User plus system CPU time of `pid` in clock ticks (/proc/<pid>/stat fields 14 and 15).
 long long cpu_ticks(pid_t pid) {
-    std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::string stat = read_proc_file("/proc/" + std::to_string(pid) + "/stat");
     std::istringstream fields(stat.substr(stat.rfind(')') + 2));
     std::string field;
     long long utime = 0;

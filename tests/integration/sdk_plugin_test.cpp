@@ -72,8 +72,7 @@ struct SdkDaemon {
     std::vector<pid_t> worker_pids() const {
         std::vector<pid_t> out;
         for (pid_t pid : daemon->children()) {
-            std::ifstream in("/proc/" + std::to_string(pid) + "/cmdline");
-            std::string cmdline((std::istreambuf_iterator<char>(in)), {});
+            const std::string cmdline = read_proc_file("/proc/" + std::to_string(pid) + "/cmdline");
             if (cmdline.find("worker.js") != std::string::npos && proc_state(pid) != 'Z') {
                 out.push_back(pid);
             }

@@ -30,11 +30,6 @@
 namespace sandboxd::test {
 namespace fs = std::filesystem;
 
-namespace {
-
-/// The whole of a small /proc file, or "" when it cannot be read. Plain read(2): a process
-/// that exits meanwhile makes the read fail with ESRCH, which libstdc++'s filebuf reports by
-/// throwing from underflow() whatever the stream's exception mask.
 std::string read_proc_file(const fs::path& path) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) return {};
@@ -48,8 +43,6 @@ std::string read_proc_file(const fs::path& path) {
     ::close(fd);
     return out;
 }
-
-}  // namespace
 
 TempDir::TempDir() {
     const char* base = std::getenv("TMPDIR");

@@ -166,6 +166,11 @@ long proc_status_field(pid_t pid, const std::string& name);
 long long proc_io_field(pid_t pid, const std::string& name);
 /// The capacity of the pipe that is `fd` of process `pid` (F_GETPIPE_SZ), or -1.
 long long pipe_capacity(pid_t pid, int fd);
+/// The whole of a small /proc file, or "" when it cannot be read. Plain read(2): a process
+/// that exits meanwhile makes the read fail with ESRCH, which libstdc++'s filebuf reports by
+/// throwing from underflow() whatever the stream's exception mask (so never read /proc of
+/// another process with std::ifstream).
+std::string read_proc_file(const std::filesystem::path& path);
 /// The one-letter state of /proc/<pid>/stat ('R', 'S', 'Z', ...); 0 if gone.
 char proc_state(pid_t pid);
 

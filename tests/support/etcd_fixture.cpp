@@ -1,4 +1,5 @@
 #include "support/etcd_fixture.hpp"
+#include "support/daemon_fixture.hpp"
 
 #include <sandboxd/core/address.hpp>
 #include <sandboxd/core/tls.hpp>
@@ -37,9 +38,7 @@ bool all_threads_stopped(pid_t pid) {
     std::error_code ec;
     bool any = false;
     for (const auto& task : fs::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
-        std::ifstream in(task.path() / "stat");
-        std::string stat;
-        std::getline(in, stat);
+        const std::string stat = read_proc_file(task.path() / "stat");
         // "TID (comm) S ...": the state follows the last ')' (comm may hold one).
         const auto close = stat.rfind(')');
         if (close == std::string::npos || close + 2 >= stat.size()) continue;  // exited meanwhile
