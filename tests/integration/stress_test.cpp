@@ -147,9 +147,7 @@ void require_baseline(const DaemonProcess& d, std::size_t descendants, std::size
                           << d.fd_count() << " (baseline " << fds << ")");
     if (!back) {
         for (pid_t p : descendants_of(::getpid())) {
-            std::ifstream stat("/proc/" + std::to_string(p) + "/stat");
-            std::string line;
-            std::getline(stat, line);
+            const std::string line = read_proc_file("/proc/" + std::to_string(p) + "/stat");
             UNSCOPED_INFO("left: " << line.substr(0, 120));
         }
     }
