@@ -1034,9 +1034,20 @@ awaitable<void> sweep(Node& node) {
             }
         }
     }
+    // Whether `owner` is dead now: its record read again and judged against the clock after
+    // the read, just before each orphaning. The list above may be seconds old by then: a
+    // node frozen (SIGSTOP, a stalled VM) after reading it, then unfenced, must not orphan the
+    // leases of an owner that renewed meanwhile (a fault trial caught that: a node resumed
+    // after 4 s orphaned a live owner's lease while it opened a channel).
+    auto dead_now = [&node](const std::string& owner) -> awaitable<bool> {
+        if (node.fenced_for_ms() != 0) co_return false;  // no lease changes on stale membership
+        auto record = co_await node.registry->get_node(owner);
+        co_return !record || now_ms() - record->heartbeat_at_ms >= node.config.node_ttl_ms;
+    };
     for (const auto& owner : co_await node.registry->active_owner_nodes()) {
         if (owner == node.node_id || alive(owner)) continue;
         for (auto& lease : co_await leases_of(node, owner, lease_status::active)) {
+            if (!co_await dead_now(owner)) break;
             co_await lease_orphan(node, std::move(lease), "owner node " + owner + " is dead",
                                   "sweeper");
         }
