@@ -622,7 +622,7 @@ awaitable<json> node_list(Node& node) {
         q.status = lease_status::active;
         q.limit = 1000;
         auto page = co_await node.registry->list_leases(q);
-        const bool alive = now - n.heartbeat_at_ms < node.config.node_ttl_ms;
+        const bool alive = node.member_alive(n, now);
         json entry = {{"nodeId", n.node_id},
                       {"url", n.url},
                       {"startedAt", format_rfc3339(n.started_at_ms)},
@@ -783,7 +783,7 @@ void record_late_sandbox(Node& node, Lease lease) {
 awaitable<std::shared_ptr<PeerLink>> owner_link(Node& node, const Lease& lease) {
     auto record = co_await node.registry->get_node(lease.owner_node_id);
     const auto now = now_ms();
-    if (!record || now - record->heartbeat_at_ms >= node.config.node_ttl_ms) {
+    if (!record || !node.member_alive(*record, now)) {
         throw rpc_error(errc::owner_unavailable,
                         "Owner node " + lease.owner_node_id + " of sandbox lease " + lease.id +
                             " is not alive.",
@@ -1012,7 +1012,7 @@ awaitable<void> sweep(Node& node) {
     auto nodes = co_await node.registry->list_nodes();
     auto alive = [&](const std::string& id) {
         for (const auto& n : nodes) {
-            if (n.node_id == id) return now - n.heartbeat_at_ms < node.config.node_ttl_ms;
+            if (n.node_id == id) return node.member_alive(n, now);
         }
         return false;
     };
@@ -1042,7 +1042,7 @@ awaitable<void> sweep(Node& node) {
     auto dead_now = [&node](const std::string& owner) -> awaitable<bool> {
         if (node.fenced_for_ms() != 0) co_return false;  // no lease changes on stale membership
         auto record = co_await node.registry->get_node(owner);
-        co_return !record || now_ms() - record->heartbeat_at_ms >= node.config.node_ttl_ms;
+        co_return !record || !node.member_alive(*record, now_ms());
     };
     for (const auto& owner : co_await node.registry->active_owner_nodes()) {
         if (owner == node.node_id || alive(owner)) continue;

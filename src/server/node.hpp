@@ -196,6 +196,12 @@ public:
     void require_membership() const;
     /// Milliseconds since the last renewal, when that is over the fencing limit; 0 otherwise.
     std::int64_t fenced_for_ms() const;
+    /// Whether the node of `record` is alive at `at_ms` (wall-clock ms, as heartbeatAt): its
+    /// last heartbeat is less than nodeTtlMs old (docs/protocol.md section 6). A record read
+    /// before `at_ms` is taken can only look older, never younger. Thread-safe, no I/O.
+    bool member_alive(const NodeRecord& record, std::int64_t at_ms) const {
+        return at_ms - record.heartbeat_at_ms < config.node_ttl_ms;
+    }
     /// Steady-clock ms at which this node fences itself unless it renews first: the last
     /// renewal + 2/3 of nodeTtlMs. A command is started only before it (ExecSpec).
     std::int64_t fence_deadline_ms() const;

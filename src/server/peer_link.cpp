@@ -215,7 +215,7 @@ awaitable<bool> PeerLink::peer_membership_live() {
     try {
         auto record = co_await node_.registry->get_node(peer_.node_id);
         co_return record && record->instance_id == peer_.instance_id &&
-            now_ms() - record->heartbeat_at_ms < node_.config.node_ttl_ms;
+            node_.member_alive(*record, now_ms());
     } catch (const std::exception& e) {
         // Unknown is not live: the call fails closed as it would have without the check.
         spdlog::warn("peer={}: cannot read its membership: {}", peer_.node_id, e.what());
