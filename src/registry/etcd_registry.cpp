@@ -247,6 +247,7 @@ NodeRecord decode_node(const etcd::KeyValue& kv, std::string_view op) {
         n.started_at_ms = get_int(j, "started_at_ms");
         n.heartbeat_at_ms = get_int(j, "heartbeat_at_ms");
         n.instance_id = get_str(j, "instance_id");
+        n.revision = kv.mod_revision;
         return n;
     } catch (const json::exception&) {
         throw_unavailable(op, "corrupt node record " + kv.key);
@@ -380,6 +381,11 @@ public:
     awaitable<std::optional<Lease>> update_lease(Lease next, std::int64_t expected_epoch) override {
         return guarded<std::optional<Lease>>("update lease",
                                              do_update(std::move(next), expected_epoch));
+    }
+    awaitable<std::optional<Lease>> update_lease_if_owner_unchanged(
+        Lease next, std::int64_t expected_epoch, std::optional<NodeRecord> owner_seen) override {
+        return guarded<std::optional<Lease>>(
+            "update lease", do_update(std::move(next), expected_epoch, OwnerFence{std::move(owner_seen)}));
     }
     awaitable<std::vector<Lease>> expired_leases(std::string owner_node_id,
                                                  std::int64_t at_ms) override {
@@ -713,10 +719,22 @@ private:
         co_return page;
     }
 
-    awaitable<std::optional<Lease>> do_update(Lease next, std::int64_t expected_epoch) {
+    /// The membership record that an update requires of the lease's owner (std::nullopt:
+    /// none): compared by mod revision (or absence) in the update's transaction.
+    struct OwnerFence {
+        std::optional<NodeRecord> seen;
+    };
+
+    awaitable<std::optional<Lease>> do_update(Lease next, std::int64_t expected_epoch,
+                                              std::optional<OwnerFence> fence = std::nullopt) {
         const std::string op = "update lease";
         const std::string lk = lease_key(next.id);
         const bool new_epoch = next.epoch != expected_epoch;
+        const std::string nk = node_key(next.owner_node_id);
+        auto fence_compare = [&] {
+            return fence->seen ? etcd::compare_mod_revision(nk, fence->seen->revision)
+                               : etcd::compare_create_revision(nk, 0);
+        };
         for (int attempt = 0; attempt < max_cas_attempts; ++attempt) {
             auto kv = co_await client_->get(op, lk);
             if (!kv) co_return std::nullopt;
@@ -738,11 +756,19 @@ private:
             if (new_owner_key != old_owner_key)
                 writes.push_back(etcd::request_delete(old_owner_key));
             writes.push_back(etcd::request_put(new_owner_key, owner_value(stored)));
-            auto result = co_await client_->txn(
-                op, array_of(etcd::compare_mod_revision(lk, kv->mod_revision)), std::move(writes));
+            json compares = array_of(etcd::compare_mod_revision(lk, kv->mod_revision));
+            if (fence) compares.push_back(fence_compare());
+            auto result = co_await client_->txn(op, std::move(compares), std::move(writes));
             if (result.succeeded) {
                 stored.epoch = new_epoch ? result.revision : expected_epoch;
                 co_return stored;
+            }
+            if (fence) {
+                // Which compare failed: an owner record that moved ends the attempt.
+                auto owner = co_await client_->get(op, nk);
+                const bool unchanged = fence->seen ? owner && owner->mod_revision == fence->seen->revision
+                                                   : !owner;
+                if (!unchanged) co_return std::nullopt;
             }
             // Another writer came between the read and the write: read again.
         }

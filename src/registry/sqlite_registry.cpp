@@ -477,15 +477,33 @@ LeasePage list_leases_on(sqlite3* db, const LeaseQuery& query) {
     return page;
 }
 
-std::optional<Lease> update_lease_on(sqlite3* db, const Lease& next, std::int64_t expected_epoch) {
+/// The membership record that an update requires of the lease's owner (std::nullopt: none).
+struct OwnerFence {
+    std::optional<NodeRecord> seen;
+};
+
+/// `fence`, when given, makes the update conditional on the owner's membership record (one
+/// statement: the condition and the write are one transaction).
+std::optional<Lease> update_lease_on(sqlite3* db, const Lease& next, std::int64_t expected_epoch,
+                                     const OwnerFence* fence = nullptr) {
     constexpr std::string_view op = "update lease";
+    std::string where = " WHERE id = ? AND epoch = ?";
+    if (fence) {
+        where += fence->seen ? " AND EXISTS (SELECT 1 FROM nodes WHERE node_id = ? AND "
+                               "instance_id = ? AND heartbeat_at_ms = ?)"
+                             : " AND NOT EXISTS (SELECT 1 FROM nodes WHERE node_id = ?)";
+    }
     Statement s(db,
-                "UPDATE leases SET " + update_lease_set_sql() +
-                    " WHERE id = ? AND epoch = ? RETURNING " + lease_columns,
+                "UPDATE leases SET " + update_lease_set_sql() + where + " RETURNING " +
+                    lease_columns,
                 op);
     bind_lease(s, next, lease_columns_of::updatable);
     s.bind(next.id).bind(expected_epoch);
-    if (!s.step()) return std::nullopt;  // the epoch differs, or no such lease
+    if (fence) {
+        s.bind(next.owner_node_id);
+        if (fence->seen) s.bind(fence->seen->instance_id).bind(fence->seen->heartbeat_at_ms);
+    }
+    if (!s.step()) return std::nullopt;  // the epoch differs, no such lease, or the owner moved
     auto stored = read_lease(s, op);
     while (s.step()) {  // RETURNING: the statement completes when stepped to its end
     }
@@ -668,6 +686,15 @@ public:
     awaitable<std::optional<Lease>> update_lease(Lease next, std::int64_t expected_epoch) override {
         auto work = [this, next = std::move(next), expected_epoch] {
             return update_lease_on(writer_.get(), next, expected_epoch);
+        };
+        co_return co_await writes_.run(std::move(work));
+    }
+
+    awaitable<std::optional<Lease>> update_lease_if_owner_unchanged(
+        Lease next, std::int64_t expected_epoch, std::optional<NodeRecord> owner_seen) override {
+        auto work = [this, next = std::move(next), expected_epoch,
+                     fence = OwnerFence{std::move(owner_seen)}] {
+            return update_lease_on(writer_.get(), next, expected_epoch, &fence);
         };
         co_return co_await writes_.run(std::move(work));
     }

@@ -880,14 +880,21 @@ awaitable<void> reconcile_cached(Node& node) {
     }
 }
 
-awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why, std::string actor) {
+awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why, std::string actor,
+                              std::optional<OwnerSeen> owner) {
     if (lease.status != lease_status::active) co_return lease;
     Lease next = lease;
     next.status = lease_status::pending_cleanup;
     next.epoch = lease.epoch + 1;
     next.cleanup_status = why;
     next.last_used_at_ms = now_ms();
-    auto stored = co_await node.registry->update_lease(next, lease.epoch);
+    std::optional<Lease> stored;
+    if (owner) {  // (no co_await inside ?: : GCC 12 miscompiles its temporaries)
+        stored = co_await node.registry->update_lease_if_owner_unchanged(next, lease.epoch,
+                                                                         std::move(owner->record));
+    } else {
+        stored = co_await node.registry->update_lease(next, lease.epoch);
+    }
     if (stored) {
         spdlog::info("lease={} pending_cleanup: {}", lease.id, why);
         node.metrics.orphans_found.only().inc();
@@ -1010,11 +1017,15 @@ awaitable<void> sweep(Node& node) {
     co_await expire_leases(node);
     const auto now = now_ms();
     auto nodes = co_await node.registry->list_nodes();
-    auto alive = [&](const std::string& id) {
+    // The owner's record as read (an empty one: none), when it is dead by it.
+    auto dead = [&](const std::string& id) -> std::optional<OwnerSeen> {
         for (const auto& n : nodes) {
-            if (n.node_id == id) return node.member_alive(n, now);
+            if (n.node_id == id) {
+                if (node.member_alive(n, now)) return std::nullopt;
+                return OwnerSeen{n};
+            }
         }
-        return false;
+        return OwnerSeen{};
     };
     // Scale: only this node's leases, and those of owners whose membership lapsed; the
     // active leases of live owners are never read (owners come from an index).
@@ -1034,22 +1045,22 @@ awaitable<void> sweep(Node& node) {
             }
         }
     }
-    // Whether `owner` is dead now: its record read again and judged against the clock after
-    // the read, just before each orphaning. The list above may be seconds old by then: a
-    // node frozen (SIGSTOP, a stalled VM) after reading it, then unfenced, must not orphan the
-    // leases of an owner that renewed meanwhile (a fault trial caught that: a node resumed
-    // after 4 s orphaned a live owner's lease while it opened a channel).
-    auto dead_now = [&node](const std::string& owner) -> awaitable<bool> {
-        if (node.fenced_for_ms() != 0) co_return false;  // no lease changes on stale membership
-        auto record = co_await node.registry->get_node(owner);
-        co_return !record || !node.member_alive(*record, now_ms());
-    };
+    // Each orphaning is fenced by the owner's record as judged dead here: the list above may
+    // be seconds old by the write. A node frozen (SIGSTOP, a stalled VM) after reading it, then
+    // unfenced, must not orphan the leases of an owner that heartbeated meanwhile (a fault
+    // trial caught that: a node resumed after 4 s orphaned a live owner's lease while it
+    // opened a channel); the registry refuses the write when the record moved.
     for (const auto& owner : co_await node.registry->active_owner_nodes()) {
-        if (owner == node.node_id || alive(owner)) continue;
+        if (owner == node.node_id) continue;
+        auto seen = dead(owner);
+        if (!seen) continue;
         for (auto& lease : co_await leases_of(node, owner, lease_status::active)) {
-            if (!co_await dead_now(owner)) break;
-            co_await lease_orphan(node, std::move(lease), "owner node " + owner + " is dead",
-                                  "sweeper");
+            if (node.fenced_for_ms() != 0) co_return;  // no lease changes on stale membership
+            const auto epoch = lease.epoch;
+            auto after = co_await lease_orphan(node, std::move(lease),
+                                               "owner node " + owner + " is dead", "sweeper", seen);
+            // Still active under the same epoch: the owner's record moved (it is alive).
+            if (after.status == lease_status::active && after.epoch == epoch) break;
         }
     }
     // Only the owner holds the sandbox of a lease pending cleanup.

@@ -84,11 +84,21 @@ void record_late_sandbox(Node& node, Lease lease);
 /// heartbeat is older than the liveness TTL or it has no record.
 awaitable<std::shared_ptr<PeerLink>> owner_link(Node& node, const Lease& lease);
 
+/// The membership record of a lease's owner as read when it was judged dead (std::nullopt:
+/// it had none).
+struct OwnerSeen {
+    std::optional<NodeRecord> record;
+};
+
 /// Moves an active lease whose owner cannot serve it to pending_cleanup (epoch + 1), with
 /// `why` as its cleanupStatus. Returns the stored lease (another writer's if it changed).
-/// Audited as lease.orphaned with `actor` (a token name, "sweeper" or "node").
+/// Audited as lease.orphaned with `actor` (a token name, "sweeper" or "node"). With `owner`,
+/// the write is fenced by that record (Registry::update_lease_if_owner_unchanged): when the
+/// owner registered or heartbeated since, nothing is written and the lease is returned as it
+/// now stands (still active).
 awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why,
-                              std::string actor = "sweeper");
+                              std::string actor = "sweeper",
+                              std::optional<OwnerSeen> owner = std::nullopt);
 
 /// One pass of the sweeper (run every heartbeat): releases this node's expired leases
 /// (status `expired`); once this process has run for a liveness TTL, moves its own active

@@ -72,6 +72,11 @@ public:
     awaitable<std::optional<Lease>> update_lease(Lease next, std::int64_t expected_epoch) override {
         return time("update_lease", inner_->update_lease(std::move(next), expected_epoch));
     }
+    awaitable<std::optional<Lease>> update_lease_if_owner_unchanged(
+        Lease next, std::int64_t expected_epoch, std::optional<NodeRecord> owner_seen) override {
+        return time("update_lease", inner_->update_lease_if_owner_unchanged(
+                                        std::move(next), expected_epoch, std::move(owner_seen)));
+    }
     awaitable<std::vector<Lease>> expired_leases(std::string owner_node_id,
                                                  std::int64_t at_ms) override {
         return time("expired_leases", inner_->expired_leases(std::move(owner_node_id), at_ms));

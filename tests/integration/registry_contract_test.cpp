@@ -375,6 +375,76 @@ TEMPLATE_TEST_CASE("Contract: update_lease stores every mutable field when the e
     }
 }
 
+TEMPLATE_TEST_CASE(
+    "Contract: update_lease_if_owner_unchanged writes only while the owner's record is as seen",
+    "[registry][contract][fencing]", SqliteBackend, EtcdBackend) {
+    TestType backend;
+    auto registry = backend.open();
+    Lease lease = created<TestType>(*registry, make_lease("lease-1"));  // owner node-a
+    const std::int64_t e1 = lease.epoch;
+    Lease orphaned = lease;
+    orphaned.status = lease_status::pending_cleanup;
+    orphaned.epoch = e1 + 1;
+    orphaned.cleanup_status = "owner node node-a is dead";
+    // Refused: nothing of the lease changed.
+    auto unchanged = [&] {
+        auto stored = registry->get_lease("lease-1");
+        REQUIRE(stored);
+        CHECK(stored->status == lease_status::active);
+        CHECK(stored->epoch == e1);
+        CHECK_FALSE(stored->cleanup_status);
+    };
+
+    SECTION("no record, still none: written") {
+        auto written = registry->update_lease_if_owner_unchanged(orphaned, e1, std::nullopt);
+        REQUIRE(written);
+        CHECK(written->status == lease_status::pending_cleanup);
+        check_new_epoch<TestType>(written->epoch, e1 + 1, e1);
+        CHECK(registry->get_lease("lease-1")->status == lease_status::pending_cleanup);
+    }
+    SECTION("no record when seen, registered since: refused") {
+        registry->register_node({"node-a", "ws://a:1", 10, 20, "inst-a"}, 30000);
+        CHECK_FALSE(registry->update_lease_if_owner_unchanged(orphaned, e1, std::nullopt));
+        unchanged();
+    }
+    registry->register_node({"node-a", "ws://a:1", 10, 20, "inst-a"}, 30000);
+    auto seen = registry->get_node("node-a");
+    REQUIRE(seen);
+    SECTION("the record as seen: written") {
+        auto written = registry->update_lease_if_owner_unchanged(orphaned, e1, seen);
+        REQUIRE(written);
+        CHECK(written->status == lease_status::pending_cleanup);
+        CHECK(written->cleanup_status == orphaned.cleanup_status);
+    }
+    SECTION("the owner heartbeated since: refused, and written with the new record") {
+        REQUIRE(registry->heartbeat_node("node-a", "inst-a", 30));
+        CHECK_FALSE(registry->update_lease_if_owner_unchanged(orphaned, e1, seen));
+        unchanged();
+        auto now_seen = registry->get_node("node-a");
+        CHECK(registry->update_lease_if_owner_unchanged(orphaned, e1, now_seen));
+    }
+    SECTION("the owner's record was removed since: refused") {
+        registry->remove_node("node-a", "inst-a");
+        CHECK_FALSE(registry->update_lease_if_owner_unchanged(orphaned, e1, seen));
+        unchanged();
+    }
+    SECTION("another instance registered since, with the same heartbeatAt: refused") {
+        registry->remove_node("node-a", "inst-a");
+        registry->register_node({"node-a", "ws://a:1", 10, 20, "inst-a2"}, 30000);
+        CHECK_FALSE(registry->update_lease_if_owner_unchanged(orphaned, e1, seen));
+        unchanged();
+    }
+    SECTION("a stale epoch with the record as seen: refused") {
+        Lease renewed = lease;
+        renewed.epoch = e1 + 1;
+        auto moved = registry->update_lease(renewed, e1);
+        REQUIRE(moved);
+        CHECK_FALSE(registry->update_lease_if_owner_unchanged(orphaned, e1, seen));
+        CHECK(registry->get_lease("lease-1")->status == lease_status::active);
+        CHECK(registry->get_lease("lease-1")->epoch == moved->epoch);
+    }
+}
+
 TEMPLATE_TEST_CASE("Contract: concurrent updates from one epoch have exactly one winner",
                    "[registry][contract]", SqliteBackend, EtcdBackend) {
     TestType backend;

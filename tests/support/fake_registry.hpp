@@ -126,6 +126,15 @@ public:
         co_return stored;
     }
 
+    /// The owner's record is compared as SQLite does: same instanceId and heartbeatAt.
+    awaitable<std::optional<Lease>> update_lease_if_owner_unchanged(
+        Lease next, std::int64_t expected_epoch, std::optional<NodeRecord> owner_seen) override {
+        co_await window(before_write, "update_lease", next);
+        auto stored = update_locked(std::move(next), expected_epoch, &owner_seen);
+        if (stored) co_await window(after_write, "update_lease", *stored);
+        co_return stored;
+    }
+
     awaitable<std::vector<Lease>> expired_leases(std::string owner_node_id,
                                                  std::int64_t at_ms) override {
         std::lock_guard lock(mutex_);
@@ -249,9 +258,20 @@ private:
         leases_[lease.id] = lease;
         return lease;
     }
-    std::optional<Lease> update_locked(Lease next, std::int64_t expected_epoch) {
+    /// `owner_seen`, when given, must still be the owner's membership record (or its absence).
+    std::optional<Lease> update_locked(Lease next, std::int64_t expected_epoch,
+                                       const std::optional<NodeRecord>* owner_seen = nullptr) {
         std::lock_guard lock(mutex_);
         begin_lease_call("update_lease");
+        if (owner_seen) {
+            auto owner = nodes_.find(next.owner_node_id);
+            const bool unchanged =
+                *owner_seen ? owner != nodes_.end() &&
+                                  owner->second.instance_id == (*owner_seen)->instance_id &&
+                                  owner->second.heartbeat_at_ms == (*owner_seen)->heartbeat_at_ms
+                            : owner == nodes_.end();
+            if (!unchanged) return std::nullopt;
+        }
         auto it = leases_.find(next.id);
         if (it == leases_.end() || it->second.epoch != expected_epoch) return std::nullopt;
         ++records_read;

@@ -67,6 +67,11 @@ public:
     awaitable<std::optional<Lease>> update_lease(Lease next, std::int64_t expected_epoch) override {
         co_return counted(co_await inner_->update_lease(std::move(next), expected_epoch));
     }
+    awaitable<std::optional<Lease>> update_lease_if_owner_unchanged(
+        Lease next, std::int64_t expected_epoch, std::optional<NodeRecord> owner_seen) override {
+        co_return counted(co_await inner_->update_lease_if_owner_unchanged(
+            std::move(next), expected_epoch, std::move(owner_seen)));
+    }
     awaitable<std::vector<Lease>> expired_leases(std::string owner_node_id,
                                                  std::int64_t at_ms) override {
         auto leases = co_await inner_->expired_leases(std::move(owner_node_id), at_ms);

@@ -103,6 +103,41 @@ TEST_CASE(
     CHECK(h.registry->calls == 5);
 }
 
+TEST_CASE(
+    "The sweeper orphans nothing of an owner that heartbeats after the sweeper judged it dead",
+    "[unit][sweeper][fencing]") {
+    // The sweeper's view of node-c is a TTL old when it lists the nodes; node-c then
+    // heartbeats (the sweeper's own node was frozen meanwhile) before the first orphaning is
+    // written. The registry refuses that write, and the sweeper leaves node-c's other leases.
+    NodeHarness h;
+    h.put_live_node("node-c", h.node.config.node_ttl_ms);
+    for (int i = 0; i < 3; ++i) {
+        h.registry->put_for_test(lease_record("lse_c" + std::to_string(i), "node-c"));
+    }
+    int writes = 0;
+    h.registry->before_write = [&](const std::string& op, const Lease& next) {
+        if (op != "update_lease" || next.owner_node_id != "node-c") return;
+        if (writes++ == 0) h.put_live_node("node-c");  // heartbeats now
+    };
+    h.run(sweep(h.node));
+    h.registry->before_write = nullptr;
+    CHECK(writes == 1);
+    for (int i = 0; i < 3; ++i) {
+        auto l = h.registry->lease_for_test("lse_c" + std::to_string(i));
+        CHECK(l->status == lease_status::active);
+        CHECK(l->epoch == 1);
+    }
+    CHECK(h.provider->destroys == 0);
+
+    // Once node-c's record is a TTL old again, the next pass orphans all three.
+    h.put_live_node("node-c", h.node.config.node_ttl_ms);
+    h.run(sweep(h.node));
+    for (int i = 0; i < 3; ++i) {
+        CHECK(h.registry->lease_for_test("lse_c" + std::to_string(i))->status ==
+              lease_status::pending_cleanup);
+    }
+}
+
 TEST_CASE("Once it has run for a node TTL, the sweeper orphans its own leases it does not hold",
           "[unit][sweeper]") {
     SECTION("settled: a lease of this node with no cached sandbox (a restart) is orphaned") {

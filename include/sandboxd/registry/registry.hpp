@@ -68,6 +68,9 @@ struct NodeRecord {
     std::int64_t started_at_ms = 0;
     std::int64_t heartbeat_at_ms = 0;
     std::string instance_id;  ///< random per process start; tells restarts apart
+    /// etcd: the mod revision of the record as read (what update_lease_if_owner_unchanged
+    /// compares); SQLite: 0. Not stored.
+    std::int64_t revision = 0;
 };
 
 /// A running change feed of lease records (Registry::watch_leases). Destroying it stops the
@@ -144,6 +147,18 @@ public:
     /// the epoch (renewals).
     virtual awaitable<std::optional<Lease>> update_lease(Lease next,
                                                          std::int64_t expected_epoch) = 0;
+
+    /// update_lease, fenced by the owner's membership: writes only if, in the same
+    /// transaction, the membership record of `next.owner_node_id` is still `owner_seen` as
+    /// get_node or list_nodes returned it (the same write of it: etcd compares its mod
+    /// revision, SQLite its instanceId and heartbeatAt), or, for std::nullopt, there is still
+    /// none. Otherwise writes nothing and returns std::nullopt, like an epoch that differs.
+    /// For the sweeper, which orphans the leases of an owner it judged dead from `owner_seen`:
+    /// an owner that registered or heartbeated since (the sweeper's view was stale: its node
+    /// was frozen between the read and the write) keeps its leases (docs/protocol.md
+    /// section 8, "Orphaning").
+    virtual awaitable<std::optional<Lease>> update_lease_if_owner_unchanged(
+        Lease next, std::int64_t expected_epoch, std::optional<NodeRecord> owner_seen) = 0;
 
     /// Active leases of `owner_node_id` whose expiresAt is at or before `at_ms`.
     virtual awaitable<std::vector<Lease>> expired_leases(std::string owner_node_id,
