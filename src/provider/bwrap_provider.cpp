@@ -210,6 +210,7 @@ public:
             }
             pid = -1;
         }
+        spare_cgroups.clear();  // emptied ones: removed, not killed
         if (cgroup) cgroup->kill();  // whatever is left (a sandbox whose bubblewrap is gone)
         // A sandbox dropped without a teardown (the daemon stops): nothing can use it again
         // in this process, so its loop device and mount go now; a later teardown removes
@@ -243,32 +244,64 @@ public:
     bool broken = false;  ///< a request timed out: the replies may be out of step
 
     std::unique_ptr<detail::LeaseCgroup> cgroup;  ///< null when limits are not enforced
+    /// Emptied channel cgroups of this lease, for its next channels: a channel then opens
+    /// the five cgroup.procs files of one of them instead of making (and later freezing,
+    /// killing and removing) a cgroup in five hierarchies. Under `mutex`; at most
+    /// max_spare_cgroups.
+    std::vector<std::unique_ptr<detail::ChannelCgroup>> spare_cgroups;
+    static constexpr std::size_t max_spare_cgroups = 16;
     EffectiveLimits limits;
     std::atomic<std::uint64_t> pids_hits_seen{0};
     std::atomic<std::uint64_t> channels{0};
 };
 
+/// A channel's cgroup, taken for one channel, with the counts it had when taken (a spare
+/// one has served earlier channels).
+struct TakenCgroup {
+    std::unique_ptr<detail::ChannelCgroup> cgroup;
+    std::uint64_t oom_kills_before = 0;
+    std::uint64_t pids_hits_before = 0;
+};
+
 class BwrapChannelResources final : public detail::ChannelResources {
 public:
-    BwrapChannelResources(std::unique_ptr<detail::ChannelCgroup> cgroup,
-                          std::shared_ptr<BwrapSandbox> sandbox, std::shared_ptr<Counters> counters)
+    BwrapChannelResources(TakenCgroup cgroup, std::shared_ptr<BwrapSandbox> sandbox,
+                          std::shared_ptr<Counters> counters)
         : cgroup_(std::move(cgroup)), sandbox_(std::move(sandbox)), counters_(std::move(counters)) {}
 
     std::string limit_hit(int term_signal) noexcept override {
-        if (sandbox_->cgroup) {
+        // One read each: the channel's own count where the kernel keeps it there (v1), else
+        // the lease's (v2), never a walk over the lease's channels.
+        const auto own = cgroup_.cgroup ? cgroup_.cgroup->own_pids_limit_hits() : std::nullopt;
+        if (own) {
+            if (*own > cgroup_.pids_hits_before) counters_->pids += *own - cgroup_.pids_hits_before;
+            cgroup_.pids_hits_before = *own;
+        } else if (sandbox_->cgroup) {
             const auto hits = sandbox_->cgroup->pids_limit_hits();
             const auto seen = sandbox_->pids_hits_seen.exchange(hits);
             if (hits > seen) counters_->pids += hits - seen;
         }
-        if (cgroup_ && term_signal == SIGKILL && cgroup_->oom_kills() > 0) {
+        if (cgroup_.cgroup && term_signal == SIGKILL &&
+            cgroup_.cgroup->oom_kills() > cgroup_.oom_kills_before) {
             ++counters_->memory;
             return "memory";
         }
         return {};
     }
 
+    void release(bool processes_gone) noexcept override {
+        if (!cgroup_.cgroup || !processes_gone) return;  // killed and removed by its destructor
+        cgroup_.cgroup->mark_empty();
+        std::lock_guard lock(sandbox_->mutex);
+        // Not once the lease is being destroyed (its cgroup is gone or going).
+        if (sandbox_->pid > 0 && sandbox_->cgroup &&
+            sandbox_->spare_cgroups.size() < BwrapSandbox::max_spare_cgroups) {
+            sandbox_->spare_cgroups.push_back(std::move(cgroup_.cgroup));
+        }
+    }
+
 private:
-    std::unique_ptr<detail::ChannelCgroup> cgroup_;
+    TakenCgroup cgroup_;
     std::shared_ptr<BwrapSandbox> sandbox_;
     std::shared_ptr<Counters> counters_;
 };
@@ -488,7 +521,7 @@ private:
         detail::Pty pty_ends;
         detail::Pipe stdin_pipe, stdout_pipe, stderr_pipe, status_pipe, control_pipe;
         unique_fd dev_null;
-        std::unique_ptr<detail::ChannelCgroup> cgroup;
+        TakenCgroup cgroup;
         std::vector<unique_fd> procs;
         unique_fd payload_memfd;  ///< a payload above max_inline_payload (the last of fds)
     };
@@ -664,8 +697,8 @@ private:
         fds.push_back(out.control_pipe.read_end.get());
 
         if (state.cgroup) {
-            out.cgroup = state.cgroup->create_channel("ch-" + std::to_string(++state.channels));
-            out.procs = out.cgroup->open_procs();
+            out.cgroup = take_channel_cgroup(state);
+            out.procs = out.cgroup.cgroup->open_procs();
             for (const auto& fd : out.procs) fds.push_back(fd.get());
         }
         request.cgroup_fds = static_cast<std::uint32_t>(out.procs.size());
@@ -675,6 +708,25 @@ private:
             request.flags |= proto::flag_payload_memfd;
             payload.clear();
         }
+        return out;
+    }
+
+    /// A spare cgroup of the lease, else a new one.
+    static TakenCgroup take_channel_cgroup(BwrapSandbox& state) {
+        TakenCgroup out;
+        {
+            std::lock_guard lock(state.mutex);
+            if (!state.spare_cgroups.empty()) {
+                out.cgroup = std::move(state.spare_cgroups.back());
+                state.spare_cgroups.pop_back();
+            }
+        }
+        if (out.cgroup) {
+            out.oom_kills_before = out.cgroup->oom_kills();
+            out.pids_hits_before = out.cgroup->own_pids_limit_hits().value_or(0);
+            return out;
+        }
+        out.cgroup = state.cgroup->create_channel("ch-" + std::to_string(++state.channels));
         return out;
     }
 

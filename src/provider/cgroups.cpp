@@ -408,9 +408,27 @@ public:
     Channel(Channel&&) = delete;
     Channel& operator=(Channel&&) = delete;
     ~Channel() override {
+        if (empty_) {
+            // A channel's cgroup has no children: one rmdir per hierarchy. Debug only: one
+            // the kernel still holds goes with the lease.
+            for (std::size_t h = 0; h < layout_->hierarchies.size(); ++h) {
+                const fs::path dir = layout_->dir(h, rel_);
+                if (::rmdir(dir.c_str()) != 0 && errno != ENOENT) {
+                    spdlog::debug("cannot remove cgroup {}: {}", dir.string(), std::strerror(errno));
+                }
+            }
+            return;
+        }
         kill();
         // Debug only: whatever is left goes with the lease.
         remove_subtree(*layout_, rel_, spdlog::level::debug);
+    }
+
+    void mark_empty() noexcept override { empty_ = true; }
+
+    std::optional<std::uint64_t> own_pids_limit_hits() const noexcept override {
+        if (layout_->mode != cgroup_mode::v1) return std::nullopt;
+        return keyed_value(layout_->dir(layout_->pids, rel_) / "pids.events", "max");
     }
 
     std::vector<unique_fd> open_procs() const override { return open_procs_of(*layout_, rel_); }
@@ -427,6 +445,7 @@ public:
 private:
     std::shared_ptr<const Layout> layout_;
     std::string rel_;
+    bool empty_ = false;
 };
 
 class Lease final : public LeaseCgroup {

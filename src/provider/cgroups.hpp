@@ -59,10 +59,23 @@ struct CgroupUsage {
 };
 
 /// A channel's child cgroup. Destroying it kills what is left in it and removes it
-/// (best effort: a directory the kernel still holds is removed with its lease).
+/// (best effort: a directory the kernel still holds is removed with its lease), or, once
+/// mark_empty() has said that nothing is left, only removes it (no freeze, no kill: a v1
+/// freeze and thaw alone take milliseconds). One cgroup may serve several channels in turn
+/// (the bwrap provider keeps emptied ones for the next channels of the lease); its counters
+/// then count since it was made, and a user keeps its own baseline.
 class ChannelCgroup {
 public:
     virtual ~ChannelCgroup() = default;
+    /// Says that every process that was in this cgroup has ended (e.g. the channel's init,
+    /// PID 1 of the namespace that held them all, has been reaped). The caller vouches for
+    /// it; a cgroup that still holds a process then stays until its lease is removed.
+    virtual void mark_empty() noexcept = 0;
+    /// Forks that failed on a pids limit while made by a process of this cgroup, since it
+    /// was made: v1 pids.events "max" of this cgroup (the kernel counts a failed fork in the
+    /// forking task's own cgroup there). std::nullopt on v2, which counts them in the
+    /// cgroup whose limit was hit (the lease: LeaseCgroup::pids_limit_hits()). One read.
+    virtual std::optional<std::uint64_t> own_pids_limit_hits() const noexcept = 0;
     /// cgroup.procs of this cgroup in every hierarchy used, opened O_WRONLY|O_CLOEXEC by this
     /// (root) process. A process that writes "0" to each joins the cgroup: the kernel checks
     /// the opener's credentials, so an unprivileged process inside a user namespace may use

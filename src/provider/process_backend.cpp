@@ -66,6 +66,7 @@ ProcessBackend::~ProcessBackend() {
     // The channel init is the supervisor's child: killing it is all this process can do (its
     // namespace goes with it); the supervisor reaps it.
     if (!gone_) ::syscall(SYS_pidfd_send_signal, pidfd_.native_handle(), SIGKILL, nullptr, 0);
+    if (resources_) resources_->release(gone_);
 }
 
 bool ProcessBackend::has_output(output_stream s) const noexcept {
@@ -166,6 +167,7 @@ void ProcessBackend::signal_all(int sig) noexcept {
 void ProcessBackend::kill() noexcept {
     send_control(static_cast<unsigned char>(0x80 | SIGKILL));
     if (!gone_) ::syscall(SYS_pidfd_send_signal, pidfd_.native_handle(), SIGKILL, nullptr, 0);
+    if (resources_) resources_->release(gone_);
 }
 
 void ProcessBackend::resize(std::uint16_t cols, std::uint16_t rows) {

@@ -26,6 +26,10 @@ public:
     /// exit): the limit that ended it ("memory"), or "". Counts the limit events of the
     /// channel. Fast; no blocking.
     virtual std::string limit_hit(int term_signal) noexcept = 0;
+    /// Called once, by the backend's destructor just before it destroys this:
+    /// `processes_gone` when the channel's init was reaped, so that no process of the
+    /// channel is left. Fast; no blocking.
+    virtual void release(bool processes_gone) noexcept { (void)processes_gone; }
 };
 
 /// The daemon's ends of a started channel init. Every fd is non-blocking and close-on-exec.

@@ -642,6 +642,37 @@ TEST_CASE("process backend: output, stdin and the exit through the ChannelBacken
     CHECK(open_fd_count() == fds_before);
 }
 
+TEST_CASE("process backend: an emptied channel cgroup serves the lease's next channel, its "
+          "counts from that channel on",
+          "[provider][cgroup]") {
+    Fixture fx(false, {{"limits", {{"memoryBytes", 64 << 20}}}});
+    // The channel's memory cgroup, as its own cgroup namespace shows it.
+    const std::string memory_line = "grep ':memory:' /proc/self/cgroup";
+    auto first = run_backend(fx, command({"sh", "-c", memory_line}), "");
+    REQUIRE(first.exit.exit_code == 0);
+    REQUIRE(first.out.find(":memory:/") != std::string::npos);
+
+    // Killed by its lease's memory limit: reported as memory.
+    auto hog = run_backend(fx, command({"sh", "-c", memory_line + "; exec awk 'BEGIN { s = \"x\"; while (1) s = s s }'"}), "");
+    CHECK(hog.out == first.out);  // the first channel's cgroup, emptied, again
+    CHECK(hog.exit.signal == SIGKILL);
+    CHECK(hog.exit.limit == "memory");
+
+    // The same cgroup once more, which has one OOM kill on its count: a SIGKILL that no limit
+    // caused is not reported as one.
+    auto killed = run_backend(fx, command({"sh", "-c", memory_line + "; kill -KILL $$"}), "");
+    CHECK(killed.out == first.out);
+    CHECK(killed.exit.signal == SIGKILL);
+    CHECK(killed.exit.limit.empty());
+
+    // Two channels at once cannot share one.
+    Channel held(*fx.provider, fx.sandbox, command({"sh", "-c", memory_line + "; exec sleep 60"}));
+    auto beside = run_backend(fx, command({"sh", "-c", memory_line}), "");
+    CHECK(beside.exit.exit_code == 0);
+    CHECK(beside.out.find(":memory:/") != std::string::npos);
+    CHECK(beside.out != first.out);
+}
+
 /// Records what a backend reports through the callback forms (ChannelBackend::notify_*()).
 class Recorder final : public ChannelEvents {
 public:
