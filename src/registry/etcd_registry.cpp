@@ -277,10 +277,11 @@ struct WatchState {
     bool stopped = false;
     const std::function<void(const Lease&)> on_change;
     const std::function<void()> on_resync;
-    /// The store revision up to which every change was delivered (the listing's, then each
-    /// event's), and whether the next round must list again; only on `strand`.
+    /// The store revision from which every change was delivered (the store's when the feed
+    /// (re)started, then each event's), and whether the next round must start again from the
+    /// store's current revision (a resync); only on `strand`.
     std::int64_t revision = 0;
-    bool list_needed = true;
+    bool resync_needed = true;
 
     bool is_stopped() {
         std::lock_guard lock(mutex);
@@ -294,13 +295,15 @@ struct WatchState {
 };
 
 /// The change feed of one EtcdRegistry: a coroutine on a strand of the registry's executor
-/// that lists the leases, then follows a watch on them from the listing's revision. When the
-/// watch breaks (etcd restarted, a connection lost) it watches again from the last revision it
-/// delivered, so etcd replays only what changed meanwhile; it lists again only when etcd
-/// canceled the watch (that revision was compacted) or the store is behind that revision (a
-/// different store). A listing reads every lease record, which costs seconds of CPU once the
-/// store holds many thousands; every node doing it at once after each etcd restart starved
-/// their heartbeats (fault trials, issue 15).
+/// that reads the store's current revision (one key of the prefix, without its value), says
+/// so through on_resync, then follows a watch from that revision. When the watch breaks (etcd
+/// restarted, a connection lost) it watches again from the last revision it delivered, so etcd
+/// replays only what changed meanwhile; it starts again from the current revision, with a
+/// resync, only when etcd canceled the watch (that revision was compacted) or the store is
+/// behind that revision (a different store). It never lists the leases: a listing reads and
+/// decodes every lease record of the store, seconds of CPU once it holds many thousands, at
+/// every node start and after every compaction (fault trials, issue 15); the caller reconciles
+/// what it holds instead, which costs what it holds.
 class EtcdLeaseWatch final : public LeaseWatch {
 public:
     explicit EtcdLeaseWatch(std::shared_ptr<WatchState> state) : state_(std::move(state)) {}
@@ -942,29 +945,32 @@ void WatchState::deliver(const etcd::KeyValue& kv) {
     if (!stopped) on_change(*lease);
 }
 
-/// The listing, or std::nullopt when it failed. Never throws: `op || stop` completes on the
+/// The store's current revision (header.revision of a read of at most one key of `prefix`,
+/// keys only), or std::nullopt when it failed. Never throws: `op || stop` completes on the
 /// first operation that succeeds (wait_for_one_success), so a throwing op would wait for stop.
-awaitable<std::optional<etcd::PrefixResult>> try_list(std::shared_ptr<etcd::Client> client,
-                                                      std::string op, std::string prefix) {
+awaitable<std::optional<std::int64_t>> try_current_revision(std::shared_ptr<etcd::Client> client,
+                                                            std::string op, std::string prefix) {
     try {
-        co_return co_await client->get_prefix(op, prefix);
+        const std::string end = etcd::prefix_end(prefix);
+        auto page = co_await client->range(op, std::move(prefix), end, 1, 0, true);
+        co_return page.revision;
     } catch (const std::exception&) {
-        co_return std::nullopt;  // etcd unreachable: list again after the pause
+        co_return std::nullopt;  // etcd unreachable: try again after the pause
     }
 }
 
-/// Follows the watch until it ends or fails (see try_list).
+/// Follows the watch until it ends or fails (see try_current_revision).
 awaitable<void> try_watch(std::shared_ptr<etcd::Client> client, std::shared_ptr<WatchState> state,
                           std::string op, std::string prefix, std::int64_t start_revision) {
     auto on_message = [state](const etcd::WatchMessage& m) {
         if (m.canceled) {
-            state->list_needed = true;  // compacted past the start revision, or ended by etcd
+            state->resync_needed = true;  // compacted past the start revision, or ended by etcd
             return;
         }
         if (m.created && m.revision < state->revision) {
             // The store is behind what this watch delivered: not the store it watched. Ends
-            // the watch (Client::watch passes the exception on); the next round lists.
-            state->list_needed = true;
+            // the watch (Client::watch passes the exception on); the next round resyncs.
+            state->resync_needed = true;
             throw std::runtime_error("etcd's revision went back");
         }
         for (const auto& ev : m.events) {
@@ -975,7 +981,7 @@ awaitable<void> try_watch(std::shared_ptr<etcd::Client> client, std::shared_ptr<
     try {
         co_await client->watch(op, prefix, start_revision, std::move(on_message));
     } catch (const std::exception&) {
-        // etcd unreachable or the stream carried an error: list and watch again.
+        // etcd unreachable or the stream carried an error: watch again (resync if needed).
     }
 }
 
@@ -985,25 +991,17 @@ awaitable<void> run_watch(std::shared_ptr<etcd::Client> client, std::shared_ptr<
     const std::string op = "watch leases";
     net::steady_timer pause(state->strand);
     while (!state->is_stopped()) {
-        if (state->list_needed) {
-            auto listing = co_await (try_list(client, op, prefix) ||
+        if (state->resync_needed) {
+            auto current = co_await (try_current_revision(client, op, prefix) ||
                                      state->stop_timer.async_wait(as_tuple_awaitable));
-            if (listing.index() == 1) break;
-            if (auto& all = std::get<0>(listing)) {
-                std::size_t delivered = 0;
-                for (const auto& kv : all->kvs) {
-                    state->deliver(kv);
-                    // The node's heartbeat runs on this thread too: a long listing lets it in.
-                    if (++delivered % 256 == 0) {
-                        co_await net::post(state->strand, net::use_awaitable);
-                    }
-                }
-                state->revision = all->revision;
-                state->list_needed = false;
+            if (current.index() == 1) break;
+            if (const auto& revision = std::get<0>(current)) {
+                state->revision = *revision;
+                state->resync_needed = false;
                 state->resynced();
             }
         }
-        if (!state->list_needed) {
+        if (!state->resync_needed) {
             co_await (try_watch(client, state, op, prefix, state->revision + 1) ||
                       state->stop_timer.async_wait(as_tuple_awaitable));
         }

@@ -1201,7 +1201,25 @@ void Daemon::Impl::start_lease_watch() {
         if (!needs_reconcile(node, lease)) return;
         net::co_spawn(ioc, reconcile_lease(node, lease), net::detached);
     };
-    node.lease_watch = node.registry->watch_leases(ioc.get_executor(), std::move(on_change), {},
+    // The feed (re)started at the registry's current revision (at start, after a compaction):
+    // what changed before is not delivered, so every cached lease is checked against its
+    // record. At start the cache is empty (a fresh process holds no sandbox).
+    // A registry that fails meanwhile leaves it to the sweeper's next pass.
+    auto on_resync = [this] {
+        net::co_spawn(
+            ioc,
+            [this]() -> awaitable<void> {
+                try {
+                    co_await reconcile_cached(node);
+                } catch (const std::exception& e) {
+                    spdlog::warn("node={} change feed resync: could not reconcile its sandboxes: {}",
+                                 node.node_id, e.what());
+                }
+            },
+            net::detached);
+    };
+    node.lease_watch = node.registry->watch_leases(ioc.get_executor(), std::move(on_change),
+                                                   std::move(on_resync),
                                                    std::max<std::int64_t>(node.config.heartbeat_ms / 2, 100));
 }
 

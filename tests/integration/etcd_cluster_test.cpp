@@ -82,13 +82,14 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-/// What a lease change feed delivered, for the feed tests: every lease and the listings.
+/// What a lease change feed delivered, for the feed tests: every lease and the resyncs (a
+/// start at the store's current revision).
 struct FeedRecord {
     std::mutex mutex;
     std::vector<Lease> seen;
     int resyncs = 0;
 
-    /// A feed of `registry` into this record (retrying every 100 ms), once it has listed.
+    /// A feed of `registry` into this record (retrying every 100 ms), once it has started.
     std::unique_ptr<LeaseWatch> follow(SyncRegistry& registry) {
         auto feed = registry.watch_leases(
             [this](const Lease& l) {
@@ -101,10 +102,10 @@ struct FeedRecord {
             },
             100);
         REQUIRE(feed);
-        REQUIRE(eventually([&] { return listings() == 1; }, 5s));
+        REQUIRE(eventually([&] { return resync_count() == 1; }, 5s));
         return feed;
     }
-    int listings() {
+    int resync_count() {
         std::lock_guard lock(mutex);
         return resyncs;
     }
@@ -132,13 +133,16 @@ Lease feed_lease(const std::string& id) {
 
 }  // namespace
 
-TEST_CASE("etcd: the lease change feed delivers every write and resumes after etcd restarts "
-          "without listing again",
+TEST_CASE("etcd: the lease change feed starts at the store's revision, delivers every later "
+          "write and resumes after etcd restarts without starting again",
           "[registry][etcd][watch]") {
     EtcdServer etcd;  // private: this test stops and starts it
     const auto prefix = EtcdServer::unique_prefix();
     auto watcher = test::open_etcd({etcd.endpoint()}, prefix, 30000);
     auto writer = test::open_etcd({etcd.endpoint()}, prefix, 30000);
+    // Written before the feed starts: never delivered (the feed does not list the store; its
+    // start, a resync, tells the node to check what it holds).
+    const Lease earlier = writer->create_lease(feed_lease("lease-0"));
 
     FeedRecord record;
     auto feed = record.follow(*watcher);
@@ -173,7 +177,8 @@ TEST_CASE("etcd: the lease change feed delivers every write and resumes after et
         },
         10s));
     CHECK(eventually([&] { return record.count_of("lease-2", lease_status::active, second_created.epoch) == 1; }, 10s));
-    CHECK(record.listings() == 1);
+    CHECK(record.resync_count() == 1);
+    CHECK(record.count_of("lease-0", lease_status::active, earlier.epoch) == 0);
     // Nothing was delivered twice: lease-1 once per write.
     CHECK(record.count_of("lease-1", lease_status::released, released->epoch) == 1);
     CHECK(record.count_of("lease-1", lease_status::active, created.epoch) == 1);
@@ -198,7 +203,8 @@ TEST_CASE("etcd: the lease change feed delivers every write and resumes after et
     CHECK(record.seen.size() == before);
 }
 
-TEST_CASE("etcd: a change feed cut off while etcd compacted its revision lists every lease again",
+TEST_CASE("etcd: a change feed cut off while etcd compacted its revision starts again at the "
+          "store's revision with a resync",
           "[registry][etcd][watch]") {
     EtcdServer etcd;  // private: this test compacts its history
     const auto target = parse_http_endpoint(etcd.endpoint());
@@ -216,8 +222,10 @@ TEST_CASE("etcd: a change feed cut off while etcd compacted its revision lists e
 
     // The feed's connection breaks and its reconnects fail while lease-1 ends, lease-2 is
     // made, and etcd forgets the history the feed would resume from. A watch from the feed's
-    // next revision is then canceled by etcd (compacted): only a new listing shows the two
-    // writes, and without one the feed would watch on for ever and never see them.
+    // next revision is then canceled by etcd (compacted): the feed starts again at the
+    // store's revision and says so (a resync: the daemon then checks every sandbox it holds
+    // against its record, reconcile_cached). Without it the feed would watch on for ever and
+    // its node would never learn of the two writes.
     relay.cut();
     Lease next = created;
     next.status = lease_status::released;
@@ -230,16 +238,16 @@ TEST_CASE("etcd: a change feed cut off while etcd compacted its revision lists e
     const auto relayed_before = relay.relayed();
     relay.resume();
 
-    CHECK(eventually([&] { return record.listings() == 2; }, 10s));
+    CHECK(eventually([&] { return record.resync_count() == 2; }, 10s));
     CHECK(relay.relayed() > relayed_before);  // it did come back through the relay
-    CHECK(eventually([&] { return record.count_of("lease-1", lease_status::released, released->epoch) == 1; }, 5s));
-    CHECK(eventually([&] { return record.count_of("lease-2", lease_status::active, second_created.epoch) == 1; }, 5s));
 
-    // And it follows new writes after the listing.
+    // And it follows new writes after the resync, and only those.
     const Lease third = feed_lease("lease-3");
     const Lease third_created = writer->create_lease(third);
     CHECK(eventually([&] { return record.count_of("lease-3", lease_status::active, third_created.epoch) == 1; }, 5s));
-    CHECK(record.listings() == 2);
+    CHECK(record.resync_count() == 2);
+    CHECK(record.count_of("lease-1", lease_status::released, released->epoch) == 0);
+    CHECK(record.count_of("lease-2", lease_status::active, second_created.epoch) == 0);
 }
 
 TEST_CASE("etcd: a daemon whose etcd stops fails closed with REGISTRY_UNAVAILABLE and recovers",

@@ -89,14 +89,17 @@ public:
     /// waiting for its next sweep (docs/protocol.md section 8, "Change feed").
     ///
     /// Runs as a coroutine on `ex` (no thread of its own) and calls `on_change` there with
-    /// each lease record as written, one call at a time, in revision order. It starts with a
-    /// listing of every lease (one `on_change` per lease). When the feed breaks (the registry
-    /// restarts, the connection drops) it resumes from the last revision it delivered, so
-    /// only what changed meanwhile arrives; only when that revision is gone (compacted) or the
-    /// registry is behind it (another store) does it list every lease again and resume from
-    /// that listing's revision. It retries every `retry_ms` milliseconds while the registry is
-    /// unreachable. `on_change` must not block and must not throw; `on_resync`, when set, is
-    /// called after each listing. Destroying the returned LeaseWatch stops the feed: no callback runs after
+    /// each lease record as written, one call at a time, in revision order. It starts at the
+    /// registry's current revision: records written before are not delivered (the feed never
+    /// lists the leases, whose cost grows with the store, not with what the caller holds), and
+    /// `on_resync` says that the feed has (re)started, so that the caller reconciles what it
+    /// holds against the records. When the feed breaks (the registry restarts, the connection
+    /// drops) it resumes from the last revision it delivered, so only what changed meanwhile
+    /// arrives and no resync is needed; only when that revision is gone (compacted) or the
+    /// registry is behind it (another store) does it start again from the current revision,
+    /// with another `on_resync`. It retries every `retry_ms` milliseconds while the registry is
+    /// unreachable. `on_change` and `on_resync` must not block and must not throw.
+    /// Destroying the returned LeaseWatch stops the feed: no callback runs after
     /// the destructor returns when it is destroyed on `ex`'s thread (the daemon's io_context
     /// runs on its threads; the watch is destroyed at shutdown after it stopped).
     /// Returns nullptr when the backend has no change feed (SQLite): callers then rely on
