@@ -167,7 +167,6 @@ void ProcessBackend::signal_all(int sig) noexcept {
 void ProcessBackend::kill() noexcept {
     send_control(static_cast<unsigned char>(0x80 | SIGKILL));
     if (!gone_) ::syscall(SYS_pidfd_send_signal, pidfd_.native_handle(), SIGKILL, nullptr, 0);
-    if (resources_) resources_->release(gone_);
 }
 
 void ProcessBackend::resize(std::uint16_t cols, std::uint16_t rows) {
