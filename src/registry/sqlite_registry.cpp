@@ -42,9 +42,12 @@ using stmt_ptr = std::unique_ptr<sqlite3_stmt, stmt_finalizer>;
 /// Prepared statements kept for reuse, per connection and SQL text: preparing parses and
 /// plans the SQL again each time (a tenth of the registry's CPU per lease operation, perf of
 /// the no-op provider's acquire+release pairs). A statement is taken out while in use, so two
-/// uses of one SQL on one connection at once get two statements. Safe from any thread.
+/// uses of one SQL on one connection at once get two statements. At most max_per_db per
+/// connection (a listing's SQL varies with its filters and its tenants). Safe from any thread.
 class StatementCache {
 public:
+    static constexpr std::size_t max_per_db = 64;
+
     /// Looks up a std::string key by a string_view, without making a string.
     struct SqlHash {
         using is_transparent = void;
@@ -65,10 +68,11 @@ public:
         return per_db->second.extract(it);
     }
     /// Keeps `node` (reset, bindings cleared) for the next use on `db`; finalizes it when
-    /// another statement of that SQL is kept already.
+    /// another statement of that SQL is kept already, or max_per_db are.
     void give_back(sqlite3* db, Node node) {
         std::lock_guard lock(mutex_);
-        by_db_[db].insert(std::move(node));
+        auto& kept = by_db_[db];
+        if (kept.size() < max_per_db) kept.insert(std::move(node));
     }
     /// Finalizes the statements of `db`; before it is closed.
     void forget(sqlite3* db) noexcept {
@@ -94,8 +98,9 @@ private:
 };
 
 StatementCache& statement_cache() {
-    static StatementCache cache;
-    return cache;
+    // Never destroyed: a registry closed during static destruction still finds it.
+    static auto* cache = new StatementCache;
+    return *cache;
 }
 
 struct db_closer {
