@@ -67,6 +67,17 @@ describe("console", { skip: chromiumPath() ? false : "no chromium (scripts/boots
       throw new Error(`${(e as Error).message}; the terminal shows:\n${await screen()}`);
     });
   };
+  // The shell waits for input: the screen's last line is its bare prompt. A line typed before
+  // that is echoed ahead of the prompt, and its output comes out after it ("# 42"): on a loaded
+  // machine the shell can start after the first line is typed.
+  const waitForPrompt = async (what: string) => {
+    await eventually(async () => {
+      const lines = (await screen()).split("\n").map((l) => l.trim()).filter((l) => l !== "");
+      return /^[#$]$/.test(lines[lines.length - 1] ?? "");
+    }, 15_000, `the shell's prompt ${what}`).catch(async (e) => {
+      throw new Error(`${(e as Error).message}; the terminal shows:\n${await screen()}`);
+    });
+  };
   const submit = (token: string) =>
     browser.evaluate(page, `document.getElementById('token').value = ${JSON.stringify(token)}; document.getElementById('open').click(); true`);
 
@@ -118,9 +129,11 @@ describe("console", { skip: chromiumPath() ? false : "no chromium (scripts/boots
     await submit(daemon.token);
     await eventually(async () => /^Connected/.test(await statusText()), 15_000, "the channel to open");
 
+    await waitForPrompt("at the start");
     await type("echo $((6*7))");
     await waitForLine("42", "42 on the terminal");
 
+    await waitForPrompt("after 42");
     await type("printf '\\033[31mRED\\033[0m plain\\n'");
     await waitForLine("RED plain", "the coloured line");
     const red = await browser.evaluate(page, `(() => {
@@ -139,16 +152,14 @@ describe("console", { skip: chromiumPath() ? false : "no chromium (scripts/boots
     // Ctrl-C interrupts the foreground command: the shell answers again. The command says when
     // it runs (a line its own text does not hold): a Ctrl-C before that would reach the shell,
     // not the command (the window is wide on a loaded machine).
+    await waitForPrompt("after the coloured line");
     await type("sh -c 'echo sleeping-$((3*3)); exec sleep 100'");
     await waitForLine("sleeping-9", "the foreground command to run");
     await browser.send("Input.dispatchKeyEvent", { type: "keyDown", key: "c", code: "KeyC", windowsVirtualKeyCode: 67, modifiers: 2 }, page);
     await browser.send("Input.dispatchKeyEvent", { type: "keyUp", key: "c", code: "KeyC", windowsVirtualKeyCode: 67, modifiers: 2 }, page);
+    await waitForPrompt("after Ctrl-C");
     await type("echo after-$((1+1))");
-    // Typed ahead of the shell's new prompt, the line can come out after it ("# after-2").
-    await eventually(async () => (await screen()).split("\n").some((l) => /^(# )?after-2$/.test(l.trim())),
-      15_000, "the shell after Ctrl-C").catch(async (e) => {
-      throw new Error(`${(e as Error).message}; the terminal shows:\n${await screen()}`);
-    });
+    await waitForLine("after-2", "the shell after Ctrl-C");
 
     // A smaller window: the terminal fits it, and the command in the sandbox sees the size.
     const before = await browser.evaluate(page, "[window.sandboxdConsole.term.cols, window.sandboxdConsole.term.rows]");
@@ -159,6 +170,7 @@ describe("console", { skip: chromiumPath() ? false : "no chromium (scripts/boots
       "the terminal to fit the new window",
     );
     const [cols, rows] = (await browser.evaluate(page, "[window.sandboxdConsole.term.cols, window.sandboxdConsole.term.rows]")) as [number, number];
+    await waitForPrompt("before stty size");
     await type("stty size");
     await waitForLine(`${rows} ${cols}`, `stty size = ${rows} ${cols}`);
 
@@ -171,6 +183,7 @@ describe("console", { skip: chromiumPath() ? false : "no chromium (scripts/boots
     assert.equal(width, 640);
     assert.ok(colours >= 8, `the screenshot has ${colours} colours: blank`);
 
+    await waitForPrompt("before exit");
     await type("exit 0");
     await eventually(async () => /Channel ended: exit 0/.test(await statusText()), 10_000, "the end of the channel on the page");
     assert.match(await screen(), /\[channel ended: exit 0\]/);
