@@ -11,7 +11,7 @@
 /// other), and answers with a pidfd of it.
 ///
 /// The **channel init** mounts the channel's own /proc, joins the channel's cgroup through the
-/// cgroup.procs descriptors the daemon opened, takes the channel's fds (0-2 for the command,
+/// join files (v1 `tasks`, v2 cgroup.procs) the daemon opened, takes the channel's fds (0-2 for the command,
 /// 3 for the status line, 4 for control bytes), makes itself non-dumpable (the command, same
 /// uid without capabilities, cannot open its descriptors or trace it), changes to the working
 /// directory and starts the command in its own process group: capabilities dropped from every
@@ -481,7 +481,8 @@ bool take_channel_fds(const std::vector<int>& fds) {
         ::_exit(125);
     }
     // Join the channel's cgroup: the daemon opened these files, so the kernel checks its
-    // credentials, not ours.
+    // credentials, not ours. This process is single-threaded, so "0" written to a v1 `tasks`
+    // file moves all of it.
     for (std::uint32_t i = 0; i < req.header.cgroup_fds; ++i) {
         if (::write(req.fds[proto::channel_fds + i], "0", 1) != 1) {
             print_error("cannot join the channel's cgroup", "", errno);

@@ -9,8 +9,9 @@
 /// (cwd, argv and env as NUL-terminated strings), with descriptors passed by SCM_RIGHTS.
 ///  - Request (daemon -> supervisor): `Request` + payload; SCM_RIGHTS carries, in this order,
 ///    the channel's stdin, stdout and stderr (under a PTY, the slave three times), the status
-///    pipe's write end, the control pipe's read end, then `cgroup_fds` cgroup.procs files
-///    opened by the daemon (the channel's child cgroup, one per hierarchy).
+///    pipe's write end, the control pipe's read end, then `cgroup_fds` cgroup join files
+///    opened by the daemon (the channel's child cgroup, one per hierarchy: v1 `tasks`, v2
+///    cgroup.procs; ChannelCgroup::open_procs).
 ///    A payload above `max_inline_payload` bytes travels instead in a sealed memfd of exactly
 ///    `payload_size` bytes, the last descriptor, with `flag_payload_memfd` set and nothing after
 ///    the header: a packet must fit the socket's send buffer, and the default one (wmem_default,

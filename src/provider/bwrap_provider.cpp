@@ -245,7 +245,7 @@ public:
 
     std::unique_ptr<detail::LeaseCgroup> cgroup;  ///< null when limits are not enforced
     /// Emptied channel cgroups of this lease, for its next channels: a channel then opens
-    /// the five cgroup.procs files of one of them instead of making (and later freezing,
+    /// the five join files of one of them instead of making (and later freezing,
     /// killing and removing) a cgroup in five hierarchies. Under `mutex`; at most
     /// max_spare_cgroups.
     std::vector<std::unique_ptr<detail::ChannelCgroup>> spare_cgroups;

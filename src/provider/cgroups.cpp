@@ -256,6 +256,12 @@ void signal_pids(const Layout& layout, const std::string& rel, const std::vector
 bool kill_subtree(const Layout& layout, const std::string& rel, steady::duration budget) {
     auto deadline = steady::now() + budget;
     auto empty = [&] { return subtree_pids(layout, rel).empty(); };
+    // Nothing to kill, and nothing comes in: joining takes a join file, which only this
+    // process opens, and which it gives only to a process of this subtree or to its own
+    // spawn child. The usual case on release, where the lease's PID 1 has been killed and
+    // reaped already; freezing an empty v1 subtree still waited for FROZEN, 12 ms in one
+    // strace of a release.
+    if (empty()) return true;
     if (layout.mode == cgroup_mode::v2) {
         // cgroup.kill (5.14+) kills the subtree atomically; without it, the loop below.
         fs::path dir = layout.dir(0, rel);
@@ -335,10 +341,19 @@ void make_everywhere(const Layout& layout, const std::string& rel) {
     }
 }
 
+/// The files a process joins `rel` by. On v1 they are `tasks`: a thread that writes "0" there
+/// moves itself only, and the kernel then takes no cgroup_threadgroup_rwsem (only a write to
+/// cgroup.procs, or of another pid, does: kernel/cgroup/cgroup.c, cgroup_procs_write_start).
+/// Taking that rwsem for writing waits an RCU grace period once it has been idle: 1.9 ms mean
+/// and up to 12.7 ms for a write to cgroup.procs against 0.1 ms for `tasks` on this project's
+/// machines, with 5 ms between joins (docs/BENCHMARKS.md, issue 19's sixth step). Every joiner
+/// is single-threaded (a channel init, a spawn child before its exec), so moving the thread
+/// moves the process. v2 has no `tasks`: cgroup.procs there.
 std::vector<unique_fd> open_procs_of(const Layout& layout, const std::string& rel) {
+    const char* name = layout.mode == cgroup_mode::v1 ? "tasks" : "cgroup.procs";
     std::vector<unique_fd> fds;
     for (std::size_t h = 0; h < layout.hierarchies.size(); ++h) {
-        fs::path path = layout.dir(h, rel) / "cgroup.procs";
+        fs::path path = layout.dir(h, rel) / name;
         unique_fd fd(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
         if (!fd) throw_errno("cannot open " + path.string(), errno);
         fds.push_back(std::move(fd));

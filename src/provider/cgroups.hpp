@@ -76,10 +76,12 @@ public:
     /// forking task's own cgroup there). std::nullopt on v2, which counts them in the
     /// cgroup whose limit was hit (the lease: LeaseCgroup::pids_limit_hits()). One read.
     virtual std::optional<std::uint64_t> own_pids_limit_hits() const noexcept = 0;
-    /// cgroup.procs of this cgroup in every hierarchy used, opened O_WRONLY|O_CLOEXEC by this
-    /// (root) process. A process that writes "0" to each joins the cgroup: the kernel checks
-    /// the opener's credentials, so an unprivileged process inside a user namespace may use
-    /// them. Throws provider_error (or errc::channel_limit on EMFILE/ENFILE).
+    /// The join files of this cgroup in every hierarchy used (v1 `tasks`, v2 cgroup.procs),
+    /// opened O_WRONLY|O_CLOEXEC by this (root) process. A single-threaded process that writes
+    /// "0" to each joins the cgroup (on v1 the write moves the writing thread only, which
+    /// spares the kernel's global threadgroup lock). The kernel checks the opener's
+    /// credentials, so an unprivileged process inside a user namespace may use them. Throws
+    /// provider_error (or errc::channel_limit on EMFILE/ENFILE).
     virtual std::vector<unique_fd> open_procs() const = 0;
     /// OOM kills of processes in this cgroup since it was made (v1 memory.oom_control
     /// "oom_kill", v2 memory.events "oom_kill"). 0 when unreadable.

@@ -52,8 +52,9 @@ struct SpawnRequest {
     std::array<int, 8> fds = {-1, -1, -1, -1, -1, -1, -1, -1};
     /// If >= 0, a PTY slave to make the child's controlling terminal (after setsid).
     int controlling_tty = -1;
-    /// cgroup.procs files opened by the caller: the child writes "0" to each first, so that
-    /// it (and everything it starts) is in those cgroups before it runs anything.
+    /// cgroup join files opened by the caller (ChannelCgroup::open_procs: v1 `tasks`, v2
+    /// cgroup.procs): the child, single-threaded, writes "0" to each first, so that it (and
+    /// everything it starts) is in those cgroups before it runs anything.
     std::vector<int> join_cgroups;
     /// If set, the child drops to this uid and gid (no supplementary groups) before exec.
     std::optional<std::pair<uid_t, gid_t>> run_as;
