@@ -21,7 +21,7 @@
 namespace sandboxd {
 namespace {
 
-constexpr int schema_version = 6;
+constexpr int schema_version = 7;
 constexpr int busy_timeout_ms = 5000;
 constexpr std::size_t max_page = 1000;
 
@@ -243,10 +243,9 @@ CREATE UNIQUE INDEX IF NOT EXISTS leases_idempotency
     WHERE idempotency_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS leases_by_acquired ON leases (acquired_at_ms, id);
 CREATE INDEX IF NOT EXISTS leases_by_company ON leases (company_id, acquired_at_ms, id);
-CREATE INDEX IF NOT EXISTS leases_by_owner ON leases (owner_node_id, status, expires_at_ms);
-CREATE INDEX IF NOT EXISTS leases_by_expiry ON leases (status, expires_at_ms);
 CREATE UNIQUE INDEX IF NOT EXISTS leases_by_provider_lease ON leases (provider, provider_lease_id);
-CREATE INDEX IF NOT EXISTS leases_by_status_owner ON leases (status, owner_node_id);
+CREATE INDEX IF NOT EXISTS leases_by_status_owner
+    ON leases (status, owner_node_id, expires_at_ms);
 CREATE TABLE IF NOT EXISTS nodes (
     node_id TEXT PRIMARY KEY NOT NULL,
     url TEXT NOT NULL,
@@ -254,7 +253,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     heartbeat_at_ms INTEGER NOT NULL,
     instance_id TEXT NOT NULL
 ) STRICT;
-PRAGMA user_version = 6;
+PRAGMA user_version = 7;
 )sql";
 
 // Column order of read_lease() and bind_lease(): lease_fields order.
@@ -392,12 +391,17 @@ db_ptr open_connection(const std::string& path) {
 /// Creates the schema, or migrates an older one in place (version 1 lacked `limits`;
 /// version 2 lacked the provider and status-owner indexes, which CREATE ... IF NOT EXISTS
 /// adds; version 3 lacked agent_id and provider_metadata; version 4 host_metadata and
-/// capabilities; version 5 lease_policy).
+/// capabilities; version 5 lease_policy; version 6 had three indexes where version 7 has
+/// one).
 void create_schema(sqlite3* db) {
     constexpr std::string_view op = "create schema";
     Transaction tx(db, op);
-    Statement version(db, "PRAGMA user_version", op);
-    std::int64_t found = version.step() ? version.int64(0) : 0;
+    std::int64_t found = 0;
+    {
+        // Done with before the changes below: DROP INDEX fails while a statement is active.
+        Statement version(db, "PRAGMA user_version", op);
+        if (version.step()) found = version.int64(0);
+    }
     if (found > schema_version) {
         throw_unavailable(op, "schema version " + std::to_string(found) + " is newer than " +
                                   std::to_string(schema_version));
@@ -420,6 +424,17 @@ void create_schema(sqlite3* db) {
     if (found >= 1 && found <= 5) {
         // Issue 14: paperclip's lease policy.
         exec(db, "ALTER TABLE leases ADD COLUMN lease_policy TEXT NOT NULL DEFAULT 'ephemeral'",
+             op);
+    }
+    if (found >= 1 && found <= 6) {
+        // Issue 19: leases_by_status_owner (status, owner_node_id) grew expires_at_ms and
+        // serves the owner's expired leases, which leases_by_owner (owner_node_id, status,
+        // expires_at_ms) served; leases_by_expiry (status, expires_at_ms) served no query.
+        // Every lease write updated all three (a release changes status): two fewer pages to
+        // write per transaction.
+        exec(db,
+             "DROP INDEX IF EXISTS leases_by_owner; DROP INDEX IF EXISTS leases_by_expiry; "
+             "DROP INDEX IF EXISTS leases_by_status_owner;",
              op);
     }
     exec(db, leases_table_sql().c_str(), op);

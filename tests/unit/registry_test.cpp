@@ -92,14 +92,33 @@ std::string scalar_of(sqlite3* db, const char* sql) {
     return out;
 }
 
+/// The details of EXPLAIN QUERY PLAN `sql`, joined by ';'.
+std::string query_plan_of(sqlite3* db, const std::string& sql) {
+    sqlite3_stmt* s = nullptr;
+    std::string out;
+    const std::string eqp = "EXPLAIN QUERY PLAN " + sql;
+    if (sqlite3_prepare_v2(db, eqp.c_str(), -1, &s, nullptr) == SQLITE_OK) {
+        while (sqlite3_step(s) == SQLITE_ROW) {
+            const auto* text = sqlite3_column_text(s, 3);
+            if (text != nullptr) out += std::string(reinterpret_cast<const char*>(text)) + ";";
+        }
+    }
+    sqlite3_finalize(s);
+    return out;
+}
+
 /// A database as version 2 left it: today's schema without the indexes version 3 added and
-/// the columns versions 4, 5 and 6 added, with lease "lease-1" in it.
+/// the columns versions 4, 5 and 6 added, with the two indexes version 7 dropped, and with
+/// lease "lease-1" in it.
 void registry_of_version_2(const std::string& path) {
     sync_sqlite(path)->create_lease(make_lease("lease-1"));
     sqlite3* db = nullptr;
     REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
     REQUIRE(sqlite3_exec(db,
                          "DROP INDEX leases_by_provider_lease; DROP INDEX leases_by_status_owner; "
+                         "CREATE INDEX leases_by_owner "
+                         "ON leases (owner_node_id, status, expires_at_ms); "
+                         "CREATE INDEX leases_by_expiry ON leases (status, expires_at_ms); "
                          "ALTER TABLE leases DROP COLUMN agent_id; "
                          "ALTER TABLE leases DROP COLUMN provider_metadata; "
                          "ALTER TABLE leases DROP COLUMN host_metadata; "
@@ -738,9 +757,20 @@ TEST_CASE("A version 2 database is migrated in place and keeps its leases", "[re
 
     sqlite3* db = nullptr;
     REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
-    CHECK(scalar_of(db, "PRAGMA user_version") == "6");
+    CHECK(scalar_of(db, "PRAGMA user_version") == "7");
     CHECK(scalar_of(db, "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name IN "
                         "('leases_by_provider_lease', 'leases_by_status_owner')") == "2");
+    CHECK(scalar_of(db, "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name IN "
+                        "('leases_by_owner', 'leases_by_expiry')") == "0");
+    CHECK(scalar_of(db, "SELECT group_concat(name, ',') FROM pragma_index_info("
+                        "'leases_by_status_owner')") == "status,owner_node_id,expires_at_ms");
+    // The owner's expired leases are found through it, not by a scan of the table.
+    const auto plan = query_plan_of(
+        db, "SELECT id FROM leases WHERE owner_node_id = 'n' AND status = 'active' "
+            "AND expires_at_ms IS NOT NULL AND expires_at_ms <= 5 ORDER BY expires_at_ms, id");
+    CAPTURE(plan);
+    CHECK(plan.find("USING INDEX leases_by_status_owner (status=? AND owner_node_id=? AND "
+                    "expires_at_ms") != std::string::npos);
     sqlite3_close(db);
 }
 
