@@ -344,11 +344,11 @@ void make_everywhere(const Layout& layout, const std::string& rel) {
 /// The files a process joins `rel` by. On v1 they are `tasks`: a thread that writes "0" there
 /// moves itself only, and the kernel then takes no cgroup_threadgroup_rwsem (only a write to
 /// cgroup.procs, or of another pid, does: kernel/cgroup/cgroup.c, cgroup_procs_write_start).
-/// Taking that rwsem for writing waits an RCU grace period once it has been idle: 1.9 ms mean
-/// and up to 12.7 ms for a write to cgroup.procs against 0.1 ms for `tasks` on this project's
-/// machines, with 5 ms between joins (docs/BENCHMARKS.md, issue 19's sixth step). Every joiner
-/// is single-threaded (a channel init, a spawn child before its exec), so moving the thread
-/// moves the process. v2 has no `tasks`: cgroup.procs there.
+/// Taking that rwsem for writing waits an RCU grace period once it has been idle, long when
+/// the CPUs are busy: with both cores of this project's machines busy, a join by cgroup.procs
+/// took 1.1-1.8 ms mean (up to 7.3) against 0.09-0.11 ms by `tasks` (bench/cgroup-join; idle,
+/// both about 0.1). Every joiner is single-threaded (a channel init, a spawn child before its
+/// exec), so moving the thread moves the process. v2 has no `tasks`: cgroup.procs there.
 std::vector<unique_fd> open_procs_of(const Layout& layout, const std::string& rel) {
     const char* name = layout.mode == cgroup_mode::v1 ? "tasks" : "cgroup.procs";
     std::vector<unique_fd> fds;
