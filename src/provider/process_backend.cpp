@@ -2,6 +2,8 @@
 
 #include <sandboxd/core/errors.hpp>
 
+#include <spdlog/spdlog.h>
+
 #include <csignal>
 #include <fcntl.h>
 #include <sys/ioctl.h>
@@ -53,12 +55,10 @@ ProcessBackend::ProcessBackend(net::any_io_executor executor, ProcessEnds ends)
       control_(std::move(ends.control_fd)),
       pidfd_(executor, ends.pidfd.release()),
       status_(executor, ends.status_fd.release()),
-      stdout_(executor),
-      stderr_(executor),
+      output_{std::move(ends.stdout_fd), std::move(ends.stderr_fd)},
+      waits_{net::posix::stream_descriptor(executor), net::posix::stream_descriptor(executor)},
       stdin_(executor),
       resources_(std::move(ends.resources)) {
-    if (ends.stdout_fd) stdout_.assign(ends.stdout_fd.release());
-    if (ends.stderr_fd) stderr_.assign(ends.stderr_fd.release());
     if (ends.stdin_fd) stdin_.assign(ends.stdin_fd.release());
 }
 
@@ -67,24 +67,48 @@ ProcessBackend::~ProcessBackend() {
     // namespace goes with it); the supervisor reaps it.
     if (!gone_) ::syscall(SYS_pidfd_send_signal, pidfd_.native_handle(), SIGKILL, nullptr, 0);
     if (resources_) resources_->release(gone_);
+    // A wait still registered (its io_context was destroyed with the handler): the
+    // descriptor is output_'s to close, not the wait's.
+    end_wait(output_stream::out);
+    end_wait(output_stream::err);
 }
 
 bool ProcessBackend::has_output(output_stream s) const noexcept {
-    return (s == output_stream::err ? stderr_ : stdout_).is_open();
+    return static_cast<bool>(output_[index(s)]);
+}
+
+bool ProcessBackend::start_wait(output_stream s) noexcept {
+    auto& wait = waits_[index(s)];
+    if (wait.is_open()) return true;
+    beast::error_code ec;
+    wait.assign(output_fd(s).get(), ec);
+    if (!ec) return true;
+    spdlog::error("pid={} {}: cannot wait for output: {}", pid_,
+                  s == output_stream::err ? "stderr" : "stdout", ec.message());
+    output_fd(s).reset();  // fail closed: the stream ends here
+    return false;
+}
+
+void ProcessBackend::end_wait(output_stream s) noexcept {
+    auto& wait = waits_[index(s)];
+    if (wait.is_open()) (void)wait.release();  // deregisters; output_ keeps the descriptor
 }
 
 awaitable<std::size_t> ProcessBackend::output_ready(output_stream s) {
-    auto& fd = stream(s);
-    if (!fd.is_open()) co_return 0;
+    const int fd = output_fd(s).get();
+    if (fd < 0) co_return 0;
     int avail = 0;
-    if (::ioctl(fd.native_handle(), FIONREAD, &avail) == 0 && avail > 0) {
+    if (::ioctl(fd, FIONREAD, &avail) == 0 && avail > 0) {
         // Bytes are there already (a streaming command): no readiness wait, which costs an
         // epoll_ctl and a turn of the reactor per frame. One turn of the executor instead, so
         // that the connection's writes run between this stream's reads.
         co_await net::post(co_await net::this_coro::executor, use_awaitable);
     } else {
         // No buffer while idle: wait until the pipe is readable, then say how much is there.
-        auto [ec] = co_await fd.async_wait(net::posix::descriptor_base::wait_read, as_tuple_awaitable);
+        if (!start_wait(s)) co_return 0;
+        auto [ec] = co_await waits_[index(s)].async_wait(net::posix::descriptor_base::wait_read,
+                                                         as_tuple_awaitable);
+        end_wait(s);
         if (ec) co_return 0;
     }
     co_return readable_now(s);
@@ -92,53 +116,54 @@ awaitable<std::size_t> ProcessBackend::output_ready(output_stream s) {
 
 void ProcessBackend::notify_output_ready(output_stream s, std::shared_ptr<ChannelEvents> to) {
     // As output_ready(), with a handler of a few words in place of two coroutine frames.
-    auto& fd = stream(s);
+    auto& wait = waits_[index(s)];
+    const int fd = output_fd(s).get();
     int avail = 0;
-    if (!fd.is_open() || (::ioctl(fd.native_handle(), FIONREAD, &avail) == 0 && avail > 0)) {
-        net::post(fd.get_executor(), [this, s, to = std::move(to)] { to->output_ready(s, readable_now(s)); });
+    if (fd < 0 || (::ioctl(fd, FIONREAD, &avail) == 0 && avail > 0) || !start_wait(s)) {
+        net::post(wait.get_executor(), [this, s, to = std::move(to)] { to->output_ready(s, readable_now(s)); });
         return;
     }
-    fd.async_wait(net::posix::descriptor_base::wait_read,
-                  [this, s, to = std::move(to)](const beast::error_code& ec) {
-                      to->output_ready(s, ec ? 0 : readable_now(s));
-                  });
+    wait.async_wait(net::posix::descriptor_base::wait_read,
+                    [this, s, to = std::move(to)](const beast::error_code& ec) {
+                        end_wait(s);
+                        to->output_ready(s, ec ? 0 : readable_now(s));
+                    });
 }
 
 std::size_t ProcessBackend::readable_now(output_stream s) noexcept {
-    auto& fd = stream(s);
-    if (!fd.is_open()) return 0;
+    const int fd = output_fd(s).get();
+    if (fd < 0) return 0;
     // Readable with nothing queued is EOF (or EIO on a PTY): read_output() finds out.
     int avail = 0;
-    if (::ioctl(fd.native_handle(), FIONREAD, &avail) < 0 || avail <= 0) avail = 1;
+    if (::ioctl(fd, FIONREAD, &avail) < 0 || avail <= 0) avail = 1;
     // A pipe that fills its default 64 KiB streams: grow it so that the channel can send whole
     // frames of 256 KiB (issue 19). Only then: a bigger pipe costs kernel memory (15 KiB per
     // idle channel at 1 MiB), and most channels never stream. Not a pipe (a PTY): nothing.
     auto& grown = grown_[s == output_stream::err ? 1 : 0];
     if (!grown && avail >= streaming_pipe_threshold) {
         grown = true;
-        (void)::fcntl(fd.native_handle(), F_SETPIPE_SZ, streaming_pipe_size);
+        (void)::fcntl(fd, F_SETPIPE_SZ, streaming_pipe_size);
     }
     return static_cast<std::size_t>(avail);
 }
 
 std::optional<std::size_t> ProcessBackend::read_output(output_stream s, std::span<char> into) {
-    auto& fd = stream(s);
-    if (!fd.is_open()) return std::nullopt;
+    auto& fd = output_fd(s);
+    if (!fd) return std::nullopt;
     for (;;) {
-        const ssize_t n = ::read(fd.native_handle(), into.data(), into.size());
+        const ssize_t n = ::read(fd.get(), into.data(), into.size());
         if (n > 0) return static_cast<std::size_t>(n);
         if (n < 0 && errno == EINTR) continue;
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
         break;  // EOF; EIO on a PTY master once every slave is closed
     }
-    beast::error_code ignored;
-    fd.close(ignored);
+    end_wait(s);
+    fd.reset();
     return std::nullopt;
 }
 
 int ProcessBackend::output_pipe(output_stream s) noexcept {
-    auto& fd = stream(s);
-    return pty_ || !fd.is_open() ? -1 : fd.native_handle();
+    return pty_ ? -1 : output_fd(s).get();
 }
 
 awaitable<bool> ProcessBackend::write_stdin(std::string data) {
@@ -171,8 +196,8 @@ void ProcessBackend::kill() noexcept {
 
 void ProcessBackend::resize(std::uint16_t cols, std::uint16_t rows) {
     if (!pty_) throw rpc_error(errc::invalid_params, "the channel has no PTY to resize");
-    if (!stdout_.is_open()) return;  // the terminal is gone with its process
-    const int master = stdout_.native_handle();
+    const int master = output_fd(output_stream::out).get();
+    if (master < 0) return;  // the terminal is gone with its process
     winsize ws{};
     if (::ioctl(master, TIOCGWINSZ, &ws) == 0 && ws.ws_col == cols && ws.ws_row == rows) {
         // The kernel signals only a change; a resize to the current size (a client that
@@ -273,8 +298,10 @@ ProcessEnds ProcessBackend::release_for_test() {
     ends.pty = pty_;
     take(pidfd_, ends.pidfd);
     take(status_, ends.status_fd);
-    take(stdout_, ends.stdout_fd);
-    take(stderr_, ends.stderr_fd);
+    end_wait(output_stream::out);
+    end_wait(output_stream::err);
+    ends.stdout_fd = std::move(output_fd(output_stream::out));
+    ends.stderr_fd = std::move(output_fd(output_stream::err));
     take(stdin_, ends.stdin_fd);
     ends.control_fd = std::move(control_);
     ends.resources = std::move(resources_);

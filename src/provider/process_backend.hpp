@@ -85,9 +85,14 @@ public:
     ProcessEnds release_for_test();
 
 private:
-    net::posix::stream_descriptor& stream(output_stream s) noexcept {
-        return s == output_stream::err ? stderr_ : stdout_;
-    }
+    static std::size_t index(output_stream s) noexcept { return s == output_stream::err ? 1 : 0; }
+    /// The stream's descriptor (stdout or stderr; under a PTY, stdout is the master).
+    unique_fd& output_fd(output_stream s) noexcept { return output_[index(s)]; }
+    /// Registers the stream with the executor's reactor for one readiness wait; false (the
+    /// stream closed, logged) when the reactor refuses it.
+    bool start_wait(output_stream s) noexcept;
+    /// Ends the registration that start_wait() made (no operation may be outstanding).
+    void end_wait(output_stream s) noexcept;
     void send_control(unsigned char byte) noexcept;
     /// After readiness: the bytes that `s` holds (at least 1 while it is open: a readable
     /// stream with nothing queued is at its end, which read_output() finds), or 0 once it is
@@ -107,8 +112,13 @@ private:
     unique_fd control_;
     net::posix::stream_descriptor pidfd_;
     net::posix::stream_descriptor status_;
-    net::posix::stream_descriptor stdout_;
-    net::posix::stream_descriptor stderr_;
+    /// stdout and stderr. Registered with the reactor only while a readiness wait is
+    /// outstanding (`waits_`, which then holds the same descriptor): a registered pipe wakes
+    /// the reactor at every write into it (edge-triggered epoll), that is 32 times for one
+    /// frame of a writer of 8 KiB at a time, while the pump needs no readiness at all as long
+    /// as the pipe holds bytes or a spliced frame is being written.
+    unique_fd output_[2];
+    net::posix::stream_descriptor waits_[2];
     net::posix::stream_descriptor stdin_;
     std::unique_ptr<ChannelResources> resources_;
     std::string status_line_;  ///< what notify_exit() has read of the status line so far
