@@ -11,14 +11,15 @@
 /// other), and answers with a pidfd of it.
 ///
 /// The **channel init** mounts the channel's own /proc, joins the channel's cgroup through the
-/// join files (v1 `tasks`, v2 cgroup.procs) the daemon opened, takes the channel's fds (0-2 for the command,
-/// 3 for the status line, 4 for control bytes), makes itself non-dumpable (the command, same
-/// uid without capabilities, cannot open its descriptors or trace it), changes to the working
-/// directory and starts the command in its own process group: capabilities dropped from every
-/// set, RLIMIT_NOFILE and RLIMIT_CORE set, no_new_privs and the seccomp filter applied, then
-/// exec. It forwards the signals it receives to that group, obeys the daemon's control bytes
-/// on fd 4, reaps every process reparented to it and reports the end of the command's main
-/// process on fd 3 ("exit N\n" or "signal N\n"; see include/sandboxd/provider/provider.hpp).
+/// join files (v1 `tasks`, v2 cgroup.procs) that the daemon opened, takes the channel's fds
+/// (0-2 for the command, 3 for the status line, 4 for control bytes), makes itself
+/// non-dumpable (the command, same uid without capabilities, cannot open its descriptors or
+/// trace it), changes to the working directory and starts the command in its own process
+/// group: capabilities dropped from every set, RLIMIT_NOFILE and RLIMIT_CORE set,
+/// no_new_privs and the seccomp filter applied, then exec. It forwards the signals it
+/// receives to that group, obeys the daemon's control bytes on fd 4, reaps every process
+/// reparented to it and reports the end of the command's main process on fd 3 ("exit N\n" or
+/// "signal N\n"; see include/sandboxd/provider/provider.hpp).
 ///
 /// With a drain grace, once the command's main process has ended the channel init waits until
 /// no other process is left or the grace has passed, kills what remains (kill(-1, SIGKILL)),

@@ -139,7 +139,7 @@ std::size_t ProcessBackend::readable_now(output_stream s) noexcept {
     // A pipe that fills its default 64 KiB streams: grow it so that the channel can send whole
     // frames of 256 KiB (issue 19). Only then: a bigger pipe costs kernel memory (15 KiB per
     // idle channel at 1 MiB), and most channels never stream. Not a pipe (a PTY): nothing.
-    auto& grown = grown_[s == output_stream::err ? 1 : 0];
+    auto& grown = grown_[index(s)];
     if (!grown && avail >= streaming_pipe_threshold) {
         grown = true;
         (void)::fcntl(fd, F_SETPIPE_SZ, streaming_pipe_size);
