@@ -62,22 +62,20 @@ describe("console", { skip: chromiumPath() ? false : "no chromium (scripts/boots
       await browser.send("Input.dispatchKeyEvent", { type, key: "Enter", code: "Enter", windowsVirtualKeyCode: 13, ...(type === "keyDown" ? { text: "\r" } : {}) }, page);
     }
   };
-  const waitForLine = async (line: string, what: string) => {
-    await eventually(async () => (await screen()).split("\n").some((l) => l.trim() === line), 15_000, what).catch(async (e) => {
-      throw new Error(`${(e as Error).message}; the terminal shows:\n${await screen()}`);
-    });
+  /** Waits until the terminal's lines satisfy `check`; a timeout shows the screen. */
+  const waitForScreen = async (check: (lines: string[]) => boolean, what: string) => {
+    await eventually(async () => check((await screen()).split("\n").map((l) => l.trim())), 15_000, what).catch(
+      async (e) => {
+        throw new Error(`${(e as Error).message}; the terminal shows:\n${await screen()}`);
+      },
+    );
   };
+  const waitForLine = (line: string, what: string) => waitForScreen((lines) => lines.includes(line), what);
   // The shell waits for input: the screen's last line is its bare prompt. A line typed before
   // that is echoed ahead of the prompt, and its output comes out after it ("# 42"): on a loaded
   // machine the shell can start after the first line is typed.
-  const waitForPrompt = async (what: string) => {
-    await eventually(async () => {
-      const lines = (await screen()).split("\n").map((l) => l.trim()).filter((l) => l !== "");
-      return /^[#$]$/.test(lines[lines.length - 1] ?? "");
-    }, 15_000, `the shell's prompt ${what}`).catch(async (e) => {
-      throw new Error(`${(e as Error).message}; the terminal shows:\n${await screen()}`);
-    });
-  };
+  const waitForPrompt = (what: string) =>
+    waitForScreen((lines) => /^[#$]$/.test(lines.filter((l) => l !== "").at(-1) ?? ""), `the shell's prompt ${what}`);
   const submit = (token: string) =>
     browser.evaluate(page, `document.getElementById('token').value = ${JSON.stringify(token)}; document.getElementById('open').click(); true`);
 
