@@ -1119,7 +1119,8 @@ json cmd_report(const Args& a) {
     }
     // Optional figures: scenarios that a run may leave out.
     for (const char* k : {"node_client_stream_mb_s", "tls_stream_mb_s", "plain_stream_mb_s", "tls_open_p50_ms",
-                          "plain_open_p50_ms", "noop_lease_ops_per_s", "noop_lease_ops_parallel_per_s"}) {
+                          "plain_open_p50_ms", "noop_lease_ops_per_s", "noop_lease_ops_parallel_per_s",
+                          "open_floor_p50_ms"}) {
         if (all.contains(k)) latest[k] = all[k];
     }
     if (details.contains("hold")) {  // measured at 10,000 channels, or extrapolated to it
@@ -1173,6 +1174,23 @@ json cmd_report(const Args& a) {
             p99_ratio.is_null() ? "n/a" : verdict(p99_ratio.get<double>() <= 1.5) + " " + fmt(p99_ratio, 1) + "x");
     } else {
         row("open `true` p99, sequential (ms)", fmt(num("open_p99_ms"), 2), "", "", "");
+    }
+    if (details.contains("open_floor")) {
+        // sandboxd_open_floor: the kernel's part of a channel's isolation, no daemon at all,
+        // each line adding one piece to the line before (bench/open_floor.cpp).
+        const auto& f = details["open_floor"];
+        const json bare = f["spawn"]["p50"];
+        row("  floor, no daemon: posix_spawn true (ms)", fmt(bare, 2), "websocketd " +
+            fmt(num("websocketd_open_p50_ms"), 2), "", "");
+        for (const auto& [key, what] : std::vector<std::pair<std::string, std::string>>{
+                 {"init", "+ an init process"}, {"pid_ns", "+ its PID namespace"},
+                 {"mount_ns", "+ mount namespace, /proc"}, {"cgroup", "+ cgroup join"},
+                 {"seccomp", "+ seccomp filter"}}) {
+            if (!f.contains(key)) continue;
+            const json r = ratio(f[key]["p50"], num("websocketd_open_p50_ms"));
+            row("  floor " + what + " (ms)", fmt(f[key]["p50"], 2), "(ratio: to websocketd)", "",
+                r.is_null() ? "" : fmt(r, 2) + "x");
+        }
     }
     if (details.contains("execute_sequential")) {
         const json exec_ratio = ratio(num("execute_p50_ms"), num("open_p50_ms"));

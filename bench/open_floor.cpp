@@ -1,0 +1,214 @@
+/// @file open_floor.cpp
+/// sandboxd_open_floor: the kernel's own cost of each piece of isolation that a channel of a
+/// bwrap lease gets (issue 19), with no daemon, no WebSocket and no lease sandbox around it:
+/// the floor under `open true` that no daemon can go below while it keeps those pieces.
+///
+///   sandboxd_open_floor [--count N] [--cgroup-root DIR]
+///
+/// Each iteration times, in turn, six ways of running /bin/true to its end, each adding one
+/// piece to the one before:
+///   spawn     posix_spawn + waitpid, what websocketd does for a connection (the anchor minus
+///             its WebSocket);
+///   init      a process of its own (clone, as the lease's supervisor makes each channel's
+///             init) that spawns the command and waits for it;
+///   pid_ns    that process as PID 1 of a new PID namespace (CLONE_NEWPID);
+///   mount_ns  in a new mount namespace too, with its own /proc mounted (CLONE_NEWNS);
+///   cgroup    joining a cgroup first, by "0" written to a join file opened beforehand (v1:
+///             `tasks` in each of the cpu, cpuacct, memory, pids and freezer hierarchies that
+///             are mounted under DIR; v2: one cgroup.procs), as a channel's init joins its
+///             channel's cgroup;
+///   seccomp   the command's process applying sandboxd's syscall filter before its exec.
+/// Prints one JSON object for bench/run's report: p50 and p99 (ms) of each. Run as root
+/// (namespaces, mounts, cgroups). N defaults to 200; DIR to /sys/fs/cgroup.
+///
+/// What it leaves out is what the lease's sandbox adds once per lease (the user namespace,
+/// bubblewrap's mounts), which is not paid per channel. Its process is small, as the
+/// supervisor (a static binary) is: a fork costs in proportion to what the parent has
+/// mapped.
+
+#include "provider/seccomp_filter.hpp"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <spawn.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace {
+
+enum class step : int { spawn, init, pid_ns, mount_ns, cgroup, seccomp };
+constexpr std::array<const char*, 6> step_names = {"spawn",    "init",   "pid_ns",
+                                                   "mount_ns", "cgroup", "seccomp"};
+
+struct Setup {
+    step upto = step::spawn;
+    std::string program;           // the seccomp filter
+    std::vector<int> join_fds;     // opened join files of the floor's own cgroups
+};
+
+Setup setup;
+
+[[noreturn]] void fail(const std::string& what, int err) {
+    std::fprintf(stderr, "sandboxd_open_floor: %s: %s\n", what.c_str(), std::strerror(err));
+    std::exit(1);
+}
+
+bool at_least(step s) { return static_cast<int>(setup.upto) >= static_cast<int>(s); }
+
+/// posix_spawn of /bin/true (applying the filter in the child first when asked, as the
+/// channel init does between its vfork and the command's exec) and its wait. 0 or an errno.
+int run_true() {
+    char arg0[] = "true";
+    char* argv[] = {arg0, nullptr};
+    pid_t pid = -1;
+    if (at_least(step::seccomp)) {
+        // posix_spawn cannot run code between its fork and exec: vfork can, as the init's
+        // clone(CLONE_VM | CLONE_VFORK) does.
+        pid = ::vfork();
+        if (pid == 0) {
+            if (sandboxd::detail::apply_seccomp_filter(setup.program.data(),
+                                                       setup.program.size()) != 0) {
+                ::_exit(126);
+            }
+            ::execve("/bin/true", argv, environ);
+            ::_exit(127);
+        }
+        if (pid < 0) return errno;
+    } else if (int err = ::posix_spawn(&pid, "/bin/true", nullptr, nullptr, argv, environ);
+               err != 0) {
+        return err;
+    }
+    int status = 0;
+    while (::waitpid(pid, &status, 0) < 0) {
+        if (errno != EINTR) return errno;
+    }
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : ECHILD;
+}
+
+/// The channel init's part: its namespace's /proc, its cgroup, then the command.
+int init_main(void*) {
+    if (at_least(step::mount_ns) &&
+        (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) < 0 ||
+         ::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) < 0)) {
+        return 2;
+    }
+    if (at_least(step::cgroup)) {
+        for (int fd : setup.join_fds) {
+            if (::write(fd, "0", 1) != 1) return 3;
+        }
+    }
+    return run_true() == 0 ? 0 : 4;
+}
+
+/// One timed run of `s` (ms).
+double timed(step s) {
+    setup.upto = s;
+    const auto began = std::chrono::steady_clock::now();
+    if (s == step::spawn) {
+        if (int err = run_true(); err != 0) fail("spawn /bin/true", err);
+    } else {
+        int flags = SIGCHLD;
+        if (at_least(step::pid_ns)) flags |= CLONE_NEWPID;
+        if (at_least(step::mount_ns)) flags |= CLONE_NEWNS;
+        alignas(16) static char stack[256 << 10];
+        const pid_t pid = ::clone(init_main, stack + sizeof stack, flags, nullptr);
+        if (pid < 0) fail(std::string("clone for ") + step_names[static_cast<int>(s)], errno);
+        int status = 0;
+        while (::waitpid(pid, &status, 0) < 0) {
+            if (errno != EINTR) fail("waitpid", errno);
+        }
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+            std::fprintf(stderr, "sandboxd_open_floor: %s: the init failed (status %d)\n",
+                         step_names[static_cast<int>(s)], status);
+            std::exit(1);
+        }
+    }
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began)
+        .count();
+}
+
+/// The floor's own cgroups: one per hierarchy a channel joins (v1), or one (v2). Returns the
+/// directories made, to be removed at the end.
+std::vector<std::string> make_cgroups(const std::string& root) {
+    std::vector<std::string> made;
+    const std::string name = "sandboxd-open-floor-" + std::to_string(::getpid());
+    auto make = [&](const std::string& hierarchy, const char* join_file) {
+        const std::string dir = hierarchy + "/" + name;
+        if (::mkdir(dir.c_str(), 0755) < 0) fail("mkdir " + dir, errno);
+        made.push_back(dir);
+        const int fd = ::open((dir + "/" + join_file).c_str(), O_WRONLY | O_CLOEXEC);
+        if (fd < 0) fail("open " + dir + "/" + join_file, errno);
+        setup.join_fds.push_back(fd);
+    };
+    struct stat st {};
+    if (::stat((root + "/cgroup.controllers").c_str(), &st) == 0) {
+        make(root, "cgroup.procs");  // v2
+        return made;
+    }
+    for (const char* h : {"cpu", "cpuacct", "memory", "pids", "freezer"}) {
+        const std::string hierarchy = root + "/" + h;
+        if (::stat((hierarchy + "/tasks").c_str(), &st) == 0) make(hierarchy, "tasks");
+    }
+    if (made.empty()) fail("no cgroup hierarchy under " + root, ENOENT);
+    return made;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    int count = 200;
+    std::string cgroup_root = "/sys/fs/cgroup";
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "--count" && i + 1 < argc) {
+            count = std::atoi(argv[++i]);
+        } else if (a == "--cgroup-root" && i + 1 < argc) {
+            cgroup_root = argv[++i];
+        } else {
+            std::fprintf(stderr, "usage: sandboxd_open_floor [--count N] [--cgroup-root DIR]\n");
+            return 2;
+        }
+    }
+    if (count < 1) count = 1;
+    setup.program = sandboxd::detail::build_seccomp_filter();
+    const auto cgroups = make_cgroups(cgroup_root);
+
+    std::array<std::vector<double>, step_names.size()> times;
+    for (int i = 0; i < count; ++i) {
+        for (std::size_t s = 0; s < step_names.size(); ++s) {
+            times[s].push_back(timed(static_cast<step>(s)));
+        }
+    }
+    for (int fd : setup.join_fds) ::close(fd);
+    // Every process that joined has exited: the cgroups are empty.
+    for (const auto& dir : cgroups) ::rmdir(dir.c_str());
+
+    std::string steps;
+    for (std::size_t s = 0; s < step_names.size(); ++s) {
+        auto& v = times[s];
+        std::sort(v.begin(), v.end());
+        const double p50 = v[v.size() / 2];
+        const double p99 = v[std::min(v.size() - 1, v.size() * 99 / 100)];
+        char entry[160];
+        std::snprintf(entry, sizeof entry, "%s\"%s\": {\"p50\": %.4f, \"p99\": %.4f, \"n\": %zu}",
+                      s == 0 ? "" : ", ", step_names[s], p50, p99, v.size());
+        steps += entry;
+    }
+    std::printf("{\"open_floor_p50_ms\": %.4f, \"details\": {\"open_floor\": {%s}}}\n",
+                times.back()[times.back().size() / 2], steps.c_str());
+    return 0;
+}
