@@ -1185,7 +1185,7 @@ json cmd_report(const Args& a) {
         for (const auto& [key, what] : std::vector<std::pair<std::string, std::string>>{
                  {"init", "+ an init process"}, {"pid_ns", "+ its PID namespace"},
                  {"mount_ns", "+ mount namespace, /proc"}, {"cgroup", "+ cgroup join"},
-                 {"seccomp", "+ seccomp filter"}}) {
+                 {"seccomp", "+ seccomp filter"}, {"warm", "all, init made ahead"}}) {
             if (!f.contains(key)) continue;
             const json r = ratio(f[key]["p50"], num("websocketd_open_p50_ms"));
             row("  floor " + what + " (ms)", fmt(f[key]["p50"], 2), "(ratio: to websocketd)", "",
