@@ -5,7 +5,7 @@
 ///
 ///   sandboxd_open_floor [--count N] [--cgroup-root DIR]
 ///
-/// Each iteration times, in turn, six ways of running /bin/true to its end, each adding one
+/// Each iteration times, in turn, seven ways of running /bin/true to its end, each adding one
 /// piece to the one before:
 ///   spawn     posix_spawn + waitpid, what websocketd does for a connection (the anchor minus
 ///             its WebSocket);
@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <csignal>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -62,12 +63,23 @@ struct Setup {
     int ready_fd = -1;             // having written one on this
     std::string program;           // the seccomp filter
     std::vector<int> join_fds;     // opened join files of the floor's own cgroups
+    std::vector<std::string> cgroups;  // the floor's own cgroups, removed at the end
 };
 
 Setup setup;
+volatile std::sig_atomic_t interrupted = 0;  // SIGINT, SIGTERM or SIGHUP: stop, clean up
+
+/// Removes the floor's cgroups (best effort: a process still in one keeps it).
+void remove_cgroups() {
+    for (int fd : setup.join_fds) ::close(fd);
+    setup.join_fds.clear();
+    for (const auto& dir : setup.cgroups) ::rmdir(dir.c_str());
+    setup.cgroups.clear();
+}
 
 [[noreturn]] void fail(const std::string& what, int err) {
     std::fprintf(stderr, "sandboxd_open_floor: %s: %s\n", what.c_str(), std::strerror(err));
+    remove_cgroups();
     std::exit(1);
 }
 
@@ -174,15 +186,14 @@ double timed(step s) {
         .count();
 }
 
-/// The floor's own cgroups: one per hierarchy a channel joins (v1), or one (v2). Returns the
-/// directories made, to be removed at the end.
-std::vector<std::string> make_cgroups(const std::string& root) {
-    std::vector<std::string> made;
+/// The floor's own cgroups (setup.cgroups, their join files in setup.join_fds): one per v1
+/// hierarchy a channel joins, or one (v2).
+void make_cgroups(const std::string& root) {
     const std::string name = "sandboxd-open-floor-" + std::to_string(::getpid());
     auto make = [&](const std::string& hierarchy, const char* join_file) {
         const std::string dir = hierarchy + "/" + name;
         if (::mkdir(dir.c_str(), 0755) < 0) fail("mkdir " + dir, errno);
-        made.push_back(dir);
+        setup.cgroups.push_back(dir);
         const int fd = ::open((dir + "/" + join_file).c_str(), O_WRONLY | O_CLOEXEC);
         if (fd < 0) fail("open " + dir + "/" + join_file, errno);
         setup.join_fds.push_back(fd);
@@ -190,14 +201,21 @@ std::vector<std::string> make_cgroups(const std::string& root) {
     struct stat st {};
     if (::stat((root + "/cgroup.controllers").c_str(), &st) == 0) {
         make(root, "cgroup.procs");  // v2
-        return made;
+        return;
     }
+    std::vector<std::string> seen;  // cpu and cpuacct are often one hierarchy, linked twice
     for (const char* h : {"cpu", "cpuacct", "memory", "pids", "freezer"}) {
         const std::string hierarchy = root + "/" + h;
-        if (::stat((hierarchy + "/tasks").c_str(), &st) == 0) make(hierarchy, "tasks");
+        char real[4096];
+        if (::stat((hierarchy + "/tasks").c_str(), &st) != 0 ||
+            ::realpath(hierarchy.c_str(), real) == nullptr ||
+            std::find(seen.begin(), seen.end(), real) != seen.end()) {
+            continue;
+        }
+        seen.emplace_back(real);
+        make(real, "tasks");
     }
-    if (made.empty()) fail("no cgroup hierarchy under " + root, ENOENT);
-    return made;
+    if (setup.cgroups.empty()) fail("no cgroup hierarchy under " + root, ENOENT);
 }
 
 }  // namespace
@@ -218,17 +236,23 @@ int main(int argc, char** argv) {
     }
     if (count < 1) count = 1;
     setup.program = sandboxd::detail::build_seccomp_filter();
-    const auto cgroups = make_cgroups(cgroup_root);
+    struct sigaction stop {};
+    stop.sa_handler = [](int) { interrupted = 1; };
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &stop, nullptr);
+    make_cgroups(cgroup_root);
 
     std::array<std::vector<double>, step_names.size()> times;
-    for (int i = 0; i < count; ++i) {
+    for (int i = 0; i < count && interrupted == 0; ++i) {
         for (std::size_t s = 0; s < step_names.size(); ++s) {
             times[s].push_back(timed(static_cast<step>(s)));
         }
     }
-    for (int fd : setup.join_fds) ::close(fd);
     // Every process that joined has exited: the cgroups are empty.
-    for (const auto& dir : cgroups) ::rmdir(dir.c_str());
+    remove_cgroups();
+    if (interrupted != 0) {
+        std::fprintf(stderr, "sandboxd_open_floor: interrupted\n");
+        return 130;
+    }
 
     std::string steps;
     for (std::size_t s = 0; s < step_names.size(); ++s) {
