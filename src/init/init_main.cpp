@@ -1,16 +1,22 @@
 /// @file init_main.cpp
 /// sandboxd-init: the supervisor of a lease's sandbox and the init of each of its channels.
 ///
-/// Usage: sandboxd-init --lease   (run by bubblewrap as PID 1 of the lease's PID namespace)
+/// Usage: sandboxd-init --lease [--cgroup-fds N]   (run by bubblewrap as PID 1 of the lease's
+/// PID namespace)
 ///
-/// As the **supervisor** it reads the seccomp program from fd 4 (supervisor_protocol.hpp),
-/// empties the capability bounding set and resets every signal disposition (once for every
-/// channel: each is its clone), then serves channel requests on the SOCK_SEQPACKET socket at
-/// fd 3 until the daemon closes it; it reaps every process reparented to it. For each request it clones a **channel init**
-/// in a new PID and mount namespace (so channels of one lease cannot see or signal each
-/// other), and answers with a pidfd of it.
+/// As the **supervisor** it first joins the lease's cgroup through the N join files at fds 8..
+/// (supervisor_protocol.hpp, cgroup_fd) and makes a cgroup namespace rooted there, reads the
+/// seccomp program from fd 4, empties the capability bounding set and resets every signal
+/// disposition (once for every channel: each is its clone), then serves channel requests on
+/// the SOCK_SEQPACKET socket at fd 3 until the daemon closes it; it reaps every process
+/// reparented to it. Each request goes to a **channel init**, PID 1 of a new PID and mount
+/// namespace (so channels of one lease cannot see or signal each other), and the answer
+/// carries a pidfd of it. The supervisor makes that init ahead: after each request it clones
+/// the next one (the warm init, `make_warm`), which mounts its /proc, applies the syscall
+/// filter to itself and waits for exactly one request; a request that finds none clones its
+/// init itself.
 ///
-/// The **channel init** mounts the channel's own /proc, joins the channel's cgroup through the
+/// The **channel init** has the channel's own /proc mounted, joins the channel's cgroup through the
 /// join files (v1 `tasks`, v2 cgroup.procs) that the daemon opened, takes the channel's fds
 /// (0-2 for the command, 3 for the status line, 4 for control bytes), makes itself
 /// non-dumpable (the command, same uid without capabilities, cannot open its descriptors or
@@ -473,14 +479,21 @@ bool take_channel_fds(const std::vector<int>& fds) {
     return ::syscall(SYS_close_range, 5U, ~0U, 0U) == 0;
 }
 
-[[noreturn]] void run_channel_init(const ChannelRequest& req, const std::string& program) {
-    // A /proc of this channel's own PID namespace, in a mount namespace of its own, mounted
-    // over the lease's (which stays hidden below it: nothing here can unmount).
+// A /proc of this channel's own PID namespace, in a mount namespace of its own, mounted over
+// the lease's (which stays hidden below it: nothing here can unmount). 0 or an errno.
+int mount_channel_proc() {
     if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) < 0 ||
         ::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) < 0) {
-        print_error("cannot mount the channel's /proc", "", errno);
-        ::_exit(125);
+        return errno;
     }
+    return 0;
+}
+
+// The channel init's work once it has its request; its /proc is mounted (mount_channel_proc).
+// `filtered`: the init itself is under `program` already (a warm init applies it ahead), which
+// every process it starts inherits; else the command applies it before its exec.
+[[noreturn]] void run_channel_init(const ChannelRequest& req, const std::string& program,
+                                   bool filtered) {
     // Join the channel's cgroup: the daemon opened these files, so the kernel checks its
     // credentials, not ours. This process is single-threaded, so "0" written to a v1 `tasks`
     // file moves all of it.
@@ -515,7 +528,7 @@ bool take_channel_fds(const std::vector<int>& fds) {
     opts.command = const_cast<char**>(req.argv.data());
     opts.envp = const_cast<char**>(req.envp.data());
     opts.open_files = req.header.open_files;
-    opts.program = &program;
+    opts.program = filtered ? nullptr : &program;
     ::_exit(Init(opts).run());
 }
 
@@ -557,6 +570,7 @@ public:
         ::close(self);
         // Not zero-filled: pages are touched only as large requests need them.
         buffer_.reset(new char[buffer_size]);
+        make_warm();
         for (;;) {
             pollfd fds[2] = {{proto::socket_fd, POLLIN, 0}, {signal_fd_, POLLIN, 0}};
             if (::poll(fds, 2, -1) < 0) {
@@ -603,8 +617,9 @@ private:
         }
     }
 
-    // Receives and serves one request; false once the daemon's end is closed.
-    bool serve_one() {
+    // One packet from `socket` into buffer_, its descriptors into req.fds: its size, 0 at
+    // EOF, -1 on failure (errno).
+    ssize_t receive(int socket, ChannelRequest& req, int& msg_flags) {
         alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * proto::max_fds)];
         iovec iov{buffer_.get(), buffer_size};
         msghdr msg{};
@@ -612,11 +627,9 @@ private:
         msg.msg_iovlen = 1;
         msg.msg_control = control;
         msg.msg_controllen = sizeof control;
-        ssize_t n = ::recvmsg(proto::socket_fd, &msg, MSG_CMSG_CLOEXEC);
-        if (n < 0) return errno == EINTR || errno == EAGAIN;
-        if (n == 0) return false;
-
-        ChannelRequest req;
+        const ssize_t n = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
+        if (n <= 0) return n;
+        msg_flags = msg.msg_flags;
         for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
             if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
             std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
@@ -626,16 +639,142 @@ private:
                 req.fds.push_back(fd);
             }
         }
+        return n;
+    }
+
+    // Receives and serves one request; false once the daemon's end is closed.
+    bool serve_one() {
+        ChannelRequest req;
+        int msg_flags = 0;
+        const ssize_t n = receive(proto::socket_fd, req, msg_flags);
+        if (n < 0) return errno == EINTR || errno == EAGAIN;
+        if (n == 0) return false;
+
         proto::Reply reply;
-        int err = parse(static_cast<std::size_t>(n), msg.msg_flags, req);
+        int err = parse(static_cast<std::size_t>(n), msg_flags, req);
         reply.id = req.header.id;
         int pidfd = -1;
-        if (err == 0) err = start_channel(req, pidfd);
+        if (err == 0 && past_deadline(req.header)) err = ETIMEDOUT;
+        if (err == 0 && !hand_over(req, static_cast<std::size_t>(n), pidfd)) {
+            err = start_channel(req, pidfd);
+        }
         for (int fd : req.fds) ::close(fd);
         reply.error = err;
         send_reply(reply, pidfd);
         if (pidfd >= 0) ::close(pidfd);
+        if (warm_socket_ < 0) make_warm();
         return true;
+    }
+
+    // --- The warm channel init: the next channel's init, made before its request. ---
+    //
+    // Cloning a channel's init (page tables copied, then copy-on-write faults on both sides)
+    // and setting up its namespaces is most of what an open costs the kernel (issue 19,
+    // docs/BENCHMARKS.md): done here after each reply, it runs while the daemon and the last
+    // channel do their part, not in the next open. The warm init is PID 1 of a new PID
+    // namespace, in a new mount namespace with its /proc mounted, in the lease's cgroup; it
+    // waits on a socket pair of its own for exactly one request, which the supervisor passes
+    // on as it came (same packet, same descriptors) once it has checked it, and from then on
+    // it is that channel's init, as a cloned one would be. One at most; none when the clone
+    // fails (at the lease's pids limit, say) or the request's payload came in a memfd: that
+    // request's init is cloned for it, as before.
+
+    /// The warm init's name (comm) until it takes a request; a channel's init is "init".
+    static constexpr const char* warm_name = "warm-init";
+
+    void make_warm() {
+        int sv[2];
+        if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) return;
+        int pidfd = -1;
+        // Named apart while it waits (ps, /proc/PID/comm): it is no channel's yet. Set around
+        // the clone, so that the child has the name from its first instant.
+        ::prctl(PR_SET_NAME, warm_name, 0, 0, 0);
+        const long pid = ::syscall(SYS_clone, CLONE_NEWPID | CLONE_NEWNS | CLONE_PIDFD | SIGCHLD,
+                                   nullptr, &pidfd, nullptr, 0L);
+        if (pid != 0) ::prctl(PR_SET_NAME, "init", 0, 0, 0);
+        if (pid < 0) {
+            ::close(sv[0]);
+            ::close(sv[1]);
+            return;
+        }
+        if (pid == 0) {
+            ::close(signal_fd_);
+            ::close(proto::socket_fd);
+            ::close(sv[0]);
+            run_warm_init(sv[1]);
+        }
+        ::close(sv[1]);
+        ::fcntl(pidfd, F_SETFD, FD_CLOEXEC);
+        warm_socket_ = sv[0];
+        warm_pidfd_ = pidfd;
+    }
+
+    [[noreturn]] void run_warm_init(int socket) {
+        const int mounted = mount_channel_proc();
+        // The command's syscall filter, on this init already: its cost (the kernel runs the
+        // program once per syscall number to fill its cache) is then paid ahead too. Nothing
+        // the init does after this is denied by it (no mount, no namespace, no TIOCSTI); if
+        // applying fails, the command applies it and reports the failure as before.
+        const bool filtered = program_.empty() || sandboxd::detail::apply_seccomp_filter(
+                                                      program_.data(), program_.size()) == 0;
+        ChannelRequest req;
+        int msg_flags = 0;
+        const ssize_t n = receive(socket, req, msg_flags);
+        if (n <= 0) ::_exit(0);  // the supervisor let go of this init
+        ::close(socket);
+        ::prctl(PR_SET_NAME, "init", 0, 0, 0);
+        // Checked by the supervisor already: this cannot fail but for a bug.
+        if (parse(static_cast<std::size_t>(n), msg_flags, req) != 0) ::_exit(125);
+        if (mounted != 0) {
+            print_error("cannot mount the channel's /proc", "", mounted);
+            ::_exit(125);
+        }
+        run_channel_init(req, program_, filtered);
+    }
+
+    // Passes the checked request of `size` bytes in buffer_ and its descriptors to the warm
+    // init; `pidfd` is then that init's. False when there is none, the payload came in a
+    // memfd (it was read into buffer_, not sent on), or the warm init is gone.
+    bool hand_over(const ChannelRequest& req, std::size_t size, int& pidfd) {
+        if (warm_socket_ < 0 || (req.header.flags & proto::flag_payload_memfd) != 0) return false;
+        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * proto::max_fds)] = {};
+        iovec iov{buffer_.get(), size};
+        msghdr msg{};
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control;
+        msg.msg_controllen = CMSG_SPACE(sizeof(int) * req.fds.size());
+        cmsghdr* c = CMSG_FIRSTHDR(&msg);
+        if (c == nullptr) return false;  // cannot be: msg_controllen holds one header
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * req.fds.size());
+        std::memcpy(CMSG_DATA(c), req.fds.data(), sizeof(int) * req.fds.size());
+        ssize_t sent = 0;
+        do {
+            sent = ::sendmsg(warm_socket_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        } while (sent < 0 && errno == EINTR);
+        ::close(warm_socket_);
+        warm_socket_ = -1;
+        if (sent != static_cast<ssize_t>(size)) {
+            // Gone (killed, say); reap() reaps it.
+            ::close(warm_pidfd_);
+            warm_pidfd_ = -1;
+            return false;
+        }
+        pidfd = warm_pidfd_;
+        warm_pidfd_ = -1;
+        return true;
+    }
+
+    // The daemon's fencing deadline (Request::start_deadline_ms) has passed.
+    static bool past_deadline(const proto::Request& h) {
+        if (h.start_deadline_ms <= 0) return false;
+        timespec now{};
+        ::clock_gettime(CLOCK_MONOTONIC, &now);
+        const std::int64_t now_ms =
+            static_cast<std::int64_t>(now.tv_sec) * 1000 + now.tv_nsec / 1000000;
+        return now_ms >= h.start_deadline_ms;
     }
 
     // Validates the request of `size` bytes in buffer_ in place (the strings point into
@@ -720,13 +859,8 @@ private:
         return p == end ? 0 : EPROTO;
     }
 
+    // Clones the request's channel init (no warm one could take it). 0 or an errno.
     int start_channel(const ChannelRequest& req, int& pidfd) {
-        if (req.header.start_deadline_ms > 0) {
-            timespec now{};
-            ::clock_gettime(CLOCK_MONOTONIC, &now);
-            const std::int64_t now_ms = static_cast<std::int64_t>(now.tv_sec) * 1000 + now.tv_nsec / 1000000;
-            if (now_ms >= req.header.start_deadline_ms) return ETIMEDOUT;
-        }
         // A raw clone without a new stack returns twice, like fork; CLONE_PIDFD stores the
         // child's pidfd in the parent_tid argument. This process is single-threaded.
         long pid = ::syscall(SYS_clone, CLONE_NEWPID | CLONE_NEWNS | CLONE_PIDFD | SIGCHLD,
@@ -734,7 +868,11 @@ private:
         if (pid < 0) return errno;
         if (pid == 0) {
             ::close(signal_fd_);
-            run_channel_init(req, program_);
+            if (const int err = mount_channel_proc(); err != 0) {
+                print_error("cannot mount the channel's /proc", "", err);
+                ::_exit(125);
+            }
+            run_channel_init(req, program_, false);
         }
         ::fcntl(pidfd, F_SETFD, FD_CLOEXEC);
         return 0;
@@ -763,17 +901,54 @@ private:
     std::unique_ptr<char[]> buffer_;
     std::string program_;
     int signal_fd_ = -1;
+    int warm_socket_ = -1;  ///< the supervisor's end of the warm init's socket pair; -1: none
+    int warm_pidfd_ = -1;   ///< the warm init's pidfd, close-on-exec
 };
 
 }  // namespace
 
+namespace {
+
+// Joins the lease's cgroup through the `count` join files at fds proto::cgroup_fd, ... (the
+// daemon opened them: the kernel checks its credentials, not ours), then makes a cgroup
+// namespace rooted there, so that the sandbox sees its own cgroup as "/". False, with the
+// reason on stderr, when either fails: the sandbox must not serve outside its limits.
+bool join_lease_cgroup(unsigned count) {
+    // Single-threaded: "0" written to a v1 `tasks` file moves all of this process.
+    for (unsigned i = 0; i < count; ++i) {
+        if (::write(proto::cgroup_fd + static_cast<int>(i), "0", 1) != 1) {
+            print_error("cannot join the lease's cgroup", "", errno);
+            return false;
+        }
+    }
+    if (count > 0 && ::unshare(CLONE_NEWCGROUP) < 0) {
+        print_error("cannot make the lease's cgroup namespace", "", errno);
+        return false;
+    }
+    return true;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-    if (argc != 2 || std::strcmp(argv[1], "--lease") != 0) {
+    unsigned cgroup_fds = 0;
+    bool usage_ok = argc >= 2 && std::strcmp(argv[1], "--lease") == 0;
+    if (usage_ok && argc == 4 && std::strcmp(argv[2], "--cgroup-fds") == 0) {
+        char* end = nullptr;
+        const unsigned long n = std::strtoul(argv[3], &end, 10);
+        usage_ok = end != argv[3] && *end == '\0' && n >= 1 && n <= proto::max_cgroup_fds;
+        cgroup_fds = static_cast<unsigned>(n);
+    } else if (argc != 2) {
+        usage_ok = false;
+    }
+    if (!usage_ok) {
         static const char usage[] =
-            "usage: sandboxd-init --lease  (started by sandboxd inside a lease's sandbox)\n";
+            "usage: sandboxd-init --lease [--cgroup-fds N]  (started by sandboxd inside a "
+            "lease's sandbox)\n";
         write_all(STDERR_FILENO, usage, sizeof usage - 1);
         return 2;
     }
+    if (!join_lease_cgroup(cgroup_fds)) return 1;
     // Keep only the protocol fds.
     ::syscall(SYS_close_range, 5U, ~0U, 0U);
     // bwrap exports PWD after --chdir; every command's environment is exactly the daemon's.

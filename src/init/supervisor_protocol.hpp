@@ -18,7 +18,8 @@
 ///    208 KiB) is smaller than `max_payload`. Raising it would take SO_SNDBUFFORCE, that is
 ///    CAP_NET_ADMIN, which the daemon does without (systemd/sandboxd.service).
 ///  - Reply (supervisor -> daemon): `Reply`; when `error` is 0, SCM_RIGHTS carries one pidfd of
-///    the channel's init (PID 1 of the channel's own PID namespace). Replies come in request
+///    the channel's init (PID 1 of the channel's own PID namespace; made ahead of the request
+///    when a warm init was ready, init_main.cpp). Replies come in request
 ///    order, one per request. The first reply, id 0 ("hello": the supervisor serves), carries
 ///    a pidfd of the supervisor itself, which the daemon kills to end the whole sandbox.
 /// Nothing here is parsed from the sandbox's commands: the supervisor and each channel's init
@@ -37,6 +38,11 @@ inline constexpr std::uint32_t request_magic = 0x53425251;  // "SBRQ"
 inline constexpr std::uint32_t reply_magic = 0x53425250;    // "SBRP"
 inline constexpr int socket_fd = 3;   ///< the supervisor's end of the socket pair
 inline constexpr int program_fd = 4;  ///< memfd holding the seccomp BPF program (read at start)
+/// The first of the lease's cgroup join files (v1 `tasks`, v2 cgroup.procs), opened by the
+/// daemon and passed through bubblewrap when the supervisor runs as `--lease --cgroup-fds N`
+/// (1 <= N <= max_cgroup_fds): fds cgroup_fd .. cgroup_fd + N - 1. The supervisor joins them
+/// before it serves, then unshares its cgroup namespace.
+inline constexpr int cgroup_fd = 8;
 inline constexpr std::size_t max_payload = 2U << 20;  ///< cwd + argv + env, as execve allows
 /// The largest payload sent in the packet itself; above it, a memfd carries it.
 inline constexpr std::size_t max_inline_payload = 64U << 10;

@@ -832,7 +832,7 @@ private:
             return e.what();
         }
         const ScopeExit release([&] { pool_.release(uid); });
-        auto argv = bwrap_argv(parse_config(json::object()));
+        auto argv = bwrap_argv(parse_config(json::object()), 0);
         // The lease's command line up to "--", then true instead of the supervisor.
         argv.erase(std::find(argv.rbegin(), argv.rend(), std::string("--")).base(), argv.end());
         argv.emplace_back("/usr/bin/true");
@@ -1101,7 +1101,8 @@ private:
         return detail::parse_lease_config(config, options_.limits, options_.allow_network);
     }
 
-    std::vector<std::string> bwrap_argv(const LeaseConfig& cfg) const {
+    /// `cgroup_fds`: how many lease cgroup join files bubblewrap passes on at fds 8, 9, ...
+    std::vector<std::string> bwrap_argv(const LeaseConfig& cfg, std::size_t cgroup_fds) const {
         const auto& id = options_.identity;
         std::vector<std::string> a = {
             options_.bwrap_path.string(), "--die-with-parent", "--unshare-user",
@@ -1138,6 +1139,7 @@ private:
         a.insert(a.end(), {"--bind-fd", "5", "/workspace", "--ro-bind-fd", "7", init_in_sandbox,
                            "--chdir", "/workspace", "--hostname", "sandbox", "--", init_in_sandbox,
                            "--lease"});
+        if (cgroup_fds > 0) a.insert(a.end(), {"--cgroup-fds", std::to_string(cgroup_fds)});
         return a;
     }
 
@@ -1161,13 +1163,17 @@ private:
         detail::Pipe errors = detail::make_pipe(detail::daemon_end::read);
 
         detail::SpawnRequest request;
-        request.argv = bwrap_argv(cfg);
+        // The lease's cgroup is joined by the supervisor itself, through these join files
+        // (fds 8, 9, ... of bubblewrap and of the supervisor), before it serves: bubblewrap
+        // stays in the daemon's cgroup, so that the lease's cgroup holds the sandbox's own
+        // processes only (its supervisor, a channel init made ahead, its channels).
+        std::vector<unique_fd> procs;
+        if (sandbox.cgroup) procs = sandbox.cgroup->open_procs();
+        for (const auto& fd : procs) request.extra_fds.push_back(fd.get());
+        request.argv = bwrap_argv(cfg, procs.size());
         request.envp = {"PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"};
         request.fds = {-1, -1, errors.write_end.get(), theirs.get(), program_.get(),
                        workspace_fd.get(), etc.get(), init.get()};
-        std::vector<unique_fd> procs;
-        if (sandbox.cgroup) procs = sandbox.cgroup->open_procs();
-        for (const auto& fd : procs) request.join_cgroups.push_back(fd.get());
         request.run_as = std::make_pair(uid, static_cast<gid_t>(uid));
         auto child = detail::spawn_process(request, "bubblewrap");
         sandbox.pid = child.pid;

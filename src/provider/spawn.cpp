@@ -48,9 +48,9 @@ struct ChildStart {
     char* const* argv = nullptr;
     char* const* envp = nullptr;
     std::array<int, child_fds> fds{};
+    const int* extra_fds = nullptr;  ///< to the child's fds child_fds, child_fds + 1, ...
+    std::size_t extra_count = 0;     ///< <= SpawnRequest::max_extra_fds
     int controlling_tty = -1;
-    const int* cgroups = nullptr;
-    std::size_t cgroup_count = 0;
     const std::pair<uid_t, gid_t>* run_as = nullptr;
     /// Set by the child when a step fails (its errno); the spawning thread reads it once the
     /// child has exec'd or exited, which is when clone() returns (CLONE_VFORK).
@@ -69,10 +69,6 @@ int close_fds_from(unsigned first, unsigned last) {
 
 int child_main(void* arg) {
     auto& start = *static_cast<ChildStart*>(arg);
-    // Into the cgroups before anything else, so that nothing of the child runs outside them.
-    for (std::size_t i = 0; i < start.cgroup_count; ++i) {
-        if (::write(start.cgroups[i], "0", 1) != 1) child_fail(start);
-    }
     // Every signal to its default while all are still blocked (the parent blocked them
     // around clone, so none of its handlers can run here). Without CLONE_SIGHAND the child
     // has its own copy of the handlers: the daemon's stay as they are.
@@ -85,14 +81,20 @@ int child_main(void* arg) {
     if (::setsid() < 0) child_fail(start);
 
     // Move everything above the target range first, so that no dup2 below can clobber a
-    // source that happens to live in 0..7.
+    // source that happens to live in 0..7 or among the extra fds' targets.
+    const int first_free = child_fds + static_cast<int>(start.extra_count);
     int moved[child_fds];
     for (int i = 0; i < child_fds; ++i) {
         moved[i] = -1;
         if (start.fds[i] >= 0) {
-            moved[i] = ::fcntl(start.fds[i], F_DUPFD_CLOEXEC, child_fds);
+            moved[i] = ::fcntl(start.fds[i], F_DUPFD_CLOEXEC, first_free);
             if (moved[i] < 0) child_fail(start);
         }
+    }
+    int moved_extra[SpawnRequest::max_extra_fds];
+    for (std::size_t i = 0; i < start.extra_count; ++i) {
+        moved_extra[i] = ::fcntl(start.extra_fds[i], F_DUPFD_CLOEXEC, first_free);
+        if (moved_extra[i] < 0) child_fail(start);
     }
     if (start.controlling_tty >= 0 && ::ioctl(start.controlling_tty, TIOCSCTTY, 0) < 0) {
         child_fail(start);
@@ -104,8 +106,11 @@ int child_main(void* arg) {
             ::close(i);
         }
     }
+    for (std::size_t i = 0; i < start.extra_count; ++i) {
+        if (::dup2(moved_extra[i], child_fds + static_cast<int>(i)) < 0) child_fail(start);
+    }
     // The descriptor table is the child's own (no CLONE_FILES): close everything else.
-    if (close_fds_from(child_fds, UINT_MAX) < 0) child_fail(start);
+    if (close_fds_from(static_cast<unsigned>(first_free), UINT_MAX) < 0) child_fail(start);
     if (start.run_as != nullptr) {
         // Raw syscalls: glibc's setresuid would signal every thread of the daemon to change
         // credentials too (setxid broadcast), which must not happen from this child.
@@ -180,6 +185,11 @@ SpawnResult spawn_process(const SpawnRequest& request, const std::string& what) 
     if (request.argv.empty()) {
         throw rpc_error(errc::provider_error, "cannot start " + what + ": empty argv");
     }
+    if (request.extra_fds.size() > SpawnRequest::max_extra_fds) {
+        throw rpc_error(errc::provider_error, "cannot start " + what + ": more than " +
+                                                  std::to_string(SpawnRequest::max_extra_fds) +
+                                                  " extra descriptors");
+    }
     // Everything the child touches is prepared here: it allocates nothing.
     std::vector<std::string> argv_storage = request.argv;
     std::vector<std::string> envp_storage = request.envp;
@@ -201,9 +211,9 @@ SpawnResult spawn_process(const SpawnRequest& request, const std::string& what) 
     start.argv = argv.data();
     start.envp = envp.data();
     start.fds = fds;
+    start.extra_fds = request.extra_fds.data();
+    start.extra_count = request.extra_fds.size();
     start.controlling_tty = request.controlling_tty;
-    start.cgroups = request.join_cgroups.data();
-    start.cgroup_count = request.join_cgroups.size();
     start.run_as = request.run_as ? &*request.run_as : nullptr;
 
     void* stack = ::mmap(nullptr, child_stack_size, PROT_READ | PROT_WRITE,

@@ -50,12 +50,12 @@ struct SpawnRequest {
     /// The child's fds 0..7; -1 means /dev/null for 0..2 and closed for 3..7.
     /// The fds stay owned by the caller (close the child's ends after spawn returns).
     std::array<int, 8> fds = {-1, -1, -1, -1, -1, -1, -1, -1};
+    /// The child's fds 8, 9, ... (at most max_extra_fds): passed on as they are, open across
+    /// the exec. Owned by the caller, as `fds`.
+    std::vector<int> extra_fds;
+    static constexpr std::size_t max_extra_fds = 8;
     /// If >= 0, a PTY slave to make the child's controlling terminal (after setsid).
     int controlling_tty = -1;
-    /// cgroup join files opened by the caller (ChannelCgroup::open_procs: v1 `tasks`, v2
-    /// cgroup.procs): the child, single-threaded, writes "0" to each first, so that it (and
-    /// everything it starts) is in those cgroups before it runs anything.
-    std::vector<int> join_cgroups;
     /// If set, the child drops to this uid and gid (no supplementary groups) before exec.
     std::optional<std::pair<uid_t, gid_t>> run_as;
 };

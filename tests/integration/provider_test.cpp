@@ -12,6 +12,7 @@
 #include <sandboxd/provider/provider.hpp>
 
 #include "provider/process_backend.hpp"
+#include "support/daemon_fixture.hpp"
 #include "support/run_awaitable.hpp"
 #include "support/wait_readable.hpp"
 
@@ -1447,6 +1448,72 @@ TEST_CASE("spawning into a destroyed sandbox fails and starts nothing", "[provid
         CHECK_FALSE(fs::exists(fx.sandbox->workspace));
     }
     CHECK(open_fd_count() == fds_before);
+}
+
+/// The comm of `pid` ("" once it is gone).
+std::string comm_of(pid_t pid) {
+    std::string comm = read_text("/proc/" + std::to_string(pid) + "/comm");
+    if (!comm.empty() && comm.back() == '\n') comm.pop_back();
+    return comm;
+}
+
+/// The supervisor's child named "warm-init" (its init made ahead of the next request), or 0.
+pid_t warm_init_of(pid_t supervisor) {
+    for (pid_t child : children_of(supervisor)) {
+        if (comm_of(child) == "warm-init") return child;
+    }
+    return 0;
+}
+
+TEST_CASE("the supervisor makes the next channel's init ahead, in the lease's cgroup",
+          "[provider]") {
+    Fixture fx;
+    Channel first(*fx.provider, fx.sandbox, command({"sh", "-c", "echo ready; read x"}));
+    REQUIRE(first.pump_until([&] { return first.out() == "ready\n"; }, status_timeout));
+    const pid_t supervisor = parent_of(first.init_pid());
+    REQUIRE(supervisor > 0);
+    const pid_t bwrap = parent_of(supervisor);
+    REQUIRE(bwrap > 0);
+    CHECK(comm_of(first.init_pid()) == "init");
+
+    // Made after the first request was answered: PID 1 of a PID namespace of its own, in the
+    // lease's cgroup (with the supervisor; bubblewrap stays in the daemon's), under the
+    // command's syscall filter already.
+    pid_t warm = 0;
+    REQUIRE(sandboxd::test::eventually([&] { return (warm = warm_init_of(supervisor)) > 0; },
+                                       status_timeout));
+    CHECK(pid_ns_of(warm) != pid_ns_of(supervisor));
+    CHECK(pid_ns_of(warm) != first.pid_ns());
+    CHECK(status_field(warm, "NSpid").back() == "1");
+    const fs::path lease_cgroup = memory_cgroup_of(first.init_pid()).parent_path();
+    CHECK(lease_cgroup.filename() == fx.sandbox->scope.provider_lease_id);
+    CHECK(memory_cgroup_of(supervisor) == lease_cgroup);
+    CHECK(memory_cgroup_of(warm) == lease_cgroup);
+    CHECK(memory_cgroup_of(bwrap) != lease_cgroup);
+    CHECK(status_field(warm, "Seccomp") == std::vector<std::string>{"2"});
+    CHECK(status_field(warm, "NoNewPrivs") == std::vector<std::string>{"1"});
+
+    // The next channel is that init: its command is PID 2 under it, with a /proc of its own
+    // and the channel's cgroup.
+    Channel second(*fx.provider, fx.sandbox,
+                   command({"sh", "-c", "echo $$; cat /proc/1/comm; echo /proc/[0-9]*"}));
+    REQUIRE(second.finish());
+    CHECK(second.init_pid() == warm);
+    CHECK(second.status() == "exit 0");
+    CHECK(second.out() == "2\ninit\n/proc/1 /proc/2\n");  // the init and sh (cat is reaped)
+
+    // A warm init that is gone (killed here) is passed over: the request clones its own.
+    pid_t next = 0;
+    REQUIRE(sandboxd::test::eventually([&] { return (next = warm_init_of(supervisor)) > 0; },
+                                       status_timeout));
+    REQUIRE(::kill(next, SIGKILL) == 0);
+    Channel third(*fx.provider, fx.sandbox, command({"echo", "cloned"}));
+    REQUIRE(third.finish());
+    CHECK(third.init_pid() != next);
+    CHECK(third.status() == "exit 0");
+    CHECK(third.out() == "cloned\n");
+    first.send("", true);
+    REQUIRE(first.finish());
 }
 
 TEST_CASE("destroy ends every process of the lease", "[provider]") {

@@ -297,7 +297,14 @@ std::vector<pid_t> DaemonProcess::channel_processes() const {
         const auto exe = fs::read_symlink("/proc/" + std::to_string(child) + "/exe", ec);
         if (ec || exe.filename() != "bwrap") continue;
         for (pid_t supervisor : children_of(child)) {
-            for (pid_t init : children_of(supervisor)) out.push_back(init);
+            for (pid_t init : children_of(supervisor)) {
+                // The lease's warm init (src/init/init_main.cpp) is no channel's until it
+                // takes a request, when it renames itself "init".
+                if (read_proc_file("/proc/" + std::to_string(init) + "/comm") == "warm-init\n") {
+                    continue;
+                }
+                out.push_back(init);
+            }
         }
     }
     return out;

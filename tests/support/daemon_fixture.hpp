@@ -74,7 +74,8 @@ public:
     /// PIDs of the daemon's direct children (a bubblewrap per lease sandbox, plugin workers).
     std::vector<pid_t> children() const;
     /// PIDs of the channels' inits: the children of each lease sandbox's supervisor (itself
-    /// the child of the daemon's bubblewrap child). Empty when no channel process is left.
+    /// the child of the daemon's bubblewrap child) but its warm init, which has taken no
+    /// request (named "warm-init"). Empty when no channel process is left.
     std::vector<pid_t> channel_processes() const;
     /// PIDs of every descendant of the daemon (children, their children, ...), zombies included.
     std::vector<pid_t> descendants() const;
