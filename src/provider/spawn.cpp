@@ -67,6 +67,29 @@ int close_fds_from(unsigned first, unsigned last) {
     return static_cast<int>(::syscall(SYS_close_range, first, last, 0U));
 }
 
+// Closes every descriptor of the child that is not a source of start's fds, extra fds or
+// controlling terminal. No allocation: the sources (at most 17) are sorted on the stack.
+int close_all_but_sources(const ChildStart& start) {
+    int sources[child_fds + SpawnRequest::max_extra_fds + 1];
+    std::size_t n = 0;
+    auto add = [&](int fd) {
+        if (fd < 0) return;
+        std::size_t i = n++;
+        for (; i > 0 && sources[i - 1] > fd; --i) sources[i] = sources[i - 1];
+        sources[i] = fd;
+    };
+    for (int fd : start.fds) add(fd);
+    for (std::size_t i = 0; i < start.extra_count; ++i) add(start.extra_fds[i]);
+    add(start.controlling_tty);
+    unsigned next = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+        const auto fd = static_cast<unsigned>(sources[i]);
+        if (fd > next && close_fds_from(next, fd - 1) < 0) return -1;
+        next = fd + 1;
+    }
+    return close_fds_from(next, UINT_MAX);
+}
+
 int child_main(void* arg) {
     auto& start = *static_cast<ChildStart*>(arg);
     // Every signal to its default while all are still blocked (the parent blocked them
@@ -79,6 +102,11 @@ int child_main(void* arg) {
     }
 
     if (::setsid() < 0) child_fail(start);
+
+    // The daemon's other descriptors go first (this table is the child's own copy): the moves
+    // below then never need more free slots than the child has sources, however close to
+    // RLIMIT_NOFILE the daemon is.
+    if (close_all_but_sources(start) < 0) child_fail(start);
 
     // Move everything above the target range first, so that no dup2 below can clobber a
     // source that happens to live in 0..7 or among the extra fds' targets.
