@@ -719,7 +719,10 @@ private:
                                                       program_.data(), program_.size()) == 0;
         ChannelRequest req;
         int msg_flags = 0;
-        const ssize_t n = receive(socket, req, msg_flags);
+        ssize_t n = 0;
+        do {
+            n = receive(socket, req, msg_flags);
+        } while (n < 0 && errno == EINTR);
         if (n <= 0) ::_exit(0);  // the supervisor let go of this init
         ::close(socket);
         ::prctl(PR_SET_NAME, "init", 0, 0, 0);
