@@ -1478,10 +1478,15 @@ TEST_CASE("the supervisor makes the next channel's init ahead, in the lease's cg
 
     // Made after the first request was answered: PID 1 of a PID namespace of its own, in the
     // lease's cgroup (with the supervisor; bubblewrap stays in the daemon's), under the
-    // command's syscall filter already.
+    // command's syscall filter already: its last step before it waits (it has its name from
+    // the clone on, so the wait is for the filter).
     pid_t warm = 0;
-    REQUIRE(sandboxd::test::eventually([&] { return (warm = warm_init_of(supervisor)) > 0; },
-                                       status_timeout));
+    REQUIRE(sandboxd::test::eventually(
+        [&] {
+            warm = warm_init_of(supervisor);
+            return warm > 0 && status_field(warm, "Seccomp") == std::vector<std::string>{"2"};
+        },
+        status_timeout));
     CHECK(pid_ns_of(warm) != pid_ns_of(supervisor));
     CHECK(pid_ns_of(warm) != first.pid_ns());
     CHECK(status_field(warm, "NSpid").back() == "1");
@@ -1490,7 +1495,6 @@ TEST_CASE("the supervisor makes the next channel's init ahead, in the lease's cg
     CHECK(memory_cgroup_of(supervisor) == lease_cgroup);
     CHECK(memory_cgroup_of(warm) == lease_cgroup);
     CHECK(memory_cgroup_of(bwrap) != lease_cgroup);
-    CHECK(status_field(warm, "Seccomp") == std::vector<std::string>{"2"});
     CHECK(status_field(warm, "NoNewPrivs") == std::vector<std::string>{"1"});
 
     // The next channel is that init: its command is PID 2 under it, with a /proc of its own
@@ -1506,7 +1510,12 @@ TEST_CASE("the supervisor makes the next channel's init ahead, in the lease's cg
     pid_t next = 0;
     REQUIRE(sandboxd::test::eventually([&] { return (next = warm_init_of(supervisor)) > 0; },
                                        status_timeout));
+    // Gone, not dying: a SIGKILL still pending leaves its socket open, and a request passed
+    // on then would be this init's (and fail with it), as a cloned init killed at its start.
+    unique_fd next_fd(static_cast<int>(::syscall(SYS_pidfd_open, next, 0)));
+    REQUIRE(next_fd);
     REQUIRE(::kill(next, SIGKILL) == 0);
+    REQUIRE(wait_readable(next_fd.get(), status_timeout));
     Channel third(*fx.provider, fx.sandbox, command({"echo", "cloned"}));
     REQUIRE(third.finish());
     CHECK(third.init_pid() != next);
