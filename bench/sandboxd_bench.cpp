@@ -1120,7 +1120,7 @@ json cmd_report(const Args& a) {
     // Optional figures: scenarios that a run may leave out.
     for (const char* k : {"node_client_stream_mb_s", "tls_stream_mb_s", "plain_stream_mb_s", "tls_open_p50_ms",
                           "plain_open_p50_ms", "noop_lease_ops_per_s", "noop_lease_ops_parallel_per_s",
-                          "open_floor_p50_ms"}) {
+                          "open_floor_p50_ms", "stream_floor_mb_s"}) {
         if (all.contains(k)) latest[k] = all[k];
     }
     if (details.contains("hold")) {  // measured at 10,000 channels, or extrapolated to it
@@ -1209,6 +1209,21 @@ json cmd_report(const Args& a) {
     row("stream head|channel (MB/s)", fmt(num("stream_mb_s"), 0), "pipe " + fmt(num("pipe_mb_s"), 0),
         ">= 90% of pipe",
         stream_ratio.is_null() ? "n/a" : verdict(stream_ratio.get<double>() >= 0.9) + " " + fmt(json(stream_ratio.get<double>() * 100), 0) + "%");
+    if (details.contains("stream_floor")) {
+        // sandboxd_stream_floor: the same bytes over loopback TCP with no daemon, each way beside
+        // its own `head | cat` in one run (bench/stream_floor.cpp); ratios to that pipe.
+        const auto& f = details["stream_floor"];
+        const json own_pipe = f["pipe"]["median_mb_s"];
+        for (const auto& [key, what] : std::vector<std::pair<std::string, std::string>>{
+                 {"tcp", "no daemon: head -> TCP -> reader"},
+                 {"relay_copy", "+ a bare relay, read and write"},
+                 {"relay_splice", "+ a bare relay, splice"}}) {
+            if (!f.contains(key)) continue;
+            const json r = ratio(f[key]["median_mb_s"], own_pipe);
+            row("  floor, " + what + " (MB/s)", fmt(f[key]["median_mb_s"], 0),
+                "its pipe " + fmt(own_pipe, 0), "", r.is_null() ? "" : fmt(json(r.get<double>() * 100), 0) + "%");
+        }
+    }
     row("websocketd --binary head (MB/s)", "", fmt(num("websocketd_stream_mb_s"), 0) +
         " (" + fmt(ratio(num("stream_mb_s"), num("websocketd_stream_mb_s")), 2) + "x of it)", "", "");
     if (all.contains("node_client_stream_mb_s")) {
