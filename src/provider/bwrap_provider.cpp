@@ -342,6 +342,13 @@ public:
         fs::create_symlink(runtime_dir_, link, ec);
         if (options_.limits.enforce) probe_enforcement();
         program_ = make_program_fd();
+        // A channel with no stdin reads /dev/null: one read-only descriptor for them all,
+        // passed to each (SCM_RIGHTS copies it; /dev/null has no state a channel could change
+        // for another), not one opened and closed per open.
+        dev_null_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+        if (!dev_null_) {
+            throw std::runtime_error(std::string("cannot open /dev/null: ") + std::strerror(errno));
+        }
         init_path_ = install_init();
         write_etc(runtime_dir_ / ".etc" / "private", false);
         write_etc(runtime_dir_ / ".etc" / "net", true);
@@ -520,7 +527,6 @@ private:
         bool pty = false;
         detail::Pty pty_ends;
         detail::Pipe stdin_pipe, stdout_pipe, stderr_pipe, status_pipe, control_pipe;
-        unique_fd dev_null;
         TakenCgroup cgroup;
         std::vector<unique_fd> procs;
         unique_fd payload_memfd;  ///< a payload above max_inline_payload (the last of fds)
@@ -678,12 +684,7 @@ private:
                 out.stdin_pipe = detail::make_pipe(detail::daemon_end::write);
                 fds.push_back(out.stdin_pipe.read_end.get());
             } else {
-                out.dev_null.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-                if (!out.dev_null) {
-                    provider_failure(std::string("cannot open /dev/null: ") +
-                                     std::strerror(errno));
-                }
-                fds.push_back(out.dev_null.get());
+                fds.push_back(dev_null_.get());
             }
             out.stdout_pipe = detail::make_pipe(detail::daemon_end::read);
             out.stderr_pipe = detail::make_pipe(detail::daemon_end::read);
@@ -766,8 +767,7 @@ private:
     detail::ProcessEnds channel_ends(PreparedChannel prepared, unique_fd init_pidfd,
                                      const std::shared_ptr<BwrapSandbox>& state) {
         detail::ProcessEnds out;
-        out.pid = pid_of(init_pidfd.get());
-        out.pidfd = std::move(init_pidfd);
+        out.pidfd = std::move(init_pidfd);  // out.pid stays -1: ProcessBackend reads it if asked
         out.pty = prepared.pty;
         if (prepared.pty) {
             int dup = ::fcntl(prepared.pty_ends.master.get(), F_DUPFD_CLOEXEC, 0);
@@ -1385,16 +1385,6 @@ private:
                          std::strerror(err) + ")");
     }
 
-    /// The host pid of a pidfd (its fdinfo's "Pid:" line); -1 when unknown.
-    static pid_t pid_of(int pidfd) {
-        std::ifstream in("/proc/self/fdinfo/" + std::to_string(pidfd));
-        std::string line;
-        while (std::getline(in, line)) {
-            if (line.rfind("Pid:", 0) == 0) return static_cast<pid_t>(std::stol(line.substr(4)));
-        }
-        return -1;
-    }
-
     const std::string key_ = "bwrap";
     const std::string plugin_id_ = "builtin";
     const BwrapOptions options_;
@@ -1407,6 +1397,7 @@ private:
     /// constructor, read-only after.
     std::string probe_problem_;
     unique_fd program_;
+    unique_fd dev_null_;  ///< read-only, the stdin of every channel opened without one
     std::unique_ptr<detail::CgroupManager> cgroups_;
     std::shared_ptr<Counters> counters_ = std::make_shared<Counters>();
     /// create() and destroy() run here, never on the node's pool or an I/O thread. Last: its

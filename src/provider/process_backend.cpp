@@ -5,6 +5,9 @@
 #include <spdlog/spdlog.h>
 
 #include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <fcntl.h>
 #include <sys/ioctl.h>
 #include <sys/syscall.h>
@@ -47,6 +50,23 @@ ChannelExit parse_status_line(std::string_view text) {
     return exit;
 }
 
+/// The host pid of a pidfd (its fdinfo's "Pid:" line); -1 when unknown (or the process has
+/// been reaped: the kernel then says -1 itself).
+pid_t pid_of_pidfd(int pidfd) noexcept {
+    char path[64];
+    std::snprintf(path, sizeof path, "/proc/self/fdinfo/%d", pidfd);
+    const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    char text[512];
+    const ssize_t n = ::read(fd, text, sizeof text - 1);
+    ::close(fd);
+    if (n <= 0) return -1;
+    text[n] = '\0';
+    const char* line = std::strstr(text, "\nPid:");
+    if (line == nullptr) return -1;
+    return static_cast<pid_t>(std::strtol(line + 5, nullptr, 10));
+}
+
 }  // namespace
 
 ProcessBackend::ProcessBackend(net::any_io_executor executor, ProcessEnds ends)
@@ -73,6 +93,13 @@ ProcessBackend::~ProcessBackend() {
     end_wait(output_stream::err);
 }
 
+pid_t ProcessBackend::pid() const noexcept {
+    // native_handle() is not const in Asio; it only returns the descriptor.
+    auto& pidfd = const_cast<net::posix::stream_descriptor&>(pidfd_);
+    if (pid_ < 0 && pidfd.is_open()) pid_ = pid_of_pidfd(pidfd.native_handle());
+    return pid_;
+}
+
 bool ProcessBackend::has_output(output_stream s) const noexcept {
     return static_cast<bool>(output_[index(s)]);
 }
@@ -83,7 +110,7 @@ bool ProcessBackend::start_wait(output_stream s) noexcept {
     beast::error_code ec;
     wait.assign(output_fd(s).get(), ec);
     if (!ec) return true;
-    spdlog::error("pid={} {}: cannot wait for output: {}", pid_,
+    spdlog::error("pid={} {}: cannot wait for output: {}", pid(),
                   s == output_stream::err ? "stderr" : "stdout", ec.message());
     output_fd(s).reset();  // fail closed: the stream ends here
     return false;
@@ -294,7 +321,7 @@ ProcessEnds ProcessBackend::release_for_test() {
     auto take = [](net::posix::stream_descriptor& d, unique_fd& into) {
         if (d.is_open()) into.reset(d.release());
     };
-    ends.pid = pid_;
+    ends.pid = pid();
     ends.pty = pty_;
     take(pidfd_, ends.pidfd);
     take(status_, ends.status_fd);

@@ -34,8 +34,9 @@ public:
 
 /// The daemon's ends of a started channel init. Every fd is non-blocking and close-on-exec.
 struct ProcessEnds {
-    /// The channel init's host pid (not our child: never waitpid it); -1 when it had already
-    /// ended (its set-up failed). For diagnostics only.
+    /// The channel init's host pid (not our child: never waitpid it); -1 when unknown: then
+    /// ProcessBackend::pid() reads it from the pidfd when it is asked for. For diagnostics
+    /// only.
     pid_t pid = -1;
     unique_fd pidfd;       ///< pidfd of `pid`; readable when it exits. Required.
     unique_fd stdin_fd;    ///< write end of stdin; the PTY master under a PTY; empty when
@@ -76,8 +77,10 @@ public:
     void notify_exit(std::shared_ptr<ChannelEvents> to) override;
     void notify_gone(std::shared_ptr<ChannelEvents> to) override;
 
-    /// The channel init's host pid (-1 when unknown), for logs and tests.
-    pid_t pid() const noexcept { return pid_; }
+    /// The channel init's host pid (-1 when unknown), for logs and tests: the one the ends
+    /// gave, else read once from the pidfd's /proc/self/fdinfo entry (so an open does not
+    /// pay for a figure that only a log line or a test reads).
+    pid_t pid() const noexcept;
 
     /// Hands every descriptor back (deregistered from the executor), so that a test can drive
     /// sandboxd-init's fd contract byte by byte. The backend is empty afterwards: only its
@@ -104,7 +107,7 @@ private:
     /// Adds the limit that ended the channel (when its resources know one).
     void add_limit(ChannelExit& exit);
 
-    pid_t pid_;
+    mutable pid_t pid_;
     bool pty_;
     bool gone_ = false;
     /// Per output stream: its pipe was grown to streaming_pipe_size (once it first filled).
