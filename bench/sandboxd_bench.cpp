@@ -1215,12 +1215,12 @@ json cmd_report(const Args& a) {
         const auto& f = details["stream_floor"];
         const json own_pipe = f["pipe"]["median_mb_s"];
         for (const auto& [key, what] : std::vector<std::pair<std::string, std::string>>{
-                 {"tcp", "no daemon: head -> TCP -> reader"},
-                 {"relay_copy", "+ a bare relay, read and write"},
-                 {"relay_splice", "+ a bare relay, splice"}}) {
+                 {"tcp", "head -> TCP -> reader"},
+                 {"relay_copy", "+ bare relay, read+write"},
+                 {"relay_splice", "+ bare relay, splice"}}) {
             if (!f.contains(key)) continue;
             const json r = ratio(f[key]["median_mb_s"], own_pipe);
-            row("  floor, " + what + " (MB/s)", fmt(f[key]["median_mb_s"], 0),
+            row("  floor: " + what + " (MB/s)", fmt(f[key]["median_mb_s"], 0),
                 "its pipe " + fmt(own_pipe, 0), "", r.is_null() ? "" : fmt(json(r.get<double>() * 100), 0) + "%");
         }
     }
