@@ -75,6 +75,7 @@ void check(bool ok, const char* what) {
 /// Spawns `argv` with stdout on `out` (the child's other descriptors are close-on-exec).
 pid_t spawn_with_stdout(const std::vector<std::string>& args, int out) {
     std::vector<char*> argv;
+    argv.reserve(args.size() + 1);
     for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
     posix_spawn_file_actions_t actions;
