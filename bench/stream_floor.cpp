@@ -23,7 +23,9 @@
 /// counts bytes: no frame parsing, no checks, no credit. So each figure is an upper bound of
 /// what a daemon relaying the same stream over the same transport can reach on this machine.
 /// Prints one JSON object for bench/run's report: the median MB/s of each way (MB = 10^6
-/// bytes). N defaults to 1 GiB, R to 3.
+/// bytes), each run's MB/s and the CPU seconds its processes used (user + system, from
+/// getrusage: this process and its reaped children; with two cores, a run of S seconds has 2S
+/// to use). N defaults to 1 GiB, R to 3.
 
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -31,6 +33,7 @@
 #include <poll.h>
 #include <spawn.h>
 #include <sys/ioctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
@@ -233,9 +236,27 @@ std::uint64_t relay(int pipe_fd, int socket, bool splice_payload) {
     }
 }
 
-/// One timed run of `w`: MB/s.
-double timed(way w, std::uint64_t bytes) {
+/// CPU seconds (user + system) of this process and of its reaped children so far.
+double cpu_seconds() {
+    double total = 0;
+    for (int who : {RUSAGE_SELF, RUSAGE_CHILDREN}) {
+        rusage u{};
+        ::getrusage(who, &u);
+        total += static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+                 static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+    }
+    return total;
+}
+
+struct Timed {
+    double mb_s;
+    double cpu_s;  ///< CPU of every process of the way (head, cat or reader, relay), per run
+};
+
+/// One timed run of `w`.
+Timed timed(way w, std::uint64_t bytes) {
     const std::string count = std::to_string(bytes);
+    const double cpu_before = cpu_seconds();
     const auto began = std::chrono::steady_clock::now();
     std::uint64_t expected = bytes;
     std::uint64_t received = 0;
@@ -282,7 +303,7 @@ double timed(way w, std::uint64_t bytes) {
                      static_cast<unsigned long long>(expected));
         std::exit(1);
     }
-    return static_cast<double>(bytes) / 1e6 / secs;
+    return {static_cast<double>(bytes) / 1e6 / secs, cpu_seconds() - cpu_before};
 }
 
 }  // namespace
@@ -307,9 +328,12 @@ int main(int argc, char** argv) {
     }
     ::signal(SIGPIPE, SIG_IGN);  // a reader that died shows as EPIPE, then a failed run
     std::array<std::vector<double>, way_names.size()> rates;
+    std::array<std::vector<double>, way_names.size()> cpus;
     for (int r = 0; r < runs; ++r) {
         for (std::size_t w = 0; w < way_names.size(); ++w) {
-            rates[w].push_back(timed(static_cast<way>(w), bytes));
+            const Timed t = timed(static_cast<way>(w), bytes);
+            rates[w].push_back(t.mb_s);
+            cpus[w].push_back(t.cpu_s);
         }
     }
     std::string ways;
@@ -320,9 +344,12 @@ int main(int argc, char** argv) {
         medians[w] = v[v.size() / 2];
         std::string runs_list;
         for (double x : rates[w]) runs_list += (runs_list.empty() ? "" : ", ") + std::to_string(x);
-        char entry[256];
-        std::snprintf(entry, sizeof entry, "%s\"%s\": {\"median_mb_s\": %.1f, \"runs\": [%s]}",
-                      w == 0 ? "" : ", ", way_names[w], medians[w], runs_list.c_str());
+        std::string cpu_list;
+        for (double x : cpus[w]) cpu_list += (cpu_list.empty() ? "" : ", ") + std::to_string(x);
+        char entry[512];
+        std::snprintf(entry, sizeof entry,
+                      "%s\"%s\": {\"median_mb_s\": %.1f, \"runs\": [%s], \"cpu_s\": [%s]}",
+                      w == 0 ? "" : ", ", way_names[w], medians[w], runs_list.c_str(), cpu_list.c_str());
         ways += entry;
     }
     std::printf("{\"stream_floor_mb_s\": %.1f, \"details\": {\"stream_floor\": {\"bytes\": %llu, %s}}}\n",
