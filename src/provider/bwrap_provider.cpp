@@ -342,13 +342,6 @@ public:
         fs::create_symlink(runtime_dir_, link, ec);
         if (options_.limits.enforce) probe_enforcement();
         program_ = make_program_fd();
-        // A channel with no stdin reads /dev/null: one read-only descriptor for them all,
-        // passed to each (SCM_RIGHTS copies it; /dev/null has no state a channel could change
-        // for another), not one opened and closed per open.
-        dev_null_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-        if (!dev_null_) {
-            throw std::runtime_error(std::string("cannot open /dev/null: ") + std::strerror(errno));
-        }
         init_path_ = install_init();
         write_etc(runtime_dir_ / ".etc" / "private", false);
         write_etc(runtime_dir_ / ".etc" / "net", true);
@@ -527,6 +520,9 @@ private:
         bool pty = false;
         detail::Pty pty_ends;
         detail::Pipe stdin_pipe, stdout_pipe, stderr_pipe, status_pipe, control_pipe;
+        /// Its own open of /dev/null for each channel: no open file description is shared
+        /// between channels (of different tenants, too), however harmless /dev/null's state.
+        unique_fd dev_null;
         TakenCgroup cgroup;
         std::vector<unique_fd> procs;
         unique_fd payload_memfd;  ///< a payload above max_inline_payload (the last of fds)
@@ -684,7 +680,12 @@ private:
                 out.stdin_pipe = detail::make_pipe(detail::daemon_end::write);
                 fds.push_back(out.stdin_pipe.read_end.get());
             } else {
-                fds.push_back(dev_null_.get());
+                out.dev_null.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+                if (!out.dev_null) {
+                    provider_failure(std::string("cannot open /dev/null: ") +
+                                     std::strerror(errno));
+                }
+                fds.push_back(out.dev_null.get());
             }
             out.stdout_pipe = detail::make_pipe(detail::daemon_end::read);
             out.stderr_pipe = detail::make_pipe(detail::daemon_end::read);
@@ -1397,7 +1398,6 @@ private:
     /// constructor, read-only after.
     std::string probe_problem_;
     unique_fd program_;
-    unique_fd dev_null_;  ///< read-only, the stdin of every channel opened without one
     std::unique_ptr<detail::CgroupManager> cgroups_;
     std::shared_ptr<Counters> counters_ = std::make_shared<Counters>();
     /// create() and destroy() run here, never on the node's pool or an I/O thread. Last: its
