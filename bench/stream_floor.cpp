@@ -147,7 +147,9 @@ pid_t start_reader(int fd, int report, std::initializer_list<int> others) {
 }
 
 /// A WebSocket binary frame's header for `size` bytes of payload (RFC 6455 5.2, unmasked as a
-/// server's): into `out`, returns its length.
+/// server's): into `out`, returns its length. The same bytes as the daemon's
+/// websocket_binary_header() (src/server/frame_guard.hpp), written into a stack buffer here so
+/// that this tool stays free of Asio and Beast (and of an allocation per frame).
 std::size_t frame_header(std::uint64_t size, unsigned char* out) {
     out[0] = 0x82;
     if (size < 126) {
