@@ -93,10 +93,8 @@ ProcessBackend::~ProcessBackend() {
     end_wait(output_stream::err);
 }
 
-pid_t ProcessBackend::pid() const noexcept {
-    // native_handle() is not const in Asio; it only returns the descriptor.
-    auto& pidfd = const_cast<net::posix::stream_descriptor&>(pidfd_);
-    if (pid_ < 0 && pidfd.is_open()) pid_ = pid_of_pidfd(pidfd.native_handle());
+pid_t ProcessBackend::pid() noexcept {
+    if (pid_ < 0 && pidfd_.is_open()) pid_ = pid_of_pidfd(pidfd_.native_handle());
     return pid_;
 }
 

@@ -77,10 +77,12 @@ public:
     void notify_exit(std::shared_ptr<ChannelEvents> to) override;
     void notify_gone(std::shared_ptr<ChannelEvents> to) override;
 
-    /// The channel init's host pid (-1 when unknown), for logs and tests: the one the ends
-    /// gave, else read once from the pidfd's /proc/self/fdinfo entry (so an open does not
-    /// pay for a figure that only a log line or a test reads).
-    pid_t pid() const noexcept;
+    /// The channel init's host pid (-1 when unknown, or once the init has been reaped), for
+    /// logs and tests: the one the ends gave, else read once from the pidfd's
+    /// /proc/self/fdinfo entry (one open and read of a kernel-written file, no wait), so that
+    /// an open does not pay for a figure only a log line or a test reads. On the backend's
+    /// strand, as every other call here.
+    pid_t pid() noexcept;
 
     /// Hands every descriptor back (deregistered from the executor), so that a test can drive
     /// sandboxd-init's fd contract byte by byte. The backend is empty afterwards: only its
@@ -107,7 +109,7 @@ private:
     /// Adds the limit that ended the channel (when its resources know one).
     void add_limit(ChannelExit& exit);
 
-    mutable pid_t pid_;
+    pid_t pid_;
     bool pty_;
     bool gone_ = false;
     /// Per output stream: its pipe was grown to streaming_pipe_size (once it first filled).
