@@ -674,6 +674,51 @@ json cmd_open(const Args& a) {
             {"details", {{"open_sequential", seq}, {"open_concurrent", conc}, {"execute_sequential", exec}}}};
 }
 
+/// open-ab: a paired A/B of two daemons (issue 19; bench/ab --paired): sequential opens of
+/// `true` on one connection to each (--url/--token-file and --url-b/--token-file-b), taking
+/// turns open by open (A then B, then B then A, so neither always goes first), so that each
+/// pair sees the same moment of the machine. Gives each side's to-exit summary, the median of
+/// the pairs' differences (B - A, ms) and how many pairs B won: a change of a tenth of a
+/// millisecond shows here where rounds of hundreds of opens drift by more than that.
+json cmd_open_ab(const Args& a) {
+    const Target ta = target_of(a);
+    const Target tb = target_of(a, "url-b", "token-file-b");
+    Conn ca(ta.url, ta.token);
+    Conn cb(tb.url, tb.token);
+    const json lease_a = acquire(ca);
+    const json lease_b = acquire(cb);
+    open_true_once(ca, lease_a);  // warm-up
+    open_true_once(cb, lease_b);
+    const std::size_t count = a.num("count", 500);
+    std::vector<double> a_ms, b_ms, diff_ms, a_result, b_result;
+    std::size_t b_faster = 0;
+    for (std::size_t i = 0; i < count; ++i) {
+        std::pair<double, double> ra, rb;
+        if (i % 2 == 0) {
+            ra = open_true_once(ca, lease_a);
+            rb = open_true_once(cb, lease_b);
+        } else {
+            rb = open_true_once(cb, lease_b);
+            ra = open_true_once(ca, lease_a);
+        }
+        a_ms.push_back(ra.first);
+        b_ms.push_back(rb.first);
+        a_result.push_back(ra.second);
+        b_result.push_back(rb.second);
+        diff_ms.push_back(rb.first - ra.first);
+        if (rb.first < ra.first) ++b_faster;
+    }
+    ca.call("leaseRelease", {{"leaseId", lease_a["id"]}});
+    cb.call("leaseRelease", {{"leaseId", lease_b["id"]}});
+    ca.close();
+    cb.close();
+    return {{"pairs", count},
+            {"b_minus_a_p50_ms", median(diff_ms)},
+            {"b_faster_pairs", b_faster},
+            {"a", {{"to_exit_ms", summary(a_ms)}, {"to_result_ms", summary(a_result)}}},
+            {"b", {{"to_exit_ms", summary(b_ms)}, {"to_result_ms", summary(b_result)}}}};
+}
+
 /// tls: the same node through its TLS `listen` (--tls-url, verified with --cacert) and its
 /// plainListen (--url), in one run: sequential opens of `true` and streams of --bytes, the two
 /// transports taking turns run by run, so that both see the same machine.
@@ -1301,6 +1346,7 @@ json cmd_report(const Args& a) {
 
 json dispatch(const Args& a) {
     if (a.command == "open") return cmd_open(a);
+    if (a.command == "open-ab") return cmd_open_ab(a);
     if (a.command == "stream") return cmd_stream(a);
     if (a.command == "tls") return cmd_tls(a);
     if (a.command == "stdin") return cmd_stdin(a);
@@ -1313,7 +1359,7 @@ json dispatch(const Args& a) {
     if (a.command == "free-port") return cmd_free_port(a);
     if (a.command == "report") return cmd_report(a);
     throw std::runtime_error("unknown command \"" + a.command +
-                             "\" (open, stream, stdin, pipe, ws-open, ws-stream, hold, lease-ops, "
+                             "\" (open, open-ab, stream, stdin, pipe, ws-open, ws-stream, hold, lease-ops, "
                              "proxy, free-port, report)");
 }
 

@@ -30,7 +30,9 @@
 /// With a drain grace, once the command's main process has ended the channel init waits until
 /// no other process is left or the grace has passed, kills what remains (kill(-1, SIGKILL)),
 /// reaps it and exits; as PID 1 of the channel's namespace its exit kills anything left, and
-/// every copy of the channel's pipes closes, so the daemon reads output to EOF. It exits early
+/// every copy of the channel's pipes closes, so the daemon reads output to EOF. Once nothing
+/// else is left it closes its own copies of fds 0-2 and writes "end" on fd 3 before it exits,
+/// so that the daemon need not wait for the exit itself (provider.hpp). It exits early
 /// only when fd 3's reader is gone or fd 4 reaches EOF after the command ended.
 ///
 /// Built static and self-contained: libc and libstdc++ only.
@@ -425,7 +427,11 @@ private:
         return static_cast<long long>(ts.tv_sec) * 1000 + ts.tv_nsec / 1000000;
     }
 
-    // The drain grace is over: nothing of the channel may outlive its main process.
+    // The drain grace is over: nothing of the channel may outlive its main process. Once
+    // every other process is reaped (ECHILD: in this PID namespace every process descends from
+    // the init, and orphans are reparented to it), the init lets go of the channel's streams
+    // and says "end": the daemon may send the exit now, without waiting for this process's
+    // own exit, whose namespace teardown takes about a millisecond (provider.hpp, fd 3).
     void finish() {
         ::kill(-1, SIGKILL);
         for (;;) {
@@ -433,6 +439,10 @@ private:
             if (pid < 0 && errno == EINTR) continue;
             if (pid < 0) break;
         }
+        ::close(STDIN_FILENO);
+        ::close(STDOUT_FILENO);
+        ::close(STDERR_FILENO);
+        if (status_open_) report("end\n");
         exit_now_ = true;
     }
 

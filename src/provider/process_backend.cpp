@@ -282,7 +282,11 @@ void ProcessBackend::read_status(std::shared_ptr<ChannelEvents> to, const beast:
             status_line_.append(chunk, static_cast<std::size_t>(n));
             if (const auto end = status_line_.find('\n'); end != std::string::npos) {
                 exit = parse_status_line(std::string_view(status_line_).substr(0, end));
-                break;
+                // What came after the exit line belongs to the "end" line (notify_gone()).
+                status_line_.erase(0, end + 1);
+                add_limit(exit);
+                to->exited(std::move(exit));
+                return;
             }
             if (status_line_.size() >= max_status_line) {
                 exit.error = invalid_status;
@@ -307,11 +311,55 @@ awaitable<void> ProcessBackend::wait_gone() {
 }
 
 void ProcessBackend::notify_gone(std::shared_ptr<ChannelEvents> to) {
+    if (status_.is_open()) {
+        if (status_line_.find('\n') != std::string::npos) {
+            // The "end" line came in the exit line's read: a callback never runs inside the
+            // notify_*() call that asked for it.
+            net::post(status_.get_executor(),
+                      [this, to] { read_end(to, beast::error_code()); });
+        } else {
+            status_.async_wait(net::posix::descriptor_base::wait_read,
+                               [this, to](const beast::error_code& ec) { read_end(to, ec); });
+        }
+    }
     pidfd_.async_wait(net::posix::descriptor_base::wait_read,
                       [this, to = std::move(to)](const beast::error_code&) {
                           gone_ = true;
+                          beast::error_code ignored;  // a wait for "end" still pending ends
+                          status_.cancel(ignored);    // unanswered
                           to->gone();
                       });
+}
+
+void ProcessBackend::read_end(std::shared_ptr<ChannelEvents> to, const beast::error_code& ec) {
+    if (ec || gone_) return;  // gone() has reported it, or will
+    constexpr std::string_view end_line = "end\n";
+    for (;;) {
+        if (const auto nl = status_line_.find('\n'); nl != std::string::npos) {
+            const bool end = std::string_view(status_line_).substr(0, nl + 1) == end_line;
+            status_line_ = std::string();
+            if (end) to->ended();
+            return;  // anything else: not the init's word; the pidfd decides
+        }
+        if (status_line_.size() >= end_line.size()) {
+            status_line_ = std::string();
+            return;
+        }
+        char chunk[end_line.size()];
+        const ssize_t n =
+            ::read(status_.native_handle(), chunk, end_line.size() - status_line_.size());
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            status_.async_wait(net::posix::descriptor_base::wait_read,
+                               [this, to](const beast::error_code& e) { read_end(to, e); });
+            return;
+        }
+        if (n <= 0) {
+            status_line_ = std::string();
+            return;  // EOF without "end": the init was killed, or exits another way
+        }
+        status_line_.append(chunk, static_cast<std::size_t>(n));
+    }
 }
 
 ProcessEnds ProcessBackend::release_for_test() {

@@ -106,6 +106,9 @@ private:
     /// Reads what the status fd holds now; reports the exit once the line (or EOF) is there,
     /// else waits for readiness again.
     void read_status(std::shared_ptr<ChannelEvents> to, const beast::error_code& ec);
+    /// After the exit line: reads the status fd for the init's "end" line and calls
+    /// `to`->ended() when it is there (anything else, or EOF, leaves it to the pidfd).
+    void read_end(std::shared_ptr<ChannelEvents> to, const beast::error_code& ec);
     /// Adds the limit that ended the channel (when its resources know one).
     void add_limit(ChannelExit& exit);
 
@@ -126,7 +129,9 @@ private:
     net::posix::stream_descriptor waits_[2];
     net::posix::stream_descriptor stdin_;
     std::unique_ptr<ChannelResources> resources_;
-    std::string status_line_;  ///< what notify_exit() has read of the status line so far
+    /// What notify_exit() has read of the status line so far; after the exit line, what
+    /// notify_gone() has read of the "end" line (the rest of the read that had the exit line).
+    std::string status_line_;
 };
 
 }  // namespace sandboxd::detail

@@ -108,9 +108,14 @@ void Channel::gone() {
     maybe_finish();
 }
 
+void Channel::ended() {
+    ended_ = true;
+    maybe_finish();
+}
+
 void Channel::maybe_finish() {
     // Exit after output: every byte the command wrote is sent before its exit.
-    if (!reaped_ || pumps_running_ > 0 || exit_sent_) return;
+    if ((!reaped_ && !ended_) || pumps_running_ > 0 || exit_sent_) return;
     stdin_closed_ = true;  // a running stdin pump stops after its write
     send_exit();
 }

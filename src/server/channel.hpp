@@ -175,6 +175,7 @@ private:
     void output_ready(output_stream stream, std::size_t bytes) override;
     void exited(ChannelExit exit) override;
     void gone() override;
+    void ended() override;
 
     void pump_next(output_stream stream);
     void pump_send(output_stream stream, std::size_t avail);
@@ -186,7 +187,8 @@ private:
     void pump_ended(output_stream stream);
     /// Resumes the pumps parked for credit, on the next turn of the strand.
     void resume_credit_waiters();
-    /// Sends the exit once every process is gone and every output pump has ended.
+    /// Sends the exit once every process of the command is gone (ended() or gone()) and every
+    /// output pump has ended.
     void maybe_finish();
     /// Starts the stdin pump when bytes or the half-close wait and it is not running.
     void kick_stdin();
@@ -218,6 +220,7 @@ private:
     bool hung_up_ = false;
     bool abandon_output_ = false;  // FLOW_CONTROL from the backend: undelivered output is dropped
     bool reaped_ = false;
+    bool ended_ = false;  ///< the backend said nothing of the command is left (before reaped_)
     std::optional<channel_outcome> forced_outcome_;
     std::uint64_t stdout_bytes_ = 0, stderr_bytes_ = 0, stdin_bytes_ = 0;
     /// The end of the main process as the backend reported it: exited with exit_code_, or

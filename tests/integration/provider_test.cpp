@@ -26,6 +26,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <spawn.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
@@ -682,10 +683,16 @@ public:
     void output_ready(output_stream stream, std::size_t bytes) override { ready.emplace_back(stream, bytes); }
     void exited(ChannelExit e) override { exit = std::move(e); }
     void gone() override { gone_reported = true; }
+    void ended() override {
+        ++ended_reported;
+        ended_before_gone = !gone_reported;
+    }
 
     std::vector<std::pair<output_stream, std::size_t>> ready;
     std::optional<ChannelExit> exit;
     bool gone_reported = false;
+    int ended_reported = 0;
+    bool ended_before_gone = false;
 
 private:
     boost::asio::any_io_executor executor_;
@@ -775,6 +782,54 @@ TEST_CASE("process backend: its callback forms report what its awaitables do, wi
             REQUIRE(run_until([&] { return recorder->exit.has_value(); }));
             CHECK(recorder->exit->exit_code == 3);
             CHECK(recorder->exit->error.empty());
+        }
+        SECTION("the init's \"end\" line after the exit line: ended() before gone()") {
+            const bool one_write = GENERATE(true, false);
+            CAPTURE(one_write);
+            pipes.write_status(one_write ? "exit 0\nend\n" : "exit 0\n");
+            backend.notify_exit(recorder);
+            REQUIRE(run_until([&] { return recorder->exit.has_value(); }));
+            CHECK(recorder->exit->exit_code == 0);
+            CHECK(recorder->exit->error.empty());
+            backend.notify_gone(recorder);
+            CHECK(recorder->ended_reported == 0);  // never inside the call
+            if (!one_write) {
+                poll();
+                CHECK(recorder->ended_reported == 0);  // waits for the line
+                pipes.write_status("en");
+                poll();
+                CHECK(recorder->ended_reported == 0);  // half a line is no end
+                pipes.write_status("d\n");
+            }
+            REQUIRE(run_until([&] { return recorder->ended_reported == 1; }));
+            CHECK_FALSE(recorder->gone_reported);  // the init itself is still there
+            backend.kill();
+            REQUIRE(run_until([&] { return recorder->gone_reported; }));
+            CHECK(recorder->ended_reported == 1);
+            CHECK(recorder->ended_before_gone);
+        }
+        SECTION("anything but \"end\" after the exit line, or EOF, leaves the end to the pidfd") {
+            const std::string after = GENERATE(std::string("done\n"), std::string("endless"),
+                                               std::string("exit 0\n"), std::string());
+            CAPTURE(after);
+            pipes.write_status("exit 0\n" + after);
+            backend.notify_exit(recorder);
+            REQUIRE(run_until([&] { return recorder->exit.has_value(); }));
+            CHECK(recorder->exit->exit_code == 0);
+            backend.notify_gone(recorder);
+            // Until the backend has read all of it (FIONREAD works on either end of a pipe).
+            REQUIRE(run_until([&] {
+                int queued = -1;
+                return ::ioctl(pipes.status_w.get(), FIONREAD, &queued) == 0 && queued == 0;
+            }));
+            pipes.status_w.reset();  // then EOF
+            poll();
+            poll();
+            CHECK(recorder->ended_reported == 0);
+            CHECK_FALSE(recorder->gone_reported);
+            backend.kill();
+            REQUIRE(run_until([&] { return recorder->gone_reported; }));
+            CHECK(recorder->ended_reported == 0);
         }
         SECTION("a line too long to be one is an invalid status") {
             pipes.write_status(std::string(40, '7'));
@@ -1372,6 +1427,43 @@ TEST_CASE("the init outlives the command until the daemon kills the namespace", 
         REQUIRE(ch.finish());
         CHECK(ch.leftovers().empty());
         for (pid_t p : members) CHECK_FALSE(running_as(p, ""));
+    }
+    CHECK(open_fd_count() == fds_before);
+}
+
+TEST_CASE("with a drain grace the init says \"end\" once nothing but itself is left, its streams "
+          "closed", "[provider]") {
+    const int fds_before = open_fd_count();
+    {
+        Fixture fx;
+        // A background child holding stdout and stderr: the grace (0 ms) ends it.
+        auto spec = command({"sh", "-c", "sleep 60 & echo hi; echo err >&2"});
+        spec.drain_grace_ms = 0;
+        Channel ch(*fx.provider, fx.sandbox, spec);
+        REQUIRE(ch.pump_until([&] { return ch.raw_status().find("end\n") != std::string::npos; },
+                              status_timeout));
+        CHECK(ch.raw_status() == "exit 0\nend\n");
+        // At the "end" line no process of the command is left: at most the init, exiting.
+        for (const pid_t member : ch.members()) CHECK(member == ch.init_pid());
+        // And both streams are at their end already: every byte is there, then EOF, no wait.
+        auto rest_of = [](unique_fd& fd) {
+            std::string text;
+            if (!fd) return text;  // the pump saw its EOF already
+            char buf[256];
+            for (;;) {
+                const ssize_t n = ::read(fd.get(), buf, sizeof buf);
+                if (n > 0) {
+                    text.append(buf, static_cast<std::size_t>(n));
+                    continue;
+                }
+                if (n < 0 && errno == EINTR) continue;
+                return n == 0 ? text : text + "<not at EOF: errno " + std::to_string(errno) + ">";
+            }
+        };
+        CHECK(ch.out() + rest_of(ch.proc().stdout_fd) == "hi\n");
+        CHECK(ch.err() + rest_of(ch.proc().stderr_fd) == "err\n");
+        REQUIRE(ch.finish());
+        CHECK(ch.leftovers().empty());
     }
     CHECK(open_fd_count() == fds_before);
 }

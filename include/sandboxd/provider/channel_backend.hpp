@@ -77,6 +77,13 @@ public:
     virtual void exited(ChannelExit exit) = 0;
     /// wait_gone() would have completed: every process of the channel is gone.
     virtual void gone() = 0;
+    /// An early notice after exited() and before gone(), from a backend that can tell: no
+    /// process of the channel's command is left (its init alone remains, on its way out, and
+    /// holds none of the channel's streams), so the exit may be sent without waiting for the
+    /// init's own end (the process backend: the init's "end" line; gone() comes about 1 ms
+    /// later, after the kernel tears its namespaces down). At most once; gone() still follows.
+    /// The default ignores it.
+    virtual void ended() {}
 };
 
 class ChannelBackend {
@@ -155,6 +162,7 @@ public:
     /// aside).
     virtual void notify_output_ready(output_stream stream, std::shared_ptr<ChannelEvents> to);
     virtual void notify_exit(std::shared_ptr<ChannelEvents> to);
+    /// May also call `to`->ended() first (once, on the same executor), as ChannelEvents says.
     virtual void notify_gone(std::shared_ptr<ChannelEvents> to);
 };
 

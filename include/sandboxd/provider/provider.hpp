@@ -11,16 +11,21 @@
 /// namespace of the channel's own; the daemon serves it through the process backend
 /// (src/provider/process_backend.hpp). The channel init's contract with the daemon (its fds):
 ///  - fd 3 (write end, daemon reads): one line when the command's main process ends:
-///    "exit N\n" (N 0..255) or "signal N\n" (N the signal number). Nothing else. The daemon
-///    reads at most 32 bytes and accepts only those two forms; anything else is an error.
+///    "exit N\n" (N 0..255) or "signal N\n" (N the signal number); then, only when the init
+///    has reaped every other process of the channel (after the drain grace's kill, or once
+///    none was left) and closed its own copies of fds 0-2, "end\n" just before it exits.
+///    Nothing else. The daemon reads at most 32 bytes for the first line and accepts only
+///    those two forms (anything else is an error); it sends the exit once the streams have
+///    ended and either "end" came or the init is gone (its pidfd), whichever is first: the
+///    init's own exit (its namespaces' teardown) is no longer on the exit's path.
 ///  - fd 4 (read end, daemon writes): one byte per request: 1..64 sends that signal to the
 ///    command's process group; 0x80|N sends signal N to every process of the channel
 ///    (kill(-1, N)). EOF on fd 4 is ignored.
 ///  - Neither fd reaches the command: it sees fds 0, 1, 2 only, and the init is not dumpable.
 ///  - If the channel cannot be set up (e.g. a bad cwd), fd 3 reaches EOF with no line and the
 ///    reason is on stderr.
-///  - The channel's pipes reach EOF once the channel init has exited (it exits after the drain
-///    grace, or the daemon kills it).
+///  - The channel's pipes reach EOF once the channel init has closed them (before its "end"
+///    line) or exited (after the drain grace, or when the daemon kills it).
 ///  - The channel init is the supervisor's child, not the daemon's: it is watched and killed
 ///    through its pidfd only (never waitpid).
 
