@@ -20,7 +20,11 @@
 ///   seccomp   the command's process applying sandboxd's syscall filter before its exec;
 ///   warm      all of that, with the init made (clone, namespaces, /proc) before the timer
 ///             starts and woken by a byte on a pipe: a channel init made ahead of its open.
-/// Prints one JSON object for bench/run's report: p50 and p99 (ms) of each. Run as root
+/// Every row but spawn stops its timer when the init says that its command has ended (a byte
+/// on a pipe, written once it has reaped it), not at the init's own exit: sandboxd sends a
+/// channel's exit on its init's "end" line (include/sandboxd/provider/provider.hpp), so the
+/// init's exit (its namespaces' teardown, about 1 ms here) is on no open's path; the init is
+/// reaped after the timer. Prints one JSON object for bench/run's report: p50 and p99 (ms) of each. Run as root
 /// (namespaces, mounts, cgroups). N defaults to 200; DIR to /sys/fs/cgroup.
 ///
 /// What it leaves out is what the lease's sandbox adds once per lease (the user namespace,
@@ -61,6 +65,7 @@ struct Setup {
     step upto = step::spawn;
     int wake_fd = -1;              // warm: the init waits for a byte on it,
     int ready_fd = -1;             // having written one on this
+    int done_fd = -1;              // the init's byte once its command has ended
     std::string program;           // the seccomp filter
     std::vector<int> join_fds;     // opened join files of the floor's own cgroups
     std::vector<std::string> cgroups;  // the floor's own cgroups, removed at the end
@@ -131,12 +136,18 @@ int init_main(void*) {
             if (::write(fd, "0", 1) != 1) return 3;
         }
     }
-    return run_true() == 0 ? 0 : 4;
+    if (run_true() != 0) return 4;
+    return ::write(setup.done_fd, "d", 1) == 1 ? 0 : 6;
 }
 
 /// One timed run of `s` (ms).
 double timed(step s) {
     setup.upto = s;
+    int done[2] = {-1, -1};
+    if (s != step::spawn) {
+        if (::pipe2(done, O_CLOEXEC) < 0) fail("pipe2", errno);
+        setup.done_fd = done[1];
+    }
     int wake[2] = {-1, -1};
     int ready[2] = {-1, -1};
     pid_t pid = -1;
@@ -172,6 +183,16 @@ double timed(step s) {
         } else {
             start_init();
         }
+        // The init's word, or EOF when it failed before it (its status says how, below).
+        ::close(done[1]);
+        setup.done_fd = -1;
+        char byte = 0;
+        while (::read(done[0], &byte, 1) < 0 && errno == EINTR) {
+        }
+    }
+    const auto ended = std::chrono::steady_clock::now();
+    if (s != step::spawn) {
+        ::close(done[0]);
         int status = 0;
         while (::waitpid(pid, &status, 0) < 0) {
             if (errno != EINTR) fail("waitpid", errno);
@@ -182,8 +203,7 @@ double timed(step s) {
             std::exit(1);
         }
     }
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began)
-        .count();
+    return std::chrono::duration<double, std::milli>(ended - began).count();
 }
 
 /// The floor's own cgroups (setup.cgroups, their join files in setup.join_fds): one per v1

@@ -182,7 +182,7 @@ struct Options {
     struct sigaction dfl {};
     dfl.sa_handler = SIG_DFL;
     ::sigemptyset(&dfl.sa_mask);
-    // The init's own changes (setup_signals(), ignore_sigpipe()); the rest are the defaults
+    // The init's own changes (block_init_signals()); the rest are the defaults
     // that the supervisor set once (reset_signal_dispositions()).
     for (int sig : forwarded_signals) ::sigaction(sig, &dfl, nullptr);
     ::sigaction(SIGCHLD, &dfl, nullptr);
@@ -207,50 +207,59 @@ struct Options {
     ::_exit(err == EACCES || err == ENOEXEC ? 126 : 127);
 }
 
+// The signals a channel init reads from its signalfd: those it forwards, and SIGCHLD.
+sigset_t init_signal_set() {
+    sigset_t mask;
+    ::sigemptyset(&mask);
+    for (int sig : forwarded_signals) ::sigaddset(&mask, sig);
+    ::sigaddset(&mask, SIGCHLD);
+    return mask;
+}
+
+// A channel init's signal handling, before its signalfd: SIGPIPE ignored, an empty handler
+// for each signal it reads (PID 1 of a namespace receives only signals it handles), all of
+// them blocked, and the terminal's stop signals too (blocked for good but not read: the init,
+// and the command's child before its exec, may call tcsetpgrp from a background group).
+// Request-independent, so a warm init does it before it waits. 0 or an errno.
+int block_init_signals() {
+    ignore_sigpipe();
+    const sigset_t mask = init_signal_set();
+    struct sigaction handler {};
+    handler.sa_handler = ignore_signal;
+    handler.sa_mask = mask;
+    handler.sa_flags = SA_RESTART;
+    for (int sig : forwarded_signals) ::sigaction(sig, &handler, nullptr);
+    ::sigaction(SIGCHLD, &handler, nullptr);
+    sigset_t blocked = mask;
+    ::sigaddset(&blocked, SIGTTOU);
+    ::sigaddset(&blocked, SIGTTIN);
+    ::sigaddset(&blocked, SIGTSTP);
+    return ::sigprocmask(SIG_BLOCK, &blocked, nullptr) == 0 ? 0 : errno;
+}
+
 class Init {
 public:
     explicit Init(Options opts) : opts_(opts) {}
 
-    int run() {
-        if (!setup_signals()) return 1;
+    /// `signals_blocked`: block_init_signals() has run (0) or failed (its errno), before
+    /// the request (prepare_channel_init()).
+    int run(int signals_blocked) {
+        if (signals_blocked != 0) {
+            print_error("sigprocmask", "", signals_blocked);
+            return 1;
+        }
+        const sigset_t mask = init_signal_set();
+        signal_fd_ = ::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+        if (signal_fd_ < 0) {
+            print_error("signalfd", "", errno);
+            return 1;
+        }
         start_command();
         loop();
         return exit_code_;
     }
 
 private:
-    bool setup_signals() {
-        ignore_sigpipe();
-
-        sigset_t mask;
-        ::sigemptyset(&mask);
-        for (int sig : forwarded_signals) ::sigaddset(&mask, sig);
-        ::sigaddset(&mask, SIGCHLD);
-
-        struct sigaction handler {};
-        handler.sa_handler = ignore_signal;
-        handler.sa_mask = mask;
-        handler.sa_flags = SA_RESTART;
-        for (int sig : forwarded_signals) ::sigaction(sig, &handler, nullptr);
-        ::sigaction(SIGCHLD, &handler, nullptr);
-
-        // Blocked for good but not read: lets the init (and the child before exec) call
-        // tcsetpgrp from a background process group.
-        sigset_t blocked = mask;
-        ::sigaddset(&blocked, SIGTTOU);
-        ::sigaddset(&blocked, SIGTTIN);
-        ::sigaddset(&blocked, SIGTSTP);
-        if (::sigprocmask(SIG_BLOCK, &blocked, nullptr) != 0) {
-            print_error("sigprocmask", "", errno);
-            return false;
-        }
-        signal_fd_ = ::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
-        if (signal_fd_ < 0) {
-            print_error("signalfd", "", errno);
-            return false;
-        }
-        return true;
-    }
 
     // The command's process, as posix_spawn makes one: clone(CLONE_VM | CLONE_VFORK) on a
     // stack of its own, so that no page table is copied and no page is faulted in twice (the
@@ -499,11 +508,34 @@ int mount_channel_proc() {
     return 0;
 }
 
-// The channel init's work once it has its request; its /proc is mounted (mount_channel_proc).
-// `filtered`: the init itself is under `program` already (a warm init applies it ahead), which
-// every process it starts inherits; else the command applies it before its exec.
+// What a channel init sets up that no request decides (a warm init does it before it waits,
+// so that an open does not pay for it; a cloned init at its start): its own session (the
+// command's terminal, if any, becomes its controlling one), not dumpable (the command shares
+// its uid: keep it out of the init's descriptors and memory; a clone of the supervisor is so
+// already, this says it where it matters), the command's umask, as `docker exec` and a login
+// give it (not the daemon's 0077, daemon_main.cpp and the unit's UMask=, which every process
+// it starts inherits), and its signal handling. Failures are kept for the request, whose
+// stderr is where they are told.
+struct PreparedInit {
+    int session_error = 0;  ///< setsid()'s errno, or 0
+    int signals_error = 0;  ///< block_init_signals()'s errno, or 0
+};
+
+PreparedInit prepare_channel_init() {
+    PreparedInit prepared;
+    if (::setsid() < 0) prepared.session_error = errno;
+    ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    ::umask(022);
+    prepared.signals_error = block_init_signals();
+    return prepared;
+}
+
+// The channel init's work once it has its request; its /proc is mounted (mount_channel_proc)
+// and prepare_channel_init() has run. `filtered`: the init itself is under `program` already
+// (a warm init applies it ahead), which every process it starts inherits; else the command
+// applies it before its exec.
 [[noreturn]] void run_channel_init(const ChannelRequest& req, const std::string& program,
-                                   bool filtered) {
+                                   bool filtered, const PreparedInit& prepared) {
     // Join the channel's cgroup: the daemon opened these files, so the kernel checks its
     // credentials, not ours. This process is single-threaded, so "0" written to a v1 `tasks`
     // file moves all of it.
@@ -513,8 +545,12 @@ int mount_channel_proc() {
             ::_exit(125);
         }
     }
-    if (::setsid() < 0 || !take_channel_fds(req.fds)) {
+    if (!take_channel_fds(req.fds)) {
         print_error("cannot set up the channel", "", errno);
+        ::_exit(125);
+    }
+    if (prepared.session_error != 0) {
+        print_error("cannot set up the channel", "", prepared.session_error);
         ::_exit(125);
     }
     const bool pty = (req.header.flags & proto::flag_pty) != 0;
@@ -522,16 +558,11 @@ int mount_channel_proc() {
         print_error("cannot take the terminal", "", errno);
         ::_exit(125);
     }
-    // From here on the command shares our uid: keep it out of our descriptors and memory.
-    ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     if (::chdir(req.cwd) < 0) {
         // No status line: the daemon reports the channel as failed, with this on stderr.
         print_error("cannot change to directory ", req.cwd, errno);
         ::_exit(125);
     }
-    // The command's own umask, as `docker exec` and a login give it: not the daemon's 0077
-    // (daemon_main.cpp, the unit's UMask=), which every process it starts inherits.
-    ::umask(022);
     Options opts;
     opts.pty = pty;
     opts.grace_ms = req.header.grace_ms;
@@ -539,7 +570,7 @@ int mount_channel_proc() {
     opts.envp = const_cast<char**>(req.envp.data());
     opts.open_files = req.header.open_files;
     opts.program = filtered ? nullptr : &program;
-    ::_exit(Init(opts).run());
+    ::_exit(Init(opts).run(prepared.signals_error));
 }
 
 // --- The supervisor. ---
@@ -721,6 +752,7 @@ private:
 
     [[noreturn]] void run_warm_init(int socket) {
         const int mounted = mount_channel_proc();
+        const PreparedInit prepared = prepare_channel_init();
         // The command's syscall filter, on this init already: its cost (the kernel runs the
         // program once per syscall number to fill its cache) is then paid ahead too. Nothing
         // the init does after this is denied by it (no mount, no namespace, no TIOCSTI); if
@@ -742,7 +774,7 @@ private:
             print_error("cannot mount the channel's /proc", "", mounted);
             ::_exit(125);
         }
-        run_channel_init(req, program_, filtered);
+        run_channel_init(req, program_, filtered, prepared);
     }
 
     // Passes the checked request of `size` bytes in buffer_ and its descriptors to the warm
@@ -885,7 +917,7 @@ private:
                 print_error("cannot mount the channel's /proc", "", err);
                 ::_exit(125);
             }
-            run_channel_init(req, program_, false);
+            run_channel_init(req, program_, false, prepare_channel_init());
         }
         ::fcntl(pidfd, F_SETFD, FD_CLOEXEC);
         return 0;
