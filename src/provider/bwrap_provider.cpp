@@ -181,6 +181,15 @@ struct Counters {
 };
 
 /// A running sandbox: its supervisor, cgroup and identity.
+/// A channel's cgroup, taken for one channel, with the counts it had when taken: a spare one
+/// has served earlier channels, and its counts were read when it was put back (nothing runs
+/// in it between), so that taking it reads nothing.
+struct TakenCgroup {
+    std::unique_ptr<detail::ChannelCgroup> cgroup;
+    std::uint64_t oom_kills_before = 0;
+    std::uint64_t pids_hits_before = 0;
+};
+
 class BwrapSandbox final : public SandboxState {
 public:
     BwrapSandbox() = default;
@@ -246,21 +255,13 @@ public:
     std::unique_ptr<detail::LeaseCgroup> cgroup;  ///< null when limits are not enforced
     /// Emptied channel cgroups of this lease, for its next channels: a channel then opens
     /// the five join files of one of them instead of making (and later freezing,
-    /// killing and removing) a cgroup in five hierarchies. Under `mutex`; at most
-    /// max_spare_cgroups.
-    std::vector<std::unique_ptr<detail::ChannelCgroup>> spare_cgroups;
+    /// killing and removing) a cgroup in five hierarchies. With their counts as they were
+    /// put back. Under `mutex`; at most max_spare_cgroups.
+    std::vector<TakenCgroup> spare_cgroups;
     static constexpr std::size_t max_spare_cgroups = 16;
     EffectiveLimits limits;
     std::atomic<std::uint64_t> pids_hits_seen{0};
     std::atomic<std::uint64_t> channels{0};
-};
-
-/// A channel's cgroup, taken for one channel, with the counts it had when taken (a spare
-/// one has served earlier channels).
-struct TakenCgroup {
-    std::unique_ptr<detail::ChannelCgroup> cgroup;
-    std::uint64_t oom_kills_before = 0;
-    std::uint64_t pids_hits_before = 0;
 };
 
 class BwrapChannelResources final : public detail::ChannelResources {
@@ -292,11 +293,15 @@ public:
     void release(bool processes_gone) noexcept override {
         if (!cgroup_.cgroup || !processes_gone) return;  // killed and removed by its destructor
         cgroup_.cgroup->mark_empty();
+        // The next channel's baselines, read now that this channel has ended, rather than on
+        // the next open's path (nothing runs in the cgroup until then).
+        cgroup_.oom_kills_before = cgroup_.cgroup->oom_kills();
+        cgroup_.pids_hits_before = cgroup_.cgroup->own_pids_limit_hits().value_or(0);
         std::lock_guard lock(sandbox_->mutex);
         // Not once the lease is being destroyed (its cgroup is gone or going).
         if (sandbox_->pid > 0 && sandbox_->cgroup &&
             sandbox_->spare_cgroups.size() < BwrapSandbox::max_spare_cgroups) {
-            sandbox_->spare_cgroups.push_back(std::move(cgroup_.cgroup));
+            sandbox_->spare_cgroups.push_back(std::move(cgroup_));
         }
     }
 
@@ -713,20 +718,16 @@ private:
         return out;
     }
 
-    /// A spare cgroup of the lease, else a new one.
+    /// A spare cgroup of the lease (with its counts as it was put back), else a new one.
     static TakenCgroup take_channel_cgroup(BwrapSandbox& state) {
         TakenCgroup out;
         {
             std::lock_guard lock(state.mutex);
             if (!state.spare_cgroups.empty()) {
-                out.cgroup = std::move(state.spare_cgroups.back());
+                out = std::move(state.spare_cgroups.back());
                 state.spare_cgroups.pop_back();
+                return out;
             }
-        }
-        if (out.cgroup) {
-            out.oom_kills_before = out.cgroup->oom_kills();
-            out.pids_hits_before = out.cgroup->own_pids_limit_hits().value_or(0);
-            return out;
         }
         out.cgroup = state.cgroup->create_channel("ch-" + std::to_string(++state.channels));
         return out;
