@@ -442,11 +442,13 @@ private:
     // and says "end": the daemon may send the exit now, without waiting for this process's
     // own exit, whose namespace teardown takes about a millisecond (provider.hpp, fd 3).
     void finish() {
-        ::kill(-1, SIGKILL);
-        for (;;) {
+        // With no child left (reap() saw ECHILD) there is nothing to kill: only this process
+        // could start another.
+        if (!no_children_) ::kill(-1, SIGKILL);
+        while (!no_children_) {
             pid_t pid = ::waitpid(-1, nullptr, 0);
             if (pid < 0 && errno == EINTR) continue;
-            if (pid < 0) break;
+            if (pid < 0) no_children_ = true;
         }
         ::close(STDIN_FILENO);
         ::close(STDOUT_FILENO);
