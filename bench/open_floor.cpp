@@ -20,6 +20,11 @@
 ///   seccomp   the command's process applying sandboxd's syscall filter before its exec;
 ///   warm      all of that, with the init made (clone, namespaces, /proc) before the timer
 ///             starts and woken by a byte on a pipe: a channel init made ahead of its open.
+/// Beside them, each iteration times one round trip of 64 bytes over a loopback TCP connection
+/// to a forked echo process (`tcp_rtt`, TCP_NODELAY both ways): the least that a request
+/// from a client and an answer to it (the open's request and its exit frame) add to any of
+/// the rows, wherever the process runs.
+///
 /// Every row but spawn stops its timer when the init says that its command has ended (a byte
 /// on a pipe, written once it has reaped it), not at the init's own exit: sandboxd sends a
 /// channel's exit on its init's "end" line (include/sandboxd/provider/provider.hpp), so the
@@ -37,7 +42,10 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <spawn.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/mount.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -206,6 +214,73 @@ double timed(step s) {
     return std::chrono::duration<double, std::milli>(ended - began).count();
 }
 
+/// A loopback TCP connection to a forked process that echoes what it reads; the client's end.
+/// The echo process exits at EOF (reaped by close_echo()).
+struct Echo {
+    int fd = -1;
+    pid_t pid = -1;
+};
+
+Echo start_echo() {
+    Echo echo;
+    const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof addr;
+    if (listener < 0 || ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) < 0 ||
+        ::listen(listener, 1) < 0 ||
+        ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) < 0) {
+        fail("loopback listener", errno);
+    }
+    echo.pid = ::fork();
+    if (echo.pid < 0) fail("fork of the echo process", errno);
+    if (echo.pid == 0) {
+        const int conn = ::accept(listener, nullptr, nullptr);
+        const int one = 1;
+        ::setsockopt(conn, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        char buf[4096];
+        for (;;) {
+            const ssize_t n = ::read(conn, buf, sizeof buf);
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0 || ::write(conn, buf, static_cast<std::size_t>(n)) != n) ::_exit(0);
+        }
+    }
+    ::close(listener);
+    echo.fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const int one = 1;
+    if (echo.fd < 0 || ::connect(echo.fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) < 0 ||
+        ::setsockopt(echo.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) < 0) {
+        fail("loopback connection", errno);
+    }
+    return echo;
+}
+
+/// One round trip of 64 bytes (ms).
+double round_trip(const Echo& echo) {
+    char out[64] = {};
+    char in[64];
+    const auto began = std::chrono::steady_clock::now();
+    if (::write(echo.fd, out, sizeof out) != static_cast<ssize_t>(sizeof out)) {
+        fail("write to the echo process", errno);
+    }
+    std::size_t got = 0;
+    while (got < sizeof in) {
+        const ssize_t n = ::read(echo.fd, in + got, sizeof in - got);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) fail("read from the echo process", n < 0 ? errno : EPIPE);
+        got += static_cast<std::size_t>(n);
+    }
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began)
+        .count();
+}
+
+void close_echo(Echo& echo) {
+    ::close(echo.fd);
+    while (::waitpid(echo.pid, nullptr, 0) < 0 && errno == EINTR) {
+    }
+}
+
 /// The floor's own cgroups (setup.cgroups, their join files in setup.join_fds): one per v1
 /// hierarchy a channel joins, or one (v2).
 void make_cgroups(const std::string& root) {
@@ -261,12 +336,16 @@ int main(int argc, char** argv) {
     for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &stop, nullptr);
     make_cgroups(cgroup_root);
 
+    Echo echo = start_echo();
     std::array<std::vector<double>, step_names.size()> times;
+    std::vector<double> rtt;
     for (int i = 0; i < count && interrupted == 0; ++i) {
         for (std::size_t s = 0; s < step_names.size(); ++s) {
             times[s].push_back(timed(static_cast<step>(s)));
         }
+        rtt.push_back(round_trip(echo));
     }
+    close_echo(echo);
     // Every process that joined has exited: the cgroups are empty.
     remove_cgroups();
     if (interrupted != 0) {
@@ -275,16 +354,17 @@ int main(int argc, char** argv) {
     }
 
     std::string steps;
-    for (std::size_t s = 0; s < step_names.size(); ++s) {
-        auto& v = times[s];
+    auto add = [&steps](const char* name, std::vector<double>& v) {
         std::sort(v.begin(), v.end());
         const double p50 = v[v.size() / 2];
         const double p99 = v[std::min(v.size() - 1, v.size() * 99 / 100)];
         char entry[160];
         std::snprintf(entry, sizeof entry, "%s\"%s\": {\"p50\": %.4f, \"p99\": %.4f, \"n\": %zu}",
-                      s == 0 ? "" : ", ", step_names[s], p50, p99, v.size());
+                      steps.empty() ? "" : ", ", name, p50, p99, v.size());
         steps += entry;
-    }
+    };
+    for (std::size_t s = 0; s < step_names.size(); ++s) add(step_names[s], times[s]);
+    add("tcp_rtt", rtt);
     // The figure: every piece, the init made on the open's path (as sandboxd makes it).
     const auto& full = times[static_cast<std::size_t>(step::seccomp)];
     std::printf("{\"open_floor_p50_ms\": %.4f, \"details\": {\"open_floor\": {%s}}}\n",
