@@ -110,6 +110,8 @@ void Channel::gone() {
 
 void Channel::ended() {
     ended_ = true;
+    // Nothing of the command runs any more: it no longer counts as running on this node.
+    if (options_.on_reaped) std::exchange(options_.on_reaped, nullptr)();
     maybe_finish();
 }
 

@@ -76,7 +76,9 @@ struct ChannelOptions {
     std::uint32_t stdin_window = 1 << 20;
     std::optional<std::chrono::milliseconds> timeout;
     std::chrono::milliseconds hangup_grace{5000};
-    /// Called once on the strand when every process of the channel is gone.
+    /// Called once on the strand when no process of the channel's command is left: at the
+    /// backend's ended() or gone(), the first (the channel's init may still be exiting then;
+    /// its cgroup goes back to the lease when the backend sees it gone).
     std::function<void()> on_reaped;
     /// The audit trail (null: none) and what its lines name: the lease's epoch at the open and
     /// the channel's node-wide key (ChannelTable), unique within this daemon process.
