@@ -241,11 +241,11 @@ class Init {
 public:
     explicit Init(Options opts) : opts_(opts) {}
 
-    /// `signals_blocked`: block_init_signals() has run (0) or failed (its errno), before
+    /// `signals_error`: block_init_signals() has run (0) or failed (its errno), before
     /// the request (prepare_channel_init()).
-    int run(int signals_blocked) {
-        if (signals_blocked != 0) {
-            print_error("sigprocmask", "", signals_blocked);
+    int run(int signals_error) {
+        if (signals_error != 0) {
+            print_error("sigprocmask", "", signals_error);
             return 1;
         }
         const sigset_t mask = init_signal_set();
