@@ -260,7 +260,6 @@ public:
     }
 
 private:
-
     // The command's process, as posix_spawn makes one: clone(CLONE_VM | CLONE_VFORK) on a
     // stack of its own, so that no page table is copied and no page is faulted in twice (the
     // init resumes once the child has exec'd or exited). The stack has room for execvp's copy

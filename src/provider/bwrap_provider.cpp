@@ -180,7 +180,6 @@ struct Counters {
     std::atomic<std::uint64_t> pids{0};
 };
 
-/// A running sandbox: its supervisor, cgroup and identity.
 /// A channel's cgroup, taken for one channel, with the counts it had when taken: a spare one
 /// has served earlier channels, and its counts were read when it was put back (nothing runs
 /// in it between), so that taking it reads nothing.
@@ -190,6 +189,7 @@ struct TakenCgroup {
     std::uint64_t pids_hits_before = 0;
 };
 
+/// A running sandbox: its supervisor, cgroup and identity.
 class BwrapSandbox final : public SandboxState {
 public:
     BwrapSandbox() = default;
