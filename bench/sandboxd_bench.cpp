@@ -440,17 +440,28 @@ std::pair<double, double> open_true_once(Conn& c, const json& lease) {
     }
 }
 
-/// Sequential opens of `true` on one connection.
-json sequential_opens(const Target& t, const json& lease, std::size_t count) {
+/// Sequential opens of `true` on one connection. A non-empty `samples_path` gets one line per
+/// open: ms since the first open started, ms to the result, ms to the exit (to look at a tail).
+json sequential_opens(const Target& t, const json& lease, std::size_t count,
+                      const std::string& samples_path = {}) {
     Conn c(t.url, t.token);
     open_true_once(c, lease);  // warm-up
-    std::vector<double> exit_ms, result_ms;
+    std::vector<double> exit_ms, result_ms, start_ms;
+    const auto first = clock_type::now();
     for (std::size_t i = 0; i < count; ++i) {
+        start_ms.push_back(ms_since(first));
         auto [e, r] = open_true_once(c, lease);
         exit_ms.push_back(e);
         result_ms.push_back(r);
     }
     c.close();
+    if (!samples_path.empty()) {
+        std::ofstream out(samples_path);
+        if (!out) throw std::runtime_error("cannot write " + samples_path);
+        for (std::size_t i = 0; i < count; ++i) {
+            out << start_ms[i] << ' ' << result_ms[i] << ' ' << exit_ms[i] << '\n';
+        }
+    }
     return {{"to_exit_ms", summary(exit_ms)}, {"to_result_ms", summary(result_ms)}};
 }
 
@@ -661,7 +672,7 @@ json cmd_open(const Args& a) {
     const Target t = target_of(a);
     Conn c(t.url, t.token);
     const json lease = acquire(c);
-    json seq = sequential_opens(t, lease, a.num("count", 500));
+    json seq = sequential_opens(t, lease, a.num("count", 500), a.str("samples"));
     json conc = concurrent_opens(t, lease, a.num("concurrent", 100), a.num("connections", 4),
                                  a.num("rounds", 3));
     json exec = sequential_executes(t, lease, a.num("count", 500));
