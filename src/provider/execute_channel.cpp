@@ -75,10 +75,17 @@ awaitable<void> feed_stdin(ChannelBackend& backend, std::string data) {
     backend.close_stdin();
 }
 
-awaitable<ChannelExit> end_of(ChannelBackend& backend) {
+/// The command's exit, once none of its processes is left; `gone` says whether the channel's
+/// init is gone too (ChannelBackend::wait_ended()).
+awaitable<ChannelExit> end_of(ChannelBackend& backend, bool& gone) {
     ChannelExit exit = co_await backend.wait_exit();
-    co_await backend.wait_gone();
+    gone = co_await backend.wait_ended();
     co_return exit;
+}
+
+/// Keeps `backend` until its channel's init is gone too, off the answer's path.
+awaitable<void> keep_until_gone(std::unique_ptr<ChannelBackend> backend) {
+    co_await backend->wait_gone();
 }
 
 std::string sdk_signal_name(int sig) {
@@ -116,13 +123,18 @@ awaitable<json> Provider::execute(std::shared_ptr<SandboxHandle> sandbox, Lease 
     Capture out{"stdout", {}, {}, 0, false};
     Capture err{"stderr", {}, {}, 0, false};
     const std::size_t limit = request.output_limit;
+    bool gone = false;
     auto results = co_await (pump(*backend, output_stream::out, out, limit, log) &&
                              pump(*backend, output_stream::err, err, limit, log) &&
                              feed_stdin(*backend, std::move(request.stdin_data)) &&
-                             end_of(*backend));
+                             end_of(*backend, gone));
     ChannelExit exit = std::move(results);
     *done = true;
     timer.cancel();
+    if (!gone) {
+        net::co_spawn(co_await net::this_coro::executor, keep_until_gone(std::move(backend)),
+                      net::detached);
+    }
     const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(
         std::chrono::steady_clock::now() - started);
 

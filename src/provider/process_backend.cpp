@@ -2,6 +2,7 @@
 
 #include <sandboxd/core/errors.hpp>
 
+#include <boost/asio/experimental/awaitable_operators.hpp>
 #include <spdlog/spdlog.h>
 
 #include <csignal>
@@ -13,6 +14,8 @@
 #include <sys/syscall.h>
 #include <termios.h>
 #include <unistd.h>
+
+#include <variant>
 
 namespace sandboxd::detail {
 namespace {
@@ -239,15 +242,16 @@ void ProcessBackend::resize(std::uint16_t cols, std::uint16_t rows) {
 
 awaitable<ChannelExit> ProcessBackend::wait_exit() {
     ChannelExit exit;
-    std::string line;
     auto [ec, n] = co_await net::async_read_until(
-        status_, net::dynamic_buffer(line, max_status_line), '\n', as_tuple_awaitable);
+        status_, net::dynamic_buffer(status_line_, max_status_line), '\n', as_tuple_awaitable);
     if (ec && n == 0) {
         // EOF with no line (the channel could not be set up, or its init was killed), or a
         // line too long to be one.
-        if (ec != net::error::eof && !line.empty()) exit.error = invalid_status;
+        if (ec != net::error::eof && !status_line_.empty()) exit.error = invalid_status;
+        status_line_ = std::string();
     } else {
-        exit = parse_status_line(std::string_view(line).substr(0, n - 1));
+        exit = parse_status_line(std::string_view(status_line_).substr(0, n - 1));
+        status_line_.erase(0, n);  // what came after it belongs to the "end" line
     }
     add_limit(exit);
     co_return exit;
@@ -333,33 +337,60 @@ void ProcessBackend::notify_gone(std::shared_ptr<ChannelEvents> to) {
 
 void ProcessBackend::read_end(std::shared_ptr<ChannelEvents> to, const beast::error_code& ec) {
     if (ec || gone_) return;  // gone() has reported it, or will
+    const std::optional<bool> end = take_end_line();
+    if (!end) {
+        status_.async_wait(net::posix::descriptor_base::wait_read,
+                           [this, to](const beast::error_code& e) { read_end(to, e); });
+        return;
+    }
+    if (*end) to->ended();
+}
+
+std::optional<bool> ProcessBackend::take_end_line() {
     constexpr std::string_view end_line = "end\n";
     for (;;) {
         if (const auto nl = status_line_.find('\n'); nl != std::string::npos) {
             const bool end = std::string_view(status_line_).substr(0, nl + 1) == end_line;
             status_line_ = std::string();
-            if (end) to->ended();
-            return;  // anything else: not the init's word; the pidfd decides
+            return end;  // anything else: not the init's word
         }
         if (status_line_.size() >= end_line.size()) {
             status_line_ = std::string();
-            return;
+            return false;
         }
         char chunk[end_line.size()];
         const ssize_t n =
             ::read(status_.native_handle(), chunk, end_line.size() - status_line_.size());
         if (n < 0 && errno == EINTR) continue;
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            status_.async_wait(net::posix::descriptor_base::wait_read,
-                               [this, to](const beast::error_code& e) { read_end(to, e); });
-            return;
-        }
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return std::nullopt;
         if (n <= 0) {
             status_line_ = std::string();
-            return;  // EOF without "end": the init was killed, or exits another way
+            return false;  // EOF without "end": the init was killed, or exits another way
         }
         status_line_.append(chunk, static_cast<std::size_t>(n));
     }
+}
+
+awaitable<bool> ProcessBackend::read_end_line() {
+    for (;;) {
+        if (const std::optional<bool> end = take_end_line()) co_return *end;
+        auto [ec] = co_await status_.async_wait(net::posix::descriptor_base::wait_read,
+                                                as_tuple_awaitable);
+        if (ec) co_return false;
+    }
+}
+
+awaitable<bool> ProcessBackend::wait_ended() {
+    using namespace net::experimental::awaitable_operators;
+    if (status_.is_open()) {
+        // Whichever comes first: a killed init writes no "end", and its pidfd then decides.
+        auto first = co_await (read_end_line() ||
+                               pidfd_.async_wait(net::posix::descriptor_base::wait_read,
+                                                 as_tuple_awaitable));
+        if (first.index() == 0 && std::get<0>(first)) co_return false;
+    }
+    co_await wait_gone();
+    co_return true;
 }
 
 ProcessEnds ProcessBackend::release_for_test() {

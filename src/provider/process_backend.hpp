@@ -72,6 +72,8 @@ public:
     void resize(std::uint16_t cols, std::uint16_t rows) override;
     awaitable<ChannelExit> wait_exit() override;
     awaitable<void> wait_gone() override;
+    /// The init's "end" line, or the pidfd when it comes first (or the line does not come).
+    awaitable<bool> wait_ended() override;
     /// Readiness waits on the descriptors themselves: no coroutine frame while a channel waits.
     void notify_output_ready(output_stream stream, std::shared_ptr<ChannelEvents> to) override;
     void notify_exit(std::shared_ptr<ChannelEvents> to) override;
@@ -109,6 +111,12 @@ private:
     /// After the exit line: reads the status fd for the init's "end" line and calls
     /// `to`->ended() when it is there (anything else, or EOF, leaves it to the pidfd).
     void read_end(std::shared_ptr<ChannelEvents> to, const beast::error_code& ec);
+    /// Reads what the status fd holds of the "end" line now, without waiting: true once it is
+    /// there, false when anything else or EOF comes (the pidfd decides then), nullopt when the
+    /// rest is still to come.
+    std::optional<bool> take_end_line();
+    /// wait_ended()'s read of the "end" line: take_end_line() until it knows.
+    awaitable<bool> read_end_line();
     /// Adds the limit that ended the channel (when its resources know one).
     void add_limit(ChannelExit& exit);
 

@@ -16,6 +16,8 @@
 #include "support/run_awaitable.hpp"
 #include "support/wait_readable.hpp"
 
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
 #include <boost/asio/experimental/awaitable_operators.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/steady_timer.hpp>
@@ -880,6 +882,69 @@ TEST_CASE("process backend: its callback forms report what its awaitables do, wi
         // The handlers hold the recorder until they have run; none is left pending.
         poll();
         CHECK(recorder.use_count() == 1);
+    }
+    CHECK(open_fd_count() == fds_before);
+}
+
+TEST_CASE("process backend: wait_ended() completes at the init's \"end\" line, or with its pidfd",
+          "[provider]") {
+    const int fds_before = open_fd_count();
+    {
+        boost::asio::io_context io;
+        auto run_until = [&io](const std::function<bool()>& done) {
+            const auto deadline = Clock::now() + status_timeout;
+            while (!done() && Clock::now() < deadline) {
+                io.restart();
+                io.run_one_for(milliseconds(100));
+            }
+            return done();
+        };
+        PipeBackend pipes(io);
+        auto& backend = *pipes.backend;
+        std::optional<ChannelExit> exit;
+        std::optional<bool> gone_at_end;  // wait_ended()'s answer
+        bool gone = false;
+        boost::asio::co_spawn(
+            io,
+            [&]() -> sandboxd::awaitable<void> {
+                exit = co_await backend.wait_exit();
+                gone_at_end = co_await backend.wait_ended();
+                if (!*gone_at_end) co_await backend.wait_gone();
+                gone = true;
+            },
+            boost::asio::detached);
+
+        SECTION("\"end\" in the exit line's write, or after it: the init still runs") {
+            const bool one_write = GENERATE(true, false);
+            CAPTURE(one_write);
+            pipes.write_status(one_write ? "exit 0\nend\n" : "exit 0\n");
+            REQUIRE(run_until([&] { return exit.has_value(); }));
+            CHECK(exit->exit_code == 0);
+            if (!one_write) {
+                io.restart();
+                io.poll();
+                CHECK_FALSE(gone_at_end);  // waits for the line
+                pipes.write_status("end\n");
+            }
+            REQUIRE(run_until([&] { return gone_at_end.has_value(); }));
+            CHECK_FALSE(*gone_at_end);
+            CHECK(::kill(pipes.child, 0) == 0);  // the init is still there
+            CHECK_FALSE(gone);
+            backend.kill();
+            REQUIRE(run_until([&] { return gone; }));
+        }
+        SECTION("no \"end\": the pidfd answers, gone") {
+            const std::string after = GENERATE(std::string(), std::string("bogus\n"));
+            CAPTURE(after);
+            pipes.write_status("exit 0\n" + after);
+            REQUIRE(run_until([&] { return exit.has_value(); }));
+            io.restart();
+            io.poll();
+            CHECK_FALSE(gone_at_end);
+            backend.kill();  // the status pipe stays open: only the pidfd can tell
+            REQUIRE(run_until([&] { return gone; }));
+            CHECK(gone_at_end == true);
+        }
     }
     CHECK(open_fd_count() == fds_before);
 }

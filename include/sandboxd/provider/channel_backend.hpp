@@ -152,6 +152,18 @@ public:
     /// Completes once every process of the channel is gone (after wait_exit(); the output
     /// streams end at the latest then). Never throws.
     virtual awaitable<void> wait_gone() = 0;
+    /// ChannelEvents::ended()'s awaitable form, for a caller that needs no more than that the
+    /// command's processes are gone (leaseExecute's answer): after wait_exit(), completes once
+    /// no process of the command is left. Returns true when wait_gone()'s moment has come too
+    /// (the backend could not tell earlier; wait_gone() must not be called then), false when
+    /// only the channel's init remains, on its way out: the caller then keeps the backend
+    /// until wait_gone() completes (destroying it earlier kills the init and throws away the
+    /// channel's cgroup, which the lease would otherwise use again). At most once, instead of
+    /// a direct wait_gone(). Never throws. The default awaits wait_gone().
+    virtual awaitable<bool> wait_ended() {
+        co_await wait_gone();
+        co_return true;
+    }
 
     /// Callback forms of output_ready(), wait_exit() and wait_gone(), with the same rules:
     /// `to` gets the result once, on its events_executor(). The daemon's Channel uses only
