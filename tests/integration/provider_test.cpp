@@ -700,6 +700,21 @@ private:
     boost::asio::any_io_executor executor_;
 };
 
+namespace {
+
+/// Runs `io`'s handlers until `done` or a bound (never a sleep: each step waits on a pipe);
+/// returns `done`.
+bool run_io_until(boost::asio::io_context& io, const std::function<bool()>& done) {
+    const auto deadline = Clock::now() + status_timeout;
+    while (!done() && Clock::now() < deadline) {
+        io.restart();
+        io.run_one_for(milliseconds(100));
+    }
+    return done();
+}
+
+}  // namespace
+
 /// A process backend over pipes that the test writes itself (its stdout and its status line),
 /// around a `sleep` child of this process as the channel init that its pidfd watches.
 struct PipeBackend {
@@ -750,15 +765,7 @@ TEST_CASE("process backend: its callback forms report what its awaitables do, wi
             io.restart();
             return io.poll();
         };
-        // Runs handlers until `done` or a bound (never a sleep: each step waits on a pipe).
-        auto run_until = [&io](const std::function<bool()>& done) {
-            const auto deadline = Clock::now() + status_timeout;
-            while (!done() && Clock::now() < deadline) {
-                io.restart();
-                io.run_one_for(milliseconds(100));
-            }
-            return done();
-        };
+        auto run_until = [&io](const std::function<bool()>& done) { return run_io_until(io, done); };
         auto recorder = std::make_shared<Recorder>(io.get_executor());
         PipeBackend pipes(io);
         auto& backend = *pipes.backend;
@@ -891,14 +898,7 @@ TEST_CASE("process backend: wait_ended() completes at the init's \"end\" line, o
     const int fds_before = open_fd_count();
     {
         boost::asio::io_context io;
-        auto run_until = [&io](const std::function<bool()>& done) {
-            const auto deadline = Clock::now() + status_timeout;
-            while (!done() && Clock::now() < deadline) {
-                io.restart();
-                io.run_one_for(milliseconds(100));
-            }
-            return done();
-        };
+        auto run_until = [&io](const std::function<bool()>& done) { return run_io_until(io, done); };
         PipeBackend pipes(io);
         auto& backend = *pipes.backend;
         std::optional<ChannelExit> exit;
