@@ -672,6 +672,20 @@ TEST_CASE("Built-in leases carry capabilities, and probe, config validation and 
     CHECK(ex.result["exitCode"].is_null());
     CHECK(ex.result["signal"] == "SIGKILL");
 
+    // A command that leaves a process behind: the answer, with the command's own output,
+    // comes once the drain grace has ended that process. Executes back to back then each
+    // answer at the channel init's "end" (the init's own exit comes after the answer) and
+    // leave nothing held once those inits are gone.
+    ex = execute(*c, {{"leaseId", lease["id"]}, {"command", "/bin/sh"}, {"args", {"-c", "sleep 60 & echo bg"}}});
+    CHECK(ex.result["exitCode"] == 0);
+    CHECK(ex.result["stdout"] == "bg\n");
+    const std::size_t fds_before = sd.daemon->fd_count();
+    for (int i = 0; i < 20; ++i) {
+        ex = execute(*c, {{"leaseId", lease["id"]}, {"command", "true"}});
+        REQUIRE(ex.result["exitCode"] == 0);
+    }
+    CHECK(eventually([&] { return sd.daemon->fd_count() <= fds_before; }, seconds(5)));
+
     // Bytes that are not UTF-8 become U+FFFD; over limits.executeOutputBytes (1 MiB) the
     // output is read to its end but neither kept nor logged.
     ex = execute(*c, {{"leaseId", lease["id"]},
