@@ -1346,7 +1346,7 @@ private:
         timer.expires_after(std::chrono::milliseconds(supervisor_timeout_ms));
         auto outcome = co_await (exchange(socket, std::move(spare), request, std::move(payload),
                                           std::move(fds)) ||
-                                 timer.async_wait(use_awaitable));
+                                 timer.async_wait(as_tuple_awaitable));
         if (outcome.index() == 1) fail_supervisor(*sandbox, name, ETIMEDOUT);
         Exchanged got = std::get<0>(std::move(outcome));
         if (got.error != 0) fail_supervisor(*sandbox, name, got.error);
