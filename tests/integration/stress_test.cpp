@@ -152,29 +152,35 @@ std::uint32_t open_channel(Client& c, ExitTally& tally, const json& params) {
 /// there.
 void require_baseline(const DaemonProcess& d, std::size_t descendants,
                       const std::vector<std::string>& fds) {
+    // The descriptors first: metric() is a connection to the daemon, which holds its end for
+    // a moment after the answer (eventually() waits 10 ms between its tries).
     const bool back = eventually(
         [&] {
-            return d.metric("sandboxd_channels_running") == 0 &&
-                   own_descendants_but_warm_init() == descendants && d.fd_count() == fds.size();
+            return d.fd_count() == fds.size() && own_descendants_but_warm_init() == descendants &&
+                   d.metric("sandboxd_channels_running") == 0;
         },
         seconds(20));
-    INFO("channels open " << d.metric("sandboxd_channels_running") << ", descendants but a warm init "
-                          << own_descendants_but_warm_init() << " (baseline " << descendants
-                          << "), fds " << d.fd_count() << " (baseline " << fds.size() << ")");
+    // What the daemon holds now beyond its baseline, by target (before metric() connects).
+    std::vector<std::string> beyond;
+    std::multiset<std::string> before(fds.begin(), fds.end());
+    const std::vector<std::string> now = d.fd_targets();
+    for (const auto& target : now) {
+        if (auto it = before.find(target); it != before.end()) {
+            before.erase(it);
+        } else {
+            beyond.push_back(target);
+        }
+    }
+    INFO("fds " << now.size() << " (baseline " << fds.size() << "), descendants but a warm init "
+                << own_descendants_but_warm_init() << " (baseline " << descendants
+                << "), channels open " << d.metric("sandboxd_channels_running"));
     if (!back) {
         for (pid_t p : descendants_of(::getpid())) {
             const std::string line = read_proc_file("/proc/" + std::to_string(p) + "/stat");
             UNSCOPED_INFO("left: " << line.substr(0, 120));
         }
-        // What the daemon holds now beyond its baseline, by target.
-        std::multiset<std::string> before(fds.begin(), fds.end());
-        for (const auto& target : d.fd_targets()) {
-            if (auto it = before.find(target); it != before.end()) {
-                before.erase(it);
-            } else {
-                UNSCOPED_INFO("fd beyond the baseline: " << target);
-            }
-        }
+        for (const auto& target : beyond) UNSCOPED_INFO("fd beyond the baseline: " << target);
+        for (const auto& target : before) UNSCOPED_INFO("fd of the baseline gone: " << target);
     }
     REQUIRE(back);
     for (pid_t p : descendants_of(::getpid())) {
