@@ -1214,6 +1214,10 @@ json cmd_report(const Args& a) {
         }
         latest[k] = all[k];
     }
+    // The open targets' rows come from open-pair.
+    if (!details.contains("open_paired") || !details.contains("websocketd_open")) {
+        throw std::runtime_error("report: no open-pair figures (sandboxd_bench open-pair)");
+    }
     // Optional figures: scenarios that a run may leave out.
     for (const char* k : {"node_client_stream_mb_s", "tls_stream_mb_s", "plain_stream_mb_s", "tls_open_p50_ms",
                           "plain_open_p50_ms", "noop_lease_ops_per_s", "noop_lease_ops_parallel_per_s",
@@ -1261,8 +1265,8 @@ json cmd_report(const Args& a) {
     t << "|" << std::string(46, '-') << "|" << std::string(18, '-') << "|" << std::string(34, '-') << "|"
       << std::string(20, '-') << "|" << std::string(15, '-') << "|\n";
 
-    if (details.contains("open_paired")) {
-        // The targets' rows: sandboxd and websocketd taking turns open by open (open-pair).
+    // The targets' rows: sandboxd and websocketd taking turns in blocks (open-pair).
+    {
         const auto& sd = details["open_paired"];
         const auto& ws = details["websocketd_open"];
         const json p50_ratio = ratio(sd["p50"], ws["p50"]);
@@ -1280,19 +1284,6 @@ json cmd_report(const Args& a) {
         }
         row("  p50 / p99, each alone, a minute apart (ms)",
             fmt(num("open_p50_ms"), 2) + " / " + fmt(num("open_p99_ms"), 2), alone_anchor, "", "");
-    } else {
-        const json open_ratio = ratio(num("open_p50_ms"), num("websocketd_open_p50_ms"));
-        row("open `true` p50, sequential (ms)", fmt(num("open_p50_ms"), 2),
-            "websocketd /bin/true " + fmt(num("websocketd_open_p50_ms"), 2), "<= 1.0x websocketd",
-            open_ratio.is_null() ? "n/a" : verdict(open_ratio.get<double>() <= 1.0) + " " + fmt(open_ratio, 1) + "x");
-        if (details.contains("websocketd_open")) {
-            const json p99_ratio = ratio(num("open_p99_ms"), details["websocketd_open"]["p99"]);
-            row("open `true` p99, sequential (ms)", fmt(num("open_p99_ms"), 2),
-                "websocketd p99 " + fmt(details["websocketd_open"]["p99"], 2), "<= 1.5x websocketd",
-                p99_ratio.is_null() ? "n/a" : verdict(p99_ratio.get<double>() <= 1.5) + " " + fmt(p99_ratio, 1) + "x");
-        } else {
-            row("open `true` p99, sequential (ms)", fmt(num("open_p99_ms"), 2), "", "", "");
-        }
     }
     if (details.contains("open_floor")) {
         // sandboxd_open_floor: the kernel's part of a channel's isolation, no daemon at all,
@@ -1300,9 +1291,7 @@ json cmd_report(const Args& a) {
         const auto& f = details["open_floor"];
         const json bare = f["spawn"]["p50"];
         // The floor runs right after websocketd alone: the anchor of that moment.
-        const json ws_p50 = all.contains("websocketd_open_alone_p50_ms")
-                                ? num("websocketd_open_alone_p50_ms")
-                                : num("websocketd_open_p50_ms");
+        const json ws_p50 = num("websocketd_open_alone_p50_ms");
         row("  floor, no daemon: posix_spawn true (ms)", fmt(bare, 2), "websocketd " +
             fmt(ws_p50, 2), "", "");
         for (const auto& [key, what] : std::vector<std::pair<std::string, std::string>>{
