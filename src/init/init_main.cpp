@@ -11,10 +11,11 @@
 /// the SOCK_SEQPACKET socket at fd 3 until the daemon closes it; it reaps every process
 /// reparented to it. Each request goes to a **channel init**, PID 1 of a new PID and mount
 /// namespace (so channels of one lease cannot see or signal each other), and the answer
-/// carries a pidfd of it. The supervisor makes that init ahead: after each request it clones
-/// the next one (the warm init, `make_warm`), which mounts its /proc, applies the syscall
-/// filter to itself and waits for exactly one request; a request that finds none clones its
-/// init itself.
+/// carries a pidfd of it. The supervisor makes that init ahead: once the init it last handed a
+/// request has started its command, it clones the next one (the warm init, `make_warm`), which
+/// mounts its /proc, applies the syscall filter to itself, takes ahead the page faults its
+/// request would take (`prefault`) and waits for exactly one request; a request that finds
+/// none clones its init itself.
 ///
 /// The **channel init** has the channel's own /proc mounted, joins the channel's cgroup through the
 /// join files (v1 `tasks`, v2 cgroup.procs) that the daemon opened, takes the channel's fds
@@ -50,8 +51,8 @@
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/signalfd.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -67,6 +68,14 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+// The program's text, from the linker (a static executable: one mapping).
+extern "C" char __executable_start[];
+extern "C" char etext[];
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22  // Linux 5.14; <sys/mman.h> of older C libraries lacks it
+#endif
 
 namespace {
 
@@ -136,6 +145,39 @@ void reset_signal_dispositions() {
     }
 }
 
+// The stack of a command's child before its exec (Init::start_command()): room for execvp's
+// copy of argv (a script without "#!" runs through /bin/sh with argv on the stack, as in
+// posix_spawn) above a guard page, so that an overflow faults instead of writing into the
+// memory that the child shares with the init.
+struct CommandStack {
+    void* map = nullptr;   ///< the mapping, guard page first; nullptr: none
+    std::size_t size = 0;  ///< the mapping's bytes, guard page included
+    std::size_t argc = 0;  ///< the most arguments it has room for
+
+    static CommandStack make(std::size_t argc) {
+        const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+        const std::size_t usable =
+            (64 * 1024 + (argc + 3) * sizeof(char*) + page - 1) / page * page;
+        CommandStack stack;
+        void* map = ::mmap(nullptr, usable + page, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+        if (map == MAP_FAILED) return stack;
+        if (::mprotect(map, page, PROT_NONE) < 0) {
+            ::munmap(map, usable + page);
+            return stack;
+        }
+        stack.map = map;
+        stack.size = usable + page;
+        stack.argc = argc;
+        return stack;
+    }
+    char* top() const { return static_cast<char*>(map) + size; }
+    void unmap() {
+        if (map != nullptr) ::munmap(map, size);
+        map = nullptr;
+    }
+};
+
 struct Options {
     bool pty = false;
     long grace_ms = -1;  // < 0: keep running after the report (the daemon kills the namespace)
@@ -143,6 +185,13 @@ struct Options {
     char** envp = nullptr;
     std::uint64_t open_files = 0;  // RLIMIT_NOFILE of the command; 0: inherited
     const std::string* program = nullptr;  // seccomp BPF; empty: none
+    /// A warm init's end of its socket pair with the supervisor (close-on-exec), closed once
+    /// the command has been exec'd (or has failed to start): the supervisor makes the next
+    /// warm init then, not while this channel starts; -1: none (a cloned init).
+    int started_fd = -1;
+    /// A stack made ahead (a warm init's, its top page written); used when it has room for
+    /// the command's argv, else one is made for it.
+    CommandStack stack;
 };
 
 // In the child made by start_command() (CLONE_VM | CLONE_VFORK: the init waits until the exec
@@ -261,28 +310,25 @@ public:
 
 private:
     // The command's process, as posix_spawn makes one: clone(CLONE_VM | CLONE_VFORK) on a
-    // stack of its own, so that no page table is copied and no page is faulted in twice (the
-    // init resumes once the child has exec'd or exited). The stack has room for execvp's copy
-    // of argv (a script without "#!" runs through /bin/sh with argv on the stack, as in
-    // posix_spawn) and a guard page below it: an overflow faults instead of writing into the
-    // memory that the child shares with the init.
+    // stack of its own (CommandStack), so that no page table is copied and no page is faulted
+    // in twice (the init resumes once the child has exec'd or exited).
     void start_command() {
         std::size_t argc = 0;
         while (opts_.command[argc] != nullptr) ++argc;
-        const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
-        const std::size_t stack_size =
-            (64 * 1024 + (argc + 3) * sizeof(char*) + page - 1) / page * page;
-        void* map = ::mmap(nullptr, stack_size + page, PROT_READ | PROT_WRITE,
-                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+        CommandStack stack = opts_.stack;
+        opts_.stack = {};
+        if (stack.map != nullptr && stack.argc < argc) stack.unmap();
+        if (stack.map == nullptr) stack = CommandStack::make(argc);
         int pid = -1;
-        if (map != MAP_FAILED && ::mprotect(map, page, PROT_NONE) == 0) {
-            pid = ::clone(
-                [](void* opts) -> int { exec_command(*static_cast<const Options*>(opts)); },
-                static_cast<char*>(map) + page + stack_size, CLONE_VM | CLONE_VFORK | SIGCHLD,
-                &opts_);
+        if (stack.map != nullptr) {
+            pid =
+                ::clone([](void* opts) -> int { exec_command(*static_cast<const Options*>(opts)); },
+                        stack.top(), CLONE_VM | CLONE_VFORK | SIGCHLD, &opts_);
         }
         const int err = errno;
-        if (map != MAP_FAILED) ::munmap(map, stack_size + page);
+        stack.unmap();
+        // Exec'd or failed: the supervisor may make the next warm init now.
+        if (opts_.started_fd >= 0) ::close(opts_.started_fd);
         if (pid < 0) {
             print_error("cannot start the command", "", err);
             report("exit 126\n");
@@ -484,19 +530,24 @@ struct ChannelRequest {
     std::vector<char*> envp;  // null-terminated
 };
 
-// Moves `fds` (channel_fds of them) to 0..4, closing every other descriptor.
-bool take_channel_fds(const std::vector<int>& fds) {
+// Moves `fds` (channel_fds of them) to 0..4 and `keep` (if >= 0) to `kept_fd`, close-on-exec,
+// closing every other descriptor.
+constexpr int kept_fd = 5;
+bool take_channel_fds(const std::vector<int>& fds, int keep) {
     int moved[proto::channel_fds];
     for (std::size_t i = 0; i < proto::channel_fds; ++i) {
         moved[i] = ::fcntl(fds[i], F_DUPFD, 16);
         if (moved[i] < 0) return false;
     }
+    // Out of the way of 0..4 before they are taken (it may be one of them now).
+    if (keep >= 0 && (keep = ::fcntl(keep, F_DUPFD_CLOEXEC, 16)) < 0) return false;
     for (std::size_t i = 0; i < proto::channel_fds; ++i) {
         if (::dup2(moved[i], static_cast<int>(i)) < 0) return false;
     }
     ::fcntl(status_fd, F_SETFD, FD_CLOEXEC);
     ::fcntl(control_fd, F_SETFD, FD_CLOEXEC);
-    return ::syscall(SYS_close_range, 5U, ~0U, 0U) == 0;
+    if (keep >= 0 && ::dup3(keep, kept_fd, O_CLOEXEC) < 0) return false;
+    return ::syscall(SYS_close_range, keep >= 0 ? kept_fd + 1U : 5U, ~0U, 0U) == 0;
 }
 
 // A /proc of this channel's own PID namespace, in a mount namespace of its own, mounted over
@@ -520,6 +571,7 @@ int mount_channel_proc() {
 struct PreparedInit {
     int session_error = 0;  ///< setsid()'s errno, or 0
     int signals_error = 0;  ///< block_init_signals()'s errno, or 0
+    CommandStack stack;     ///< made ahead by a warm init; none for a cloned one
 };
 
 PreparedInit prepare_channel_init() {
@@ -535,8 +587,9 @@ PreparedInit prepare_channel_init() {
 // and prepare_channel_init() has run. `filtered`: the init itself is under `program` already
 // (a warm init applies it ahead), which every process it starts inherits; else the command
 // applies it before its exec.
+// `started`: a warm init's socket with the supervisor (closed once the command is started), or -1.
 [[noreturn]] void run_channel_init(const ChannelRequest& req, const std::string& program,
-                                   bool filtered, const PreparedInit& prepared) {
+                                   bool filtered, const PreparedInit& prepared, int started) {
     // Join the channel's cgroup: the daemon opened these files, so the kernel checks its
     // credentials, not ours. This process is single-threaded, so "0" written to a v1 `tasks`
     // file moves all of it.
@@ -546,7 +599,7 @@ PreparedInit prepare_channel_init() {
             ::_exit(125);
         }
     }
-    if (!take_channel_fds(req.fds)) {
+    if (!take_channel_fds(req.fds, started)) {
         print_error("cannot set up the channel", "", errno);
         ::_exit(125);
     }
@@ -571,6 +624,8 @@ PreparedInit prepare_channel_init() {
     opts.envp = const_cast<char**>(req.envp.data());
     opts.open_files = req.header.open_files;
     opts.program = filtered ? nullptr : &program;
+    opts.started_fd = started >= 0 ? kept_fd : -1;
+    opts.stack = prepared.stack;
     ::_exit(Init(opts).run(prepared.signals_error));
 }
 
@@ -612,14 +667,19 @@ public:
         ::close(self);
         // Not zero-filled: pages are touched only as large requests need them.
         buffer_.reset(new char[buffer_size]);
+        reserve(request_);
         make_warm();
         for (;;) {
-            pollfd fds[2] = {{proto::socket_fd, POLLIN, 0}, {signal_fd_, POLLIN, 0}};
-            if (::poll(fds, 2, -1) < 0) {
+            // A negative fd is skipped by poll(): no channel is starting.
+            pollfd fds[3] = {{proto::socket_fd, POLLIN, 0},
+                             {signal_fd_, POLLIN, 0},
+                             {starting_socket_, POLLIN, 0}};
+            if (::poll(fds, 3, -1) < 0) {
                 if (errno == EINTR) continue;
                 return 1;
             }
             if (fds[1].revents != 0) reap();
+            if (fds[2].revents != 0) started();
             if (fds[0].revents != 0 && !serve_one()) return 0;  // the daemon let go
         }
     }
@@ -686,7 +746,14 @@ private:
 
     // Receives and serves one request; false once the daemon's end is closed.
     bool serve_one() {
-        ChannelRequest req;
+        // The request's vectors keep their storage from one request to the next (no malloc
+        // on an open's path; touch_for_next_request()).
+        ChannelRequest& req = request_;
+        req.header = {};
+        req.fds.clear();
+        req.cwd = nullptr;
+        req.argv.clear();
+        req.envp.clear();
         int msg_flags = 0;
         const ssize_t n = receive(proto::socket_fd, req, msg_flags);
         if (n < 0) return errno == EINTR || errno == EAGAIN;
@@ -704,21 +771,32 @@ private:
         reply.error = err;
         send_reply(reply, pidfd);
         if (pidfd >= 0) ::close(pidfd);
-        if (warm_socket_ < 0) make_warm();
+        if (warm_socket_ < 0 && starting_socket_ < 0) make_warm();
         return true;
+    }
+
+    // The channel init that took the last warm one's place has started its command (or
+    // failed, or is gone): its end of the socket pair is closed. The next warm init is made
+    // now rather than right after the reply, where its clone (page tables copied, the mount
+    // namespace copied) took the CPU from the channel that was starting (issue 19: on two
+    // cores the init waited ~0.4 ms for it).
+    void started() {
+        ::close(starting_socket_);
+        starting_socket_ = -1;
+        if (warm_socket_ < 0) make_warm();
     }
 
     // --- The warm channel init: the next channel's init, made before its request. ---
     //
     // Cloning a channel's init (page tables copied, then copy-on-write faults on both sides)
     // and setting up its namespaces is most of what an open costs the kernel (issue 19,
-    // docs/BENCHMARKS.md): done here after each reply, it runs while the daemon and the last
-    // channel do their part, not in the next open. The warm init is PID 1 of a new PID
-    // namespace, in a new mount namespace with its /proc mounted, in the lease's cgroup; it
-    // waits on a socket pair of its own for exactly one request, which the supervisor passes
-    // on as it came (same packet, same descriptors) once it has checked it, and from then on
-    // it is that channel's init, as a cloned one would be. One at most; none when the clone
-    // fails (at the lease's pids limit, say) or the request's payload came in a memfd: that
+    // docs/BENCHMARKS.md): done here once the last channel has started its command (started()),
+    // it runs while that command and the daemon do their part, not in the next open. The warm init
+    // is PID 1 of a new PID namespace, in a new mount namespace with its /proc mounted, in the
+    // lease's cgroup; it waits on a socket pair of its own for exactly one request, which the
+    // supervisor passes on as it came (same packet, same descriptors) once it has checked it, and
+    // from then on it is that channel's init, as a cloned one would be. One at most; none when the
+    // clone fails (at the lease's pids limit, say) or the request's payload came in a memfd: that
     // request's init is cloned for it, as before.
 
     /// The warm init's name (comm) until it takes a request; a channel's init is "init".
@@ -749,11 +827,12 @@ private:
         ::fcntl(pidfd, F_SETFD, FD_CLOEXEC);
         warm_socket_ = sv[0];
         warm_pidfd_ = pidfd;
+        touch_for_next_request();
     }
 
     [[noreturn]] void run_warm_init(int socket) {
         const int mounted = mount_channel_proc();
-        const PreparedInit prepared = prepare_channel_init();
+        PreparedInit prepared = prepare_channel_init();
         // The command's syscall filter, on this init already: its cost (the kernel runs the
         // program once per syscall number to fill its cache) is then paid ahead too. Nothing
         // the init does after this is denied by it (no mount, no namespace, no TIOCSTI); if
@@ -761,13 +840,13 @@ private:
         const bool filtered = program_.empty() || sandboxd::detail::apply_seccomp_filter(
                                                       program_.data(), program_.size()) == 0;
         ChannelRequest req;
+        prefault(req, prepared);
         int msg_flags = 0;
         ssize_t n = 0;
         do {
             n = receive(socket, req, msg_flags);
         } while (n < 0 && errno == EINTR);
         if (n <= 0) ::_exit(0);  // the supervisor let go of this init
-        ::close(socket);
         ::prctl(PR_SET_NAME, "init", 0, 0, 0);
         // Checked by the supervisor already: this cannot fail but for a bug.
         if (parse(static_cast<std::size_t>(n), msg_flags, req) != 0) ::_exit(125);
@@ -775,8 +854,63 @@ private:
             print_error("cannot mount the channel's /proc", "", mounted);
             ::_exit(125);
         }
-        run_channel_init(req, program_, filtered, prepared);
+        // The socket stays open until the command has started (Options::started_fd).
+        run_channel_init(req, program_, filtered, prepared, socket);
     }
+
+    // Takes ahead, while this warm init waits, the page faults that its request would take
+    // (issue 19: one costs 20-60 us on these machines, and a dozen were on an open's path).
+    // A clone shares the supervisor's pages copy-on-write and none of its page table entries
+    // for the program's text: the text is mapped in here (MADV_POPULATE_READ: page table
+    // entries only, no copy), and the pages the request writes are written once now: the
+    // first page of the receive buffer, the request's vectors (with malloc's own state), the
+    // stack, `environ` (the command's child sets it before its exec, in this memory) and the
+    // top of the command's stack, made now for up to prefaulted_strings arguments.
+    void prefault(ChannelRequest& req, PreparedInit& prepared) {
+        const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+        const auto text_begin = reinterpret_cast<std::uintptr_t>(__executable_start) & ~(page - 1);
+        const auto text_end = reinterpret_cast<std::uintptr_t>(etext);
+        ::madvise(reinterpret_cast<void*>(text_begin), text_end - text_begin, MADV_POPULATE_READ);
+        *static_cast<volatile char*>(buffer_.get()) = 0;
+        reserve(req);
+        touch_stack();
+        *static_cast<char** volatile*>(&environ) = environ;
+        prepared.stack = CommandStack::make(prefaulted_strings);
+        if (prepared.stack.map != nullptr) {
+            *static_cast<volatile char*>(prepared.stack.top() - 1) = 0;
+            *static_cast<volatile char*>(prepared.stack.top() - 1 - page) = 0;
+        }
+    }
+
+    static void reserve(ChannelRequest& req) {
+        req.fds.reserve(proto::max_fds);
+        req.argv.reserve(prefaulted_strings);
+        req.envp.reserve(prefaulted_strings);
+    }
+
+    // The supervisor's side of prefault(), after each clone of a warm init: the pages that
+    // serving the next request writes are shared with that clone, copy-on-write; they are
+    // written now, not on the open's path.
+    void touch_for_next_request() {
+        *static_cast<volatile char*>(buffer_.get()) = 0;
+        for (auto* v :
+             {static_cast<void*>(request_.fds.data()), static_cast<void*>(request_.argv.data()),
+              static_cast<void*>(request_.envp.data())}) {
+            *static_cast<volatile char*>(v) = 0;
+        }
+        *static_cast<volatile int*>(&errno) = 0;
+        touch_stack();
+    }
+
+    // Writes the next `stack_bytes` of stack below this frame.
+    [[gnu::noinline]] static void touch_stack() {
+        constexpr std::size_t stack_bytes = 16 * 1024;
+        char below[stack_bytes];
+        for (std::size_t i = 0; i < stack_bytes; i += 512) below[i] = 0;
+        asm volatile("" : : "r"(below) : "memory");  // the writes are kept
+    }
+
+    static constexpr std::size_t prefaulted_strings = 64;
 
     // Passes the checked request of `size` bytes in buffer_ and its descriptors to the warm
     // init; `pidfd` is then that init's. False when there is none, the payload came in a
@@ -800,14 +934,18 @@ private:
         do {
             sent = ::sendmsg(warm_socket_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
         } while (sent < 0 && errno == EINTR);
-        ::close(warm_socket_);
-        warm_socket_ = -1;
         if (sent != static_cast<ssize_t>(size)) {
+            ::close(warm_socket_);
+            warm_socket_ = -1;
             // Gone (killed, say); reap() reaps it.
             ::close(warm_pidfd_);
             warm_pidfd_ = -1;
             return false;
         }
+        // Watched until the init has started the command (started()).
+        if (starting_socket_ >= 0) ::close(starting_socket_);
+        starting_socket_ = warm_socket_;
+        warm_socket_ = -1;
         pidfd = warm_pidfd_;
         warm_pidfd_ = -1;
         return true;
@@ -918,7 +1056,7 @@ private:
                 print_error("cannot mount the channel's /proc", "", err);
                 ::_exit(125);
             }
-            run_channel_init(req, program_, false, prepare_channel_init());
+            run_channel_init(req, program_, false, prepare_channel_init(), -1);
         }
         ::fcntl(pidfd, F_SETFD, FD_CLOEXEC);
         return 0;
@@ -945,10 +1083,14 @@ private:
 
     static constexpr std::size_t buffer_size = sizeof(proto::Request) + proto::max_payload + 1;
     std::unique_ptr<char[]> buffer_;
+    ChannelRequest request_;  ///< the request being served; its vectors' storage is kept
     std::string program_;
     int signal_fd_ = -1;
     int warm_socket_ = -1;  ///< the supervisor's end of the warm init's socket pair; -1: none
     int warm_pidfd_ = -1;   ///< the warm init's pidfd, close-on-exec
+    /// The socket of the last warm init handed a request, until it has started its command
+    /// (it closes its end then; started()); -1: none.
+    int starting_socket_ = -1;
 };
 
 }  // namespace

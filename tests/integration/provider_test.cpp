@@ -1682,6 +1682,76 @@ TEST_CASE("the supervisor makes the next channel's init ahead, in the lease's cg
     REQUIRE(first.finish());
 }
 
+TEST_CASE(
+    "the next warm init comes once the last one has started its command, however "
+    "its start ends",
+    "[provider]") {
+    const int fds_before = open_fd_count();
+    {
+        Fixture fx;
+        Channel first(*fx.provider, fx.sandbox, command({"sh", "-c", "echo ready; read x"}));
+        REQUIRE(first.pump_until([&] { return first.out() == "ready\n"; }, status_timeout));
+        const pid_t supervisor = parent_of(first.init_pid());
+        REQUIRE(supervisor > 0);
+        // Its init let go of the socket it was handed the request on once the command ran.
+        std::vector<std::string> sockets;
+        for (const auto& fd :
+             fs::directory_iterator("/proc/" + std::to_string(first.init_pid()) + "/fd")) {
+            const std::string target = fs::read_symlink(fd.path()).string();
+            if (target.rfind("socket:", 0) == 0)
+                sockets.push_back(fd.path().filename().string() + " " + target);
+        }
+        CHECK(sockets.empty());
+        // Each channel below takes the warm init there is, and the supervisor makes the next
+        // one when that init's start ends: a command that runs, one that cannot be found
+        // (its exec fails), an init that gives up before it starts anything (its cwd).
+        auto next_warm = [&](pid_t taken) {
+            pid_t warm = 0;
+            REQUIRE(sandboxd::test::eventually(
+                [&] {
+                    warm = warm_init_of(supervisor);
+                    return warm > 0 && warm != taken &&
+                           status_field(warm, "Seccomp") == std::vector<std::string>{"2"};
+                },
+                status_timeout));
+            return warm;
+        };
+        pid_t warm = next_warm(0);
+        {
+            Channel ch(*fx.provider, fx.sandbox, command({"echo", "ran"}));
+            REQUIRE(ch.finish());
+            CHECK(ch.init_pid() == warm);
+            CHECK(ch.out() == "ran\n");
+        }
+        warm = next_warm(warm);
+        {
+            Channel ch(*fx.provider, fx.sandbox, command({"no-such-command-xyz"}));
+            REQUIRE(ch.finish());
+            CHECK(ch.init_pid() == warm);
+            CHECK(ch.status() == "exit 127");
+        }
+        warm = next_warm(warm);
+        {
+            auto spec = command({"true"});
+            spec.cwd = "/no-such-dir";
+            Channel ch(*fx.provider, fx.sandbox, spec, true);
+            REQUIRE(ch.pump_until([&] { return ch.output_eof(); }, status_timeout));
+            CHECK(ch.init_pid() == warm);
+            CHECK(ch.raw_status().empty());
+            REQUIRE(ch.wait_exit(teardown_timeout));
+        }
+        warm = next_warm(warm);
+        // The command never holds the init's end of that socket: only fds 0-2 reach it.
+        Channel last(*fx.provider, fx.sandbox, command({"ls", "/proc/self/fd"}));
+        REQUIRE(last.finish());
+        CHECK(last.init_pid() == warm);
+        CHECK(last.out() == "0\n1\n2\n3\n");  // 3: ls's own directory fd
+        first.send("", true);
+        REQUIRE(first.finish());
+    }
+    CHECK(open_fd_count() == fds_before);
+}
+
 TEST_CASE("destroy ends every process of the lease", "[provider]") {
     const int fds_before = open_fd_count();
     {
