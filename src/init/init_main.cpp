@@ -868,17 +868,19 @@ private:
     // top of the command's stack, made now for up to prefaulted_strings arguments.
     void prefault(ChannelRequest& req, PreparedInit& prepared) {
         const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
-        const auto text_begin = reinterpret_cast<std::uintptr_t>(__executable_start) & ~(page - 1);
-        const auto text_end = reinterpret_cast<std::uintptr_t>(etext);
-        ::madvise(reinterpret_cast<void*>(text_begin), text_end - text_begin, MADV_POPULATE_READ);
+        // madvise() wants a page-aligned start: back to the page's beginning.
+        char* text =
+            __executable_start - reinterpret_cast<std::uintptr_t>(__executable_start) % page;
+        ::madvise(text, static_cast<std::size_t>(etext - text), MADV_POPULATE_READ);
         *static_cast<volatile char*>(buffer_.get()) = 0;
         reserve(req);
         touch_stack();
         *static_cast<char** volatile*>(&environ) = environ;
         prepared.stack = CommandStack::make(prefaulted_strings);
         if (prepared.stack.map != nullptr) {
-            *static_cast<volatile char*>(prepared.stack.top() - 1) = 0;
-            *static_cast<volatile char*>(prepared.stack.top() - 1 - page) = 0;
+            char* top = prepared.stack.top();
+            *static_cast<volatile char*>(top - 1) = 0;
+            *static_cast<volatile char*>(top - 1 - static_cast<std::ptrdiff_t>(page)) = 0;
         }
     }
 
