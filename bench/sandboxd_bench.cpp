@@ -442,13 +442,17 @@ std::pair<double, double> open_true_once(Conn& c, const json& lease) {
 
 /// Sequential opens of `true` on one connection. A non-empty `samples_path` gets one line per
 /// open: ms since the first open started, ms to the result, ms to the exit (to look at a tail).
+/// `pause_ms` > 0: that long idle before each open (a workload shape, not a wait for anything:
+/// the opens of a host that runs commands now and then, whose last channel's teardown and the
+/// next warm init are done before the next open comes).
 json sequential_opens(const Target& t, const json& lease, std::size_t count,
-                      const std::string& samples_path = {}) {
+                      const std::string& samples_path = {}, std::uint64_t pause_ms = 0) {
     Conn c(t.url, t.token);
     open_true_once(c, lease);  // warm-up
     std::vector<double> exit_ms, result_ms, start_ms;
     const auto first = clock_type::now();
     for (std::size_t i = 0; i < count; ++i) {
+        if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
         start_ms.push_back(ms_since(first));
         auto [e, r] = open_true_once(c, lease);
         exit_ms.push_back(e);
@@ -667,12 +671,12 @@ json runs_summary(const std::vector<json>& runs) {
 
 // ---------------------------------------------------------------- scenarios
 
-/// open: sequential and concurrent opens of `true`.
+/// open: sequential and concurrent opens of `true` (--pause-ms: idle before each sequential one).
 json cmd_open(const Args& a) {
     const Target t = target_of(a);
     Conn c(t.url, t.token);
     const json lease = acquire(c);
-    json seq = sequential_opens(t, lease, a.num("count", 500), a.str("samples"));
+    json seq = sequential_opens(t, lease, a.num("count", 500), a.str("samples"), a.num("pause-ms", 0));
     json conc = concurrent_opens(t, lease, a.num("concurrent", 100), a.num("connections", 4),
                                  a.num("rounds", 3));
     json exec = sequential_executes(t, lease, a.num("count", 500));
@@ -847,6 +851,35 @@ json cmd_ws_open(const Args& a) {
     for (std::size_t i = 0; i < count; ++i) ms.push_back(ws_open_once(u));
     json s = summary(ms);
     return {{"websocketd_open_alone_p50_ms", s["p50"]}, {"details", {{"websocketd_open_alone", s}}}};
+}
+
+/// open-refused: sequential duplexChannelOpen requests on a lease of the no-op provider, each
+/// answered with its PROVIDER_ERROR (src/provider/noop_provider.cpp), timed from the request to
+/// that answer: the daemon's own part of an open (the WebSocket request and answer, the lease's
+/// registry read and checks, the handle cache, the provider call) with no sandbox and no
+/// process. Next to the open floor (no daemon), it shows what each side of an open costs.
+json cmd_open_refused(const Args& a) {
+    const Target t = target_of(a);
+    Conn c(t.url, t.token);
+    const json lease = acquire(c, "bench", "open-refused", json::object(), "noop");
+    const std::size_t count = a.num("count", 500);
+    auto refused_once = [&] {
+        const auto t0 = clock_type::now();
+        try {
+            c.call("duplexChannelOpen", open_params(lease, {"true"}, false));
+        } catch (const RpcError& e) {
+            const double ms = ms_since(t0);
+            if (e.reason() != "PROVIDER_ERROR") throw;
+            return ms;
+        }
+        throw std::runtime_error("open-refused: the no-op provider opened a channel");
+    };
+    refused_once();  // warm-up
+    std::vector<double> ms;
+    for (std::size_t i = 0; i < count; ++i) ms.push_back(refused_once());
+    c.call("leaseRelease", {{"leaseId", lease.at("id")}});
+    json s = summary(ms);
+    return {{"open_refused_p50_ms", s["p50"]}, {"details", {{"open_refused", s}}}};
 }
 
 /// open-pair: the open of `true` (to its exit) on the node (--url, --token-file) and
@@ -1222,7 +1255,7 @@ json cmd_report(const Args& a) {
     for (const char* k : {"node_client_stream_mb_s", "tls_stream_mb_s", "plain_stream_mb_s", "tls_open_p50_ms",
                           "plain_open_p50_ms", "noop_lease_ops_per_s", "noop_lease_ops_parallel_per_s",
                           "open_floor_p50_ms", "stream_floor_mb_s", "open_paired_p50_ms",
-                          "open_paired_p99_ms", "websocketd_open_alone_p50_ms"}) {
+                          "open_paired_p99_ms", "websocketd_open_alone_p50_ms", "open_refused_p50_ms"}) {
         if (all.contains(k)) latest[k] = all[k];
     }
     if (details.contains("hold")) {  // measured at 10,000 channels, or extrapolated to it
@@ -1312,6 +1345,17 @@ json cmd_report(const Args& a) {
             row("  floor all + a loopback round trip (ms)", fmt(json(with_rtt), 2),
                 "round trip " + fmt(f["tcp_rtt"]["p50"], 3) + " ms", "",
                 r.is_null() ? "" : fmt(r, 2) + "x");
+        }
+        if (details.contains("open_refused") && f.contains("warm")) {
+            // The daemon's own part (request to answer, no sandbox) on top of the kernel's:
+            // the least that this design of an open comes to on this machine.
+            const json refused = details["open_refused"]["p50"];
+            row("  daemon alone: open refused, no-op provider (ms)", fmt(refused, 2),
+                "request to its error, no sandbox", "", "");
+            const double least = f["warm"]["p50"].get<double>() + refused.get<double>();
+            const json r = ratio(json(least), ws_p50);
+            row("  floor all + daemon alone (ms)", fmt(json(least), 2), "(ratio: to websocketd)",
+                "", r.is_null() ? "" : fmt(r, 2) + "x");
         }
     }
     if (details.contains("execute_sequential")) {
@@ -1430,6 +1474,7 @@ json dispatch(const Args& a) {
     if (a.command == "pipe") return cmd_pipe(a);
     if (a.command == "ws-open") return cmd_ws_open(a);
     if (a.command == "open-pair") return cmd_open_pair(a);
+    if (a.command == "open-refused") return cmd_open_refused(a);
     if (a.command == "ws-stream") return cmd_ws_stream(a);
     if (a.command == "hold") return cmd_hold(a);
     if (a.command == "lease-ops") return cmd_lease_ops(a);
@@ -1437,7 +1482,7 @@ json dispatch(const Args& a) {
     if (a.command == "free-port") return cmd_free_port(a);
     if (a.command == "report") return cmd_report(a);
     throw std::runtime_error("unknown command \"" + a.command +
-                             "\" (open, open-ab, open-pair, stream, stdin, pipe, ws-open, ws-stream, hold, lease-ops, "
+                             "\" (open, open-ab, open-pair, open-refused, stream, stdin, pipe, ws-open, ws-stream, hold, lease-ops, "
                              "proxy, free-port, report)");
 }
 
