@@ -884,10 +884,18 @@ private:
         }
     }
 
+    // Gives the request's vectors their storage and writes its first element (then empties
+    // them): the heap pages that a request's parse writes, and malloc's own state.
     static void reserve(ChannelRequest& req) {
         req.fds.reserve(proto::max_fds);
         req.argv.reserve(prefaulted_strings);
         req.envp.reserve(prefaulted_strings);
+        req.fds.push_back(-1);
+        req.argv.push_back(nullptr);
+        req.envp.push_back(nullptr);
+        req.fds.clear();
+        req.argv.clear();
+        req.envp.clear();
     }
 
     // The supervisor's side of prefault(), after each clone of a warm init: the pages that
@@ -895,11 +903,7 @@ private:
     // written now, not on the open's path.
     void touch_for_next_request() {
         *static_cast<volatile char*>(buffer_.get()) = 0;
-        for (auto* v :
-             {static_cast<void*>(request_.fds.data()), static_cast<void*>(request_.argv.data()),
-              static_cast<void*>(request_.envp.data())}) {
-            *static_cast<volatile char*>(v) = 0;
-        }
+        reserve(request_);
         *static_cast<volatile int*>(&errno) = 0;
         touch_stack();
     }
