@@ -667,8 +667,7 @@ public:
         ::close(self);
         // Not zero-filled: pages are touched only as large requests need them.
         buffer_.reset(new char[buffer_size]);
-        reserve(request_);
-        make_warm();
+        make_warm();  // with touch_for_next_request(), which gives request_ its storage
         for (;;) {
             // A negative fd is skipped by poll(): no channel is starting.
             pollfd fds[3] = {{proto::socket_fd, POLLIN, 0},
