@@ -139,6 +139,14 @@ void parse_limits(Obj& o, LimitsConfig& l) {
     o.integer("requestsPerConnection", l.requests_per_connection, 1, 1 << 16);
     o.integer("outputWindow", l.output_window, kib, gib);
     o.integer("stdinWindow", l.stdin_window, kib, gib);
+    o.integer("maxOutputWindow", l.max_output_window, kib, gib);
+    o.integer("maxStdinWindow", l.max_stdin_window, kib, gib);
+    o.integer("sendQueueBytes", l.send_queue_bytes, 64 * kib, 64 * gib);
+    o.integer("sendQueueBytesPerConnection", l.send_queue_bytes_per_connection, 64 * kib, 64 * gib);
+    o.integer("sendStallTimeoutMs", l.send_stall_timeout_ms, 1000, 86400000);
+    o.integer("connections", l.connections, 1, 1 << 20);
+    o.integer("pendingConnections", l.pending_connections, 1, 1 << 20);
+    o.integer("authTimeoutMs", l.auth_timeout_ms, 100, 600000);
     o.integer("pingIntervalMs", l.ping_interval_ms, 100, 3600000);
     o.integer("idleTimeoutMs", l.idle_timeout_ms, 300, 3 * 3600000);
     o.integer("drainGraceMs", l.drain_grace_ms, 0, 60000);
@@ -156,8 +164,9 @@ void parse_token(Obj& o, TokenConfig& t) {
     o.str("name", t.name);
     o.str("token", t.token);
     o.str("tokenFile", t.token_file);
-    o.one_of("role", t.role, {"host", "peer"});
+    o.one_of("role", t.role, {"host", "peer", "metrics"});
     o.strings("tenants", t.tenants);
+    o.str("nodeId", t.node_id);
     o.done();
 }
 
@@ -341,6 +350,11 @@ void parse_top(const json& j, Config& c) {
         o.boolean("journald", c.audit_journald);
         o.done();
     }
+    if (const auto* m = top.get("metrics")) {
+        Obj o(*m, "metrics");
+        o.boolean("public", c.metrics_public);
+        o.done();
+    }
     if (const auto* k = top.get("console")) {
         Obj o(*k, "console");
         o.boolean("enabled", c.console_enabled);
@@ -484,6 +498,9 @@ void validate_config(const Config& c) {
             fail(p, "needs exactly one of token or tokenFile");
         }
         if (t.tenants.empty()) fail(p + ".tenants", "must list at least one companyId or \"*\"");
+        if (!t.node_id.empty() && t.role != "peer") {
+            fail(p + ".nodeId", "binds a peer token to a node; this token has role " + t.role);
+        }
     }
     for (std::size_t i = 0; i < c.plugins.size(); ++i) {
         const auto& pl = c.plugins[i];
@@ -494,6 +511,21 @@ void validate_config(const Config& c) {
     }
     if (c.limits.default_ttl_ms > c.limits.max_ttl_ms) {
         fail("limits.defaultTtlMs", "must not exceed limits.maxTtlMs");
+    }
+    if (c.limits.output_window > c.limits.max_output_window) {
+        fail("limits.outputWindow", "must not exceed limits.maxOutputWindow");
+    }
+    if (c.limits.stdin_window > c.limits.max_stdin_window) {
+        fail("limits.stdinWindow", "must not exceed limits.maxStdinWindow");
+    }
+    if (c.limits.send_queue_bytes_per_connection > c.limits.send_queue_bytes) {
+        fail("limits.sendQueueBytesPerConnection", "must not exceed limits.sendQueueBytes");
+    }
+    if (c.limits.pending_connections > c.limits.connections) {
+        fail("limits.pendingConnections", "must not exceed limits.connections");
+    }
+    if (c.metrics_public && c.plain_listen.empty()) {
+        fail("metrics.public", "opens GET /metrics on plainListen only; set plainListen (a loopback address)");
     }
     if (c.limits.max_data_payload > c.limits.max_text_message * 16ULL) {
         fail("limits.maxDataPayload", "must not exceed 16 times limits.maxTextMessage");
@@ -512,6 +544,7 @@ nlohmann::json config_to_json(const Config& c) {
         json tj = {{"name", t.name}, {"role", t.role}, {"tenants", t.tenants}};
         if (!t.token.empty()) tj["token"] = "<redacted>";
         if (!t.token_file.empty()) tj["tokenFile"] = t.token_file;
+        if (!t.node_id.empty()) tj["nodeId"] = t.node_id;
         tokens.push_back(std::move(tj));
     }
     json plugins = json::array();
@@ -586,6 +619,14 @@ nlohmann::json config_to_json(const Config& c) {
           {"requestsPerConnection", l.requests_per_connection},
           {"outputWindow", l.output_window},
           {"stdinWindow", l.stdin_window},
+          {"maxOutputWindow", l.max_output_window},
+          {"maxStdinWindow", l.max_stdin_window},
+          {"sendQueueBytes", l.send_queue_bytes},
+          {"sendQueueBytesPerConnection", l.send_queue_bytes_per_connection},
+          {"sendStallTimeoutMs", l.send_stall_timeout_ms},
+          {"connections", l.connections},
+          {"pendingConnections", l.pending_connections},
+          {"authTimeoutMs", l.auth_timeout_ms},
           {"pingIntervalMs", l.ping_interval_ms},
           {"idleTimeoutMs", l.idle_timeout_ms},
           {"drainGraceMs", l.drain_grace_ms},
@@ -598,6 +639,7 @@ nlohmann::json config_to_json(const Config& c) {
           {"retainedTtlMs", l.retained_ttl_ms}}},
         {"log", {{"level", c.log_level}, {"format", c.log_format}}},
         {"audit", {{"file", c.audit_file}, {"journald", c.audit_journald}}},
+        {"metrics", {{"public", c.metrics_public}}},
         {"console", {{"enabled", c.console_enabled}, {"assetsDir", c.console_assets_dir}}},
     };
 }

@@ -220,4 +220,22 @@ std::string peer_certificate_name(SSL* ssl) {
     return buf;
 }
 
+std::vector<std::string> peer_certificate_dns_names(SSL* ssl) {
+    std::vector<std::string> out;
+    X509* leaf = SSL_get0_peer_certificate(ssl);
+    if (!leaf) return out;
+    auto* names = static_cast<GENERAL_NAMES*>(X509_get_ext_d2i(leaf, NID_subject_alt_name, nullptr, nullptr));
+    if (!names) return out;
+    for (int i = 0; i < sk_GENERAL_NAME_num(names); ++i) {
+        const GENERAL_NAME* name = sk_GENERAL_NAME_value(names, i);
+        if (name->type != GEN_DNS) continue;
+        const ASN1_IA5STRING* dns = name->d.dNSName;
+        std::string s(reinterpret_cast<const char*>(ASN1_STRING_get0_data(dns)),
+                      static_cast<std::size_t>(ASN1_STRING_length(dns)));
+        if (s.find('\0') == std::string::npos) out.push_back(std::move(s));
+    }
+    GENERAL_NAMES_free(names);
+    return out;
+}
+
 }  // namespace sandboxd

@@ -56,10 +56,12 @@ void finish(Capture& c, const ExecuteLog& log) {
 }
 
 awaitable<void> pump(ChannelBackend& backend, output_stream stream, Capture& capture,
-                     std::size_t limit, const ExecuteLog& log) {
+                     std::size_t limit, const ExecuteLog& log,
+                     const std::function<awaitable<void>()>& wait_for_room) {
     if (!backend.has_output(stream)) co_return;
     std::array<char, read_size> buffer{};
     for (;;) {
+        if (wait_for_room) co_await wait_for_room();
         const std::size_t ready = co_await backend.output_ready(stream);
         if (ready == 0) break;
         auto n = backend.read_output(stream, buffer);
@@ -124,8 +126,8 @@ awaitable<json> Provider::execute(std::shared_ptr<SandboxHandle> sandbox, Lease 
     Capture err{"stderr", {}, {}, 0, false};
     const std::size_t limit = request.output_limit;
     bool gone = false;
-    auto results = co_await (pump(*backend, output_stream::out, out, limit, log) &&
-                             pump(*backend, output_stream::err, err, limit, log) &&
+    auto results = co_await (pump(*backend, output_stream::out, out, limit, log, request.wait_for_room) &&
+                             pump(*backend, output_stream::err, err, limit, log, request.wait_for_room) &&
                              feed_stdin(*backend, std::move(request.stdin_data)) &&
                              end_of(*backend, gone));
     ChannelExit exit = std::move(results);

@@ -95,6 +95,7 @@ void Channel::exited(ChannelExit exit) {
             // The host did not keep up: what it has not credited is dropped, not waited on.
             abandon_output_ = true;
             resume_credit_waiters();
+            resume_room_waiters();
         }
         kill_tree();  // a backend that says nonsense is not waited for
     }
@@ -129,6 +130,20 @@ void Channel::pump_next(output_stream stream) {
     if (unacked_ >= options_.output_window && !hung_up_) {
         p.waiting_credit = true;  // add_credit() or hangup() resumes it
         return;
+    }
+    if (!hung_up_) {
+        // The connection's send budgets (issue 44, item 2): a host that does not read makes
+        // its channels stop reading, so the command blocks on its pipe or PTY, as in a
+        // terminal, and the bytes wait there, not in this process.
+        if (auto sink = sink_.lock(); sink && !sink->has_send_room()) {
+            if (!p.waiting_room) {
+                p.waiting_room = true;
+                sink->when_send_room([weak = weak_from_this()] {
+                    if (auto self = weak.lock()) self->resume_room_waiters();
+                });
+            }
+            return;
+        }
     }
     // No buffer while idle: wait until the backend has bytes, then size the frame to them.
     backend_->notify_output_ready(stream, shared_from_this());
@@ -280,6 +295,15 @@ void Channel::resume_credit_waiters() {
     }
 }
 
+void Channel::resume_room_waiters() {
+    for (auto stream : {output_stream::out, output_stream::err}) {
+        auto& p = pump(stream);
+        if (!p.waiting_room) continue;
+        p.waiting_room = false;
+        net::post(strand_, [self = shared_from_this(), stream] { self->pump_next(stream); });
+    }
+}
+
 void Channel::kick_stdin() {
     if (!begun_ || stdin_running_ || stdin_closed_) return;
     if (stdin_queue_.empty() && !stdin_eof_requested_) return;
@@ -406,6 +430,7 @@ void Channel::hangup(channel_outcome why) {
     if (!forced_outcome_) forced_outcome_ = why;
     sink_.reset();
     resume_credit_waiters();
+    resume_room_waiters();
     backend_->signal_all(SIGHUP);
     hangup_timer_ = std::make_unique<net::steady_timer>(strand_, options_.hangup_grace);
     hangup_timer_->async_wait([self = shared_from_this()](beast::error_code ec) {

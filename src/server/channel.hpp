@@ -61,6 +61,12 @@ public:
     }
     /// Queues a text frame (a JSON-RPC notification).
     virtual void send_text(std::string text) = 0;
+    /// Whether the connection may be fed more output now (its send budgets, send_budget.hpp);
+    /// true once it is closing.
+    virtual bool has_send_room() { return true; }
+    /// Runs `resume` once on the sink's strand (never inside this call) when has_send_room()
+    /// may have become true; the caller checks again. Only when has_send_room() was false.
+    virtual void when_send_room(std::function<void()> resume) { (void)resume; }
     /// The channel has sent its exit (or can no longer send it) and may be forgotten.
     virtual void channel_finished(std::uint32_t channel) = 0;
 };
@@ -169,6 +175,7 @@ private:
         std::size_t claimed = 0;      ///< pipe bytes of spliced frames queued, not yet written
         int in_flight = 0;            ///< spliced frames queued, not yet written
         bool waiting_splice = false;  ///< parked until a spliced frame's end
+        bool waiting_room = false;    ///< parked until the connection has send room again
     };
     OutputPump& pump(output_stream s) noexcept { return pumps_[s == output_stream::err ? 1 : 0]; }
 
@@ -189,6 +196,9 @@ private:
     void pump_ended(output_stream stream);
     /// Resumes the pumps parked for credit, on the next turn of the strand.
     void resume_credit_waiters();
+    /// Resumes the pumps parked for send room (the connection took bytes, or is closing, or
+    /// the channel was hung up), on the next turn of the strand.
+    void resume_room_waiters();
     /// Sends the exit once every process of the command is gone (ended() or gone()) and every
     /// output pump has ended.
     void maybe_finish();

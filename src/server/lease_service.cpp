@@ -385,7 +385,9 @@ void attach_usage(Node& node, Lease& lease) {
 
 awaitable<json> lease_list(Node& node, const Principal& who, LeaseQuery q) {
     q.tenants = who.query_tenants();
-    if (q.company_id && !who.allows(*q.company_id)) {
+    // No tenant at all (a peer token's tenants and the forwarded ones have none in common):
+    // nothing, never the whole registry that an empty filter would list.
+    if (who.tenants.empty() || (q.company_id && !who.allows(*q.company_id))) {
         co_return json{{"leases", json::array()}, {"nextCursor", nullptr}};
     }
     auto page = co_await node.registry->list_leases(q);

@@ -266,9 +266,9 @@ SignalParams parse_signal(const json& p) {
     return out;
 }
 
-OpenParams parse_open(const json& p) {
+OpenParams parse_open(const json& p, std::uint64_t max_output_window, std::uint64_t max_stdin_window) {
     params::only_keys(p, {"hostRouteId", "lease", "command", "cwd", "env", "pty", "stdin",
-                          "timeoutMs", "outputWindow", "dataEncoding"});
+                          "timeoutMs", "outputWindow", "stdinWindow", "dataEncoding"});
     OpenParams out;
     ExecSpec& spec = out.spec;
     out.host_route_id = params::opt_string(p, "hostRouteId").value_or("");
@@ -301,8 +301,11 @@ OpenParams parse_open(const json& p) {
     if (auto t = params::opt_uint(p, "timeoutMs", 1, 30ULL * 24 * 3600000)) {
         out.timeout = std::chrono::milliseconds(*t);
     }
-    if (auto w = params::opt_uint(p, "outputWindow", 1024, 1ULL << 30)) {
+    if (auto w = params::opt_uint(p, "outputWindow", 1024, max_output_window)) {
         out.output_window = static_cast<std::uint32_t>(*w);
+    }
+    if (auto w = params::opt_uint(p, "stdinWindow", 1024, max_stdin_window)) {
+        out.stdin_window = static_cast<std::uint32_t>(*w);
     }
     if (auto enc = params::opt_string(p, "dataEncoding")) {
         if (*enc != "binary" && *enc != "base64") {

@@ -137,10 +137,14 @@ struct OpenParams {
     json lease;  ///< the lease reference, an object (checked by resolve_lease)
     ExecSpec spec;  ///< argv, cwd, env, pty, stdin (drain_grace_ms left for the node to set)
     std::optional<std::chrono::milliseconds> timeout;  ///< 1 ms .. 30 days
-    std::optional<std::uint32_t> output_window;  ///< bytes, 1 KiB .. 1 GiB; none = the node's
+    std::optional<std::uint32_t> output_window;  ///< bytes, 1 KiB .. max_output_window; none = the node's
+    std::optional<std::uint32_t> stdin_window;   ///< bytes, 1 KiB .. max_stdin_window; none = the node's
     bool base64 = false;  ///< dataEncoding "base64"
 };
-OpenParams parse_open(const json& p);
+/// `max_output_window` and `max_stdin_window`: the largest windows an open may ask for
+/// (limits.maxOutputWindow, limits.maxStdinWindow), bytes.
+OpenParams parse_open(const json& p, std::uint64_t max_output_window = 1ULL << 30,
+                      std::uint64_t max_stdin_window = 1ULL << 30);
 
 /// Decodes standard base64 (with padding); INVALID_PARAMS on `field` when it is not.
 std::string decode_base64(const std::string& field, std::string_view text);

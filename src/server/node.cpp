@@ -24,6 +24,30 @@ std::vector<std::string> Principal::query_tenants() const {
     return tenants;
 }
 
+std::vector<std::string> intersect_tenants(const std::vector<std::string>& forwarded,
+                                           const std::vector<std::string>& own) {
+    const auto has_star = [](const std::vector<std::string>& v) {
+        return std::find(v.begin(), v.end(), "*") != v.end();
+    };
+    const auto unique = [](const std::vector<std::string>& v) {
+        std::vector<std::string> out;
+        for (const auto& t : v) {
+            if (std::find(out.begin(), out.end(), t) == out.end()) out.push_back(t);
+        }
+        return out;
+    };
+    if (has_star(own)) return unique(forwarded);
+    if (has_star(forwarded)) return unique(own);
+    std::vector<std::string> out;
+    for (const auto& t : forwarded) {
+        if (std::find(own.begin(), own.end(), t) != own.end() &&
+            std::find(out.begin(), out.end(), t) == out.end()) {
+            out.push_back(t);
+        }
+    }
+    return out;
+}
+
 std::array<unsigned char, 32> token_hash(std::string_view secret) {
     std::array<unsigned char, 32> out{};
     unsigned int n = 0;

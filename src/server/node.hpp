@@ -4,6 +4,7 @@
 #include "server/audit.hpp"
 #include "server/node_metrics.hpp"
 #include "server/peer_link.hpp"
+#include "server/send_budget.hpp"
 
 #include <boost/asio/experimental/concurrent_channel.hpp>
 
@@ -35,11 +36,22 @@ struct Principal {
     /// SHA-256 of the token that authenticated the connection (all zero for a principal a
     /// peer forwarded): a reload that drops it revokes the connection.
     std::array<unsigned char, 32> token_sha256{};
+    /// A peer token's node (auth.tokens[].nodeId): its links must come from that node. "":
+    /// not bound.
+    std::string node_id{};
+    /// May read GET /metrics: role metrics or peer, or the generated admin token.
+    bool reads_metrics = false;
     /// True when this token may act for `company_id` ("*" or listed).
     bool allows(const std::string& company_id) const;
-    /// Tenants for a registry query: empty when the token has "*".
+    /// Tenants for a registry query: empty when the token has "*". A principal with no tenant
+    /// at all (an empty `tenants`) must not be queried: its empty list would mean every one.
     std::vector<std::string> query_tenants() const;
 };
+
+/// The tenants of both lists: `*` in one gives the other; else the companyIds in both, in the
+/// order of `forwarded`, each once. Empty: no tenant at all (never "every tenant").
+std::vector<std::string> intersect_tenants(const std::vector<std::string>& forwarded,
+                                           const std::vector<std::string>& own);
 
 /// `{tokenName, tenants}` of `who`: a forwarded request's forwardedFor (docs/protocol.md
 /// section 6).
@@ -164,6 +176,9 @@ struct Node {
     std::string startup_problem;  ///< guarded by startup_mutex
     /// GET /metrics (node_metrics.hpp).
     NodeMetrics metrics;
+    /// Bytes queued toward hosts, node-wide (limits.sendQueueBytes, ...PerConnection); made
+    /// by the Daemon once the config is known, before any connection.
+    std::unique_ptr<SendBudget> send_budget;
     net::thread_pool blocking{4};
     net::io_context* ioc = nullptr;
     PeerLinks peers;

@@ -41,6 +41,20 @@ struct NodeMetrics {
         "sandboxd_build_info", "The running sandboxd's version (value 1).", {"version"});
     Family<Gauge>& connections = registry.gauge(
         "sandboxd_connections", "Open WebSocket connections, by the token's role.", {"role"});
+    Family<Gauge>& connections_open = registry.gauge(
+        "sandboxd_connections_open",
+        "Accepted connections open now on every listener, authenticated or not (limits.connections).");
+    Family<Gauge>& connections_pending = registry.gauge(
+        "sandboxd_connections_pending",
+        "Accepted connections not yet authenticated (limits.pendingConnections).");
+    Family<Gauge>& send_queue_bytes = registry.gauge(
+        "sandboxd_send_queue_bytes",
+        "Bytes queued toward hosts and peers that no socket has taken yet (limits.sendQueueBytes).");
+    Family<Counter>& connections_refused = registry.counter(
+        "sandboxd_connections_refused_total",
+        "Connections refused at accept, by the limit that refused them (connections, "
+        "pendingConnections).",
+        {"limit"});
 
     // Channels
     Family<Counter>& channel_opens = registry.counter(

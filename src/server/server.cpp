@@ -15,6 +15,8 @@
 #include <spdlog/spdlog.h>
 
 #include <sys/random.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -25,6 +27,7 @@
 #include <future>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 namespace sandboxd {
 namespace {
@@ -133,12 +136,16 @@ Security build_security(const Config& c, const std::string& admin_token_path) {
         const std::string secret = t.token.empty() ? read_secret_file(t.token_file) : t.token;
         Principal p{t.name, t.role, t.tenants};
         p.token_sha256 = token_hash(secret);
+        p.node_id = t.node_id;
+        p.reads_metrics = t.role == "metrics" || t.role == "peer";
         if (t.role == "peer" && s.peer_token.empty()) s.peer_token = secret;
         s.credentials.push_back({std::move(p)});
     }
     if (s.credentials.empty() && !admin_token_path.empty()) {
         Principal p{"admin", "host", {"*"}};
         p.token_sha256 = token_hash(read_secret_file(admin_token_path));
+        // The node's only credential when none is configured: the operator's, who may scrape.
+        p.reads_metrics = true;
         s.credentials.push_back({std::move(p)});
     }
     if (c.tls.enabled()) {
@@ -220,11 +227,58 @@ struct Daemon::Impl {
     /// The browser console's files, read at start when console.enabled (read-only after).
     ConsoleAssets console;
 
+    /// Which listener a connection came in on: `listen` (TLS or not) or plainListen.
+    enum class listener_kind { main, plain };
+    /// Connections open now, and those not yet authenticated (issue 44, item 3); the caps
+    /// in force (limits.connections and limits.pendingConnections, each at most RLIMIT_NOFILE
+    /// less the descriptor reserve), set by start().
+    std::atomic<std::uint32_t> connections_open{0};
+    std::atomic<std::uint32_t> connections_pending{0};
+    std::uint32_t connection_cap = 0;
+    std::uint32_t pending_cap = 0;
+    /// One accepted connection's place under the caps: open (and pending) until destroyed,
+    /// pending until authenticated(). Moves with the connection's coroutine.
+    class ConnectionSlot {
+    public:
+        explicit ConnectionSlot(Impl& impl) : impl_(&impl) {}
+        ConnectionSlot(ConnectionSlot&& o) noexcept
+            : impl_(std::exchange(o.impl_, nullptr)), pending_(o.pending_) {}
+        ConnectionSlot& operator=(ConnectionSlot&&) = delete;
+        ConnectionSlot(const ConnectionSlot&) = delete;
+        ConnectionSlot& operator=(const ConnectionSlot&) = delete;
+        ~ConnectionSlot() {
+            if (!impl_) return;
+            authenticated();
+            impl_->connections_open.fetch_sub(1, std::memory_order_acq_rel);
+        }
+        /// The connection has its WebSocket session: it no longer counts as pending.
+        void authenticated() noexcept {
+            if (impl_ && std::exchange(pending_, false)) {
+                impl_->connections_pending.fetch_sub(1, std::memory_order_acq_rel);
+            }
+        }
+
+    private:
+        Impl* impl_;
+        bool pending_ = true;
+    };
+    /// Takes a slot for a connection just accepted, or says which cap refuses it.
+    std::optional<ConnectionSlot> admit_connection(std::string& refused_by);
+    /// Answers 503 naming the cap on the accepted socket `fd` and shuts it down, without
+    /// waiting for the peer (never blocks); the caller closes it.
+    void refuse_connection(int fd, const std::string& refused_by);
+    /// Sets connection_cap and pending_cap from the config and RLIMIT_NOFILE; logs them.
+    void set_connection_caps();
+
     /// Accepts on `acc`; `tls`: each connection's TLS handshake first (the listener's
     /// context at the time of the accept).
-    awaitable<void> accept_loop(tcp::acceptor& acc, bool tls);
-    awaitable<void> serve(tcp::socket socket, bool tls);
-    awaitable<void> serve_http(ConnStream stream);
+    awaitable<void> accept_loop(tcp::acceptor& acc, bool tls, listener_kind listener);
+    awaitable<void> serve(tcp::socket socket, bool tls, listener_kind listener, ConnectionSlot slot);
+    awaitable<void> serve_http(ConnStream stream, listener_kind listener, ConnectionSlot& slot);
+    /// GET /metrics: the exposition, or why not (401 without a token it may take, 403 for a
+    /// token whose role may not read it).
+    awaitable<http::response<http::string_body>> serve_metrics(
+        const http::request<http::string_body>& req, listener_kind listener, bool keep);
     /// Binds `acc` to `address` (config field `field`); returns the bound HOST:PORT.
     std::string bind(tcp::acceptor& acc, const std::string& address, const std::string& field);
     awaitable<void> heartbeat_loop();
@@ -267,6 +321,32 @@ struct Daemon::Impl {
     awaitable<void> refresh_lease_counts();
     /// Brings the gauges and mirrored counters up to date (MetricRegistry::on_collect).
     void collect_metrics();
+    /// Why a peer link may not say it comes from the node it names (issue 44, item 4), or ""
+    /// when it may: a token bound to a node (auth.tokens[].nodeId), or a client certificate
+    /// that names DNS names (its subjectAltName), holds Sandboxd-Forwarded-By to that node, or
+    /// to one of those names.
+    [[nodiscard]] std::string peer_binding_refusal(ConnStream& stream, const Principal& who,
+                                                   const http::request<http::string_body>& req) const {
+        if (who.role != "peer") return {};
+        const std::string by(req["Sandboxd-Forwarded-By"]);
+        if (!who.node_id.empty() && by != who.node_id) {
+            return "peer token \"" + who.name + "\" is bound to node " + who.node_id +
+                   "; this link says it comes from " + (by.empty() ? std::string("no node") : "node " + by.substr(0, 200));
+        }
+        auto* t = stream.tls();
+        if (t == nullptr || !node.security()->peer_ca) return {};
+        const auto names = peer_certificate_dns_names(t->native_handle());
+        if (names.empty() || std::find(names.begin(), names.end(), by) != names.end()) return {};
+        return "the peer link's client certificate names DNS " + join_names(names) +
+               "; this link says it comes from " + (by.empty() ? std::string("no node") : "node " + by.substr(0, 200));
+    }
+
+    static std::string join_names(const std::vector<std::string>& names) {
+        std::string out;
+        for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+        return out;
+    }
+
     /// Whether `who` may use this connection: a `peer` token needs, when routing.peerTls is
     /// set, a client certificate that the cluster CA verified (in the TLS handshake).
     bool peer_certified(ConnStream& stream, const Principal& who) const {
@@ -283,6 +363,8 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
     auto& node = impl_->node;
     node.config = std::move(config);
     auto& c = node.config;
+    node.send_budget = std::make_unique<SendBudget>(c.limits.send_queue_bytes,
+                                                    c.limits.send_queue_bytes_per_connection);
     std::error_code ec;
     fs::create_directories(c.state_dir, ec);
     if (ec) throw config_error("config: stateDir: cannot create " + c.state_dir + ": " + ec.message());
@@ -321,6 +403,14 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
         }
     }
     node.set_security(std::make_shared<const Security>(build_security(c, impl_->token_path)));
+    for (const auto& t : c.tokens) {
+        if (t.role == "peer" && t.node_id.empty() && c.peer_tls.empty()) {
+            spdlog::warn("auth.tokens: peer token \"{}\" is bound to no node: a link with it may say it "
+                         "comes from any node (it acts only within its own tenants); binding it "
+                         "with nodeId, or routing.peerTls certificates that name the node, is safer",
+                         t.name);
+        }
+    }
 
     if (c.registry.kind == "etcd") {
         std::string password;
@@ -430,9 +520,13 @@ std::string Daemon::start() {
     // Listening at once: /healthz and /readyz answer while the registration runs (and is
     // retried while the registry cannot be reached); upgrades wait for it (503).
     impl_->start_connection_loops();
-    net::co_spawn(impl_->ioc, impl_->accept_loop(impl_->acceptor, tls), log_failure);
+    impl_->set_connection_caps();
+    net::co_spawn(impl_->ioc, impl_->accept_loop(impl_->acceptor, tls, Impl::listener_kind::main),
+                  log_failure);
     if (impl_->plain_acceptor.is_open()) {
-        net::co_spawn(impl_->ioc, impl_->accept_loop(impl_->plain_acceptor, false), log_failure);
+        net::co_spawn(impl_->ioc,
+                      impl_->accept_loop(impl_->plain_acceptor, false, Impl::listener_kind::plain),
+                      log_failure);
     }
     spdlog::info("node={} bound {} ({}){}; registering with the {} registry", node.node_id,
                  impl_->bound, tls ? "TLS" : "plain",
@@ -514,7 +608,7 @@ bool Daemon::reload(const Config& next) {
     node.set_security(fresh);
     const auto same = [](const Principal& a, const Principal& b) {
         return a.token_sha256 == b.token_sha256 && a.name == b.name && a.role == b.role &&
-               a.tenants == b.tenants;
+               a.tenants == b.tenants && a.node_id == b.node_id && a.reads_metrics == b.reads_metrics;
     };
     const auto kept = [&](const Principal& p) {
         return std::any_of(fresh->credentials.begin(), fresh->credentials.end(),
@@ -738,7 +832,55 @@ awaitable<void> Daemon::Impl::finish_stop() {
     ioc.stop();
 }
 
-awaitable<void> Daemon::Impl::accept_loop(tcp::acceptor& acc, bool tls) {
+void Daemon::Impl::set_connection_caps() {
+    const auto& l = node.config.limits;
+    rlimit lim{};
+    std::uint64_t nofile = 1024;
+    if (::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) nofile = lim.rlim_cur;
+    const std::uint64_t reserve = std::max<std::uint64_t>(256, nofile / 10);
+    const std::uint64_t room = nofile > reserve ? nofile - reserve : 0;
+    connection_cap = static_cast<std::uint32_t>(std::min<std::uint64_t>(l.connections, room));
+    pending_cap = static_cast<std::uint32_t>(std::min<std::uint64_t>(l.pending_connections, connection_cap));
+    spdlog::info("node={} connections: at most {} open and {} not yet authenticated (limits.connections "
+                 "{}, limits.pendingConnections {}; {} of RLIMIT_NOFILE {} kept for the node's own work)",
+                 node.node_id, connection_cap, pending_cap, l.connections, l.pending_connections,
+                 reserve, nofile);
+    if (connection_cap == 0) {
+        spdlog::error("node={} RLIMIT_NOFILE {} leaves no descriptor for connections beyond the "
+                      "reserve of {}: every connection is refused", node.node_id, nofile, reserve);
+    }
+}
+
+std::optional<Daemon::Impl::ConnectionSlot> Daemon::Impl::admit_connection(std::string& refused_by) {
+    // Counted first, then checked: two accepts on two listeners never both take the last place.
+    const auto open = connections_open.fetch_add(1, std::memory_order_acq_rel);
+    const auto pending = connections_pending.fetch_add(1, std::memory_order_acq_rel);
+    if (open >= connection_cap || pending >= pending_cap) {
+        connections_open.fetch_sub(1, std::memory_order_acq_rel);
+        connections_pending.fetch_sub(1, std::memory_order_acq_rel);
+        refused_by = open >= connection_cap ? "connections" : "pendingConnections";
+        return std::nullopt;
+    }
+    return std::optional<ConnectionSlot>(std::in_place, *this);
+}
+
+void Daemon::Impl::refuse_connection(int fd, const std::string& refused_by) {
+    node.metrics.connections_refused.with({refused_by}).inc();
+    const auto cap = refused_by == "connections" ? connection_cap : pending_cap;
+    const std::string body = "node at its connection limit (limits." + refused_by + ", " +
+                             std::to_string(cap) + "); try again later\n";
+    const std::string res = "HTTP/1.1 503 Service Unavailable\r\nServer: sandboxd/" +
+                            std::string(version_string) +
+                            "\r\nContent-Type: text/plain; charset=utf-8\r\nRetry-After: 1\r\n"
+                            "Connection: close\r\nContent-Length: " + std::to_string(body.size()) +
+                            "\r\n\r\n" + body;
+    // One non-blocking send into an empty socket buffer: it takes the whole answer or the
+    // peer gets the close alone. Over TLS the peer sees a failed handshake (closed).
+    (void)::send(fd, res.data(), res.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+    ::shutdown(fd, SHUT_RDWR);
+}
+
+awaitable<void> Daemon::Impl::accept_loop(tcp::acceptor& acc, bool tls, listener_kind listener) {
     // A failed accept (EMFILE, ENFILE, ENOBUFS) leaves the connection in the backlog: retrying
     // at once would spin. Back off 10 ms, doubling to 1 s, and log once per streak.
     // (The wait sits outside the scope of the accept's structured binding: GCC 12 corrupts a
@@ -763,10 +905,21 @@ awaitable<void> Daemon::Impl::accept_loop(tcp::acceptor& acc, bool tls) {
         }
         if (delay.count() != 0) spdlog::info("accepting connections again");
         delay = std::chrono::milliseconds(0);
+        std::string refused_by;
+        auto slot = admit_connection(refused_by);
+        if (!slot) {
+            // At a cap: refused at once, the accepts go on (the reserve keeps descriptors for
+            // this and for the node's own work).
+            refuse_connection(socket.native_handle(), refused_by);
+            beast::error_code ignored;
+            socket.close(ignored);
+            continue;
+        }
         beast::error_code nodelay_ec;
         socket.set_option(tcp::no_delay(true), nodelay_ec);  // no Nagle wait behind an unacked frame
         auto ex = socket.get_executor();
-        net::co_spawn(ex, serve(std::move(socket), tls), [](const std::exception_ptr& e) {
+        net::co_spawn(ex, serve(std::move(socket), tls, listener, std::move(*slot)),
+                      [](const std::exception_ptr& e) {
             if (!e) return;
             try {
                 std::rethrow_exception(e);
@@ -831,6 +984,9 @@ awaitable<bool> Daemon::Impl::registry_reachable() {
 void Daemon::Impl::collect_metrics() {
     auto& m = node.metrics;
     m.channels_running.only().set(static_cast<double>(node.channels.size()));
+    m.send_queue_bytes.only().set(static_cast<double>(node.send_budget->queued()));
+    m.connections_open.only().set(static_cast<double>(connections_open.load()));
+    m.connections_pending.only().set(static_cast<double>(connections_pending.load()));
     LimitEvents limit_events;
     for (const auto& [key, provider] : node.providers) {
         const auto e = provider->limit_events();
@@ -925,14 +1081,18 @@ std::string Daemon::status() const {
            std::to_string(impl_->active_leases.load()) + " leases, " + state;
 }
 
-awaitable<void> Daemon::Impl::serve(tcp::socket socket, bool tls) {
+awaitable<void> Daemon::Impl::serve(tcp::socket socket, bool tls, listener_kind listener,
+                                    ConnectionSlot slot) {
     if (!tls) {
-        co_await serve_http(ConnStream(beast::tcp_stream(std::move(socket))));
+        co_await serve_http(ConnStream(beast::tcp_stream(std::move(socket))), listener, slot);
         co_return;
     }
     // The listener's context as of now: a reload (SIGHUP) changes what later connections get.
     ConnStream stream(beast::tcp_stream(std::move(socket)), node.security()->listener_tls);
-    beast::get_lowest_layer(stream).expires_after(std::chrono::seconds(10));
+    // The handshake and the first request share one deadline from the accept (authTimeoutMs).
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::milliseconds(node.config.limits.auth_timeout_ms);
+    beast::get_lowest_layer(stream).expires_at(deadline);
     auto [ec] = co_await stream.tls()->async_handshake(ssl::stream_base::server, as_tuple_awaitable);
     if (ec) {
         // Plain HTTP to the TLS port, an untrusted or missing client certificate, an old
@@ -947,16 +1107,21 @@ awaitable<void> Daemon::Impl::serve(tcp::socket socket, bool tls) {
         }
         co_return;
     }
-    co_await serve_http(std::move(stream));
+    co_await serve_http(std::move(stream), listener, slot);
 }
 
-awaitable<void> Daemon::Impl::serve_http(ConnStream stream) {
+awaitable<void> Daemon::Impl::serve_http(ConnStream stream, listener_kind listener, ConnectionSlot& slot) {
     beast::flat_buffer buffer;
+    // The first request's deadline runs from the accept (the TLS handshake's, when there was
+    // one); each later request on a kept-alive connection gets authTimeoutMs of its own.
+    const auto auth_timeout = std::chrono::milliseconds(node.config.limits.auth_timeout_ms);
+    bool first = true;
     for (;;) {
         http::request_parser<http::string_body> parser;
         parser.header_limit(16 * 1024);
         parser.body_limit(64 * 1024);
-        beast::get_lowest_layer(stream).expires_after(std::chrono::seconds(30));
+        if (!first || !stream.tls()) beast::get_lowest_layer(stream).expires_after(auth_timeout);
+        first = false;
         auto [ec, n] = co_await http::async_read(stream, buffer, parser, as_tuple_awaitable);
         if (ec == http::error::header_limit || ec == http::error::body_limit) {
             // Too large to read: answered with its status, then closed (the rest is unread).
@@ -1039,6 +1204,9 @@ awaitable<void> Daemon::Impl::serve_http(ConnStream stream) {
                     res = plain(http::status::forbidden,
                                 "a peer token needs a client certificate that the cluster CA verified\n",
                                 req.version(), false);
+                } else if (const auto unbound = peer_binding_refusal(stream, *who, req); !unbound.empty()) {
+                    refused(unbound, who);
+                    res = plain(http::status::forbidden, unbound + "\n", req.version(), false);
                 } else if (who->role == "peer" && req.count("Sandboxd-Forwarded-To") != 0 &&
                            req["Sandboxd-Forwarded-To"] != node.node_id) {
                     // A peer link meant for another node (its record's address now reaches
@@ -1057,7 +1225,12 @@ awaitable<void> Daemon::Impl::serve_http(ConnStream stream) {
                     res = plain(http::status::service_unavailable,
                                 "node is starting: not registered with the registry yet\n",
                                 req.version(), false);
+                } else if (who->role == "metrics") {
+                    refused("token \"" + who->name + "\" has role metrics: it may only read GET /metrics", who);
+                    res = plain(http::status::forbidden,
+                                "a metrics-role token may only read GET /metrics\n", req.version(), false);
                 } else {
+                    slot.authenticated();
                     auto session = std::make_shared<Session>(node, std::move(stream), std::move(*who));
                     {
                         std::lock_guard lock(sessions_mutex);
@@ -1138,10 +1311,7 @@ awaitable<void> Daemon::Impl::serve_http(ConnStream stream) {
                 res = plain(http::status::not_found, "not found\n", req.version(), keep);
             }
         } else if (target == "/metrics") {
-            co_await refresh_lease_counts();
-            res = plain(http::status::ok, node.metrics.registry.render() + process_metrics_text(),
-                        req.version(), keep);
-            res.set(http::field::content_type, "text/plain; version=0.0.4");
+            res = co_await serve_metrics(req, listener, keep);
         } else {
             res = plain(http::status::not_found, "not found\n", req.version(), keep);
         }
@@ -1151,6 +1321,36 @@ awaitable<void> Daemon::Impl::serve_http(ConnStream stream) {
             co_return;
         }
     }
+}
+
+awaitable<http::response<http::string_body>> Daemon::Impl::serve_metrics(
+    const http::request<http::string_body>& req, listener_kind listener, bool keep) {
+    // issue 44, item 7: a credential by default; metrics.public opens plainListen alone.
+    if (!(node.config.metrics_public && listener == listener_kind::plain)) {
+        std::string_view auth = req[http::field::authorization];
+        std::optional<Principal> who;
+        if (auth.size() > 7 && beast::iequals(auth.substr(0, 7), "Bearer ")) {
+            who = node.authenticate(auth.substr(7));
+        }
+        if (!who) {
+            auto res = plain(http::status::unauthorized,
+                             "GET /metrics takes a bearer token with role metrics or peer\n",
+                             req.version(), keep);
+            res.set(http::field::www_authenticate, "Bearer realm=\"sandboxd\"");
+            co_return res;
+        }
+        if (!who->reads_metrics) {
+            co_return plain(http::status::forbidden,
+                            "token \"" + who->name + "\" has role " + who->role +
+                                "; GET /metrics takes a token with role metrics or peer\n",
+                            req.version(), keep);
+        }
+    }
+    co_await refresh_lease_counts();
+    auto res = plain(http::status::ok, node.metrics.registry.render() + process_metrics_text(),
+                     req.version(), keep);
+    res.set(http::field::content_type, "text/plain; version=0.0.4");
+    co_return res;
 }
 
 http::response<http::string_body> Daemon::Impl::admin_drain(const std::optional<Principal>& who,

@@ -51,7 +51,7 @@ void log_task_failure(const std::string& peer, const std::exception_ptr& e) {
 
 Session::Session(Node& node, ConnStream stream, Principal who)
     : node_(node),
-      transport_(std::move(stream), node.config.limits),
+      transport_(std::move(stream), node.config.limits, node.send_budget.get(), who.role == "peer"),
       who_(std::move(who)),
       strand_(transport_.strand()),
       slot_free_(strand_),
@@ -59,6 +59,50 @@ Session::Session(Node& node, ConnStream stream, Principal who)
       mux_(*this, node.config.limits.max_data_payload, peer_,
            &node.metrics.channel_byte_counters, &node.relays_open) {
     slot_free_.expires_at(net::steady_timer::time_point::max());
+    transport_.on_written([this] {
+        if (!room_waiters_.empty()) check_send_room();
+    });
+}
+
+void Session::when_send_room(std::function<void()> resume) {
+    room_waiters_.push_back(std::move(resume));
+    check_send_room();
+}
+
+void Session::check_send_room() {
+    if (room_waiters_.empty()) return;
+    if (transport_.has_room()) {
+        auto woken = std::exchange(room_waiters_, {});
+        for (auto& w : woken) net::post(strand_, std::move(w));
+        return;
+    }
+    // Held by the node's budget (other connections' queues), not its own: woken when any
+    // connection's writes bring the node under it. Its own writes wake it through on_written.
+    if (transport_.held_by_node() && !node_wake_armed_) {
+        node_wake_armed_ = true;
+        node_.send_budget->when_node_has_room([weak = weak_from_this(), strand = strand_] {
+            net::post(strand, [weak] {
+                if (auto self = weak.lock()) {
+                    self->node_wake_armed_ = false;
+                    self->check_send_room();
+                }
+            });
+        });
+    }
+}
+
+awaitable<void> Session::wait_send_room() {
+    while (!transport_.has_room()) {
+        // The timer is shared with the wake, which may come after this frame is gone (the
+        // request cancelled): it then finds nothing to cancel.
+        auto woken = std::make_shared<net::steady_timer>(strand_, net::steady_timer::time_point::max());
+        when_send_room([weak = std::weak_ptr<net::steady_timer>(woken)] {
+            if (auto t = weak.lock()) t->cancel();
+        });
+        co_await woken->async_wait(as_tuple_awaitable);
+        auto cs = co_await net::this_coro::cancellation_state;
+        if (cs.cancelled() != net::cancellation_type::none) co_return;
+    }
 }
 
 Session::~Session() = default;
@@ -375,8 +419,10 @@ Principal Session::caller_of(const jsonrpc::Request& request, const Method* meth
                             "strings]}, naming the host it acts for",
                         {{"method", request.method}});
     }
+    // The host's tenants as the forwarding node states them, held to the peer token's own:
+    // a peer link acts only within the tenants its token was given (issue 44, item 4).
     return Principal{(*f)["tokenName"].get<std::string>(), "host",
-                     (*f)["tenants"].get<std::vector<std::string>>()};
+                     intersect_tenants((*f)["tenants"].get<std::vector<std::string>>(), who_.tenants)};
 }
 
 std::shared_ptr<Channel> Session::local_channel(std::uint32_t id, const Principal& caller) {
@@ -445,6 +491,9 @@ awaitable<Session::Reply> Session::initialize(Call c) {
                            {"channelsPerNode", l.channels_per_node},
                            {"outputWindow", l.output_window},
                            {"stdinWindow", l.stdin_window},
+                           {"maxOutputWindow", l.max_output_window},
+                           {"maxStdinWindow", l.max_stdin_window},
+                           {"sendQueueBytesPerConnection", l.send_queue_bytes_per_connection},
                            {"requestsPerConnection", l.requests_per_connection}}},
                          {"providers", provider_list(node_)}},
                     {}};
@@ -586,6 +635,9 @@ awaitable<Session::Reply> Session::lease_execute(Call c) {
     const auto& limits = node_.config.limits;
     auto params = methods::parse_execute(p, limits.execute_timeout_ms);
     ExecuteLog log = execute_log(id);
+    // The output is read only while this connection can take its log (issue 44, item 2);
+    // the Session outlives the request (serve() holds it).
+    params.request.wait_for_room = [this] { return wait_send_room(); };
     // The owner's provider holds the sandbox: forwarded there, its logs relayed back.
     PeerLink::Notify notify;
     notify.executor = strand_;
@@ -601,9 +653,14 @@ awaitable<Session::Reply> Session::lease_execute(Call c) {
         std::chrono::milliseconds(params.request.timeout_ms) + std::chrono::seconds(60);
     if (auto at_owner = co_await lease_change_at_owner("leaseExecute", p, params.lease_id, c.caller,
                                                        std::move(notify), answer_within)) {
+        co_await wait_send_room();
         co_return std::move(*at_owner);
     }
     json result = co_await sandboxd::lease_execute(node_, c.caller, std::move(params), std::move(log));
+    // The result (up to limits.executeOutputBytes of each stream, 6 bytes per escaped byte
+    // once serialised) is queued only when the connection has room: results of pipelined
+    // executes wait here, as JSON values, not as serialised text in the queue.
+    co_await wait_send_room();
     co_return Reply{std::move(result), {}};
 }
 
@@ -674,7 +731,8 @@ awaitable<Session::Reply> Session::channel_close(Call c) {
 awaitable<Session::Reply> Session::channel_open(Call c) {
     json p = std::move(c.params);
     // Step 1: the shape of the params.
-    auto params = methods::parse_open(p);
+    auto params = methods::parse_open(p, node_.config.limits.max_output_window,
+                                      node_.config.limits.max_stdin_window);
     // A draining node opens nothing, here or relayed: its connections end with the drain.
     // Counted first, then checked: a drain that begins meanwhile waits for this open.
     node_.opens_in_flight.fetch_add(1);
@@ -762,7 +820,7 @@ awaitable<Session::Reply> Session::open_local(methods::OpenParams params, Lease 
     options.base64 = params.base64;
     options.pty = params.spec.pty.has_value();
     options.stdin_attached = params.spec.stdin_attached;
-    options.stdin_window = limits.stdin_window;
+    options.stdin_window = params.stdin_window.value_or(limits.stdin_window);
     options.hangup_grace = std::chrono::milliseconds(limits.hangup_grace_ms);
     options.audit = node_.audit;
     options.opened_for = caller.name;

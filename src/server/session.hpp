@@ -64,7 +64,12 @@ public:
     void send_spliced(std::string head, int pipe_fd, std::size_t count,
                       std::function<void(bool written)> done) override;
     void send_text(std::string text) override;
+    bool has_send_room() override { return transport_.has_room(); }
+    void when_send_room(std::function<void()> resume) override;
     void channel_finished(std::uint32_t channel) override;
+    /// Completes once this connection has send room (at once when it has), or is closing.
+    /// On the strand.
+    awaitable<void> wait_send_room();
 
     void relay_binary(std::uint32_t local_channel, std::string frame) override;
     void relay_exit(std::uint32_t local_channel, nlohmann::json exit_params) override;
@@ -187,6 +192,12 @@ private:
     std::map<std::uint32_t, Lane> lanes_;  // channels with a request running
     /// The node that forwarded this connection's opens (peer tokens only), else "".
     std::string forwarded_by_;
+    /// Feeders parked until the connection has send room (when_send_room), and whether a
+    /// wake from the node's budget is armed.
+    std::vector<std::function<void()>> room_waiters_;
+    bool node_wake_armed_ = false;
+    /// Runs the parked feeders once the connection has room; else arms the node's wake.
+    void check_send_room();
 };
 
 }  // namespace sandboxd

@@ -38,13 +38,20 @@ std::string remote_of(const tcp::socket& socket) {
 
 }  // namespace
 
-Transport::Transport(ConnStream stream, const LimitsConfig& limits)
+Transport::Transport(ConnStream stream, const LimitsConfig& limits, SendBudget* budget, bool exempt)
     : ws_(std::move(stream)),
       limits_(limits),
       strand_(ws_.get_executor()),
       peer_(remote_of(beast::get_lowest_layer(ws_).socket())),
       queue_timer_(strand_) {
     queue_timer_.expires_at(net::steady_timer::time_point::max());
+    if (budget) account_.emplace(*budget, exempt);
+}
+
+void Transport::written(std::size_t bytes) {
+    if (account_) account_->sub(bytes);
+    send_progress_ = std::chrono::steady_clock::now();
+    if (on_written_) on_written_();
 }
 
 awaitable<bool> Transport::accept(const http::request<http::string_body>& request) {
@@ -85,7 +92,7 @@ awaitable<bool> Transport::accept(const http::request<http::string_body>& reques
 awaitable<void> Transport::serve(Receiver& receiver) {
     try {
         // Whichever loop ends first ends the connection; the others are cancelled with it.
-        co_await (read_loop(receiver) || write_loop() || ping_loop() || idle_loop());
+        co_await (read_loop(receiver) || write_loop() || ping_loop() || idle_loop() || stall_loop());
     } catch (const std::exception& e) {
         spdlog::error("peer={} connection loop failed: {}", peer_, e.what());
     }
@@ -96,6 +103,9 @@ awaitable<void> Transport::serve(Receiver& receiver) {
         if (out.spliced) complete_spliced(std::move(out.spliced), false);
     }
     queue_.clear();
+    if (account_) account_->sub(account_->queued());
+    // Whoever waited for room drains and stops now (has_room() is true once closing).
+    if (on_written_) on_written_();
 }
 
 void Transport::complete_spliced(std::function<void(bool)> done, bool written) {
@@ -151,9 +161,13 @@ awaitable<void> Transport::write_loop() {
         }
         Outgoing out = std::move(queue_.front());
         queue_.pop_front();
+        const std::size_t size = out.bytes.size();
+        writing_ = true;
         if (out.spliced) {
             auto [ec, n] = co_await ws_.next_layer().async_write_spliced(
                 std::move(out.bytes), out.splice_fd, out.splice_count, as_tuple_awaitable);
+            writing_ = false;
+            written(size);
             complete_spliced(std::move(out.spliced), !ec);
             if (ec) {
                 closing_ = true;  // the peer may hold part of a frame: nothing more is written
@@ -164,6 +178,8 @@ awaitable<void> Transport::write_loop() {
         }
         ws_.binary(out.binary);
         auto [ec, n] = co_await ws_.async_write(net::buffer(out.bytes), as_tuple_awaitable);
+        writing_ = false;
+        written(size);
         if (ec) {
             // The read then fails too; closing here makes sure it does at once.
             beast::get_lowest_layer(ws_).socket().close(ec);
@@ -210,8 +226,32 @@ awaitable<void> Transport::idle_loop() {
     }
 }
 
+awaitable<void> Transport::stall_loop() {
+    const auto stall = std::chrono::milliseconds(limits_.send_stall_timeout_ms);
+    net::steady_timer timer(strand_);
+    for (;;) {
+        const bool backlog = writing_ || !queue_.empty();
+        const auto now = std::chrono::steady_clock::now();
+        timer.expires_at(backlog ? send_progress_ + stall : now + stall);
+        auto [ec] = co_await timer.async_wait(as_tuple_awaitable);
+        if (ec) co_return;  // cancelled: the connection ends
+        if (!(writing_ || !queue_.empty())) continue;
+        const auto stalled = std::chrono::steady_clock::now() - send_progress_;
+        if (stalled < stall) continue;
+        spdlog::info("peer={} took no message for {} ms with {} bytes queued (limits.sendStallTimeoutMs "
+                     "{}): dropping the connection",
+                     peer_, std::chrono::duration_cast<std::chrono::milliseconds>(stalled).count(),
+                     queued_bytes(), stall.count());
+        beast::error_code ignored;
+        beast::get_lowest_layer(ws_).socket().close(ignored);
+        co_return;
+    }
+}
+
 void Transport::send(bool binary, std::string bytes) {
     if (closing_) return;
+    if (queue_.empty() && !writing_) send_progress_ = std::chrono::steady_clock::now();
+    if (account_) account_->add(bytes.size());
     queue_.push_back({binary, std::move(bytes), -1, 0, {}});
     queue_timer_.cancel();
 }
@@ -219,6 +259,9 @@ void Transport::send(bool binary, std::string bytes) {
 void Transport::send_spliced(std::string head, int pipe_fd, std::size_t count,
                              std::function<void(bool written)> done) {
     if (!can_splice()) return complete_spliced(std::move(done), false);
+    if (queue_.empty() && !writing_) send_progress_ = std::chrono::steady_clock::now();
+    // Only the head is held here: the payload waits in the pipe (the lease's, not ours).
+    if (account_) account_->add(head.size());
     queue_.push_back({true, std::move(head), pipe_fd, count, std::move(done)});
     queue_timer_.cancel();
 }

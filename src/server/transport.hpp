@@ -8,6 +8,7 @@
 // Threading: every member runs on the connection's strand (strand()), except close(), which
 // may be called from any thread. The owner keeps the Transport alive until serve() returns.
 #include "server/frame_guard.hpp"
+#include "server/send_budget.hpp"
 
 #include <sandboxd/core/config.hpp>
 #include <sandboxd/core/net.hpp>
@@ -45,9 +46,12 @@ public:
     };
 
     /// Takes the stream (plain TCP, or TLS after its handshake) of a connection whose HTTP
-    /// upgrade request has been read. `limits` (message sizes, ping interval, idle timeout)
-    /// must outlive the transport.
-    Transport(ConnStream stream, const LimitsConfig& limits);
+    /// upgrade request has been read. `limits` (message sizes, ping interval, idle and send
+    /// stall timeouts) must outlive the transport. `budget` (null: none) counts the bytes
+    /// queued here toward the node's send budgets; `exempt` (a peer link): counted, never
+    /// refused room (send_budget.hpp).
+    Transport(ConnStream stream, const LimitsConfig& limits, SendBudget* budget = nullptr,
+              bool exempt = false);
     Transport(const Transport&) = delete;
     Transport& operator=(const Transport&) = delete;
 
@@ -66,9 +70,25 @@ public:
     awaitable<void> serve(Receiver& receiver);
 
     /// Queues a message for the write loop; dropped once the connection is closing. The queue
-    /// is bounded by the protocol, not here: output frames by each channel's credit window,
-    /// responses by limits.requestsPerConnection, notifications by the channels.
+    /// is bounded by its feeders, not here: they ask has_room() first (channel output,
+    /// leaseExecute output), and the rest is bounded by the protocol (responses by
+    /// limits.requestsPerConnection, credits and exits by the channels).
     void send(bool binary, std::string bytes);
+
+    /// Whether this connection may be fed more (its queue is under its send budgets), or is
+    /// closing (feeders then drain and stop). Without a budget: always.
+    [[nodiscard]] bool has_room() const noexcept {
+        return closing_ || !account_ || account_->has_room();
+    }
+    /// Whether the node's budget, not this connection's own, keeps it from room.
+    [[nodiscard]] bool held_by_node() const noexcept {
+        return !closing_ && account_ && account_->held_by_node();
+    }
+    /// Bytes queued here and not yet written (the message being written included).
+    [[nodiscard]] std::uint64_t queued_bytes() const noexcept { return account_ ? account_->queued() : 0; }
+    /// Called on the strand after each message is written or dropped, and once when the
+    /// connection has ended: where the owner wakes the feeders that waited for room.
+    void on_written(std::function<void()> fn) { on_written_ = std::move(fn); }
 
     /// Whether send_spliced() may be used: a plain TCP connection (TLS encrypts every byte
     /// in user space) that has not begun to close.
@@ -122,6 +142,11 @@ private:
     /// Drops the connection once nothing (no message, ping or pong) has been heard from the
     /// peer for limits.idleTimeoutMs.
     awaitable<void> idle_loop();
+    /// Drops the connection once it has had bytes queued and its socket has taken no message
+    /// for limits.sendStallTimeoutMs.
+    awaitable<void> stall_loop();
+    /// `bytes` of the queue were written or dropped.
+    void written(std::size_t bytes);
 
     websocket::stream<frame_guard<ConnStream>> ws_;  // see frame_guard.hpp
     const LimitsConfig& limits_;
@@ -134,6 +159,11 @@ private:
     std::vector<std::string> spare_;  // written binary messages' buffers, for take_buffer()
     net::steady_timer queue_timer_;  // woken (cancelled) when the queue gets work
     std::chrono::steady_clock::time_point last_heard_;  // last frame read from the peer
+    /// The last message written, or the moment the queue last became non-empty.
+    std::chrono::steady_clock::time_point send_progress_;
+    bool writing_ = false;  // a message is being written (popped from the queue)
+    std::optional<SendBudget::Account> account_;
+    std::function<void()> on_written_;
     bool closing_ = false;
     /// Set by close(): the write loop sends it once the queue is empty.
     std::optional<websocket::close_code> close_code_;

@@ -211,8 +211,8 @@ TEMPLATE_TEST_CASE("operations: /metrics of two nodes names every family and pas
     // The sweeper has passed on both nodes.
     CHECK(eventually([&] { return owner.metric("sandboxd_sweeper_passes_total") >= 1; }, 10s));
 
-    const auto [status1, m1] = http_get(owner.address(), "/metrics");
-    const auto [status2, m2] = http_get(router.address(), "/metrics");
+    const auto [status1, m1] = http_get(owner.address(), "/metrics", "Bearer " + test_peer_token);
+    const auto [status2, m2] = http_get(router.address(), "/metrics", "Bearer " + test_peer_token);
     REQUIRE(status1 == 200);
     REQUIRE(status2 == 200);
     INFO("owner's /metrics:\n" << m1);

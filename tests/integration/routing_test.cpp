@@ -556,3 +556,91 @@ TEMPLATE_TEST_CASE("A peer token acts only for the host it forwards for",
         CHECK(forwarded_reason(host, "leaseGet", {{"leaseId", lease["id"]}}, json()) == "ok");
     }
 }
+
+TEMPLATE_TEST_CASE("A peer token acts only within its own tenants, and a bound one only from its node",
+                   "[routing][multinode][auth]", SqliteCluster, EtcdCluster) {
+    // issue 44, item 4: the repro was a peer token for ["acme"] running leaseExecute in another
+    // company's lease by forwarding for tenants ["*"].
+    TestType cluster;
+    INFO("registry: " << TestType::kind);
+    auto config = json::parse(cluster_config(cluster));
+    config["auth"]["tokens"].push_back(
+        {{"name", "peer-acme"}, {"token", "peer-acme-secret"}, {"role", "peer"}, {"tenants", {"acme"}}});
+    config["auth"]["tokens"].push_back({{"name", "peer-bound"},
+                                        {"token", "peer-bound-secret"},
+                                        {"role", "peer"},
+                                        {"tenants", {"*"}},
+                                        {"nodeId", "node-2"}});
+    DaemonProcess p1("node-1", config.dump());
+    CHECK(p1.log().find("peer token \"peer-acme\" is bound to no node") != std::string::npos);
+    CHECK(p1.log().find("peer token \"peer-bound\" is bound to no node") == std::string::npos);
+    Client host(p1.url(), host_token);
+    const auto other = host.call("leaseAcquire",
+                                 {{"companyId", "other"}, {"environmentId", "dev"}, {"provider", "bwrap"}});
+    const auto acme = acquire_lease(host);
+    const json execute_other = {{"leaseId", other["id"]}, {"command", "true"}};
+    const json execute_acme = {{"leaseId", acme["id"]}, {"command", "true"}};
+
+    SECTION("the forwarded tenants are held to the peer token's own") {
+        Client as_peer(p1.url(), "peer-acme-secret", std::chrono::seconds(10), 0,
+                       {{"Sandboxd-Forwarded-By", "node-2"}});
+        const json everyone = {{"tokenName", "x"}, {"tenants", {"*"}}};
+        const json both = {{"tokenName", "x"}, {"tenants", {"other", "acme"}}};
+        const json none = {{"tokenName", "x"}, {"tenants", json::array()}};
+        CHECK(forwarded_reason(as_peer, "leaseExecute", execute_other, everyone) == "LEASE_NOT_FOUND");
+        CHECK(forwarded_reason(as_peer, "leaseExecute", execute_other, both) == "LEASE_NOT_FOUND");
+        CHECK(forwarded_reason(as_peer, "leaseGet", {{"leaseId", other["id"]}}, everyone) ==
+              "LEASE_NOT_FOUND");
+        CHECK(forwarded_reason(as_peer, "duplexChannelOpen", open_params(other, {"true"}), everyone) ==
+              "LEASE_NOT_FOUND");
+        CHECK(forwarded_reason(as_peer, "leaseRelease", {{"leaseId", other["id"]}}, everyone) ==
+              "LEASE_NOT_FOUND");
+        CHECK(forwarded_reason(as_peer, "leaseExecute", execute_acme, none) == "LEASE_NOT_FOUND");
+        // Within the token's tenants the same calls work.
+        CHECK(forwarded_reason(as_peer, "leaseExecute", execute_acme, everyone) == "ok");
+        CHECK(forwarded_reason(as_peer, "leaseExecute", execute_acme, both) == "ok");
+        CHECK(host.call("leaseGet", {{"leaseId", other["id"]}})["status"] == "active");
+    }
+    SECTION("a bound peer token is refused from any other node, and works from its own") {
+        const auto [status, body] = http_get(p1.address(), "/v1/ws", "Bearer peer-bound-secret", true,
+                                             {{"Sandboxd-Forwarded-By", "node-3"}});
+        CHECK(status == 403);
+        CHECK(body.find("bound to node node-2") != std::string::npos);
+        CHECK(http_get(p1.address(), "/v1/ws", "Bearer peer-bound-secret", true).first == 403);
+        Client as_bound(p1.url(), "peer-bound-secret", std::chrono::seconds(10), 0,
+                        {{"Sandboxd-Forwarded-By", "node-2"}});
+        const json acme_host = {{"tokenName", "host-a"}, {"tenants", {"acme"}}};
+        CHECK(forwarded_reason(as_bound, "leaseExecute", execute_acme, acme_host) == "ok");
+    }
+}
+
+TEMPLATE_TEST_CASE("Nodes whose peer tokens are bound to them route both ways",
+                   "[routing][multinode][auth]", SqliteCluster, EtcdCluster) {
+    TestType cluster;
+    INFO("registry: " << TestType::kind);
+    // A node links out with its first peer token: each node lists the one bound to itself
+    // first, and accepts the other's, bound to the other.
+    const json from_1 = {{"name", "peer-from-1"}, {"token", "from-1"}, {"role", "peer"}, {"nodeId", "node-1"}};
+    const json from_2 = {{"name", "peer-from-2"}, {"token", "from-2"}, {"role", "peer"}, {"nodeId", "node-2"}};
+    const json host = {{"name", "host"}, {"token", host_token}, {"role", "host"}};
+    const auto config_of = [&](const json& first, const json& second) {
+        return json{{"registry", cluster.registry()},
+                    {"auth", {{"tokens", {host, first, second}}}},
+                    {"routing", {{"nodeTtlMs", 3000}, {"heartbeatMs", 300}}}}
+            .dump();
+    };
+    DaemonProcess n1("node-1", config_of(from_1, from_2));
+    DaemonProcess n2("node-2", config_of(from_2, from_1));
+    CHECK(n1.log().find("is bound to no node") == std::string::npos);
+    Client c1(n1.url(), host_token);
+    Client c2(n2.url(), host_token);
+    const auto on_1 = acquire_lease(c1);
+    const auto on_2 = acquire_lease(c2);
+    auto via_2 = c2.run_channel(open_params(on_1, {"cat"}), "to node-1");
+    CHECK(via_2.out == "to node-1");
+    CHECK(via_2.open_result["routed"] == true);
+    auto via_1 = c1.run_channel(open_params(on_2, {"cat"}), "to node-2");
+    CHECK(via_1.out == "to node-2");
+    CHECK(via_1.open_result["routed"] == true);
+    CHECK(c1.call("leaseExecute", {{"leaseId", on_2["id"]}, {"command", "true"}})["exitCode"] == 0);
+}

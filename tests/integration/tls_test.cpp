@@ -97,10 +97,11 @@ struct Attempt {
     std::string what;
 };
 
-Attempt try_connect(const std::string& url, const std::string& token, const ClientTls& tls) {
+Attempt try_connect(const std::string& url, const std::string& token, const ClientTls& tls,
+                    const std::vector<std::pair<std::string, std::string>>& headers = {}) {
     Attempt a;
     try {
-        Client c(url, token, 10s, 0, {}, tls);
+        Client c(url, token, 10s, 0, headers, tls);
         a.connected = true;
     } catch (const client_error& e) {
         a.http_status = e.http_status();
@@ -328,15 +329,21 @@ TEST_CASE("Two nodes on peer mTLS route an open, and a node without a valid clie
     json config = tls_config(pki.server_cert, pki.server_key);
     config["registry"] = cluster.registry();
     config["auth"]["tokens"] = json::array({token_entry("host", host_token), token_entry("peer", peer_token, "peer")});
-    config["routing"] = {{"mode", "proxy"},
-                         {"nodeTtlMs", 3000},
-                         {"heartbeatMs", 300},
-                         {"peerTls",
-                          {{"caFile", pki.ca_cert.string()},
-                           {"certFile", pki.server_cert.string()},
-                           {"keyFile", pki.server_key.string()}}}};
-    DaemonProcess p1("node-1", config.dump());
-    DaemonProcess p2("node-2", config.dump());
+    // Each node presents a certificate that names its node id (and so binds its links to it).
+    const auto node_config = [&](const std::string& node) {
+        const auto cert = pki.dir / (node + ".crt");
+        const auto key = pki.dir / (node + ".key");
+        pki.issue_node_certificate(cert, key, node);
+        json c = config;
+        c["routing"] = {{"mode", "proxy"},
+                        {"nodeTtlMs", 3000},
+                        {"heartbeatMs", 300},
+                        {"peerTls",
+                         {{"caFile", pki.ca_cert.string()}, {"certFile", cert.string()}, {"keyFile", key.string()}}}};
+        return c.dump();
+    };
+    DaemonProcess p1("node-1", node_config("node-1"));
+    DaemonProcess p2("node-2", node_config("node-2"));
     Client c1(wss_url(p1), host_token, 30s, 0, {}, trusting(pki.ca_cert));
     Client c2(wss_url(p2), host_token, 30s, 0, {}, trusting(pki.ca_cert));
     auto lease = acquire_lease(c1);
@@ -378,6 +385,17 @@ TEST_CASE("Two nodes on peer mTLS route an open, and a node without a valid clie
         const auto a = try_connect(wss_url(p1), peer_token, presenting(pki.ca_cert, pki.client_cert, pki.client_key));
         INFO(a.what);
         CHECK(a.connected);
+    }
+    // node-2's certificate binds its links to node-2 (issue 44, item 4): a link that says it
+    // comes from another node is refused before anything runs.
+    {
+        const auto as_node_2 = presenting(pki.ca_cert, pki.dir / "node-2.crt", pki.dir / "node-2.key");
+        const auto a = try_connect(wss_url(p1), peer_token, as_node_2, {{"Sandboxd-Forwarded-By", "node-3"}});
+        INFO(a.what);
+        CHECK_FALSE(a.connected);
+        CHECK(a.http_status == 403);
+        CHECK(eventually([&] { return contains(p1.log(), "client certificate names DNS"); }, 5s));
+        CHECK(try_connect(wss_url(p1), peer_token, as_node_2, {{"Sandboxd-Forwarded-By", "node-2"}}).connected);
     }
     // The host token needs no client certificate.
     CHECK(try_connect(wss_url(p1), host_token, trusting(pki.ca_cert)).connected);
@@ -625,5 +643,56 @@ TEST_CASE("plainListen must be loopback, and --check-config warns about secret f
         INFO(run.err);
         CHECK(run.status == 0);
         CHECK_FALSE(contains(run.err, "warning"));
+    }
+}
+
+TEST_CASE("GET /metrics takes a metrics or peer token, and metrics.public opens plainListen alone",
+          "[tls][metrics][auth]") {
+    // issue 44, item 7.
+    TestPki pki;
+    json config = tls_config(pki.server_cert, pki.server_key);
+    config["plainListen"] = "127.0.0.1:0";
+    config["auth"]["tokens"] = json::array({token_entry("host", host_token), token_entry("peer", peer_token, "peer"),
+                                            token_entry("scraper", "scrape-secret", "metrics")});
+    SECTION("by default: a token of role metrics or peer, on every listener") {
+        DaemonProcess node("node-1", config.dump());
+        const std::string plain = ready_line(node, 1);
+        REQUIRE_FALSE(plain.empty());
+        const auto [none, none_body] = http_get(plain, "/metrics");
+        CHECK(none == 401);
+        CHECK(none_body.find("role metrics or peer") != std::string::npos);
+        const auto [as_host, host_body] = http_get(plain, "/metrics", "Bearer " + host_token);
+        CHECK(as_host == 403);
+        CHECK(host_body.find("has role host") != std::string::npos);
+        const auto [scraped, text] = http_get(plain, "/metrics", "Bearer scrape-secret");
+        CHECK(scraped == 200);
+        CHECK(text.find("# TYPE sandboxd_build_info gauge") != std::string::npos);
+        CHECK(http_get(plain, "/metrics", "Bearer " + peer_token).first == 200);
+        CHECK(https_get(node.address(), "/metrics", pki.ca_cert).first == 401);
+        // A metrics token reads /metrics only: no WebSocket session.
+        const auto [upgrade, upgrade_body] = http_get(plain, "/v1/ws", "Bearer scrape-secret", true);
+        CHECK(upgrade == 403);
+        CHECK(upgrade_body.find("may only read GET /metrics") != std::string::npos);
+        // The other routes keep answering without a token.
+        CHECK(http_get(plain, "/healthz").first == 200);
+    }
+    SECTION("metrics.public: plainListen without a token; listen still asks for one") {
+        config["metrics"] = {{"public", true}};
+        DaemonProcess node("node-1", config.dump());
+        const std::string plain = ready_line(node, 1);
+        REQUIRE_FALSE(plain.empty());
+        CHECK(http_get(plain, "/metrics").first == 200);
+        CHECK(https_get(node.address(), "/metrics", pki.ca_cert).first == 401);
+    }
+    SECTION("metrics.public without plainListen is refused at start") {
+        config.erase("plainListen");
+        config["metrics"] = {{"public", true}};
+        TempDir files;
+        const fs::path config_file = files.path() / "config.json";
+        write_file(config_file, config.dump());
+        const auto run = check_config(config_file, files.path());
+        INFO(run.err);
+        CHECK(run.status == 2);
+        CHECK(run.err.find("metrics.public") != std::string::npos);
     }
 }

@@ -253,6 +253,21 @@ std::string DaemonProcess::token() const {
     return t;
 }
 
+std::string DaemonProcess::metrics_token() const {
+    if (!config_json_.empty()) {
+        const auto config = nlohmann::json::parse(config_json_, nullptr, false, true);
+        if (config.is_object() && config.contains("auth") && config["auth"].contains("tokens")) {
+            for (const auto& t : config["auth"]["tokens"]) {
+                const auto role = t.value("role", std::string("host"));
+                if ((role == "metrics" || role == "peer") && t.contains("token")) {
+                    return t["token"].get<std::string>();
+                }
+            }
+        }
+    }
+    return token();
+}
+
 std::string DaemonProcess::log() const {
     std::ifstream in(dir_.path() / "daemon.log");
     std::stringstream ss;
@@ -366,6 +381,7 @@ double DaemonProcess::metric(const std::string& name) const {
     std::string body;
     if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0) {
         const std::string req = "GET /metrics HTTP/1.1\r\nHost: " + address_ +
+                                "\r\nAuthorization: Bearer " + metrics_token() +
                                 "\r\nConnection: close\r\n\r\n";
         if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
             char buf[4096];
@@ -564,7 +580,8 @@ namespace {
 
 std::pair<int, std::string> http_request(boost::beast::http::verb verb, const std::string& address,
                                          const std::string& target, const std::string& authorization,
-                                         bool upgrade) {
+                                         bool upgrade,
+                                         const std::vector<std::pair<std::string, std::string>>& headers = {}) {
     namespace net = boost::asio;
     namespace http = boost::beast::http;
     net::io_context ioc;
@@ -575,6 +592,7 @@ std::pair<int, std::string> http_request(boost::beast::http::verb verb, const st
     http::request<http::empty_body> req{verb, target, 11};
     req.set(http::field::host, address);
     if (!authorization.empty()) req.set(http::field::authorization, authorization);
+    for (const auto& [name, value] : headers) req.set(name, value);
     if (upgrade) {
         req.set(http::field::connection, "Upgrade");
         req.set(http::field::upgrade, "websocket");
@@ -597,8 +615,9 @@ nlohmann::json host_and_peer_tokens() {
 }
 
 std::pair<int, std::string> http_get(const std::string& address, const std::string& target,
-                                     const std::string& authorization, bool upgrade) {
-    return http_request(boost::beast::http::verb::get, address, target, authorization, upgrade);
+                                     const std::string& authorization, bool upgrade,
+                                     const std::vector<std::pair<std::string, std::string>>& headers) {
+    return http_request(boost::beast::http::verb::get, address, target, authorization, upgrade, headers);
 }
 
 std::pair<int, std::string> http_post(const std::string& address, const std::string& target,

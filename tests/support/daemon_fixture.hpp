@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace sandboxd::test {
@@ -68,6 +69,9 @@ public:
     const std::string& address() const { return address_; }
     std::string url() const { return "ws://" + address_ + "/v1/ws"; }
     std::string token() const;
+    /// A token that may read GET /metrics: the first metrics- or peer-role token (with its
+    /// secret inline) of the config, else the generated admin token (token()).
+    std::string metrics_token() const;
     const std::filesystem::path& state_dir() const { return state_dir_; }
     std::string log() const;
     std::unique_ptr<Client> connect() const { return std::make_unique<Client>(url(), token()); }
@@ -91,7 +95,8 @@ public:
     std::vector<std::string> fd_targets() const;
     /// RLIMIT_NOFILE (soft and hard) for the next start (restart()); 0 inherits the test's.
     void set_fd_limit_for_next_start(unsigned long limit) { fd_limit_ = limit; }
-    /// The value of a sample in GET /metrics (e.g. "sandboxd_channels_running"); -1 if absent.
+    /// The value of a sample in GET /metrics (e.g. "sandboxd_channels_running"), read with
+    /// metrics_token(); -1 if absent.
     double metric(const std::string& name) const;
     /// From the next start (restart()) on, runs the daemon confined as systemd/sandboxd.service
     /// confines it, as far as a test can without systemd: in a mount namespace of its own
@@ -214,10 +219,12 @@ inline const std::string test_host_token = "host-secret";
 inline const std::string test_peer_token = "peer-secret";
 nlohmann::json host_and_peer_tokens();
 
-/// Raw HTTP GET on the daemon's port (`address` is host:port): status and body.
+/// Raw HTTP GET on the daemon's port (`address` is host:port), with `headers` added: status
+/// and body.
 std::pair<int, std::string> http_get(const std::string& address, const std::string& target,
                                      const std::string& authorization = "",
-                                     bool upgrade = false);
+                                     bool upgrade = false,
+                                     const std::vector<std::pair<std::string, std::string>>& headers = {});
 /// Raw HTTP POST with an empty body: status and body.
 std::pair<int, std::string> http_post(const std::string& address, const std::string& target,
                                       const std::string& authorization = "");

@@ -180,6 +180,15 @@ void TestPki::issue_server_certificate(const fs::path& cert, const fs::path& key
     issue(cert, key, "127.0.0.1", ca_cert, ca_key, server_extensions);
 }
 
+void TestPki::issue_node_certificate(const fs::path& cert, const fs::path& key, const std::string& node_id) const {
+    const std::string extensions = std::string("basicConstraints = CA:FALSE\n"
+                                               "keyUsage = critical, digitalSignature\n"
+                                               "extendedKeyUsage = serverAuth, clientAuth\n"
+                                               "subjectAltName = IP:127.0.0.1, DNS:localhost, DNS:") +
+                                   node_id + "\n";
+    issue(cert, key, "127.0.0.1", ca_cert, ca_key, extensions);
+}
+
 std::string TestPki::serial(const fs::path& cert) const {
     const std::string n = std::to_string(++issued_);
     const fs::path out = dir / ("serial-" + n + ".txt");

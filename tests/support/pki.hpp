@@ -44,6 +44,10 @@ public:
     /// with server_cert's names and usages (and a serial of its own): a rotated server
     /// certificate. Overwrites both files.
     void issue_server_certificate(const std::filesystem::path& cert, const std::filesystem::path& key) const;
+    /// Like issue_server_certificate(), with `node_id` added to its DNS names: a node's
+    /// certificate that binds its peer links to that node (docs/protocol.md section 6).
+    void issue_node_certificate(const std::filesystem::path& cert, const std::filesystem::path& key,
+                                const std::string& node_id) const;
     /// The certificate's serial number as `openssl x509 -serial` prints it (upper-case hex,
     /// e.g. "7D47F0..."), without "serial=".
     std::string serial(const std::filesystem::path& cert) const;

@@ -116,6 +116,10 @@ TEST_CASE("An open's params are parsed into an exec spec, naming the field on er
               F{"env.A=B", "env.A=B: is not a valid variable name"});
         CHECK(failure([&] { methods::parse_open(with("pty", {{"cols", 5000}, {"rows", 1}})); }) ==
               F{"cols", "cols: must be an integer in 1..4096"});
+        CHECK(failure([&] { methods::parse_open(with("outputWindow", 2048), 1024); }) ==
+              F{"outputWindow", "outputWindow: must be an integer in 1024..1024"});
+        CHECK(failure([&] { methods::parse_open(with("stdinWindow", 4096), 1 << 20, 2048); }) ==
+              F{"stdinWindow", "stdinWindow: must be an integer in 1024..2048"});
         CHECK(failure([&] { methods::parse_open(with("outputWindow", 10)); }) ==
               F{"outputWindow", "outputWindow: must be an integer in 1024..1073741824"});
         CHECK(failure([&] { methods::parse_open(with("dataEncoding", "hex")); }) ==

@@ -26,8 +26,11 @@ struct TokenConfig {
     std::string name;
     std::string token;       ///< the secret itself, or
     std::string token_file;  ///< a file holding it (trailing whitespace trimmed)
-    std::string role = "host";  ///< "host" or "peer"
+    std::string role = "host";  ///< "host", "peer" or "metrics" (GET /metrics only)
     std::vector<std::string> tenants = {"*"};  ///< companyIds, or "*" for every tenant
+    /// A peer token bound to one node: its links must say they come from this node
+    /// (Sandboxd-Forwarded-By), or the upgrade is refused (403). "" = not bound. Peer only.
+    std::string node_id;
 };
 
 /// PEM files of one side of a TLS connection (docs/protocol.md section 7). Empty strings: not
@@ -151,7 +154,30 @@ struct LimitsConfig {
     /// over it a request gets CHANNEL_LIMIT with data.limit "requestsPerConnection".
     std::uint32_t requests_per_connection = 64;
     std::uint32_t output_window = 1 << 20;          ///< default outputWindow, bytes, 1 KiB..1 GiB
-    std::uint32_t stdin_window = 1 << 20;           ///< stdinWindow, bytes, 1 KiB..1 GiB
+    std::uint32_t stdin_window = 1 << 20;           ///< default stdinWindow, bytes, 1 KiB..1 GiB
+    /// The largest outputWindow and stdinWindow an open may ask for, bytes, 1 KiB..1 GiB (at
+    /// least outputWindow and stdinWindow).
+    std::uint32_t max_output_window = 64 << 20;
+    std::uint32_t max_stdin_window = 16 << 20;
+    /// Bytes queued toward hosts (WebSocket messages written by no socket yet) on the whole
+    /// node and on one connection, 64 KiB..64 GiB. A connection over its own budget, or over
+    /// its fair share (sendQueueBytes divided by the connections that have bytes queued) while
+    /// the node's is spent, is no longer fed: its channels' pipes and PTYs are not read and
+    /// its leaseExecute output waits in its pipes until the socket takes bytes again.
+    std::uint64_t send_queue_bytes = 256ULL << 20;
+    std::uint64_t send_queue_bytes_per_connection = 16ULL << 20;
+    /// A connection with bytes queued whose socket has taken none for this long is closed,
+    /// ms, 1000..86400000. (A host that only gives no credit is never closed for it.)
+    std::uint32_t send_stall_timeout_ms = 60000;
+    /// Open connections on all listeners, 1..1048576, and those not yet authenticated (no
+    /// WebSocket session yet), 1..1048576; both also at most RLIMIT_NOFILE less the node's
+    /// descriptor reserve (the greater of 256 and a tenth of RLIMIT_NOFILE). Over a cap a new
+    /// connection is refused at once.
+    std::uint32_t connections = 4096;
+    std::uint32_t pending_connections = 512;
+    /// How long a connection has from its accept to its TLS handshake and authenticated
+    /// request (and a plain HTTP connection for each request), ms, 100..600000.
+    std::uint32_t auth_timeout_ms = 5000;
     std::uint32_t ping_interval_ms = 20000;         ///< 100..3600000
     std::uint32_t idle_timeout_ms = 60000;          ///< peer silent this long is dropped
     std::uint32_t drain_grace_ms = 250;             ///< output drain after the main process ends
@@ -206,6 +232,10 @@ struct Config {
     std::string audit_file;
     /// audit.journald: the same lines go to journald (identifier sandboxd-audit).
     bool audit_journald = false;
+    /// metrics.public: GET /metrics answers without a token, on plainListen only (which must
+    /// then be set). false: it takes a token with role metrics or peer (or the generated admin
+    /// token when no token is configured).
+    bool metrics_public = false;
     /// console.enabled: serve the browser console at GET /console (docs/protocol.md section 8).
     bool console_enabled = false;
     /// console.assetsDir: the console's files (index.html, console.js, xterm.js, ...); "" = the

@@ -21,6 +21,7 @@
 #include <memory>
 #include <string>
 #include <variant>
+#include <vector>
 
 namespace sandboxd {
 
@@ -82,6 +83,11 @@ private:
 
 /// The certificate's subject common name of the peer of `ssl`, "" without one (for logs).
 std::string peer_certificate_name(SSL* ssl);
+
+/// The DNS names in the subjectAltName of the certificate the peer of `ssl` presented, in
+/// its order; empty without a certificate or without DNS names. Never throws for the
+/// certificate's content (a name with a NUL byte is skipped).
+std::vector<std::string> peer_certificate_dns_names(SSL* ssl);
 
 /// A connection that is plain TCP or TLS over TCP. next_layer() is the TCP stream in both
 /// cases (Beast's get_lowest_layer reaches it: timeouts and socket options go there).

@@ -119,6 +119,11 @@ struct ExecuteRequest {
     /// Bytes of each stream (stdout, stderr) kept in the result (a channel-run command; the
     /// rest is read and dropped, and the result's metadata says so).
     std::size_t output_limit = 1U << 20;
+    /// Awaited before each read of the command's output (a channel-run command), on the
+    /// executor that awaits execute(): completes once whoever receives the log can take more
+    /// (the host connection's send budgets). Until then the output waits in its pipes and the
+    /// command blocks on write. Empty: never waits.
+    std::function<awaitable<void>()> wait_for_room;
 };
 
 /// One piece of a running execute's output: `stream` is "stdout" or "stderr", `chunk`
