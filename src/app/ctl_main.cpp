@@ -3,6 +3,7 @@
 #include <sandboxd/client/client.hpp>
 #include <sandboxd/client/client_impl.hpp>
 #include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/json_limits.hpp>
 #include <sandboxd/version.hpp>
 
 #include <boost/program_options.hpp>
@@ -118,7 +119,7 @@ int lease_command(Client& client, const Globals& g, const std::vector<std::strin
                   {"environmentId", vm["environment"].as<std::string>()},
                   {"provider", vm["provider"].as<std::string>()}};
         if (vm.count("ttl-ms")) p["ttlMs"] = vm["ttl-ms"].as<std::uint64_t>();
-        if (vm.count("config")) p["config"] = json::parse(vm["config"].as<std::string>());
+        if (vm.count("config")) p["config"] = parse_json(vm["config"].as<std::string>());
         if (vm.count("idempotency-key")) p["idempotencyKey"] = vm["idempotency-key"].as<std::string>();
         if (vm.count("run-id")) p["runId"] = vm["run-id"].as<std::string>();
         if (vm.count("policy")) p["leasePolicy"] = vm["policy"].as<std::string>();

@@ -5,6 +5,7 @@
 #include <sandboxd/core/address.hpp>
 #include <sandboxd/core/base64.hpp>
 #include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/json_limits.hpp>
 #include <sandboxd/core/jsonrpc.hpp>
 
 #include <algorithm>
@@ -164,7 +165,7 @@ Client::~Client() {
 ClientEvent decode_event(bool text, std::string_view message) {
     ClientEvent ev;
     if (text) {
-        ev.message = json::parse(message);
+        ev.message = parse_json(message);
         ev.type = ev.message.contains("method") ? ClientEvent::kind::notification
                                                 : ClientEvent::kind::response;
         return ev;

@@ -1,6 +1,7 @@
 #include <sandboxd/core/config.hpp>
 
 #include <sandboxd/core/address.hpp>
+#include <sandboxd/core/json_limits.hpp>
 
 #include <boost/asio/ip/address.hpp>
 
@@ -369,7 +370,7 @@ void parse_top(const json& j, Config& c) {
 Config parse_config(std::string_view text) {
     json j;
     try {
-        j = json::parse(text, nullptr, true, /*ignore_comments=*/true);
+        j = parse_json(text, {.ignore_comments = true});  // nested deeper than 64: parse_error
     } catch (const json::exception& e) {
         // parse_error, and out_of_range for a number beyond a double (1e999): found by fuzzing.
         throw config_error(std::string("config: not valid JSON: ") + e.what());

@@ -1,5 +1,7 @@
 #include <sandboxd/core/jsonrpc.hpp>
 
+#include <sandboxd/core/json_limits.hpp>
+
 namespace sandboxd::jsonrpc {
 
 std::string request(const json& id, std::string_view method, json params) {
@@ -44,14 +46,19 @@ std::variant<Request, Invalid> parse_request(std::string_view text, std::size_t 
                        "text message of " + std::to_string(text.size()) +
                            " bytes is over the limit of " + std::to_string(max_size));
     }
-    json message;
-    try {
-        message = json::parse(text);
-    } catch (const json::exception&) {
-        // parse_error, and out_of_range for a number beyond a double ("2E802"): before
-        // tests/fuzz/fuzz_jsonrpc.cpp found it, that escaped and ended the connection unanswered.
+    // Malformed covers a number beyond a double ("2E802") too: before tests/fuzz/fuzz_jsonrpc.cpp
+    // found it, that escaped and ended the connection unanswered. Too deep is refused here, in
+    // the parser, because everything after (moving params into handlers, copying, dumping
+    // errors) may recurse once per level.
+    auto parsed = try_parse_json(text);
+    if (parsed.status == json_parse_status::too_deep) {
+        return invalid(nullptr, errc::parse_error,
+                       "Parse error: the text frame is " + json_too_deep_message());
+    }
+    if (!parsed.ok()) {
         return invalid(nullptr, errc::parse_error, "Parse error: the text frame is not JSON");
     }
+    json message = std::move(parsed.value);
     if (message.is_array()) {
         return invalid(nullptr, errc::invalid_request, "Batch requests are not supported");
     }
@@ -82,8 +89,9 @@ std::variant<Request, Invalid> parse_request(std::string_view text, std::size_t 
 }
 
 std::variant<std::monostate, Request, Response> parse_message(std::string_view text) {
-    json message = json::parse(text, nullptr, false);
-    if (!message.is_object()) return std::monostate{};
+    auto parsed = try_parse_json(text);  // malformed or too deep: not a JSON-RPC object
+    if (!parsed.ok() || !parsed.value.is_object()) return std::monostate{};
+    json message = std::move(parsed.value);
     auto method_it = message.find("method");
     if (method_it == message.end()) {
         if (!message.contains("id")) return std::monostate{};

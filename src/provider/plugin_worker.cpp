@@ -20,6 +20,7 @@
 #include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/core/base64.hpp>
 #include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/json_limits.hpp>
 #include <sandboxd/core/net.hpp>
 #include <sandboxd/version.hpp>
 
@@ -42,6 +43,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <sstream>
 #include <span>
 #include <thread>
 
@@ -128,13 +130,18 @@ json load_manifest(const PluginConfig& config) {
                    {"configSchema", json::object()}}}}};
     }
     const std::string where = "providers.plugins (" + config.plugin_id + ").manifest";
-    std::ifstream in(config.manifest);
+    std::ifstream in(config.manifest, std::ios::binary);
     if (!in) throw config_error(where + ": cannot read " + config.manifest);
-    json manifest = json::parse(in, nullptr, false, true);
-    if (manifest.is_discarded() || !manifest.is_object()) {
+    std::ostringstream text;
+    text << in.rdbuf();
+    auto parsed = try_parse_json(text.str(), {.ignore_comments = true});
+    if (parsed.status == json_parse_status::too_deep) {
+        throw config_error(where + ": " + config.manifest + " is " + parsed.error);
+    }
+    if (!parsed.ok() || !parsed.value.is_object()) {
         throw config_error(where + ": " + config.manifest + " is not a JSON object");
     }
-    return manifest;
+    return std::move(parsed.value);
 }
 
 bool is_lifecycle(const std::string& method) {

@@ -1,5 +1,7 @@
 #include "provider/worker_line.hpp"
 
+#include <sandboxd/core/json_limits.hpp>
+
 namespace sandboxd {
 
 using json = nlohmann::json;
@@ -8,8 +10,9 @@ WorkerLine parse_worker_line(std::string_view line) {
     WorkerLine out;
     if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
     if (line.find_first_not_of(" \t") == std::string_view::npos) return out;
-    out.message = json::parse(line, nullptr, false);
-    if (out.message.is_discarded() || !out.message.is_object()) {
+    auto parsed = try_parse_json(line);  // nested deeper than max_json_depth: text, dropped
+    out.message = parsed.ok() ? std::move(parsed.value) : json();
+    if (!out.message.is_object()) {
         out.kind = worker_line_kind::text;
         out.message = nullptr;
         return out;

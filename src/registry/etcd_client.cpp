@@ -5,6 +5,7 @@
 #include <sandboxd/core/address.hpp>
 #include <sandboxd/core/base64.hpp>
 #include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/json_limits.hpp>
 #include <sandboxd/core/tls.hpp>
 
 #include <atomic>
@@ -619,7 +620,7 @@ awaitable<void> Client::watch(std::string op, std::string prefix, std::int64_t s
                 if (line.find_first_not_of(" \r\t") == std::string::npos) continue;
                 json message;
                 try {
-                    message = json::parse(line);
+                    message = parse_json(line);
                 } catch (const json::exception&) {
                     throw_unavailable(op, ep.url + "/v3/watch: malformed message");
                 }

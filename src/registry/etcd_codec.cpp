@@ -4,6 +4,7 @@
 #include "registry/etcd_client.hpp"
 
 #include <sandboxd/core/base64.hpp>
+#include <sandboxd/core/json_limits.hpp>
 
 #include <charconv>
 #include <stdexcept>
@@ -28,12 +29,12 @@ std::string b64(std::string_view raw) { return base64_encode(raw); }
 
 json parse_reply_body(const std::string& body) {
     try {
-        return json::parse(body);
-    } catch (const json::parse_error&) {
+        return parse_json(body);
+    } catch (const json::parse_error&) {  // too deep is a parse_error too: refused below
         // A streaming answer (lease keepalive) is newline-delimited JSON: take the first one.
         auto nl = body.find('\n');
         if (nl == std::string::npos) throw;
-        return json::parse(body.substr(0, nl));
+        return parse_json(std::string_view(body).substr(0, nl));
     }
 }
 

@@ -21,9 +21,11 @@
 // without indexes) is skipped, never returned.
 #include "registry/etcd_client.hpp"
 
+#include "registry/bad_records.hpp"
 #include "registry/cursor.hpp"
 
 #include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/json_limits.hpp>
 #include <sandboxd/core/lease_fields.hpp>
 #include <sandboxd/core/net.hpp>
 #include <sandboxd/registry/registry.hpp>
@@ -35,6 +37,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <mutex>
 #include <set>
 #include <string_view>
@@ -212,17 +215,32 @@ struct RecordReader {
     }
 };
 
+/// The lease id of a record key (`<prefix>leases/<escaped id>`).
+std::string lease_id_of_key(std::string_view key) {
+    const auto slash = key.rfind('/');
+    return unescape(slash == std::string_view::npos ? key : key.substr(slash + 1));
+}
+
+/// The lease of a record. Throws unreadable_lease (data.leaseId from the key) for a record
+/// that cannot be decoded: not JSON, nested deeper than max_json_depth, a field of the wrong
+/// type, an unknown status.
 Lease decode_lease(const etcd::KeyValue& kv, std::string_view op) {
+    auto parsed = try_parse_json(kv.value);
+    if (!parsed.ok()) {
+        throw unreadable_lease(op, lease_id_of_key(kv.key), parsed.error, kv.mod_revision);
+    }
     try {
-        json j = json::parse(kv.value);
+        const json& j = parsed.value;
         Lease l;
         for (const auto& f : lease_fields) {
             if (f.stored()) std::visit(RecordReader{j, f, op, l}, f.member);
         }
         if (l.epoch == 0) l.epoch = kv.mod_revision;  // set by this write: its revision
         return l;
-    } catch (const json::exception&) {
-        throw_unavailable(op, "corrupt lease record " + kv.key);
+    } catch (const json::exception& e) {
+        throw unreadable_lease(op, lease_id_of_key(kv.key), e.what(), kv.mod_revision);
+    } catch (const rpc_error& e) {  // an unknown status
+        throw unreadable_lease(op, lease_id_of_key(kv.key), e.what(), kv.mod_revision);
     }
 }
 
@@ -240,7 +258,7 @@ std::string encode_node(const NodeRecord& n) {
 
 NodeRecord decode_node(const etcd::KeyValue& kv, std::string_view op) {
     try {
-        json j = json::parse(kv.value);
+        json j = parse_json(kv.value);
         NodeRecord n;
         n.node_id = get_str(j, "node_id");
         n.url = get_str(j, "url");
@@ -264,11 +282,12 @@ struct OwnerEntry {
 /// What a LeaseWatch and its coroutine share: the coroutine keeps it alive until it ends.
 struct WatchState {
     WatchState(net::any_io_executor ex, std::function<void(const Lease&)> change,
-               std::function<void()> resync)
+               std::function<void()> resync, std::shared_ptr<BadRecordLog> bad_records)
         : strand(net::make_strand(ex)),
           stop_timer(strand, std::chrono::steady_clock::time_point::max()),
           on_change(std::move(change)),
-          on_resync(std::move(resync)) {}
+          on_resync(std::move(resync)),
+          bad(std::move(bad_records)) {}
 
     net::strand<net::any_io_executor> strand;
     /// Expires (at once, and for every later wait) when the watch stops; only on `strand`.
@@ -277,6 +296,7 @@ struct WatchState {
     bool stopped = false;
     const std::function<void(const Lease&)> on_change;
     const std::function<void()> on_resync;
+    const std::shared_ptr<BadRecordLog> bad;
     /// The store revision from which every change was delivered (the store's when the feed
     /// (re)started, then each event's), and whether the next round must start again from the
     /// store's current revision (a resync); only on `strand`.
@@ -336,8 +356,9 @@ class EtcdRegistry final : public Registry {
 public:
     EtcdRegistry(net::any_io_executor ex, std::vector<std::string> endpoints, std::string prefix,
                  std::int64_t node_ttl_ms, std::string username, std::string password,
-                 etcd::TlsSource tls)
+                 etcd::TlsSource tls, Counter* bad_records)
         : ex_(ex),
+          bad_(std::make_shared<BadRecordLog>(bad_records)),
           client_(std::make_shared<etcd::Client>(ex, endpoints, username, password, request_timeout, tls)),
           membership_(std::make_shared<etcd::Client>(ex, std::move(endpoints), std::move(username),
                                                      std::move(password), request_timeout, tls)),
@@ -351,7 +372,7 @@ public:
                                              std::function<void()> on_resync,
                                              std::int64_t retry_ms) override {
         auto state =
-            std::make_shared<WatchState>(std::move(ex), std::move(on_change), std::move(on_resync));
+            std::make_shared<WatchState>(std::move(ex), std::move(on_change), std::move(on_resync), bad_);
         net::co_spawn(state->strand,
                       run_watch(client_, state, prefix_ + "leases/",
                                 std::chrono::milliseconds(std::max<std::int64_t>(retry_ms, 10))),
@@ -459,19 +480,47 @@ private:
         if (slash == std::string::npos) throw std::invalid_argument("bad index key " + kv.key);
         e.id = unescape(std::string_view(e.suffix).substr(slash + 1));
         if (!kv.value.empty()) {
-            auto v = json::parse(kv.value);
-            if (auto x = v.find("expiresAtMs"); x != v.end() && !x->is_null()) {
+            auto v = try_parse_json(kv.value);
+            const json* x = nullptr;
+            if (v.ok() && v.value.is_object()) {
+                auto it = v.value.find("expiresAtMs");
+                if (it != v.value.end()) x = &*it;
+            }
+            if (x != nullptr && x->is_number_integer()) {
                 e.expires_at_ms = x->get<std::int64_t>();
+            } else if (x == nullptr || !x->is_null()) {
+                // An index value that cannot be read: the lease's record decides (the sweeper
+                // reads it as possibly expired and checks the record itself).
+                e.expires_at_ms = std::numeric_limits<std::int64_t>::min();
             }
         }
         return e;
     }
 
     // --- reads -----------------------------------------------------------------------------
+    /// decode_lease, logging and counting a bad record before passing its error on.
+    Lease strict_decode(const etcd::KeyValue& kv, std::string_view op) {
+        try {
+            return decode_lease(kv, op);
+        } catch (const unreadable_lease& e) {
+            bad_->note(e);
+            throw;
+        }
+    }
+    /// decode_lease, or std::nullopt (logged and counted) for a bad record: for listings.
+    std::optional<Lease> lenient_decode(const etcd::KeyValue& kv, std::string_view op) {
+        try {
+            return decode_lease(kv, op);
+        } catch (const unreadable_lease& e) {
+            bad_->note(e);
+            return std::nullopt;
+        }
+    }
+
     awaitable<std::optional<Lease>> read_lease(std::string id, std::string op) {
         auto kv = co_await client_->get(op, lease_key(id));
         if (!kv) co_return std::nullopt;
-        co_return decode_lease(*kv, op);
+        co_return strict_decode(*kv, op);
     }
 
     /// The leases with these ids that exist, in the order given, read in batched txns.
@@ -484,7 +533,9 @@ private:
             }
             auto result = co_await client_->txn(op, json::array(), std::move(reads));
             for (const auto& r : result.responses) {
-                for (const auto& kv : etcd::txn_range_kvs(r)) out.push_back(decode_lease(kv, op));
+                for (const auto& kv : etcd::txn_range_kvs(r)) {
+                    if (auto l = lenient_decode(kv, op)) out.push_back(std::move(*l));
+                }
             }
         }
         co_return out;
@@ -564,7 +615,9 @@ private:
                 json puts = json::array();
                 for (std::size_t i = from; i < to; ++i) {
                     const auto& kv = all.kvs[i];
-                    Lease l = decode_lease(kv, op);
+                    auto decoded = lenient_decode(kv, op);
+                    if (!decoded) continue;  // no index keys: it is unreadable anyway
+                    const Lease& l = *decoded;
                     compare.push_back(etcd::compare_mod_revision(kv.key, kv.mod_revision));
                     puts.push_back(
                         etcd::request_put(plid_key(l.provider, l.provider_lease_id), l.id));
@@ -741,7 +794,7 @@ private:
         for (int attempt = 0; attempt < max_cas_attempts; ++attempt) {
             auto kv = co_await client_->get(op, lk);
             if (!kv) co_return std::nullopt;
-            Lease stored = decode_lease(*kv, op);
+            Lease stored = strict_decode(*kv, op);
             if (stored.epoch != expected_epoch) co_return std::nullopt;
             const std::string old_owner_key = owner_key(stored);
             stored.status = next.status;
@@ -911,7 +964,13 @@ private:
         const std::string op = "list nodes";
         std::vector<NodeRecord> out;
         auto all = co_await membership_->get_prefix(op, prefix_ + "nodes/");
-        for (const auto& kv : all.kvs) out.push_back(decode_node(kv, op));
+        for (const auto& kv : all.kvs) {
+            try {
+                out.push_back(decode_node(kv, op));
+            } catch (const rpc_error& e) {  // skipped: the others are served
+                bad_->note("node " + lease_id_of_key(kv.key), kv.mod_revision, e.what());
+            }
+        }
         std::sort(out.begin(), out.end(),
                   [](const NodeRecord& a, const NodeRecord& b) { return a.node_id < b.node_id; });
         co_return out;
@@ -925,6 +984,8 @@ private:
     }
 
     net::any_io_executor ex_;
+    /// Shared with the change feeds, which may outlive the registry by a callback.
+    std::shared_ptr<BadRecordLog> bad_;
     /// Lease calls and the watch.
     std::shared_ptr<etcd::Client> client_;
     /// The membership lane: node calls only, so no lease backlog delays a heartbeat.
@@ -938,8 +999,9 @@ void WatchState::deliver(const etcd::KeyValue& kv) {
     std::optional<Lease> lease;
     try {
         lease = decode_lease(kv, "watch leases");
-    } catch (const std::exception&) {
-        return;  // a corrupt record: every other read of it fails closed as well
+    } catch (const unreadable_lease& e) {
+        bad->note(e);  // skipped: every other read of it fails closed as well
+        return;
     }
     std::lock_guard lock(mutex);
     if (!stopped) on_change(*lease);
@@ -1017,10 +1079,10 @@ std::unique_ptr<Registry> make_etcd_registry(net::any_io_executor ex,
                                              std::vector<std::string> endpoints, std::string prefix,
                                              std::int64_t node_ttl_ms, std::string username,
                                              std::string password,
-                                             etcd::TlsSource tls) {
+                                             etcd::TlsSource tls, Counter* bad_records) {
     return std::make_unique<EtcdRegistry>(std::move(ex), std::move(endpoints), std::move(prefix),
                                           node_ttl_ms, std::move(username), std::move(password),
-                                          std::move(tls));
+                                          std::move(tls), bad_records);
 }
 
 }  // namespace sandboxd

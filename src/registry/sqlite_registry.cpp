@@ -1,6 +1,8 @@
+#include "registry/bad_records.hpp"
 #include "registry/cursor.hpp"
 
 #include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/json_limits.hpp>
 #include <sandboxd/core/lease_fields.hpp>
 #include <sandboxd/core/offload.hpp>
 #include <sandboxd/registry/registry.hpp>
@@ -10,6 +12,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <filesystem>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -315,13 +318,20 @@ void bind_lease(Statement& s, const Lease& l, lease_columns_of which) {
     }
 }
 
+/// The version of a bad column, for BadRecordLog: a hash of its text (rows have no revision).
+std::int64_t text_version(const std::string& text) {
+    return static_cast<std::int64_t>(std::hash<std::string>{}(text));
+}
+
 nlohmann::json parse_json_column(const Statement& s, int col, std::string_view op,
                                  const std::string& lease_id) {
-    try {
-        return nlohmann::json::parse(s.text(col));
-    } catch (const nlohmann::json::exception&) {
-        throw_unavailable(op, "corrupt JSON in lease " + lease_id);
+    std::string text = s.text(col);
+    auto parsed = try_parse_json(text);
+    if (!parsed.ok()) {
+        throw unreadable_lease(op, lease_id, "column " + std::to_string(col) + ": " + parsed.error,
+                               text_version(text));
     }
+    return std::move(parsed.value);
 }
 
 /// Reads one column into a member; `l.id` (column 0) is read first, for error messages.
@@ -334,8 +344,9 @@ struct ColumnReader {
     void operator()(std::string Lease::*m) const { l.*m = s.text(col); }
     void operator()(std::optional<std::string> Lease::*m) const { l.*m = s.opt_text(col); }
     void operator()(lease_status Lease::*m) const {
-        auto status = parse_lease_status(s.text(col));
-        if (!status) throw_unavailable(op, "unknown status in lease " + l.id);
+        std::string text = s.text(col);
+        auto status = parse_lease_status(text);
+        if (!status) throw unreadable_lease(op, l.id, "unknown status", text_version(text));
         l.*m = *status;
     }
     void operator()(std::int64_t Lease::*m) const { l.*m = s.int64(col); }
@@ -344,7 +355,7 @@ struct ColumnReader {
     void operator()(nlohmann::json Lease::*m) const { l.*m = parse_json_column(s, col, op, l.id); }
 };
 
-/// A row selected with lease_columns.
+/// A row selected with lease_columns. Throws unreadable_lease for a row that cannot be decoded.
 Lease read_lease(const Statement& s, std::string_view op) {
     Lease l;
     int col = 0;
@@ -541,7 +552,7 @@ std::optional<Lease> find_by_provider_lease_on(sqlite3* db, const std::string& p
     return read_lease(s, op);
 }
 
-LeasePage list_leases_on(sqlite3* db, const LeaseQuery& query) {
+LeasePage list_leases_on(sqlite3* db, const LeaseQuery& query, BadRecordLog& bad) {
     constexpr std::string_view op = "list leases";
     std::optional<std::pair<std::int64_t, std::string>> after;
     if (!query.cursor.empty()) after = decode_cursor(query.cursor);
@@ -576,7 +587,11 @@ LeasePage list_leases_on(sqlite3* db, const LeaseQuery& query) {
             page.next_cursor = encode_cursor(page.leases.back());
             break;
         }
-        page.leases.push_back(read_lease(s, op));
+        try {
+            page.leases.push_back(read_lease(s, op));
+        } catch (const unreadable_lease& e) {
+            bad.note(e);  // skipped: listing serves every other lease
+        }
     }
     return page;
 }
@@ -615,7 +630,7 @@ std::optional<Lease> update_lease_on(sqlite3* db, const Lease& next, std::int64_
 }
 
 std::vector<Lease> expired_leases_on(sqlite3* db, const std::string& owner_node_id,
-                                     std::int64_t at_ms) {
+                                     std::int64_t at_ms, BadRecordLog& bad) {
     constexpr std::string_view op = "expired leases";
     Statement s(db,
                 select_leases("WHERE owner_node_id = ? AND status = 'active' "
@@ -624,7 +639,13 @@ std::vector<Lease> expired_leases_on(sqlite3* db, const std::string& owner_node_
                 op);
     s.bind(owner_node_id).bind(at_ms);
     std::vector<Lease> out;
-    while (s.step()) out.push_back(read_lease(s, op));
+    while (s.step()) {
+        try {
+            out.push_back(read_lease(s, op));
+        } catch (const unreadable_lease& e) {
+            bad.note(e);  // skipped: the sweeper carries on with the others
+        }
+    }
     return out;
 }
 
@@ -722,7 +743,8 @@ std::optional<NodeRecord> get_node_on(sqlite3* db, const std::string& node_id) {
 /// never for the lease writes queued behind it.
 class SqliteRegistry final : public Registry {
 public:
-    SqliteRegistry(const std::string& path, int readers) {
+    SqliteRegistry(const std::string& path, int readers, Counter* bad_records)
+        : bad_(bad_records) {
         constexpr std::string_view op = "open";
         if (path.empty()) throw_unavailable(op, "empty path");
         if (readers < 1 || readers > 16) throw_unavailable(op, "readers must be in 1..16");
@@ -744,7 +766,7 @@ public:
 
     awaitable<Lease> create_lease(Lease lease) override {
         auto work = [this, lease = std::move(lease)] {
-            return create_lease_on(writer_.get(), lease);
+            return noting([&] { return create_lease_on(writer_.get(), lease); });
         };
         co_return co_await writes_.run(std::move(work));
     }
@@ -752,7 +774,7 @@ public:
     awaitable<std::optional<Lease>> get_lease(std::string id) override {
         auto work = [this, id = std::move(id)] {
             auto db = reader_dbs_.lend();
-            return get_lease_on(db.get(), id);
+            return noting([&] { return get_lease_on(db.get(), id); });
         };
         co_return co_await reads_->run(std::move(work));
     }
@@ -763,8 +785,10 @@ public:
         auto work = [this, company_id = std::move(company_id),
                      environment_id = std::move(environment_id), key = std::move(key)] {
             auto db = reader_dbs_.lend();
-            return find_by_key(db.get(), company_id, environment_id, key,
-                               "find lease by idempotency key");
+            return noting([&] {
+                return find_by_key(db.get(), company_id, environment_id, key,
+                                   "find lease by idempotency key");
+            });
         };
         co_return co_await reads_->run(std::move(work));
     }
@@ -774,7 +798,7 @@ public:
         auto work = [this, provider = std::move(provider),
                      provider_lease_id = std::move(provider_lease_id)] {
             auto db = reader_dbs_.lend();
-            return find_by_provider_lease_on(db.get(), provider, provider_lease_id);
+            return noting([&] { return find_by_provider_lease_on(db.get(), provider, provider_lease_id); });
         };
         co_return co_await reads_->run(std::move(work));
     }
@@ -782,14 +806,14 @@ public:
     awaitable<LeasePage> list_leases(LeaseQuery query) override {
         auto work = [this, query = std::move(query)] {
             auto db = reader_dbs_.lend();
-            return list_leases_on(db.get(), query);
+            return list_leases_on(db.get(), query, bad_);
         };
         co_return co_await reads_->run(std::move(work));
     }
 
     awaitable<std::optional<Lease>> update_lease(Lease next, std::int64_t expected_epoch) override {
         auto work = [this, next = std::move(next), expected_epoch] {
-            return update_lease_on(writer_.get(), next, expected_epoch);
+            return noting([&] { return update_lease_on(writer_.get(), next, expected_epoch); });
         };
         co_return co_await writes_.run(std::move(work));
     }
@@ -798,7 +822,7 @@ public:
         Lease next, std::int64_t expected_epoch, std::optional<NodeRecord> owner_seen) override {
         auto work = [this, next = std::move(next), expected_epoch,
                      fence = OwnerFence{std::move(owner_seen)}] {
-            return update_lease_on(writer_.get(), next, expected_epoch, &fence);
+            return noting([&] { return update_lease_on(writer_.get(), next, expected_epoch, &fence); });
         };
         co_return co_await writes_.run(std::move(work));
     }
@@ -807,7 +831,7 @@ public:
                                                  std::int64_t at_ms) override {
         auto work = [this, owner_node_id = std::move(owner_node_id), at_ms] {
             auto db = reader_dbs_.lend();
-            return expired_leases_on(db.get(), owner_node_id, at_ms);
+            return expired_leases_on(db.get(), owner_node_id, at_ms, bad_);
         };
         co_return co_await reads_->run(std::move(work));
     }
@@ -856,6 +880,18 @@ public:
     }
 
 private:
+    /// Runs `f`, logging and counting a bad record it meets before passing the error on.
+    template <typename F>
+    auto noting(F f) -> decltype(f()) {
+        try {
+            return f();
+        } catch (const unreadable_lease& e) {
+            bad_.note(e);
+            throw;
+        }
+    }
+
+    BadRecordLog bad_;
     // Connections first, lanes last: the lanes are joined before a connection closes. Each
     // connection is used by one thread at a time: the writer and membership lanes have one
     // thread each, and reader connections are lent per call.
@@ -869,8 +905,9 @@ private:
 
 }  // namespace
 
-std::unique_ptr<Registry> make_sqlite_registry(const std::string& path, int readers) {
-    return std::make_unique<SqliteRegistry>(path, readers);
+std::unique_ptr<Registry> make_sqlite_registry(const std::string& path, int readers,
+                                               Counter* bad_records) {
+    return std::make_unique<SqliteRegistry>(path, readers, bad_records);
 }
 
 }  // namespace sandboxd

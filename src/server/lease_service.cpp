@@ -951,6 +951,20 @@ awaitable<std::size_t> destroy_unrecorded_sandboxes(Node& node) {
     const auto stored = co_await stored_sandboxes(node);
     for (const auto& [key, provider, id] : stored) {
         if (recorded.contains({key, id})) continue;
+        // The listings skip a lease whose record cannot be read: if one such lease names this
+        // sandbox, keep it (fail closed; its calls answer REGISTRY_UNAVAILABLE).
+        bool unreadable = false;
+        try {
+            (void)co_await node.registry->find_by_provider_lease(key, id);
+        } catch (const rpc_error& e) {
+            if (e.code() != errc::registry_unavailable || !e.data().contains("leaseId")) throw;
+            unreadable = true;
+        }
+        if (unreadable) {
+            spdlog::warn("sandbox {} of provider={}: its lease's record cannot be read; kept", id,
+                         key);
+            continue;
+        }
         Lease orphan;
         orphan.id = "(none)";
         orphan.provider = key;

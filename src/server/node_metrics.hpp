@@ -90,6 +90,10 @@ struct NodeMetrics {
         {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5});
     Family<Counter>& registry_errors = registry.counter(
         "sandboxd_registry_errors_total", "Registry calls that failed.");
+    Family<Counter>& registry_bad_records = registry.counter(
+        "sandboxd_registry_bad_records_total",
+        "Lease and node records in the registry that cannot be read (not JSON, nested too deep, "
+        "wrong types), each counted once per version; the leases answer REGISTRY_UNAVAILABLE.");
 
     // Providers
     Family<Histogram>& provider_operation_seconds = registry.histogram(

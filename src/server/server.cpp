@@ -425,13 +425,15 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
         node.registry = metered_registry(
             make_etcd_registry(impl_->ioc.get_executor(), c.registry.endpoints, c.registry.prefix,
                                c.node_ttl_ms, c.registry.username, password,
-                               [n = &node] { return n->security()->registry_tls; }),
+                               [n = &node] { return n->security()->registry_tls; },
+                               &node.metrics.registry_bad_records.only()),
             node.metrics);
     } else {
         const auto db = c.registry.path.empty()
                             ? (fs::path(c.state_dir) / "registry.db").string()
                             : c.registry.path;
-        node.registry = metered_registry(make_sqlite_registry(db), node.metrics);
+        node.registry = metered_registry(
+            make_sqlite_registry(db, 2, &node.metrics.registry_bad_records.only()), node.metrics);
     }
 
     if (c.bwrap.enabled) {

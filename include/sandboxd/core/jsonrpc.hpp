@@ -64,12 +64,15 @@ struct Invalid {
 /// Classifies a text message received by a server. Returns the Request, or Invalid with the
 /// protocol's error: INVALID_REQUEST when the text is over `max_size` bytes, a batch, not an
 /// object, or not a 2.0 request (string method, string/integer/null id, object or array
-/// params); PARSE_ERROR when it is not JSON. The messages are part of the wire contract.
+/// params); PARSE_ERROR when it is not JSON, or is nested deeper than max_json_depth
+/// (json_limits.hpp; "Parse error: the text frame is nested deeper than 64 levels"). The
+/// messages are part of the wire contract.
 std::variant<Request, Invalid> parse_request(std::string_view text, std::size_t max_size);
 
 /// Classifies a text message received by a client of a server (peer link, client): a
 /// Response (has an id and no method), a Request or notification from the server, or
-/// monostate when the text is not a JSON-RPC object (ignored by the callers).
+/// monostate when the text is not a JSON-RPC object (ignored by the callers), including a
+/// text nested deeper than max_json_depth.
 std::variant<std::monostate, Request, Response> parse_message(std::string_view text);
 
 /// The errc whose protocol reason is `reason` ("CHANNEL_LIMIT" -> errc::channel_limit);

@@ -18,11 +18,20 @@
 /// a constant, except the list_leases filters documented at LeaseQuery.
 ///
 /// Errors: a store that cannot be read or written throws rpc_error(errc::registry_unavailable)
-/// with a message that names the operation; the caller fails closed. Cancelling an awaiting
+/// with a message that names the operation; the caller fails closed.
+///
+/// Records that cannot be decoded (not JSON, nested deeper than max_json_depth, wrong types,
+/// an unknown status; docs/protocol.md section 8): a call about one lease (get, find, update,
+/// create's idempotency clash) throws rpc_error(errc::registry_unavailable, "registry: <op>:
+/// the record of lease <id> cannot be read", {leaseId}); list_leases, expired_leases, the
+/// change feed, etcd's start-up indexing and list_nodes skip the record and serve the others.
+/// Each bad record is logged (warning) and counted in the factory's `bad_records` counter
+/// once per version of it, not per read. Cancelling an awaiting
 /// coroutine (e.g. `op || timer`) abandons the wait; a write already sent may still land.
 
 #include <sandboxd/core/async.hpp>
 #include <sandboxd/core/lease.hpp>
+#include <sandboxd/core/metrics.hpp>
 
 #include <cstdint>
 #include <functional>
@@ -190,7 +199,9 @@ public:
 /// connections (1..16) for reads in parallel, one writer connection for lease writes, and one
 /// connection for membership (the lane above). Throws rpc_error(errc::registry_unavailable) if
 /// the file cannot be opened or its schema created or migrated. Blocking (call at start).
-std::unique_ptr<Registry> make_sqlite_registry(const std::string& path, int readers = 2);
+/// `bad_records` (may be null; must outlive the registry) counts records that cannot be read.
+std::unique_ptr<Registry> make_sqlite_registry(const std::string& path, int readers = 2,
+                                               Counter* bad_records = nullptr);
 
 /// An etcd registry, spoken to through etcd's v3 JSON gateway (HTTP POST to /v3/...) with an
 /// asynchronous HTTP/1.1 client on `ex` (keep-alive, one connection per endpoint for calls,
@@ -218,11 +229,14 @@ std::unique_ptr<Registry> make_sqlite_registry(const std::string& path, int read
 /// https:// endpoints: `tls` gives the client context (registry.tls: its CA, certificate and
 /// key), asked again for every new connection, so that a reload applies to the next ones;
 /// without it (or when it returns null) the system's trust store and no client certificate.
+///
+/// `bad_records` (may be null; must outlive the registry) counts records that cannot be read.
 std::unique_ptr<Registry> make_etcd_registry(boost::asio::any_io_executor ex,
                                              std::vector<std::string> endpoints,
                                              std::string prefix, std::int64_t node_ttl_ms,
                                              std::string username = "",
                                              std::string password = "",
-                                             std::function<std::shared_ptr<boost::asio::ssl::context>()> tls = {});
+                                             std::function<std::shared_ptr<boost::asio::ssl::context>()> tls = {},
+                                             Counter* bad_records = nullptr);
 
 }  // namespace sandboxd
