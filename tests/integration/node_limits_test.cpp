@@ -128,7 +128,9 @@ TEST_CASE("A host that stops reading cannot grow the daemon: its output waits in
                      {"channelsPerConnection", 1024},
                      {"channelsPerNode", 4096},
                      {"requestsPerConnection", 1024},
-                     {"idleTimeoutMs", 3 * 3600000}}},
+                     {"idleTimeoutMs", 3 * 3600000},
+                     // The stalled hosts take nothing for as long as the checks below run.
+                     {"sendStallTimeoutMs", 3600000}}},
                    {"providers", {{"bwrap", {{"limits", {{"defaults", {{"pids", 2048}}}, {"max", {{"pids", 4096}}}}}}}}}};
     DaemonProcess d("node-a", config.dump());
     Client host(d.url(), host_token, 120s);

@@ -1,6 +1,7 @@
 #include "support/daemon_fixture.hpp"
 
 #include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/json_limits.hpp>
 
 #include <boost/asio/connect.hpp>
 #include <boost/asio/ip/tcp.hpp>
@@ -62,8 +63,11 @@ namespace {
 /// drain is 0 (its 30 s default would hold every stop with a channel left running). A config
 /// that does not parse is passed on unchanged (the tests of bad configs).
 std::string with_test_drain(const std::string& config_json) {
-    auto config = config_json.empty() ? nlohmann::json::object()
-                                      : nlohmann::json::parse(config_json, nullptr, false, true);
+    // Bounded like the daemon's own parse: a config nested too deep (a test of that) is
+    // written as it is, never walked here.
+    auto config = config_json.empty()
+                      ? nlohmann::json::object()
+                      : try_parse_json(config_json, {/*ignore_comments=*/true}).value;
     if (!config.is_object()) return config_json;
     auto& limits = config["limits"];
     if (limits.is_null()) limits = nlohmann::json::object();
@@ -255,7 +259,7 @@ std::string DaemonProcess::token() const {
 
 std::string DaemonProcess::metrics_token() const {
     if (!config_json_.empty()) {
-        const auto config = nlohmann::json::parse(config_json_, nullptr, false, true);
+        const auto config = try_parse_json(config_json_, {/*ignore_comments=*/true}).value;
         if (config.is_object() && config.contains("auth") && config["auth"].contains("tokens")) {
             for (const auto& t : config["auth"]["tokens"]) {
                 const auto role = t.value("role", std::string("host"));
