@@ -348,6 +348,7 @@ public:
         if (options_.limits.enforce) probe_enforcement();
         program_ = make_program_fd();
         init_path_ = install_init();
+        stage_on_tmpfs(runtime_dir_ / ".etc");
         write_etc(runtime_dir_ / ".etc" / "private", false);
         write_etc(runtime_dir_ / ".etc" / "net", true);
         reclaim_identities();
@@ -375,8 +376,11 @@ public:
                 ::rmdir(entry.path().c_str());
             }
         }
-        fs::remove_all(runtime_dir_ / ".etc", ec);
-        fs::remove_all(runtime_dir_ / ".init", ec);
+        for (const char* staged : {".etc", ".init"}) {
+            while (::umount2((runtime_dir_ / staged).c_str(), MNT_DETACH) == 0) {
+            }
+            fs::remove_all(runtime_dir_ / staged, ec);
+        }
         ::rmdir(runtime_dir_.c_str());
     }
 
@@ -935,8 +939,7 @@ private:
         const fs::path dir = runtime_dir_ / ".init";
         fs::path target = dir / "sandboxd-init";
         std::error_code ec;
-        fs::create_directories(dir, ec);
-        ::chmod(dir.c_str(), 0711);
+        stage_on_tmpfs(dir);
         const fs::path tmp = dir / "sandboxd-init.tmp";
         fs::copy_file(init_path_, tmp, fs::copy_options::overwrite_existing, ec);
         if (ec) {
@@ -946,6 +949,25 @@ private:
         ::chmod(tmp.c_str(), 0755);
         fs::rename(tmp, target);
         return target;
+    }
+
+    /// Mounts a tmpfs of its own at `dir` (made if missing; a mount an earlier process left
+    /// there is unmounted first), mode 0711. What bubblewrap binds from it shows in a
+    /// sandbox's mountinfo as a path within that tmpfs (e.g. `/private`, source `sandboxd`),
+    /// never as a path under the runtime directory: a bind's mountinfo root is the source's
+    /// path within its own filesystem, whether bound by path or by descriptor.
+    static void stage_on_tmpfs(const fs::path& dir) {
+        std::error_code ec;
+        fs::create_directories(dir, ec);
+        while (::umount2(dir.c_str(), MNT_DETACH) == 0) {
+        }
+        fs::remove_all(dir, ec);
+        fs::create_directories(dir, ec);
+        if (::mount("sandboxd", dir.c_str(), "tmpfs", MS_NOSUID | MS_NODEV,
+                    "mode=0711,size=256m") != 0) {
+            throw std::runtime_error("cannot mount a tmpfs at " + dir.string() + ": " +
+                                     std::strerror(errno));
+        }
     }
 
     static unique_fd make_program_fd() {

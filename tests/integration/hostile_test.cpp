@@ -550,3 +550,57 @@ TEST_CASE("hostile: keyrings and inotify instances are not shared between leases
     CHECK(wait_exit(*ca, ch).value("outcome", "") == "stopped");
 }
 #endif
+
+TEST_CASE("hostile: /proc hides the host's locks and disks and the files runtimes mask",
+          "[hostile][proc]") {
+    DaemonProcess d;
+    auto c = d.connect();
+    const auto lease = acquire_lease(*c);
+    // On the host these are not empty: the daemon holds its lease's identity lock, and the
+    // lease's disk is a loop device.
+    REQUIRE_FALSE(read_file("/proc/locks").empty());
+    REQUIRE(read_file("/proc/diskstats").find("loop") != std::string::npos);
+    const std::vector<std::string> files = {
+        "/proc/locks",       "/proc/diskstats",     "/proc/partitions",    "/proc/kcore",
+        "/proc/keys",        "/proc/key-users",     "/proc/timer_list",    "/proc/timer_stats",
+        "/proc/sched_debug", "/proc/sysrq-trigger", "/proc/latency_stats", "/proc/interrupts",
+        "/proc/kallsyms",    "/proc/vmallocinfo",   "/proc/slabinfo"};
+    for (const auto& f : files) {
+        INFO(f);
+        // Absent, or empty: "<bytes read>" is 0 either way.
+        auto r = sh(*c, lease, "cat " + f + " 2>/dev/null | wc -c");
+        CHECK(r.out == "0\n");
+        CHECK(exit_outcome(r) == "exited");
+    }
+    for (const std::string dir : {"/proc/acpi", "/proc/scsi", "/proc/asound", "/proc/fs",
+                                  "/proc/bus", "/proc/irq", "/proc/driver"}) {
+        INFO(dir);
+        auto r = sh(*c, lease,
+                    "ls -A " + dir + " 2>/dev/null | wc -l; touch " + dir +
+                        "/x 2>/dev/null && echo WROTE; exit 0");
+        CHECK(r.out == "0\n");
+    }
+    // The channel's own processes are still there.
+    CHECK(sh(*c, lease, "cat /proc/self/status | head -1").out == "Name:\tcat\n");
+}
+
+TEST_CASE("hostile: mountinfo inside names no path of the daemon's state or runtime directory",
+          "[hostile][proc]") {
+    DaemonProcess d;
+    auto c = d.connect();
+    const auto lease = acquire_lease(*c);
+    const fs::path runtime = fs::read_symlink(d.state_dir() / "sandboxes" / ".runtime");
+    REQUIRE_FALSE(runtime.empty());
+    auto r = run(*c, lease, {"cat", "/proc/self/mountinfo", "/proc/1/mountinfo"});
+    REQUIRE(exit_outcome(r) == "exited");
+    INFO(r.out);
+    REQUIRE(r.out.find(" /etc ") != std::string::npos);  // it is the lease's mountinfo
+    CHECK(r.out.find(d.state_dir().string()) == std::string::npos);
+    CHECK(r.out.find(runtime.string()) == std::string::npos);
+    // Nor relative to the file system that holds them (a bind's root field is that path).
+    CHECK(r.out.find(runtime.filename().string()) == std::string::npos);
+    CHECK(r.out.find("/sandboxd/") == std::string::npos);
+    CHECK(r.out.find(".etc") == std::string::npos);
+    CHECK(r.out.find(".init/") == std::string::npos);
+    CHECK(r.out.find(lease["providerLeaseId"].get<std::string>()) == std::string::npos);
+}
