@@ -355,12 +355,17 @@ public:
         fs::create_symlink(runtime_dir_, link, ec);
         if (options_.limits.enforce) probe_enforcement();
         program_ = make_program_fd();
-        init_path_ = install_init();
-        stage_on_tmpfs(runtime_dir_ / ".etc");
-        write_etc(runtime_dir_ / ".etc" / "private", false);
-        write_etc(runtime_dir_ / ".etc" / "net", true);
-        reclaim_identities();
-        release_stale_mounts();
+        try {
+            init_path_ = install_init();
+            stage_on_tmpfs(runtime_dir_ / ".etc");
+            write_etc(runtime_dir_ / ".etc" / "private", false);
+            write_etc(runtime_dir_ / ".etc" / "net", true);
+            reclaim_identities();
+            release_stale_mounts();
+        } catch (...) {
+            unstage();  // no destructor runs for a failed start
+            throw;
+        }
         probe_problem_ = probe_sandbox();
         if (!probe_problem_.empty()) {
             spdlog::error("bwrap provider: cannot make a sandbox on this node: {}; /readyz says "
@@ -384,11 +389,7 @@ public:
                 ::rmdir(entry.path().c_str());
             }
         }
-        for (const char* staged : {".etc", ".init"}) {
-            while (::umount2((runtime_dir_ / staged).c_str(), MNT_DETACH) == 0) {
-            }
-            fs::remove_all(runtime_dir_ / staged, ec);
-        }
+        unstage();
         ::rmdir(runtime_dir_.c_str());
     }
 
@@ -1043,6 +1044,16 @@ private:
                     "mode=0711,size=256m") != 0) {
             throw std::runtime_error("cannot mount a tmpfs at " + dir.string() + ": " +
                                      std::strerror(errno));
+        }
+    }
+
+    /// Unmounts and removes what stage_on_tmpfs() made (the generated /etc, the init's copy).
+    void unstage() const noexcept {
+        std::error_code ec;
+        for (const char* staged : {".etc", ".init"}) {
+            while (::umount2((runtime_dir_ / staged).c_str(), MNT_DETACH) == 0) {
+            }
+            fs::remove_all(runtime_dir_ / staged, ec);
         }
     }
 
