@@ -11,6 +11,8 @@
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/provider/provider.hpp>
 
+#include "provider/bwrap_config.hpp"
+#include "provider/node_budget.hpp"
 #include "provider/process_backend.hpp"
 #include "support/daemon_fixture.hpp"
 #include "support/run_awaitable.hpp"
@@ -1165,6 +1167,24 @@ TEST_CASE("the network is private unless the lease asks for it", "[provider]") {
         CHECK(names(r.out) == names(read_text("/proc/self/net/dev")));
     }
     CHECK(open_fd_count() == fds_before);
+}
+
+TEST_CASE("32 leases of the default limits fit the budgets of a host with pid_max 32,768",
+          "[provider][budget]") {
+    // This project's machines: pid_max 32,768, fs.file-max 2,466,239; the default overcommit.
+    const BwrapLimitsConfig node;
+    detail::NodeBudget budget(32768, 2466239, node.overcommit);
+    const auto defaults = detail::parse_lease_config(nullptr, node, false).limits;
+    CHECK(defaults.pids == 512);
+    CHECK(defaults.open_files_total() == 512 * 512);  // less than 1 GiB / 512
+    const detail::BudgetShare share{defaults.pids, defaults.open_files_total()};
+    for (int i = 0; i < 32; ++i) {
+        INFO("lease " << i);
+        CHECK_NOTHROW(budget.take(share));
+    }
+    // The largest lease's pids are well below pid_max.
+    REQUIRE(node.max.pids.has_value());
+    CHECK(*node.max.pids <= 32768 / 8);
 }
 
 TEST_CASE("the node's budgets refuse a lease beyond them, counting its lesser open-file cap",
