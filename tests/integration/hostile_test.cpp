@@ -589,16 +589,19 @@ TEST_CASE("hostile: /proc hides the host's locks and disks and the files runtime
     for (const auto& f : files) {
         INFO(f);
         // Absent, or empty: "<bytes read>" is 0 either way.
-        auto r = sh(*c, lease, "cat " + f + " 2>/dev/null | wc -c");
+        auto r = run(*c, lease, {"sh", "-c", "cat \"$0\" 2>/dev/null | wc -c", f});
         CHECK(r.out == "0\n");
         CHECK(exit_outcome(r) == "exited");
     }
     for (const std::string dir : {"/proc/acpi", "/proc/scsi", "/proc/asound", "/proc/fs",
                                   "/proc/bus", "/proc/irq", "/proc/driver"}) {
         INFO(dir);
-        auto r = sh(*c, lease,
-                    "ls -A " + dir + " 2>/dev/null | wc -l; touch " + dir +
-                        "/x 2>/dev/null && echo WROTE; exit 0");
+        // Empty, and nothing can be written there ($0 is the directory).
+        auto r = run(*c, lease,
+                     {"sh", "-c",
+                      "ls -A \"$0\" 2>/dev/null | wc -l; touch \"$0/x\" 2>/dev/null && echo WROTE; "
+                      "exit 0",
+                      dir});
         CHECK(r.out == "0\n");
     }
     // The channel's own processes are still there.
