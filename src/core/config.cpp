@@ -118,6 +118,11 @@ void parse_lease_limits(Obj& o, LeaseLimits& l) {
     one("cpuQuotaPercent", l.cpu_quota_percent, 1, 100000);
     one("diskBytes", l.disk_bytes, 8ULL << 20, 1ULL << 40);
     one("openFiles", l.open_files, 16, 1048576);
+    one("ioReadBps", l.io_read_bps, 65536, 1ULL << 40);
+    one("ioWriteBps", l.io_write_bps, 65536, 1ULL << 40);
+    one("ioReadIops", l.io_read_iops, 16, 10000000);
+    one("ioWriteIops", l.io_write_iops, 16, 10000000);
+    one("ioWeight", l.io_weight, 1, 10000);
     o.done();
 }
 
@@ -125,7 +130,10 @@ nlohmann::json lease_limits_json(const LeaseLimits& l) {
     auto v = [](const auto& opt) { return opt ? nlohmann::json(*opt) : nlohmann::json(nullptr); };
     return {{"memoryBytes", v(l.memory_bytes)}, {"pids", v(l.pids)},
             {"cpuWeight", v(l.cpu_weight)},     {"cpuQuotaPercent", v(l.cpu_quota_percent)},
-            {"diskBytes", v(l.disk_bytes)},     {"openFiles", v(l.open_files)}};
+            {"diskBytes", v(l.disk_bytes)},     {"openFiles", v(l.open_files)},
+            {"ioReadBps", v(l.io_read_bps)},    {"ioWriteBps", v(l.io_write_bps)},
+            {"ioReadIops", v(l.io_read_iops)},  {"ioWriteIops", v(l.io_write_iops)},
+            {"ioWeight", v(l.io_weight)}};
 }
 
 constexpr std::uint64_t kib = 1024;
@@ -296,6 +304,7 @@ void parse_top(const json& j, Config& c) {
             if (const auto* lim = bo.get("limits")) {
                 Obj lo(*lim, "providers.bwrap.limits");
                 lo.boolean("enforce", c.bwrap.limits.enforce);
+                lo.integer("overcommit", c.bwrap.limits.overcommit, 1, 1000);
                 if (const auto* d = lo.get("defaults")) {
                     Obj dobj(*d, "providers.bwrap.limits.defaults");
                     parse_lease_limits(dobj, c.bwrap.limits.defaults);
@@ -454,10 +463,24 @@ void validate_config(const Config& c) {
         check("cpuQuotaPercent", d.cpu_quota_percent, m.cpu_quota_percent, false);
         check("diskBytes", d.disk_bytes, m.disk_bytes, true);
         check("openFiles", d.open_files, m.open_files, true);
-        if (m.cpu_quota_percent && !d.cpu_quota_percent) {
-            fail("providers.bwrap.limits.defaults.cpuQuotaPercent",
-                 "must be set when providers.bwrap.limits.max.cpuQuotaPercent is");
-        }
+        check("ioReadBps", d.io_read_bps, m.io_read_bps, false);
+        check("ioWriteBps", d.io_write_bps, m.io_write_bps, false);
+        check("ioReadIops", d.io_read_iops, m.io_read_iops, false);
+        check("ioWriteIops", d.io_write_iops, m.io_write_iops, false);
+        check("ioWeight", d.io_weight, m.io_weight, false);
+        // A cap without a default would let a lease that asks for nothing go uncapped.
+        auto capped = [](const char* key, bool def, bool max) {
+            if (max && !def) {
+                fail(std::string("providers.bwrap.limits.defaults.") + key,
+                     std::string("must be set when providers.bwrap.limits.max.") + key + " is");
+            }
+        };
+        capped("cpuQuotaPercent", d.cpu_quota_percent.has_value(), m.cpu_quota_percent.has_value());
+        capped("ioReadBps", d.io_read_bps.has_value(), m.io_read_bps.has_value());
+        capped("ioWriteBps", d.io_write_bps.has_value(), m.io_write_bps.has_value());
+        capped("ioReadIops", d.io_read_iops.has_value(), m.io_read_iops.has_value());
+        capped("ioWriteIops", d.io_write_iops.has_value(), m.io_write_iops.has_value());
+        capped("ioWeight", d.io_weight.has_value(), m.io_weight.has_value());
         const auto& id = c.bwrap.identity;
         if (std::uint64_t{id.host_id_first} + id.host_id_count > 0xFFFFFFFFULL) {
             fail("providers.bwrap.identity.hostIdCount",
@@ -601,6 +624,7 @@ nlohmann::json config_to_json(const Config& c) {
             {"allowNetwork", c.bwrap.allow_network},
             {"limits",
              {{"enforce", c.bwrap.limits.enforce},
+              {"overcommit", c.bwrap.limits.overcommit},
               {"defaults", lease_limits_json(c.bwrap.limits.defaults)},
               {"max", lease_limits_json(c.bwrap.limits.max)}}},
             {"identity",

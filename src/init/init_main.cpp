@@ -550,14 +550,49 @@ bool take_channel_fds(const std::vector<int>& fds, int keep) {
     return ::syscall(SYS_close_range, keep >= 0 ? kept_fd + 1U : 5U, ~0U, 0U) == 0;
 }
 
+// Host-wide files of /proc that a fresh procfs shows whatever namespace reads it: those that
+// container runtimes mask (runc's and podman's defaults), and /proc/locks (every process's
+// byte-range locks: the daemons' identity locks, so the uids of active leases),
+// /proc/diskstats and /proc/partitions (the host's loop devices: other leases' disk activity).
+// /dev/null is bound over each file (it reads as empty), an empty read-only tmpfs over each
+// directory. Done inside the lease's user namespace, after mounting the channel's /proc: a
+// mask made outside it would be locked, and the kernel would then refuse a fresh /proc.
+constexpr const char* masked_proc_files[] = {
+    "/proc/kcore",       "/proc/keys",        "/proc/key-users",     "/proc/timer_list",
+    "/proc/timer_stats", "/proc/sched_debug", "/proc/sysrq-trigger", "/proc/latency_stats",
+    "/proc/locks",       "/proc/diskstats",   "/proc/partitions",    "/proc/interrupts",
+    "/proc/kallsyms",    "/proc/kmsg",        "/proc/vmallocinfo",   "/proc/slabinfo"};
+constexpr const char* masked_proc_dirs[] = {
+    "/proc/acpi", "/proc/asound", "/proc/scsi", "/proc/driver",
+    "/proc/fs",   "/proc/irq",    "/proc/bus",  "/proc/sys/fs/binfmt_misc"};
+
+// Masks the files above in the fresh /proc. One absent on this kernel is skipped. 0 or an
+// errno.
+int mask_channel_proc() {
+    for (const char* file : masked_proc_files) {
+        if (::mount("/dev/null", file, nullptr, MS_BIND, nullptr) < 0 && errno != ENOENT) {
+            return errno;
+        }
+    }
+    for (const char* dir : masked_proc_dirs) {
+        if (::mount("masked", dir, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                    "size=4k,mode=0555") < 0 &&
+            errno != ENOENT) {
+            return errno;
+        }
+    }
+    return 0;
+}
+
 // A /proc of this channel's own PID namespace, in a mount namespace of its own, mounted over
-// the lease's (which stays hidden below it: nothing here can unmount). 0 or an errno.
+// the lease's (which stays hidden below it: nothing here can unmount), with the host-wide
+// files above masked. 0 or an errno.
 int mount_channel_proc() {
     if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) < 0 ||
         ::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) < 0) {
         return errno;
     }
-    return 0;
+    return mask_channel_proc();
 }
 
 // What a channel init sets up that no request decides (a warm init does it before it waits,

@@ -7,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <string>
 
 namespace sandboxd::detail {
@@ -29,6 +30,11 @@ constexpr LimitField cpu_weight_field{"cpuWeight", 1, 10000};
 constexpr LimitField cpu_quota_field{"cpuQuotaPercent", 1, 100000};
 constexpr LimitField disk_field{"diskBytes", detail::min_disk_bytes, detail::max_disk_bytes};
 constexpr LimitField open_files_field{"openFiles", 16, 1048576};
+constexpr LimitField io_read_bps_field{"ioReadBps", 65536, 1ULL << 40};
+constexpr LimitField io_write_bps_field{"ioWriteBps", 65536, 1ULL << 40};
+constexpr LimitField io_read_iops_field{"ioReadIops", 16, 10000000};
+constexpr LimitField io_write_iops_field{"ioWriteIops", 16, 10000000};
+constexpr LimitField io_weight_field{"ioWeight", 1, 10000};
 
 template <class T>
 std::uint64_t limit_value(const json& value, const LimitField& field,
@@ -49,6 +55,21 @@ std::uint64_t limit_value(const json& value, const LimitField& field,
                                 std::to_string(*node_max));
     }
     return v;
+}
+
+/// An optional limit: null clears it (no limit), unless the node has a maximum for it.
+template <class T>
+void optional_limit(const json& value, const LimitField& field, const std::optional<T>& node_max,
+                    std::optional<T>& out) {
+    if (value.is_null()) {
+        if (node_max) {
+            invalid_field(std::string("config.limits.") + field.name,
+                          "must be set on this node (at most " + std::to_string(*node_max) + ")");
+        }
+        out.reset();
+        return;
+    }
+    out = static_cast<T>(limit_value(value, field, node_max));
 }
 
 void parse_limits(const json& limits, const BwrapLimitsConfig& node, EffectiveLimits& out) {
@@ -86,6 +107,16 @@ void parse_limits(const json& limits, const BwrapLimitsConfig& node, EffectiveLi
         } else if (name == open_files_field.name) {
             out.open_files =
                 static_cast<std::uint32_t>(limit_value(value, open_files_field, max.open_files));
+        } else if (name == io_read_bps_field.name) {
+            optional_limit(value, io_read_bps_field, max.io_read_bps, out.io_read_bps);
+        } else if (name == io_write_bps_field.name) {
+            optional_limit(value, io_write_bps_field, max.io_write_bps, out.io_write_bps);
+        } else if (name == io_read_iops_field.name) {
+            optional_limit(value, io_read_iops_field, max.io_read_iops, out.io_read_iops);
+        } else if (name == io_write_iops_field.name) {
+            optional_limit(value, io_write_iops_field, max.io_write_iops, out.io_write_iops);
+        } else if (name == io_weight_field.name) {
+            optional_limit(value, io_weight_field, max.io_weight, out.io_weight);
         } else {
             invalid_field("config.limits." + name, "unknown key");
         }
@@ -94,13 +125,24 @@ void parse_limits(const json& limits, const BwrapLimitsConfig& node, EffectiveLi
 
 }  // namespace
 
+std::uint64_t EffectiveLimits::open_files_total() const noexcept {
+    return std::min(std::uint64_t{open_files} * pids, memory_bytes / 512);
+}
+
 json EffectiveLimits::to_json() const {
+    auto v = [](const auto& opt) { return opt ? json(*opt) : json(nullptr); };
     return {{"memoryBytes", memory_bytes},
             {"pids", pids},
             {"cpuWeight", cpu_weight},
             {"cpuQuotaPercent", cpu_quota_percent ? json(*cpu_quota_percent) : json(nullptr)},
             {"diskBytes", disk_bytes},
-            {"openFiles", open_files}};
+            {"openFiles", open_files},
+            {"openFilesTotal", open_files_total()},
+            {"ioReadBps", v(io_read_bps)},
+            {"ioWriteBps", v(io_write_bps)},
+            {"ioReadIops", v(io_read_iops)},
+            {"ioWriteIops", v(io_write_iops)},
+            {"ioWeight", v(io_weight)}};
 }
 
 LeaseConfig parse_lease_config(const json& config, const BwrapLimitsConfig& node,
@@ -108,11 +150,16 @@ LeaseConfig parse_lease_config(const json& config, const BwrapLimitsConfig& node
     LeaseConfig out;
     const auto& defaults = node.defaults;
     out.limits.memory_bytes = defaults.memory_bytes.value_or(1ULL << 30);
-    out.limits.pids = defaults.pids.value_or(1024);
+    out.limits.pids = defaults.pids.value_or(512);
     out.limits.cpu_weight = defaults.cpu_weight.value_or(100);
     out.limits.cpu_quota_percent = defaults.cpu_quota_percent;
     out.limits.disk_bytes = defaults.disk_bytes.value_or(1ULL << 30);
-    out.limits.open_files = defaults.open_files.value_or(1024);
+    out.limits.open_files = defaults.open_files.value_or(512);
+    out.limits.io_read_bps = defaults.io_read_bps;
+    out.limits.io_write_bps = defaults.io_write_bps;
+    out.limits.io_read_iops = defaults.io_read_iops;
+    out.limits.io_write_iops = defaults.io_write_iops;
+    out.limits.io_weight = defaults.io_weight;
     if (config.is_null()) return out;
     if (!config.is_object()) invalid_field("config", "must be an object");
     for (const auto& [name, value] : config.items()) {

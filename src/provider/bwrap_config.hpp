@@ -24,8 +24,19 @@ struct EffectiveLimits {
     std::optional<std::uint32_t> cpu_quota_percent;
     std::uint64_t disk_bytes = 0;
     std::uint32_t open_files = 0;
+    std::optional<std::uint64_t> io_read_bps;  ///< bytes/s on the workspace disk; absent: none
+    std::optional<std::uint64_t> io_write_bps;
+    std::optional<std::uint32_t> io_read_iops;  ///< operations/s; absent: none
+    std::optional<std::uint32_t> io_write_iops;
+    std::optional<std::uint32_t> io_weight;  ///< cgroup v2 only
 
-    /// The Lease's `limits` field.
+    /// The lease's open-file cap, counted against the node's open-file budget: the lesser of
+    /// openFiles x pids (RLIMIT_NOFILE of each of at most `pids` processes) and
+    /// memoryBytes / 512 (the kernel charges each open file, about 500 bytes, to the lease's
+    /// memory cgroup).
+    [[nodiscard]] std::uint64_t open_files_total() const noexcept;
+
+    /// The Lease's `limits` field (with `openFilesTotal`, the cap above).
     nlohmann::json to_json() const;
 };
 

@@ -22,6 +22,7 @@
 #include "provider/cgroups.hpp"
 #include "provider/identity_pool.hpp"
 #include "provider/lease_disk.hpp"
+#include "provider/node_budget.hpp"
 #include "provider/process_backend.hpp"
 #include "provider/seccomp_filter.hpp"
 #include "provider/spawn.hpp"
@@ -260,6 +261,13 @@ public:
     std::vector<TakenCgroup> spare_cgroups;
     static constexpr std::size_t max_spare_cgroups = 16;
     EffectiveLimits limits;
+    /// What this lease takes from the node's budgets, given back once (release_budget()).
+    std::shared_ptr<detail::NodeBudget> budget;
+    detail::BudgetShare budget_share;
+    std::atomic<bool> budget_held{false};
+    void release_budget() noexcept {
+        if (budget && budget_held.exchange(false)) budget->give_back(budget_share);
+    }
     std::atomic<std::uint64_t> pids_hits_seen{0};
     std::atomic<std::uint64_t> channels{0};
 };
@@ -347,11 +355,17 @@ public:
         fs::create_symlink(runtime_dir_, link, ec);
         if (options_.limits.enforce) probe_enforcement();
         program_ = make_program_fd();
-        init_path_ = install_init();
-        write_etc(runtime_dir_ / ".etc" / "private", false);
-        write_etc(runtime_dir_ / ".etc" / "net", true);
-        reclaim_identities();
-        release_stale_mounts();
+        try {
+            init_path_ = install_init();
+            stage_on_tmpfs(runtime_dir_ / ".etc");
+            write_etc(runtime_dir_ / ".etc" / "private", false);
+            write_etc(runtime_dir_ / ".etc" / "net", true);
+            reclaim_identities();
+            release_stale_mounts();
+        } catch (...) {
+            unstage();  // no destructor runs for a failed start
+            throw;
+        }
         probe_problem_ = probe_sandbox();
         if (!probe_problem_.empty()) {
             spdlog::error("bwrap provider: cannot make a sandbox on this node: {}; /readyz says "
@@ -375,8 +389,7 @@ public:
                 ::rmdir(entry.path().c_str());
             }
         }
-        fs::remove_all(runtime_dir_ / ".etc", ec);
-        fs::remove_all(runtime_dir_ / ".init", ec);
+        unstage();
         ::rmdir(runtime_dir_.c_str());
     }
 
@@ -536,6 +549,14 @@ private:
     std::shared_ptr<SandboxHandle> create_now(SandboxScope scope, const std::string& lease_id,
                                               const json& config) {
         const LeaseConfig cfg = parse_config(config);
+        check_io_limits(cfg.limits);
+        // Taken before anything is made, given back unless the sandbox is made.
+        const detail::BudgetShare share{cfg.limits.pids, cfg.limits.open_files_total()};
+        if (budget_) budget_->take(share);
+        bool budget_kept = false;
+        ScopeExit give_back([&] {
+            if (budget_ && !budget_kept) budget_->give_back(share);
+        });
         if (::access(init_path_.c_str(), X_OK) != 0) {
             provider_failure("sandboxd-init is missing: " + init_path_.string() + ": " +
                              std::strerror(errno));
@@ -573,6 +594,10 @@ private:
             }
             auto sandbox = std::make_shared<BwrapSandbox>();
             sandbox->limits = cfg.limits;
+            if (budget_) {
+                sandbox->budget = budget_;
+                sandbox->budget_share = share;
+            }
             if (options_.limits.enforce) sandbox->workspace = handle->workspace;
             if (options_.limits.enforce) {
                 detail::create_lease_disk(dir / "disk.img", handle->workspace,
@@ -582,6 +607,18 @@ private:
                 cl.pids = cfg.limits.pids;
                 cl.cpu_weight = cfg.limits.cpu_weight;
                 cl.cpu_quota_percent = cfg.limits.cpu_quota_percent;
+                cl.io_read_bps = cfg.limits.io_read_bps;
+                cl.io_write_bps = cfg.limits.io_write_bps;
+                cl.io_read_iops = cfg.limits.io_read_iops;
+                cl.io_write_iops = cfg.limits.io_write_iops;
+                cl.io_weight = cfg.limits.io_weight;
+                // The lease's own loop device, which its workspace is mounted from.
+                struct stat st {};
+                if (::stat(handle->workspace.c_str(), &st) != 0) {
+                    provider_failure("cannot stat " + handle->workspace.string() + ": " +
+                                     std::strerror(errno));
+                }
+                cl.io_device = st.st_dev;
                 sandbox->cgroup = cgroups_->create_lease(id, cl);
             } else {
                 fs::create_directory(handle->workspace);
@@ -592,6 +629,8 @@ private:
                 ::chmod(handle->workspace.c_str(), 0755);
             }
             start_supervisor(*sandbox, handle->workspace, uid, cfg);
+            if (budget_) sandbox->budget_held = true;
+            budget_kept = true;
             handle->state = std::move(sandbox);
         } catch (...) {
             // Nothing may be left: no process, no mount, no cgroup, no claimed id.
@@ -620,7 +659,41 @@ private:
         }
         teardown_files(sandbox);
         left_behind.reset();
-        if (state) state->cgroup.reset();
+        if (state) {
+            state->cgroup.reset();
+            state->release_budget();
+        }
+    }
+
+    /// io limits this node's cgroups can apply; else INVALID_PARAMS naming the field, before
+    /// anything is made.
+    void check_io_limits(const EffectiveLimits& limits) const {
+        if (!cgroups_) return;  // limits not enforced
+        const std::string mode =
+            cgroups_->mode() == detail::cgroup_mode::v2 ? "cgroup v2" : "cgroup v1";
+        auto refuse = [](const char* key, const std::string& why) {
+            const std::string field = std::string("config.limits.") + key;
+            throw rpc_error(errc::invalid_params, field + ": " + why, {{"field", field}});
+        };
+        if (limits.io_weight && !cgroups_->io_weight()) {
+            refuse("ioWeight",
+                   "needs cgroup v2 with the io controller (cgroup v1 has no io "
+                   "weight without BFQ); this node uses " +
+                       mode);
+        }
+        const std::pair<const char*, bool> throttles[] = {
+            {"ioReadBps", limits.io_read_bps.has_value()},
+            {"ioWriteBps", limits.io_write_bps.has_value()},
+            {"ioReadIops", limits.io_read_iops.has_value()},
+            {"ioWriteIops", limits.io_write_iops.has_value()}};
+        for (const auto& [key, set] : throttles) {
+            if (set && !cgroups_->io_throttle()) {
+                refuse(key,
+                       "needs the cgroup v1 blkio hierarchy or the v2 io controller, which "
+                       "this node (" +
+                           mode + ") does not have");
+            }
+        }
     }
 
     /// The request, payload and descriptors of a channel: fast, no waiting (pipes, a PTY,
@@ -893,6 +966,14 @@ private:
                 "providers.bwrap.limits.enforce: workspace disks need mkfs.ext4 (Debian "
                 "package e2fsprogs)");
         }
+        // The node's defaults must be usable by a lease that asks for nothing.
+        try {
+            check_io_limits(parse_config(nullptr).limits);
+        } catch (const rpc_error& e) {
+            throw std::runtime_error("providers.bwrap.limits.defaults: " + std::string(e.what()));
+        }
+        budget_ = detail::NodeBudget::read_host(options_.proc_sys, options_.limits.overcommit);
+        spdlog::info("bwrap provider: node budgets: {}", budget_->describe());
         const auto removed = cgroups_->remove_orphans();
         spdlog::info("bwrap provider: limits enforced with {}; workspace disks: loop-mounted "
                      "ext4{}",
@@ -935,8 +1016,7 @@ private:
         const fs::path dir = runtime_dir_ / ".init";
         fs::path target = dir / "sandboxd-init";
         std::error_code ec;
-        fs::create_directories(dir, ec);
-        ::chmod(dir.c_str(), 0711);
+        stage_on_tmpfs(dir);
         const fs::path tmp = dir / "sandboxd-init.tmp";
         fs::copy_file(init_path_, tmp, fs::copy_options::overwrite_existing, ec);
         if (ec) {
@@ -946,6 +1026,35 @@ private:
         ::chmod(tmp.c_str(), 0755);
         fs::rename(tmp, target);
         return target;
+    }
+
+    /// Mounts a tmpfs of its own at `dir` (made if missing; a mount an earlier process left
+    /// there is unmounted first), mode 0711. What bubblewrap binds from it shows in a
+    /// sandbox's mountinfo as a path within that tmpfs (e.g. `/private`, source `sandboxd`),
+    /// never as a path under the runtime directory: a bind's mountinfo root is the source's
+    /// path within its own filesystem, whether bound by path or by descriptor.
+    static void stage_on_tmpfs(const fs::path& dir) {
+        std::error_code ec;
+        fs::create_directories(dir, ec);
+        while (::umount2(dir.c_str(), MNT_DETACH) == 0) {
+        }
+        fs::remove_all(dir, ec);
+        fs::create_directories(dir, ec);
+        if (::mount("sandboxd", dir.c_str(), "tmpfs", MS_NOSUID | MS_NODEV,
+                    "mode=0711,size=256m") != 0) {
+            throw std::runtime_error("cannot mount a tmpfs at " + dir.string() + ": " +
+                                     std::strerror(errno));
+        }
+    }
+
+    /// Unmounts and removes what stage_on_tmpfs() made (the generated /etc, the init's copy).
+    void unstage() const noexcept {
+        std::error_code ec;
+        for (const char* staged : {".etc", ".init"}) {
+            while (::umount2((runtime_dir_ / staged).c_str(), MNT_DETACH) == 0) {
+            }
+            fs::remove_all(runtime_dir_ / staged, ec);
+        }
     }
 
     static unique_fd make_program_fd() {
@@ -1400,6 +1509,8 @@ private:
     std::string probe_problem_;
     unique_fd program_;
     std::unique_ptr<detail::CgroupManager> cgroups_;
+    /// The node's pids and open-file budgets; null when limits are not enforced.
+    std::shared_ptr<detail::NodeBudget> budget_;
     std::shared_ptr<Counters> counters_ = std::make_shared<Counters>();
     /// create() and destroy() run here, never on the node's pool or an I/O thread. Last: its
     /// threads are joined before anything they use goes.

@@ -22,6 +22,7 @@
 #include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <sys/sysinfo.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -48,6 +49,7 @@ constexpr int max_walk_depth = 4;
 // own processes (the supervisor) live in this leaf. The dot keeps it apart from channel names.
 constexpr const char* v2_lease_leaf = "lease.self";
 constexpr const char* v2_controllers = "+memory +pids +cpu";
+constexpr const char* v2_controllers_io = "+memory +pids +cpu +io";
 constexpr std::uint64_t cpu_period_us = 100000;
 
 bool valid_name(std::string_view name) {
@@ -189,6 +191,8 @@ std::vector<fs::path> subtree_dirs(const fs::path& top) {
 struct Hierarchy {
     std::string controllers;  // "memory", "cpu,cpuacct", ... ("" for v2)
     fs::path instance;        // <this process's cgroup>/<instance> in this hierarchy
+    // v1 blkio: channels stay in their lease's cgroup (its throttles are not hierarchical).
+    bool flat = false;
 };
 
 struct Layout {
@@ -197,9 +201,19 @@ struct Layout {
     // Indexes into hierarchies (all 0 on v2).
     std::size_t memory = 0, pids = 0, cpu = 0, cpuacct = 0, freezer = 0;
     bool memsw = false;  // v1: memory.memsw.* exist (swap accounting on)
+    std::optional<std::size_t> blkio;  // v1: the blkio hierarchy, when there is one
+    bool io = false;                   // v2: the io controller is enabled for the leases
 
     fs::path dir(std::size_t h, const std::string& rel) const {
         return hierarchies[h].instance / rel;
+    }
+    /// Whether `rel` is a channel's cgroup (lease/channel), which a flat hierarchy has not.
+    bool absent_in(std::size_t h, const std::string& rel) const {
+        return hierarchies[h].flat && rel.find('/') != std::string::npos;
+    }
+    /// Where a process of `rel` lives in hierarchy `h`: its lease's cgroup in a flat one.
+    fs::path home(std::size_t h, const std::string& rel) const {
+        return absent_in(h, rel) ? dir(h, rel.substr(0, rel.find('/'))) : dir(h, rel);
     }
 };
 
@@ -331,6 +345,7 @@ bool remove_subtree(const Layout& layout, const std::string& rel, spdlog::level:
 /// Makes `rel` in every hierarchy; on failure removes what it made and throws.
 void make_everywhere(const Layout& layout, const std::string& rel) {
     for (std::size_t h = 0; h < layout.hierarchies.size(); ++h) {
+        if (layout.absent_in(h, rel)) continue;
         fs::path dir = layout.dir(h, rel);
         if (::mkdir(dir.c_str(), 0755) != 0) {
             int err = errno;
@@ -353,12 +368,17 @@ std::vector<unique_fd> open_procs_of(const Layout& layout, const std::string& re
     const char* name = layout.mode == cgroup_mode::v1 ? "tasks" : "cgroup.procs";
     std::vector<unique_fd> fds;
     for (std::size_t h = 0; h < layout.hierarchies.size(); ++h) {
-        fs::path path = layout.dir(h, rel) / name;
+        fs::path path = layout.home(h, rel) / name;
         unique_fd fd(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
         if (!fd) throw_errno("cannot open " + path.string(), errno);
         fds.push_back(std::move(fd));
     }
     return fds;
+}
+
+/// "MAJ:MIN" of a block device, as the io files take it.
+std::string device_key(dev_t dev) {
+    return std::to_string(major(dev)) + ":" + std::to_string(minor(dev));
 }
 
 void write_limits(const Layout& layout, const std::string& rel, const CgroupLimits& limits) {
@@ -382,6 +402,20 @@ void write_limits(const Layout& layout, const std::string& rel, const CgroupLimi
                         std::to_string(std::uint64_t{*limits.cpu_quota_percent} * 1000) + " " +
                             std::to_string(cpu_period_us));
         }
+        if (limits.io_device) {
+            std::string max = device_key(*limits.io_device);
+            auto add = [&max](const char* key, const std::optional<std::uint64_t>& v) {
+                if (v) max += std::string(" ") + key + "=" + std::to_string(*v);
+            };
+            add("rbps", limits.io_read_bps);
+            add("wbps", limits.io_write_bps);
+            add("riops", limits.io_read_iops);
+            add("wiops", limits.io_write_iops);
+            if (max.find('=') != std::string::npos) write_value(file(0, "io.max"), max);
+        }
+        if (limits.io_weight) {
+            write_value(file(0, "io.weight"), "default " + std::to_string(*limits.io_weight));
+        }
         return;
     }
     if (limits.memory_bytes) {
@@ -398,9 +432,30 @@ void write_limits(const Layout& layout, const std::string& rel, const CgroupLimi
         write_value(file(layout.cpu, "cpu.cfs_quota_us"),
                     std::to_string(std::uint64_t{*limits.cpu_quota_percent} * 1000));
     }
+    if (limits.io_device && layout.blkio) {
+        const std::string dev = device_key(*limits.io_device) + " ";
+        auto put = [&](const char* name, const std::optional<std::uint64_t>& v) {
+            if (v) write_value(file(*layout.blkio, name), dev + std::to_string(*v));
+        };
+        put("blkio.throttle.read_bps_device", limits.io_read_bps);
+        put("blkio.throttle.write_bps_device", limits.io_write_bps);
+        put("blkio.throttle.read_iops_device", limits.io_read_iops);
+        put("blkio.throttle.write_iops_device", limits.io_write_iops);
+    }
 }
 
-void check_limits(const CgroupLimits& limits) {
+void check_limits(const Layout& layout, const CgroupLimits& limits) {
+    const bool throttled =
+        limits.io_read_bps || limits.io_write_bps || limits.io_read_iops || limits.io_write_iops;
+    if (throttled && !limits.io_device) fail("an io limit needs the device it applies to");
+    if (throttled && !(layout.mode == cgroup_mode::v2 ? layout.io : layout.blkio.has_value())) {
+        fail(layout.mode == cgroup_mode::v2
+                 ? "io limits need the io controller, which this cgroup does not offer"
+                 : "io limits need the cgroup v1 blkio hierarchy, which is not mounted");
+    }
+    if (limits.io_weight && !(layout.mode == cgroup_mode::v2 && layout.io)) {
+        fail("an io weight needs cgroup v2 with the io controller (v1 has no weight without BFQ)");
+    }
     if (limits.cpu_weight < 1 || limits.cpu_weight > 10000) {
         fail("cpu weight " + std::to_string(limits.cpu_weight) + " is outside 1..10000");
     }
@@ -545,6 +600,12 @@ public:
     }
 
     cgroup_mode mode() const noexcept override { return layout_->mode; }
+    bool io_throttle() const noexcept override {
+        return layout_->mode == cgroup_mode::v2 ? layout_->io : layout_->blkio.has_value();
+    }
+    bool io_weight() const noexcept override {
+        return layout_->mode == cgroup_mode::v2 && layout_->io;
+    }
     std::string describe() const override { return description_; }
 
     std::size_t remove_orphans() override {
@@ -565,11 +626,12 @@ public:
                                               const CgroupLimits& limits) override {
         check_name(name, "lease");
         if (layout_->mode == cgroup_mode::none) fail("no usable cgroups: " + description_);
-        check_limits(limits);
+        check_limits(*layout_, limits);
         make_everywhere(*layout_, name);
         try {
             if (layout_->mode == cgroup_mode::v2) {
-                write_value(layout_->dir(0, name) / "cgroup.subtree_control", v2_controllers);
+                write_value(layout_->dir(0, name) / "cgroup.subtree_control",
+                            layout_->io ? v2_controllers_io : v2_controllers);
                 fs::path leaf = layout_->dir(0, name) / v2_lease_leaf;
                 if (::mkdir(leaf.c_str(), 0755) != 0) {
                     throw_errno("cannot make cgroup " + leaf.string(), errno);
@@ -702,6 +764,7 @@ std::optional<Layout> probe_v2(const std::string& instance, const fs::path& root
     }
     Layout layout;
     layout.mode = cgroup_mode::v2;
+    layout.io = has_token(available, "io", " \n");
     layout.hierarchies.push_back({"", *own / instance});
     return layout;
 }
@@ -726,12 +789,13 @@ void setup_v2(const Layout& layout) {
             }
         }
     }
-    write_value(own / "cgroup.subtree_control", v2_controllers);
+    const char* controllers = layout.io ? v2_controllers_io : v2_controllers;
+    write_value(own / "cgroup.subtree_control", controllers);
     fs::path inst = layout.hierarchies[0].instance;
     if (::mkdir(inst.c_str(), 0755) != 0 && errno != EEXIST) {
         throw_errno("cannot make cgroup " + inst.string(), errno);
     }
-    write_value(inst / "cgroup.subtree_control", v2_controllers);
+    write_value(inst / "cgroup.subtree_control", controllers);
 }
 
 std::optional<Layout> probe_v1(const std::string& instance, const fs::path& root,
@@ -779,6 +843,25 @@ std::optional<Layout> probe_v1(const std::string& instance, const fs::path& root
             layout.hierarchies[layout.*role].controllers += std::string(",") + c;
         }
     }
+    // blkio is optional: without it the node runs, and refuses io limits.
+    const std::string* blkio_path = nullptr;
+    for (const auto& [controllers, p] : own) {
+        if (has_token(controllers, "blkio", ",")) blkio_path = &p;
+    }
+    for (const auto& m : mounts) {
+        auto below = fs::path(m.point).lexically_relative(root.lexically_normal());
+        if (blkio_path == nullptr || m.fstype != "cgroup" || !has_token(m.options, "blkio", ",") ||
+            below.empty() || *below.begin() == "..") {
+            continue;
+        }
+        auto dir = place(m, *blkio_path);
+        if (!dir || ::access(dir->c_str(), W_OK) != 0) break;
+        auto at = std::find(points.begin(), points.end(), m.point);
+        if (at != points.end()) break;  // co-mounted with another controller: not flat, skip
+        layout.blkio = layout.hierarchies.size();
+        layout.hierarchies.push_back({"blkio", *dir / instance, true});
+        break;
+    }
     layout.mode = cgroup_mode::v1;
     return layout;
 }
@@ -806,9 +889,10 @@ std::unique_ptr<CgroupManager> probe_cgroups(const std::string& instance,
     std::string why_v2, why_v1;
     if (auto layout = probe_v2(instance, root, why_v2)) {
         setup_v2(*layout);
-        auto where = layout->hierarchies[0].instance.string();
+        auto what = std::string("cgroup v2 (memory, pids, cpu") + (layout->io ? ", io" : "") +
+                    ") under " + layout->hierarchies[0].instance.string();
         return std::make_unique<Manager>(std::make_shared<const Layout>(std::move(*layout)),
-                                         "cgroup v2 (memory, pids, cpu) under " + where);
+                                         std::move(what));
     }
     if (auto layout = probe_v1(instance, root, why_v1)) {
         setup_v1(*layout);

@@ -22,6 +22,13 @@
 ///  - cpu_weight 1..10000: cpu.shares = weight * 1024 / 100 (clamped to 2..262144) / cpu.weight.
 ///  - cpu_quota_percent (of one core): cpu.cfs_quota_us over cpu.cfs_period_us 100000 /
 ///    cpu.max "<quota> 100000".
+///  - io_* on one device (the lease's loop device, MAJ:MIN): blkio.throttle.read_bps_device,
+///    write_bps_device, read_iops_device, write_iops_device / io.max "MAJ:MIN rbps= wbps=
+///    riops= wiops=". v1 needs the `blkio` hierarchy (optional: without it an io limit is
+///    refused). v1 throttling is not hierarchical (checked on this project's kernel: a limit on
+///    a parent does not slow a child's writes), so in the blkio hierarchy a lease's channels
+///    join the lease's own cgroup: the lease's channels share one budget, as on v2.
+///  - io_weight 1..10000: v2 io.weight "default N" only; v1 refuses it (no weight without BFQ).
 ///
 /// Errors: every call that fails throws rpc_error(errc::provider_error) naming the file and
 /// the errno text, and leaves nothing half made (a create that fails removes what it made).
@@ -50,6 +57,13 @@ struct CgroupLimits {
     std::optional<std::uint32_t> pids;              ///< absent: no limit
     std::uint32_t cpu_weight = 100;                 ///< 1..10000 (100 is the default share)
     std::optional<std::uint32_t> cpu_quota_percent; ///< percent of one core, 1..(100 * cores)
+    /// The device io_* apply to (the lease's loop device); required when any io_* is set.
+    std::optional<dev_t> io_device;
+    std::optional<std::uint64_t> io_read_bps;  ///< bytes per second; absent: no limit
+    std::optional<std::uint64_t> io_write_bps;
+    std::optional<std::uint64_t> io_read_iops;  ///< operations per second; absent: no limit
+    std::optional<std::uint64_t> io_write_iops;
+    std::optional<std::uint32_t> io_weight;  ///< 1..10000, v2 only
 };
 
 struct CgroupUsage {
@@ -118,12 +132,17 @@ public:
     /// under /sys/fs/cgroup/memory/process_api/x/sandboxd-ab12cd34", or the reason neither
     /// v2 nor v1 can be used.
     virtual std::string describe() const = 0;
+    /// Whether create_lease can apply io_* throttles (v1: a blkio hierarchy; v2: the io
+    /// controller) and io_weight (v2 with the io controller only).
+    virtual bool io_throttle() const noexcept = 0;
+    virtual bool io_weight() const noexcept = 0;
     /// Kills every process left in this instance's subtree (a previous process with the same
     /// instance name that was killed) and removes the cgroups. Returns how many lease cgroups
     /// were removed. Call before serving.
     virtual std::size_t remove_orphans() = 0;
     /// Makes the lease cgroup `name` ([A-Za-z0-9_-], 1..64 chars) with `limits` set.
-    /// Throws provider_error (an existing cgroup of that name is an error).
+    /// Throws provider_error (an existing cgroup of that name is an error; so is an io limit
+    /// this machine cannot apply, see io_throttle() and io_weight()).
     virtual std::unique_ptr<LeaseCgroup> create_lease(const std::string& name,
                                                       const CgroupLimits& limits) = 0;
     /// The lease cgroup `name` made earlier (by this or a previous process), to kill and

@@ -569,15 +569,24 @@ TEST_CASE("Lease limits above the node's maximum are refused with the field name
     json ok = base;
     ok["config"] = {{"limits", {{"memoryBytes", 134217728}, {"pids", 64}, {"cpuQuotaPercent", 50}}}};
     const auto lease = c->call("leaseAcquire", ok);
-    CHECK(lease["limits"] == json{{"memoryBytes", 134217728}, {"pids", 64}, {"cpuWeight", 100},
-                                  {"cpuQuotaPercent", 50}, {"diskBytes", 1073741824},
-                                  {"openFiles", 1024}});
+    CHECK(lease["limits"] == json{{"memoryBytes", 134217728},
+                                  {"pids", 64},
+                                  {"cpuWeight", 100},
+                                  {"cpuQuotaPercent", 50},
+                                  {"diskBytes", 1073741824},
+                                  {"openFiles", 512},
+                                  {"openFilesTotal", 64 * 512},
+                                  {"ioReadBps", nullptr},
+                                  {"ioWriteBps", nullptr},
+                                  {"ioReadIops", nullptr},
+                                  {"ioWriteIops", nullptr},
+                                  {"ioWeight", nullptr}});
     auto got = c->call("leaseGet", {{"leaseId", lease["id"]}});
     CHECK(got["limits"] == lease["limits"]);
     CHECK(got["usage"]["pids"].get<int>() >= 1);  // the supervisor
     CHECK(got["usage"]["memoryBytes"].get<long>() > 0);
     auto nofile = c->run_channel(open_params(lease, {"sh", "-c", "ulimit -n; ulimit -c"}));
-    CHECK(nofile.out == "1024\n0\n");
+    CHECK(nofile.out == "512\n0\n");
     // Released: the lease keeps its limits, and has no usage.
     c->call("leaseRelease", {{"leaseId", lease["id"]}});
     got = c->call("leaseGet", {{"leaseId", lease["id"]}});

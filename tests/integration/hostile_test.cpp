@@ -550,3 +550,152 @@ TEST_CASE("hostile: keyrings and inotify instances are not shared between leases
     CHECK(wait_exit(*ca, ch).value("outcome", "") == "stopped");
 }
 #endif
+
+namespace {
+
+/// What a refused acquire says: its message and data (FAIL when it was accepted).
+std::pair<std::string, json> refused_acquire(Client& c, const json& limits) {
+    try {
+        const auto lease = acquire_with(c, limits);
+        FAIL("leaseAcquire accepted " << limits.dump() << ": " << lease.dump());
+    } catch (const rpc_error& e) {
+        return {e.what(), e.data()};
+    }
+    return {};
+}
+
+std::uint64_t read_number(const fs::path& path) {
+    std::uint64_t v = 0;
+    std::ifstream(path) >> v;
+    return v;
+}
+
+}  // namespace
+
+TEST_CASE("hostile: /proc hides the host's locks and disks and the files runtimes mask",
+          "[hostile][proc]") {
+    DaemonProcess d;
+    auto c = d.connect();
+    const auto lease = acquire_lease(*c);
+    // On the host these are not empty: the daemon holds its lease's identity lock, and the
+    // lease's disk is a loop device.
+    REQUIRE_FALSE(read_file("/proc/locks").empty());
+    REQUIRE(read_file("/proc/diskstats").find("loop") != std::string::npos);
+    const std::vector<std::string> files = {
+        "/proc/locks",       "/proc/diskstats",     "/proc/partitions",    "/proc/kcore",
+        "/proc/keys",        "/proc/key-users",     "/proc/timer_list",    "/proc/timer_stats",
+        "/proc/sched_debug", "/proc/sysrq-trigger", "/proc/latency_stats", "/proc/interrupts",
+        "/proc/kallsyms",    "/proc/vmallocinfo",   "/proc/slabinfo"};
+    for (const auto& f : files) {
+        INFO(f);
+        // Absent, or empty: "<bytes read>" is 0 either way.
+        auto r = run(*c, lease, {"sh", "-c", "cat \"$0\" 2>/dev/null | wc -c", f});
+        CHECK(r.out == "0\n");
+        CHECK(exit_outcome(r) == "exited");
+    }
+    for (const std::string dir : {"/proc/acpi", "/proc/scsi", "/proc/asound", "/proc/fs",
+                                  "/proc/bus", "/proc/irq", "/proc/driver"}) {
+        INFO(dir);
+        // Empty, and nothing can be written there ($0 is the directory).
+        auto r = run(*c, lease,
+                     {"sh", "-c",
+                      "ls -A \"$0\" 2>/dev/null | wc -l; touch \"$0/x\" 2>/dev/null && echo WROTE; "
+                      "exit 0",
+                      dir});
+        CHECK(r.out == "0\n");
+    }
+    // The channel's own processes are still there.
+    CHECK(sh(*c, lease, "cat /proc/self/status | head -1").out == "Name:\tcat\n");
+}
+
+TEST_CASE("hostile: mountinfo inside names no path of the daemon's state or runtime directory",
+          "[hostile][proc]") {
+    DaemonProcess d;
+    auto c = d.connect();
+    const auto lease = acquire_lease(*c);
+    const fs::path runtime = fs::read_symlink(d.state_dir() / "sandboxes" / ".runtime");
+    REQUIRE_FALSE(runtime.empty());
+    auto r = run(*c, lease, {"cat", "/proc/self/mountinfo", "/proc/1/mountinfo"});
+    REQUIRE(exit_outcome(r) == "exited");
+    INFO(r.out);
+    REQUIRE(r.out.find(" /etc ") != std::string::npos);  // it is the lease's mountinfo
+    CHECK(r.out.find(d.state_dir().string()) == std::string::npos);
+    CHECK(r.out.find(runtime.string()) == std::string::npos);
+    // Nor relative to the file system that holds them (a bind's root field is that path).
+    CHECK(r.out.find(runtime.filename().string()) == std::string::npos);
+    CHECK(r.out.find("/sandboxd/") == std::string::npos);
+    CHECK(r.out.find(".etc") == std::string::npos);
+    CHECK(r.out.find(".init/") == std::string::npos);
+    CHECK(r.out.find(lease["providerLeaseId"].get<std::string>()) == std::string::npos);
+}
+
+TEST_CASE("hostile: dsync writes stay within the lease's ioWriteBps, shared by its channels",
+          "[hostile][io]") {
+    DaemonProcess d;
+    auto c = d.connect();
+    constexpr double write_bps = 4 << 20;
+    const auto lease = acquire_with(*c, {{"ioWriteBps", 4 << 20}, {"diskBytes", 64 << 20}});
+    CHECK(lease["limits"]["ioWriteBps"] == 4 << 20);
+    // Two channels at once, 4 MiB of synchronous 64 KiB writes each.
+    auto ca = d.connect();
+    auto cb = d.connect();
+    const auto start = std::chrono::steady_clock::now();
+    const auto a = open_only(*ca, open_params(lease, {"dd", "if=/dev/zero", "of=/workspace/a",
+                                                      "bs=64k", "count=64", "oflag=dsync"}));
+    const auto b = open_only(*cb, open_params(lease, {"dd", "if=/dev/zero", "of=/workspace/b",
+                                                      "bs=64k", "count=64", "oflag=dsync"}));
+    CHECK(wait_exit(*ca, a)["exitCode"] == 0);
+    CHECK(wait_exit(*cb, b)["exitCode"] == 0);
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double rate = 8.0 * (1 << 20) / secs;
+    INFO("8 MiB in " << secs << " s: " << rate / (1 << 20) << " MiB/s");
+    CHECK(rate <= write_bps * 1.1);
+    CHECK(sh(*c, lease, "cat /workspace/a /workspace/b | wc -c").out == "8388608\n");
+}
+
+TEST_CASE("hostile: ioWeight is refused on cgroup v1, which has no io weight", "[hostile][io]") {
+    if (!fs::exists("/sys/fs/cgroup/blkio/blkio.throttle.write_bps_device")) {
+        WARN("not a cgroup v1 host with blkio: nothing to check here");
+        return;
+    }
+    DaemonProcess d;
+    auto c = d.connect();
+    auto [message, data] = refused_acquire(*c, {{"ioWeight", 100}});
+    CHECK(data["reason"] == "INVALID_PARAMS");
+    CHECK(data["field"] == "config.limits.ioWeight");
+    CHECK(message.rfind("config.limits.ioWeight: needs cgroup v2 with the io controller", 0) == 0);
+    CHECK(c->call("leaseList", json::object())["leases"].empty());
+}
+
+TEST_CASE("hostile: leases beyond the node's pids budget are refused, and the log states it",
+          "[hostile][budget]") {
+    // The budget: pid_max less its reserve (an eighth, at least 1024). Leases of a third of it
+    // and one pid: two fit, a third is refused.
+    const std::uint64_t pid_max = read_number("/proc/sys/kernel/pid_max");
+    REQUIRE(pid_max > 4096);
+    const std::uint64_t budget = pid_max - std::max<std::uint64_t>(pid_max / 8, 1024);
+    const std::uint64_t per = std::min<std::uint64_t>(budget / 3 + 1, 4194304);
+    const json config = {
+        {"providers", {{"bwrap", {{"limits", {{"overcommit", 1}, {"max", {{"pids", per}}}}}}}}}};
+    DaemonProcess d("node-a", config.dump());
+    CHECK(d.log().find("node budgets: pids " + std::to_string(budget) + " (kernel.pid_max " +
+                       std::to_string(pid_max)) != std::string::npos);
+    auto c = d.connect();
+    const json limits = {{"pids", per}, {"diskBytes", 16 << 20}, {"memoryBytes", 64 << 20}};
+    const auto a = acquire_with(*c, limits);
+    const auto b = acquire_with(*c, limits);
+    auto [message, data] = refused_acquire(*c, limits);
+    CHECK(data["reason"] == "CHANNEL_LIMIT");
+    CHECK(data["limit"] == "nodePids");
+    CHECK(message == "this node's pids budget is full: its leases hold " + std::to_string(2 * per) +
+                         " of " + std::to_string(budget) + " (kernel.pid_max " +
+                         std::to_string(pid_max) + " less " + std::to_string(pid_max - budget) +
+                         " kept for the host, times overcommit 1) and this lease asks for " +
+                         std::to_string(per));
+    CHECK(c->call("leaseList", json::object())["leases"].size() == 2);
+    // A released lease gives its share back.
+    c->call("leaseRelease", {{"leaseId", a["id"]}});
+    const auto again = acquire_with(*c, limits);
+    CHECK(again["status"] == "active");
+}

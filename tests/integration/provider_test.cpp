@@ -11,6 +11,8 @@
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/provider/provider.hpp>
 
+#include "provider/bwrap_config.hpp"
+#include "provider/node_budget.hpp"
 #include "provider/process_backend.hpp"
 #include "support/daemon_fixture.hpp"
 #include "support/run_awaitable.hpp"
@@ -1167,6 +1169,98 @@ TEST_CASE("the network is private unless the lease asks for it", "[provider]") {
     CHECK(open_fd_count() == fds_before);
 }
 
+TEST_CASE("32 leases of the default limits fit the budgets of a host with pid_max 32,768",
+          "[provider][budget]") {
+    // This project's machines: pid_max 32,768, fs.file-max 2,466,239; the default overcommit.
+    const BwrapLimitsConfig node;
+    detail::NodeBudget budget(32768, 2466239, node.overcommit);
+    const auto defaults = detail::parse_lease_config(nullptr, node, false).limits;
+    CHECK(defaults.pids == 512);
+    CHECK(defaults.open_files_total() == 512 * 512);  // less than 1 GiB / 512
+    const detail::BudgetShare share{defaults.pids, defaults.open_files_total()};
+    for (int i = 0; i < 32; ++i) {
+        INFO("lease " << i);
+        CHECK_NOTHROW(budget.take(share));
+    }
+    // The largest lease's pids are well below pid_max.
+    REQUIRE(node.max.pids.has_value());
+    CHECK(*node.max.pids <= 32768 / 8);
+}
+
+TEST_CASE("the node's budgets refuse a lease beyond them, counting its lesser open-file cap",
+          "[provider][budget]") {
+    TempDir dir;
+    // A host of its own for the budgets: pid_max 2048 (a reserve of 1024 for the host leaves
+    // 1024), file-max 200000 (less 65536: 134464), no overcommit.
+    const fs::path proc_sys = dir.path / "proc-sys";
+    fs::create_directories(proc_sys / "kernel");
+    fs::create_directories(proc_sys / "fs");
+    std::ofstream(proc_sys / "kernel" / "pid_max") << "2048\n";
+    std::ofstream(proc_sys / "fs" / "file-max") << "200000\n";
+    const fs::path sandboxes = dir.path / "sandboxes";
+    fs::path lease_root;
+    {
+        auto options = test_options(sandboxes);
+        options.proc_sys = proc_sys;
+        options.limits.overcommit = 1;
+        auto provider = make_bwrap_provider(options);
+        SandboxScope scope{"bwrap", "c", "e", ""};
+        auto lease = [&](std::uint32_t pids, std::uint32_t open_files, std::uint64_t memory) {
+            return create_sandbox(*provider, scope, "lease",
+                                  {{"limits",
+                                    {{"pids", pids},
+                                     {"openFiles", open_files},
+                                     {"memoryBytes", memory},
+                                     {"diskBytes", 16 * mib}}}});
+        };
+        auto refused = [&](std::uint32_t pids, std::uint32_t open_files, std::uint64_t memory) {
+            try {
+                auto made = lease(pids, open_files, memory);
+                LeaseGuard guard(*provider, made);
+                FAIL("created a lease beyond the budget");
+            } catch (const rpc_error& e) {
+                CHECK(e.code() == errc::channel_limit);
+                return std::make_pair(std::string(e.what()), e.data());
+            }
+            return std::make_pair(std::string(), json());
+        };
+        // 512 pids and min(64 x 512, 64 MiB / 512) = 32768 files.
+        auto a = lease(512, 64, 64 * mib);
+        LeaseGuard a_guard(*provider, a);
+        lease_root = a->workspace.parent_path().parent_path();
+        CHECK(a->limits["openFilesTotal"] == 32768);
+        // 512 pids and min(1024 x 512, 32 MiB / 512) = 65536 files: memory is the lesser
+        // (the product, 524288, would not fit the 134464 files of the budget).
+        auto b = lease(512, 1024, 32 * mib);
+        LeaseGuard b_guard(*provider, b);
+        CHECK(b->limits["openFilesTotal"] == 65536);
+        // The pids budget (1024) is taken: 8 more are refused, and nothing is made for it.
+        const auto entries = sandbox_entries(sandboxes).size();
+        auto [message, data] = refused(8, 16, 64 * mib);
+        CHECK(data == json{{"limit", "nodePids"}});
+        CHECK(message ==
+              "this node's pids budget is full: its leases hold 1024 of 1024 (kernel.pid_max "
+              "2048 less 1024 kept for the host, times overcommit 1) and this lease asks for 8");
+        CHECK(sandbox_entries(sandboxes).size() == entries);
+        // A destroyed lease gives its share back.
+        destroy_sandbox(*provider, a);
+        auto c = lease(8, 16, 64 * mib);  // 8 pids, min(128, 131072) files
+        LeaseGuard c_guard(*provider, c);
+        // Files held: 65536 + 128; a lease of min(65536 x 64, 64 MiB / 512) = 131072 more
+        // exceeds 134464.
+        std::tie(message, data) = refused(64, 65536, 64 * mib);
+        CHECK(data == json{{"limit", "nodeOpenFiles"}});
+        CHECK(message.rfind("this node's open-file budget is full: its leases hold 65664 of "
+                            "134464 (fs.file-max 200000 less 65536",
+                            0) == 0);
+        // ... and one whose memory makes its cap small enough fits: min(4194304, 32768).
+        auto d = lease(64, 65536, 16 * mib);
+        LeaseGuard d_guard(*provider, d);
+        CHECK(d->limits["openFilesTotal"] == 32768);
+    }
+    remove_lease_root(lease_root, dir);
+}
+
 TEST_CASE("create validates the lease config", "[provider]") {
     const int fds_before = open_fd_count();
     TempDir dir;
@@ -1225,12 +1319,17 @@ TEST_CASE("create validates the lease config", "[provider]") {
         CHECK(handle->scope.company_id == "c");
         CHECK(handle->lease_id == "lease");
         CHECK_FALSE(handle->network);
-        CHECK(handle->limits == json{{"memoryBytes", 1024 * mib},
-                                     {"pids", 1024},
-                                     {"cpuWeight", 100},
-                                     {"cpuQuotaPercent", nullptr},
-                                     {"diskBytes", 1024 * mib},
-                                     {"openFiles", 1024}});
+        const json no_io = {{"ioReadBps", nullptr},
+                            {"ioWriteBps", nullptr},
+                            {"ioReadIops", nullptr},
+                            {"ioWriteIops", nullptr},
+                            {"ioWeight", nullptr}};
+        json expected = {{"memoryBytes", 1024 * mib},  {"pids", 512},
+                         {"cpuWeight", 100},           {"cpuQuotaPercent", nullptr},
+                         {"diskBytes", 1024 * mib},    {"openFiles", 512},
+                         {"openFilesTotal", 512 * 512}};  // less than 1 GiB / 512
+        expected.update(no_io);
+        CHECK(handle->limits == expected);
 
         // The workspace: the mount point of the lease's own ext4 disk, in the lease's own
         // directory, owned by the lease's host uid.
@@ -1283,12 +1382,12 @@ TEST_CASE("create validates the lease config", "[provider]") {
         LeaseGuard other_guard(*provider, other);
         CHECK(other->scope.provider_lease_id != id);
         CHECK(lease_uid(*other) != uid);
-        CHECK(other->limits == json{{"memoryBytes", 64 * mib},
-                                    {"pids", 64},
-                                    {"cpuWeight", 100},
-                                    {"cpuQuotaPercent", 50},
-                                    {"diskBytes", 64 * mib},
-                                    {"openFiles", 1024}});
+        expected = {{"memoryBytes", 64 * mib},   {"pids", 64},
+                    {"cpuWeight", 100},          {"cpuQuotaPercent", 50},
+                    {"diskBytes", 64 * mib},     {"openFiles", 512},
+                    {"openFilesTotal", 64 * 512}};  // less than 64 MiB / 512
+        expected.update(no_io);
+        CHECK(other->limits == expected);
         REQUIRE(::statvfs(other->workspace.c_str(), &vfs) == 0);
         CHECK(std::uint64_t{vfs.f_blocks} * vfs.f_frsize <= 64 * mib);
 
@@ -1925,7 +2024,9 @@ TEST_CASE("a missing bubblewrap or init is a provider error", "[provider]") {
             CHECK(sandbox_entries(sandboxes).empty());
             CHECK(sandbox_entries(leases_dir).empty());
             CHECK(mounts_under(sandboxes).empty());
-            CHECK(mounts_under(leases_dir).empty());
+            // None but the provider's own tmpfs of the generated /etc.
+            CHECK(mounts_under(leases_dir) ==
+                  std::vector<std::string>{(leases_dir / ".etc").string() + " tmpfs"});
             CHECK(subdirectories(instance_cgroup).empty());
         }
         remove_lease_root(leases_dir, dir);

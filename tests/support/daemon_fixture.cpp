@@ -94,7 +94,10 @@ DaemonProcess::~DaemonProcess() {
     const auto runtime = fs::read_symlink(state_dir_ / "sandboxes" / ".runtime", ec);
     if (ec || runtime.empty()) return;
     for (const auto& entry : fs::directory_iterator(runtime, ec)) {
-        if (entry.path().filename().string().rfind("bw-", 0) != 0) continue;
+        const auto name = entry.path().filename().string();
+        // The tmpfs mounts of the generated /etc and the init's copy, too.
+        if (name == ".etc" || name == ".init") ::umount2(entry.path().c_str(), MNT_DETACH);
+        if (name.rfind("bw-", 0) != 0) continue;
         ::umount2((entry.path() / "workspace").c_str(), MNT_DETACH);
     }
     fs::remove_all(runtime, ec);

@@ -77,6 +77,14 @@ struct LeaseLimits {
     std::optional<std::uint32_t> cpu_quota_percent;  ///< of one core, 1..100000; absent: none
     std::optional<std::uint64_t> disk_bytes;         ///< workspace bytes, 8 MiB..1 TiB
     std::optional<std::uint32_t> open_files;         ///< RLIMIT_NOFILE per process, 16..1048576
+    /// Disk I/O on the lease's own workspace device (v1 blkio.throttle.*_device, v2 io.max);
+    /// absent: none. Bytes per second 65536..2^40; operations per second 16..10000000.
+    std::optional<std::uint64_t> io_read_bps;
+    std::optional<std::uint64_t> io_write_bps;
+    std::optional<std::uint32_t> io_read_iops;
+    std::optional<std::uint32_t> io_write_iops;
+    /// v2 io.weight "default N", 1..10000 (100: an equal share); cgroup v2 only.
+    std::optional<std::uint32_t> io_weight;
 };
 
 struct BwrapLimitsConfig {
@@ -84,8 +92,17 @@ struct BwrapLimitsConfig {
     /// can enforce the limits. false (only when set explicitly): no memory, pids, CPU or disk
     /// limit is enforced; /readyz and the log say so.
     bool enforce = true;
-    LeaseLimits defaults{1ULL << 30, 1024, 100, std::nullopt, 1ULL << 30, 1024};
-    LeaseLimits max{16ULL << 30, 32768, 10000, std::nullopt, 64ULL << 30, 65536};
+    /// 32 leases of these defaults fit the budgets (below) of a host with pid_max 32,768 and
+    /// fs.file-max 2.4 M: each lease's open-file cap is min(512 x 512, 1 GiB / 512) = 262,144.
+    LeaseLimits defaults{1ULL << 30,   512,          100,          std::nullopt, 1ULL << 30,  512,
+                         std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt};
+    LeaseLimits max{16ULL << 30,  4096,         10000,        std::nullopt, 64ULL << 30, 65536,
+                    std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt};
+    /// The node's budgets (pids: kernel.pid_max, open files: fs.file-max, each less an eighth
+    /// kept for the host) times this, 1..1000, bound the sum of its leases' caps (pids, and
+    /// each lease's open-file cap: min(openFiles x pids, memoryBytes / 512)); an acquire
+    /// beyond it is refused (CHANNEL_LIMIT, docs/protocol.md).
+    std::uint32_t overcommit = 4;
 };
 
 struct BwrapIdentityConfig {

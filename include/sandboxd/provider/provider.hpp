@@ -353,6 +353,9 @@ struct BwrapOptions {
     std::vector<std::string> etc_files = BwrapConfig{}.etc_files;
     std::filesystem::path etc_source = "/etc";        ///< where etc_files are copied from
     std::filesystem::path cgroup_root = "/sys/fs/cgroup";
+    /// Where kernel/pid_max and fs/file-max are read at start, for the node's budgets (with
+    /// limits.enforce); tests point it at a directory of their own.
+    std::filesystem::path proc_sys = "/proc/sys";
     /// Threads of the provider's own pool for create() and destroy() (1..64): at most this
     /// many run at once, the rest wait their turn without holding a thread of the node.
     std::size_t blocking_threads = 4;
