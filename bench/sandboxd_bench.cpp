@@ -967,7 +967,10 @@ json cmd_hold(const Args& a) {
     std::vector<json> leases;
     const std::size_t per_lease = (total + nleases - 1) / nleases;
     for (std::size_t i = 0; i < nleases; ++i) {
-        leases.push_back(acquire(control, "bench", "hold-" + std::to_string(i), {{"pids", 2 * per_lease + 64}}));
+        // Few files per process (each held channel is `sleep`): the node's open-file budget
+        // counts openFiles x pids per lease (issue 44, item 5), and 40 leases must fit it.
+        leases.push_back(acquire(control, "bench", "hold-" + std::to_string(i),
+                                 {{"pids", 2 * per_lease + 64}, {"openFiles", 64}}));
     }
     const json& lease = leases.front();
     open_true_once(control, lease);  // warm the daemon's paths once
