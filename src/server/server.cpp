@@ -405,9 +405,10 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
     node.set_security(std::make_shared<const Security>(build_security(c, impl_->token_path)));
     for (const auto& t : c.tokens) {
         if (t.role == "peer" && t.node_id.empty() && c.peer_tls.empty()) {
-            spdlog::warn("auth.tokens: peer token \"{}\" is bound to no node: a link with it may say it "
-                         "comes from any node (it acts only within its own tenants); binding it "
-                         "with nodeId, or routing.peerTls certificates that name the node, is safer",
+            spdlog::warn("auth.tokens: peer token \"{}\" names no node: a link with it may say it "
+                         "comes from any node (it acts only within its own tenants); binding it to "
+                         "its node with nodeId, or routing.peerTls certificates that name the node, "
+                         "is safer",
                          t.name);
         }
     }
@@ -839,7 +840,9 @@ void Daemon::Impl::set_connection_caps() {
     rlimit lim{};
     std::uint64_t nofile = 1024;
     if (::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) nofile = lim.rlim_cur;
-    const std::uint64_t reserve = std::max<std::uint64_t>(256, nofile / 10);
+    // The greater of 256 and a tenth, but never more than half: a node run with a tiny limit
+    // (a test of descriptor exhaustion) still takes connections.
+    const std::uint64_t reserve = std::min<std::uint64_t>(std::max<std::uint64_t>(256, nofile / 10), nofile / 2);
     const std::uint64_t room = nofile > reserve ? nofile - reserve : 0;
     connection_cap = static_cast<std::uint32_t>(std::min<std::uint64_t>(l.connections, room));
     pending_cap = static_cast<std::uint32_t>(std::min<std::uint64_t>(l.pending_connections, connection_cap));

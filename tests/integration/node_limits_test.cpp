@@ -41,7 +41,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-const std::string host_token = "host-secret";
+const std::string& host_token = test_host_token;
 
 std::uint64_t env_count(const char* name, std::uint64_t fallback) {
     const char* v = std::getenv(name);
@@ -209,7 +209,7 @@ TEST_CASE("A host that stops reading cannot grow the daemon: its output waits in
     CHECK(d.peak_rss_kib() <= bound_kib);
 }
 
-TEST_CASE("A connection whose socket takes nothing is closed after sendStallTimeoutMs; one that "
+TEST_CASE("A connection whose socket takes nothing is closed after sendStallTimeoutMs, and one that "
           "only gives no credit is not",
           "[limits]") {
     json config = {{"auth", tokens()},

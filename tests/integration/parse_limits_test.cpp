@@ -74,6 +74,39 @@ json acquire_noop(Client& c) {
 
 const char* const noop_config = R"({"providers": {"noop": {"enabled": true}}})";
 
+/// Acquires two noop leases on `daemon` (the one to poison, the one to keep), then stops it.
+std::pair<std::string, std::string> two_leases_then_stop(DaemonProcess& daemon) {
+    std::pair<std::string, std::string> ids;
+    {
+        auto c = daemon.connect();
+        ids.first = acquire_noop(*c)["id"];
+        ids.second = acquire_noop(*c)["id"];
+    }
+    daemon.stop();
+    return ids;
+}
+
+/// On a node restarted over a registry whose record of `bad_id` cannot be read: that lease
+/// fails closed with REGISTRY_UNAVAILABLE naming it, the other is listed and served, and the
+/// bad record was counted once (not per read).
+void check_poisoned_lease(DaemonProcess& daemon, const std::string& bad_id, const std::string& good_id) {
+    auto c = daemon.connect();
+    try {
+        c->call("leaseGet", {{"leaseId", bad_id}});
+        FAIL("leaseGet of the poisoned lease succeeded");
+    } catch (const rpc_error& e) {
+        CHECK(e.code() == errc::registry_unavailable);
+        CHECK(e.data()["leaseId"] == bad_id);
+        CHECK_THAT(e.what(), Catch::Matchers::Contains("cannot be read"));
+    }
+    CHECK(c->call("leaseGet", {{"leaseId", good_id}})["id"] == good_id);
+    auto listed = c->call("leaseList", json::object())["leases"];
+    REQUIRE(listed.size() == 1);
+    CHECK(listed[0]["id"] == good_id);
+    CHECK(c->call("leaseRelease", {{"leaseId", good_id}})["status"] == "released");
+    CHECK(daemon.metric("sandboxd_registry_bad_records_total") == 1);
+}
+
 }  // namespace
 
 TEST_CASE(
@@ -114,14 +147,7 @@ TEST_CASE(
     "others",
     "[daemon][registry][json]") {
     DaemonProcess daemon("node-a", noop_config);
-    std::string bad_id;
-    std::string good_id;
-    {
-        auto c = daemon.connect();
-        bad_id = acquire_noop(*c)["id"];
-        good_id = acquire_noop(*c)["id"];
-    }
-    daemon.stop();
+    const auto [bad_id, good_id] = two_leases_then_stop(daemon);
     SECTION("metadata nested 200,000 levels") {
         sqlite3* db = nullptr;
         REQUIRE(sqlite3_open((daemon.state_dir() / "registry.db").c_str(), &db) == SQLITE_OK);
@@ -137,21 +163,7 @@ TEST_CASE(
         sqlite3_close(db);
     }
     daemon.restart();
-    auto c = daemon.connect();
-    try {
-        c->call("leaseGet", {{"leaseId", bad_id}});
-        FAIL("leaseGet of the poisoned lease succeeded");
-    } catch (const rpc_error& e) {
-        CHECK(e.code() == errc::registry_unavailable);
-        CHECK(e.data()["leaseId"] == bad_id);
-        CHECK_THAT(e.what(), Catch::Matchers::Contains("cannot be read"));
-    }
-    CHECK(c->call("leaseGet", {{"leaseId", good_id}})["id"] == good_id);
-    auto listed = c->call("leaseList", json::object())["leases"];
-    REQUIRE(listed.size() == 1);
-    CHECK(listed[0]["id"] == good_id);
-    CHECK(c->call("leaseRelease", {{"leaseId", good_id}})["status"] == "released");
-    CHECK(daemon.metric("sandboxd_registry_bad_records_total") == 1);  // once, not per read
+    check_poisoned_lease(daemon, bad_id, good_id);
 }
 
 TEST_CASE(
@@ -164,14 +176,7 @@ TEST_CASE(
         {"providers", {{"noop", {{"enabled", true}}}}},
         {"registry", {{"kind", "etcd"}, {"endpoints", {etcd.endpoint()}}, {"prefix", prefix}}}};
     DaemonProcess daemon("node-a", config.dump());
-    std::string bad_id;
-    std::string good_id;
-    {
-        auto c = daemon.connect();
-        bad_id = acquire_noop(*c)["id"];
-        good_id = acquire_noop(*c)["id"];
-    }
-    daemon.stop();
+    const auto [bad_id, good_id] = two_leases_then_stop(daemon);
     std::string value;
     SECTION("a record nested 500,000 levels") { value = deep(500'000); }
     SECTION("a record of the wrong types") { value = R"({"id": 5, "status": []})"; }
@@ -184,19 +189,5 @@ TEST_CASE(
                          {"value", base64_encode(value)}}));
     }
     daemon.restart();
-    auto c = daemon.connect();
-    try {
-        c->call("leaseGet", {{"leaseId", bad_id}});
-        FAIL("leaseGet of the poisoned lease succeeded");
-    } catch (const rpc_error& e) {
-        CHECK(e.code() == errc::registry_unavailable);
-        CHECK(e.data()["leaseId"] == bad_id);
-        CHECK_THAT(e.what(), Catch::Matchers::Contains("cannot be read"));
-    }
-    CHECK(c->call("leaseGet", {{"leaseId", good_id}})["id"] == good_id);
-    auto listed = c->call("leaseList", json::object())["leases"];
-    REQUIRE(listed.size() == 1);
-    CHECK(listed[0]["id"] == good_id);
-    CHECK(c->call("leaseRelease", {{"leaseId", good_id}})["status"] == "released");
-    CHECK(daemon.metric("sandboxd_registry_bad_records_total") == 1);
+    check_poisoned_lease(daemon, bad_id, good_id);
 }

@@ -8,6 +8,7 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
+#include <cctype>
 #include <csignal>
 #include <sys/mount.h>
 #include <sys/prctl.h>
@@ -217,8 +218,15 @@ std::optional<int> DaemonProcess::wait_exit(std::chrono::milliseconds timeout) {
 
 std::string DaemonProcess::bound_address() const {
     const std::string text = log();
+    // "node=<id> bound HOST:PORT": the first " bound " followed by an address (a warning may
+    // say "bound" before it).
     const std::string marker = " bound ";
-    const auto at = text.find(marker);
+    auto at = text.find(marker);
+    while (at != std::string::npos && at + marker.size() < text.size() &&
+           !std::isdigit(static_cast<unsigned char>(text[at + marker.size()])) &&
+           text[at + marker.size()] != '[' && text.compare(at + marker.size(), 9, "localhost") != 0) {
+        at = text.find(marker, at + 1);
+    }
     if (at == std::string::npos) return {};
     const auto start = at + marker.size();
     const auto end = text.find_first_of("; \n", start);

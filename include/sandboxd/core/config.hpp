@@ -181,14 +181,15 @@ struct LimitsConfig {
     /// its fair share (sendQueueBytes divided by the connections that have bytes queued) while
     /// the node's is spent, is no longer fed: its channels' pipes and PTYs are not read and
     /// its leaseExecute output waits in its pipes until the socket takes bytes again.
-    std::uint64_t send_queue_bytes = 256ULL << 20;
-    std::uint64_t send_queue_bytes_per_connection = 16ULL << 20;
+    std::uint64_t send_queue_bytes = 64ULL << 20;
+    std::uint64_t send_queue_bytes_per_connection = 8ULL << 20;
     /// A connection with bytes queued whose socket has taken none for this long is closed,
     /// ms, 1000..86400000. (A host that only gives no credit is never closed for it.)
     std::uint32_t send_stall_timeout_ms = 60000;
     /// Open connections on all listeners, 1..1048576, and those not yet authenticated (no
     /// WebSocket session yet), 1..1048576; both also at most RLIMIT_NOFILE less the node's
-    /// descriptor reserve (the greater of 256 and a tenth of RLIMIT_NOFILE). Over a cap a new
+    /// descriptor reserve (the greater of 256 and a tenth of RLIMIT_NOFILE, at most half of
+    /// it). Over a cap a new
     /// connection is refused at once.
     std::uint32_t connections = 4096;
     std::uint32_t pending_connections = 512;
