@@ -218,7 +218,10 @@ TEMPLATE_TEST_CASE("operations: /metrics of two nodes names every family and pas
     INFO("owner's /metrics:\n" << m1);
     INFO("router's /metrics:\n" << m2);
     for (const auto* family :
-         {"sandboxd_build_info", "sandboxd_connections", "sandboxd_channel_opens_total",
+         {"sandboxd_build_info", "sandboxd_connections", "sandboxd_connections_open",
+          "sandboxd_connections_pending", "sandboxd_connections_refused_total",
+          "sandboxd_send_queue_bytes", "sandboxd_registry_bad_records_total",
+          "sandboxd_channel_opens_total",
           "sandboxd_channel_open_seconds", "sandboxd_channels_running",
           "sandboxd_channel_bytes_total", "sandboxd_leases", "sandboxd_lease_operations_total",
           "sandboxd_registry_call_seconds", "sandboxd_registry_errors_total",
