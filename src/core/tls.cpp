@@ -228,8 +228,10 @@ std::vector<std::string> peer_certificate_dns_names(SSL* ssl) {
     if (!names) return out;
     for (int i = 0; i < sk_GENERAL_NAME_num(names); ++i) {
         const GENERAL_NAME* name = sk_GENERAL_NAME_value(names, i);
-        if (name->type != GEN_DNS) continue;
-        const ASN1_IA5STRING* dns = name->d.dNSName;
+        int type = 0;
+        const void* value = GENERAL_NAME_get0_value(name, &type);
+        if (type != GEN_DNS || value == nullptr) continue;
+        const auto* dns = static_cast<const ASN1_IA5STRING*>(value);
         std::string s(reinterpret_cast<const char*>(ASN1_STRING_get0_data(dns)),
                       static_cast<std::size_t>(ASN1_STRING_length(dns)));
         if (s.find('\0') == std::string::npos) out.push_back(std::move(s));

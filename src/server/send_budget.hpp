@@ -26,8 +26,11 @@ public:
     /// `node_bytes` and `connection_bytes`: the two budgets, bytes (> 0).
     SendBudget(std::uint64_t node_bytes, std::uint64_t connection_bytes) noexcept
         : node_bytes_(node_bytes), connection_bytes_(connection_bytes) {}
+    ~SendBudget() = default;
     SendBudget(const SendBudget&) = delete;
     SendBudget& operator=(const SendBudget&) = delete;
+    SendBudget(SendBudget&&) = delete;
+    SendBudget& operator=(SendBudget&&) = delete;
 
     /// Bytes queued on the whole node now.
     [[nodiscard]] std::uint64_t queued() const noexcept { return total_.load(std::memory_order_relaxed); }
@@ -43,6 +46,8 @@ public:
         ~Account();
         Account(const Account&) = delete;
         Account& operator=(const Account&) = delete;
+        Account(Account&&) = delete;
+        Account& operator=(Account&&) = delete;
 
         /// `bytes` were queued / were written (or dropped). Never blocks; sub() may run the
         /// wakes of other connections waiting for the node's budget (when_node_has_room).
