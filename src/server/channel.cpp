@@ -284,22 +284,13 @@ void Channel::pump_ended(output_stream stream) {
     maybe_finish();
 }
 
-void Channel::resume_credit_waiters() {
+void Channel::resume_parked(bool OutputPump::*parked) {
     // On the next turn, as a woken coroutine would: never inside the caller (a frame handler
     // of the session), which an exit sent from here would reach again.
     for (auto stream : {output_stream::out, output_stream::err}) {
         auto& p = pump(stream);
-        if (!p.waiting_credit) continue;
-        p.waiting_credit = false;
-        net::post(strand_, [self = shared_from_this(), stream] { self->pump_next(stream); });
-    }
-}
-
-void Channel::resume_room_waiters() {
-    for (auto stream : {output_stream::out, output_stream::err}) {
-        auto& p = pump(stream);
-        if (!p.waiting_room) continue;
-        p.waiting_room = false;
+        if (!(p.*parked)) continue;
+        p.*parked = false;
         net::post(strand_, [self = shared_from_this(), stream] { self->pump_next(stream); });
     }
 }

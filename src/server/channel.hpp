@@ -194,11 +194,14 @@ private:
     /// whole frame's worth of new bytes is there, until a queued frame's end resumes it.
     void pump_splice(ChannelSink& sink, output_stream stream, int pipe_fd, std::size_t size);
     void pump_ended(output_stream stream);
-    /// Resumes the pumps parked for credit, on the next turn of the strand.
-    void resume_credit_waiters();
+    /// Resumes the pumps parked on `parked` (waiting_credit, waiting_room), on the next turn
+    /// of the strand.
+    void resume_parked(bool OutputPump::*parked);
+    /// Resumes the pumps parked for credit.
+    void resume_credit_waiters() { resume_parked(&OutputPump::waiting_credit); }
     /// Resumes the pumps parked for send room (the connection took bytes, or is closing, or
-    /// the channel was hung up), on the next turn of the strand.
-    void resume_room_waiters();
+    /// the channel was hung up).
+    void resume_room_waiters() { resume_parked(&OutputPump::waiting_room); }
     /// Sends the exit once every process of the command is gone (ended() or gone()) and every
     /// output pump has ended.
     void maybe_finish();
