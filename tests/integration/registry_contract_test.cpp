@@ -5,7 +5,7 @@
 // daemon itself on etcd.
 #include "support/daemon_fixture.hpp"
 #include "support/etcd_fixture.hpp"
-#include "support/registry_list_cases.hpp"
+#include "support/registry_cases.hpp"
 #include "support/tcp_relay.hpp"
 
 #include "registry/etcd_client.hpp"
@@ -222,24 +222,7 @@ TEMPLATE_TEST_CASE("Contract: the same idempotency key in another scope makes a 
                    "[registry][contract]", SqliteBackend, EtcdBackend) {
     TestType backend;
     auto registry = backend.open();
-
-    Lease a = make_lease("lease-a", "co-1", "env-1");
-    Lease b = make_lease("lease-b", "co-2", "env-1");
-    Lease c = make_lease("lease-c", "co-1", "env-2");
-    for (auto* l : {&a, &b, &c}) l->idempotency_key = "shared-key";
-
-    CHECK(registry->create_lease(a).id == "lease-a");
-    CHECK(registry->create_lease(b).id == "lease-b");
-    CHECK(registry->create_lease(c).id == "lease-c");
-
-    // Leases without a key never clash with each other.
-    CHECK(registry->create_lease(make_lease("lease-d")).id == "lease-d");
-    CHECK(registry->create_lease(make_lease("lease-e")).id == "lease-e");
-
-    CHECK(ids_of(*registry, {}) ==
-          std::vector<std::string>{"lease-a", "lease-b", "lease-c", "lease-d", "lease-e"});
-    CHECK(registry->find_by_idempotency_key("co-2", "env-1", "shared-key")->id == "lease-b");
-    CHECK(registry->find_by_idempotency_key("co-1", "env-2", "shared-key")->id == "lease-c");
+    test::check_idempotency_key_scopes(*registry);
 }
 
 TEMPLATE_TEST_CASE("Contract: ids and keys with slashes and percent signs stay apart",

@@ -1,4 +1,4 @@
-#include "support/registry_list_cases.hpp"
+#include "support/registry_cases.hpp"
 #include "support/temp_dir.hpp"
 #include "support/sync_registry.hpp"
 
@@ -176,24 +176,7 @@ TEST_CASE("An idempotency key returns the existing lease and writes nothing new"
 TEST_CASE("The same idempotency key in another scope makes a new lease", "[registry]") {
     TempDir dir;
     auto registry = sync_sqlite(dir.file("registry.db"));
-
-    Lease a = make_lease("lease-a", "co-1", "env-1");
-    Lease b = make_lease("lease-b", "co-2", "env-1");
-    Lease c = make_lease("lease-c", "co-1", "env-2");
-    for (auto* l : {&a, &b, &c}) l->idempotency_key = "shared-key";
-
-    CHECK(registry->create_lease(a).id == "lease-a");
-    CHECK(registry->create_lease(b).id == "lease-b");
-    CHECK(registry->create_lease(c).id == "lease-c");
-
-    // Leases without a key never clash with each other.
-    CHECK(registry->create_lease(make_lease("lease-d")).id == "lease-d");
-    CHECK(registry->create_lease(make_lease("lease-e")).id == "lease-e");
-
-    CHECK(ids_of(*registry, {}) ==
-          std::vector<std::string>{"lease-a", "lease-b", "lease-c", "lease-d", "lease-e"});
-    CHECK(registry->find_by_idempotency_key("co-2", "env-1", "shared-key")->id == "lease-b");
-    CHECK(registry->find_by_idempotency_key("co-1", "env-2", "shared-key")->id == "lease-c");
+    check_idempotency_key_scopes(*registry);
 }
 
 TEST_CASE("update_lease stores every mutable field when the epoch matches", "[registry]") {

@@ -1,7 +1,7 @@
 #pragma once
-// The list_leases contract that the SQLite registry's unit tests (tests/unit/registry_test.cpp)
-// and the contract suite over every backend (tests/integration/registry_contract_test.cpp) both
-// check, written once: each function is the body of a test case, run on an empty registry, and
+// The registry cases (idempotency key scopes, list_leases) that the SQLite registry's unit tests
+// (tests/unit/registry_test.cpp) and the contract suite over every backend
+// (tests/integration/registry_contract_test.cpp) both check, written once: each function is the body of a test case, run on an empty registry, and
 // reports through Catch (CHECK/REQUIRE, SECTIONs). Plus the helpers those bodies use.
 #include "support/sync_registry.hpp"
 
@@ -59,6 +59,28 @@ inline std::vector<std::string> ids_of(const std::vector<Lease>& leases) {
 inline std::vector<std::string> ids_of(SyncRegistry& registry, LeaseQuery query) {
     query.limit = 1000;
     return ids_of(registry.list_leases(query).leases);
+}
+
+/// One idempotency key in three (company, environment) scopes makes three leases; leases without
+/// a key never clash; find_by_idempotency_key finds each in its scope.
+inline void check_idempotency_key_scopes(SyncRegistry& registry) {
+    Lease a = make_lease("lease-a", "co-1", "env-1");
+    Lease b = make_lease("lease-b", "co-2", "env-1");
+    Lease c = make_lease("lease-c", "co-1", "env-2");
+    for (auto* l : {&a, &b, &c}) l->idempotency_key = "shared-key";
+
+    CHECK(registry.create_lease(a).id == "lease-a");
+    CHECK(registry.create_lease(b).id == "lease-b");
+    CHECK(registry.create_lease(c).id == "lease-c");
+
+    // Leases without a key never clash with each other.
+    CHECK(registry.create_lease(make_lease("lease-d")).id == "lease-d");
+    CHECK(registry.create_lease(make_lease("lease-e")).id == "lease-e");
+
+    CHECK(ids_of(registry, {}) ==
+          std::vector<std::string>{"lease-a", "lease-b", "lease-c", "lease-d", "lease-e"});
+    CHECK(registry.find_by_idempotency_key("co-2", "env-1", "shared-key")->id == "lease-b");
+    CHECK(registry.find_by_idempotency_key("co-1", "env-2", "shared-key")->id == "lease-c");
 }
 
 /// list_leases over four leases in two companies, environments, statuses and owners: each
