@@ -1,11 +1,12 @@
-// ../shared/CASES.md, the cases that apply to one node: one TEST_CASE per case, tagged
-// [cases][Bnn]. Each drives the real daemon (127.0.0.1:0, real bubblewrap) and asserts exact
-// bytes, exit codes, outcomes and error reasons.
+// The project's acceptance cases (B01, B02, ...: a case list kept outside this repository) that
+// apply to one node: one TEST_CASE per case, tagged [cases][Bnn]. Each drives the real daemon
+// (127.0.0.1:0, real bubblewrap) and asserts exact bytes, exit codes, outcomes and error reasons.
 //
 // Repetition counts are reduced by default to keep CI fast; SANDBOXD_FULL_CASES=1 runs the
-// counts of CASES.md. Waits are bounded: on bytes or events from the daemon, or (for outside
-// processes and /proc) by polling with `eventually`. A sleep appears only where a case
-// prescribes client behaviour (a reader that pauses or reads slowly, a header sent in pieces).
+// counts that the cases prescribe. Waits are bounded: on bytes or events from the daemon, or
+// (for outside processes and /proc) by polling with `eventually`. A sleep appears only where a
+// case prescribes client behaviour (a reader that pauses or reads slowly, a header sent in
+// pieces).
 //
 // Process checks run on the host with unique markers (e.g. `sleep 6091`): the command runs in
 // its own PID namespace, so `ps` in a new channel would only see that channel, and other test
@@ -47,7 +48,7 @@ bool full_cases() {
     return v != nullptr && std::string(v) == "1";
 }
 
-/// `reduced` by default, `full` (the count of CASES.md) with SANDBOXD_FULL_CASES=1.
+/// `reduced` by default, `full` (the count the case prescribes) with SANDBOXD_FULL_CASES=1.
 int reps(int reduced, int full) { return full_cases() ? full : reduced; }
 
 long long ms_since(steady::time_point t) {

@@ -1,7 +1,7 @@
 // Nodes on an etcd registry under faults (issue 5): the lease change feed, etcd stopped under
 // a running daemon, and a node frozen (SIGSTOP) past its TTL that must fence itself, lose its
 // leases to the sweepers of the other nodes, end its stale channels and never serve them again.
-// Real daemons on loopback, real bubblewrap sandboxes, a real etcd (tests/support/etcd_fixture).
+// Real daemons on loopback, real bubblewrap sandboxes, a real etcd (tests/support/etcd_fixture.hpp).
 #include "support/daemon_fixture.hpp"
 #include "support/etcd_fixture.hpp"
 

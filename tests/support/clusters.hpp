@@ -19,8 +19,8 @@ struct SqliteCluster {
     }
 };
 
-/// A prefix of its own on the shared etcd server (SANDBOXD_ETCD_ENDPOINT, or one the test
-/// process starts).
+/// A prefix of its own on the shared etcd server (EtcdServer::shared(): SANDBOXD_ETCD_ENDPOINT,
+/// ctest's etcd fixture, or one the test process starts).
 struct EtcdCluster {
     static constexpr const char* kind = "etcd";
     static constexpr int id = 1;

@@ -289,13 +289,38 @@ EtcdServer::~EtcdServer() {
     fs::remove_all(dir_, ec);
 }
 
+namespace {
+
+/// The endpoint= line of the file that SANDBOXD_ETCD_ENDPOINT_FILE names (written by the
+/// ctest fixture's setup, tests/support/ctest_etcd), or "" when the variable is unset or the
+/// file or the line is missing.
+std::string endpoint_from_file() {
+    const char* path = std::getenv("SANDBOXD_ETCD_ENDPOINT_FILE");
+    if (path == nullptr || *path == '\0') return {};
+    std::ifstream in(path);
+    std::string line;
+    const std::string key = "endpoint=";
+    while (std::getline(in, line)) {
+        if (line.rfind(key, 0) == 0) return line.substr(key.size());
+    }
+    return {};
+}
+
+}  // namespace
+
 EtcdServer& EtcdServer::shared() {
     static std::unique_ptr<EtcdServer> server = [] {
-        const char* ext = std::getenv("SANDBOXD_ETCD_ENDPOINT");
-        if (ext && *ext) {
+        std::string source = "SANDBOXD_ETCD_ENDPOINT";
+        const char* env = std::getenv("SANDBOXD_ETCD_ENDPOINT");
+        std::string ext = env != nullptr ? env : "";
+        if (ext.empty()) {
+            source = "the endpoint in SANDBOXD_ETCD_ENDPOINT_FILE";
+            ext = endpoint_from_file();
+        }
+        if (!ext.empty()) {
             auto s = std::unique_ptr<EtcdServer>(new EtcdServer(External{}, ext));
             if (!etcd_healthy(s->endpoint(), std::chrono::seconds(5))) {
-                throw std::runtime_error("SANDBOXD_ETCD_ENDPOINT " + s->endpoint() +
+                throw std::runtime_error(source + " " + s->endpoint() +
                                          " does not answer GET /health");
             }
             return s;
@@ -316,7 +341,8 @@ std::string EtcdServer::unique_prefix() {
 void EtcdServer::require_private(const char* what) const {
     if (external_) {
         throw std::logic_error(std::string("EtcdServer::") + what +
-                               ": not allowed on the SANDBOXD_ETCD_ENDPOINT server");
+                               ": not allowed on an external server (SANDBOXD_ETCD_ENDPOINT, "
+                               "ctest's fixture)");
     }
 }
 

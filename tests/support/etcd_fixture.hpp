@@ -1,7 +1,8 @@
 #pragma once
 // A real etcd server for the registry tests: a private `etcd` process on free loopback ports
-// with a temporary data directory, or the server named by SANDBOXD_ETCD_ENDPOINT (CI may
-// start one). Not thread-safe; the shared() instance lives until the test process exits.
+// with a temporary data directory, or the server named by SANDBOXD_ETCD_ENDPOINT, or the one
+// that ctest's fixture started (SANDBOXD_ETCD_ENDPOINT_FILE, tests/support/ctest_etcd). Not
+// thread-safe; the shared() instance lives until the test process exits.
 #include <sys/types.h>
 
 #include <chrono>
@@ -37,16 +38,19 @@ public:
     EtcdServer(const EtcdServer&) = delete;
     EtcdServer& operator=(const EtcdServer&) = delete;
 
-    /// The server every contract test shares: SANDBOXD_ETCD_ENDPOINT when set (never stopped
-    /// by the tests), else one private etcd started on first use. Tests keep apart by
-    /// using unique_prefix().
+    /// The server every contract test shares: SANDBOXD_ETCD_ENDPOINT when set, else the
+    /// endpoint= line of the file SANDBOXD_ETCD_ENDPOINT_FILE names when there is one (ctest's
+    /// etcd fixture writes it; both are external: never stopped by the tests), else one private
+    /// etcd started on first use. Throws std::runtime_error when an external one does not answer
+    /// GET /health within 5 s. Tests keep apart by using unique_prefix().
     static EtcdServer& shared();
     /// A key prefix no other test (or test process) uses: "/sandboxd-test/<pid>-<n>-<ms>/".
     static std::string unique_prefix();
 
     /// "http://127.0.0.1:PORT" (https:// with EtcdTls).
     const std::string& endpoint() const { return endpoint_; }
-    /// True for the SANDBOXD_ETCD_ENDPOINT server, which stop()/start()/pause() refuse.
+    /// True for an external server (SANDBOXD_ETCD_ENDPOINT or the ctest fixture's), which
+    /// stop()/start()/pause() refuse.
     bool external() const { return external_; }
     /// True while the private process runs (it may be paused).
     bool running() const { return pid_ > 0; }

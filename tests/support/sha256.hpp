@@ -1,6 +1,7 @@
 #pragma once
 // SHA-256 (FIPS 180-4, OpenSSL's EVP_Digest) for the tests' byte-exact checks against the
-// digests in CASES.md. Pure function; thread-safe.
+// digests that the acceptance cases give (tests/integration/cases_test.cpp). Pure function;
+// thread-safe.
 #include <string>
 #include <string_view>
 

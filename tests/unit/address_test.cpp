@@ -1,4 +1,4 @@
-// Unit tests of sandboxd/address.hpp: HOST:PORT, ws:// URLs and etcd endpoints.
+// Unit tests of sandboxd/core/address.hpp: HOST:PORT, ws:// URLs and etcd endpoints.
 #include <sandboxd/core/address.hpp>
 
 #include <catch2/catch.hpp>

@@ -1,4 +1,4 @@
-// Unit tests of sandboxd/base64.hpp: RFC 4648 section 10 vectors and malformed input.
+// Unit tests of sandboxd/core/base64.hpp: RFC 4648 section 10 vectors and malformed input.
 #include <sandboxd/core/base64.hpp>
 
 #include <catch2/catch.hpp>

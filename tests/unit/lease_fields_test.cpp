@@ -1,4 +1,4 @@
-// Unit tests of sandboxd/lease_fields.hpp: the wire JSON and the SQLite schema generated from
+// Unit tests of sandboxd/core/lease_fields.hpp: the wire JSON and the SQLite schema generated from
 // the one Lease field table are the ones written by hand before it (byte for byte).
 #include <sandboxd/core/lease.hpp>
 #include <sandboxd/core/lease_fields.hpp>

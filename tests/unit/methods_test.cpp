@@ -1,5 +1,5 @@
 // Unit tests of the host methods' typed params (server/methods.hpp) and of the JSON-RPC
-// envelopes (sandboxd/jsonrpc.hpp): each parse names the failing field, exactly.
+// envelopes (sandboxd/core/jsonrpc.hpp): each parse names the failing field, exactly.
 #include "server/methods.hpp"
 
 #include <sandboxd/core/errors.hpp>
