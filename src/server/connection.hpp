@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 
 namespace sandboxd {
 
@@ -29,6 +30,7 @@ struct MethodReply {
 
 /// One request as a handler sees it.
 struct MethodCall {
+    std::string_view method;  ///< its name, as the method table spells it (static storage)
     nlohmann::json params;  ///< an object
     nlohmann::json id;      ///< the JSON-RPC id; null for a notification
     /// Whom it acts for: this connection's token, or on a peer link the host that the

@@ -1,6 +1,7 @@
 #include "server/lease_service.hpp"
 
 #include "server/channel.hpp"
+#include "server/lease_ops.hpp"
 #include "server/params.hpp"
 
 #include <sandboxd/core/errors.hpp>
@@ -40,10 +41,6 @@ void not_ready_to_say(const Provider& provider) {
                     "provider \"" + provider.key() + "\" is not ready: its worker is down or starting");
 }
 
-Provider* provider_of(Node& node, const std::string& key) {
-    auto it = node.providers.find(key);
-    return it == node.providers.end() ? nullptr : it->second.get();
-}
 
 /// The lease as the registry holds it now (after a write that lost to another writer).
 awaitable<Lease> current_record(Node& node, const std::string& id) {
@@ -52,8 +49,17 @@ awaitable<Lease> current_record(Node& node, const std::string& id) {
     co_return *current;
 }
 
-/// Tears the sandbox down and records the outcome: released, or pending_cleanup with the
-/// failure. Returns the stored lease.
+
+
+}  // namespace
+
+namespace lease_ops {
+
+Provider* provider_of(Node& node, const std::string& key) {
+    auto it = node.providers.find(key);
+    return it == node.providers.end() ? nullptr : it->second.get();
+}
+
 /// Appends a lease.* line to the audit trail (when one is configured).
 void audit_lease(Node& node, std::string_view event, const Lease& lease, std::string_view actor) {
     if (!node.audit) return;
@@ -66,6 +72,21 @@ void audit_lease(Node& node, std::string_view event, const Lease& lease, std::st
                               {"actor", actor}});
 }
 
+/// Every lease that `q` matches, all pages.
+awaitable<std::vector<Lease>> all_leases(Node& node, LeaseQuery q) {
+    std::vector<Lease> out;
+    q.limit = 1000;
+    for (;;) {
+        auto page = co_await node.registry->list_leases(q);
+        for (auto& l : page.leases) out.push_back(std::move(l));
+        if (page.next_cursor.empty()) break;
+        q.cursor = page.next_cursor;
+    }
+    co_return out;
+}
+
+/// Tears the sandbox down and records the outcome: released (or `final_status`), or
+/// pending_cleanup with the failure. Returns the stored lease.
 awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status,
                           std::string actor) {
     // One teardown of a lease at a time here (a release racing the sweeper's pass over a
@@ -127,7 +148,12 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status,
     co_return *stored;
 }
 
-}  // namespace
+}  // namespace lease_ops
+
+using lease_ops::all_leases;
+using lease_ops::audit_lease;
+using lease_ops::provider_of;
+using lease_ops::teardown;
 
 namespace {
 
@@ -135,18 +161,6 @@ bool is_reuse(const std::string& policy) {
     return policy == "reuse_by_environment" || policy == "reuse_by_execution_workspace";
 }
 
-/// Every lease that `q` matches, all pages.
-awaitable<std::vector<Lease>> all_leases(Node& node, LeaseQuery q) {
-    std::vector<Lease> out;
-    q.limit = 1000;
-    for (;;) {
-        auto page = co_await node.registry->list_leases(q);
-        for (auto& l : page.leases) out.push_back(std::move(l));
-        if (page.next_cursor.empty()) break;
-        q.cursor = page.next_cursor;
-    }
-    co_return out;
-}
 
 /// Every lease of (company, environment) with `status`.
 awaitable<std::vector<Lease>> leases_in(Node& node, std::string company_id,
@@ -637,25 +651,21 @@ awaitable<json> node_list(Node& node) {
     co_return json{{"nodes", std::move(out)}};
 }
 
-awaitable<Lease> resolve_lease(Node& node, const Principal& who, json lp) {
+awaitable<Lease> resolve_lease(Node& node, const Principal& who, json lease_param) {
+    co_return co_await resolve_lease(node, who, methods::parse_lease_ref(lease_param));
+}
+
+awaitable<Lease> resolve_lease(Node& node, const Principal& who, methods::LeaseRef ref) {
     // Step 2: the lease must name its plugin, provider and providerLeaseId, all strings,
-    // before anything else is looked at.
-    if (!lp.is_object()) params::invalid("lease", "must be an object");
-    const json* metadata = lp.contains("metadata") && lp["metadata"].is_object() ? &lp["metadata"] : nullptr;
-    auto is_str = [](const json* o, const char* k) {
-        return o && o->contains(k) && (*o)[k].is_string() && !(*o)[k].get<std::string>().empty();
-    };
-    if (!is_str(metadata, "pluginId") || !is_str(metadata, "provider") ||
-        !is_str(&lp, "providerLeaseId")) {
-        throw rpc_error(errc::lease_incomplete, std::string(lease_incomplete_message));
-    }
-    const std::string provider_key = (*metadata)["provider"].get<std::string>();
-    const std::string plugin_id = (*metadata)["pluginId"].get<std::string>();
-    const std::string provider_lease_id = lp["providerLeaseId"].get<std::string>();
-    const std::string company = params::req_string(lp, "companyId");
-    const std::string environment = params::req_string(lp, "environmentId");
-    auto lease_id = params::opt_string(lp, "id");
-    auto epoch = params::opt_uint(lp, "epoch", 0, INT64_MAX);
+    // before anything else is looked at (methods::parse_lease_ref kept what was wrong).
+    if (ref.problem) std::rethrow_exception(ref.problem);
+    const std::string& provider_key = ref.provider;
+    const std::string& plugin_id = ref.plugin_id;
+    const std::string& provider_lease_id = ref.provider_lease_id;
+    const std::string& company = ref.company_id;
+    const std::string& environment = ref.environment_id;
+    const auto& lease_id = ref.id;
+    const auto& epoch = ref.epoch;
 
     // Step 3: the registry's lease, in the caller's tenants, with the same scope.
     std::optional<Lease> lease;
@@ -827,330 +837,6 @@ awaitable<void> end_lease_channels(Node& node, const std::string& lease_id,
         auto woken = co_await (removed->async_receive(as_tuple_awaitable) ||
                                deadline.async_wait(as_tuple_awaitable));
         if (woken.index() == 1) break;  // the wait is over
-    }
-}
-
-namespace {
-
-/// The lease is this node's to serve: active, owned here, under the epoch it was claimed with.
-bool held_here(const Node& node, const Lease& lease) {
-    if (lease.status != lease_status::active || lease.owner_node_id != node.node_id) return false;
-    auto claimed = node.claim_of(lease.id);
-    return !claimed || *claimed == lease.epoch;
-}
-
-}  // namespace
-
-bool needs_reconcile(const Node& node, const Lease& lease) {
-    if (held_here(node, lease)) return false;
-    return node.cache.find(scope_of(lease)) != nullptr || !node.channels.of_lease(lease.id).empty();
-}
-
-awaitable<void> reconcile_lease(Node& node, Lease lease) {
-    if (!needs_reconcile(node, lease)) co_return;
-    spdlog::info("lease={} is {} on node {} (epoch {}): ending its channels here", lease.id,
-                 to_string(lease.status), lease.owner_node_id, lease.epoch);
-    co_await end_lease_channels(node, lease.id, std::chrono::milliseconds(3000));
-    if (lease.owner_node_id == node.node_id && lease.status == lease_status::pending_cleanup) {
-        co_return;  // the sweeper tears it down, counting attempts
-    }
-    // Released, expired, failed, or another node's now: nothing will ask this node to tear
-    // its sandbox down, so it does so itself, once.
-    const auto scope = scope_of(lease);
-    auto handle = node.cache.try_begin_teardown(scope);
-    if (!handle) co_return;
-    Provider* provider = provider_of(node, lease.provider);
-    try {
-        if (provider) {
-            co_await provider->destroy(handle);
-        }
-        spdlog::info("lease={} evicted from the cache of node {}", lease.id, node.node_id);
-    } catch (const std::exception& e) {
-        spdlog::warn("lease={} evicted; destroying its sandbox failed: {}", lease.id, e.what());
-    }
-    node.cache.erase(scope);
-    node.unclaim(lease.id);
-}
-
-awaitable<void> reconcile_cached(Node& node) {
-    for (const auto& handle : node.cache.snapshot()) {
-        auto lease = co_await node.registry->get_lease(handle->lease_id);
-        if (lease && lease->provider == handle->scope.provider &&
-            lease->provider_lease_id == handle->scope.provider_lease_id) {
-            co_await reconcile_lease(node, std::move(*lease));
-        }
-    }
-}
-
-awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why, std::string actor,
-                              std::optional<OwnerSeen> owner) {
-    if (lease.status != lease_status::active) co_return lease;
-    Lease next = lease;
-    next.status = lease_status::pending_cleanup;
-    next.epoch = lease.epoch + 1;
-    next.cleanup_status = why;
-    next.last_used_at_ms = now_ms();
-    std::optional<Lease> stored;
-    if (owner) {  // (no co_await inside ?: : GCC 12 miscompiles its temporaries)
-        stored = co_await node.registry->update_lease_if_owner_unchanged(next, lease.epoch,
-                                                                         std::move(owner->record));
-    } else {
-        stored = co_await node.registry->update_lease(next, lease.epoch);
-    }
-    if (stored) {
-        spdlog::info("lease={} pending_cleanup: {}", lease.id, why);
-        node.metrics.orphans_found.only().inc();
-        audit_lease(node, "lease.orphaned", *stored, actor);
-        co_return *stored;
-    }
-    auto current = co_await node.registry->get_lease(lease.id);
-    co_return current ? *current : next;
-}
-
-namespace {
-
-/// Every lease of `owner_node_id` with `status` (by the owner index).
-awaitable<std::vector<Lease>> leases_of(Node& node, std::string owner_node_id,
-                                        lease_status status) {
-    LeaseQuery q;
-    q.owner_node_id = std::move(owner_node_id);
-    q.status = status;
-    co_return co_await all_leases(node, std::move(q));
-}
-
-constexpr int max_cleanup_attempts = 5;
-
-/// A sandbox that a provider keeps on this node's disk.
-struct StoredSandbox {
-    std::string provider_key;
-    Provider* provider;
-    std::string provider_lease_id;
-};
-
-/// Every sandbox on this node's disk, of every provider (listed off this thread).
-awaitable<std::vector<StoredSandbox>> stored_sandboxes(Node& node) {
-    std::vector<StoredSandbox> stored;
-    for (const auto& [key, provider] : node.providers) {
-        auto ids = co_await provider->stored_sandboxes();
-        for (auto& id : ids) stored.push_back({key, provider.get(), std::move(id)});
-    }
-    co_return stored;
-}
-
-}  // namespace
-
-awaitable<std::size_t> destroy_unrecorded_sandboxes(Node& node) {
-    std::set<std::pair<std::string, std::string>> recorded;  // provider key, providerLeaseId
-    for (const auto status : {lease_status::active, lease_status::pending_cleanup,
-                              lease_status::retained, lease_status::failed}) {
-        for (const auto& lease : co_await leases_of(node, node.node_id, status)) {
-            recorded.emplace(lease.provider, lease.provider_lease_id);
-        }
-    }
-    std::size_t destroyed = 0;
-    const auto stored = co_await stored_sandboxes(node);
-    for (const auto& [key, provider, id] : stored) {
-        if (recorded.contains({key, id})) continue;
-        // The listings skip a lease whose record cannot be read: if one such lease names this
-        // sandbox, keep it (fail closed; its calls answer REGISTRY_UNAVAILABLE).
-        bool unreadable = false;
-        try {
-            (void)co_await node.registry->find_by_provider_lease(key, id);
-        } catch (const rpc_error& e) {
-            if (e.code() != errc::registry_unavailable || !e.data().contains("leaseId")) throw;
-            unreadable = true;
-        }
-        if (unreadable) {
-            spdlog::warn("sandbox {} of provider={}: its lease's record cannot be read; kept", id,
-                         key);
-            continue;
-        }
-        Lease orphan;
-        orphan.id = "(none)";
-        orphan.provider = key;
-        orphan.provider_lease_id = id;
-        orphan.owner_node_id = node.node_id;
-        auto handle = provider->handle_for_teardown(orphan);
-        if (!handle) continue;
-        try {
-            co_await provider->destroy(handle);
-            ++destroyed;
-            spdlog::warn("sandbox {} of provider={}: no lease records it (an earlier process "
-                         "was killed before storing its lease); destroyed",
-                         id, key);
-        } catch (const std::exception& e) {
-            spdlog::warn("sandbox {} of provider={}: no lease records it; destroying it "
-                         "failed (retried at the next start): {}",
-                         id, key, e.what());
-        }
-    }
-    co_return destroyed;
-}
-
-awaitable<std::size_t> destroy_leftover_sandboxes(Node& node) {
-    std::set<std::pair<std::string, std::string>> cached;  // provider key, providerLeaseId
-    for (const auto& handle : node.cache.snapshot()) {
-        cached.emplace(handle->scope.provider, handle->scope.provider_lease_id);
-    }
-    std::size_t destroyed = 0;
-    const auto stored = co_await stored_sandboxes(node);
-    for (const auto& [key, provider, id] : stored) {
-        if (cached.contains({key, id})) continue;
-        // Read after the listing: a sandbox being created now has no record yet (skipped),
-        // and a record that says released or expired never becomes active again.
-        auto lease = co_await node.registry->find_by_provider_lease(key, id);
-        // Whichever node recorded the end (a retained lease is released from its record,
-        // by any node): the sandbox on this disk is nobody's any more.
-        if (!lease ||
-            (lease->status != lease_status::released && lease->status != lease_status::expired)) {
-            continue;
-        }
-        if (node.cache.holds(scope_of(*lease))) continue;  // cached since the snapshot
-        auto handle = provider->handle_for_teardown(*lease);
-        if (!handle) continue;
-        const auto held = co_await provider->describe_stored(id);
-        spdlog::warn("lease={} is {} but its sandbox {} of provider={} is still on node {}: "
-                     "destroying it ({})",
-                     lease->id, to_string(lease->status), id, key, node.node_id, held);
-        try {
-            co_await provider->destroy(handle);
-            ++destroyed;
-            node.metrics.teardowns.with({"leftover"}).inc();
-        } catch (const std::exception& e) {
-            spdlog::warn("lease={}: destroying the leftover sandbox {} failed (retried at the "
-                         "next check): {}",
-                         lease->id, id, e.what());
-        }
-    }
-    co_return destroyed;
-}
-
-awaitable<void> expire_leases(Node& node);
-
-awaitable<void> sweep(Node& node) {
-    if (node.fenced_for_ms() != 0) co_return;  // no lease changes on stale membership
-    co_await reconcile_cached(node);
-    co_await expire_leases(node);
-    const auto now = now_ms();
-    auto nodes = co_await node.registry->list_nodes();
-    // The owner's record as read (an empty one: none), when it is dead by it.
-    auto dead = [&](const std::string& id) -> std::optional<OwnerSeen> {
-        for (const auto& n : nodes) {
-            if (n.node_id == id) {
-                if (node.member_alive(n, now)) return std::nullopt;
-                return OwnerSeen{n};
-            }
-        }
-        return OwnerSeen{};
-    };
-    // Scale: only this node's leases, and those of owners whose membership lapsed; the
-    // active leases of live owners are never read (owners come from an index).
-    const bool settled = now - node.started_at_ms >= node.config.node_ttl_ms;
-    if (settled) {
-        // Sandboxes held here, including those tearing down (a slow release is not a lost one).
-        std::set<std::string> held;
-        for (const auto& handle : node.cache.snapshot()) held.insert(handle->lease_id);
-        for (auto& lease : co_await leases_of(node, node.node_id, lease_status::active)) {
-            Provider* provider = provider_of(node, lease.provider);
-            if (provider && provider->can_resume()) continue;  // resumed on first use
-            // Read again now: the snapshot may predate an acquire, and a release that began
-            // since (its record still active) is held, not lost.
-            if (!held.count(lease.id) && !node.cache.holds(scope_of(lease))) {
-                co_await lease_orphan(node, std::move(lease),
-                                      "owner node restarted without the sandbox", "sweeper");
-            }
-        }
-    }
-    // Each orphaning is fenced by the owner's record as judged dead here: the list above may
-    // be seconds old by the write. A node frozen (SIGSTOP, a stalled VM) after reading it, then
-    // unfenced, must not orphan the leases of an owner that heartbeated meanwhile (a fault
-    // trial caught that: a node resumed after 4 s orphaned a live owner's lease while it
-    // opened a channel); the registry refuses the write when the record moved.
-    for (const auto& owner : co_await node.registry->active_owner_nodes()) {
-        if (owner == node.node_id) continue;
-        auto seen = dead(owner);
-        if (!seen) continue;
-        for (auto& lease : co_await leases_of(node, owner, lease_status::active)) {
-            if (node.fenced_for_ms() != 0) co_return;  // no lease changes on stale membership
-            const auto epoch = lease.epoch;
-            auto after = co_await lease_orphan(node, std::move(lease),
-                                               "owner node " + owner + " is dead", "sweeper", seen);
-            // Still active under the same epoch: the owner's record moved (it is alive).
-            if (after.status == lease_status::active && after.epoch == epoch) break;
-        }
-    }
-    // Only the owner holds the sandbox of a lease pending cleanup.
-    for (auto& lease : co_await leases_of(node, node.node_id, lease_status::pending_cleanup)) {
-        Provider* provider = provider_of(node, lease.provider);
-        const CleanupPolicy policy =
-            provider ? provider->cleanup_policy(static_cast<std::int64_t>(node.config.heartbeat_ms))
-                     : CleanupPolicy{max_cleanup_attempts,
-                                     static_cast<std::int64_t>(node.config.heartbeat_ms), 0};
-        if (lease.cleanup_attempts >= policy.attempts && policy.slow_retry_ms > 0) {
-            // Never `failed` while a remote sandbox may exist: warned once, then slowly.
-            if (lease.cleanup_attempts == policy.attempts &&
-                lease.cleanup_status != std::optional<std::string>("slow retry")) {
-                Lease next = lease;
-                next.epoch = lease.epoch + 1;
-                next.cleanup_status = "slow retry";
-                if (co_await node.registry->update_lease(next, lease.epoch)) {
-                    spdlog::warn("lease={} teardown failed {} times ({}); retrying every {} ms "
-                                 "until it succeeds",
-                                 lease.id, lease.cleanup_attempts,
-                                 lease.failure_reason.value_or("unknown"), policy.slow_retry_ms);
-                }
-                continue;
-            }
-            if (now - lease.last_used_at_ms < policy.slow_retry_ms) continue;
-            co_await teardown(node, std::move(lease), lease_status::released, "sweeper");
-            continue;
-        }
-        if (lease.cleanup_attempts >= policy.attempts) {
-            Lease next = lease;
-            next.status = lease_status::failed;
-            next.epoch = lease.epoch + 1;
-            next.failure_reason = "teardown failed " + std::to_string(lease.cleanup_attempts) +
-                                  " times: " + lease.failure_reason.value_or("unknown");
-            if (co_await node.registry->update_lease(next, lease.epoch)) {
-                // Nothing will tear it down again: forget the handle and the claim, so the
-                // cache holds live sandboxes only (the operator finds the lease `failed`).
-                node.cache.erase(scope_of(lease));
-                node.unclaim(lease.id);
-                node.metrics.teardowns.with({"given_up"}).inc();
-                spdlog::warn("lease={} failed: {}", lease.id, *next.failure_reason);
-            }
-            continue;
-        }
-        const std::int64_t backoff =
-            lease.cleanup_attempts == 0
-                ? 0
-                : policy.backoff_ms << std::min(lease.cleanup_attempts - 1, 20);
-        const std::int64_t wait =
-            policy.slow_retry_ms > 0 ? std::min(backoff, policy.slow_retry_ms) : backoff;
-        if (lease.cleanup_attempts > 0 && now - lease.last_used_at_ms < wait) continue;
-        co_await teardown(node, std::move(lease), lease_status::released, "sweeper");
-    }
-    if (const auto at = now_ms(); at - node.leftovers_checked_at_ms >= node.config.node_ttl_ms) {
-        node.leftovers_checked_at_ms = at;
-        co_await destroy_leftover_sandboxes(node);
-    }
-    node.metrics.sweeper_passes.only().inc();
-}
-
-awaitable<void> expire_leases(Node& node) {
-    auto expired = co_await node.registry->expired_leases(node.node_id, now_ms());
-    for (auto& lease : expired) {
-        spdlog::info("lease={} expired", lease.id);
-        audit_lease(node, "lease.expired", lease, "sweeper");
-        co_await teardown(node, std::move(lease), lease_status::expired, "sweeper");
-    }
-    // Retained leases that no reuse came for within limits.retainedTtlMs (by the owner index).
-    const auto now = now_ms();
-    for (auto& lease : co_await leases_of(node, node.node_id, lease_status::retained)) {
-        if (!lease.expires_at_ms || *lease.expires_at_ms > now) continue;
-        spdlog::info("lease={} retained and not reused: expired", lease.id);
-        audit_lease(node, "lease.expired", lease, "sweeper");
-        co_await teardown(node, std::move(lease), lease_status::expired, "sweeper");
     }
 }
 

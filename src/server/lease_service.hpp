@@ -51,6 +51,8 @@ nlohmann::json provider_list(const Node& node);
 /// (LEASE_INCOMPLETE) before anything touches the registry or a provider, then the lease in
 /// the caller's tenants with the same scope (LEASE_NOT_FOUND), then active, unexpired and of
 /// the given epoch (LEASE_NOT_ACTIVE). Returns the registered lease.
+awaitable<Lease> resolve_lease(Node& node, const Principal& who, methods::LeaseRef ref);
+/// The same for a reference still in JSON (methods::parse_lease_ref first).
 awaitable<Lease> resolve_lease(Node& node, const Principal& who, nlohmann::json lease_param);
 
 /// What the sandbox is wanted for: new work (an open, an execute, a probe) is refused while

@@ -266,6 +266,30 @@ SignalParams parse_signal(const json& p) {
     return out;
 }
 
+LeaseRef parse_lease_ref(const json& lp) {
+    LeaseRef ref;
+    try {
+        if (!lp.is_object()) params::invalid("lease", "must be an object");
+        const json* metadata = lp.contains("metadata") && lp["metadata"].is_object() ? &lp["metadata"] : nullptr;
+        auto is_str = [](const json* o, const char* k) {
+            return o && o->contains(k) && (*o)[k].is_string() && !(*o)[k].get<std::string>().empty();
+        };
+        if (!is_str(metadata, "pluginId") || !is_str(metadata, "provider") || !is_str(&lp, "providerLeaseId")) {
+            throw rpc_error(errc::lease_incomplete, std::string(lease_incomplete_message));
+        }
+        ref.provider = (*metadata)["provider"].get<std::string>();
+        ref.plugin_id = (*metadata)["pluginId"].get<std::string>();
+        ref.provider_lease_id = lp["providerLeaseId"].get<std::string>();
+        ref.company_id = params::req_string(lp, "companyId");
+        ref.environment_id = params::req_string(lp, "environmentId");
+        ref.id = params::opt_string(lp, "id");
+        ref.epoch = params::opt_uint(lp, "epoch", 0, INT64_MAX);
+    } catch (const rpc_error&) {
+        ref.problem = std::current_exception();
+    }
+    return ref;
+}
+
 OpenParams parse_open(const json& p, std::uint64_t max_output_window, std::uint64_t max_stdin_window) {
     params::only_keys(p, {"hostRouteId", "lease", "command", "cwd", "env", "pty", "stdin",
                           "timeoutMs", "outputWindow", "stdinWindow", "dataEncoding"});
@@ -273,7 +297,7 @@ OpenParams parse_open(const json& p, std::uint64_t max_output_window, std::uint6
     ExecSpec& spec = out.spec;
     out.host_route_id = params::opt_string(p, "hostRouteId").value_or("");
     if (!p.contains("lease") || !p["lease"].is_object()) params::invalid("lease", "must be an object");
-    out.lease = p["lease"];
+    out.lease = parse_lease_ref(p["lease"]);
     if (!p.contains("command") || !p["command"].is_array() || p["command"].empty()) {
         params::invalid("command", "must be an array of at least one string");
     }

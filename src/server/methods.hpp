@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <optional>
 #include <string>
 
@@ -132,9 +133,26 @@ struct SignalParams {
 };
 SignalParams parse_signal(const json& p);
 
+/// The lease an open names (docs/protocol.md section 3, steps 2-4), as the host holds it.
+struct LeaseRef {
+    std::string plugin_id;          ///< metadata.pluginId
+    std::string provider;           ///< metadata.provider
+    std::string provider_lease_id;  ///< providerLeaseId
+    std::string company_id;
+    std::string environment_id;
+    std::optional<std::string> id;       ///< the lease id; none: found by (provider, providerLeaseId)
+    std::optional<std::uint64_t> epoch;  ///< the epoch the caller holds; none: any
+    /// What is wrong with the reference (LEASE_INCOMPLETE, or INVALID_PARAMS naming a lease
+    /// field), kept to be thrown at step 2 by resolve_lease: the protocol reports it after the
+    /// open's other params and after a draining node's refusal. Null when it is whole.
+    std::exception_ptr problem;
+};
+/// `lease` as a reference; never throws (see LeaseRef::problem).
+LeaseRef parse_lease_ref(const json& lease);
+
 struct OpenParams {
     std::string host_route_id;
-    json lease;  ///< the lease reference, an object (checked by resolve_lease)
+    LeaseRef lease;  ///< read once here; checked against the registry by resolve_lease
     ExecSpec spec;  ///< argv, cwd, env, pty, stdin (drain_grace_ms left for the node to set)
     std::optional<std::chrono::milliseconds> timeout;  ///< 1 ms .. 30 days
     std::optional<std::uint32_t> output_window;  ///< bytes, 1 KiB .. max_output_window; none = the node's

@@ -19,24 +19,7 @@ namespace {
 using json = nlohmann::json;
 using namespace net::experimental::awaitable_operators;
 
-Session::Reply empty_result() { return {json::object(), {}}; }
-
-/// SHA-256 (hex) of the JSON array of `argv`: the audit names a command without its arguments.
-std::string argv_digest(const std::vector<std::string>& argv) {
-    const auto digest = token_hash(json(argv).dump());
-    static constexpr char hex[] = "0123456789abcdef";
-    std::string out;
-    out.reserve(digest.size() * 2);
-    for (const unsigned char b : digest) {
-        out.push_back(hex[b >> 4]);
-        out.push_back(hex[b & 15]);
-    }
-    return out;
-}
-
-// Handlers below never co_await inside Reply{...}: GCC 12 frees a co_await result in an
-// aggregate's braced initializer too early (heap-use-after-free under ASan), so each result
-// is awaited into a local first.
+// No co_await inside MethodReply{...} (lease_methods.cpp says why).
 
 void log_task_failure(const std::string& peer, const std::exception_ptr& e) {
     if (!e) return;
@@ -254,15 +237,13 @@ void Session::admit(jsonrpc::Request request) {
 
 void Session::route(jsonrpc::Request request) {
     std::optional<std::uint32_t> lane;
-    auto entry = method_table().find(request.method);
-    if (entry != method_table().end() && entry->second.on_channel) {
-        lane = methods::channel_named(request.params);
-    }
+    const auto* method = find_method(request.method);
+    if (method && method->has(on_channel)) lane = methods::channel_named(request.params);
     if (lane && may_be_opening(*lane)) {
         after_opens_.emplace_back(std::move(request));
         return;
     }
-    if (request.method == "duplexChannelOpen") ++opens_in_flight_;
+    if (method && method->has(opens_channel)) ++opens_in_flight_;
     if (lane) {
         auto [it, idle] = lanes_.try_emplace(*lane);
         if (!idle) {
@@ -281,7 +262,8 @@ void Session::start(jsonrpc::Request request, std::optional<std::uint32_t> lane)
 awaitable<void> Session::serve(std::shared_ptr<Session> self, jsonrpc::Request request,
                                std::optional<std::uint32_t> lane) {
     const json id = request.id.value_or(json());
-    const bool open = request.method == "duplexChannelOpen";
+    const auto* method = find_method(request.method);
+    const bool open = method && method->has(opens_channel);
     const auto started = std::chrono::steady_clock::now();
     std::string_view result = "ok";
     // The lease an open names, for open.refused (null when the params do not name one).
@@ -293,10 +275,9 @@ awaitable<void> Session::serve(std::shared_ptr<Session> self, jsonrpc::Request r
     }
     bool routed = false;
     try {
-        auto entry = method_table().find(request.method);
-        Call c{std::move(request.params), id,
-               caller_of(request, entry == method_table().end() ? nullptr : &entry->second)};
-        auto reply = co_await call(request.method, std::move(c));
+        MethodCall c{method ? method->name : std::string_view(request.method), std::move(request.params), id,
+                     caller_of(request, method)};
+        auto reply = co_await call(method, std::move(c));
         routed = open && reply.result.is_object() && reply.result.value("routed", false);
         if (request.id) respond(id, std::move(reply.result));
         if (reply.after) reply.after();
@@ -312,7 +293,7 @@ awaitable<void> Session::serve(std::shared_ptr<Session> self, jsonrpc::Request r
             respond_error(id, rpc_error(errc::internal_error, "Internal error").to_json());
         }
     }
-    count_request(request.method, result, routed, std::chrono::steady_clock::now() - started);
+    count_request(method, request.method, result, routed, std::chrono::steady_clock::now() - started);
     if (open && result != "ok" && node_.audit) {
         node_.audit->write("open.refused", {{"peer", peer_},
                                             {"token", who_.name},
@@ -329,17 +310,18 @@ awaitable<void> Session::serve(std::shared_ptr<Session> self, jsonrpc::Request r
     }
 }
 
-void Session::count_request(const std::string& method, std::string_view result, bool routed,
-                            std::chrono::steady_clock::duration took) {
+void Session::count_request(const MethodSpec* method, const std::string& name, std::string_view result,
+                            bool routed, std::chrono::steady_clock::duration took) {
     auto& m = node_.metrics;
-    if (method == "duplexChannelOpen") {
+    if (!method) return;
+    if (method->has(opens_channel)) {
         m.channel_opens.with({result}).inc();
         if (result == "ok") {
             m.channel_open_seconds.with({routed ? "routed" : "local"})
                 .observe(std::chrono::duration<double>(took).count());
         }
-    } else if (method.rfind("lease", 0) == 0 && method_table().count(method) != 0) {
-        m.lease_operations.with({method, result}).inc();
+    } else if (method->has(lease_operation)) {
+        m.lease_operations.with({name, result}).inc();
     }
 }
 
@@ -363,35 +345,7 @@ void Session::release(std::uint32_t lane) {
     lanes_.erase(it);
 }
 
-// ---------------------------------------------------------------------------------------------
-// The method table
-
-const std::map<std::string_view, Session::Method>& Session::method_table() {
-    static const std::map<std::string_view, Method> table = {
-        // handler, fenced, on_channel, forwarded
-        {"initialize", {&Session::initialize}},
-        {"leaseAcquire", {&Session::lease_acquire, true}},
-        {"leaseGet", {&Session::lease_get, false, false, true}},
-        {"leaseList", {&Session::lease_list}},
-        {"leaseRenew", {&Session::lease_renew, true, false, true}},
-        {"leaseRelease", {&Session::lease_release, true, false, true}},
-        {"leaseProbe", {&Session::lease_probe, true, false, true}},
-        {"providerValidateConfig", {&Session::provider_validate_config}},
-        {"leaseExecute", {&Session::lease_execute, true, false, true}},
-        {"leaseRealizeWorkspace", {&Session::lease_realize_workspace, true, false, true}},
-        {"nodeList", {&Session::node_list}},
-        {"duplexChannelOpen", {&Session::channel_open, true, false, true}},
-        {"duplexChannelWrite", {&Session::channel_write, false, true, true}},
-        {"duplexChannelCloseStdin", {&Session::channel_close_stdin, false, true, true}},
-        {"duplexChannelResize", {&Session::channel_resize, false, true, true}},
-        {"duplexChannelSignal", {&Session::channel_signal, false, true, true}},
-        {"duplexChannelStop", {&Session::channel_stop, false, true, true}},
-        {"duplexChannelClose", {&Session::channel_close, false, true, true}},
-    };
-    return table;
-}
-
-Principal Session::caller_of(const jsonrpc::Request& request, const Method* method) const {
+Principal Session::caller_of(const jsonrpc::Request& request, const MethodSpec* method) const {
     if (who_.role != "peer") {
         if (request.forwarded_for) {
             throw rpc_error(errc::forbidden,
@@ -401,7 +355,7 @@ Principal Session::caller_of(const jsonrpc::Request& request, const Method* meth
     }
     // A peer link acts only for the host it forwards for, and only in the methods that a
     // node forwards (docs/protocol.md section 6, "Peer tokens").
-    if (!method || !method->forwarded) {
+    if (!method || !method->has(forwarded)) {
         throw rpc_error(errc::forbidden, "a peer link may not call " + request.method +
                                              ": a node never forwards it",
                         {{"method", request.method}});
@@ -425,492 +379,34 @@ Principal Session::caller_of(const jsonrpc::Request& request, const Method* meth
                      intersect_tenants((*f)["tenants"].get<std::vector<std::string>>(), who_.tenants)};
 }
 
-std::shared_ptr<Channel> Session::local_channel(std::uint32_t id, const Principal& caller) {
-    auto channel = mux_.local(id);
-    if (who_.role == "peer" && channel->options().opened_for != caller.name) {
-        throw rpc_error(errc::channel_not_found,
-                        "channel " + std::to_string(id) + " is not open on this connection",
-                        {{"channel", id}});
-    }
-    return channel;
-}
-
-awaitable<Session::Reply> Session::call(const std::string& method, Call c) {
+awaitable<MethodReply> Session::call(const MethodSpec* method, MethodCall c) {
     json p = methods::params_object(c.params);
-    auto it = method_table().find(method);
-    if (it == method_table().end()) {
-        throw rpc_error(errc::method_not_found, "Method not found: " + method, {{"method", method}});
+    if (!method) {
+        const std::string name(c.method);
+        throw rpc_error(errc::method_not_found, "Method not found: " + name, {{"method", name}});
     }
-    const Method& m = it->second;
     // Self-fencing: no opens or lease changes on stale membership.
-    if (m.fenced) node_.require_membership();
-    if (m.on_channel) {
+    if (method->has(fenced)) node_.require_membership();
+    if (method->has(on_channel)) {
         auto channel = methods::channel_named(p);
         if (const auto* route = channel ? mux_.relayed(*channel) : nullptr) {
             // A relayed channel: the owner checks and answers, under its own channel id.
             auto link = route->link;
             const auto remote_id = route->remote_id;
-            if (method == "duplexChannelClose") {
+            if (method->has(ends_channel)) {
                 mux_.take_relayed(*channel);
                 link->forget(remote_id);
             }
             p["channel"] = remote_id;
-            json result = co_await link->call(method, std::move(p), forwarded_for(c.caller));
-            co_return Reply{std::move(result), {}};
+            json result = co_await link->call(std::string(method->name), std::move(p), forwarded_for(c.caller));
+            co_return MethodReply{std::move(result), {}};
         }
-        if ((method == "duplexChannelWrite" || method == "duplexChannelCloseStdin") && channel &&
-            mux_.ended(*channel)) {
-            co_return empty_result();  // the command is gone: nothing left to write to
+        if (method->has(moot_after_exit) && channel && mux_.ended(*channel)) {
+            co_return MethodReply{json::object(), {}};  // the command is gone: nothing left to write to
         }
     }
     c.params = std::move(p);
-    co_return co_await (this->*m.handler)(std::move(c));
-}
-
-awaitable<Session::Reply> Session::initialize(Call c) {
-    json p = std::move(c.params);
-    methods::parse_initialize(p);
-    const auto& l = node_.config.limits;
-    std::vector<std::string> supported;
-    // The protocol's order, not the table's (alphabetical).
-    for (const char* m : {"initialize", "leaseAcquire", "leaseGet", "leaseList", "leaseRenew",
-                          "leaseRelease", "leaseProbe", "leaseExecute", "leaseRealizeWorkspace",
-                          "providerValidateConfig", "nodeList",
-                          "duplexChannelOpen", "duplexChannelWrite",
-                          "duplexChannelCloseStdin", "duplexChannelResize", "duplexChannelSignal",
-                          "duplexChannelStop", "duplexChannelClose"}) {
-        supported.emplace_back(m);
-    }
-    co_return Reply{json{{"protocolVersion", 1},
-                         {"nodeId", node_.node_id},
-                         {"supportedMethods", std::move(supported)},
-                         {"limits",
-                          {{"maxTextMessage", l.max_text_message},
-                           {"maxDataPayload", l.max_data_payload},
-                           {"channelsPerConnection", l.channels_per_connection},
-                           {"channelsPerNode", l.channels_per_node},
-                           {"outputWindow", l.output_window},
-                           {"stdinWindow", l.stdin_window},
-                           {"maxOutputWindow", l.max_output_window},
-                           {"maxStdinWindow", l.max_stdin_window},
-                           {"sendQueueBytesPerConnection", l.send_queue_bytes_per_connection},
-                           {"requestsPerConnection", l.requests_per_connection}}},
-                         {"providers", provider_list(node_)}},
-                    {}};
-}
-
-awaitable<Session::Reply> Session::lease_acquire(Call c) {
-    json p = std::move(c.params);
-    auto params = methods::parse_lease_acquire(p, node_.config.limits.max_ttl_ms);
-    json result = to_json(co_await sandboxd::lease_acquire(node_, c.caller, std::move(params)));
-    co_return Reply{std::move(result), {}};
-}
-
-awaitable<Session::Reply> Session::lease_list(Call c) {
-    json p = std::move(c.params);
-    json result = co_await sandboxd::lease_list(node_, c.caller, methods::parse_lease_list(p));
-    co_return Reply{std::move(result), {}};
-}
-
-awaitable<Session::Reply> Session::node_list(Call /*c*/) {
-    json result = co_await sandboxd::node_list(node_);
-    co_return Reply{std::move(result), {}};
-}
-
-awaitable<Session::Reply> Session::lease_get(Call c) {
-    json p = std::move(c.params);
-    auto params = methods::parse_lease_id(p);
-    Lease lease = co_await sandboxd::lease_get(node_, c.caller, params.lease_id);
-    if (lease.owner_node_id != node_.node_id && lease.status == lease_status::active &&
-        forwarded_by_.empty()) {
-        // The owner answers, so that `usage` is current; without it, usage is null.
-        try {
-            auto link = co_await owner_link(node_, lease);
-            json result = co_await link->call("leaseGet", std::move(p), forwarded_for(c.caller));
-            co_return Reply{std::move(result), {}};
-        } catch (const rpc_error& e) {
-            if (e.code() != errc::owner_unavailable && e.code() != errc::owner_elsewhere) throw;
-        }
-    }
-    attach_usage(node_, lease);
-    co_return Reply{to_json(lease), {}};
-}
-
-awaitable<std::optional<Session::Reply>> Session::lease_change_at_owner(
-    std::string method, json p, std::string lease_id, Principal caller,
-    std::optional<PeerLink::Notify> notify,
-    std::chrono::milliseconds answer_within) {
-    // The owner releases or renews, so that its cache and channels follow.
-    Lease lease = co_await sandboxd::lease_get(node_, caller, lease_id);
-    // A retained lease is held by no node: any node serves it (and answers that it is not
-    // active to everything but a release).
-    const bool settled = lease.status == lease_status::released ||
-                         lease.status == lease_status::failed ||
-                         lease.status == lease_status::retained;
-    if (lease.owner_node_id == node_.node_id || settled || !forwarded_by_.empty()) {
-        co_return std::nullopt;
-    }
-    std::string unavailable;
-    try {
-        auto link = co_await owner_link(node_, lease);
-        json result;
-        if (notify) {
-            result = co_await link->call(method, std::move(p), forwarded_for(caller),
-                                         std::move(*notify), answer_within);
-        } else {
-            result = co_await link->call(method, std::move(p), forwarded_for(caller));
-        }
-        co_return Reply{std::move(result), {}};
-    } catch (const rpc_error& e) {
-        if (e.code() != errc::owner_unavailable || method != "leaseRelease") throw;
-        unavailable = e.what();
-    }
-    // A dead owner cannot tear down: the lease waits for cleanup instead.
-    json result = to_json(
-        co_await lease_orphan(node_, std::move(lease), std::move(unavailable), caller.name));
-    co_return Reply{std::move(result), {}};
-}
-
-awaitable<Session::Reply> Session::lease_renew(Call c) {
-    json p = std::move(c.params);
-    auto params = methods::parse_lease_renew(p);
-    if (auto at_owner = co_await lease_change_at_owner("leaseRenew", p, params.lease_id, c.caller)) {
-        co_return std::move(*at_owner);
-    }
-    json result =
-        to_json(co_await sandboxd::lease_renew(node_, c.caller, params.lease_id, params.ttl_ms));
-    co_return Reply{std::move(result), {}};
-}
-
-awaitable<Session::Reply> Session::lease_release(Call c) {
-    json p = std::move(c.params);
-    auto params = methods::parse_lease_release(p);
-    if (auto at_owner = co_await lease_change_at_owner("leaseRelease", p, params.lease_id, c.caller)) {
-        co_return std::move(*at_owner);
-    }
-    json result = to_json(co_await sandboxd::lease_release(node_, c.caller, std::move(params)));
-    co_return Reply{std::move(result), {}};
-}
-
-awaitable<Session::Reply> Session::lease_probe(Call c) {
-    json p = std::move(c.params);
-    auto params = methods::parse_lease_id(p);
-    // The owner's provider holds the sandbox: forwarded there like a release.
-    if (auto at_owner = co_await lease_change_at_owner("leaseProbe", p, params.lease_id, c.caller)) {
-        co_return std::move(*at_owner);
-    }
-    json result = co_await sandboxd::lease_probe(node_, c.caller, params.lease_id);
-    co_return Reply{std::move(result), {}};
-}
-
-ExecuteLog Session::execute_log(const json& id) {
-    if (id.is_null()) return {};
-    struct Sent {
-        std::size_t bytes[2] = {0, 0};
-    };
-    auto sent = std::make_shared<Sent>();
-    const std::size_t limit = node_.config.limits.execute_output_bytes;
-    // Called on this strand (the provider's contract, and the peer link posts here).
-    return [weak = weak_from_this(), id, sent, limit](std::string stream, std::string chunk) {
-        auto self = weak.lock();
-        if (!self || chunk.empty()) return;
-        auto& bytes = sent->bytes[stream == "stderr" ? 1 : 0];
-        if (bytes >= limit) return;  // over limits.executeOutputBytes: dropped
-        if (chunk.size() > limit - bytes) {
-            chunk.resize(limit - bytes);
-            chunk = Utf8Text().feed(chunk);  // a character cut in two is left out
-            bytes = limit;
-        } else {
-            bytes += chunk.size();
-        }
-        std::string text = jsonrpc::notification(
-            "leaseExecute.log", {{"requestId", id}, {"stream", stream}, {"chunk", std::move(chunk)}});
-        self->send_text(std::move(text));
-    };
-}
-
-awaitable<Session::Reply> Session::lease_execute(Call c) {
-    json p = std::move(c.params);
-    const json& id = c.id;
-    const auto& limits = node_.config.limits;
-    auto params = methods::parse_execute(p, limits.execute_timeout_ms);
-    ExecuteLog log = execute_log(id);
-    // The output is read only while this connection can take its log (issue 44, item 2);
-    // the Session outlives the request (serve() holds it).
-    params.request.wait_for_room = [this] { return wait_send_room(); };
-    // The owner's provider holds the sandbox: forwarded there, its logs relayed back.
-    PeerLink::Notify notify;
-    notify.executor = strand_;
-    notify.fn = [log](json n) {
-        if (!log || !n.is_object()) return;
-        const json stream = n.value("stream", json());
-        const json chunk = n.value("chunk", json());
-        if ((stream == "stdout" || stream == "stderr") && chunk.is_string()) {
-            log(stream.get<std::string>(), chunk.get<std::string>());
-        }
-    };
-    const auto answer_within =
-        std::chrono::milliseconds(params.request.timeout_ms) + std::chrono::seconds(60);
-    if (auto at_owner = co_await lease_change_at_owner("leaseExecute", p, params.lease_id, c.caller,
-                                                       std::move(notify), answer_within)) {
-        co_await wait_send_room();
-        co_return std::move(*at_owner);
-    }
-    json result = co_await sandboxd::lease_execute(node_, c.caller, std::move(params), std::move(log));
-    // The result (up to limits.executeOutputBytes of each stream, 6 bytes per escaped byte
-    // once serialised) is queued only when the connection has room: results of pipelined
-    // executes wait here, as JSON values, not as serialised text in the queue.
-    co_await wait_send_room();
-    co_return Reply{std::move(result), {}};
-}
-
-awaitable<Session::Reply> Session::lease_realize_workspace(Call c) {
-    json p = std::move(c.params);
-    auto params = methods::parse_realize_workspace(p);
-    if (auto at_owner = co_await lease_change_at_owner("leaseRealizeWorkspace", p, params.lease_id, c.caller)) {
-        co_return std::move(*at_owner);
-    }
-    json result = co_await sandboxd::lease_realize_workspace(node_, c.caller, std::move(params));
-    co_return Reply{std::move(result), {}};
-}
-
-awaitable<Session::Reply> Session::provider_validate_config(Call c) {
-    json p = std::move(c.params);
-    auto params = methods::parse_validate_config(p);
-    json result = co_await sandboxd::provider_validate_config(node_, c.caller, std::move(params));
-    co_return Reply{std::move(result), {}};
-}
-
-awaitable<Session::Reply> Session::channel_write(Call c) {
-    json p = std::move(c.params);
-    auto params = methods::parse_write(p);
-    local_channel(params.channel, c.caller)->write_stdin(params.data);
-    co_return empty_result();
-}
-
-awaitable<Session::Reply> Session::channel_close_stdin(Call c) {
-    json p = std::move(c.params);
-    local_channel(methods::parse_channel(p).channel, c.caller)->close_stdin();
-    co_return empty_result();
-}
-
-awaitable<Session::Reply> Session::channel_resize(Call c) {
-    json p = std::move(c.params);
-    auto params = methods::parse_resize(p);
-    local_channel(params.channel, c.caller)->resize(params.cols, params.rows);
-    co_return empty_result();
-}
-
-awaitable<Session::Reply> Session::channel_signal(Call c) {
-    json p = std::move(c.params);
-    auto params = methods::parse_signal(p);
-    local_channel(params.channel, c.caller)->send_signal(params.signal);
-    co_return empty_result();
-}
-
-awaitable<Session::Reply> Session::channel_stop(Call c) {
-    json p = std::move(c.params);
-    local_channel(methods::parse_channel(p).channel, c.caller)->stop(channel_outcome::stopped);
-    co_return empty_result();
-}
-
-awaitable<Session::Reply> Session::channel_close(Call c) {
-    json p = std::move(c.params);
-    const auto id = methods::parse_channel(p).channel;
-    // On a peer link, another host's channel is refused (local_channel() says why).
-    if (mux_.find_local(id)) local_channel(id, c.caller);
-    if (auto channel = mux_.take_local(id)) {
-        channel->hangup(channel_outcome::stopped);  // stop and forget: no exit follows
-    }
-    co_return empty_result();
-}
-
-// ---------------------------------------------------------------------------------------------
-// Opening a channel (docs/protocol.md section 3: the fail-closed checks, in order)
-
-awaitable<Session::Reply> Session::channel_open(Call c) {
-    json p = std::move(c.params);
-    // Step 1: the shape of the params.
-    auto params = methods::parse_open(p, node_.config.limits.max_output_window,
-                                      node_.config.limits.max_stdin_window);
-    // A draining node opens nothing, here or relayed: its connections end with the drain.
-    // Counted first, then checked: a drain that begins meanwhile waits for this open.
-    node_.opens_in_flight.fetch_add(1);
-    const ScopeExit counted([this] { node_.opens_in_flight.fetch_sub(1); });
-    if (node_.draining) {
-        throw rpc_error(errc::owner_unavailable, "node " + node_.node_id + " is draining: it opens no new channels",
-                        {{"nodeId", node_.node_id}, {"draining", true}});
-    }
-    // Steps 2-4: the lease, its scope and status.
-    Lease lease = co_await resolve_lease(node_, c.caller, params.lease);
-    const auto limit = node_.config.limits.channels_per_connection;
-    if (mux_.count() >= limit) {
-        throw rpc_error(errc::channel_limit,
-                        "this connection already has " + std::to_string(mux_.local_count()) +
-                            " channels (limit " + std::to_string(limit) + ")");
-    }
-    // The slot is held while the open runs, so concurrent opens cannot overshoot the limit.
-    mux_.reserve();
-    const ScopeExit release([this] { mux_.release(); });
-    // Step 5: another owner. A forwarded open is never forwarded again.
-    if (lease.owner_node_id != node_.node_id) {
-        co_return co_await open_relayed(std::move(p), std::move(lease), std::move(c.caller));
-    }
-    co_return co_await open_local(std::move(params), std::move(lease), std::move(c.caller));
-}
-
-awaitable<Session::Reply> Session::open_relayed(json p, Lease lease, Principal caller) {
-    if (!forwarded_by_.empty()) {
-        throw rpc_error(errc::routing_loop,
-                        "Sandbox lease " + lease.id + " is owned by node " + lease.owner_node_id +
-                            ", not by node " + node_.node_id +
-                            ", and this open was already forwarded by node " + forwarded_by_ + ".",
-                        {{"ownerNodeId", lease.owner_node_id}, {"forwardedBy", forwarded_by_}});
-    }
-    auto link = co_await owner_link(node_, lease);
-    // The owner compares the epoch this node routed on with its own reading (fencing).
-    if (!p["lease"].contains("epoch")) p["lease"]["epoch"] = lease.epoch;
-    const std::uint32_t local = mux_.next_id();
-    mux_.opening(local);  // frames that overtake the open's result wait there
-    json result;
-    try {
-        result = co_await link->open(p, forwarded_for(caller),
-                                     std::weak_ptr<RelayTarget>(shared_from_this()), local);
-    } catch (...) {
-        mux_.open_failed(local);
-        throw;
-    }
-    ChannelMux::Relayed route;
-    route.link = link;
-    route.remote_id = result.value("channel", 0U);
-    route.forwarded_for = forwarded_for(caller);
-    route.stdin_window = result.value("stdinWindow", std::uint64_t{0});
-    if (transport_.closing()) {
-        // The host left while the owner opened: nobody will read it.
-        mux_.open_failed(local);
-        link->close_channel(route.remote_id, route.forwarded_for);
-        link->forget(route.remote_id);
-        co_return Reply{json::object(), {}};
-    }
-    spdlog::info("channel={}/{} lease={} forwarded to node={} (connection channel {}) peer={}",
-                 lease.owner_node_id, route.remote_id, lease.id, lease.owner_node_id, local, peer_);
-    result["channel"] = local;
-    result["routed"] = true;
-    // The frames that overtook the result go out right after it.
-    co_return Reply{std::move(result),
-                    [this, local, route = std::move(route)]() mutable {
-                        mux_.opened(local, std::move(route));
-                    }};
-}
-
-awaitable<Session::Reply> Session::open_local(methods::OpenParams params, Lease lease,
-                                              Principal caller) {
-    // Step 6: this node owns it; its cache must hold the sandbox (or its provider resume it).
-    auto sandbox = co_await sandbox_for(node_, lease);
-    const auto& limits = node_.config.limits;
-    if (!node_.channels.try_reserve(limits.channels_per_node)) {
-        throw rpc_error(errc::channel_limit, "this node already runs its limit of " +
-                                                 std::to_string(limits.channels_per_node) +
-                                                 " channels");
-    }
-    ChannelOptions options;
-    options.host_route_id = std::move(params.host_route_id);
-    options.timeout = params.timeout;
-    options.output_window = params.output_window.value_or(limits.output_window);
-    options.base64 = params.base64;
-    options.pty = params.spec.pty.has_value();
-    options.stdin_attached = params.spec.stdin_attached;
-    options.stdin_window = params.stdin_window.value_or(limits.stdin_window);
-    options.hangup_grace = std::chrono::milliseconds(limits.hangup_grace_ms);
-    options.audit = node_.audit;
-    options.opened_for = caller.name;
-    options.argv0 = params.spec.argv.front();
-    options.argv_sha256 = argv_digest(params.spec.argv);
-    options.epoch = lease.epoch;
-    options.unended = &node_.channels_unended;
-    options.bytes = &node_.metrics.channel_byte_counters;
-    params.spec.drain_grace_ms = limits.drain_grace_ms;
-    // Started before this node may fence itself, or not at all: a node frozen from here on
-    // (SIGSTOP, a stalled VM) cannot start a command once another node may take the lease.
-    // A start refused for its deadline is tried again (at most twice) with the later deadline
-    // of a renewal since, when the membership held without a break: a long queue of opens at
-    // one sandbox under load is not a fenced node.
-    const std::uint64_t breaks = node_.membership_breaks.load(std::memory_order_acquire);
-    std::int64_t start_deadline = node_.fence_deadline_ms();
-    const std::string program = params.spec.argv.front();
-    std::unique_ptr<ChannelBackend> backend;
-    std::exception_ptr failed;
-    std::string unresumable;  // the provider lost the sandbox and could not resume it
-    for (int attempt = 1;; ++attempt) {
-        ExecSpec spec = params.spec;
-        spec.start_deadline_ms = start_deadline;
-        try {
-            backend = co_await node_.providers.at(lease.provider)->open(sandbox, std::move(spec));
-        } catch (const start_deadline_passed&) {
-            if (attempt < 3 && node_.may_retry_start(start_deadline, breaks)) {
-                spdlog::info("lease={} open: its start deadline passed in the sandbox's queue; "
-                             "again with the renewed one (attempt {})",
-                             lease.id, attempt + 1);
-                start_deadline = node_.fence_deadline_ms();
-                continue;
-            }
-            failed = std::current_exception();
-        } catch (const rpc_error& e) {
-            failed = std::current_exception();
-            if (e.code() == errc::sandbox_not_cached) unresumable = e.what();
-        } catch (...) {
-            failed = std::current_exception();
-        }
-        break;
-    }
-    const std::string start_deadline_text =
-        rfc3339_at(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(start_deadline - steady_now_ms()));
-    if (failed) {
-        node_.channels.unreserve();
-        if (!unresumable.empty()) co_await forget_unresumable(node_, lease, unresumable);
-        std::rethrow_exception(failed);
-    }
-    options.id = mux_.next_id();
-    options.lease_id = lease.id;
-    auto channel = std::make_shared<Channel>(strand_, options, std::move(backend), sandbox,
-                                             weak_from_this());
-    ChannelTable::Entry entry;
-    entry.channel = channel;
-    entry.strand = strand_;
-    entry.lease_id = lease.id;
-    auto key = node_.channels.add(std::move(entry));
-    // on_reaped is set after add() so the key is known; it runs on this strand.
-    channel->set_on_reaped([&node = node_, key] { node.channels.remove(key); });
-    channel->set_audit_key(key);
-    if (node_.audit) {
-        node_.audit->write("channel.opened", {{"lease", lease.id},
-                                              {"epoch", lease.epoch},
-                                              {"channel", key},
-                                              {"token", caller.name},
-                                              {"argv0", options.argv0},
-                                              {"argvSha256", options.argv_sha256},
-                                              {"pty", options.pty},
-                                              {"startDeadline", start_deadline_text}});
-    }
-    if (transport_.closing()) {
-        // The host left while the command started: it is hung up at once, as on a drop.
-        channel->start();
-        channel->hangup();
-        co_return Reply{json::object(), {}};
-    }
-    mux_.add_local(options.id, channel);
-    spdlog::info("channel={} lease={} opened: {} pty={} peer={} (connection channel {})", key,
-                 options.lease_id, program, options.pty, peer_, options.id);
-    // The result goes out before the first data frame of the channel.
-    co_return Reply{json{{"channel", options.id},
-                         {"hostRouteId", options.host_route_id},
-                         {"workerSessionId", node_.node_id + "/" + std::to_string(options.id)},
-                         {"ownerNodeId", node_.node_id},
-                         {"routed", false},
-                         {"stdinWindow", options.stdin_window},
-                         {"outputWindow", options.output_window}},
-                    [channel] { channel->start(); }};
+    co_return co_await method->handler(*this, std::move(c));
 }
 
 }  // namespace sandboxd

@@ -2,8 +2,9 @@
 // One host-server WebSocket connection (docs/protocol.md section 1), in three parts:
 //  - the transport (server/transport.hpp): the upgrade, reads, one write queue, pings and the
 //    idle drop; it hands each message to the session (its Receiver);
-//  - the method table: each JSON-RPC method has a typed param struct (server/methods.hpp),
-//    parsed once, and a handler returning its result;
+//  - the method table (server/method_table.hpp): each JSON-RPC method's flags and handler
+//    (typed params parsed once; the handlers are in lease_methods.cpp and
+//    channel_service.cpp and see the session as a Connection);
 //  - the channel multiplexer (server/channel_mux.hpp): local and relayed channels.
 //
 // Requests run concurrently (docs/protocol.md, "Concurrency"): each one is its own coroutine
@@ -15,6 +16,8 @@
 // coroutines (enable_shared_from_this); channels hold it by weak_ptr.
 #include "server/channel.hpp"
 #include "server/channel_mux.hpp"
+#include "server/connection.hpp"
+#include "server/method_table.hpp"
 #include "server/methods.hpp"
 #include "server/node.hpp"
 #include "server/transport.hpp"
@@ -33,7 +36,8 @@
 
 namespace sandboxd {
 
-class Session final : public ChannelSink,
+class Session final : public Connection,
+                      public ChannelSink,
                       public RelayTarget,
                       public Transport::Receiver,
                       public std::enable_shared_from_this<Session> {
@@ -55,8 +59,17 @@ public:
     /// Closes the connection with 1008 (policy violation) from any thread, its channels hung
     /// up: its token was revoked (a reload no longer has it).
     void revoke();
+    // Connection (connection.hpp)
+    Node& node() override { return node_; }
     /// The token the connection authenticated with. Immutable.
-    const Principal& principal() const noexcept { return who_; }
+    const Principal& principal() const noexcept override { return who_; }
+    ChannelMux& mux() override { return mux_; }
+    const strand_t& strand() const noexcept override { return strand_; }
+    const std::string& peer() const noexcept override { return peer_; }
+    const std::string& forwarded_by() const noexcept override { return forwarded_by_; }
+    bool closing() const noexcept override { return transport_.closing(); }
+    std::weak_ptr<ChannelSink> channel_sink() override { return weak_from_this(); }
+    std::weak_ptr<RelayTarget> relay_target() override { return weak_from_this(); }
 
     void send_binary(std::string frame) override;
     std::string frame_buffer() override;
@@ -69,18 +82,11 @@ public:
     void channel_finished(std::uint32_t channel) override;
     /// Completes once this connection has send room (at once when it has), or is closing.
     /// On the strand.
-    awaitable<void> wait_send_room();
+    awaitable<void> wait_send_room() override;
 
     void relay_binary(std::uint32_t local_channel, std::string frame) override;
     void relay_exit(std::uint32_t local_channel, nlohmann::json exit_params) override;
     net::any_io_executor relay_executor() override;
-
-    /// A method's answer: its result, and what must happen right after the result is queued
-    /// (a channel starts only then, so its first frames follow its open's result).
-    struct Reply {
-        nlohmann::json result;
-        std::function<void()> after;
-    };
 
 private:
     /// What waits in a channel's lane: a request or a binary frame.
@@ -88,24 +94,6 @@ private:
     struct Lane {
         std::deque<Queued> waiting;
     };
-    /// One request as a handler sees it.
-    struct Call {
-        nlohmann::json params;  ///< an object
-        nlohmann::json id;      ///< the JSON-RPC id; null for a notification
-        /// Whom it acts for: this connection's token, or on a peer link the host that the
-        /// forwarding node names in the request's forwardedFor (docs/protocol.md section 6).
-        Principal caller;
-    };
-    using Handler = awaitable<Reply> (Session::*)(Call call);
-    struct Method {
-        Handler handler;
-        bool fenced = false;       ///< refused while this node's membership is stale
-        bool on_channel = false;   ///< names a channel: relayed to its owner, ordered per channel
-        /// A node forwards it to the lease's or channel's owner, so a peer link may call it
-        /// (with forwardedFor); a peer calling any other method gets FORBIDDEN.
-        bool forwarded = false;
-    };
-    static const std::map<std::string_view, Method>& method_table();
 
     void respond(const nlohmann::json& id, nlohmann::json result);
     void respond_error(const nlohmann::json& id, const nlohmann::json& error);
@@ -130,51 +118,17 @@ private:
     void start(jsonrpc::Request request, std::optional<std::uint32_t> lane);
     awaitable<void> serve(std::shared_ptr<Session> self, jsonrpc::Request request,
                           std::optional<std::uint32_t> lane);
-    awaitable<Reply> call(const std::string& method, Call call);
+    awaitable<MethodReply> call(const MethodSpec* method, MethodCall call);
     /// Whom `request` acts for (see Call::caller). Throws rpc_error(errc::forbidden) when a
     /// peer link calls a method that is never forwarded or gives no valid forwardedFor, and
     /// when a host connection gives forwardedFor.
-    Principal caller_of(const jsonrpc::Request& request, const Method* method) const;
+    Principal caller_of(const jsonrpc::Request& request, const MethodSpec* method) const;
     /// The request on `lane` is done: applies what waited behind it, up to the next request.
     void release(std::uint32_t lane);
     /// Counts an answered request in the node's metrics (opens by result and route, lease
     /// methods by result).
-    void count_request(const std::string& method, std::string_view result, bool routed,
+    void count_request(const MethodSpec* method, const std::string& name, std::string_view result, bool routed,
                        std::chrono::steady_clock::duration took);
-
-    // methods
-    awaitable<Reply> initialize(Call c);
-    awaitable<Reply> lease_acquire(Call c);
-    awaitable<Reply> lease_get(Call c);
-    awaitable<Reply> lease_list(Call c);
-    awaitable<Reply> lease_renew(Call c);
-    awaitable<Reply> lease_release(Call c);
-    awaitable<Reply> lease_probe(Call c);
-    awaitable<Reply> provider_validate_config(Call c);
-    awaitable<Reply> lease_execute(Call c);
-    awaitable<Reply> lease_realize_workspace(Call c);
-    /// leaseExecute's sink: leaseExecute.log {requestId: id, stream, chunk} to this host,
-    /// at most limits.executeOutputBytes per stream (none when the request has no id).
-    ExecuteLog execute_log(const nlohmann::json& id);
-    awaitable<Reply> node_list(Call c);
-    awaitable<Reply> channel_open(Call c);
-    awaitable<Reply> channel_write(Call c);
-    awaitable<Reply> channel_close_stdin(Call c);
-    awaitable<Reply> channel_resize(Call c);
-    awaitable<Reply> channel_signal(Call c);
-    awaitable<Reply> channel_stop(Call c);
-    awaitable<Reply> channel_close(Call c);
-    /// Renewals and releases of a lease owned by another node are answered by the owner.
-    /// `notify` and `answer_within` as PeerLink::call's, for a call that streams.
-    awaitable<std::optional<Reply>> lease_change_at_owner(
-        std::string method, nlohmann::json params, std::string lease_id, Principal caller,
-        std::optional<PeerLink::Notify> notify = std::nullopt,
-        std::chrono::milliseconds answer_within = std::chrono::milliseconds(0));
-    awaitable<Reply> open_relayed(nlohmann::json params, Lease lease, Principal caller);
-    awaitable<Reply> open_local(methods::OpenParams params, Lease lease, Principal caller);
-    /// The local channel `id` of this connection, when `caller` opened it (on a peer link,
-    /// one connection carries the channels of many hosts), else CHANNEL_NOT_FOUND.
-    std::shared_ptr<Channel> local_channel(std::uint32_t id, const Principal& caller);
 
     Node& node_;
     Transport transport_;

@@ -1,0 +1,278 @@
+#include "server/channel_service.hpp"
+
+#include "server/audit.hpp"
+#include "server/channel.hpp"
+#include "server/lease_service.hpp"
+
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/scope_exit.hpp>
+
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <exception>
+
+namespace sandboxd::handlers {
+namespace {
+
+using json = nlohmann::json;
+
+MethodReply empty_result() { return {json::object(), {}}; }
+
+/// SHA-256 (hex) of the JSON array of `argv`: the audit names a command without its arguments.
+std::string argv_digest(const std::vector<std::string>& argv) {
+    const auto digest = token_hash(json(argv).dump());
+    static constexpr char hex[] = "0123456789abcdef";
+    std::string out;
+    out.reserve(digest.size() * 2);
+    for (const unsigned char b : digest) {
+        out.push_back(hex[b >> 4]);
+        out.push_back(hex[b & 15]);
+    }
+    return out;
+}
+
+/// The local channel `id` of this connection, when `caller` opened it (on a peer link, one
+/// connection carries the channels of many hosts), else CHANNEL_NOT_FOUND.
+std::shared_ptr<Channel> local_channel(Connection& c, std::uint32_t id, const Principal& caller) {
+    auto channel = c.mux().local(id);
+    if (c.principal().role == "peer" && channel->options().opened_for != caller.name) {
+        throw rpc_error(errc::channel_not_found, "channel " + std::to_string(id) + " is not open on this connection",
+                        {{"channel", id}});
+    }
+    return channel;
+}
+
+/// Step 5: the lease has another owner; the open goes there over a peer link, and the
+/// channel is relayed (its frames and exit come back under this connection's id).
+awaitable<MethodReply> open_relayed(Connection& c, json p, Lease lease, Principal caller) {
+    auto& node = c.node();
+    auto& mux = c.mux();
+    if (!c.forwarded_by().empty()) {
+        throw rpc_error(errc::routing_loop,
+                        "Sandbox lease " + lease.id + " is owned by node " + lease.owner_node_id +
+                            ", not by node " + node.node_id + ", and this open was already forwarded by node " +
+                            c.forwarded_by() + ".",
+                        {{"ownerNodeId", lease.owner_node_id}, {"forwardedBy", c.forwarded_by()}});
+    }
+    auto link = co_await owner_link(node, lease);
+    // The owner compares the epoch this node routed on with its own reading (fencing).
+    if (!p["lease"].contains("epoch")) p["lease"]["epoch"] = lease.epoch;
+    const std::uint32_t local = mux.next_id();
+    mux.opening(local);  // frames that overtake the open's result wait there
+    json result;
+    try {
+        result = co_await link->open(p, forwarded_for(caller), c.relay_target(), local);
+    } catch (...) {
+        mux.open_failed(local);
+        throw;
+    }
+    ChannelMux::Relayed route;
+    route.link = link;
+    route.remote_id = result.value("channel", 0U);
+    route.forwarded_for = forwarded_for(caller);
+    route.stdin_window = result.value("stdinWindow", std::uint64_t{0});
+    if (c.closing()) {
+        // The host left while the owner opened: nobody will read it.
+        mux.open_failed(local);
+        link->close_channel(route.remote_id, route.forwarded_for);
+        link->forget(route.remote_id);
+        co_return MethodReply{json::object(), {}};
+    }
+    spdlog::info("channel={}/{} lease={} forwarded to node={} (connection channel {}) peer={}", lease.owner_node_id,
+                 route.remote_id, lease.id, lease.owner_node_id, local, c.peer());
+    result["channel"] = local;
+    result["routed"] = true;
+    // The frames that overtook the result go out right after it.
+    co_return MethodReply{std::move(result), [&mux, local, route = std::move(route)]() mutable {
+                              mux.opened(local, std::move(route));
+                          }};
+}
+
+/// The channel's options from the open's params, the node's limits and the lease.
+ChannelOptions channel_options(Node& node, const methods::OpenParams& params, const Lease& lease,
+                               const Principal& caller) {
+    const auto& limits = node.config.limits;
+    ChannelOptions options;
+    options.host_route_id = params.host_route_id;
+    options.timeout = params.timeout;
+    options.output_window = params.output_window.value_or(limits.output_window);
+    options.base64 = params.base64;
+    options.pty = params.spec.pty.has_value();
+    options.stdin_attached = params.spec.stdin_attached;
+    options.stdin_window = params.stdin_window.value_or(limits.stdin_window);
+    options.hangup_grace = std::chrono::milliseconds(limits.hangup_grace_ms);
+    options.audit = node.audit;
+    options.opened_for = caller.name;
+    options.argv0 = params.spec.argv.front();
+    options.argv_sha256 = argv_digest(params.spec.argv);
+    options.epoch = lease.epoch;
+    options.lease_id = lease.id;
+    options.unended = &node.channels_unended;
+    options.bytes = &node.metrics.channel_byte_counters;
+    return options;
+}
+
+/// The command, started by the lease's provider before this node may fence itself, or not at
+/// all: a node frozen from here on (SIGSTOP, a stalled VM) cannot start a command once another
+/// node may take the lease. A start refused for its deadline is tried again (at most twice)
+/// with the later deadline of a renewal since, when the membership held without a break: a
+/// long queue of opens at one sandbox under load is not a fenced node. Sets `start_deadline`
+/// to the deadline it started under; on failure the node's channel slot is given back.
+awaitable<std::unique_ptr<ChannelBackend>> start_command(Node& node, const Lease& lease,
+                                                         std::shared_ptr<SandboxHandle> sandbox,
+                                                         const ExecSpec& base, std::int64_t& start_deadline) {
+    const std::uint64_t breaks = node.membership_breaks.load(std::memory_order_acquire);
+    start_deadline = node.fence_deadline_ms();
+    std::exception_ptr failed;
+    std::string unresumable;  // the provider lost the sandbox and could not resume it
+    for (int attempt = 1;; ++attempt) {
+        ExecSpec spec = base;
+        spec.start_deadline_ms = start_deadline;
+        try {
+            co_return co_await node.providers.at(lease.provider)->open(sandbox, std::move(spec));
+        } catch (const start_deadline_passed&) {
+            if (attempt < 3 && node.may_retry_start(start_deadline, breaks)) {
+                spdlog::info("lease={} open: its start deadline passed in the sandbox's queue; "
+                             "again with the renewed one (attempt {})",
+                             lease.id, attempt + 1);
+                start_deadline = node.fence_deadline_ms();
+                continue;
+            }
+            failed = std::current_exception();
+        } catch (const rpc_error& e) {
+            failed = std::current_exception();
+            if (e.code() == errc::sandbox_not_cached) unresumable = e.what();
+        } catch (...) {
+            failed = std::current_exception();
+        }
+        break;
+    }
+    node.channels.unreserve();
+    if (!unresumable.empty()) co_await forget_unresumable(node, lease, unresumable);
+    std::rethrow_exception(failed);
+}
+
+/// Step 6: this node owns the lease; its cache must hold the sandbox (or its provider resume
+/// it). The channel starts right after the open's result is queued.
+awaitable<MethodReply> open_local(Connection& c, methods::OpenParams params, Lease lease, Principal caller) {
+    auto& node = c.node();
+    auto sandbox = co_await sandbox_for(node, lease);
+    const auto& limits = node.config.limits;
+    if (!node.channels.try_reserve(limits.channels_per_node)) {
+        throw rpc_error(errc::channel_limit,
+                        "this node already runs its limit of " + std::to_string(limits.channels_per_node) + " channels");
+    }
+    auto options = channel_options(node, params, lease, caller);
+    params.spec.drain_grace_ms = limits.drain_grace_ms;
+    std::int64_t start_deadline = 0;
+    auto backend = co_await start_command(node, lease, sandbox, params.spec, start_deadline);
+    const std::string start_deadline_text =
+        rfc3339_at(std::chrono::system_clock::now() + std::chrono::milliseconds(start_deadline - steady_now_ms()));
+    options.id = c.mux().next_id();
+    auto channel = std::make_shared<Channel>(c.strand(), options, std::move(backend), sandbox, c.channel_sink());
+    ChannelTable::Entry entry;
+    entry.channel = channel;
+    entry.strand = c.strand();
+    entry.lease_id = lease.id;
+    auto key = node.channels.add(std::move(entry));
+    // on_reaped is set after add() so the key is known; it runs on this strand.
+    channel->set_on_reaped([&node, key] { node.channels.remove(key); });
+    channel->set_audit_key(key);
+    if (node.audit) {
+        node.audit->write("channel.opened", {{"lease", lease.id},
+                                             {"epoch", lease.epoch},
+                                             {"channel", key},
+                                             {"token", caller.name},
+                                             {"argv0", options.argv0},
+                                             {"argvSha256", options.argv_sha256},
+                                             {"pty", options.pty},
+                                             {"startDeadline", start_deadline_text}});
+    }
+    if (c.closing()) {
+        // The host left while the command started: it is hung up at once, as on a drop.
+        channel->start();
+        channel->hangup();
+        co_return MethodReply{json::object(), {}};
+    }
+    c.mux().add_local(options.id, channel);
+    spdlog::info("channel={} lease={} opened: {} pty={} peer={} (connection channel {})", key, options.lease_id,
+                 options.argv0, options.pty, c.peer(), options.id);
+    // The result goes out before the first data frame of the channel.
+    co_return MethodReply{json{{"channel", options.id},
+                               {"hostRouteId", options.host_route_id},
+                               {"workerSessionId", node.node_id + "/" + std::to_string(options.id)},
+                               {"ownerNodeId", node.node_id},
+                               {"routed", false},
+                               {"stdinWindow", options.stdin_window},
+                               {"outputWindow", options.output_window}},
+                          [channel] { channel->start(); }};
+}
+
+}  // namespace
+
+// docs/protocol.md section 3: the fail-closed checks, in order. Step 1 (the shape of the
+// params) was the method table's parse.
+awaitable<MethodReply> channel_open(Connection& c, MethodCall& call, methods::OpenParams params) {
+    auto& node = c.node();
+    // A draining node opens nothing, here or relayed: its connections end with the drain.
+    // Counted first, then checked: a drain that begins meanwhile waits for this open.
+    node.opens_in_flight.fetch_add(1);
+    const ScopeExit counted([&node] { node.opens_in_flight.fetch_sub(1); });
+    if (node.draining) {
+        throw rpc_error(errc::owner_unavailable, "node " + node.node_id + " is draining: it opens no new channels",
+                        {{"nodeId", node.node_id}, {"draining", true}});
+    }
+    // Steps 2-4: the lease, its scope and status.
+    Lease lease = co_await resolve_lease(node, call.caller, std::move(params.lease));
+    auto& mux = c.mux();
+    const auto limit = node.config.limits.channels_per_connection;
+    if (mux.count() >= limit) {
+        throw rpc_error(errc::channel_limit, "this connection already has " + std::to_string(mux.local_count()) +
+                                                 " channels (limit " + std::to_string(limit) + ")");
+    }
+    // The slot is held while the open runs, so concurrent opens cannot overshoot the limit.
+    mux.reserve();
+    const ScopeExit release([&mux] { mux.release(); });
+    // Step 5: another owner. A forwarded open is never forwarded again.
+    if (lease.owner_node_id != node.node_id) {
+        co_return co_await open_relayed(c, std::move(call.params), std::move(lease), std::move(call.caller));
+    }
+    co_return co_await open_local(c, std::move(params), std::move(lease), std::move(call.caller));
+}
+
+awaitable<MethodReply> channel_write(Connection& c, MethodCall& call, methods::WriteParams params) {
+    local_channel(c, params.channel, call.caller)->write_stdin(params.data);
+    co_return empty_result();
+}
+
+awaitable<MethodReply> channel_close_stdin(Connection& c, MethodCall& call, methods::ChannelParams params) {
+    local_channel(c, params.channel, call.caller)->close_stdin();
+    co_return empty_result();
+}
+
+awaitable<MethodReply> channel_resize(Connection& c, MethodCall& call, methods::ResizeParams params) {
+    local_channel(c, params.channel, call.caller)->resize(params.cols, params.rows);
+    co_return empty_result();
+}
+
+awaitable<MethodReply> channel_signal(Connection& c, MethodCall& call, methods::SignalParams params) {
+    local_channel(c, params.channel, call.caller)->send_signal(params.signal);
+    co_return empty_result();
+}
+
+awaitable<MethodReply> channel_stop(Connection& c, MethodCall& call, methods::ChannelParams params) {
+    local_channel(c, params.channel, call.caller)->stop(channel_outcome::stopped);
+    co_return empty_result();
+}
+
+awaitable<MethodReply> channel_close(Connection& c, MethodCall& call, methods::ChannelParams params) {
+    // On a peer link, another host's channel is refused (local_channel() says why).
+    if (c.mux().find_local(params.channel)) local_channel(c, params.channel, call.caller);
+    if (auto channel = c.mux().take_local(params.channel)) {
+        channel->hangup(channel_outcome::stopped);  // stop and forget: no exit follows
+    }
+    co_return empty_result();
+}
+
+}  // namespace sandboxd::handlers
