@@ -74,77 +74,7 @@ awaitable<void> PeerLink::ensure_connected() {
     if (connected_) co_return;
     connecting_ = true;
     try {
-        WsUrl url;
-        try {
-            url = parse_ws_url(peer_.url);
-        } catch (const address_error& e) {
-            throw unavailable(peer_.node_id, "its url " + std::string(e.what()));
-        }
-        const std::string& host = url.endpoint.host;
-        std::shared_ptr<ssl::context> tls;
-        if (url.tls) {
-            // routing.peerTls: the cluster CA and this node's certificate; without it, the
-            // system's trust store and no client certificate.
-            tls = node_.security()->peer_client_tls;
-            if (!tls) tls = make_client_tls(TlsClientOptions{}, "routing.peerTls");
-            ws_.emplace(ConnStream(beast::tcp_stream(strand_), tls));
-        } else {
-            ws_.emplace(ConnStream(beast::tcp_stream(strand_)));
-        }
-        tcp::resolver resolver(strand_);
-        auto [rec, endpoints] =
-            co_await resolver.async_resolve(host, url.endpoint.port_text(), as_tuple_awaitable);
-        if (rec) throw unavailable(peer_.node_id, "cannot resolve " + host + ": " + rec.message());
-        auto& lowest = beast::get_lowest_layer(*ws_);
-        lowest.expires_after(connect_timeout);
-        auto [cec, ep] = co_await lowest.async_connect(endpoints, as_tuple_awaitable);
-        if (cec) throw unavailable(peer_.node_id, "cannot connect to " + peer_.url + ": " + cec.message());
-        if (auto* t = ws_->next_layer().tls()) {
-            expect_server_name(t->native_handle(), host, true);
-            auto [tec] = co_await t->async_handshake(ssl::stream_base::client, as_tuple_awaitable);
-            if (tec) {
-                throw unavailable(peer_.node_id, "TLS handshake with " + peer_.url + " failed: " + tec.message());
-            }
-        }
-        ws_->set_option(websocket::stream_base::decorator(
-            [token = token_, me = node_.node_id, to = peer_.node_id](websocket::request_type& req) {
-                req.set(http::field::authorization, "Bearer " + token);
-                req.set(http::field::sec_websocket_protocol, "sandboxd.v1");
-                req.set(http::field::user_agent, std::string("sandboxd-peer/") + version_string);
-                req.set("Sandboxd-Forwarded-By", me);
-                // The node meant: another node that answers at its address refuses (421).
-                req.set("Sandboxd-Forwarded-To", to);
-            }));
-        ws_->read_message_max(64ULL << 20);
-        ws_->auto_fragment(false);
-        ws_->write_buffer_bytes(512 * 1024);  // masking buffer: one write per relayed frame
-        beast::error_code nodelay_ec;
-        lowest.socket().set_option(tcp::no_delay(true), nodelay_ec);
-        auto [hec] =
-            co_await ws_->async_handshake(url.endpoint.authority(), url.target, as_tuple_awaitable);
-        if (hec) throw unavailable(peer_.node_id, "handshake with " + peer_.url + " failed: " + hec.message());
-        lowest.expires_never();
-        websocket::stream_base::timeout timeouts{};
-        timeouts.handshake_timeout = std::chrono::seconds(10);
-        timeouts.idle_timeout = std::chrono::milliseconds(node_.config.limits.idle_timeout_ms);
-        timeouts.keep_alive_pings = true;
-        ws_->set_option(timeouts);
-        connected_ = true;
-        up_ = true;
-        connecting_ = false;
-        connect_wait_.cancel();
-        auto self = shared_from_this();
-        auto log = [self](const std::exception_ptr& e) {
-            if (!e) return;
-            try {
-                std::rethrow_exception(e);
-            } catch (const std::exception& ex) {
-                spdlog::warn("peer={} link task failed: {}", self->peer_.node_id, ex.what());
-            }
-        };
-        net::co_spawn(strand_, read_loop(), log);
-        net::co_spawn(strand_, write_loop(), log);
-        spdlog::info("peer={} link up ({})", peer_.node_id, peer_.url);
+        co_await connect();
     } catch (const rpc_error& e) {
         connecting_ = false;
         broken_ = true;
@@ -153,6 +83,79 @@ awaitable<void> PeerLink::ensure_connected() {
         connect_wait_.cancel();
         throw;
     }
+}
+
+awaitable<void> PeerLink::connect() {
+    WsUrl url;
+    try {
+        url = parse_ws_url(peer_.url);
+    } catch (const address_error& e) {
+        throw unavailable(peer_.node_id, "its url " + std::string(e.what()));
+    }
+    const std::string& host = url.endpoint.host;
+    if (url.tls) {
+        // routing.peerTls: the cluster CA and this node's certificate; without it, the
+        // system's trust store and no client certificate.
+        auto tls = node_.security()->peer_client_tls;
+        if (!tls) tls = make_client_tls(TlsClientOptions{}, "routing.peerTls");
+        ws_.emplace(ConnStream(beast::tcp_stream(strand_), tls));
+    } else {
+        ws_.emplace(ConnStream(beast::tcp_stream(strand_)));
+    }
+    tcp::resolver resolver(strand_);
+    auto [rec, endpoints] = co_await resolver.async_resolve(host, url.endpoint.port_text(), as_tuple_awaitable);
+    if (rec) throw unavailable(peer_.node_id, "cannot resolve " + host + ": " + rec.message());
+    auto& lowest = beast::get_lowest_layer(*ws_);
+    lowest.expires_after(connect_timeout);
+    auto [cec, ep] = co_await lowest.async_connect(endpoints, as_tuple_awaitable);
+    if (cec) throw unavailable(peer_.node_id, "cannot connect to " + peer_.url + ": " + cec.message());
+    if (auto* t = ws_->next_layer().tls()) {
+        expect_server_name(t->native_handle(), host, true);
+        auto [tec] = co_await t->async_handshake(ssl::stream_base::client, as_tuple_awaitable);
+        if (tec) throw unavailable(peer_.node_id, "TLS handshake with " + peer_.url + " failed: " + tec.message());
+    }
+    set_upgrade_options();
+    auto [hec] = co_await ws_->async_handshake(url.endpoint.authority(), url.target, as_tuple_awaitable);
+    if (hec) throw unavailable(peer_.node_id, "handshake with " + peer_.url + " failed: " + hec.message());
+    lowest.expires_never();
+    websocket::stream_base::timeout timeouts{};
+    timeouts.handshake_timeout = std::chrono::seconds(10);
+    timeouts.idle_timeout = std::chrono::milliseconds(node_.config.limits.idle_timeout_ms);
+    timeouts.keep_alive_pings = true;
+    ws_->set_option(timeouts);
+    connected_ = true;
+    up_ = true;
+    connecting_ = false;
+    connect_wait_.cancel();
+    auto self = shared_from_this();
+    auto log = [self](const std::exception_ptr& e) {
+        if (!e) return;
+        try {
+            std::rethrow_exception(e);
+        } catch (const std::exception& ex) {
+            spdlog::warn("peer={} link task failed: {}", self->peer_.node_id, ex.what());
+        }
+    };
+    net::co_spawn(strand_, read_loop(), log);
+    net::co_spawn(strand_, write_loop(), log);
+    spdlog::info("peer={} link up ({})", peer_.node_id, peer_.url);
+}
+
+void PeerLink::set_upgrade_options() {
+    ws_->set_option(websocket::stream_base::decorator(
+        [token = token_, me = node_.node_id, to = peer_.node_id](websocket::request_type& req) {
+            req.set(http::field::authorization, "Bearer " + token);
+            req.set(http::field::sec_websocket_protocol, "sandboxd.v1");
+            req.set(http::field::user_agent, std::string("sandboxd-peer/") + version_string);
+            req.set("Sandboxd-Forwarded-By", me);
+            // The node meant: another node that answers at its address refuses (421).
+            req.set("Sandboxd-Forwarded-To", to);
+        }));
+    ws_->read_message_max(64ULL << 20);
+    ws_->auto_fragment(false);
+    ws_->write_buffer_bytes(512 * 1024);  // masking buffer: one write per relayed frame
+    beast::error_code nodelay_ec;
+    beast::get_lowest_layer(*ws_).socket().set_option(tcp::no_delay(true), nodelay_ec);
 }
 
 awaitable<json> PeerLink::do_call(std::string method, json params, json forwarded_for,

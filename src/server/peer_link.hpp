@@ -120,6 +120,10 @@ private:
     /// (false when the registry cannot say). Runs on the link's strand.
     awaitable<bool> peer_membership_live();
     awaitable<void> ensure_connected();
+    /// Connects, upgrades and starts the read and write loops (ensure_connected's one try).
+    awaitable<void> connect();
+    /// The upgrade's headers (token, Sandboxd-Forwarded-By/To) and the stream's options.
+    void set_upgrade_options();
     awaitable<void> read_loop();
     awaitable<void> write_loop();
     void on_text(const std::string& text);

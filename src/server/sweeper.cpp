@@ -218,12 +218,29 @@ awaitable<std::size_t> destroy_leftover_sandboxes(Node& node) {
 
 awaitable<void> expire_leases(Node& node);
 
-awaitable<void> sweep(Node& node) {
-    if (node.fenced_for_ms() != 0) co_return;  // no lease changes on stale membership
-    co_await reconcile_cached(node);
-    co_await expire_leases(node);
-    const auto now = now_ms();
-    auto nodes = co_await node.registry->list_nodes();
+namespace {
+
+/// Once this process has run for a liveness TTL: its own active leases that its cache does
+/// not hold (a restart) go to pending_cleanup, except those its provider resumes on first use.
+awaitable<void> orphan_unheld_own(Node& node) {
+    // Sandboxes held here, including those tearing down (a slow release is not a lost one).
+    std::set<std::string> held;
+    for (const auto& handle : node.cache.snapshot()) held.insert(handle->lease_id);
+    for (auto& lease : co_await leases_of(node, node.node_id, lease_status::active)) {
+        Provider* provider = provider_of(node, lease.provider);
+        if (provider && provider->can_resume()) continue;  // resumed on first use
+        // Read again now: the snapshot may predate an acquire, and a release that began
+        // since (its record still active) is held, not lost.
+        if (!held.count(lease.id) && !node.cache.holds(scope_of(lease))) {
+            co_await lease_orphan(node, std::move(lease), "owner node restarted without the sandbox", "sweeper");
+        }
+    }
+}
+
+/// The active leases of owners whose membership lapsed (by `nodes`, the membership records
+/// read at `now`) go to pending_cleanup. False when this
+/// node fenced itself meanwhile (the pass stops: no lease changes on stale membership).
+awaitable<bool> orphan_dead_owners(Node& node, std::int64_t now, std::vector<NodeRecord> nodes) {
     // The owner's record as read (an empty one: none), when it is dead by it.
     auto dead = [&](const std::string& id) -> std::optional<OwnerSeen> {
         for (const auto& n : nodes) {
@@ -234,24 +251,6 @@ awaitable<void> sweep(Node& node) {
         }
         return OwnerSeen{};
     };
-    // Scale: only this node's leases, and those of owners whose membership lapsed; the
-    // active leases of live owners are never read (owners come from an index).
-    const bool settled = now - node.started_at_ms >= node.config.node_ttl_ms;
-    if (settled) {
-        // Sandboxes held here, including those tearing down (a slow release is not a lost one).
-        std::set<std::string> held;
-        for (const auto& handle : node.cache.snapshot()) held.insert(handle->lease_id);
-        for (auto& lease : co_await leases_of(node, node.node_id, lease_status::active)) {
-            Provider* provider = provider_of(node, lease.provider);
-            if (provider && provider->can_resume()) continue;  // resumed on first use
-            // Read again now: the snapshot may predate an acquire, and a release that began
-            // since (its record still active) is held, not lost.
-            if (!held.count(lease.id) && !node.cache.holds(scope_of(lease))) {
-                co_await lease_orphan(node, std::move(lease),
-                                      "owner node restarted without the sandbox", "sweeper");
-            }
-        }
-    }
     // Each orphaning is fenced by the owner's record as judged dead here: the list above may
     // be seconds old by the write. A node frozen (SIGSTOP, a stalled VM) after reading it, then
     // unfenced, must not orphan the leases of an owner that heartbeated meanwhile (a fault
@@ -262,65 +261,88 @@ awaitable<void> sweep(Node& node) {
         auto seen = dead(owner);
         if (!seen) continue;
         for (auto& lease : co_await leases_of(node, owner, lease_status::active)) {
-            if (node.fenced_for_ms() != 0) co_return;  // no lease changes on stale membership
+            if (node.fenced_for_ms() != 0) co_return false;
             const auto epoch = lease.epoch;
-            auto after = co_await lease_orphan(node, std::move(lease),
-                                               "owner node " + owner + " is dead", "sweeper", seen);
+            auto after = co_await lease_orphan(node, std::move(lease), "owner node " + owner + " is dead", "sweeper", seen);
             // Still active under the same epoch: the owner's record moved (it is alive).
             if (after.status == lease_status::active && after.epoch == epoch) break;
         }
     }
-    // Only the owner holds the sandbox of a lease pending cleanup.
+    co_return true;
+}
+
+/// A lease past its quick attempts whose provider retries slowly for ever (a plugin: a
+/// remote sandbox may still exist): warned once, then torn down every slow_retry_ms.
+awaitable<void> retry_slowly(Node& node, Lease lease, const CleanupPolicy& policy, std::int64_t now) {
+    if (lease.cleanup_attempts == policy.attempts &&
+        lease.cleanup_status != std::optional<std::string>("slow retry")) {
+        Lease next = lease;
+        next.epoch = lease.epoch + 1;
+        next.cleanup_status = "slow retry";
+        if (co_await node.registry->update_lease(next, lease.epoch)) {
+            spdlog::warn("lease={} teardown failed {} times ({}); retrying every {} ms until it succeeds", lease.id,
+                         lease.cleanup_attempts, lease.failure_reason.value_or("unknown"), policy.slow_retry_ms);
+        }
+        co_return;
+    }
+    if (now - lease.last_used_at_ms < policy.slow_retry_ms) co_return;
+    co_await teardown(node, std::move(lease), lease_status::released, "sweeper");
+}
+
+/// A lease past its attempts whose provider gives up (built-in providers): `failed`.
+awaitable<void> give_up(Node& node, const Lease& lease) {
+    Lease next = lease;
+    next.status = lease_status::failed;
+    next.epoch = lease.epoch + 1;
+    next.failure_reason = "teardown failed " + std::to_string(lease.cleanup_attempts) +
+                          " times: " + lease.failure_reason.value_or("unknown");
+    if (co_await node.registry->update_lease(next, lease.epoch)) {
+        // Nothing will tear it down again: forget the handle and the claim, so the cache
+        // holds live sandboxes only (the operator finds the lease `failed`).
+        node.cache.erase(scope_of(lease));
+        node.unclaim(lease.id);
+        node.metrics.teardowns.with({"given_up"}).inc();
+        spdlog::warn("lease={} failed: {}", lease.id, *next.failure_reason);
+    }
+}
+
+/// This node's pending_cleanup leases (only the owner holds their sandboxes), torn down as
+/// their provider's CleanupPolicy says: quick attempts backing off, then failed or slowly.
+awaitable<void> clean_pending(Node& node, std::int64_t now) {
     for (auto& lease : co_await leases_of(node, node.node_id, lease_status::pending_cleanup)) {
         Provider* provider = provider_of(node, lease.provider);
-        const CleanupPolicy policy =
-            provider ? provider->cleanup_policy(static_cast<std::int64_t>(node.config.heartbeat_ms))
-                     : CleanupPolicy{max_cleanup_attempts,
-                                     static_cast<std::int64_t>(node.config.heartbeat_ms), 0};
+        const auto heartbeat = static_cast<std::int64_t>(node.config.heartbeat_ms);
+        const CleanupPolicy policy = provider ? provider->cleanup_policy(heartbeat)
+                                              : CleanupPolicy{max_cleanup_attempts, heartbeat, 0};
         if (lease.cleanup_attempts >= policy.attempts && policy.slow_retry_ms > 0) {
-            // Never `failed` while a remote sandbox may exist: warned once, then slowly.
-            if (lease.cleanup_attempts == policy.attempts &&
-                lease.cleanup_status != std::optional<std::string>("slow retry")) {
-                Lease next = lease;
-                next.epoch = lease.epoch + 1;
-                next.cleanup_status = "slow retry";
-                if (co_await node.registry->update_lease(next, lease.epoch)) {
-                    spdlog::warn("lease={} teardown failed {} times ({}); retrying every {} ms "
-                                 "until it succeeds",
-                                 lease.id, lease.cleanup_attempts,
-                                 lease.failure_reason.value_or("unknown"), policy.slow_retry_ms);
-                }
-                continue;
-            }
-            if (now - lease.last_used_at_ms < policy.slow_retry_ms) continue;
-            co_await teardown(node, std::move(lease), lease_status::released, "sweeper");
+            co_await retry_slowly(node, std::move(lease), policy, now);
             continue;
         }
         if (lease.cleanup_attempts >= policy.attempts) {
-            Lease next = lease;
-            next.status = lease_status::failed;
-            next.epoch = lease.epoch + 1;
-            next.failure_reason = "teardown failed " + std::to_string(lease.cleanup_attempts) +
-                                  " times: " + lease.failure_reason.value_or("unknown");
-            if (co_await node.registry->update_lease(next, lease.epoch)) {
-                // Nothing will tear it down again: forget the handle and the claim, so the
-                // cache holds live sandboxes only (the operator finds the lease `failed`).
-                node.cache.erase(scope_of(lease));
-                node.unclaim(lease.id);
-                node.metrics.teardowns.with({"given_up"}).inc();
-                spdlog::warn("lease={} failed: {}", lease.id, *next.failure_reason);
-            }
+            co_await give_up(node, lease);
             continue;
         }
         const std::int64_t backoff =
-            lease.cleanup_attempts == 0
-                ? 0
-                : policy.backoff_ms << std::min(lease.cleanup_attempts - 1, 20);
-        const std::int64_t wait =
-            policy.slow_retry_ms > 0 ? std::min(backoff, policy.slow_retry_ms) : backoff;
+            lease.cleanup_attempts == 0 ? 0 : policy.backoff_ms << std::min(lease.cleanup_attempts - 1, 20);
+        const std::int64_t wait = policy.slow_retry_ms > 0 ? std::min(backoff, policy.slow_retry_ms) : backoff;
         if (lease.cleanup_attempts > 0 && now - lease.last_used_at_ms < wait) continue;
         co_await teardown(node, std::move(lease), lease_status::released, "sweeper");
     }
+}
+
+}  // namespace
+
+awaitable<void> sweep(Node& node) {
+    if (node.fenced_for_ms() != 0) co_return;  // no lease changes on stale membership
+    co_await reconcile_cached(node);
+    co_await expire_leases(node);
+    const auto now = now_ms();
+    auto nodes = co_await node.registry->list_nodes();
+    // Scale: only this node's leases, and those of owners whose membership lapsed; the
+    // active leases of live owners are never read (owners come from an index).
+    if (now - node.started_at_ms >= node.config.node_ttl_ms) co_await orphan_unheld_own(node);
+    if (!co_await orphan_dead_owners(node, now, std::move(nodes))) co_return;
+    co_await clean_pending(node, now);
     if (const auto at = now_ms(); at - node.leftovers_checked_at_ms >= node.config.node_ttl_ms) {
         node.leftovers_checked_at_ms = at;
         co_await destroy_leftover_sandboxes(node);

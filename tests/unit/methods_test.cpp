@@ -98,7 +98,16 @@ TEST_CASE("An open's params are parsed into an exec spec, naming the field on er
     CHECK(o.base64);
     CHECK_FALSE(o.spec.stdin_attached);
     CHECK_FALSE(o.output_window);
-    CHECK(o.lease == json{{"id", "l-1"}});
+    // The lease reference, read once: {"id": "l-1"} names no pluginId, provider or
+    // providerLeaseId, so it carries the LEASE_INCOMPLETE that step 2 reports.
+    CHECK(o.lease.problem);
+    const auto whole = methods::parse_lease_ref(
+        json{{"id", "l-1"}, {"providerLeaseId", "p-1"}, {"companyId", "c"}, {"environmentId", "e"},
+             {"epoch", 3}, {"metadata", {{"pluginId", "x"}, {"provider", "bwrap"}}}});
+    CHECK_FALSE(whole.problem);
+    CHECK(whole.id == std::optional<std::string>("l-1"));
+    CHECK(whole.epoch == std::optional<std::uint64_t>(3));
+    CHECK((whole.provider == "bwrap" && whole.plugin_id == "x" && whole.provider_lease_id == "p-1"));
 
     SECTION("the first bad field is named") {
         auto with = [](const char* key, json value) {
