@@ -36,7 +36,8 @@ void check_listen_and_state_dir(const Config& c) {
 
 void check_listener_tls(const Config& c) {
     if (c.tls.enabled() != !c.tls.key_file.empty()) {
-        fail(c.tls.enabled() ? "tls.keyFile" : "tls.certFile", "tls.certFile and tls.keyFile go together");
+        fail(c.tls.enabled() ? "tls.keyFile" : "tls.certFile",
+             "tls.certFile and tls.keyFile go together");
     }
     if (!c.tls.enabled() && !c.tls.client_ca_file.empty()) {
         fail("tls.clientCaFile", "needs tls.certFile and tls.keyFile");
@@ -46,7 +47,9 @@ void check_listener_tls(const Config& c) {
 /// plainListen is served beside a TLS listen, and only on a loopback address.
 void check_plain_listen(const Config& c) {
     if (c.plain_listen.empty()) return;
-    if (!c.tls.enabled()) fail("plainListen", "is served beside a TLS listen: set tls.certFile and tls.keyFile");
+    if (!c.tls.enabled()) {
+        fail("plainListen", "is served beside a TLS listen: set tls.certFile and tls.keyFile");
+    }
     HostPort plain;
     try {
         plain = parse_host_port(c.plain_listen);
@@ -56,8 +59,8 @@ void check_plain_listen(const Config& c) {
     boost::system::error_code ec;
     const auto addr = boost::asio::ip::make_address(plain.host, ec);
     if (plain.host != "localhost" && (ec || !addr.is_loopback())) {
-        fail("plainListen", "must be a loopback address (127.0.0.0/8 or [::1]), got \"" + c.plain_listen +
-                                "\": plain text must not leave the host");
+        fail("plainListen", "must be a loopback address (127.0.0.0/8 or [::1]), got \"" +
+                                c.plain_listen + "\": plain text must not leave the host");
     }
 }
 
@@ -70,8 +73,9 @@ void check_advertise_url_with_tls(const Config& c) {
 /// routing.peerTls and registry.tls: a certificate and its key go together; peer TLS needs
 /// the cluster CA, a certificate and TLS on the listener.
 void check_tls_files(const Config& c) {
-    for (const auto& [field, t] : {std::pair<std::string, const TlsFilesConfig*>{"routing.peerTls", &c.peer_tls},
-                                   {"registry.tls", &c.registry.tls}}) {
+    using Named = std::pair<std::string, const TlsFilesConfig*>;
+    for (const auto& [field, t] :
+         {Named{"routing.peerTls", &c.peer_tls}, Named{"registry.tls", &c.registry.tls}}) {
         if (t->cert_file.empty() != t->key_file.empty()) {
             std::string why = field;
             why.append(".certFile and ").append(field).append(".keyFile go together");
@@ -79,9 +83,15 @@ void check_tls_files(const Config& c) {
         }
     }
     if (!c.peer_tls.empty()) {
-        if (c.peer_tls.ca_file.empty()) fail("routing.peerTls.caFile", "the cluster CA is required");
-        if (c.peer_tls.cert_file.empty()) fail("routing.peerTls.certFile", "a node presents a certificate to its peers");
-        if (!c.tls.enabled()) fail("routing.peerTls", "needs tls on the listener (peers connect with wss://)");
+        if (c.peer_tls.ca_file.empty()) {
+            fail("routing.peerTls.caFile", "the cluster CA is required");
+        }
+        if (c.peer_tls.cert_file.empty()) {
+            fail("routing.peerTls.certFile", "a node presents a certificate to its peers");
+        }
+        if (!c.tls.enabled()) {
+            fail("routing.peerTls", "needs tls on the listener (peers connect with wss://)");
+        }
     }
 }
 
@@ -128,7 +138,8 @@ void check_bwrap_identity_and_etc(const BwrapConfig& b) {
     }
     for (const auto& e : b.etc_files) {
         if (e.empty() || e.front() == '/' || e.find("..") != std::string::npos) {
-            fail("providers.bwrap.etcFiles", "entries are relative paths under /etc, got \"" + e + "\"");
+            fail("providers.bwrap.etcFiles",
+                 "entries are relative paths under /etc, got \"" + e + "\"");
         }
     }
 }
@@ -208,7 +219,8 @@ void check_limits(const LimitsConfig& l) {
 
 void check_metrics_public(const Config& c) {
     if (c.metrics_public && c.plain_listen.empty()) {
-        fail("metrics.public", "opens GET /metrics on plainListen only; set plainListen (a loopback address)");
+        fail("metrics.public",
+             "opens GET /metrics on plainListen only; set plainListen (a loopback address)");
     }
 }
 

@@ -41,7 +41,9 @@ public:
     Obj(const Obj&) = delete;
     Obj& operator=(const Obj&) = delete;
 
-    std::string sub(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
+    std::string sub(const std::string& key) const {
+        return path_.empty() ? key : path_ + "." + key;
+    }
     const json* get(const std::string& key) {
         seen_.insert(key);
         auto it = j_.find(key);
@@ -448,7 +450,8 @@ const Keys<TlsFilesConfig>& tls_files_keys() {
 const Keys<ListenerTlsConfig>& listener_tls_keys() {
     using T = ListenerTlsConfig;
     static const Keys<T> keys = {
-        str("certFile", &T::cert_file, "The node's certificate, then its chain (PEM); \"\" = no TLS."),
+        str("certFile", &T::cert_file,
+            "The node's certificate, then its chain (PEM); \"\" = no TLS."),
         str("keyFile", &T::key_file, "Its private key (PEM); with certFile."),
         str("clientCaFile", &T::client_ca_file,
             "CAs every client certificate must verify against; \"\" = none required."),
@@ -660,7 +663,8 @@ const Keys<LimitsConfig>& limits_keys() {
                 "Requests of one connection served at once."),
         integer("outputWindow", &T::output_window, kib, gib,
                 "Default outputWindow of a channel, bytes."),
-        integer("stdinWindow", &T::stdin_window, kib, gib, "Default stdinWindow of a channel, bytes."),
+        integer("stdinWindow", &T::stdin_window, kib, gib,
+                "Default stdinWindow of a channel, bytes."),
         integer("maxOutputWindow", &T::max_output_window, kib, gib,
                 "Largest outputWindow an open may ask for, bytes; at least outputWindow."),
         integer("maxStdinWindow", &T::max_stdin_window, kib, gib,
