@@ -88,6 +88,7 @@ int daemon_main(int argc, char** argv) {
         ("log-level", po::value<std::string>(), "trace|debug|info|warn|error|critical|off")
         ("check-config", "validate the config, print the effective config, exit 0 or 2")
         ("print-default-config", "print the default config and exit")
+        ("print-config-reference", "print every config key as a Markdown table and exit")
         ("version", "print the version and exit")
         ("help", "print this help and exit");
     po::variables_map vm;
@@ -110,6 +111,10 @@ int daemon_main(int argc, char** argv) {
     }
     if (vm.count("print-default-config")) {
         std::cout << default_config_text();
+        return 0;
+    }
+    if (vm.count("print-config-reference")) {
+        std::cout << config_reference_markdown();
         return 0;
     }
     // The config file with the command line's flags on top: at start, and again on SIGHUP.

@@ -273,4 +273,16 @@ nlohmann::json config_to_json(const Config& config);
 /// The documented default config (config/sandboxd.jsonc without comments).
 std::string default_config_text();
 
+/// What a reload (SIGHUP) of NEXT over RUNNING leaves for a restart: the dotted paths of the
+/// changed keys that a reload does not apply (every key but auth.tokens, tls, routing.peerTls
+/// and registry.tls), e.g. "limits.sendQueueBytes", in the order of the config's key table;
+/// providers.plugins, an array, counts as one key. Empty: nothing waits for a restart.
+std::vector<std::string> config_restart_changes(const Config& running, const Config& next);
+/// The top-level keys of config_restart_changes (e.g. "limits"), sorted and without repeats:
+/// what the reload's warning lists.
+std::vector<std::string> config_restart_sections(const Config& running, const Config& next);
+/// Every key with its type, default, range, whether a reload applies it and one line of doc,
+/// as a Markdown document (docs/config.md, `sandboxd --print-config-reference`).
+std::string config_reference_markdown();
+
 }  // namespace sandboxd
