@@ -12,22 +12,11 @@ namespace sandboxd {
 namespace {
 
 /// Logs the changes of `next` over `running` that a reload does not apply: everything but the
-/// tokens and the TLS files.
+/// tokens and the TLS files (config_restart_sections: the config's key table says which keys
+/// a reload applies).
 void warn_restart_changes(const std::string& node_id, const Config& running, const Config& next) {
-    const auto without_reloaded = [](const Config& c) {
-        auto j = config_to_json(c);
-        j["auth"].erase("tokens");
-        j.erase("tls");
-        j["routing"].erase("peerTls");
-        j["registry"].erase("tls");
-        return j;
-    };
-    const auto before = without_reloaded(running);
-    const auto after = without_reloaded(next);
     std::string keys;
-    for (const auto& [key, value] : after.items()) {
-        if (!before.contains(key) || before[key] != value) keys += (keys.empty() ? "" : ", ") + key;
-    }
+    for (const auto& k : config_restart_sections(running, next)) keys += (keys.empty() ? "" : ", ") + k;
     if (!keys.empty()) {
         spdlog::warn("node={} reload: changes to {} are not applied until a restart", node_id, keys);
     }
