@@ -4,8 +4,8 @@
 // MUST be 0. Beast compares such a length with read_message_max first and closes with 1009
 // (too big); the guard sets RSV2 on that frame's first byte (no extension here gives RSV2 a
 // meaning) so that Beast fails the frame as the protocol error it is: close 1002. Every other
-// byte passes through untouched, and nothing is allocated for any declared length (CASES.md
-// B15).
+// byte passes through untouched, and nothing is allocated for any declared length (acceptance
+// case B15).
 //
 // It follows the frame headers of the incoming byte stream. A header whose first bytes end a
 // read before its length can be judged (1 byte, or 2 with the 64-bit length code) is held

@@ -111,7 +111,7 @@ awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why,
 /// retry for ever (plugins: a remote sandbox may still exist); once per nodeTtlMs,
 /// destroy_leftover_sandboxes. Leases of this node whose
 /// provider can_resume() stay active after a restart (the first use resumes them). It never touches a lease whose owner is alive
-/// and holds it (CASES.md B21, B23). Reads only this node's leases (owner index) and those
+/// and holds it (acceptance cases B21, B23). Reads only this node's leases (owner index) and those
 /// of owners whose membership lapsed (Registry::active_owner_nodes against list_nodes),
 /// never the leases of live owners.
 awaitable<void> sweep(Node& node);

@@ -140,7 +140,7 @@ private:
     std::size_t in_flight_ = 0;  // requests running or waiting in a lane
     /// Opens running. While one runs, requests and frames naming a channel id that no channel
     /// has had yet wait in after_opens_ (in arrival order): they may name the channel it is
-    /// opening (a resize sent in the same write as the open, CASES.md B18).
+    /// opening (a resize sent in the same write as the open, acceptance case B18).
     std::size_t opens_in_flight_ = 0;
     std::deque<Queued> after_opens_;
     std::map<std::uint32_t, Lane> lanes_;  // channels with a request running

@@ -26,7 +26,7 @@ namespace sandboxd {
 /// GCC 12 mishandles a closure temporary with a destructor inside a co_await expression: with
 /// `co_await this_coro::executor` captured by value in the initiation lambda, every call lost
 /// one reference to the session's strand until the strand was freed under the session
-/// (heap-use-after-free after ~30 channel opens on one connection; CASES.md B03). So the
+/// (heap-use-after-free after ~30 channel opens on one connection; acceptance case B03). So the
 /// initiation lambdas capture nothing with a destructor, and the executor is the handler's
 /// (the coroutine's own).
 template <typename F>

@@ -1,7 +1,7 @@
 #pragma once
 /// @file registry.hpp
 /// The lease registry: the source of truth for leases and nodes, shared by every node
-/// process (docs/protocol.md sections 2 and 6; ../DESIGN "Registry").
+/// process (docs/protocol.md sections 2 and 6; docs/architecture.md).
 ///
 /// Every call is an awaitable (async.hpp): it runs on the awaiting coroutine's executor and
 /// never blocks that thread. SQLite does its file I/O on a small pool of its own (readers in
