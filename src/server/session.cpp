@@ -6,6 +6,7 @@
 #include <sandboxd/core/base64.hpp>
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/frame.hpp>
+#include <sandboxd/core/offload.hpp>
 #include <sandboxd/core/scope_exit.hpp>
 #include <sandboxd/core/utf8.hpp>
 #include <sandboxd/version.hpp>
@@ -532,7 +533,8 @@ awaitable<Session::Reply> Session::lease_get(Call c) {
             if (e.code() != errc::owner_unavailable && e.code() != errc::owner_elsewhere) throw;
         }
     }
-    attach_usage(node_, lease);
+    // The provider reads the sandbox's cgroup files and statvfs: not on this strand.
+    co_await offload(node_.blocking, [this, &lease] { attach_usage(node_, lease); });
     co_return Reply{to_json(lease), {}};
 }
 
