@@ -10,6 +10,7 @@
 // answering makes the bench fail, never hang.
 
 #include <sandboxd/core/address.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/core/tls.hpp>
 
 #include <boost/asio/connect.hpp>
@@ -308,8 +309,7 @@ public:
 
     std::int64_t send_request(const std::string& method, const json& params) {
         const auto id = next_id_++;
-        const std::string text =
-            json{{"jsonrpc", "2.0"}, {"id", id}, {"method", method}, {"params", params}}.dump();
+        const std::string text = sandboxd::jsonrpc::request(id, method, params);
         ws_.text(true);
         ws_.write(net::buffer(text));
         return id;

@@ -97,6 +97,60 @@ po::variables_map parse_sub(const std::vector<std::string>& args, const po::opti
     return vm;
 }
 
+/// sandboxctl lease acquire: `opts` (with --output, bound to `output`) and its own options.
+int lease_acquire(Client& client, const std::vector<std::string>& rest,
+                  po::options_description& opts, po::positional_options_description& pos,
+                  const std::string& output) {
+    opts.add_options()("company", po::value<std::string>()->required(), "")(
+        "environment", po::value<std::string>()->required(), "")(
+        "provider", po::value<std::string>()->default_value("bwrap"), "")(
+        "ttl-ms", po::value<std::uint64_t>(), "")("config", po::value<std::string>(), "")(
+        "idempotency-key", po::value<std::string>(), "")("run-id", po::value<std::string>(), "")(
+        "policy", po::value<std::string>(), "")("execution-workspace", po::value<std::string>(), "");
+    auto vm = parse_sub(rest, opts, pos);
+    json p = {{"companyId", vm["company"].as<std::string>()},
+              {"environmentId", vm["environment"].as<std::string>()},
+              {"provider", vm["provider"].as<std::string>()}};
+    if (vm.count("ttl-ms")) p["ttlMs"] = vm["ttl-ms"].as<std::uint64_t>();
+    if (vm.count("config")) p["config"] = parse_json(vm["config"].as<std::string>());
+    if (vm.count("idempotency-key")) p["idempotencyKey"] = vm["idempotency-key"].as<std::string>();
+    if (vm.count("run-id")) p["runId"] = vm["run-id"].as<std::string>();
+    if (vm.count("policy")) p["leasePolicy"] = vm["policy"].as<std::string>();
+    if (vm.count("execution-workspace")) {
+        p["executionWorkspaceId"] = vm["execution-workspace"].as<std::string>();
+    }
+    print_lease(client.call("leaseAcquire", p), output);
+    return 0;
+}
+
+/// sandboxctl lease list: `opts` (with --output, bound to `output`) and its own options.
+int lease_list(Client& client, const std::vector<std::string>& rest,
+               po::options_description& opts, po::positional_options_description& pos,
+               const std::string& output) {
+    opts.add_options()("company", po::value<std::string>(), "")(
+        "environment", po::value<std::string>(), "")("status", po::value<std::string>(), "")(
+        "owner", po::value<std::string>(), "")("limit", po::value<unsigned>(), "")(
+        "cursor", po::value<std::string>(), "");
+    auto vm = parse_sub(rest, opts, pos);
+    json p = json::object();
+    if (vm.count("company")) p["companyId"] = vm["company"].as<std::string>();
+    if (vm.count("environment")) p["environmentId"] = vm["environment"].as<std::string>();
+    if (vm.count("status")) p["status"] = vm["status"].as<std::string>();
+    if (vm.count("owner")) p["ownerNodeId"] = vm["owner"].as<std::string>();
+    if (vm.count("limit")) p["limit"] = vm["limit"].as<unsigned>();
+    if (vm.count("cursor")) p["cursor"] = vm["cursor"].as<std::string>();
+    auto page = client.call("leaseList", p);
+    if (output == "json") {
+        std::cout << page.dump(2) << "\n";
+    } else {
+        for (const auto& l : page["leases"]) print_lease(l, output);
+        if (page["nextCursor"].is_string() && output == "text") {
+            std::cout << "(more: --cursor " << page["nextCursor"].get<std::string>() << ")\n";
+        }
+    }
+    return 0;
+}
+
 int lease_command(Client& client, const Globals& g, const std::vector<std::string>& args) {
     if (args.empty()) {
         throw po::error("lease needs a subcommand: acquire, get, list, renew, release, probe");
@@ -108,26 +162,7 @@ int lease_command(Client& client, const Globals& g, const std::vector<std::strin
     std::string output = g.output;
     opts.add_options()("output", po::value<std::string>(&output), "text|json|id");
     if (sub == "acquire") {
-        opts.add_options()("company", po::value<std::string>()->required(), "")(
-            "environment", po::value<std::string>()->required(), "")(
-            "provider", po::value<std::string>()->default_value("bwrap"), "")(
-            "ttl-ms", po::value<std::uint64_t>(), "")("config", po::value<std::string>(), "")(
-            "idempotency-key", po::value<std::string>(), "")("run-id", po::value<std::string>(), "")(
-            "policy", po::value<std::string>(), "")("execution-workspace", po::value<std::string>(), "");
-        auto vm = parse_sub(rest, opts, pos);
-        json p = {{"companyId", vm["company"].as<std::string>()},
-                  {"environmentId", vm["environment"].as<std::string>()},
-                  {"provider", vm["provider"].as<std::string>()}};
-        if (vm.count("ttl-ms")) p["ttlMs"] = vm["ttl-ms"].as<std::uint64_t>();
-        if (vm.count("config")) p["config"] = parse_json(vm["config"].as<std::string>());
-        if (vm.count("idempotency-key")) p["idempotencyKey"] = vm["idempotency-key"].as<std::string>();
-        if (vm.count("run-id")) p["runId"] = vm["run-id"].as<std::string>();
-        if (vm.count("policy")) p["leasePolicy"] = vm["policy"].as<std::string>();
-        if (vm.count("execution-workspace")) {
-            p["executionWorkspaceId"] = vm["execution-workspace"].as<std::string>();
-        }
-        print_lease(client.call("leaseAcquire", p), output);
-        return 0;
+        return lease_acquire(client, rest, opts, pos, output);
     }
     if (sub == "get" || sub == "release" || sub == "probe") {
         opts.add_options()("lease", po::value<std::string>()->required(), "");
@@ -158,28 +193,7 @@ int lease_command(Client& client, const Globals& g, const std::vector<std::strin
         return 0;
     }
     if (sub == "list") {
-        opts.add_options()("company", po::value<std::string>(), "")(
-            "environment", po::value<std::string>(), "")("status", po::value<std::string>(), "")(
-            "owner", po::value<std::string>(), "")("limit", po::value<unsigned>(), "")(
-            "cursor", po::value<std::string>(), "");
-        auto vm = parse_sub(rest, opts, pos);
-        json p = json::object();
-        if (vm.count("company")) p["companyId"] = vm["company"].as<std::string>();
-        if (vm.count("environment")) p["environmentId"] = vm["environment"].as<std::string>();
-        if (vm.count("status")) p["status"] = vm["status"].as<std::string>();
-        if (vm.count("owner")) p["ownerNodeId"] = vm["owner"].as<std::string>();
-        if (vm.count("limit")) p["limit"] = vm["limit"].as<unsigned>();
-        if (vm.count("cursor")) p["cursor"] = vm["cursor"].as<std::string>();
-        auto page = client.call("leaseList", p);
-        if (output == "json") {
-            std::cout << page.dump(2) << "\n";
-        } else {
-            for (const auto& l : page["leases"]) print_lease(l, output);
-            if (page["nextCursor"].is_string() && output == "text") {
-                std::cout << "(more: --cursor " << page["nextCursor"].get<std::string>() << ")\n";
-            }
-        }
-        return 0;
+        return lease_list(client, rest, opts, pos, output);
     }
     throw po::error("unknown lease subcommand \"" + sub + "\"");
 }

@@ -68,6 +68,68 @@ bool Client::Impl::wait_read(std::chrono::steady_clock::time_point deadline) {
     return read_done;
 }
 
+namespace {
+
+/// Connects `impl`'s socket to `parsed`'s endpoint; with `receive_buffer` > 0, SO_RCVBUF is
+/// set on each socket before its connect.
+void connect_tcp(Client::Impl& impl, const WsUrl& parsed, int receive_buffer) {
+    const std::string authority = parsed.endpoint.authority();
+    tcp::resolver resolver(impl.ioc);
+    beast::error_code ec;
+    auto endpoints = resolver.resolve(parsed.endpoint.host, parsed.endpoint.port_text(), ec);
+    if (ec) throw client_error("cannot resolve " + parsed.endpoint.host + ": " + ec.message());
+    auto& lowest = beast::get_lowest_layer(impl.ws);
+    if (receive_buffer > 0) {
+        // SO_RCVBUF must be set before connect() to bound the window the kernel advertises.
+        beast::error_code last = net::error::host_not_found;
+        for (const auto& entry : endpoints) {
+            auto& socket = lowest.socket();
+            socket.close(ec);
+            socket.open(entry.endpoint().protocol(), ec);
+            if (ec) throw client_error("cannot open a socket: " + ec.message());
+            socket.set_option(net::socket_base::receive_buffer_size(receive_buffer), ec);
+            if (ec) throw client_error("cannot set SO_RCVBUF: " + ec.message());
+            try {
+                impl.run([&](auto handler) { lowest.async_connect(entry.endpoint(), handler); });
+                last = {};
+                break;
+            } catch (const client_error&) {
+                last = net::error::connection_refused;
+            }
+        }
+        if (last) throw client_error("cannot connect to " + authority);
+    } else {
+        impl.run([&](auto handler) { lowest.async_connect(endpoints, handler); });
+    }
+}
+
+/// The WebSocket upgrade of `impl`'s connection; a refusal names the node's HTTP status.
+void upgrade(Client::Impl& impl, const std::string& authority, const std::string& target) {
+    websocket::response_type response;
+    // Only Beast's upgrade_declined means an HTTP answer was read: after any other failure
+    // (a dropped connection, a TLS alert) the response holds no status of the node's.
+    beast::error_code handshake_ec;
+    try {
+        impl.run([&](auto handler) {
+            impl.ws.async_handshake(response, authority, target,
+                                      [&handshake_ec, handler](beast::error_code result) mutable {
+                                          handshake_ec = result;
+                                          handler(result);
+                                      });
+        });
+    } catch (const client_error& e) {
+        const int status = static_cast<int>(response.result_int());
+        if (handshake_ec == websocket::error::upgrade_declined && status != 101) {
+            throw client_error("upgrade refused: HTTP " + std::to_string(status) + " " +
+                                   std::string(response.reason()),
+                               status);
+        }
+        throw;
+    }
+}
+
+}  // namespace
+
 Client::Client(const std::string& url, const std::string& token, std::chrono::milliseconds timeout,
                int receive_buffer,
                const std::vector<std::pair<std::string, std::string>>& extra_headers,
@@ -91,33 +153,7 @@ Client::Client(const std::string& url, const std::string& token, std::chrono::mi
     impl_->timeout = timeout;
     const std::string authority = parsed.endpoint.authority();
     const std::string& target = parsed.target;
-    tcp::resolver resolver(impl_->ioc);
-    beast::error_code ec;
-    auto endpoints = resolver.resolve(parsed.endpoint.host, parsed.endpoint.port_text(), ec);
-    if (ec) throw client_error("cannot resolve " + parsed.endpoint.host + ": " + ec.message());
-    auto& lowest = beast::get_lowest_layer(impl_->ws);
-    if (receive_buffer > 0) {
-        // SO_RCVBUF must be set before connect() to bound the window the kernel advertises.
-        beast::error_code last = net::error::host_not_found;
-        for (const auto& entry : endpoints) {
-            auto& socket = lowest.socket();
-            socket.close(ec);
-            socket.open(entry.endpoint().protocol(), ec);
-            if (ec) throw client_error("cannot open a socket: " + ec.message());
-            socket.set_option(net::socket_base::receive_buffer_size(receive_buffer), ec);
-            if (ec) throw client_error("cannot set SO_RCVBUF: " + ec.message());
-            try {
-                impl_->run([&](auto handler) { lowest.async_connect(entry.endpoint(), handler); });
-                last = {};
-                break;
-            } catch (const client_error&) {
-                last = net::error::connection_refused;
-            }
-        }
-        if (last) throw client_error("cannot connect to " + authority);
-    } else {
-        impl_->run([&](auto handler) { lowest.async_connect(endpoints, handler); });
-    }
+    connect_tcp(*impl_, parsed, receive_buffer);
     if (auto* t = impl_->ws.next_layer().tls()) {
         expect_server_name(t->native_handle(), parsed.endpoint.host, !tls.insecure_skip_verify);
         try {
@@ -133,27 +169,7 @@ Client::Client(const std::string& url, const std::string& token, std::chrono::mi
         req.set(http::field::user_agent, "sandboxctl");
     }));
     impl_->ws.read_message_max(64ULL << 20);
-    websocket::response_type response;
-    // Only Beast's upgrade_declined means an HTTP answer was read: after any other failure
-    // (a dropped connection, a TLS alert) the response holds no status of the node's.
-    beast::error_code handshake_ec;
-    try {
-        impl_->run([&](auto handler) {
-            impl_->ws.async_handshake(response, authority, target,
-                                      [&handshake_ec, handler](beast::error_code result) mutable {
-                                          handshake_ec = result;
-                                          handler(result);
-                                      });
-        });
-    } catch (const client_error& e) {
-        const int status = static_cast<int>(response.result_int());
-        if (handshake_ec == websocket::error::upgrade_declined && status != 101) {
-            throw client_error("upgrade refused: HTTP " + std::to_string(status) + " " +
-                                   std::string(response.reason()),
-                               status);
-        }
-        throw;
-    }
+    upgrade(*impl_, authority, target);
     beast::get_lowest_layer(impl_->ws).expires_never();
 }
 
@@ -166,8 +182,14 @@ ClientEvent decode_event(bool text, std::string_view message) {
     ClientEvent ev;
     if (text) {
         ev.message = parse_json(message);
-        ev.type = ev.message.contains("method") ? ClientEvent::kind::notification
-                                                : ClientEvent::kind::response;
+        // What the daemon sends on its own (a notification, or a request) has a method; the
+        // rest answers a request of ours, malformed or not (the caller matches its id).
+        const auto kind = jsonrpc::classify(ev.message);
+        const bool from_daemon = kind == jsonrpc::message_kind::notification ||
+                                 kind == jsonrpc::message_kind::request ||
+                                 (kind == jsonrpc::message_kind::invalid &&
+                                  ev.message.contains("method"));
+        ev.type = from_daemon ? ClientEvent::kind::notification : ClientEvent::kind::response;
         return ev;
     }
     auto decoded = decode_frame(message, SIZE_MAX);

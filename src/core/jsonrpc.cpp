@@ -9,6 +9,13 @@ std::string request(const json& id, std::string_view method, json params) {
         .dump();
 }
 
+std::string request(const json& id, std::string_view method, json params, std::string_view name,
+                    json value) {
+    json message = {{"jsonrpc", "2.0"}, {"id", id}, {"method", method}, {"params", std::move(params)}};
+    message[std::string(name)] = std::move(value);
+    return message.dump();
+}
+
 std::string forwarded_request(const json& id, std::string_view method, json params,
                               json forwarded_for) {
     json message = {{"jsonrpc", "2.0"}, {"method", method}, {"params", std::move(params)},
@@ -88,26 +95,51 @@ std::variant<Request, Invalid> parse_request(std::string_view text, std::size_t 
     return request;
 }
 
+message_kind classify(const json& message) {
+    if (!message.is_object()) return message_kind::invalid;
+    auto method = message.find("method");
+    if (method == message.end()) {
+        return message.contains("id") ? message_kind::response : message_kind::invalid;
+    }
+    if (!method->is_string()) return message_kind::invalid;
+    return message.contains("id") ? message_kind::request : message_kind::notification;
+}
+
+message_kind classify_strict(const json& message) {
+    if (!message.is_object()) return message_kind::invalid;
+    const bool has_method = message.contains("method") && message["method"].is_string();
+    const bool has_id = message.contains("id") && !message["id"].is_null();
+    if (!has_method && message.contains("id") &&
+        (message.contains("result") || message.contains("error"))) {
+        return message_kind::response;
+    }
+    if (has_method && has_id) return message_kind::request;
+    if (has_method && !message.contains("id")) return message_kind::notification;
+    return message_kind::invalid;
+}
+
 std::variant<std::monostate, Request, Response> parse_message(std::string_view text) {
     auto parsed = try_parse_json(text);  // malformed or too deep: not a JSON-RPC object
-    if (!parsed.ok() || !parsed.value.is_object()) return std::monostate{};
+    if (!parsed.ok()) return std::monostate{};
     json message = std::move(parsed.value);
-    auto method_it = message.find("method");
-    if (method_it == message.end()) {
-        if (!message.contains("id")) return std::monostate{};
-        Response response;
-        response.id = message["id"];
-        if (auto e = message.find("error"); e != message.end()) {
-            response.error = std::move(*e);
-        } else {
-            auto r = message.find("result");
-            response.result = r != message.end() ? std::move(*r) : json::object();
+    switch (classify(message)) {
+        case message_kind::invalid: return std::monostate{};
+        case message_kind::response: {
+            Response response;
+            response.id = message["id"];
+            if (auto e = message.find("error"); e != message.end()) {
+                response.error = std::move(*e);
+            } else {
+                auto r = message.find("result");
+                response.result = r != message.end() ? std::move(*r) : json::object();
+            }
+            return response;
         }
-        return response;
+        case message_kind::request:
+        case message_kind::notification: break;
     }
-    if (!method_it->is_string()) return std::monostate{};
     Request request;
-    request.method = method_it->get<std::string>();
+    request.method = message["method"].get<std::string>();
     if (auto id = message.find("id"); id != message.end()) request.id = std::move(*id);
     auto params = message.find("params");
     request.params = params != message.end() ? std::move(*params) : json::object();

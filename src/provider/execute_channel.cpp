@@ -7,6 +7,7 @@
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/net.hpp>
 #include <sandboxd/core/utf8.hpp>
+#include <sandboxd/provider/awaitable_channel.hpp>
 #include <sandboxd/provider/provider.hpp>
 
 #include <boost/asio/experimental/awaitable_operators.hpp>
@@ -62,7 +63,7 @@ awaitable<void> pump(ChannelBackend& backend, output_stream stream, Capture& cap
     std::array<char, read_size> buffer{};
     for (;;) {
         if (wait_for_room) co_await wait_for_room();
-        const std::size_t ready = co_await backend.output_ready(stream);
+        const std::size_t ready = co_await output_ready(backend, stream);
         if (ready == 0) break;
         auto n = backend.read_output(stream, buffer);
         if (!n) break;
@@ -78,16 +79,16 @@ awaitable<void> feed_stdin(ChannelBackend& backend, std::string data) {
 }
 
 /// The command's exit, once none of its processes is left; `gone` says whether the channel's
-/// init is gone too (ChannelBackend::wait_ended()).
-awaitable<ChannelExit> end_of(ChannelBackend& backend, bool& gone) {
-    ChannelExit exit = co_await backend.wait_exit();
-    gone = co_await backend.wait_ended();
+/// init is gone too (GoneWait::ended()).
+awaitable<ChannelExit> end_of(ChannelBackend& backend, GoneWait& end, bool& gone) {
+    ChannelExit exit = co_await wait_exit(backend);
+    gone = co_await end.ended(backend);
     co_return exit;
 }
 
 /// Keeps `backend` until its channel's init is gone too, off the answer's path.
-awaitable<void> keep_until_gone(std::unique_ptr<ChannelBackend> backend) {
-    co_await backend->wait_gone();
+awaitable<void> keep_until_gone(std::unique_ptr<ChannelBackend> backend, GoneWait end) {
+    co_await end.gone(*backend);
 }
 
 std::string sdk_signal_name(int sig) {
@@ -126,15 +127,16 @@ awaitable<json> Provider::execute(std::shared_ptr<SandboxHandle> sandbox, Lease 
     Capture err{"stderr", {}, {}, 0, false};
     const std::size_t limit = request.output_limit;
     bool gone = false;
+    GoneWait end;
     auto results = co_await (pump(*backend, output_stream::out, out, limit, log, request.wait_for_room) &&
                              pump(*backend, output_stream::err, err, limit, log, request.wait_for_room) &&
                              feed_stdin(*backend, std::move(request.stdin_data)) &&
-                             end_of(*backend, gone));
+                             end_of(*backend, end, gone));
     ChannelExit exit = std::move(results);
     *done = true;
     timer.cancel();
     if (!gone) {
-        net::co_spawn(co_await net::this_coro::executor, keep_until_gone(std::move(backend)),
+        net::co_spawn(co_await net::this_coro::executor, keep_until_gone(std::move(backend), std::move(end)),
                       net::detached);
     }
     const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(

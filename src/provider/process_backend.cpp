@@ -2,7 +2,6 @@
 
 #include <sandboxd/core/errors.hpp>
 
-#include <boost/asio/experimental/awaitable_operators.hpp>
 #include <spdlog/spdlog.h>
 
 #include <csignal>
@@ -122,28 +121,11 @@ void ProcessBackend::end_wait(output_stream s) noexcept {
     if (wait.is_open()) (void)wait.release();  // deregisters; output_ keeps the descriptor
 }
 
-awaitable<std::size_t> ProcessBackend::output_ready(output_stream s) {
-    const int fd = output_fd(s).get();
-    if (fd < 0) co_return 0;
-    int avail = 0;
-    if (::ioctl(fd, FIONREAD, &avail) == 0 && avail > 0) {
-        // Bytes are there already (a streaming command): no readiness wait, which costs an
-        // epoll_ctl and a turn of the reactor per frame. One turn of the executor instead, so
-        // that the connection's writes run between this stream's reads.
-        co_await net::post(co_await net::this_coro::executor, use_awaitable);
-    } else {
-        // No buffer while idle: wait until the pipe is readable, then say how much is there.
-        if (!start_wait(s)) co_return 0;
-        auto [ec] = co_await waits_[index(s)].async_wait(net::posix::descriptor_base::wait_read,
-                                                         as_tuple_awaitable);
-        end_wait(s);
-        if (ec) co_return 0;
-    }
-    co_return readable_now(s);
-}
-
 void ProcessBackend::notify_output_ready(output_stream s, std::shared_ptr<ChannelEvents> to) {
-    // As output_ready(), with a handler of a few words in place of two coroutine frames.
+    // A handler of a few words while the channel waits, no coroutine frame. Bytes already
+    // there (a streaming command): no readiness wait, which costs an epoll_ctl and a turn of
+    // the reactor per frame; one turn of the executor instead, so that the connection's writes
+    // run between this stream's reads. No buffer while idle: wait until the pipe is readable.
     auto& wait = waits_[index(s)];
     const int fd = output_fd(s).get();
     int avail = 0;
@@ -240,23 +222,6 @@ void ProcessBackend::resize(std::uint16_t cols, std::uint16_t rows) {
     ::ioctl(master, TIOCSWINSZ, &ws);
 }
 
-awaitable<ChannelExit> ProcessBackend::wait_exit() {
-    ChannelExit exit;
-    auto [ec, n] = co_await net::async_read_until(
-        status_, net::dynamic_buffer(status_line_, max_status_line), '\n', as_tuple_awaitable);
-    if (ec && n == 0) {
-        // EOF with no line (the channel could not be set up, or its init was killed), or a
-        // line too long to be one.
-        if (ec != net::error::eof && !status_line_.empty()) exit.error = invalid_status;
-        status_line_ = std::string();
-    } else {
-        exit = parse_status_line(std::string_view(status_line_).substr(0, n - 1));
-        status_line_.erase(0, n);  // what came after it belongs to the "end" line
-    }
-    add_limit(exit);
-    co_return exit;
-}
-
 void ProcessBackend::notify_exit(std::shared_ptr<ChannelEvents> to) {
     status_.async_wait(net::posix::descriptor_base::wait_read,
                        [this, to = std::move(to)](const beast::error_code& ec) mutable {
@@ -265,8 +230,8 @@ void ProcessBackend::notify_exit(std::shared_ptr<ChannelEvents> to) {
 }
 
 void ProcessBackend::read_status(std::shared_ptr<ChannelEvents> to, const beast::error_code& ec) {
-    // The same outcomes as wait_exit()'s read: a line, EOF before one (no error unless a
-    // partial line meets a read error) or a line too long to be one.
+    // A line, EOF before one (no error unless a partial line meets a read error) or a line
+    // too long to be one.
     ChannelExit exit;
     if (ec) {
         if (!status_line_.empty()) exit.error = invalid_status;
@@ -305,13 +270,6 @@ void ProcessBackend::read_status(std::shared_ptr<ChannelEvents> to, const beast:
 
 void ProcessBackend::add_limit(ChannelExit& exit) {
     if (resources_) exit.limit = resources_->limit_hit(exit.signal);
-}
-
-awaitable<void> ProcessBackend::wait_gone() {
-    // The channel's init kills what is left of its namespace and exits; it is the lease
-    // supervisor's child, which reaps it.
-    co_await pidfd_.async_wait(net::posix::descriptor_base::wait_read, as_tuple_awaitable);
-    gone_ = true;
 }
 
 void ProcessBackend::notify_gone(std::shared_ptr<ChannelEvents> to) {
@@ -369,28 +327,6 @@ std::optional<bool> ProcessBackend::take_end_line() {
         }
         status_line_.append(chunk, static_cast<std::size_t>(n));
     }
-}
-
-awaitable<bool> ProcessBackend::read_end_line() {
-    for (;;) {
-        if (const std::optional<bool> end = take_end_line()) co_return *end;
-        auto [ec] = co_await status_.async_wait(net::posix::descriptor_base::wait_read,
-                                                as_tuple_awaitable);
-        if (ec) co_return false;
-    }
-}
-
-awaitable<bool> ProcessBackend::wait_ended() {
-    using namespace net::experimental::awaitable_operators;
-    if (status_.is_open()) {
-        // Whichever comes first: a killed init writes no "end", and its pidfd then decides.
-        auto first = co_await (read_end_line() ||
-                               pidfd_.async_wait(net::posix::descriptor_base::wait_read,
-                                                 as_tuple_awaitable));
-        if (first.index() == 0 && std::get<0>(first)) co_return false;
-    }
-    co_await wait_gone();
-    co_return true;
 }
 
 ProcessEnds ProcessBackend::release_for_test() {

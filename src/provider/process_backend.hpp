@@ -60,7 +60,6 @@ public:
 
     bool has_output(output_stream stream) const noexcept override;
     bool has_stdin() const noexcept override { return stdin_.is_open(); }
-    awaitable<std::size_t> output_ready(output_stream stream) override;
     std::optional<std::size_t> read_output(output_stream stream, std::span<char> into) override;
     /// The stream's pipe for splice(2); -1 under a PTY (a terminal is no pipe) or once ended.
     int output_pipe(output_stream stream) noexcept override;
@@ -70,10 +69,6 @@ public:
     void signal_all(int sig) noexcept override;
     void kill() noexcept override;
     void resize(std::uint16_t cols, std::uint16_t rows) override;
-    awaitable<ChannelExit> wait_exit() override;
-    awaitable<void> wait_gone() override;
-    /// The init's "end" line, or the pidfd when it comes first (or the line does not come).
-    awaitable<bool> wait_ended() override;
     /// Readiness waits on the descriptors themselves: no coroutine frame while a channel waits.
     void notify_output_ready(output_stream stream, std::shared_ptr<ChannelEvents> to) override;
     void notify_exit(std::shared_ptr<ChannelEvents> to) override;
@@ -115,8 +110,6 @@ private:
     /// there, false when anything else or EOF comes (the pidfd decides then), nullopt when the
     /// rest is still to come.
     std::optional<bool> take_end_line();
-    /// wait_ended()'s read of the "end" line: take_end_line() until it knows.
-    awaitable<bool> read_end_line();
     /// Adds the limit that ended the channel (when its resources know one).
     void add_limit(ChannelExit& exit);
 

@@ -1,6 +1,5 @@
 /// @file provider.cpp
-/// The Provider interface's defaults that are coroutines, and ChannelBackend's callback forms
-/// over its awaitables.
+/// The Provider interface's defaults that are coroutines.
 
 #include <sandboxd/core/net.hpp>
 
@@ -10,22 +9,6 @@
 
 namespace sandboxd {
 namespace {
-
-// The awaitable forms never throw; the backend outlives the call because `to` (its Channel)
-// owns it.
-awaitable<void> report_output_ready(ChannelBackend* backend, output_stream stream,
-                                    std::shared_ptr<ChannelEvents> to) {
-    to->output_ready(stream, co_await backend->output_ready(stream));
-}
-
-awaitable<void> report_exit(ChannelBackend* backend, std::shared_ptr<ChannelEvents> to) {
-    to->exited(co_await backend->wait_exit());
-}
-
-awaitable<void> report_gone(ChannelBackend* backend, std::shared_ptr<ChannelEvents> to) {
-    co_await backend->wait_gone();
-    to->gone();
-}
 
 /// A host method the provider does not implement: INVALID_PARAMS naming it (protocol
 /// section 2).
@@ -37,21 +20,6 @@ awaitable<void> report_gone(ChannelBackend* backend, std::shared_ptr<ChannelEven
 }
 
 }  // namespace
-
-void ChannelBackend::notify_output_ready(output_stream stream, std::shared_ptr<ChannelEvents> to) {
-    auto executor = to->events_executor();
-    net::co_spawn(executor, report_output_ready(this, stream, std::move(to)), net::detached);
-}
-
-void ChannelBackend::notify_exit(std::shared_ptr<ChannelEvents> to) {
-    auto executor = to->events_executor();
-    net::co_spawn(executor, report_exit(this, std::move(to)), net::detached);
-}
-
-void ChannelBackend::notify_gone(std::shared_ptr<ChannelEvents> to) {
-    auto executor = to->events_executor();
-    net::co_spawn(executor, report_gone(this, std::move(to)), net::detached);
-}
 
 awaitable<std::shared_ptr<SandboxHandle>> Provider::resume(Lease lease) {
     // Built-in providers keep nothing outside the process that made the sandbox: fail closed.

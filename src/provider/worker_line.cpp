@@ -1,6 +1,7 @@
 #include "provider/worker_line.hpp"
 
 #include <sandboxd/core/json_limits.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
 
 namespace sandboxd {
 
@@ -17,17 +18,13 @@ WorkerLine parse_worker_line(std::string_view line) {
         out.message = nullptr;
         return out;
     }
-    const json& msg = out.message;
-    const bool has_method = msg.contains("method") && msg["method"].is_string();
-    const bool has_id = msg.contains("id") && !msg["id"].is_null();
-    if (!has_method && msg.contains("id") && (msg.contains("result") || msg.contains("error"))) {
-        out.kind = worker_line_kind::response;
-    } else if (has_method && has_id) {
-        out.kind = worker_line_kind::request;
-    } else if (has_method && !msg.contains("id")) {
-        out.kind = worker_line_kind::notification;
-    } else {
-        out.kind = worker_line_kind::invalid;
+    switch (jsonrpc::classify_strict(out.message)) {
+        case jsonrpc::message_kind::response: out.kind = worker_line_kind::response; break;
+        case jsonrpc::message_kind::request: out.kind = worker_line_kind::request; break;
+        case jsonrpc::message_kind::notification:
+            out.kind = worker_line_kind::notification;
+            break;
+        case jsonrpc::message_kind::invalid: out.kind = worker_line_kind::invalid; break;
     }
     return out;
 }

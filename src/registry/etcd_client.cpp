@@ -555,6 +555,48 @@ awaitable<beast::error_code> open_stream(std::optional<ConnStream>& stream, Endp
 
 }  // namespace
 
+namespace {
+
+/// Hands each whole line of `pending` (a watch stream's newline-delimited messages) to
+/// `on_message`, leaving a partial line in `pending`. True once a message says the watch was
+/// canceled (the watch ends); throws as the stream's failures do (ETCD_UNAVAILABLE, the
+/// status of an error message).
+bool deliver_watch_lines(std::string& pending, const std::string& op, const std::string& url,
+                         const std::function<void(const WatchMessage&)>& on_message) {
+    for (auto nl = pending.find('\n'); nl != std::string::npos; nl = pending.find('\n')) {
+        const std::string line = pending.substr(0, nl);
+        pending.erase(0, nl + 1);
+        if (line.find_first_not_of(" \r\t") == std::string::npos) continue;
+        json message;
+        try {
+            message = parse_json(line);
+        } catch (const json::exception&) {
+            throw_unavailable(op, url + "/v3/watch: malformed message");
+        }
+        if (auto e = message.find("error"); e != message.end() && e->is_object()) {
+            throw_status(e->value("http_code", 500),
+                         json{{"code", e->value("grpc_code", 0)},
+                              {"message", e->value("message", std::string())}},
+                         "watch");
+        }
+        auto r = message.find("result");
+        if (r == message.end() || !r->is_object()) {
+            throw_unavailable(op, url + "/v3/watch: message without a result");
+        }
+        WatchMessage decoded;
+        try {
+            decoded = decode_watch_message(*r);
+        } catch (const std::invalid_argument& e) {
+            throw_unavailable(op, url + "/v3/watch: " + e.what());
+        }
+        on_message(decoded);
+        if (decoded.canceled) return true;
+    }
+    return false;
+}
+
+}  // namespace
+
 awaitable<void> Client::watch(std::string op, std::string prefix, std::int64_t start_revision,
                               std::function<void(const WatchMessage&)> on_message) {
     using namespace net::experimental::awaitable_operators;
@@ -614,35 +656,7 @@ awaitable<void> Client::watch(std::string op, std::string prefix, std::int64_t s
 
         // The stream: newline-delimited JSON messages inside chunks, until it ends.
         for (;;) {
-            for (auto nl = pending.find('\n'); nl != std::string::npos; nl = pending.find('\n')) {
-                const std::string line = pending.substr(0, nl);
-                pending.erase(0, nl + 1);
-                if (line.find_first_not_of(" \r\t") == std::string::npos) continue;
-                json message;
-                try {
-                    message = parse_json(line);
-                } catch (const json::exception&) {
-                    throw_unavailable(op, ep.url + "/v3/watch: malformed message");
-                }
-                if (auto e = message.find("error"); e != message.end() && e->is_object()) {
-                    throw_status(e->value("http_code", 500),
-                                 json{{"code", e->value("grpc_code", 0)},
-                                      {"message", e->value("message", std::string())}},
-                                 "watch");
-                }
-                auto r = message.find("result");
-                if (r == message.end() || !r->is_object()) {
-                    throw_unavailable(op, ep.url + "/v3/watch: message without a result");
-                }
-                WatchMessage decoded;
-                try {
-                    decoded = decode_watch_message(*r);
-                } catch (const std::invalid_argument& e) {
-                    throw_unavailable(op, ep.url + "/v3/watch: " + e.what());
-                }
-                on_message(decoded);
-                if (decoded.canceled) co_return;
-            }
+            if (deliver_watch_lines(pending, op, ep.url, on_message)) co_return;
             if (parser.is_done()) co_return;
             auto [ec, bytes] =
                 co_await http::async_read_some(*stream, buffer, parser, as_tuple_awaitable);

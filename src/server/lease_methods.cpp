@@ -5,6 +5,7 @@
 
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/jsonrpc.hpp>
+#include <sandboxd/core/offload.hpp>
 #include <sandboxd/core/utf8.hpp>
 
 #include <chrono>
@@ -145,7 +146,8 @@ awaitable<MethodReply> lease_get(Connection& c, MethodCall& call, methods::Lease
             if (e.code() != errc::owner_unavailable && e.code() != errc::owner_elsewhere) throw;
         }
     }
-    attach_usage(node, lease);
+    // usage() reads the sandbox's cgroup files and statvfs: off the connection's strand.
+    co_await offload(node.blocking, [&node, &lease] { attach_usage(node, lease); });
     co_return MethodReply{to_json(lease), {}};
 }
 

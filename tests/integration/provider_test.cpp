@@ -9,6 +9,7 @@
 // ChannelBackend interface itself is driven by the "process backend" cases.
 
 #include <sandboxd/core/errors.hpp>
+#include <sandboxd/provider/awaitable_channel.hpp>
 #include <sandboxd/provider/provider.hpp>
 
 #include "provider/bwrap_config.hpp"
@@ -581,7 +582,7 @@ awaitable<void> read_stream(ChannelBackend* backend, output_stream stream,
                             std::shared_ptr<BackendRun> run) {
     auto& into = stream == output_stream::err ? run->err : run->out;
     for (;;) {
-        const std::size_t avail = co_await backend->output_ready(stream);
+        const std::size_t avail = co_await output_ready(*backend, stream);
         if (avail == 0) co_return;
         std::string buf(avail, '\0');
         const auto n = backend->read_output(stream, buf);
@@ -597,9 +598,9 @@ awaitable<void> drive_backend(ChannelBackend* backend, std::string input,
         run->stdin_taken = co_await backend->write_stdin(std::move(input));
         backend->close_stdin();
     }
-    run->exit = co_await (backend->wait_exit() && read_stream(backend, output_stream::out, run) &&
+    run->exit = co_await (wait_exit(*backend) && read_stream(backend, output_stream::out, run) &&
                           read_stream(backend, output_stream::err, run));
-    co_await backend->wait_gone();
+    co_await wait_gone(*backend);
 }
 
 /// Opens `spec`, writes `input` to its stdin, reads both streams to their end and waits for
@@ -895,7 +896,7 @@ TEST_CASE("process backend: its callback forms report what its awaitables do, wi
     CHECK(open_fd_count() == fds_before);
 }
 
-TEST_CASE("process backend: wait_ended() completes at the init's \"end\" line, or with its pidfd",
+TEST_CASE("process backend: notify_gone() reports ended() at the init's \"end\" line, or gone() with its pidfd",
           "[provider]") {
     const int fds_before = open_fd_count();
     {
@@ -904,14 +905,15 @@ TEST_CASE("process backend: wait_ended() completes at the init's \"end\" line, o
         PipeBackend pipes(io);
         auto& backend = *pipes.backend;
         std::optional<ChannelExit> exit;
-        std::optional<bool> gone_at_end;  // wait_ended()'s answer
+        std::optional<bool> gone_at_end;  // GoneWait::ended()'s answer
         bool gone = false;
         boost::asio::co_spawn(
             io,
             [&]() -> sandboxd::awaitable<void> {
-                exit = co_await backend.wait_exit();
-                gone_at_end = co_await backend.wait_ended();
-                if (!*gone_at_end) co_await backend.wait_gone();
+                exit = co_await wait_exit(backend);
+                GoneWait end;
+                gone_at_end = co_await end.ended(backend);
+                if (!*gone_at_end) co_await end.gone(backend);
                 gone = true;
             },
             boost::asio::detached);

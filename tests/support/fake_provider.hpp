@@ -16,6 +16,8 @@
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/provider/provider.hpp>
 
+#include <boost/asio/post.hpp>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -43,8 +45,11 @@ public:
     bool has_output(output_stream) const noexcept override { return true; }
     bool has_stdin() const noexcept override { return true; }
 
-    awaitable<std::size_t> output_ready(output_stream stream) override {
-        co_return pending(stream).size();
+    void notify_output_ready(output_stream stream, std::shared_ptr<ChannelEvents> to) override {
+        auto executor = to->events_executor();
+        boost::asio::post(executor, [this, stream, to = std::move(to)] {
+            to->output_ready(stream, pending(stream).size());
+        });
     }
     std::optional<std::size_t> read_output(output_stream stream, std::span<char> into) override {
         auto& bytes = pending(stream);
@@ -64,8 +69,14 @@ public:
     void signal_all(int sig) noexcept override { signals.push_back(sig); }
     void kill() noexcept override { killed = true; }
     void resize(std::uint16_t cols, std::uint16_t rows) override { size_ = PtySize{cols, rows}; }
-    awaitable<ChannelExit> wait_exit() override { co_return exit_; }
-    awaitable<void> wait_gone() override { co_return; }
+    void notify_exit(std::shared_ptr<ChannelEvents> to) override {
+        auto executor = to->events_executor();
+        boost::asio::post(executor, [this, to = std::move(to)] { to->exited(exit_); });
+    }
+    void notify_gone(std::shared_ptr<ChannelEvents> to) override {
+        auto executor = to->events_executor();
+        boost::asio::post(executor, [to = std::move(to)] { to->gone(); });
+    }
 
     std::optional<PtySize> size_for_test() const { return size_; }
 

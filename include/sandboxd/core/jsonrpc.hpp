@@ -26,6 +26,10 @@ using json = nlohmann::json;
 
 /// `{"jsonrpc":"2.0","id":id,"method":method,"params":params}`, serialized.
 std::string request(const json& id, std::string_view method, json params);
+/// request() with one member more at the top level, `name`: `value` (a plugin worker's
+/// `paperclipInvocation`, docs/plugins.md).
+std::string request(const json& id, std::string_view method, json params, std::string_view name,
+                    json value);
 /// A request a node forwards to the lease's owner for a host (docs/protocol.md section 6):
 /// request() plus `"forwardedFor": forwarded_for`; a notification when `id` is null.
 std::string forwarded_request(const json& id, std::string_view method, json params,
@@ -60,6 +64,21 @@ struct Invalid {
     json id;
     rpc_error error;
 };
+
+/// What a received JSON-RPC message is, by its members.
+enum class message_kind : std::uint8_t { request, notification, response, invalid };
+
+/// The rule for a message from a server (a peer link's, the client's; parse_message()): not an
+/// object, or a non-string `method`: invalid; no `method`: a response when it has an `id`
+/// (whatever else it holds), else invalid; a string `method`: a request when it has an `id`
+/// (null too), else a notification.
+message_kind classify(const json& message);
+
+/// The strict rule, for a peer that must follow JSON-RPC 2.0 to the letter (a plugin worker's
+/// line, docs/plugins.md): a response has no string `method`, an `id` and a `result` or an
+/// `error`; a request has a string `method` and a non-null `id`; a notification has a string
+/// `method` and no `id`; anything else (not an object too) is invalid.
+message_kind classify_strict(const json& message);
 
 /// Classifies a text message received by a server. Returns the Request, or Invalid with the
 /// protocol's error: INVALID_REQUEST when the text is over `max_size` bytes, a batch, not an

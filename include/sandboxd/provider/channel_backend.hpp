@@ -8,20 +8,24 @@
 /// credit window that stdout and stderr share, the stdin window, FLOW_CONTROL errors) and the
 /// exit-after-output rule belong to the daemon's Channel (src/server/channel.hpp), which drives
 /// every backend the same way:
-///  - one output pump per stream that has_output(): output_ready() (in its callback form,
-///    notify_output_ready()), then read_output() at most as many bytes as its window allows,
-///    until the stream reports 0;
+///  - one output pump per stream that has_output(): notify_output_ready(), then
+///    read_output() at most as many bytes as its window allows, until the stream reports 0;
 ///  - one stdin pump: write_stdin() one chunk at a time, each awaited before the next (the
 ///    backpressure), then close_stdin() when the host half-closes;
-///  - wait_exit() once, then wait_gone() once (notify_exit(), notify_gone()); the exit is sent
-///    after every output pump ended.
+///  - notify_exit() once, then notify_gone() once; the exit is sent after every output pump
+///    ended.
+///
+/// Each operation has one form. The waits are callbacks (ChannelEvents), so that a channel
+/// that merely waits holds a pending readiness wait and no coroutine frame (issue 19: a held
+/// channel cost about 5 KiB of frames; 10,000 held channels fit in 64 MiB). A caller that
+/// drives a backend from a coroutine (leaseExecute) awaits them through the adapters of
+/// awaitable_channel.hpp.
 ///
 /// Threading: a backend is bound to the executor its provider's open() was awaited on (a
 /// strand, or a single-threaded io_context). Every call, and the destructor, must run on that
-/// executor. Calls of different kinds may be outstanding at the same time (an output_ready()
-/// per stream, one write_stdin(), one wait_exit() or wait_gone()); two calls of the same kind
-/// at once are not allowed (a notify_*() call counts as its awaitable's kind). No call blocks
-/// the thread.
+/// executor. Calls of different kinds may be outstanding at the same time (a
+/// notify_output_ready() per stream, one write_stdin(), one notify_exit() or notify_gone());
+/// two calls of the same kind at once are not allowed. No call blocks the thread.
 
 #include <sandboxd/core/async.hpp>
 #include <sandboxd/core/errors.hpp>
@@ -70,12 +74,14 @@ public:
     virtual ~ChannelEvents() = default;
     /// The executor that the backend is bound to (a strand), where the callbacks run.
     virtual boost::asio::any_io_executor events_executor() const = 0;
-    /// What output_ready(`stream`) would have returned: at least 1 byte to read, or 0 once
-    /// the stream has ended.
+    /// notify_output_ready(`stream`)'s answer: the number of bytes that read_output() can
+    /// return now (at least 1, possibly an underestimate), or 0 once the stream has ended
+    /// (every byte read; EOF).
     virtual void output_ready(output_stream stream, std::size_t bytes) = 0;
-    /// What wait_exit() would have returned.
+    /// notify_exit()'s answer: how the command's main process ended.
     virtual void exited(ChannelExit exit) = 0;
-    /// wait_gone() would have completed: every process of the channel is gone.
+    /// notify_gone()'s answer: every process of the channel is gone (the output streams end at
+    /// the latest then).
     virtual void gone() = 0;
     /// An early notice after exited() and before gone(), from a backend that can tell: no
     /// process of the channel's command is left (its init alone remains, on its way out, and
@@ -104,10 +110,6 @@ public:
         return true;
     }
 
-    /// Completes when `stream` has bytes to read or has ended: the number of bytes that
-    /// read_output() can return now (at least 1, possibly an underestimate), or 0 once the
-    /// stream has ended (every byte read; EOF). Never throws.
-    virtual awaitable<std::size_t> output_ready(output_stream stream) = 0;
     /// Reads up to `into.size()` bytes of `stream` without waiting. Returns the number read
     /// (0: nothing right now, wait again), or nullopt once the stream has ended.
     virtual std::optional<std::size_t> read_output(output_stream stream,
@@ -146,36 +148,20 @@ public:
     /// rpc_error(errc::invalid_params) when the command has no PTY.
     virtual void resize(std::uint16_t cols, std::uint16_t rows) = 0;
 
-    /// Completes once the command's main process has ended, with how; at most once. Never
-    /// throws.
-    virtual awaitable<ChannelExit> wait_exit() = 0;
-    /// Completes once every process of the channel is gone (after wait_exit(); the output
-    /// streams end at the latest then). Never throws.
-    virtual awaitable<void> wait_gone() = 0;
-    /// ChannelEvents::ended()'s awaitable form, for a caller that needs no more than that the
-    /// command's processes are gone (leaseExecute's answer): after wait_exit(), completes once
-    /// no process of the command is left. Returns true when wait_gone()'s moment has come too
-    /// (the backend could not tell earlier; wait_gone() must not be called then), false when
-    /// only the channel's init remains, on its way out: the caller then keeps the backend
-    /// until wait_gone() completes (destroying it earlier kills the init and throws away the
-    /// channel's cgroup, which the lease would otherwise use again). At most once, instead of
-    /// a direct wait_gone(). Never throws. The default awaits wait_gone().
-    virtual awaitable<bool> wait_ended() {
-        co_await wait_gone();
-        co_return true;
-    }
-
-    /// Callback forms of output_ready(), wait_exit() and wait_gone(), with the same rules:
-    /// `to` gets the result once, on its events_executor(). The daemon's Channel uses only
-    /// these, so that a channel that merely waits holds a pending readiness wait and no
-    /// coroutine frame (issue 19: a held channel cost about 5 KiB of frames). The defaults run
-    /// the awaitable form in a coroutine on `to`'s executor; a backend that can wait for
-    /// readiness without one (the process backend) overrides them. Never throw (bad_alloc
-    /// aside).
-    virtual void notify_output_ready(output_stream stream, std::shared_ptr<ChannelEvents> to);
-    virtual void notify_exit(std::shared_ptr<ChannelEvents> to);
-    /// May also call `to`->ended() first (once, on the same executor), as ChannelEvents says.
-    virtual void notify_gone(std::shared_ptr<ChannelEvents> to);
+    /// Reports, once, to `to`->output_ready() when `stream` has bytes to read or has ended.
+    /// Never throws (bad_alloc aside).
+    virtual void notify_output_ready(output_stream stream, std::shared_ptr<ChannelEvents> to) = 0;
+    /// Reports, once, to `to`->exited() when the command's main process has ended, with how.
+    /// At most once per backend. Never throws (bad_alloc aside).
+    virtual void notify_exit(std::shared_ptr<ChannelEvents> to) = 0;
+    /// Reports, once, to `to`->gone() when every process of the channel is gone (after
+    /// notify_exit() reported). A backend that can tell calls `to`->ended() first, once no
+    /// process of the command is left (ChannelEvents::ended()): a caller that needs no more
+    /// than that (leaseExecute's answer) may go on then, but keeps the backend until gone()
+    /// (destroying it earlier kills the channel's init and throws away the channel's cgroup,
+    /// which the lease would otherwise use again). At most once per backend. Never throws
+    /// (bad_alloc aside).
+    virtual void notify_gone(std::shared_ptr<ChannelEvents> to) = 0;
 };
 
 }  // namespace sandboxd

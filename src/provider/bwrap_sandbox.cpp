@@ -1,0 +1,102 @@
+/// @file bwrap_sandbox.cpp
+/// A bubblewrap sandbox's teardown (bwrap_sandbox.hpp): ending its supervisor and bubblewrap,
+/// its cgroups and its workspace mount.
+
+#include "provider/bwrap_provider_impl.hpp"
+
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/net.hpp>
+#include <sandboxd/core/offload.hpp>
+#include <sandboxd/core/scope_exit.hpp>
+#include <sandboxd/provider/provider.hpp>
+
+#include "init/supervisor_protocol.hpp"
+#include "provider/bwrap_config.hpp"
+#include "provider/cgroups.hpp"
+#include "provider/identity_pool.hpp"
+#include "provider/lease_disk.hpp"
+#include "provider/node_budget.hpp"
+#include "provider/process_backend.hpp"
+#include "provider/seccomp_filter.hpp"
+#include "provider/spawn.hpp"
+
+#include <spdlog/spdlog.h>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <string_view>
+#include <system_error>
+#include <utility>
+
+#ifndef SANDBOXD_LIBEXECDIR
+#define SANDBOXD_LIBEXECDIR "/usr/libexec/sandboxd"  // NOLINT(cppcoreguidelines-macro-usage)
+#endif
+
+namespace sandboxd::bwrap {
+
+void BwrapSandbox::shutdown(bool unmount) noexcept {
+    std::lock_guard lock(mutex);
+    socket.reset();  // the supervisor exits, and with it the lease's PID namespace
+    if (pid > 0) {
+        // The supervisor dies first, so that bubblewrap (its parent, which exits once it
+        // has reaped it) is never killed under it: a supervisor that outlived bubblewrap
+        // would be re-parented out of the daemon's tree (to the host's init) as an orphan.
+        if (supervisor_pidfd) {
+            ::syscall(SYS_pidfd_send_signal, supervisor_pidfd.get(), SIGKILL, nullptr, 0);
+            supervisor_pidfd.reset();
+        }
+        pollfd p{pidfd.get(), POLLIN, 0};
+        if (::poll(&p, 1, bwrap_exit_grace_ms) != 1) {
+            ::syscall(SYS_pidfd_send_signal, pidfd.get(), SIGKILL, nullptr, 0);
+        }
+        while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+        }
+        pid = -1;
+    }
+    spare_cgroups.clear();  // emptied ones: removed, not killed
+    if (cgroup) cgroup->kill();  // whatever is left (a sandbox whose bubblewrap is gone)
+    // A sandbox dropped without a teardown (the daemon stops): nothing can use it again
+    // in this process, so its loop device and mount go now; a later teardown removes
+    // the rest.
+    if (unmount && !workspace.empty()) ::umount2(workspace.c_str(), MNT_DETACH);
+}
+
+BwrapSandbox::~BwrapSandbox() {
+    if (!lane) {
+        shutdown(true);
+        return;
+    }
+    auto rest = std::make_shared<BwrapSandbox>();  // no lane: ends them where it is dropped
+    {
+        std::lock_guard lock(mutex);
+        rest->workspace = std::move(workspace);
+        rest->pid = std::exchange(pid, -1);
+        rest->pidfd = std::move(pidfd);
+        rest->socket = std::move(socket);
+        rest->supervisor_pidfd = std::move(supervisor_pidfd);
+        rest->cgroup = std::move(cgroup);
+        rest->spare_cgroups = std::move(spare_cgroups);
+    }
+    lane->run([rest = std::move(rest)]() mutable { rest.reset(); });
+}
+
+}  // namespace sandboxd::bwrap
