@@ -38,11 +38,13 @@ struct MuxRig {
     explicit MuxRig(ChannelOptions options = channel_options()) : rig(std::move(options)) {}
 
     /// The route of a channel relayed over `node`'s unconnected link as `remote_id`.
-    ChannelMux::Relayed route(Node& node, std::uint32_t remote_id) {
-        ChannelMux::Relayed r;
-        r.link = unconnected_link(node, rig.strand);
-        r.remote_id = remote_id;
-        return r;
+    ChannelMux::Relayed route(Node& node, std::uint32_t remote_id, std::uint64_t stdin_window = 0) {
+        return {.link = unconnected_link(node, rig.strand),
+                .remote_id = remote_id,
+                .forwarded_for = nlohmann::json::object(),
+                .stdin_window = stdin_window,
+                .stdin_outstanding = 0,
+                .stdin_overrun = false};
     }
     void apply(const std::string& frame) {
         rig.run([&] { mux.apply_frame(frame); });
@@ -210,9 +212,7 @@ TEST_CASE("A relay forwards stdin up to the owner's window and one frame beyond 
           "[mux][relay]") {
     Node node;
     MuxRig m;
-    auto route = m.route(node, 60);
-    route.stdin_window = 10;
-    m.mux.opened(6, std::move(route));
+    m.mux.opened(6, m.route(node, 60, /*stdin_window=*/10));
     m.apply(encode_data(6, stream_id::stdin_, "123456"));
     CHECK(m.mux.relayed(6)->stdin_outstanding == 6);
     // The owner's stdin credit comes back through the relay and reaches the host.
@@ -252,9 +252,12 @@ TEST_CASE("A connection gives its relays back to the node's count when it goes",
     {
         ChannelMux mux(*rig.sink, max_payload, "test-peer", nullptr, &node_relays);
         mux.opening(7);
-        ChannelMux::Relayed r;
-        r.link = unconnected_link(node, rig.strand);
-        mux.opened(8, std::move(r));
+        mux.opened(8, {.link = unconnected_link(node, rig.strand),
+                       .remote_id = 80,
+                       .forwarded_for = nlohmann::json::object(),
+                       .stdin_window = 0,
+                       .stdin_outstanding = 0,
+                       .stdin_overrun = false});
         CHECK(node_relays.load() == 7);
     }
     CHECK(node_relays.load() == 5);

@@ -24,6 +24,7 @@ namespace {
 
 /// Takes whatever the peer sends (never called here: nothing is read).
 struct NullReceiver final : Transport::Receiver {
+    virtual ~NullReceiver() = default;  // Receiver's own is protected: never deleted through it
     awaitable<void> on_text(std::string_view) override { co_return; }
     std::optional<websocket::close_reason> on_binary(std::string_view) override {
         return std::nullopt;
