@@ -43,6 +43,8 @@ public:
         ~Receiver() = default;
         Receiver(const Receiver&) = default;
         Receiver& operator=(const Receiver&) = default;
+        Receiver(Receiver&&) = default;
+        Receiver& operator=(Receiver&&) = default;
     };
 
     /// Takes the stream (plain TCP, or TLS after its handshake) of a connection whose HTTP
@@ -52,6 +54,7 @@ public:
     /// refused room (send_budget.hpp).
     Transport(ConnStream stream, const LimitsConfig& limits, SendBudget* budget = nullptr,
               bool exempt = false);
+    ~Transport() = default;
     Transport(const Transport&) = delete;
     Transport& operator=(const Transport&) = delete;
 

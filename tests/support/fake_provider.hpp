@@ -12,7 +12,10 @@
 // FakeChannelBackend follows include/sandboxd/provider/channel_backend.hpp for a command that has
 // already written `out`/`err` and ended with `exit`: its output streams hold those bytes
 // and then end, stdin is collected in `stdin_bytes` until close_stdin(), and signals are
-// recorded. Single-threaded like every backend (the executor of the open()).
+// recorded. A test that drives a channel step by step makes it running() instead, and plays
+// the command with write(), end_output() and finish(); the callback forms (notify_*()) report
+// on the ChannelEvents' executor, never inside the call, as the contract says. Single-threaded
+// like every backend (the executor of the open()).
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/provider/provider.hpp>
 
@@ -21,10 +24,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace sandboxd::test {
@@ -36,6 +41,15 @@ public:
           err_(std::move(err)),
           exit_(std::move(exit)),
           stdin_open_(stdin_open) {}
+
+    /// A command still running: nothing written yet, both streams open, no exit until
+    /// finish().
+    static std::unique_ptr<FakeChannelBackend> running() {
+        auto b = std::make_unique<FakeChannelBackend>("", "", ChannelExit{});
+        b->open_[0] = b->open_[1] = true;
+        b->exited_ = false;
+        return b;
+    }
 
     std::string stdin_bytes;    ///< every byte written to stdin, in order
     bool stdin_closed = false;  ///< close_stdin() was called
@@ -53,7 +67,10 @@ public:
     }
     std::optional<std::size_t> read_output(output_stream stream, std::span<char> into) override {
         auto& bytes = pending(stream);
-        if (bytes.empty()) return std::nullopt;
+        if (bytes.empty()) {
+            if (open(stream)) return 0;
+            return std::nullopt;
+        }
         const auto n = std::min(bytes.size(), into.size());
         std::memcpy(into.data(), bytes.data(), n);
         bytes.erase(0, n);
@@ -78,16 +95,97 @@ public:
         boost::asio::post(executor, [to = std::move(to)] { to->gone(); });
     }
 
+    void notify_output_ready(output_stream stream, std::shared_ptr<ChannelEvents> to) override {
+        waiter(stream) = std::move(to);
+        report_output(stream);
+    }
+    void notify_exit(std::shared_ptr<ChannelEvents> to) override {
+        exit_waiter_ = std::move(to);
+        report_end();
+    }
+    void notify_gone(std::shared_ptr<ChannelEvents> to) override {
+        gone_waiter_ = std::move(to);
+        report_end();
+    }
+
     std::optional<PtySize> size_for_test() const { return size_; }
+
+    // ---- playing a running() command (not part of ChannelBackend) ----
+
+    /// When set, notify_gone() reports ended() before gone() (the early notice).
+    bool report_ended = false;
+    /// The command wrote `bytes` to `stream` (still open).
+    void write(output_stream stream, std::string_view bytes) {
+        pending(stream).append(bytes);
+        report_output(stream);
+    }
+    /// The command closed `stream`: once its bytes are read, the stream has ended.
+    void end_output(output_stream stream) {
+        open(stream) = false;
+        report_output(stream);
+    }
+    /// The command's main process ended with `exit`, and every process of it is gone.
+    void finish(ChannelExit exit) {
+        exit_ = std::move(exit);
+        exited_ = true;
+        report_end();
+    }
+    /// Bytes the command wrote to `stream` that nobody has read yet.
+    std::size_t unread(output_stream stream) { return pending(stream).size(); }
+    /// Whether a notify_output_ready() of `stream` waits for bytes or the stream's end.
+    bool output_awaited(output_stream stream) { return waiter(stream) != nullptr; }
+    /// Drops the ChannelEvents still waiting for a report (a test's teardown: the channel
+    /// owns this backend, and a waiting report would keep it alive).
+    void forget_events() {
+        output_waiters_[0].reset();
+        output_waiters_[1].reset();
+        exit_waiter_.reset();
+        gone_waiter_.reset();
+    }
 
 private:
     std::string& pending(output_stream s) { return s == output_stream::out ? out_ : err_; }
+    bool& open(output_stream s) { return open_[s == output_stream::out ? 0 : 1]; }
+    std::shared_ptr<ChannelEvents>& waiter(output_stream s) {
+        return output_waiters_[s == output_stream::out ? 0 : 1];
+    }
+
+    void report_output(output_stream stream) {
+        auto& to = waiter(stream);
+        if (!to || (pending(stream).empty() && open(stream))) return;
+        const std::size_t bytes = pending(stream).size();
+        auto executor = to->events_executor();
+        boost::asio::post(executor, [to = std::move(to), stream, bytes] {
+            to->output_ready(stream, bytes);
+        });
+    }
+    void report_end() {
+        if (!exited_) return;
+        if (exit_waiter_) {
+            auto executor = exit_waiter_->events_executor();
+            boost::asio::post(executor, [to = std::move(exit_waiter_), exit = exit_] {
+                to->exited(exit);
+            });
+        }
+        if (gone_waiter_) {
+            auto executor = gone_waiter_->events_executor();
+            boost::asio::post(executor, [to = std::move(gone_waiter_), ended = report_ended] {
+                if (ended) to->ended();
+                to->gone();
+            });
+        }
+    }
 
     std::string out_;
     std::string err_;
     ChannelExit exit_;
     bool stdin_open_;
     std::optional<PtySize> size_;
+    bool open_[2] = {false, false};  ///< more bytes may come (running())
+    bool exited_ = true;             ///< the main process has ended (exit_ is its report)
+    std::shared_ptr<ChannelEvents> output_waiters_[2];
+    std::shared_ptr<ChannelEvents> exit_waiter_;
+    std::shared_ptr<ChannelEvents> gone_waiter_;
 };
 
 class FakeProvider final : public Provider {
