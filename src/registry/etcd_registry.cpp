@@ -149,7 +149,7 @@ std::string sortable(std::int64_t v) {
 // --- records -----------------------------------------------------------------------------
 
 // A lease record is a JSON object with one key per stored field of lease_fields
-// (sandboxd/lease_fields.hpp), named like the SQLite columns.
+// (sandboxd/core/lease_fields.hpp), named like the SQLite columns.
 
 json record_value(const std::string& v) { return v; }
 json record_value(lease_status v) { return std::string(to_string(v)); }

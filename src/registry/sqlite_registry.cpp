@@ -232,7 +232,7 @@ private:
     bool done_ = false;
 };
 
-/// CREATE TABLE leases, its columns from lease_fields (sandboxd/lease_fields.hpp).
+/// CREATE TABLE leases, its columns from lease_fields (sandboxd/core/lease_fields.hpp).
 const std::string& leases_table_sql() {
     static const std::string sql =
         "CREATE TABLE IF NOT EXISTS leases (\n    " + lease_column_definitions() + "\n) STRICT;";

@@ -59,12 +59,6 @@ public:
     bool has_output(output_stream) const noexcept override { return true; }
     bool has_stdin() const noexcept override { return true; }
 
-    void notify_output_ready(output_stream stream, std::shared_ptr<ChannelEvents> to) override {
-        auto executor = to->events_executor();
-        boost::asio::post(executor, [this, stream, to = std::move(to)] {
-            to->output_ready(stream, pending(stream).size());
-        });
-    }
     std::optional<std::size_t> read_output(output_stream stream, std::span<char> into) override {
         auto& bytes = pending(stream);
         if (bytes.empty()) {
@@ -86,15 +80,6 @@ public:
     void signal_all(int sig) noexcept override { signals.push_back(sig); }
     void kill() noexcept override { killed = true; }
     void resize(std::uint16_t cols, std::uint16_t rows) override { size_ = PtySize{cols, rows}; }
-    void notify_exit(std::shared_ptr<ChannelEvents> to) override {
-        auto executor = to->events_executor();
-        boost::asio::post(executor, [this, to = std::move(to)] { to->exited(exit_); });
-    }
-    void notify_gone(std::shared_ptr<ChannelEvents> to) override {
-        auto executor = to->events_executor();
-        boost::asio::post(executor, [to = std::move(to)] { to->gone(); });
-    }
-
     void notify_output_ready(output_stream stream, std::shared_ptr<ChannelEvents> to) override {
         waiter(stream) = std::move(to);
         report_output(stream);
