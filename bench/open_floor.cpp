@@ -29,8 +29,8 @@
 /// on a pipe, written once it has reaped it), not at the init's own exit: sandboxd sends a
 /// channel's exit on its init's "end" line (include/sandboxd/provider/provider.hpp), so the
 /// init's exit (its namespaces' teardown, about 1 ms here) is on no open's path; the init is
-/// reaped after the timer. Prints one JSON object for bench/run's report: p50 and p99 (ms) of each. Run as root
-/// (namespaces, mounts, cgroups). N defaults to 200; DIR to /sys/fs/cgroup.
+/// reaped after the timer. Prints one JSON object for bench/run's report: p50 and p99 (ms) of each.
+/// Run as root (namespaces, mounts, cgroups). N defaults to 200; DIR to /sys/fs/cgroup.
 ///
 /// What it leaves out is what the lease's sandbox adds once per lease (the user namespace,
 /// bubblewrap's mounts), which is not paid per channel. Its process is small, as the
@@ -40,10 +40,10 @@
 #include "provider/seccomp_filter.hpp"
 
 #include <fcntl.h>
-#include <sched.h>
-#include <spawn.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sched.h>
+#include <spawn.h>
 #include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -53,8 +53,8 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
-#include <csignal>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -71,11 +71,11 @@ constexpr std::array<const char*, 7> step_names = {"spawn",  "init",    "pid_ns"
 
 struct Setup {
     step upto = step::spawn;
-    int wake_fd = -1;              // warm: the init waits for a byte on it,
-    int ready_fd = -1;             // having written one on this
-    int done_fd = -1;              // the init's byte once its command has ended
-    std::string program;           // the seccomp filter
-    std::vector<int> join_fds;     // opened join files of the floor's own cgroups
+    int wake_fd = -1;                  // warm: the init waits for a byte on it,
+    int ready_fd = -1;                 // having written one on this
+    int done_fd = -1;                  // the init's byte once its command has ended
+    std::string program;               // the seccomp filter
+    std::vector<int> join_fds;         // opened join files of the floor's own cgroups
     std::vector<std::string> cgroups;  // the floor's own cgroups, removed at the end
 };
 

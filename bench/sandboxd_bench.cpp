@@ -149,7 +149,9 @@ json summary(std::vector<double> v) {
 double cpu_self_s() {
     rusage ru{};
     ::getrusage(RUSAGE_SELF, &ru);
-    auto tv = [](timeval t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) / 1e6; };
+    auto tv = [](timeval t) {
+        return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) / 1e6;
+    };
     return tv(ru.ru_utime) + tv(ru.ru_stime);
 }
 
@@ -191,7 +193,8 @@ struct Url {
 
 Url parse_url(const std::string& url, const std::string& cacert = "") {
     const auto parsed = sandboxd::parse_ws_url(url);  // throws sandboxd::address_error
-    return Url{parsed.endpoint.host, parsed.endpoint.port_text(), parsed.target, parsed.tls, cacert};
+    return Url{parsed.endpoint.host, parsed.endpoint.port_text(), parsed.target, parsed.tls,
+               cacert};
 }
 
 /// The stream of a connection to `u`: TLS for wss:// (verified with u.cacert).
@@ -214,7 +217,8 @@ private:
 
 /// One message from the daemon. For binary frames only the header is decoded; the payload
 /// stays in the connection's buffer (valid until the next read).
-// NOLINTNEXTLINE(bugprone-exception-escape): json's noexcept move calls assert_invariant(), which clang-tidy 14 counts as throwing
+// NOLINTNEXTLINE(bugprone-exception-escape): json's noexcept move calls assert_invariant(), which
+// clang-tidy 14 counts as throwing
 struct Msg {
     bool text = false;
     json j;
@@ -332,7 +336,9 @@ public:
             if (m.text) pending_.push_back(std::move(m));  // binary frames are not kept
         }
     }
-    json call(const std::string& method, const json& params) { return wait(send_request(method, params)); }
+    json call(const std::string& method, const json& params) {
+        return wait(send_request(method, params));
+    }
 
     /// Next message: queued ones first.
     bool next(Msg& m, bool allow_close = false) {
@@ -348,7 +354,8 @@ public:
         if (response.contains("error")) {
             const auto& e = response["error"];
             std::string reason = "ERROR";
-            if (e.contains("data") && e["data"].is_object()) reason = e["data"].value("reason", reason);
+            if (e.contains("data") && e["data"].is_object())
+                reason = e["data"].value("reason", reason);
             throw RpcError(reason, e.value("message", e.dump()));
         }
         return response.at("result");
@@ -394,7 +401,8 @@ struct Target {
     std::string token;
 };
 
-Target target_of(const Args& a, const std::string& url_key = "url", const std::string& token_key = "token-file") {
+Target target_of(const Args& a, const std::string& url_key = "url",
+                 const std::string& token_key = "token-file") {
     return Target{parse_url(a.need(url_key), a.str("cacert", "")), read_file(a.need(token_key))};
 }
 
@@ -489,10 +497,11 @@ json sequential_executes(const Target& t, const json& lease, std::size_t count) 
 
 /// `total` opens in flight at once, over `connections` connections (pipelined requests), for
 /// `rounds` rounds; each measured from its request to its exit.
-json concurrent_opens(const Target& t, const json& lease, std::size_t total, std::size_t connections,
-                      std::size_t rounds) {
+json concurrent_opens(const Target& t, const json& lease, std::size_t total,
+                      std::size_t connections, std::size_t rounds) {
     std::vector<std::unique_ptr<Conn>> conns;
-    for (std::size_t i = 0; i < connections; ++i) conns.push_back(std::make_unique<Conn>(t.url, t.token));
+    for (std::size_t i = 0; i < connections; ++i)
+        conns.push_back(std::make_unique<Conn>(t.url, t.token));
     std::mutex mu;
     std::vector<double> exit_ms, result_ms;
     std::string failure;
@@ -511,7 +520,8 @@ json concurrent_opens(const Target& t, const json& lease, std::size_t total, std
                     std::map<std::uint32_t, clock_type::time_point> started;
                     for (std::size_t i = 0; i < mine; ++i) {
                         const auto t0 = clock_type::now();
-                        sent[c.send_request("duplexChannelOpen", open_params(lease, {"true"}, false))] = t0;
+                        sent[c.send_request("duplexChannelOpen",
+                                            open_params(lease, {"true"}, false))] = t0;
                     }
                     std::size_t exits = 0;
                     std::vector<double> e_local, r_local;
@@ -528,7 +538,8 @@ json concurrent_opens(const Target& t, const json& lease, std::size_t total, std
                             auto it = started.find(m.j["params"].value("channel", 0U));
                             if (it == started.end()) continue;
                             if (m.j["params"].value("exitCode", json()) != 0) {
-                                throw std::runtime_error("`true` did not exit 0: " + m.j["params"].dump());
+                                throw std::runtime_error("`true` did not exit 0: " +
+                                                         m.j["params"].dump());
                             }
                             e_local.push_back(ms_since(it->second));
                             ++exits;
@@ -594,8 +605,8 @@ json stream_once(const Target& t, const json& lease, std::uint64_t bytes, std::u
     const double rcpu = cpu_of_pid(relay_pid) - rcpu0;
     c.close();
     if (got != bytes || exit.value("exitCode", json()) != 0) {
-        throw std::runtime_error("stream: got " + std::to_string(got) + " of " + std::to_string(bytes) +
-                                 " bytes, exit " + exit.dump());
+        throw std::runtime_error("stream: got " + std::to_string(got) + " of " +
+                                 std::to_string(bytes) + " bytes, exit " + exit.dump());
     }
     json j = {{"mb_s", static_cast<double>(bytes) / 1e6 / secs},
               {"seconds", secs},
@@ -616,10 +627,12 @@ json stdin_once(const Target& t, const json& lease, std::uint64_t bytes, long da
     const double cpu0 = cpu_self_s();
     const double dcpu0 = cpu_of_pid(daemon_pid);
     const auto t0 = clock_type::now();
-    const json result = c.call("duplexChannelOpen", open_params(lease, {"sh", "-c", "cat > /dev/null"}, true));
+    const json result =
+        c.call("duplexChannelOpen", open_params(lease, {"sh", "-c", "cat > /dev/null"}, true));
     const auto channel = result.at("channel").get<std::uint32_t>();
     const std::uint64_t window = result.value("stdinWindow", 1ULL << 20);
-    const std::uint64_t chunk = std::min({max_payload, window, static_cast<std::uint64_t>(zeros.size())});
+    const std::uint64_t chunk =
+        std::min({max_payload, window, static_cast<std::uint64_t>(zeros.size())});
     std::uint64_t sent = 0, unacked = 0;
     bool closed = false;
     json exit;
@@ -648,8 +661,10 @@ json stdin_once(const Target& t, const json& lease, std::uint64_t bytes, long da
     const double cpu = cpu_self_s() - cpu0;
     const double dcpu = cpu_of_pid(daemon_pid) - dcpu0;
     c.close();
-    if (exit.value("stdinBytes", std::uint64_t{0}) != bytes || exit.value("exitCode", json()) != 0) {
-        throw std::runtime_error("stdin: sent " + std::to_string(bytes) + " bytes, exit " + exit.dump());
+    if (exit.value("stdinBytes", std::uint64_t{0}) != bytes ||
+        exit.value("exitCode", json()) != 0) {
+        throw std::runtime_error("stdin: sent " + std::to_string(bytes) + " bytes, exit " +
+                                 exit.dump());
     }
     json j = {{"mb_s", static_cast<double>(bytes) / 1e6 / secs},
               {"seconds", secs},
@@ -676,7 +691,8 @@ json cmd_open(const Args& a) {
     const Target t = target_of(a);
     Conn c(t.url, t.token);
     const json lease = acquire(c);
-    json seq = sequential_opens(t, lease, a.num("count", 500), a.str("samples"), a.num("pause-ms", 0));
+    json seq =
+        sequential_opens(t, lease, a.num("count", 500), a.str("samples"), a.num("pause-ms", 0));
     json conc = concurrent_opens(t, lease, a.num("concurrent", 100), a.num("connections", 4),
                                  a.num("rounds", 3));
     json exec = sequential_executes(t, lease, a.num("count", 500));
@@ -686,7 +702,8 @@ json cmd_open(const Args& a) {
             {"open_p99_ms", seq["to_exit_ms"]["p99"]},
             {"execute_p50_ms", exec["p50"]},
             {"execute_p99_ms", exec["p99"]},
-            {"details", {{"open_sequential", seq}, {"open_concurrent", conc}, {"execute_sequential", exec}}}};
+            {"details",
+             {{"open_sequential", seq}, {"open_concurrent", conc}, {"execute_sequential", exec}}}};
 }
 
 /// open-ab: a paired A/B of two daemons (issue 19; bench/ab --paired): sequential opens of
@@ -747,7 +764,8 @@ json cmd_tls(const Args& a) {
     const std::size_t count = a.num("count", 500);
     Conn c(plain.url, plain.token);
     const json lease = acquire(c);
-    stream_once(tls, lease, std::min<std::uint64_t>(bytes, 32ULL << 20), window, batch, pid);  // warm-up
+    stream_once(tls, lease, std::min<std::uint64_t>(bytes, 32ULL << 20), window, batch,
+                pid);  // warm-up
     std::vector<json> plain_runs, tls_runs;
     json plain_opens, tls_opens;
     for (std::uint64_t i = 0; i < a.num("runs", 3); ++i) {
@@ -766,7 +784,10 @@ json cmd_tls(const Args& a) {
             {"plain_open_p50_ms", plain_opens["to_exit_ms"]["p50"]},
             {"details",
              {{"tls",
-               {{"stream", ts}, {"plain_stream", ps}, {"open", tls_opens}, {"plain_open", plain_opens},
+               {{"stream", ts},
+                {"plain_stream", ps},
+                {"open", tls_opens},
+                {"plain_open", plain_opens},
                 {"bytes", bytes}}}}}};
 }
 
@@ -779,16 +800,19 @@ json cmd_stream(const Args& a) {
     const long pid = static_cast<long>(a.num("pid", 0));
     Conn c(t.url, t.token);
     const json lease = acquire(c);
-    stream_once(t, lease, std::min<std::uint64_t>(bytes, 32ULL << 20), window, batch, pid);  // warm-up
+    stream_once(t, lease, std::min<std::uint64_t>(bytes, 32ULL << 20), window, batch,
+                pid);  // warm-up
     std::vector<json> runs;
-    for (std::uint64_t i = 0; i < a.num("runs", 3); ++i) runs.push_back(stream_once(t, lease, bytes, window, batch, pid));
+    for (std::uint64_t i = 0; i < a.num("runs", 3); ++i)
+        runs.push_back(stream_once(t, lease, bytes, window, batch, pid));
     c.call("leaseRelease", {{"leaseId", lease["id"]}});
     c.close();
     json s = runs_summary(runs);
     s["bytes"] = bytes;
     s["output_window"] = window;
     s["credit_batch"] = batch;
-    return {{a.str("key", "stream_mb_s"), s["median_mb_s"]}, {"details", {{a.str("key", "stream_mb_s"), s}}}};
+    return {{a.str("key", "stream_mb_s"), s["median_mb_s"]},
+            {"details", {{a.str("key", "stream_mb_s"), s}}}};
 }
 
 /// stdin: N bytes into `cat > /dev/null`.
@@ -800,7 +824,8 @@ json cmd_stdin(const Args& a) {
     const json lease = acquire(c);
     stdin_once(t, lease, std::min<std::uint64_t>(bytes, 32ULL << 20), pid);  // warm-up
     std::vector<json> runs;
-    for (std::uint64_t i = 0; i < a.num("runs", 3); ++i) runs.push_back(stdin_once(t, lease, bytes, pid));
+    for (std::uint64_t i = 0; i < a.num("runs", 3); ++i)
+        runs.push_back(stdin_once(t, lease, bytes, pid));
     c.call("leaseRelease", {{"leaseId", lease["id"]}});
     c.close();
     json s = runs_summary(runs);
@@ -813,18 +838,21 @@ json cmd_pipe(const Args& a) {
     const std::uint64_t bytes = a.num("bytes", 1ULL << 30);
     std::vector<json> runs;
     for (std::uint64_t i = 0; i < a.num("runs", 3); ++i) {
-        const std::string script = "head -c " + std::to_string(bytes) + " /dev/zero | cat > /dev/null";
+        const std::string script =
+            "head -c " + std::to_string(bytes) + " /dev/zero | cat > /dev/null";
         const char* argv[] = {"/bin/sh", "-c", script.c_str(), nullptr};
         const auto t0 = clock_type::now();
         pid_t pid = 0;
-        if (::posix_spawn(&pid, "/bin/sh", nullptr, nullptr, const_cast<char**>(argv), environ) != 0) {
+        if (::posix_spawn(&pid, "/bin/sh", nullptr, nullptr, const_cast<char**>(argv), environ) !=
+            0) {
             throw std::runtime_error("cannot spawn /bin/sh");
         }
         int status = 0;
         while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
         }
         const double secs = secs_since(t0);
-        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) throw std::runtime_error("pipe anchor failed");
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+            throw std::runtime_error("pipe anchor failed");
         runs.push_back({{"mb_s", static_cast<double>(bytes) / 1e6 / secs}, {"seconds", secs}});
     }
     json s = runs_summary(runs);
@@ -850,7 +878,8 @@ json cmd_ws_open(const Args& a) {
     ws_open_once(u);  // warm-up
     for (std::size_t i = 0; i < count; ++i) ms.push_back(ws_open_once(u));
     json s = summary(ms);
-    return {{"websocketd_open_alone_p50_ms", s["p50"]}, {"details", {{"websocketd_open_alone", s}}}};
+    return {{"websocketd_open_alone_p50_ms", s["p50"]},
+            {"details", {{"websocketd_open_alone", s}}}};
 }
 
 /// open-refused: sequential duplexChannelOpen requests on a lease of the no-op provider, each
@@ -946,7 +975,8 @@ json cmd_ws_stream(const Args& a) {
     }
     json s = runs_summary(runs);
     s["bytes"] = bytes;
-    return {{"websocketd_stream_mb_s", s["median_mb_s"]}, {"details", {{"websocketd_stream_mb_s", s}}}};
+    return {{"websocketd_stream_mb_s", s["median_mb_s"]},
+            {"details", {{"websocketd_stream_mb_s", s}}}};
 }
 
 /// hold: N channels of `sleep 600` at once over several connections; the daemon's RSS; open
@@ -959,7 +989,8 @@ json cmd_hold(const Args& a) {
     const std::size_t nconn = a.num("connections", 8);
     const std::size_t probes = a.num("probe", 200);
     const std::size_t nleases = a.num("leases", 1);
-    if (nleases < 1 || nleases > total) throw std::runtime_error("hold: --leases must be 1..channels");
+    if (nleases < 1 || nleases > total)
+        throw std::runtime_error("hold: --leases must be 1..channels");
 
     Conn control(t.url, t.token);
     // The channels go round-robin over the leases. Every held channel is two processes of its
@@ -998,13 +1029,15 @@ json cmd_hold(const Args& a) {
                 // on one connection (it refuses the rest with CHANNEL_LIMIT).
                 const std::size_t window = std::min<std::size_t>(
                     a.num("window", 64),
-                    c.call("initialize", {{"protocolVersion", 1}})["limits"].value("requestsPerConnection", 1U));
+                    c.call("initialize", {{"protocolVersion", 1}})["limits"].value(
+                        "requestsPerConnection", 1U));
                 std::deque<std::int64_t> ids;
                 std::size_t sent = 0;
                 while (sent < mine || !ids.empty()) {
                     while (sent < mine && ids.size() < window) {
                         const json& on = leases[(ci + sent * nconn) % nleases];
-                        ids.push_back(c.send_request("duplexChannelOpen", open_params(on, {"sleep", "600"}, false)));
+                        ids.push_back(c.send_request("duplexChannelOpen",
+                                                     open_params(on, {"sleep", "600"}, false)));
                         ++sent;
                     }
                     channels.push_back(c.wait(ids.front()).at("channel").get<std::uint32_t>());
@@ -1023,7 +1056,8 @@ json cmd_hold(const Args& a) {
             }
             try {
                 std::map<std::int64_t, bool> ids;
-                for (auto ch : channels) ids[c.send_request("duplexChannelStop", {{"channel", ch}})] = true;
+                for (auto ch : channels)
+                    ids[c.send_request("duplexChannelStop", {{"channel", ch}})] = true;
                 std::size_t exits = 0;
                 while (exits < channels.size()) {
                     Msg m;
@@ -1051,7 +1085,8 @@ json cmd_hold(const Args& a) {
     std::string probe_failure;
     if (failure.empty()) {
         try {
-            for (std::size_t i = 0; i < probes; ++i) probe_ms.push_back(open_true_once(control, lease).first);
+            for (std::size_t i = 0; i < probes; ++i)
+                probe_ms.push_back(open_true_once(control, lease).first);
         } catch (const std::exception& e) {
             probe_failure = e.what();
         }
@@ -1077,7 +1112,8 @@ json cmd_hold(const Args& a) {
                                  std::to_string(exits_total) + " of " + std::to_string(total));
     }
     json probe = summary(probe_ms);
-    const double per_channel_kib = static_cast<double>(rss_held - rss_before) / static_cast<double>(total);
+    const double per_channel_kib =
+        static_cast<double>(rss_held - rss_before) / static_cast<double>(total);
     return {{"held_channels", opened},
             {"held_rss_mb", static_cast<double>(rss_held) / 1024.0},
             {"details",
@@ -1101,13 +1137,15 @@ struct LeasePairs {
     std::vector<double> acquire_ms, release_ms;
 };
 
-LeasePairs lease_pairs(const Target& t, const std::string& provider, double seconds, std::size_t index) {
+LeasePairs lease_pairs(const Target& t, const std::string& provider, double seconds,
+                       std::size_t index) {
     Conn c(t.url, t.token);
     LeasePairs out;
     const auto t0 = clock_type::now();
     while (secs_since(t0) < seconds) {
         auto t1 = clock_type::now();
-        const json lease = acquire(c, "bench", "ops-" + std::to_string(index), json::object(), provider);
+        const json lease =
+            acquire(c, "bench", "ops-" + std::to_string(index), json::object(), provider);
         out.acquire_ms.push_back(ms_since(t1));
         t1 = clock_type::now();
         c.call("leaseRelease", {{"leaseId", lease["id"]}});
@@ -1190,11 +1228,12 @@ json cmd_proxy(const Args& a) {
                 {"details", {{"proxy", {{"unavailable", e.what()}}}}}};
     }
     json seq = sequential_opens(via, lease, a.num("count", 500));
-    stream_once(via, lease, std::min<std::uint64_t>(bytes, 32ULL << 20), window, window / 8, pid);  // warm-up
+    stream_once(via, lease, std::min<std::uint64_t>(bytes, 32ULL << 20), window, window / 8,
+                pid);  // warm-up
     std::vector<json> runs;
     for (std::uint64_t i = 0; i < a.num("runs", 3); ++i) {
-        runs.push_back(stream_once(via, lease, bytes, window, a.num("credit-batch", window / 8), pid,
-                                   static_cast<long>(a.num("via-pid", 0))));
+        runs.push_back(stream_once(via, lease, bytes, window, a.num("credit-batch", window / 8),
+                                   pid, static_cast<long>(a.num("via-pid", 0))));
     }
     oc.call("leaseRelease", {{"leaseId", lease["id"]}});
     oc.close();
@@ -1216,9 +1255,10 @@ json cmd_free_port(const Args&) {
 // ---------------------------------------------------------------- report
 
 const std::vector<std::string> required_keys = {
-    "open_p50_ms",      "open_p99_ms",       "websocketd_open_p50_ms", "stream_mb_s",
-    "pipe_mb_s",        "websocketd_stream_mb_s", "stdin_mb_s",        "proxy_open_p50_ms",
-    "proxy_stream_mb_s", "held_channels",    "held_rss_mb",            "lease_ops_per_s"};
+    "open_p50_ms",   "open_p99_ms",       "websocketd_open_p50_ms",
+    "stream_mb_s",   "pipe_mb_s",         "websocketd_stream_mb_s",
+    "stdin_mb_s",    "proxy_open_p50_ms", "proxy_stream_mb_s",
+    "held_channels", "held_rss_mb",       "lease_ops_per_s"};
 
 std::string fmt(const json& v, int precision = 1) {
     if (v.is_null()) return "n/a";
@@ -1255,16 +1295,18 @@ json cmd_report(const Args& a) {
         throw std::runtime_error("report: no open-pair figures (sandboxd_bench open-pair)");
     }
     // Optional figures: scenarios that a run may leave out.
-    for (const char* k : {"node_client_stream_mb_s", "tls_stream_mb_s", "plain_stream_mb_s", "tls_open_p50_ms",
-                          "plain_open_p50_ms", "noop_lease_ops_per_s", "noop_lease_ops_parallel_per_s",
-                          "open_floor_p50_ms", "stream_floor_mb_s", "open_paired_p50_ms",
-                          "open_paired_p99_ms", "websocketd_open_alone_p50_ms", "open_refused_p50_ms"}) {
+    for (const char* k :
+         {"node_client_stream_mb_s", "tls_stream_mb_s", "plain_stream_mb_s", "tls_open_p50_ms",
+          "plain_open_p50_ms", "noop_lease_ops_per_s", "noop_lease_ops_parallel_per_s",
+          "open_floor_p50_ms", "stream_floor_mb_s", "open_paired_p50_ms", "open_paired_p99_ms",
+          "websocketd_open_alone_p50_ms", "open_refused_p50_ms"}) {
         if (all.contains(k)) latest[k] = all[k];
     }
     if (details.contains("hold")) {  // measured at 10,000 channels, or extrapolated to it
         const auto& h = details["hold"];
         latest["held_rss_10k_mb"] =
-            (h["rss_before_kib"].get<double>() + h["rss_per_channel_kib"].get<double>() * 10000.0) / 1024.0;
+            (h["rss_before_kib"].get<double>() + h["rss_per_channel_kib"].get<double>() * 10000.0) /
+            1024.0;
     }
     if (details.contains("lease_ops")) {  // bwrap: leaseAcquire p50 + leaseRelease p50
         latest["lease_pair_p50_ms"] = details["lease_ops"]["acquire_ms"]["p50"].get<double>() +
@@ -1278,7 +1320,10 @@ json cmd_report(const Args& a) {
         if (!out) throw std::runtime_error("cannot write " + a.need("out"));
     }
     if (a.has("details")) {
-        json d = {{"machine", latest["machine"]}, {"command", latest["command"]}, {"figures", latest}, {"details", details}};
+        json d = {{"machine", latest["machine"]},
+                  {"command", latest["command"]},
+                  {"figures", latest},
+                  {"details", details}};
         std::ofstream out(a.need("details"));
         out << d.dump(2) << "\n";
     }
@@ -1293,13 +1338,13 @@ json cmd_report(const Args& a) {
     char line[512];
     auto row = [&](const std::string& what, const std::string& value, const std::string& anchor,
                    const std::string& target, const std::string& status) {
-        std::snprintf(line, sizeof line, "| %-44s | %-16s | %-32s | %-18s | %-13s |\n", what.c_str(),
-                      value.c_str(), anchor.c_str(), target.c_str(), status.c_str());
+        std::snprintf(line, sizeof line, "| %-44s | %-16s | %-32s | %-18s | %-13s |\n",
+                      what.c_str(), value.c_str(), anchor.c_str(), target.c_str(), status.c_str());
         t << line;
     };
     row("scenario", "sandboxd", "anchor", "target", "status");
-    t << "|" << std::string(46, '-') << "|" << std::string(18, '-') << "|" << std::string(34, '-') << "|"
-      << std::string(20, '-') << "|" << std::string(15, '-') << "|\n";
+    t << "|" << std::string(46, '-') << "|" << std::string(18, '-') << "|" << std::string(34, '-')
+      << "|" << std::string(20, '-') << "|" << std::string(15, '-') << "|\n";
 
     // The targets' rows: sandboxd and websocketd taking turns in blocks (open-pair).
     {
@@ -1309,10 +1354,14 @@ json cmd_report(const Args& a) {
         const json p99_ratio = ratio(sd["p99"], ws["p99"]);
         row("open `true` p50, turns with websocketd (ms)", fmt(sd["p50"], 2),
             "websocketd /bin/true " + fmt(ws["p50"], 2), "<= 1.0x websocketd",
-            p50_ratio.is_null() ? "n/a" : verdict(p50_ratio.get<double>() <= 1.0) + " " + fmt(p50_ratio, 2) + "x");
+            p50_ratio.is_null()
+                ? "n/a"
+                : verdict(p50_ratio.get<double>() <= 1.0) + " " + fmt(p50_ratio, 2) + "x");
         row("open `true` p99, turns with websocketd (ms)", fmt(sd["p99"], 2),
             "websocketd p99 " + fmt(ws["p99"], 2), "<= 1.5x websocketd",
-            p99_ratio.is_null() ? "n/a" : verdict(p99_ratio.get<double>() <= 1.5) + " " + fmt(p99_ratio, 2) + "x");
+            p99_ratio.is_null()
+                ? "n/a"
+                : verdict(p99_ratio.get<double>() <= 1.5) + " " + fmt(p99_ratio, 2) + "x");
         std::string alone_anchor;
         if (details.contains("websocketd_open_alone")) {
             const auto& wa = details["websocketd_open_alone"];
@@ -1328,12 +1377,15 @@ json cmd_report(const Args& a) {
         const json bare = f["spawn"]["p50"];
         // The floor runs right after websocketd alone: the anchor of that moment.
         const json ws_p50 = num("websocketd_open_alone_p50_ms");
-        row("  floor, no daemon: posix_spawn true (ms)", fmt(bare, 2), "websocketd " +
-            fmt(ws_p50, 2), "", "");
+        row("  floor, no daemon: posix_spawn true (ms)", fmt(bare, 2),
+            "websocketd " + fmt(ws_p50, 2), "", "");
         for (const auto& [key, what] : std::vector<std::pair<std::string, std::string>>{
-                 {"init", "+ an init process"}, {"pid_ns", "+ its PID namespace"},
-                 {"mount_ns", "+ mount namespace, /proc"}, {"cgroup", "+ cgroup join"},
-                 {"seccomp", "+ seccomp filter"}, {"warm", "all, init made ahead"}}) {
+                 {"init", "+ an init process"},
+                 {"pid_ns", "+ its PID namespace"},
+                 {"mount_ns", "+ mount namespace, /proc"},
+                 {"cgroup", "+ cgroup join"},
+                 {"seccomp", "+ seccomp filter"},
+                 {"warm", "all, init made ahead"}}) {
             if (!f.contains(key)) continue;
             const json r = ratio(f[key]["p50"], ws_p50);
             row("  floor " + what + " (ms)", fmt(f[key]["p50"], 2), "(ratio: to websocketd)", "",
@@ -1375,9 +1427,11 @@ json cmd_report(const Args& a) {
             fmt(c["opens_per_s"], 0) + " opens/s", "", "");
     }
     const json stream_ratio = ratio(num("stream_mb_s"), num("pipe_mb_s"));
-    row("stream head|channel (MB/s)", fmt(num("stream_mb_s"), 0), "pipe " + fmt(num("pipe_mb_s"), 0),
-        ">= 90% of pipe",
-        stream_ratio.is_null() ? "n/a" : verdict(stream_ratio.get<double>() >= 0.9) + " " + fmt(json(stream_ratio.get<double>() * 100), 0) + "%");
+    row("stream head|channel (MB/s)", fmt(num("stream_mb_s"), 0),
+        "pipe " + fmt(num("pipe_mb_s"), 0), ">= 90% of pipe",
+        stream_ratio.is_null() ? "n/a"
+                               : verdict(stream_ratio.get<double>() >= 0.9) + " " +
+                                     fmt(json(stream_ratio.get<double>() * 100), 0) + "%");
     if (details.contains("stream_floor")) {
         // sandboxd_stream_floor: the same bytes over loopback TCP with no daemon, each way beside
         // its own `head | cat` in one run (bench/stream_floor.cpp); ratios to that pipe.
@@ -1390,16 +1444,20 @@ json cmd_report(const Args& a) {
             if (!f.contains(key)) continue;
             const json r = ratio(f[key]["median_mb_s"], own_pipe);
             row("  floor: " + what + " (MB/s)", fmt(f[key]["median_mb_s"], 0),
-                "its pipe " + fmt(own_pipe, 0), "", r.is_null() ? "" : fmt(json(r.get<double>() * 100), 0) + "%");
+                "its pipe " + fmt(own_pipe, 0), "",
+                r.is_null() ? "" : fmt(json(r.get<double>() * 100), 0) + "%");
         }
     }
-    row("websocketd --binary head (MB/s)", "", fmt(num("websocketd_stream_mb_s"), 0) +
-        " (" + fmt(ratio(num("stream_mb_s"), num("websocketd_stream_mb_s")), 2) + "x of it)", "", "");
+    row("websocketd --binary head (MB/s)", "",
+        fmt(num("websocketd_stream_mb_s"), 0) + " (" +
+            fmt(ratio(num("stream_mb_s"), num("websocketd_stream_mb_s")), 2) + "x of it)",
+        "", "");
     if (all.contains("node_client_stream_mb_s")) {
         const json node_ratio = ratio(num("node_client_stream_mb_s"), num("stream_mb_s"));
         row("stream, @sandboxd/client for Node (MB/s)", fmt(num("node_client_stream_mb_s"), 0),
             "C++ client " + fmt(num("stream_mb_s"), 0), "",
-            node_ratio.is_null() ? "n/a" : fmt(json(node_ratio.get<double>() * 100), 0) + "% of C++");
+            node_ratio.is_null() ? "n/a"
+                                 : fmt(json(node_ratio.get<double>() * 100), 0) + "% of C++");
     }
     if (all.contains("tls_stream_mb_s")) {
         const json tr = ratio(num("tls_stream_mb_s"), num("plain_stream_mb_s"));
@@ -1409,16 +1467,19 @@ json cmd_report(const Args& a) {
         row("open `true` p50 over TLS (ms)", fmt(num("tls_open_p50_ms"), 2),
             "plain " + fmt(num("plain_open_p50_ms"), 2), "", "");
     }
-    row("stdin into cat > /dev/null (MB/s)", fmt(num("stdin_mb_s"), 0), "pipe " + fmt(num("pipe_mb_s"), 0), "", "");
+    row("stdin into cat > /dev/null (MB/s)", fmt(num("stdin_mb_s"), 0),
+        "pipe " + fmt(num("pipe_mb_s"), 0), "", "");
     if (num("proxy_open_p50_ms").is_null()) {
         row("proxied open p50 (ms)", "n/a", "routing not available", "", "n/a");
         row("proxied stream (MB/s)", "n/a", "routing not available", "90-110% of direct", "n/a");
     } else {
         const json pr = ratio(num("proxy_stream_mb_s"), num("stream_mb_s"));
         row("proxied open p50 (ms)", fmt(num("proxy_open_p50_ms"), 2),
-            "direct " + fmt(num("open_p50_ms"), 2) + " (" + fmt(ratio(num("proxy_open_p50_ms"), num("open_p50_ms")), 2) + "x)", "", "");
-        row("proxied stream (MB/s)", fmt(num("proxy_stream_mb_s"), 0), "direct " + fmt(num("stream_mb_s"), 0),
-            "90-110% of direct",
+            "direct " + fmt(num("open_p50_ms"), 2) + " (" +
+                fmt(ratio(num("proxy_open_p50_ms"), num("open_p50_ms")), 2) + "x)",
+            "", "");
+        row("proxied stream (MB/s)", fmt(num("proxy_stream_mb_s"), 0),
+            "direct " + fmt(num("stream_mb_s"), 0), "90-110% of direct",
             pr.is_null() ? "n/a"
                          : verdict(pr.get<double>() >= 0.9 && pr.get<double>() <= 1.1) + " " +
                                fmt(json(pr.get<double>() * 100), 0) + "%");
@@ -1429,32 +1490,40 @@ json cmd_report(const Args& a) {
         const auto& h = details["hold"];
         // 10,000 channels need some 50,000 descriptors: where the process may not have them,
         // the run holds fewer and the figure at 10,000 is its per-channel cost times 10,000.
-        const double at_10k = (h["rss_before_kib"].get<double>() + h["rss_per_channel_kib"].get<double>() * 10000.0) / 1024.0;
+        const double at_10k =
+            (h["rss_before_kib"].get<double>() + h["rss_per_channel_kib"].get<double>() * 10000.0) /
+            1024.0;
         const bool measured = num("held_channels").get<double>() >= 10000;
-        row(measured ? "  daemon RSS at 10,000 channels (MiB)" : "  daemon RSS at 10,000, extrapolated (MiB)",
-            fmt(json(at_10k), 1), fmt(h.value("leases", json(1)), 0) + " leases", "<= 64 MiB", verdict(at_10k <= 64.0));
+        row(measured ? "  daemon RSS at 10,000 channels (MiB)"
+                     : "  daemon RSS at 10,000, extrapolated (MiB)",
+            fmt(json(at_10k), 1), fmt(h.value("leases", json(1)), 0) + " leases", "<= 64 MiB",
+            verdict(at_10k <= 64.0));
         row("  RSS per held channel (KiB)", fmt(h["rss_per_channel_kib"], 1),
             "before " + fmt(json(h["rss_before_kib"].get<double>() / 1024.0), 1) + " MiB", "", "");
         row("  open p50 / p99 while held (ms)",
             fmt(h["open_while_held_ms"]["p50"], 1) + " / " + fmt(h["open_while_held_ms"]["p99"], 1),
             "idle p99 " + fmt(num("open_p99_ms"), 1), "", "");
     }
-    row("leaseAcquire+leaseRelease (per s)", fmt(num("lease_ops_per_s"), 0), "sqlite registry", "", "");
+    row("leaseAcquire+leaseRelease (per s)", fmt(num("lease_ops_per_s"), 0), "sqlite registry", "",
+        "");
     if (details.contains("lease_ops")) {
         const auto& l = details["lease_ops"];
-        const double pair = l["acquire_ms"]["p50"].get<double>() + l["release_ms"]["p50"].get<double>();
+        const double pair =
+            l["acquire_ms"]["p50"].get<double>() + l["release_ms"]["p50"].get<double>();
         row("  bwrap acquire + release p50 (ms)", fmt(json(pair), 1),
             fmt(l["acquire_ms"]["p50"], 1) + " + " + fmt(l["release_ms"]["p50"], 1), "<= 30 ms",
             verdict(pair <= 30.0));
     }
     if (all.contains("noop_lease_ops_per_s")) {
-        row("  no-op provider, 1 connection (per s)", fmt(num("noop_lease_ops_per_s"), 0), "sqlite registry",
-            ">= 1,000", verdict(num("noop_lease_ops_per_s").get<double>() >= 1000.0));
+        row("  no-op provider, 1 connection (per s)", fmt(num("noop_lease_ops_per_s"), 0),
+            "sqlite registry", ">= 1,000",
+            verdict(num("noop_lease_ops_per_s").get<double>() >= 1000.0));
     }
     if (all.contains("noop_lease_ops_parallel_per_s")) {
         row("  no-op provider, 4 connections (per s)", fmt(num("noop_lease_ops_parallel_per_s"), 0),
             "1 connection " + fmt(num("noop_lease_ops_per_s"), 0), "> 1 connection",
-            verdict(num("noop_lease_ops_parallel_per_s").get<double>() > num("noop_lease_ops_per_s").get<double>()));
+            verdict(num("noop_lease_ops_parallel_per_s").get<double>() >
+                    num("noop_lease_ops_per_s").get<double>()));
     }
     if (details.contains("load")) {
         t << "load average (1/5/15 min) before: " << details["load"].value("before", "?")
@@ -1485,7 +1554,8 @@ json dispatch(const Args& a) {
     if (a.command == "free-port") return cmd_free_port(a);
     if (a.command == "report") return cmd_report(a);
     throw std::runtime_error("unknown command \"" + a.command +
-                             "\" (open, open-ab, open-pair, open-refused, stream, stdin, pipe, ws-open, ws-stream, hold, lease-ops, "
+                             "\" (open, open-ab, open-pair, open-refused, stream, stdin, pipe, "
+                             "ws-open, ws-stream, hold, lease-ops, "
                              "proxy, free-port, report)");
 }
 
@@ -1497,8 +1567,8 @@ int main(int argc, char** argv) {
         const auto deadline = std::chrono::seconds(a.num("deadline-s", 600));
         std::thread([deadline, cmd = a.command] {
             std::this_thread::sleep_for(deadline);
-            std::fprintf(stderr, "sandboxd_bench %s: deadline of %llds passed, giving up\n", cmd.c_str(),
-                         static_cast<long long>(deadline.count()));
+            std::fprintf(stderr, "sandboxd_bench %s: deadline of %llds passed, giving up\n",
+                         cmd.c_str(), static_cast<long long>(deadline.count()));
             std::_Exit(3);
         }).detach();
         json out = dispatch(a);

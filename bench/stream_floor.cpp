@@ -48,8 +48,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <initializer_list>
 #include <ctime>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -351,11 +351,13 @@ int main(int argc, char** argv) {
         char entry[512];
         std::snprintf(entry, sizeof entry,
                       "%s\"%s\": {\"median_mb_s\": %.1f, \"runs\": [%s], \"cpu_s\": [%s]}",
-                      w == 0 ? "" : ", ", way_names[w], medians[w], runs_list.c_str(), cpu_list.c_str());
+                      w == 0 ? "" : ", ", way_names[w], medians[w], runs_list.c_str(),
+                      cpu_list.c_str());
         ways += entry;
     }
-    std::printf("{\"stream_floor_mb_s\": %.1f, \"details\": {\"stream_floor\": {\"bytes\": %llu, %s}}}\n",
-                medians[static_cast<int>(way::relay_splice)], static_cast<unsigned long long>(bytes),
-                ways.c_str());
+    std::printf(
+        "{\"stream_floor_mb_s\": %.1f, \"details\": {\"stream_floor\": {\"bytes\": %llu, %s}}}\n",
+        medians[static_cast<int>(way::relay_splice)], static_cast<unsigned long long>(bytes),
+        ways.c_str());
     return 0;
 }

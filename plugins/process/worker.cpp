@@ -23,8 +23,8 @@
 //   __slow_open__ <ms> <command...>  answers the open only after <ms> milliseconds (the
 //       whole worker waits, as a slow provider would), then runs <command...>.
 
-#include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/core/base64.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
 
 #include <nlohmann/json.hpp>
 
@@ -54,7 +54,8 @@
 #include <vector>
 
 #ifndef P_PIDFD
-#define P_PIDFD 3  // NOLINT(cppcoreguidelines-macro-usage): glibc 2.36 lacks it; waitid() takes it as idtype_t
+#define P_PIDFD \
+    3  // NOLINT(cppcoreguidelines-macro-usage): glibc 2.36 lacks it; waitid() takes it as idtype_t
 #endif
 
 extern char** environ;
@@ -133,10 +134,10 @@ const std::map<std::string, int>& signal_numbers() {
 
 std::string signal_name(int sig) {
     static const std::map<int, std::string> m = {
-        {SIGHUP, "HUP"},   {SIGINT, "INT"},   {SIGQUIT, "QUIT"}, {SIGILL, "ILL"},
-        {SIGTRAP, "TRAP"}, {SIGABRT, "ABRT"}, {SIGBUS, "BUS"},   {SIGFPE, "FPE"},
-        {SIGKILL, "KILL"}, {SIGUSR1, "USR1"}, {SIGSEGV, "SEGV"}, {SIGUSR2, "USR2"},
-        {SIGPIPE, "PIPE"}, {SIGALRM, "ALRM"}, {SIGTERM, "TERM"}, {SIGXCPU, "XCPU"},
+        {SIGHUP, "HUP"},   {SIGINT, "INT"},   {SIGQUIT, "QUIT"},  {SIGILL, "ILL"},
+        {SIGTRAP, "TRAP"}, {SIGABRT, "ABRT"}, {SIGBUS, "BUS"},    {SIGFPE, "FPE"},
+        {SIGKILL, "KILL"}, {SIGUSR1, "USR1"}, {SIGSEGV, "SEGV"},  {SIGUSR2, "USR2"},
+        {SIGPIPE, "PIPE"}, {SIGALRM, "ALRM"}, {SIGTERM, "TERM"},  {SIGXCPU, "XCPU"},
         {SIGXFSZ, "XFSZ"}, {SIGSYS, "SYS"},   {SIGWINCH, "WINCH"}};
     auto it = m.find(sig);
     return it == m.end() ? "SIG" + std::to_string(sig) : it->second;
@@ -197,7 +198,8 @@ private:
 };
 
 std::string str_param(const json& p, const char* key) {
-    if (!p.is_object() || !p.contains(key) || !p[key].is_string() || p[key].get<std::string>().empty()) {
+    if (!p.is_object() || !p.contains(key) || !p[key].is_string() ||
+        p[key].get<std::string>().empty()) {
         fail(-32602, std::string(key) + ": must be a non-empty string");
     }
     return p[key].get<std::string>();
@@ -217,7 +219,8 @@ json Worker::lease_record(const json& p) const {
     std::ifstream in(dir / "lease.json");
     json rec = json::parse(in, nullptr, false);
     // Another tenant's lease is reported exactly like a missing one.
-    if (rec.is_discarded() || !rec.is_object() || rec.value("companyId", "") != str_param(p, "companyId") ||
+    if (rec.is_discarded() || !rec.is_object() ||
+        rec.value("companyId", "") != str_param(p, "companyId") ||
         rec.value("environmentId", "") != str_param(p, "environmentId") ||
         rec.value("driverKey", "") != p.value("driverKey", rec.value("driverKey", ""))) {
         fail(-32012, "no such lease");
@@ -232,7 +235,8 @@ json Worker::acquire(const json& p) {
                 {"runId", p.value("runId", "")}};
     if (p.contains("config") && !p["config"].is_null()) {
         if (!p["config"].is_object()) fail(-32602, "config: must be an object");
-        for (const auto& [k, v] : p["config"].items()) fail(-32602, "config." + k + ": unknown key");
+        for (const auto& [k, v] : p["config"].items())
+            fail(-32602, "config." + k + ": unknown key");
     }
     for (int attempt = 0; attempt < 8; ++attempt) {
         const std::string id = "proc-" + random_hex(8);
@@ -267,7 +271,7 @@ json Worker::release(const json& p, bool destroy) {
     }
     std::error_code ec;
     if (!fs::exists(dir, ec)) return json::object();  // idempotent
-    lease_record(p);  // the scope must match
+    lease_record(p);                                  // the scope must match
     for (auto& [sid, s] : sessions_) {
         if (s->provider_lease_id == id && !s->reaped) kill_session(*s, SIGKILL);
     }
@@ -319,7 +323,8 @@ void Worker::start_process(Session& s, const std::vector<std::string>& argv, con
         ::sigprocmask(SIG_SETMASK, &none, nullptr);
         ::signal(SIGPIPE, SIG_DFL);
         if (::chdir(dir.c_str()) != 0) {
-            std::string msg = "worker: cannot enter " + dir.string() + ": " + std::strerror(errno) + "\n";
+            std::string msg =
+                "worker: cannot enter " + dir.string() + ": " + std::strerror(errno) + "\n";
             (void)!::write(2, msg.data(), msg.size());
             ::_exit(127);
         }
@@ -338,7 +343,8 @@ void Worker::start_process(Session& s, const std::vector<std::string>& argv, con
     s.in_fd = in[1];
     s.out_fd = out[0];
     s.err_fd = err[0];
-    for (int fd : {s.in_fd, s.out_fd, s.err_fd}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+    for (int fd : {s.in_fd, s.out_fd, s.err_fd})
+        ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
 
 json Worker::open(const json& p, const json& id, bool& answered) {
@@ -382,10 +388,11 @@ json Worker::open(const json& p, const json& id, bool& answered) {
         if (mode == "unknown") other_route = "no-such-route";
         forged = json{{"jsonrpc", "2.0"},
                       {"method", "duplexChannel.data"},
-                      {"params", {{"hostRouteId", other_route},
-                                  {"workerSessionId", session},
-                                  {"stream", "stdout"},
-                                  {"chunk", base64_encode("FORGED")}}}};
+                      {"params",
+                       {{"hostRouteId", other_route},
+                        {"workerSessionId", session},
+                        {"stream", "stdout"},
+                        {"chunk", base64_encode("FORGED")}}}};
         argv = {"sleep", "60"};
     } else if (hooks_ && argv[0] == "__duplicate_reply__") {
         duplicate = true;
@@ -405,7 +412,7 @@ json Worker::open(const json& p, const json& id, bool& answered) {
     if (duplicate) reply(id, result);
     if (forged) emit(*forged);
     log_line("session " + s->id + " route " + route + " runs " + argv[0] + " (lease " + lease +
-        ", company " + rec.value("companyId", "") + ")");
+             ", company " + rec.value("companyId", "") + ")");
     sessions_.emplace(s->id, std::move(s));
     return json();
 }
@@ -415,7 +422,8 @@ Session& Worker::session_of(const json& p) {
     const std::string sid = str_param(p, "workerSessionId");
     auto it = sessions_.find(sid);
     // Both ids must match: a pair is the only key.
-    if (it == sessions_.end() || it->second->host_route_id != route) fail(-32019, "no such session");
+    if (it == sessions_.end() || it->second->host_route_id != route)
+        fail(-32019, "no such session");
     return *it->second;
 }
 
@@ -430,8 +438,9 @@ json Worker::dispatch(const std::string& method, const json& p, const json& id, 
         json methods = {"shutdown", "environmentAcquireLease", "environmentResumeLease",
                         "environmentReleaseLease", "environmentDestroyLease"};
         if (!(hooks_ && std::getenv("PROCESS_PLUGIN_TEST_NO_CHANNELS"))) {
-            for (const char* m : {"duplexChannelOpen", "duplexChannelWrite", "duplexChannelCloseStdin",
-                                  "duplexChannelSignal", "duplexChannelStop", "duplexChannelClose"}) {
+            for (const char* m :
+                 {"duplexChannelOpen", "duplexChannelWrite", "duplexChannelCloseStdin",
+                  "duplexChannelSignal", "duplexChannelStop", "duplexChannelClose"}) {
                 methods.push_back(m);
             }
         }
@@ -502,7 +511,8 @@ json Worker::dispatch(const std::string& method, const json& p, const json& id, 
 
 void Worker::handle_line(const std::string& line) {
     json msg = json::parse(line, nullptr, false);
-    if (msg.is_discarded() || !msg.is_object() || !msg.contains("method") || !msg["method"].is_string()) {
+    if (msg.is_discarded() || !msg.is_object() || !msg.contains("method") ||
+        !msg["method"].is_string()) {
         log_line("ignored a line that is not a JSON-RPC request");
         return;
     }
@@ -551,18 +561,19 @@ bool Worker::on_readable(Session& s, int& fd, const char* stream) {
         return false;
     }
     buf.resize(static_cast<std::size_t>(n));
-    write_all(1, sandboxd::jsonrpc::notification("duplexChannel.data",
-                                                 {{"hostRouteId", s.host_route_id},
-                                                  {"workerSessionId", s.id},
-                                                  {"stream", stream},
-                                                  {"chunk", base64_encode(buf)}}) +
-                     "\n");
+    write_all(
+        1, sandboxd::jsonrpc::notification("duplexChannel.data", {{"hostRouteId", s.host_route_id},
+                                                                  {"workerSessionId", s.id},
+                                                                  {"stream", stream},
+                                                                  {"chunk", base64_encode(buf)}}) +
+               "\n");
     return true;
 }
 
 void Worker::reap(Session& s) {
     siginfo_t info{};
-    if (::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(s.pidfd), &info, WEXITED | WNOHANG) != 0 ||
+    if (::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(s.pidfd), &info,
+                 WEXITED | WNOHANG) != 0 ||
         info.si_pid == 0) {
         return;
     }
@@ -619,7 +630,9 @@ int Worker::run() {
                 owners.emplace_back(s.get(), &s->in_fd);
             }
             if (s->reaped && !s->exit_sent) {
-                auto left = std::chrono::duration_cast<std::chrono::milliseconds>(s->drain_deadline - now).count();
+                auto left =
+                    std::chrono::duration_cast<std::chrono::milliseconds>(s->drain_deadline - now)
+                        .count();
                 left = std::max<long long>(left, 0) + 1;
                 if (timeout < 0 || left < timeout) timeout = static_cast<int>(left);
             }
@@ -629,9 +642,12 @@ int Worker::run() {
             if (!fds[i].revents) continue;
             auto [s, slot] = owners[i];
             if (*slot != fds[i].fd) continue;  // closed meanwhile
-            if (slot == &s->pidfd) reap(*s);
-            else if (slot == &s->in_fd) flush_stdin(*s);
-            else on_readable(*s, *slot, slot == &s->out_fd ? "stdout" : "stderr");
+            if (slot == &s->pidfd)
+                reap(*s);
+            else if (slot == &s->in_fd)
+                flush_stdin(*s);
+            else
+                on_readable(*s, *slot, slot == &s->out_fd ? "stdout" : "stderr");
         }
         for (auto& [sid, s] : sessions_) maybe_exit(*s);
         if (fds[0].revents) {
@@ -683,11 +699,10 @@ int main() {
             return 2;
         }
         log_line(std::string("process plugin worker ready; leases under ") + root +
-            (hooks ? " (test hooks enabled)" : ""));
+                 (hooks ? " (test hooks enabled)" : ""));
         return Worker(root, hooks).run();
     } catch (const std::exception& e) {
         log_line(std::string("process plugin worker failed: ") + e.what());
         return 1;
     }
 }
-

@@ -1,13 +1,16 @@
-#include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/app/app.hpp>
 #include <sandboxd/client/client.hpp>
 #include <sandboxd/client/client_impl.hpp>
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/json_limits.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/version.hpp>
 
 #include <boost/program_options.hpp>
 
+#include <sys/ioctl.h>
+#include <termios.h>
+#include <unistd.h>
 #include <algorithm>
 #include <chrono>
 #include <csignal>
@@ -15,9 +18,6 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
-#include <sys/ioctl.h>
-#include <termios.h>
-#include <unistd.h>
 
 namespace sandboxd {
 namespace po = boost::program_options;
@@ -37,7 +37,8 @@ const char* usage_text =
     "  lease acquire --company ID --environment ID [--provider KEY] [--ttl-ms N]\n"
     "                [--config JSON] [--idempotency-key KEY] [--run-id ID] [--policy P]\n"
     "                [--output id]   (P: ephemeral, reuse_by_environment,\n"
-    "                reuse_by_execution_workspace with --execution-workspace ID, retain_on_failure)\n"
+    "                reuse_by_execution_workspace with --execution-workspace ID, "
+    "retain_on_failure)\n"
     "  lease get LEASE | lease list [--company ID] [--environment ID] [--status S]\n"
     "                [--owner NODE] [--limit N] | lease renew LEASE --ttl-ms N |\n"
     "  lease release LEASE [--disposition destroy|retain] [--failed] | lease probe LEASE\n"
@@ -74,8 +75,8 @@ std::string read_token_file(const std::string& path) {
 void print_lease_line(const json& l) {
     std::cout << l.value("id", "") << "  " << l.value("status", "") << "  "
               << l.value("companyId", "") << "/" << l.value("environmentId", "") << "  "
-              << l.value("provider", "") << ":" << l.value("providerLeaseId", "") << "  owner="
-              << l.value("ownerNodeId", "") << "  expires="
+              << l.value("provider", "") << ":" << l.value("providerLeaseId", "")
+              << "  owner=" << l.value("ownerNodeId", "") << "  expires="
               << (l["expiresAt"].is_string() ? l["expiresAt"].get<std::string>() : "-") << "\n";
 }
 
@@ -89,7 +90,8 @@ void print_lease(const json& lease, const std::string& output) {
     }
 }
 
-po::variables_map parse_sub(const std::vector<std::string>& args, const po::options_description& opts,
+po::variables_map parse_sub(const std::vector<std::string>& args,
+                            const po::options_description& opts,
                             const po::positional_options_description& pos) {
     po::variables_map vm;
     po::store(po::command_line_parser(args).options(opts).positional(pos).run(), vm);
@@ -106,7 +108,8 @@ int lease_acquire(Client& client, const std::vector<std::string>& rest,
         "provider", po::value<std::string>()->default_value("bwrap"), "")(
         "ttl-ms", po::value<std::uint64_t>(), "")("config", po::value<std::string>(), "")(
         "idempotency-key", po::value<std::string>(), "")("run-id", po::value<std::string>(), "")(
-        "policy", po::value<std::string>(), "")("execution-workspace", po::value<std::string>(), "");
+        "policy", po::value<std::string>(), "")("execution-workspace", po::value<std::string>(),
+                                                "");
     auto vm = parse_sub(rest, opts, pos);
     json p = {{"companyId", vm["company"].as<std::string>()},
               {"environmentId", vm["environment"].as<std::string>()},
@@ -124,9 +127,8 @@ int lease_acquire(Client& client, const std::vector<std::string>& rest,
 }
 
 /// sandboxctl lease list: `opts` (with --output, bound to `output`) and its own options.
-int lease_list(Client& client, const std::vector<std::string>& rest,
-               po::options_description& opts, po::positional_options_description& pos,
-               const std::string& output) {
+int lease_list(Client& client, const std::vector<std::string>& rest, po::options_description& opts,
+               po::positional_options_description& pos, const std::string& output) {
     opts.add_options()("company", po::value<std::string>(), "")(
         "environment", po::value<std::string>(), "")("status", po::value<std::string>(), "")(
         "owner", po::value<std::string>(), "")("limit", po::value<unsigned>(), "")(
@@ -239,7 +241,8 @@ int run_command(Client& client, const std::vector<std::string>& args) {
         if (ev->type != ClientEvent::kind::response || m.value("id", json()) != id) continue;
         if (m.contains("error")) {
             throw rpc_error(static_cast<errc>(m["error"].value("code", -32603)),
-                            m["error"].value("message", "error"), m["error"].value("data", json::object()));
+                            m["error"].value("message", "error"),
+                            m["error"].value("data", json::object()));
         }
         const json& r = m["result"];
         if (r.value("timedOut", false)) return 124;
@@ -264,8 +267,8 @@ int nodes_command(Client& client, const Globals& g) {
     for (const auto& n : result["nodes"]) {
         std::cout << n.value("nodeId", "") << "  " << (n.value("alive", false) ? "alive" : "dead")
                   << "  " << n.value("url", "") << "  leases=" << n["leases"].dump()
-                  << "  channels=" << n["channels"].dump() << "  heartbeat="
-                  << n.value("heartbeatAt", "") << "\n";
+                  << "  channels=" << n["channels"].dump()
+                  << "  heartbeat=" << n.value("heartbeatAt", "") << "\n";
     }
     return 0;
 }
@@ -305,9 +308,16 @@ void write_all(int fd, std::string_view bytes) {
 /// io_context: one coroutine reads the WebSocket, one reads stdin, one writes in order.
 class ExecSession {
 public:
-    ExecSession(Client& client, std::uint32_t channel, std::uint64_t stdin_window, bool attach_stdin, bool tty)
-        : client_(client), io_(client.impl()), channel_(channel), stdin_window_(stdin_window),
-          attach_stdin_(attach_stdin), tty_(tty), wake_writer_(io_.ioc), wake_stdin_(io_.ioc),
+    ExecSession(Client& client, std::uint32_t channel, std::uint64_t stdin_window,
+                bool attach_stdin, bool tty)
+        : client_(client),
+          io_(client.impl()),
+          channel_(channel),
+          stdin_window_(stdin_window),
+          attach_stdin_(attach_stdin),
+          tty_(tty),
+          wake_writer_(io_.ioc),
+          wake_stdin_(io_.ioc),
           winch_(io_.ioc) {
         wake_writer_.expires_at(net::steady_timer::time_point::max());
         wake_stdin_.expires_at(net::steady_timer::time_point::max());
@@ -338,7 +348,8 @@ public:
         }
         io_.ioc.restart();
         io_.ioc.run();
-        if (exit_.is_null()) throw client_error(error_.empty() ? "connection closed before the exit" : error_);
+        if (exit_.is_null())
+            throw client_error(error_.empty() ? "connection closed before the exit" : error_);
         return exit_;
     }
 
@@ -351,7 +362,8 @@ private:
     void handle(ClientEvent ev) {
         if (ev.type == ClientEvent::kind::data && ev.channel == channel_) {
             write_all(ev.stream == stream_id::stderr_ ? STDERR_FILENO : STDOUT_FILENO, ev.bytes);
-            queue(true, encode_credit(channel_, ev.stream, static_cast<std::uint32_t>(ev.bytes.size())));
+            queue(true,
+                  encode_credit(channel_, ev.stream, static_cast<std::uint32_t>(ev.bytes.size())));
         } else if (ev.type == ClientEvent::kind::credit && ev.channel == channel_) {
             unacked_ -= std::min<std::uint64_t>(unacked_, ev.credit);
             wake_stdin_.cancel();
@@ -407,7 +419,8 @@ private:
             const std::size_t want = std::min<std::uint64_t>(buf.size(), stdin_window_ - unacked_);
             std::size_t n = 0;
             if (async) {
-                auto [rec, got] = co_await in.async_read_some(net::buffer(buf.data(), want), as_tuple_awaitable);
+                auto [rec, got] =
+                    co_await in.async_read_some(net::buffer(buf.data(), want), as_tuple_awaitable);
                 if (rec) break;
                 n = got;
             } else {
@@ -419,8 +432,8 @@ private:
             queue(true, encode_data(channel_, stream_id::stdin_, std::string_view(buf.data(), n)));
         }
         if (!async) ::close(fd);
-        queue(false, jsonrpc::request(io_.next_id++, "duplexChannelCloseStdin",
-                                      {{"channel", channel_}}));
+        queue(false,
+              jsonrpc::request(io_.next_id++, "duplexChannelCloseStdin", {{"channel", channel_}}));
     }
 
     awaitable<void> winch_loop() {
@@ -428,10 +441,10 @@ private:
             co_await winch_.async_wait(use_awaitable);
             winsize ws{};
             if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0 && ws.ws_row > 0) {
-                queue(false, jsonrpc::request(io_.next_id++, "duplexChannelResize",
-                                              {{"channel", channel_},
-                                               {"cols", ws.ws_col},
-                                               {"rows", ws.ws_row}}));
+                queue(false,
+                      jsonrpc::request(
+                          io_.next_id++, "duplexChannelResize",
+                          {{"channel", channel_}, {"cols", ws.ws_col}, {"rows", ws.ws_row}}));
             }
         }
     }
@@ -458,12 +471,14 @@ int exec_command(Client& client, const std::vector<std::string>& args) {
     opts.add_options()("interactive,i", po::bool_switch(&interactive), "")(
         "tty,t", po::bool_switch(&tty), "")("cwd", po::value<std::string>(), "")(
         "env,e", po::value<std::vector<std::string>>(&env), "")(
-        "timeout-ms", po::value<std::uint64_t>(), "")("lease", po::value<std::string>()->required(), "")(
+        "timeout-ms", po::value<std::uint64_t>(), "")("lease", po::value<std::string>()->required(),
+                                                      "")(
         "cmd", po::value<std::vector<std::string>>(), "");
     po::positional_options_description pos;
     pos.add("lease", 1).add("cmd", -1);
     auto vm = parse_sub(args, opts, pos);
-    if (!vm.count("cmd")) throw po::error("exec needs a command after the lease: exec LEASE -- CMD [ARG...]");
+    if (!vm.count("cmd"))
+        throw po::error("exec needs a command after the lease: exec LEASE -- CMD [ARG...]");
     const auto lease = client.call("leaseGet", {{"leaseId", vm["lease"].as<std::string>()}});
     json open = {{"lease",
                   {{"id", lease["id"]},
@@ -481,7 +496,8 @@ int exec_command(Client& client, const std::vector<std::string>& args) {
     json env_obj = json::object();
     for (const auto& e : env) {
         auto eq = e.find('=');
-        if (eq == std::string::npos || eq == 0) throw po::error("-e needs NAME=VALUE, got \"" + e + "\"");
+        if (eq == std::string::npos || eq == 0)
+            throw po::error("-e needs NAME=VALUE, got \"" + e + "\"");
         env_obj[e.substr(0, eq)] = e.substr(eq + 1);
     }
     if (!env_obj.empty()) open["env"] = env_obj;
@@ -502,7 +518,7 @@ int exec_command(Client& client, const std::vector<std::string>& args) {
     if (exit["exitCode"].is_number_integer()) return exit["exitCode"].get<int>();
     if (exit["signal"].is_string()) {
         static const std::pair<const char*, int> names[] = {
-            {"HUP", 1}, {"INT", 2}, {"QUIT", 3}, {"ABRT", 6}, {"KILL", 9}, {"SEGV", 11},
+            {"HUP", 1},   {"INT", 2},   {"QUIT", 3},  {"ABRT", 6},  {"KILL", 9}, {"SEGV", 11},
             {"PIPE", 13}, {"ALRM", 14}, {"TERM", 15}, {"USR1", 10}, {"USR2", 12}};
         for (const auto& [name, num] : names) {
             if (exit["signal"] == name) return 128 + num;
@@ -567,11 +583,14 @@ int ctl_main(int argc, char** argv) {
         }
         if (g.token.empty() && !token_file.empty()) g.token = read_token_file(token_file);
         if (tls.insecure_skip_verify) {
-            std::cerr << "sandboxctl: warning: --insecure-skip-tls-verify: the node's certificate is not "
-                         "checked; anyone on the path can read and change this session, token included\n";
+            std::cerr
+                << "sandboxctl: warning: --insecure-skip-tls-verify: the node's certificate is not "
+                   "checked; anyone on the path can read and change this session, token included\n";
         }
         Client client(g.url, g.token, std::chrono::seconds(30), 0, {}, tls);
-        client.call("initialize", {{"protocolVersion", 1}, {"client", {{"name", "sandboxctl"}, {"version", version_string}}}});
+        client.call("initialize",
+                    {{"protocolVersion", 1},
+                     {"client", {{"name", "sandboxctl"}, {"version", version_string}}}});
         if (command == "lease") return lease_command(client, g, rest);
         if (command == "nodes") return nodes_command(client, g);
         if (command == "run") return run_command(client, rest);
@@ -580,7 +599,8 @@ int ctl_main(int argc, char** argv) {
         std::cerr << "sandboxctl: " << e.what() << "\n\n" << usage_text;
         return exit_error;
     } catch (const rpc_error& e) {
-        std::cerr << "sandboxctl: " << e.what() << " (" << e.data().value("reason", "ERROR") << ")\n";
+        std::cerr << "sandboxctl: " << e.what() << " (" << e.data().value("reason", "ERROR")
+                  << ")\n";
         return exit_error;
     } catch (const std::exception& e) {
         std::cerr << "sandboxctl: " << e.what() << "\n";

@@ -7,17 +7,17 @@
 #include <sandboxd/server/server.hpp>
 #include <sandboxd/version.hpp>
 
-#include <boost/program_options.hpp>
 #include <spdlog/spdlog.h>
 #include <systemd/sd-daemon.h>
+#include <boost/program_options.hpp>
 
-#include <atomic>
-#include <functional>
-#include <csignal>
 #include <sys/resource.h>
+#include <atomic>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <thread>
 #include <vector>
@@ -29,7 +29,8 @@ namespace {
 
 /// The bound `listen` address on the first line; the plainListen address, when there is
 /// one, on the second.
-void write_ready_file(const std::string& path, const std::string& address, const std::string& plain) {
+void write_ready_file(const std::string& path, const std::string& address,
+                      const std::string& plain) {
     const std::string tmp = path + ".tmp";
     {
         std::ofstream out(tmp, std::ios::trunc);
@@ -44,7 +45,8 @@ void write_ready_file(const std::string& path, const std::string& address, const
 std::vector<std::string> readable_secret_files(const Config& c) {
     std::vector<std::pair<std::string, std::string>> files;  // field, path
     for (std::size_t i = 0; i < c.tokens.size(); ++i) {
-        files.emplace_back("auth.tokens[" + std::to_string(i) + "].tokenFile", c.tokens[i].token_file);
+        files.emplace_back("auth.tokens[" + std::to_string(i) + "].tokenFile",
+                           c.tokens[i].token_file);
     }
     files.emplace_back("tls.keyFile", c.tls.key_file);
     files.emplace_back("routing.peerTls.keyFile", c.peer_tls.key_file);
@@ -69,18 +71,16 @@ std::vector<std::string> readable_secret_files(const Config& c) {
 /// The command line's options.
 po::options_description daemon_options() {
     po::options_description opts("sandboxd options");
-    opts.add_options()
-        ("config", po::value<std::string>(), "config file (JSON with comments)")
-        ("listen", po::value<std::string>(), "HOST:PORT to serve on (port 0 picks a free port)")
-        ("state-dir", po::value<std::string>(), "state directory (registry, tokens, workspaces)")
-        ("node-id", po::value<std::string>(), "this node's id (default: the host name)")
-        ("ready-file", po::value<std::string>(), "write HOST:PORT and a newline here once ready")
-        ("log-level", po::value<std::string>(), "trace|debug|info|warn|error|critical|off")
-        ("check-config", "validate the config, print the effective config, exit 0 or 2")
-        ("print-default-config", "print the default config and exit")
-        ("print-config-reference", "print every config key as a Markdown table and exit")
-        ("version", "print the version and exit")
-        ("help", "print this help and exit");
+    opts.add_options()("config", po::value<std::string>(), "config file (JSON with comments)")(
+        "listen", po::value<std::string>(), "HOST:PORT to serve on (port 0 picks a free port)")(
+        "state-dir", po::value<std::string>(), "state directory (registry, tokens, workspaces)")(
+        "node-id", po::value<std::string>(), "this node's id (default: the host name)")(
+        "ready-file", po::value<std::string>(), "write HOST:PORT and a newline here once ready")(
+        "log-level", po::value<std::string>(), "trace|debug|info|warn|error|critical|off")(
+        "check-config", "validate the config, print the effective config, exit 0 or 2")(
+        "print-default-config", "print the default config and exit")(
+        "print-config-reference", "print every config key as a Markdown table and exit")(
+        "version", "print the version and exit")("help", "print this help and exit");
     return opts;
 }
 
@@ -93,13 +93,12 @@ Config load_config(const po::variables_map& vm) {
     if (vm.count("node-id")) config.node_id = vm["node-id"].as<std::string>();
     if (vm.count("log-level")) {
         // Same rule as the config file's log.level.
-        config = parse_config(
-            [&] {
-                auto j = config_to_json(config);
-                j["log"]["level"] = vm["log-level"].as<std::string>();
-                j["auth"]["tokens"] = nlohmann::json::array();
-                return j.dump();
-            }());
+        config = parse_config([&] {
+            auto j = config_to_json(config);
+            j["log"]["level"] = vm["log-level"].as<std::string>();
+            j["auth"]["tokens"] = nlohmann::json::array();
+            return j.dump();
+        }());
         if (vm.count("config")) {
             auto tokens = load_config_file(vm["config"].as<std::string>()).tokens;
             config.tokens = tokens;
@@ -165,12 +164,14 @@ void wait_for_signals(Daemon& daemon, const std::function<Config()>& load,
             try {
                 daemon.reload(load());
             } catch (const std::exception& e) {
-                spdlog::error("reload failed, keeping the tokens and certificates in use: {}", e.what());
+                spdlog::error("reload failed, keeping the tokens and certificates in use: {}",
+                              e.what());
             }
             sd_notify(0, "READY=1");
         } else if (!draining) {
             draining = true;
-            spdlog::info("received signal {}: draining, then stopping (again to stop at once)", sig);
+            spdlog::info("received signal {}: draining, then stopping (again to stop at once)",
+                         sig);
             sd_notify(0, "STOPPING=1");
             daemon.drain_then_stop();
         } else {
@@ -207,7 +208,8 @@ int run_daemon(const Config& config, const po::variables_map& vm,
         if (waiter.joinable()) {
             // Not a kill: SIGTERM is blocked and in the waiter's sigwait() set, so this only
             // ends its wait.
-            pthread_kill(waiter.native_handle(), SIGTERM);  // NOLINT(bugprone-bad-signal-to-kill-thread)
+            pthread_kill(waiter.native_handle(),
+                         SIGTERM);  // NOLINT(bugprone-bad-signal-to-kill-thread)
             waiter.join();
         }
         spdlog::info("stopped");
@@ -246,7 +248,8 @@ int daemon_main(int argc, char** argv) {
     if (vm.count("help")) {
         std::cout << "Usage: sandboxd [OPTIONS]\nLeases bubblewrap sandboxes to host servers and "
                      "runs commands in them over WebSocket duplex channels.\n\n"
-                  << opts << "\nDocs: docs/protocol.md (wire), config/sandboxd.jsonc (every key).\n";
+                  << opts
+                  << "\nDocs: docs/protocol.md (wire), config/sandboxd.jsonc (every key).\n";
         return 0;
     }
     if (vm.count("version")) {
@@ -270,7 +273,8 @@ int daemon_main(int argc, char** argv) {
         return 2;
     }
     if (vm.count("check-config")) {
-        for (const auto& w : readable_secret_files(config)) std::cerr << "sandboxd: warning: " << w << "\n";
+        for (const auto& w : readable_secret_files(config))
+            std::cerr << "sandboxd: warning: " << w << "\n";
         std::cout << config_to_json(config).dump(2) << "\n";
         return 0;
     }

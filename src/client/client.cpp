@@ -112,10 +112,10 @@ void upgrade(Client::Impl& impl, const std::string& authority, const std::string
     try {
         impl.run([&](auto handler) {
             impl.ws.async_handshake(response, authority, target,
-                                      [&handshake_ec, handler](beast::error_code result) mutable {
-                                          handshake_ec = result;
-                                          handler(result);
-                                      });
+                                    [&handshake_ec, handler](beast::error_code result) mutable {
+                                        handshake_ec = result;
+                                        handler(result);
+                                    });
         });
     } catch (const client_error& e) {
         const int status = static_cast<int>(response.result_int());
@@ -157,17 +157,20 @@ Client::Client(const std::string& url, const std::string& token, std::chrono::mi
     if (auto* t = impl_->ws.next_layer().tls()) {
         expect_server_name(t->native_handle(), parsed.endpoint.host, !tls.insecure_skip_verify);
         try {
-            impl_->run([&](auto handler) { t->async_handshake(ssl::stream_base::client, handler); });
+            impl_->run(
+                [&](auto handler) { t->async_handshake(ssl::stream_base::client, handler); });
         } catch (const client_error& e) {
-            throw client_error(std::string("TLS handshake with ") + authority + " failed: " + e.what());
+            throw client_error(std::string("TLS handshake with ") + authority +
+                               " failed: " + e.what());
         }
     }
-    impl_->ws.set_option(websocket::stream_base::decorator([token, extra_headers](websocket::request_type& req) {
-        if (!token.empty()) req.set(http::field::authorization, "Bearer " + token);
-        for (const auto& [name, value] : extra_headers) req.set(name, value);
-        req.set(http::field::sec_websocket_protocol, "sandboxd.v1");
-        req.set(http::field::user_agent, "sandboxctl");
-    }));
+    impl_->ws.set_option(
+        websocket::stream_base::decorator([token, extra_headers](websocket::request_type& req) {
+            if (!token.empty()) req.set(http::field::authorization, "Bearer " + token);
+            for (const auto& [name, value] : extra_headers) req.set(name, value);
+            req.set(http::field::sec_websocket_protocol, "sandboxd.v1");
+            req.set(http::field::user_agent, "sandboxctl");
+        }));
     impl_->ws.read_message_max(64ULL << 20);
     upgrade(*impl_, authority, target);
     beast::get_lowest_layer(impl_->ws).expires_never();
@@ -185,10 +188,9 @@ ClientEvent decode_event(bool text, std::string_view message) {
         // What the daemon sends on its own (a notification, or a request) has a method; the
         // rest answers a request of ours, malformed or not (the caller matches its id).
         const auto kind = jsonrpc::classify(ev.message);
-        const bool from_daemon = kind == jsonrpc::message_kind::notification ||
-                                 kind == jsonrpc::message_kind::request ||
-                                 (kind == jsonrpc::message_kind::invalid &&
-                                  ev.message.contains("method"));
+        const bool from_daemon =
+            kind == jsonrpc::message_kind::notification || kind == jsonrpc::message_kind::request ||
+            (kind == jsonrpc::message_kind::invalid && ev.message.contains("method"));
         ev.type = from_daemon ? ClientEvent::kind::notification : ClientEvent::kind::response;
         return ev;
     }
@@ -204,7 +206,8 @@ ClientEvent decode_event(bool text, std::string_view message) {
         ev.stream = c->stream;
         ev.credit = c->bytes;
     } else {
-        throw client_error("daemon sent a malformed binary frame: " + std::get<FrameError>(decoded).what);
+        throw client_error("daemon sent a malformed binary frame: " +
+                           std::get<FrameError>(decoded).what);
     }
     return ev;
 }
@@ -328,10 +331,9 @@ ChannelRun Client::run_channel(const json& open_params, const std::string& stdin
     bool closed = !close_stdin;
     std::deque<ClientEvent> others;  // other channels' messages, handed back at the end
     auto handle = [&](ClientEvent& ev) {
-        const bool mine =
-            ev.type == ClientEvent::kind::notification
-                ? ev.message["params"].value("channel", 0U) == run.channel
-                : ev.type != ClientEvent::kind::response && ev.channel == run.channel;
+        const bool mine = ev.type == ClientEvent::kind::notification
+                              ? ev.message["params"].value("channel", 0U) == run.channel
+                              : ev.type != ClientEvent::kind::response && ev.channel == run.channel;
         if (!mine) {
             others.push_back(std::move(ev));
             return;
@@ -353,7 +355,8 @@ ChannelRun Client::run_channel(const json& open_params, const std::string& stdin
             } else if (method == "duplexChannel.data" && base64) {
                 auto bytes = base64_decode(p["chunk"].get<std::string>());
                 (p["stream"] == "stderr" ? run.err : run.out) += bytes;
-                send_credit(run.channel, p["stream"] == "stderr" ? stream_id::stderr_ : stream_id::stdout_,
+                send_credit(run.channel,
+                            p["stream"] == "stderr" ? stream_id::stderr_ : stream_id::stdout_,
                             static_cast<std::uint32_t>(bytes.size()));
             }
         }
@@ -364,7 +367,8 @@ ChannelRun Client::run_channel(const json& open_params, const std::string& stdin
     for (auto& ev : early) handle(ev);
     while (run.exit.is_null()) {
         while (sent < stdin_data.size() && unacked < window) {
-            const std::size_t n = std::min<std::size_t>({stdin_data.size() - sent, 65536, window - unacked});
+            const std::size_t n =
+                std::min<std::size_t>({stdin_data.size() - sent, 65536, window - unacked});
             send_stdin(run.channel, std::string_view(stdin_data).substr(sent, n));
             sent += n;
             unacked += n;
@@ -398,7 +402,8 @@ ChannelRun Client::run_channel(const json& open_params, const std::string& stdin
 void Client::close() {
     beast::error_code ec;
     try {
-        impl_->run([&](auto handler) { impl_->ws.async_close(websocket::close_code::normal, handler); });
+        impl_->run(
+            [&](auto handler) { impl_->ws.async_close(websocket::close_code::normal, handler); });
     } catch (const client_error&) {
     }
 }

@@ -68,11 +68,12 @@ HostPort parse_host_port(std::string_view text, port_zero zero) {
 
 WsUrl parse_ws_url(std::string_view text) {
     const auto bad = [&] {
-        return address_error("must be ws://HOST[:PORT][/PATH] or wss://HOST[:PORT][/PATH], got " + quoted(text));
+        return address_error("must be ws://HOST[:PORT][/PATH] or wss://HOST[:PORT][/PATH], got " +
+                             quoted(text));
     };
     auto parsed = urls::parse_uri(text);
-    if (!parsed || (parsed->scheme() != "ws" && parsed->scheme() != "wss") || !parsed->has_authority() ||
-        parsed->has_fragment()) {
+    if (!parsed || (parsed->scheme() != "ws" && parsed->scheme() != "wss") ||
+        !parsed->has_authority() || parsed->has_fragment()) {
         throw bad();
     }
     WsUrl out;
@@ -92,8 +93,7 @@ HostPort parse_http_endpoint(std::string_view text, bool* https) {
     };
     auto parsed = urls::parse_uri(text);
     if (!parsed || (parsed->scheme() != "http" && parsed->scheme() != "https") ||
-        !parsed->has_authority() || parsed->has_query() ||
-        parsed->has_fragment() ||
+        !parsed->has_authority() || parsed->has_query() || parsed->has_fragment() ||
         (!parsed->encoded_path().empty() && parsed->encoded_path() != "/")) {
         throw bad();
     }

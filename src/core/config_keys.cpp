@@ -9,14 +9,20 @@
 namespace sandboxd {
 
 const std::vector<std::string>& plugin_timeout_methods() {
-    static const std::vector<std::string> methods = {
-        "initialize",             "health",
-        "shutdown",               "environmentAcquireLease",
-        "environmentResumeLease", "environmentReleaseLease",
-        "environmentDestroyLease", "duplexChannelOpen",
-        "duplexChannelWrite",     "duplexChannelStop",
-        "duplexChannelClose",     "duplexChannelCloseStdin",
-        "duplexChannelSignal",    "duplexChannelResize"};
+    static const std::vector<std::string> methods = {"initialize",
+                                                     "health",
+                                                     "shutdown",
+                                                     "environmentAcquireLease",
+                                                     "environmentResumeLease",
+                                                     "environmentReleaseLease",
+                                                     "environmentDestroyLease",
+                                                     "duplexChannelOpen",
+                                                     "duplexChannelWrite",
+                                                     "duplexChannelStop",
+                                                     "duplexChannelClose",
+                                                     "duplexChannelCloseStdin",
+                                                     "duplexChannelSignal",
+                                                     "duplexChannelResize"};
     return methods;
 }
 
@@ -66,8 +72,8 @@ public:
         if (const auto* v = get(key)) {
             if (!v->is_number_integer() || (v->is_number_integer() && !v->is_number_unsigned() &&
                                             v->get<std::int64_t>() < 0)) {
-                fail(sub(key), "must be an integer in " + std::to_string(lo) + ".." +
-                                   std::to_string(hi));
+                fail(sub(key),
+                     "must be an integer in " + std::to_string(lo) + ".." + std::to_string(hi));
             }
             auto n = v->get<std::uint64_t>();
             if (n < lo || n > hi) {
@@ -209,14 +215,15 @@ Key<S> str(const char* name, std::string S::*field, const char* doc, Print print
             .type = "string",
             .doc = doc,
             .read = [name, field](Obj& o, S& s) { o.str(name, s.*field); },
-            .write = [name, field, print](const S& s, json& j) {
-                const auto& v = s.*field;
-                if (print == Print::always) {
-                    j[name] = v;
-                } else if (!v.empty()) {
-                    j[name] = print == Print::redacted ? std::string("<redacted>") : v;
-                }
-            }};
+            .write =
+                [name, field, print](const S& s, json& j) {
+                    const auto& v = s.*field;
+                    if (print == Print::always) {
+                        j[name] = v;
+                    } else if (!v.empty()) {
+                        j[name] = print == Print::redacted ? std::string("<redacted>") : v;
+                    }
+                }};
 }
 
 template <typename S>
@@ -228,9 +235,8 @@ Key<S> one_of(const char* name, std::string S::*field, std::vector<std::string> 
             .type = "string",
             .range = range,
             .doc = doc,
-            .read = [name, field, allowed = std::move(allowed)](Obj& o, S& s) {
-                o.one_of(name, s.*field, allowed);
-            },
+            .read = [name, field, allowed = std::move(allowed)](
+                        Obj& o, S& s) { o.one_of(name, s.*field, allowed); },
             .write = [name, field](const S& s, json& j) { j[name] = s.*field; }};
 }
 
@@ -248,8 +254,7 @@ std::string range_text(std::uint64_t lo, std::uint64_t hi) {
 }
 
 template <typename S, typename T>
-Key<S> integer(const char* name, T S::*field, std::uint64_t lo, std::uint64_t hi,
-               const char* doc) {
+Key<S> integer(const char* name, T S::*field, std::uint64_t lo, std::uint64_t hi, const char* doc) {
     return {.name = name,
             .type = "integer",
             .range = range_text(lo, hi),
@@ -266,21 +271,23 @@ Key<S> optional_integer(const char* name, std::optional<T> S::*field, std::uint6
             .type = "integer or null",
             .range = range_text(lo, hi),
             .doc = doc,
-            .read = [name, field, lo, hi](Obj& o, S& s) {
-                const auto* v = o.get(name);
-                if (v == nullptr) return;
-                if (v->is_null()) {
-                    (s.*field).reset();
-                    return;
-                }
-                T value{};
-                o.integer(name, value, lo, hi);
-                s.*field = value;
-            },
-            .write = [name, field](const S& s, json& j) {
-                const auto& v = s.*field;
-                j[name] = v ? json(*v) : json(nullptr);
-            }};
+            .read =
+                [name, field, lo, hi](Obj& o, S& s) {
+                    const auto* v = o.get(name);
+                    if (v == nullptr) return;
+                    if (v->is_null()) {
+                        (s.*field).reset();
+                        return;
+                    }
+                    T value{};
+                    o.integer(name, value, lo, hi);
+                    s.*field = value;
+                },
+            .write =
+                [name, field](const S& s, json& j) {
+                    const auto& v = s.*field;
+                    j[name] = v ? json(*v) : json(nullptr);
+                }};
 }
 
 template <typename S>
@@ -293,20 +300,20 @@ Key<S> strings(const char* name, std::vector<std::string> S::*field, const char*
 }
 
 template <typename S>
-Key<S> string_map(const char* name, std::map<std::string, std::string> S::*field,
-                  const char* doc) {
+Key<S> string_map(const char* name, std::map<std::string, std::string> S::*field, const char* doc) {
     return {.name = name,
             .type = "object of strings",
             .doc = doc,
-            .read = [name, field](Obj& o, S& s) {
-                const auto* v = o.get(name);
-                if (v == nullptr) return;
-                if (!v->is_object()) fail(o.sub(name), "must be an object of strings");
-                for (const auto& [k, item] : v->items()) {
-                    if (!item.is_string()) fail(o.sub(name) + "." + k, "must be a string");
-                    (s.*field)[k] = item.template get<std::string>();
-                }
-            },
+            .read =
+                [name, field](Obj& o, S& s) {
+                    const auto* v = o.get(name);
+                    if (v == nullptr) return;
+                    if (!v->is_object()) fail(o.sub(name), "must be an object of strings");
+                    for (const auto& [k, item] : v->items()) {
+                        if (!item.is_string()) fail(o.sub(name) + "." + k, "must be a string");
+                        (s.*field)[k] = item.template get<std::string>();
+                    }
+                },
             .write = [name, field](const S& s, json& j) { j[name] = s.*field; }};
 }
 
@@ -316,12 +323,13 @@ Key<S> json_object(const char* name, json S::*field, const char* doc) {
     return {.name = name,
             .type = "object (any JSON)",
             .doc = doc,
-            .read = [name, field](Obj& o, S& s) {
-                const auto* v = o.get(name);
-                if (v == nullptr) return;
-                if (!v->is_object()) fail(o.sub(name), "must be an object");
-                s.*field = *v;
-            },
+            .read =
+                [name, field](Obj& o, S& s) {
+                    const auto* v = o.get(name);
+                    if (v == nullptr) return;
+                    if (!v->is_object()) fail(o.sub(name), "must be an object");
+                    s.*field = *v;
+                },
             .write = [name, field](const S& s, json& j) { j[name] = s.*field; }};
 }
 
@@ -329,57 +337,59 @@ Key<S> json_object(const char* name, json S::*field, const char* doc) {
 /// absent from the map.
 template <typename S>
 Key<S> integer_map(const char* name, std::map<std::string, std::uint64_t> S::*field,
-                   const std::vector<std::string>& (*names)(), std::uint64_t lo,
-                   std::uint64_t hi, const char* doc) {
+                   const std::vector<std::string>& (*names)(), std::uint64_t lo, std::uint64_t hi,
+                   const char* doc) {
     std::string range = range_text(lo, hi) + "; keys:";
     for (const auto& n : names()) range += " " + n;
     return {.name = name,
             .type = "object of integers",
             .range = range,
             .doc = doc,
-            .read = [name, field, names, lo, hi](Obj& o, S& s) {
-                const auto* v = o.get(name);
-                if (v == nullptr) return;
-                Obj inner(*v, o.sub(name));
-                for (const auto& n : names()) {
-                    if (!v->contains(n)) continue;
-                    std::uint64_t value = 0;
-                    inner.integer(n, value, lo, hi);
-                    (s.*field)[n] = value;
-                }
-                inner.done();
-            },
-            .write = [name, field](const S& s, json& j) {
-                json m = json::object();
-                for (const auto& [k, value] : s.*field) m[k] = value;
-                j[name] = std::move(m);
-            }};
+            .read =
+                [name, field, names, lo, hi](Obj& o, S& s) {
+                    const auto* v = o.get(name);
+                    if (v == nullptr) return;
+                    Obj inner(*v, o.sub(name));
+                    for (const auto& n : names()) {
+                        if (!v->contains(n)) continue;
+                        std::uint64_t value = 0;
+                        inner.integer(n, value, lo, hi);
+                        (s.*field)[n] = value;
+                    }
+                    inner.done();
+                },
+            .write =
+                [name, field](const S& s, json& j) {
+                    json m = json::object();
+                    for (const auto& [k, value] : s.*field) m[k] = value;
+                    j[name] = std::move(m);
+                }};
 }
 
 /// An object whose keys are KEYS over the T that GET gives of S (a member, or S itself).
 template <typename S, typename T, typename Get>
 Key<S> nested(const char* name, Get get, const Keys<T>& keys, const char* doc, Reload reload) {
     const Keys<T>* k = &keys;  // the tables are function statics: they outlive every Key
-    return {.name = name,
-            .kind = Kind::object,
-            .type = "object",
-            .reloadable = reload == Reload::sighup,
-            .doc = doc,
-            .read = [name, get, k](Obj& o, S& s) {
+    return {
+        .name = name,
+        .kind = Kind::object,
+        .type = "object",
+        .reloadable = reload == Reload::sighup,
+        .doc = doc,
+        .read =
+            [name, get, k](Obj& o, S& s) {
                 if (const auto* v = o.get(name)) {
                     Obj inner(*v, o.sub(name));
                     read_keys(inner, *k, get(s));
                 }
             },
-            .write = [name, get, k](const S& s, json& j) { j[name] = write_keys(*k, get(s)); },
-            .inner_diff = [get, k](const S& a, const S& b, const std::string& path,
-                                  std::vector<std::string>& out) {
-                diff_keys(*k, get(a), get(b), path, out);
-            },
-            .inner_rows = [get, k](const S& d, const std::string& path, bool reloadable,
-                                  std::vector<Row>& out) {
-                keys_rows(*k, get(d), path, reloadable, out);
-            }};
+        .write = [name, get, k](const S& s, json& j) { j[name] = write_keys(*k, get(s)); },
+        .inner_diff =
+            [get, k](const S& a, const S& b, const std::string& path,
+                     std::vector<std::string>& out) { diff_keys(*k, get(a), get(b), path, out); },
+        .inner_rows = [get, k](
+                          const S& d, const std::string& path, bool reloadable,
+                          std::vector<Row>& out) { keys_rows(*k, get(d), path, reloadable, out); }};
 }
 
 /// An object held in the member FIELD of S.
@@ -407,25 +417,27 @@ Key<S> array(const char* name, std::vector<T> S::*field, const Keys<T>& keys, co
             .type = "array of objects",
             .reloadable = reload == Reload::sighup,
             .doc = doc,
-            .read = [name, field, k](Obj& o, S& s) {
-                const auto* v = o.get(name);
-                if (v == nullptr) return;
-                if (!v->is_array()) fail(o.sub(name), "must be an array");
-                for (std::size_t i = 0; i < v->size(); ++i) {
-                    Obj element((*v)[i], o.sub(name) + "[" + std::to_string(i) + "]");
-                    (s.*field).emplace_back();
-                    read_keys(element, *k, (s.*field).back());
-                }
-            },
-            .write = [name, field, k](const S& s, json& j) {
-                json a = json::array();
-                for (const auto& element : s.*field) a.push_back(write_keys(*k, element));
-                j[name] = std::move(a);
-            },
-            .inner_rows = [k](const S&, const std::string& path, bool reloadable,
-                             std::vector<Row>& out) {
-                keys_rows(*k, T{}, path + "[]", reloadable, out);
-            }};
+            .read =
+                [name, field, k](Obj& o, S& s) {
+                    const auto* v = o.get(name);
+                    if (v == nullptr) return;
+                    if (!v->is_array()) fail(o.sub(name), "must be an array");
+                    for (std::size_t i = 0; i < v->size(); ++i) {
+                        Obj element((*v)[i], o.sub(name) + "[" + std::to_string(i) + "]");
+                        (s.*field).emplace_back();
+                        read_keys(element, *k, (s.*field).back());
+                    }
+                },
+            .write =
+                [name, field, k](const S& s, json& j) {
+                    json a = json::array();
+                    for (const auto& element : s.*field) a.push_back(write_keys(*k, element));
+                    j[name] = std::move(a);
+                },
+            .inner_rows =
+                [k](const S&, const std::string& path, bool reloadable, std::vector<Row>& out) {
+                    keys_rows(*k, T{}, path + "[]", reloadable, out);
+                }};
 }
 
 constexpr std::uint64_t kib = 1024;

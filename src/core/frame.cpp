@@ -24,13 +24,14 @@ DecodedFrame decode_frame(std::string_view m, std::size_t max_payload) {
     auto kind = static_cast<std::uint8_t>(m[0]);
     auto stream = static_cast<std::uint8_t>(m[5]);
     std::uint32_t channel = get_u32(m.data() + 1);
-    if (stream > 2) return FrameError{"binary frame names unknown stream " + std::to_string(stream)};
+    if (stream > 2)
+        return FrameError{"binary frame names unknown stream " + std::to_string(stream)};
     if (kind == static_cast<std::uint8_t>(frame_kind::data)) {
         auto payload = m.substr(frame_header_size);
         if (payload.empty()) return FrameError{"data frame with an empty payload"};
         if (payload.size() > max_payload) {
             return FrameError{"data frame payload of " + std::to_string(payload.size()) +
-                              " bytes is over the limit of " + std::to_string(max_payload),
+                                  " bytes is over the limit of " + std::to_string(max_payload),
                               true};
         }
         return DataFrame{channel, static_cast<stream_id>(stream), payload};

@@ -11,14 +11,17 @@ std::string request(const json& id, std::string_view method, json params) {
 
 std::string request(const json& id, std::string_view method, json params, std::string_view name,
                     json value) {
-    json message = {{"jsonrpc", "2.0"}, {"id", id}, {"method", method}, {"params", std::move(params)}};
+    json message = {
+        {"jsonrpc", "2.0"}, {"id", id}, {"method", method}, {"params", std::move(params)}};
     message[std::string(name)] = std::move(value);
     return message.dump();
 }
 
 std::string forwarded_request(const json& id, std::string_view method, json params,
                               json forwarded_for) {
-    json message = {{"jsonrpc", "2.0"}, {"method", method}, {"params", std::move(params)},
+    json message = {{"jsonrpc", "2.0"},
+                    {"method", method},
+                    {"params", std::move(params)},
                     {"forwardedFor", std::move(forwarded_for)}};
     if (!id.is_null()) message["id"] = id;
     return message.dump();

@@ -1,8 +1,8 @@
 #include <sandboxd/core/lease.hpp>
 #include <sandboxd/core/lease_fields.hpp>
 
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <ctime>
 
 #include <sys/random.h>

@@ -39,7 +39,8 @@ struct X509Free {
 };
 using X509Ptr = std::unique_ptr<X509, X509Free>;
 
-std::unique_ptr<std::FILE, FileCloser> open_file(const std::string& field, const std::string& path) {
+std::unique_ptr<std::FILE, FileCloser> open_file(const std::string& field,
+                                                 const std::string& path) {
     if (path.empty()) fail(field, "no file given");
     std::unique_ptr<std::FILE, FileCloser> f(std::fopen(path.c_str(), "rb"));
     if (!f) fail(field, "cannot read " + path + ": " + std::strerror(errno));
@@ -81,12 +82,14 @@ void use_identity(ssl::context& ctx, const std::string& field, const std::string
                   const std::string& key_file) {
     const auto certs = read_certificates(field + ".certFile", cert_file);
     auto f = open_file(field + ".keyFile", key_file);
-    std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(PEM_read_PrivateKey(f.get(), nullptr, nullptr, nullptr),
-                                                             &EVP_PKEY_free);
-    if (!key) fail(field + ".keyFile", key_file + " holds no usable PEM private key: " + openssl_error());
+    std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(
+        PEM_read_PrivateKey(f.get(), nullptr, nullptr, nullptr), &EVP_PKEY_free);
+    if (!key)
+        fail(field + ".keyFile", key_file + " holds no usable PEM private key: " + openssl_error());
     if (X509_check_private_key(certs.front().get(), key.get()) != 1) {
         ERR_clear_error();
-        fail(field + ".keyFile", "the key in " + key_file + " does not match the certificate in " + cert_file);
+        fail(field + ".keyFile",
+             "the key in " + key_file + " does not match the certificate in " + cert_file);
     }
     SSL_CTX* c = ctx.native_handle();
     if (SSL_CTX_use_certificate_chain_file(c, cert_file.c_str()) != 1) {
@@ -163,7 +166,8 @@ std::shared_ptr<ssl::context> make_client_tls(const TlsClientOptions& o, const s
 
 void expect_server_name(SSL* ssl, const std::string& host, bool verify) {
     std::string name = host;
-    if (name.size() > 2 && name.front() == '[' && name.back() == ']') name = name.substr(1, name.size() - 2);
+    if (name.size() > 2 && name.front() == '[' && name.back() == ']')
+        name = name.substr(1, name.size() - 2);
     boost::system::error_code ec;
     net::ip::make_address(name, ec);
     const bool is_ip = !ec;
@@ -224,7 +228,8 @@ std::vector<std::string> peer_certificate_dns_names(SSL* ssl) {
     std::vector<std::string> out;
     X509* leaf = SSL_get0_peer_certificate(ssl);
     if (!leaf) return out;
-    auto* names = static_cast<GENERAL_NAMES*>(X509_get_ext_d2i(leaf, NID_subject_alt_name, nullptr, nullptr));
+    auto* names =
+        static_cast<GENERAL_NAMES*>(X509_get_ext_d2i(leaf, NID_subject_alt_name, nullptr, nullptr));
     if (!names) return out;
     for (int i = 0; i < sk_GENERAL_NAME_num(names); ++i) {
         const GENERAL_NAME* name = sk_GENERAL_NAME_value(names, i);

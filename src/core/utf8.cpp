@@ -18,12 +18,12 @@ int sequence_at(std::string_view s) {
         len = 2;
     } else if (c >= 0xE0 && c <= 0xEF) {
         len = 3;
-        if (c == 0xE0) lo = 0xA0;   // no overlongs
-        if (c == 0xED) hi = 0x9F;   // no surrogates
+        if (c == 0xE0) lo = 0xA0;  // no overlongs
+        if (c == 0xED) hi = 0x9F;  // no surrogates
     } else if (c >= 0xF0 && c <= 0xF4) {
         len = 4;
-        if (c == 0xF0) lo = 0x90;   // no overlongs
-        if (c == 0xF4) hi = 0x8F;   // nothing above U+10FFFF
+        if (c == 0xF0) lo = 0x90;  // no overlongs
+        if (c == 0xF4) hi = 0x8F;  // nothing above U+10FFFF
     } else {
         return 0;
     }

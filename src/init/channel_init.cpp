@@ -17,8 +17,8 @@
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
-#include <sys/socket.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
@@ -116,7 +116,7 @@ struct Options {
     long grace_ms = -1;  // < 0: keep running after the report (the daemon kills the namespace)
     char** command = nullptr;
     char** envp = nullptr;
-    std::uint64_t open_files = 0;  // RLIMIT_NOFILE of the command; 0: inherited
+    std::uint64_t open_files = 0;          // RLIMIT_NOFILE of the command; 0: inherited
     const std::string* program = nullptr;  // seccomp BPF; empty: none
     /// A warm init's end of its socket pair with the supervisor (close-on-exec), closed once
     /// the command has been exec'd (or has failed to start): the supervisor makes the next
@@ -147,7 +147,9 @@ struct Options {
         print_error("cannot drop capabilities", "", errno);
         ::_exit(126);
     }
-    struct rlimit no_core {0, 0};
+    struct rlimit no_core {
+        0, 0
+    };
     ::setrlimit(RLIMIT_CORE, &no_core);
     if (opts.open_files > 0) {
         struct rlimit files {};
@@ -170,8 +172,8 @@ struct Options {
     ::sigaction(SIGCHLD, &dfl, nullptr);
     ::sigaction(SIGPIPE, &dfl, nullptr);
     if (opts.program != nullptr && !opts.program->empty()) {
-        if (int err = sandboxd::detail::apply_seccomp_filter(opts.program->data(),
-                                                             opts.program->size());
+        if (int err =
+                sandboxd::detail::apply_seccomp_filter(opts.program->data(), opts.program->size());
             err != 0) {
             print_error("cannot apply the syscall filter", "", err);
             ::_exit(126);

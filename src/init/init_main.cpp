@@ -51,8 +51,8 @@
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
-#include <sys/socket.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
@@ -460,8 +460,8 @@ private:
         }
         char* to = buffer_.get() + sizeof req.header;
         for (std::size_t done = 0; err == 0 && done < req.header.payload_size;) {
-            const ssize_t n = ::pread(fd, to + done, req.header.payload_size - done,
-                                      static_cast<off_t>(done));
+            const ssize_t n =
+                ::pread(fd, to + done, req.header.payload_size - done, static_cast<off_t>(done));
             if (n < 0 && errno == EINTR) continue;
             if (n <= 0) {
                 err = n < 0 ? errno : EPROTO;
@@ -506,8 +506,8 @@ private:
     int start_channel(const ChannelRequest& req, int& pidfd) {
         // A raw clone without a new stack returns twice, like fork; CLONE_PIDFD stores the
         // child's pidfd in the parent_tid argument. This process is single-threaded.
-        long pid = ::syscall(SYS_clone, CLONE_NEWPID | CLONE_NEWNS | CLONE_PIDFD | SIGCHLD,
-                             nullptr, &pidfd, nullptr, 0L);
+        long pid = ::syscall(SYS_clone, CLONE_NEWPID | CLONE_NEWNS | CLONE_PIDFD | SIGCHLD, nullptr,
+                             &pidfd, nullptr, 0L);
         if (pid < 0) return errno;
         if (pid == 0) {
             ::close(signal_fd_);

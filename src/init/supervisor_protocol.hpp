@@ -49,20 +49,20 @@ inline constexpr std::size_t max_inline_payload = 64U << 10;
 inline constexpr std::size_t max_cgroup_fds = 8;
 inline constexpr std::size_t channel_fds = 5;
 inline constexpr std::size_t max_fds = channel_fds + max_cgroup_fds + 1;  ///< + the payload memfd
-inline constexpr std::size_t max_program = 64U << 10;  ///< bytes of BPF
-inline constexpr std::uint32_t max_strings = 1U << 16; ///< argc + envc
+inline constexpr std::size_t max_program = 64U << 10;                     ///< bytes of BPF
+inline constexpr std::uint32_t max_strings = 1U << 16;                    ///< argc + envc
 
 enum request_flags : std::uint32_t {
-    flag_pty = 1U << 0,  ///< fd 0 is a PTY slave: make it the controlling terminal
+    flag_pty = 1U << 0,            ///< fd 0 is a PTY slave: make it the controlling terminal
     flag_payload_memfd = 1U << 1,  ///< the payload is in the last descriptor, a sealed memfd
 };
 
 struct Request {
     std::uint32_t magic = request_magic;
     std::uint32_t flags = 0;
-    std::uint64_t id = 0;            ///< echoed in the reply
-    std::int32_t grace_ms = -1;      ///< drain grace after the main process ends; < 0: none
-    std::uint32_t argc = 0;          ///< >= 1
+    std::uint64_t id = 0;        ///< echoed in the reply
+    std::int32_t grace_ms = -1;  ///< drain grace after the main process ends; < 0: none
+    std::uint32_t argc = 0;      ///< >= 1
     std::uint32_t envc = 0;
     std::uint32_t cgroup_fds = 0;    ///< <= max_cgroup_fds
     std::uint64_t open_files = 0;    ///< RLIMIT_NOFILE of the command; 0: inherited

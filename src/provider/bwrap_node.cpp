@@ -64,16 +64,14 @@ BwrapProvider::BwrapProvider(BwrapOptions options)
     fs::create_directories(options_.sandboxes_dir, ec);
     ::chmod(options_.sandboxes_dir.c_str(), 0700);
     lock_dir();
-    instance_ = "sandboxd-" +
-                short_hash(fs::weakly_canonical(options_.sandboxes_dir, ec).string());
-    runtime_dir_ = options_.runtime_dir.empty() ? fs::path("/run/sandboxd") / instance_
-                                                : options_.runtime_dir;
+    instance_ = "sandboxd-" + short_hash(fs::weakly_canonical(options_.sandboxes_dir, ec).string());
+    runtime_dir_ =
+        options_.runtime_dir.empty() ? fs::path("/run/sandboxd") / instance_ : options_.runtime_dir;
     // Traversable by the leases' uids (bubblewrap resolves its bind sources by path, as
     // that uid); each sandbox's own directory there is open to its uid's group only.
     fs::create_directories(runtime_dir_, ec);
     if (ec) {
-        throw std::runtime_error("cannot create " + runtime_dir_.string() + ": " +
-                                 ec.message());
+        throw std::runtime_error("cannot create " + runtime_dir_.string() + ": " + ec.message());
     }
     ::chmod(runtime_dir_.c_str(), 0711);
     if (options_.runtime_dir.empty()) ::chmod(runtime_dir_.parent_path().c_str(), 0711);
@@ -101,9 +99,10 @@ BwrapProvider::BwrapProvider(BwrapOptions options)
     }
     probe_problem_ = probe_sandbox();
     if (!probe_problem_.empty()) {
-        spdlog::error("bwrap provider: cannot make a sandbox on this node: {}; /readyz says "
-                      "not ready and every leaseAcquire fails until the daemon restarts",
-                      probe_problem_);
+        spdlog::error(
+            "bwrap provider: cannot make a sandbox on this node: {}; /readyz says "
+            "not ready and every leaseAcquire fails until the daemon restarts",
+            probe_problem_);
     }
 }
 
@@ -130,8 +129,7 @@ void BwrapProvider::lock_dir() {
     const fs::path lock_path = options_.sandboxes_dir / ".lock";
     dir_lock_.reset(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
     if (!dir_lock_) {
-        throw std::runtime_error("cannot open " + lock_path.string() + ": " +
-                                 std::strerror(errno));
+        throw std::runtime_error("cannot open " + lock_path.string() + ": " + std::strerror(errno));
     }
     if (::flock(dir_lock_.get(), LOCK_EX | LOCK_NB) < 0) {
         throw std::runtime_error("another live sandboxd process uses " +
@@ -159,7 +157,8 @@ std::string BwrapProvider::probe_sandbox() {
         detail::SpawnRequest request;
         request.argv = std::move(argv);
         request.envp = {"PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"};
-        request.fds = {-1, -1, errors.write_end.get(), -1, -1, workspace.get(), etc.get(), init.get()};
+        request.fds = {-1,        -1,        errors.write_end.get(), -1, -1, workspace.get(),
+                       etc.get(), init.get()};
         request.run_as = std::make_pair(uid, static_cast<gid_t>(uid));
         auto child = detail::spawn_process(request, "bubblewrap");
         errors.write_end.reset();
@@ -198,8 +197,8 @@ void BwrapProvider::probe_enforcement() {
     if (::access("/dev/loop-control", R_OK | W_OK) != 0) {
         throw std::runtime_error(
             "providers.bwrap.limits.enforce: workspace disks need loop devices, and "
-            "/dev/loop-control is not usable: " + std::string(std::strerror(errno)) +
-            " (or set providers.bwrap.limits.enforce: false)");
+            "/dev/loop-control is not usable: " +
+            std::string(std::strerror(errno)) + " (or set providers.bwrap.limits.enforce: false)");
     }
     if (::access("/usr/sbin/mkfs.ext4", X_OK) != 0 && ::access("/sbin/mkfs.ext4", X_OK) != 0) {
         throw std::runtime_error(
@@ -215,12 +214,13 @@ void BwrapProvider::probe_enforcement() {
     budget_ = detail::NodeBudget::read_host(options_.proc_sys, options_.limits.overcommit);
     spdlog::info("bwrap provider: node budgets: {}", budget_->describe());
     const auto removed = cgroups_->remove_orphans();
-    spdlog::info("bwrap provider: limits enforced with {}; workspace disks: loop-mounted "
-                 "ext4{}",
-                 cgroups_->describe(),
-                 removed > 0 ? "; killed and removed " + std::to_string(removed) +
-                                   " orphaned sandbox cgroup(s) of an earlier process"
-                             : std::string());
+    spdlog::info(
+        "bwrap provider: limits enforced with {}; workspace disks: loop-mounted "
+        "ext4{}",
+        cgroups_->describe(),
+        removed > 0 ? "; killed and removed " + std::to_string(removed) +
+                          " orphaned sandbox cgroup(s) of an earlier process"
+                    : std::string());
 }
 
 void BwrapProvider::require_reachable(const fs::path& target) {
@@ -242,8 +242,7 @@ fs::path BwrapProvider::install_init() const {
     bool reachable = true;
     for (fs::path p = init_path_; reachable && !p.empty(); p = p.parent_path()) {
         struct stat st {};
-        reachable = ::stat(p.c_str(), &st) == 0 && st.st_uid == 0 &&
-                    (st.st_mode & S_IXOTH) != 0 &&
+        reachable = ::stat(p.c_str(), &st) == 0 && st.st_uid == 0 && (st.st_mode & S_IXOTH) != 0 &&
                     (st.st_mode & S_IWOTH) == 0;
         if (p == p.root_path()) break;
     }
@@ -255,8 +254,8 @@ fs::path BwrapProvider::install_init() const {
     const fs::path tmp = dir / "sandboxd-init.tmp";
     fs::copy_file(init_path_, tmp, fs::copy_options::overwrite_existing, ec);
     if (ec) {
-        throw std::runtime_error("cannot copy sandboxd-init from " + init_path_.string() +
-                                 ": " + ec.message());
+        throw std::runtime_error("cannot copy sandboxd-init from " + init_path_.string() + ": " +
+                                 ec.message());
     }
     ::chmod(tmp.c_str(), 0755);
     fs::rename(tmp, target);
@@ -270,8 +269,8 @@ void BwrapProvider::stage_on_tmpfs(const fs::path& dir) {
     }
     fs::remove_all(dir, ec);
     fs::create_directories(dir, ec);
-    if (::mount("sandboxd", dir.c_str(), "tmpfs", MS_NOSUID | MS_NODEV,
-                "mode=0711,size=256m") != 0) {
+    if (::mount("sandboxd", dir.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, "mode=0711,size=256m") !=
+        0) {
         throw std::runtime_error("cannot mount a tmpfs at " + dir.string() + ": " +
                                  std::strerror(errno));
     }
@@ -291,8 +290,8 @@ void BwrapProvider::write_etc(const fs::path& dir, bool network) const {
     std::error_code ec;
     fs::remove_all(dir, ec);
     fs::create_directories(dir);
-    fs::permissions(dir.parent_path(), fs::perms::owner_all | fs::perms::group_exec |
-                                           fs::perms::others_exec);
+    fs::permissions(dir.parent_path(),
+                    fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec);
     fs::permissions(dir, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
                              fs::perms::others_read | fs::perms::others_exec);
     for (const auto& entry : options_.etc_files) {
@@ -303,26 +302,30 @@ void BwrapProvider::write_etc(const fs::path& dir, bool network) const {
                  fs::copy_options::recursive | fs::copy_options::copy_symlinks |
                      fs::copy_options::overwrite_existing,
                  ec);
-        if (ec) spdlog::warn("bwrap provider: cannot copy {} into the sandbox /etc: {}",
-                             source.string(), ec.message());
+        if (ec)
+            spdlog::warn("bwrap provider: cannot copy {} into the sandbox /etc: {}",
+                         source.string(), ec.message());
     }
     const auto uid = options_.identity.inside_uid;
     const auto gid = options_.identity.inside_gid;
     std::string passwd = "root:x:0:0:root:/workspace:/bin/sh\n";
     std::string group = "root:x:0:\n";
-    if (uid != 0) passwd += "sandbox:x:" + std::to_string(uid) + ":" + std::to_string(gid) +
-                            ":sandbox:/workspace:/bin/sh\n";
+    if (uid != 0)
+        passwd += "sandbox:x:" + std::to_string(uid) + ":" + std::to_string(gid) +
+                  ":sandbox:/workspace:/bin/sh\n";
     if (gid != 0) group += "sandbox:x:" + std::to_string(gid) + ":\n";
     passwd += "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n";
     group += "nogroup:x:65534:\n";
     write_file(dir / "passwd", passwd);
     write_file(dir / "group", group);
     write_file(dir / "hostname", "sandbox\n");
-    write_file(dir / "hosts", "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost "
-                              "ip6-loopback\n");
-    write_file(dir / "nsswitch.conf", "passwd: files\ngroup: files\nshadow: files\n"
-                                      "hosts: files dns\nnetworks: files\nprotocols: files\n"
-                                      "services: files\n");
+    write_file(dir / "hosts",
+               "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost "
+               "ip6-loopback\n");
+    write_file(dir / "nsswitch.conf",
+               "passwd: files\ngroup: files\nshadow: files\n"
+               "hosts: files dns\nnetworks: files\nprotocols: files\n"
+               "services: files\n");
     if (network) {
         std::ifstream in(options_.etc_source / "resolv.conf", std::ios::binary);
         std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -332,8 +335,8 @@ void BwrapProvider::write_etc(const fs::path& dir, bool network) const {
     for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
         std::error_code ignored;
         if (it->is_symlink(ignored)) continue;
-        fs::permissions(it->path(),
-                        it->is_directory(ignored) ? fs::perms(0755) : fs::perms(0644), ignored);
+        fs::permissions(it->path(), it->is_directory(ignored) ? fs::perms(0755) : fs::perms(0644),
+                        ignored);
     }
 }
 
@@ -344,9 +347,10 @@ void BwrapProvider::reclaim_identities() {
         if (!is_sandbox_id(name)) continue;
         const auto uid = read_identity(entry.path());
         if (uid && !pool_.claim_existing(*uid)) {
-            spdlog::warn("sandbox {}: its uid {} is held by another process or outside the "
-                         "configured range",
-                         name, *uid);
+            spdlog::warn(
+                "sandbox {}: its uid {} is held by another process or outside the "
+                "configured range",
+                name, *uid);
         }
     }
 }
@@ -383,8 +387,8 @@ void BwrapProvider::teardown_files(const SandboxHandle& sandbox) {
     for (const auto& d : {run_dir, dir}) {
         fs::remove(d / "identity", ec);
         if (::rmdir(d.c_str()) < 0 && errno != ENOENT) {
-            provider_failure("cannot remove sandbox " + sandbox.scope.provider_lease_id +
-                             ": " + d.string() + ": " + std::strerror(errno));
+            provider_failure("cannot remove sandbox " + sandbox.scope.provider_lease_id + ": " +
+                             d.string() + ": " + std::strerror(errno));
         }
     }
     if (uid) pool_.release(*uid);

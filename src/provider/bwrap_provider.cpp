@@ -109,8 +109,9 @@ std::string sandbox_cwd(const std::string& cwd) {
 
 unique_fd open_path(const fs::path& path, const char* what) {
     unique_fd fd(::open(path.c_str(), O_PATH | O_CLOEXEC));
-    if (!fd) provider_failure(std::string("cannot open ") + what + " " + path.string() + ": " +
-                              std::strerror(errno));
+    if (!fd)
+        provider_failure(std::string("cannot open ") + what + " " + path.string() + ": " +
+                         std::strerror(errno));
     return fd;
 }
 
@@ -131,8 +132,9 @@ std::string short_hash(std::string_view text) {
 
 awaitable<std::shared_ptr<SandboxHandle>> BwrapProvider::create(Lease lease) {
     if (!probe_problem_.empty()) {
-        throw rpc_error(errc::provider_not_ready,
-                        "provider " + key_ + " cannot make a sandbox on this node: " + probe_problem_);
+        throw rpc_error(
+            errc::provider_not_ready,
+            "provider " + key_ + " cannot make a sandbox on this node: " + probe_problem_);
     }
     auto work = [this, lease = std::move(lease)] {
         return create_now(scope_of(lease), lease.id, lease.config);
@@ -249,8 +251,9 @@ void BwrapProvider::make_workspace(BwrapSandbox& sandbox, const SandboxHandle& h
     ::chmod(handle.workspace.c_str(), 0755);
 }
 
-std::shared_ptr<SandboxHandle> BwrapProvider::create_now(SandboxScope scope, const std::string& lease_id,
-                                          const json& config) {
+std::shared_ptr<SandboxHandle> BwrapProvider::create_now(SandboxScope scope,
+                                                         const std::string& lease_id,
+                                                         const json& config) {
     const LeaseConfig cfg = parse_config(config);
     check_io_limits(cfg.limits);
     // Taken before anything is made, given back unless the sandbox is made.
@@ -283,8 +286,8 @@ std::shared_ptr<SandboxHandle> BwrapProvider::create_now(SandboxScope scope, con
         // root:<the lease's gid> 0750: the lease's bubblewrap may enter, no other uid may.
         if (::mkdir(run_dir.c_str(), 0700) < 0 || ::chown(run_dir.c_str(), 0, uid) < 0 ||
             ::chmod(run_dir.c_str(), 0750) < 0) {
-            provider_failure("cannot make " + run_dir.string() + " for its lease: " +
-                             std::strerror(errno));
+            provider_failure("cannot make " + run_dir.string() +
+                             " for its lease: " + std::strerror(errno));
         }
         auto sandbox = std::make_shared<BwrapSandbox>();
         sandbox->limits = cfg.limits;
@@ -367,8 +370,7 @@ json BwrapProvider::validation_of(const json& config) const {
     try {
         const LeaseConfig cfg = parse_config(config);
         return {{"ok", true},
-                {"normalizedConfig",
-                 {{"network", cfg.network}, {"limits", cfg.limits.to_json()}}}};
+                {"normalizedConfig", {{"network", cfg.network}, {"limits", cfg.limits.to_json()}}}};
     } catch (const rpc_error& e) {
         return {{"ok", false}, {"errors", {e.what()}}};
     }

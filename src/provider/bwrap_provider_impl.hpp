@@ -13,6 +13,7 @@
 
 #include "init/supervisor_protocol.hpp"
 #include "provider/bwrap_config.hpp"
+#include "provider/bwrap_sandbox.hpp"
 #include "provider/cgroups.hpp"
 #include "provider/identity_pool.hpp"
 #include "provider/lease_disk.hpp"
@@ -20,10 +21,9 @@
 #include "provider/process_backend.hpp"
 #include "provider/seccomp_filter.hpp"
 #include "provider/spawn.hpp"
-#include "provider/bwrap_sandbox.hpp"
 
-#include <sys/socket.h>
 #include <sys/mount.h>
+#include <sys/socket.h>
 
 #include <cstring>
 #include <fstream>
@@ -33,8 +33,8 @@
 namespace sandboxd::bwrap {
 
 namespace proto = supervisor;
-using nlohmann::json;
 using detail::LeaseConfig;
+using nlohmann::json;
 
 constexpr std::string_view sandbox_path =
     "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -103,8 +103,8 @@ public:
     std::string describe_stored_now(const std::string& provider_lease_id) const;
 
     std::vector<std::string> capabilities() const override {
-        return {"channels", "pty", "stderr", "signals", "closeStdin", "resize", "probe", "execute",
-                "validateConfig"};
+        return {"channels", "pty",   "stderr",  "signals",       "closeStdin",
+                "resize",   "probe", "execute", "validateConfig"};
     }
 
     awaitable<json> validate_config(std::string company_id, json config) override {
@@ -342,7 +342,7 @@ private:
     fs::path init_path_;
     detail::IdentityPool pool_;
     unique_fd dir_lock_;
-    std::string instance_;   ///< this daemon's name in cgroups and /run
+    std::string instance_;  ///< this daemon's name in cgroups and /run
     fs::path runtime_dir_;
     /// Why the start-up probe could not make a sandbox ("" when it could); set once in the
     /// constructor, read-only after.

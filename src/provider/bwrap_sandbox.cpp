@@ -72,7 +72,7 @@ void BwrapSandbox::shutdown(bool unmount) noexcept {
         }
         pid = -1;
     }
-    spare_cgroups.clear();  // emptied ones: removed, not killed
+    spare_cgroups.clear();       // emptied ones: removed, not killed
     if (cgroup) cgroup->kill();  // whatever is left (a sandbox whose bubblewrap is gone)
     // A sandbox dropped without a teardown (the daemon stops): nothing can use it again
     // in this process, so its loop device and mount go now; a later teardown removes

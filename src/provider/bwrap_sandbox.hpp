@@ -157,7 +157,7 @@ public:
 
     fs::path workspace;  ///< the mount point on the host
 
-    Turns turns;  ///< one request in flight on the socket
+    Turns turns;       ///< one request in flight on the socket
     std::mutex mutex;  ///< guards the fields below (never held across a wait)
     pid_t pid = -1;    ///< bubblewrap, our child
     unique_fd pidfd;
@@ -193,7 +193,9 @@ class BwrapChannelResources final : public detail::ChannelResources {
 public:
     BwrapChannelResources(TakenCgroup cgroup, std::shared_ptr<BwrapSandbox> sandbox,
                           std::shared_ptr<Counters> counters)
-        : cgroup_(std::move(cgroup)), sandbox_(std::move(sandbox)), counters_(std::move(counters)) {}
+        : cgroup_(std::move(cgroup)),
+          sandbox_(std::move(sandbox)),
+          counters_(std::move(counters)) {}
 
     std::string limit_hit(int term_signal) noexcept override {
         // One read each: the channel's own count where the kernel keeps it there (v1), else

@@ -55,8 +55,8 @@
 
 namespace sandboxd::bwrap {
 
-awaitable<std::unique_ptr<ChannelBackend>> BwrapProvider::open(std::shared_ptr<SandboxHandle> sandbox,
-                                                ExecSpec spec) {
+awaitable<std::unique_ptr<ChannelBackend>> BwrapProvider::open(
+    std::shared_ptr<SandboxHandle> sandbox, ExecSpec spec) {
     validate_spec(spec);
     auto state = std::static_pointer_cast<BwrapSandbox>(sandbox->state);
     if (!state) {
@@ -75,9 +75,8 @@ awaitable<std::unique_ptr<ChannelBackend>> BwrapProvider::open(std::shared_ptr<S
     unique_fd spare = copy_socket(*state, sandbox->scope.provider_lease_id);
     PreparedChannel prepared = prepare_channel(*state, spec);
     unique_fd init_pidfd =
-        co_await ask_supervisor(state, sandbox->scope.provider_lease_id,
-                                std::move(socket_copy), std::move(spare),
-                                prepared.request, prepared.payload, prepared.fds);
+        co_await ask_supervisor(state, sandbox->scope.provider_lease_id, std::move(socket_copy),
+                                std::move(spare), prepared.request, prepared.payload, prepared.fds);
     detail::ProcessEnds ends = channel_ends(std::move(prepared), std::move(init_pidfd), state);
     auto executor = co_await net::this_coro::executor;
     co_return std::make_unique<detail::ProcessBackend>(executor, std::move(ends));
@@ -139,9 +138,10 @@ BwrapProvider::PreparedChannel BwrapProvider::prepare_channel(BwrapSandbox& stat
     request.argc = static_cast<std::uint32_t>(spec.argv.size());
     request.envc = static_cast<std::uint32_t>(envc);
     request.payload_size = static_cast<std::uint32_t>(payload.size());
-    request.grace_ms = spec.drain_grace_ms ? static_cast<std::int32_t>(std::min<std::uint32_t>(
-                                                 *spec.drain_grace_ms, INT32_MAX))
-                                           : -1;
+    request.grace_ms =
+        spec.drain_grace_ms
+            ? static_cast<std::int32_t>(std::min<std::uint32_t>(*spec.drain_grace_ms, INT32_MAX))
+            : -1;
     request.open_files = state.limits.open_files;
     request.start_deadline_ms = spec.start_deadline_ms.value_or(0);
 
@@ -158,8 +158,7 @@ BwrapProvider::PreparedChannel BwrapProvider::prepare_channel(BwrapSandbox& stat
         } else {
             out.dev_null.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
             if (!out.dev_null) {
-                provider_failure(std::string("cannot open /dev/null: ") +
-                                 std::strerror(errno));
+                provider_failure(std::string("cannot open /dev/null: ") + std::strerror(errno));
             }
             fds.push_back(out.dev_null.get());
         }
@@ -204,8 +203,8 @@ TakenCgroup BwrapProvider::take_channel_cgroup(BwrapSandbox& state) {
 }
 
 unique_fd BwrapProvider::sealed_memfd(const char* name, const std::string& bytes) {
-    unique_fd fd(static_cast<int>(
-        ::syscall(SYS_memfd_create, name, MFD_CLOEXEC | MFD_ALLOW_SEALING)));
+    unique_fd fd(
+        static_cast<int>(::syscall(SYS_memfd_create, name, MFD_CLOEXEC | MFD_ALLOW_SEALING)));
     std::size_t done = 0;
     while (fd && done < bytes.size()) {
         const ssize_t n = ::write(fd.get(), bytes.data() + done, bytes.size() - done);
@@ -224,7 +223,7 @@ unique_fd BwrapProvider::sealed_memfd(const char* name, const std::string& bytes
 }
 
 detail::ProcessEnds BwrapProvider::channel_ends(PreparedChannel prepared, unique_fd init_pidfd,
-                                 const std::shared_ptr<BwrapSandbox>& state) {
+                                                const std::shared_ptr<BwrapSandbox>& state) {
     detail::ProcessEnds out;
     out.pidfd = std::move(init_pidfd);  // out.pid stays -1: ProcessBackend reads it if asked
     out.pty = prepared.pty;
@@ -245,17 +244,26 @@ detail::ProcessEnds BwrapProvider::channel_ends(PreparedChannel prepared, unique
     }
     out.status_fd = std::move(prepared.status_pipe.read_end);
     out.control_fd = std::move(prepared.control_pipe.write_end);
-    out.resources = std::make_unique<BwrapChannelResources>(std::move(prepared.cgroup), state,
-                                                            counters_);
+    out.resources =
+        std::make_unique<BwrapChannelResources>(std::move(prepared.cgroup), state, counters_);
     return out;
 }
 
-std::vector<std::string> BwrapProvider::bwrap_argv(const LeaseConfig& cfg, std::size_t cgroup_fds) const {
+std::vector<std::string> BwrapProvider::bwrap_argv(const LeaseConfig& cfg,
+                                                   std::size_t cgroup_fds) const {
     const auto& id = options_.identity;
     std::vector<std::string> a = {
-        options_.bwrap_path.string(), "--die-with-parent", "--unshare-user",
-        "--uid", std::to_string(id.inside_uid), "--gid", std::to_string(id.inside_gid),
-        "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        options_.bwrap_path.string(),
+        "--die-with-parent",
+        "--unshare-user",
+        "--uid",
+        std::to_string(id.inside_uid),
+        "--gid",
+        std::to_string(id.inside_gid),
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
     };
     if (!cfg.network) a.emplace_back("--unshare-net");
     // The supervisor needs these two inside the lease's user namespace only: to make each
@@ -284,15 +292,15 @@ std::vector<std::string> BwrapProvider::bwrap_argv(const LeaseConfig& cfg, std::
         if (options_.limits.enforce) a.insert(a.end(), {"--size", tmpfs_size});
         a.insert(a.end(), {"--tmpfs", dir});
     }
-    a.insert(a.end(), {"--bind-fd", "5", "/workspace", "--ro-bind-fd", "7", init_in_sandbox,
-                       "--chdir", "/workspace", "--hostname", "sandbox", "--", init_in_sandbox,
-                       "--lease"});
+    a.insert(a.end(),
+             {"--bind-fd", "5", "/workspace", "--ro-bind-fd", "7", init_in_sandbox, "--chdir",
+              "/workspace", "--hostname", "sandbox", "--", init_in_sandbox, "--lease"});
     if (cgroup_fds > 0) a.insert(a.end(), {"--cgroup-fds", std::to_string(cgroup_fds)});
     return a;
 }
 
 void BwrapProvider::start_supervisor(BwrapSandbox& sandbox, const fs::path& workspace, uid_t uid,
-                      const LeaseConfig& cfg) {
+                                     const LeaseConfig& cfg) {
     int sv[2];
     if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
         provider_failure(std::string("cannot create the supervisor's socket: ") +
@@ -305,8 +313,8 @@ void BwrapProvider::start_supervisor(BwrapSandbox& sandbox, const fs::path& work
     ::setsockopt(ours.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
 
     unique_fd workspace_fd = open_path(workspace, "the workspace");
-    unique_fd etc = open_path(runtime_dir_ / ".etc" / (cfg.network ? "net" : "private"),
-                              "the sandbox /etc");
+    unique_fd etc =
+        open_path(runtime_dir_ / ".etc" / (cfg.network ? "net" : "private"), "the sandbox /etc");
     unique_fd init = open_path(init_path_, "sandboxd-init");
     detail::Pipe errors = detail::make_pipe(detail::daemon_end::read);
 
@@ -320,8 +328,14 @@ void BwrapProvider::start_supervisor(BwrapSandbox& sandbox, const fs::path& work
     for (const auto& fd : procs) request.extra_fds.push_back(fd.get());
     request.argv = bwrap_argv(cfg, procs.size());
     request.envp = {"PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"};
-    request.fds = {-1, -1, errors.write_end.get(), theirs.get(), program_.get(),
-                   workspace_fd.get(), etc.get(), init.get()};
+    request.fds = {-1,
+                   -1,
+                   errors.write_end.get(),
+                   theirs.get(),
+                   program_.get(),
+                   workspace_fd.get(),
+                   etc.get(),
+                   init.get()};
     request.run_as = std::make_pair(uid, static_cast<gid_t>(uid));
     auto child = detail::spawn_process(request, "bubblewrap");
     sandbox.pid = child.pid;
@@ -351,7 +365,7 @@ void BwrapProvider::start_supervisor(BwrapSandbox& sandbox, const fs::path& work
 }
 
 ssize_t BwrapProvider::send_request(int socket, const proto::Request& request,
-                            const std::string& payload, const std::vector<int>& fds) {
+                                    const std::string& payload, const std::vector<int>& fds) {
     iovec iov[2] = {{const_cast<proto::Request*>(&request), sizeof request},
                     {const_cast<char*>(payload.data()), payload.size()}};
     std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()), '\0');
@@ -372,8 +386,7 @@ ssize_t BwrapProvider::send_request(int socket, const proto::Request& request,
     return sent < 0 ? -errno : sent;
 }
 
-ssize_t BwrapProvider::recv_reply(int socket, proto::Reply& reply, unique_fd& pidfd,
-                          int flags) {
+ssize_t BwrapProvider::recv_reply(int socket, proto::Reply& reply, unique_fd& pidfd, int flags) {
     alignas(cmsghdr) char reply_control[CMSG_SPACE(sizeof(int))];
     iovec riov{&reply, sizeof reply};
     msghdr rmsg{};
@@ -397,13 +410,14 @@ ssize_t BwrapProvider::recv_reply(int socket, proto::Reply& reply, unique_fd& pi
     return got;
 }
 
-awaitable<BwrapProvider::Exchanged> BwrapProvider::exchange(std::shared_ptr<net::posix::stream_descriptor> socket,
-                                     unique_fd spare, proto::Request request,
-                                     std::string payload, std::vector<int> fds) {
+awaitable<BwrapProvider::Exchanged> BwrapProvider::exchange(
+    std::shared_ptr<net::posix::stream_descriptor> socket, unique_fd spare, proto::Request request,
+    std::string payload, std::vector<int> fds) {
     Exchanged out;
     const int fd = socket->native_handle();
-    const ssize_t sent = co_await when_ready(*socket, net::posix::descriptor_base::wait_write,
-                                             [&] { return send_request(fd, request, payload, fds); });
+    const ssize_t sent = co_await when_ready(*socket, net::posix::descriptor_base::wait_write, [&] {
+        return send_request(fd, request, payload, fds);
+    });
     if (sent < 0) {
         out.error = static_cast<int>(-sent);
         co_return out;
@@ -428,8 +442,7 @@ unique_fd BwrapProvider::copy_socket(BwrapSandbox& sandbox, const std::string& n
             throw rpc_error(errc::channel_limit,
                             "cannot start a channel: this node has no file descriptor left "
                             "for another channel (" +
-                                std::string(err == EMFILE ? "RLIMIT_NOFILE"
-                                                          : "system file table") +
+                                std::string(err == EMFILE ? "RLIMIT_NOFILE" : "system file table") +
                                 ")");
         }
         provider_failure(std::string("cannot start a channel: ") + std::strerror(err));
@@ -437,10 +450,10 @@ unique_fd BwrapProvider::copy_socket(BwrapSandbox& sandbox, const std::string& n
     return copy;
 }
 
-awaitable<unique_fd> BwrapProvider::ask_supervisor(std::shared_ptr<BwrapSandbox> sandbox, std::string name,
-                                    unique_fd socket_copy, unique_fd spare,
-                                    proto::Request request, std::string payload,
-                                    std::vector<int> fds) {
+awaitable<unique_fd> BwrapProvider::ask_supervisor(std::shared_ptr<BwrapSandbox> sandbox,
+                                                   std::string name, unique_fd socket_copy,
+                                                   unique_fd spare, proto::Request request,
+                                                   std::string payload, std::vector<int> fds) {
     using namespace net::experimental::awaitable_operators;
     // The caller (open) holds the sandbox's turn: one request in flight on the socket.
     {
@@ -451,13 +464,12 @@ awaitable<unique_fd> BwrapProvider::ask_supervisor(std::shared_ptr<BwrapSandbox>
         request.id = sandbox->next_request++;
     }
     auto executor = co_await net::this_coro::executor;
-    auto socket =
-        std::make_shared<net::posix::stream_descriptor>(executor, socket_copy.release());
+    auto socket = std::make_shared<net::posix::stream_descriptor>(executor, socket_copy.release());
     net::steady_timer timer(executor);
     timer.expires_after(std::chrono::milliseconds(supervisor_timeout_ms));
-    auto outcome = co_await (exchange(socket, std::move(spare), request, std::move(payload),
-                                      std::move(fds)) ||
-                             timer.async_wait(as_tuple_awaitable));
+    auto outcome =
+        co_await (exchange(socket, std::move(spare), request, std::move(payload), std::move(fds)) ||
+                  timer.async_wait(as_tuple_awaitable));
     if (outcome.index() == 1) fail_supervisor(*sandbox, name, ETIMEDOUT);
     Exchanged got = std::get<0>(std::move(outcome));
     if (got.error != 0) fail_supervisor(*sandbox, name, got.error);
@@ -468,23 +480,23 @@ awaitable<unique_fd> BwrapProvider::ask_supervisor(std::shared_ptr<BwrapSandbox>
     }
     if (reply.error != 0) {
         if (reply.error == ETIMEDOUT) {
-            throw start_deadline_passed("sandbox " + name + ": the channel was not started: its node's "
+            throw start_deadline_passed("sandbox " + name +
+                                        ": the channel was not started: its node's "
                                         "fencing deadline passed before it could start");
         }
         if (reply.error == EMFILE || reply.error == ENFILE || reply.error == EAGAIN) {
-            throw rpc_error(errc::channel_limit,
-                            "sandbox " + name + " cannot start another process: " +
-                                std::strerror(reply.error));
+            throw rpc_error(
+                errc::channel_limit,
+                "sandbox " + name + " cannot start another process: " + std::strerror(reply.error));
         }
-        provider_failure("sandbox " + name + " could not start the channel: " +
-                         std::strerror(reply.error));
+        provider_failure("sandbox " + name +
+                         " could not start the channel: " + std::strerror(reply.error));
     }
     ::fcntl(got.pidfd.get(), F_SETFL, O_NONBLOCK);
     co_return std::move(got.pidfd);
 }
 
-void BwrapProvider::fail_supervisor(BwrapSandbox& sandbox, const std::string& name,
-                                         int err) {
+void BwrapProvider::fail_supervisor(BwrapSandbox& sandbox, const std::string& name, int err) {
     // The supervisor is gone or out of step: no later request could be trusted.
     {
         std::lock_guard lock(sandbox.mutex);

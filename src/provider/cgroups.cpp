@@ -200,7 +200,7 @@ struct Layout {
     std::vector<Hierarchy> hierarchies;
     // Indexes into hierarchies (all 0 on v2).
     std::size_t memory = 0, pids = 0, cpu = 0, cpuacct = 0, freezer = 0;
-    bool memsw = false;  // v1: memory.memsw.* exist (swap accounting on)
+    bool memsw = false;                // v1: memory.memsw.* exist (swap accounting on)
     std::optional<std::size_t> blkio;  // v1: the blkio hierarchy, when there is one
     bool io = false;                   // v2: the io controller is enabled for the leases
 
@@ -484,7 +484,8 @@ public:
             for (std::size_t h = 0; h < layout_->hierarchies.size(); ++h) {
                 const fs::path dir = layout_->dir(h, rel_);
                 if (::rmdir(dir.c_str()) != 0 && errno != ENOENT) {
-                    spdlog::debug("cannot remove cgroup {}: {}", dir.string(), std::strerror(errno));
+                    spdlog::debug("cannot remove cgroup {}: {}", dir.string(),
+                                  std::strerror(errno));
                 }
             }
             return;

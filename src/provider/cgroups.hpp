@@ -53,10 +53,10 @@ namespace sandboxd::detail {
 enum class cgroup_mode { v1, v2, none };
 
 struct CgroupLimits {
-    std::optional<std::uint64_t> memory_bytes;      ///< absent: no limit
-    std::optional<std::uint32_t> pids;              ///< absent: no limit
-    std::uint32_t cpu_weight = 100;                 ///< 1..10000 (100 is the default share)
-    std::optional<std::uint32_t> cpu_quota_percent; ///< percent of one core, 1..(100 * cores)
+    std::optional<std::uint64_t> memory_bytes;       ///< absent: no limit
+    std::optional<std::uint32_t> pids;               ///< absent: no limit
+    std::uint32_t cpu_weight = 100;                  ///< 1..10000 (100 is the default share)
+    std::optional<std::uint32_t> cpu_quota_percent;  ///< percent of one core, 1..(100 * cores)
     /// The device io_* apply to (the lease's loop device); required when any io_* is set.
     std::optional<dev_t> io_device;
     std::optional<std::uint64_t> io_read_bps;  ///< bytes per second; absent: no limit
@@ -156,7 +156,6 @@ public:
 /// unusable machine; throws provider_error only when the subtree cannot be made although a
 /// mechanism was found.
 std::unique_ptr<CgroupManager> probe_cgroups(const std::string& instance,
-                                             const std::filesystem::path& root =
-                                                 "/sys/fs/cgroup");
+                                             const std::filesystem::path& root = "/sys/fs/cgroup");
 
 }  // namespace sandboxd::detail

@@ -128,16 +128,16 @@ awaitable<json> Provider::execute(std::shared_ptr<SandboxHandle> sandbox, Lease 
     const std::size_t limit = request.output_limit;
     bool gone = false;
     GoneWait end;
-    auto results = co_await (pump(*backend, output_stream::out, out, limit, log, request.wait_for_room) &&
-                             pump(*backend, output_stream::err, err, limit, log, request.wait_for_room) &&
-                             feed_stdin(*backend, std::move(request.stdin_data)) &&
-                             end_of(*backend, end, gone));
+    auto results = co_await (
+        pump(*backend, output_stream::out, out, limit, log, request.wait_for_room) &&
+        pump(*backend, output_stream::err, err, limit, log, request.wait_for_room) &&
+        feed_stdin(*backend, std::move(request.stdin_data)) && end_of(*backend, end, gone));
     ChannelExit exit = std::move(results);
     *done = true;
     timer.cancel();
     if (!gone) {
-        net::co_spawn(co_await net::this_coro::executor, keep_until_gone(std::move(backend), std::move(end)),
-                      net::detached);
+        net::co_spawn(co_await net::this_coro::executor,
+                      keep_until_gone(std::move(backend), std::move(end)), net::detached);
     }
     const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(
         std::chrono::steady_clock::now() - started);

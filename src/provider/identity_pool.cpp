@@ -17,7 +17,8 @@ IdentityPool::IdentityPool(std::uint32_t first, std::uint32_t count,
     : first_(first), count_(count) {
     const std::uint64_t last = std::uint64_t{first} + count;  // one past the end
     if (count == 0 || first == 0 || last > 0xFFFFFFFFULL) {
-        throw std::invalid_argument("the identity range must be non-empty, above 0 and below 2^32 - 1");
+        throw std::invalid_argument(
+            "the identity range must be non-empty, above 0 and below 2^32 - 1");
     }
     for (std::uint64_t own : {std::uint64_t{::getuid()}, std::uint64_t{::getgid()}}) {
         if (own >= first && own < last) {
@@ -29,9 +30,8 @@ IdentityPool::IdentityPool(std::uint32_t first, std::uint32_t count,
     std::filesystem::create_directories(lock_file.parent_path(), ec);
     lock_fd_.reset(::open(lock_file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
     if (!lock_fd_) {
-        throw rpc_error(errc::provider_error,
-                        "cannot open the identity lock file " + lock_file.string() + ": " +
-                            std::strerror(errno));
+        throw rpc_error(errc::provider_error, "cannot open the identity lock file " +
+                                                  lock_file.string() + ": " + std::strerror(errno));
     }
 }
 
@@ -55,9 +55,9 @@ uid_t IdentityPool::acquire() {
         next_ = (offset + 1) % count_;
         return id;
     }
-    throw rpc_error(errc::provider_error,
-                    "no free identity: all " + std::to_string(count_) + " host ids from " +
-                        std::to_string(first_) + " are in use");
+    throw rpc_error(errc::provider_error, "no free identity: all " + std::to_string(count_) +
+                                              " host ids from " + std::to_string(first_) +
+                                              " are in use");
 }
 
 bool IdentityPool::claim_existing(uid_t id) {

@@ -26,8 +26,8 @@
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/statvfs.h>
-#include <sys/sysmacros.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -195,10 +195,9 @@ void make_filesystem(const std::string& target, const std::string& image, uid_t 
                      int pass_fd = -1) {
     const std::string mkfs = find_program({"/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4"});
     const std::string owner = std::to_string(uid) + ":" + std::to_string(gid);
-    tool_result result =
-        run_tool({mkfs, "-q", "-F", "-b", "4096", "-I", "256", "-i", "16384", "-m", "0", "-O",
-                  "^has_journal", "-E", "root_owner=" + owner, target},
-                 pass_fd);
+    tool_result result = run_tool({mkfs, "-q", "-F", "-b", "4096", "-I", "256", "-i", "16384", "-m",
+                                   "0", "-O", "^has_journal", "-E", "root_owner=" + owner, target},
+                                  pass_fd);
     if (!WIFEXITED(result.status) || WEXITSTATUS(result.status) != 0) {
         throw rpc_error(errc::provider_error,
                         "mkfs.ext4 failed for " + image + ": " + describe(result));
@@ -220,7 +219,7 @@ constexpr std::size_t max_kept_formats = 4;              // distinct sizes kept
 constexpr std::uint64_t max_kept_format_data = 8 << 20;  // bytes written by mkfs, per size
 
 struct kept_format {
-    std::uint64_t bytes = 0;                                 // the image's size
+    std::uint64_t bytes = 0;                                  // the image's size
     std::vector<std::pair<std::uint64_t, std::string>> data;  // offset, bytes: the rest is zeros
 };
 
@@ -257,7 +256,8 @@ std::optional<kept_format> read_extents(int fd, std::uint64_t bytes, std::uint64
 // A formatted image of `bytes` made in a memfd by mkfs.ext4 (root directory root:root); nullopt
 // when mkfs wrote more than max_kept_format_data.
 std::optional<kept_format> make_kept_format(std::uint64_t bytes) {
-    unique_fd memfd(static_cast<int>(::syscall(SYS_memfd_create, "sandboxd-disk-format", MFD_CLOEXEC)));
+    unique_fd memfd(
+        static_cast<int>(::syscall(SYS_memfd_create, "sandboxd-disk-format", MFD_CLOEXEC)));
     if (!memfd) fail("cannot make a memfd to format a disk in", errno);
     if (::ftruncate(memfd.get(), static_cast<off_t>(bytes)) != 0) {
         fail("cannot size a memfd to format a disk in", errno);

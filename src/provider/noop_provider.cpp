@@ -56,7 +56,9 @@ public:
 
     /// Nothing is lost with the process: a restarted node serves its leases again.
     bool can_resume() const noexcept override { return true; }
-    awaitable<std::shared_ptr<SandboxHandle>> resume(Lease lease) override { co_return handle_of(lease); }
+    awaitable<std::shared_ptr<SandboxHandle>> resume(Lease lease) override {
+        co_return handle_of(lease);
+    }
 
 private:
     std::string key_ = "noop";

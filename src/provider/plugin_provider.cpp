@@ -29,7 +29,8 @@ class PluginSandbox final : public SandboxState {
 public:
     PluginSandbox(json lease_config, std::optional<std::string> lease_issue_id,
                   std::uint64_t worker_generation)
-        : config(std::move(lease_config)), issue_id(std::move(lease_issue_id)),
+        : config(std::move(lease_config)),
+          issue_id(std::move(lease_issue_id)),
           generation(worker_generation) {}
     const json config;
     const std::optional<std::string> issue_id;
@@ -77,7 +78,9 @@ std::optional<std::int64_t> parse_time(const std::string& text) {
 class PluginProvider final : public Provider {
 public:
     PluginProvider(PluginConfig config, PluginTuning tuning)
-        : key_(config.provider), plugin_id_(config.plugin_id), cleanup_(config.cleanup),
+        : key_(config.provider),
+          plugin_id_(config.plugin_id),
+          cleanup_(config.cleanup),
           manager_(std::move(config), std::move(tuning)) {
         manager_.on_late_acquire([this](json params, json result, json context) {
             late_acquire(params, result, context);
@@ -96,8 +99,8 @@ public:
             throw rpc_error(errc::invalid_params, "config: must be an object");
         }
         json params = acquire_params(lease);
-        auto answer = co_await manager_.call_answered("environmentAcquireLease",
-                                                      std::move(params), lease_context(lease));
+        auto answer = co_await manager_.call_answered("environmentAcquireLease", std::move(params),
+                                                      lease_context(lease));
         co_return handle_of(lease, answer.result, "environmentAcquireLease", answer.generation);
     }
 
@@ -122,10 +125,14 @@ public:
     std::vector<std::string> capabilities() const override {
         // What the worker's supportedMethods make possible (docs/plugins.md section 3).
         static const std::pair<const char*, const char*> map[] = {
-            {"duplexChannelOpen", "channels"},       {"duplexChannelCloseStdin", "closeStdin"},
-            {"duplexChannelSignal", "signals"},      {"duplexChannelResize", "resize"},
-            {"environmentProbe", "probe"},           {"environmentValidateConfig", "validateConfig"},
-            {"environmentResumeLease", "resume"},    {"environmentExecute", "execute"},
+            {"duplexChannelOpen", "channels"},
+            {"duplexChannelCloseStdin", "closeStdin"},
+            {"duplexChannelSignal", "signals"},
+            {"duplexChannelResize", "resize"},
+            {"environmentProbe", "probe"},
+            {"environmentValidateConfig", "validateConfig"},
+            {"environmentResumeLease", "resume"},
+            {"environmentExecute", "execute"},
             {"environmentRealizeWorkspace", "realizeWorkspace"}};
         std::vector<std::string> out;
         for (const auto& [method, capability] : map) {
@@ -256,8 +263,8 @@ private:
         json p = base_params(sandbox.scope, lease.config, lease.issue_id);
         json ref = {{"providerLeaseId", sandbox.scope.provider_lease_id}};
         if (sandbox.provider_metadata.is_object()) ref["metadata"] = sandbox.provider_metadata;
-        ref["expiresAt"] = sandbox.expires_at_ms ? json(format_rfc3339(*sandbox.expires_at_ms))
-                                                 : json(nullptr);
+        ref["expiresAt"] =
+            sandbox.expires_at_ms ? json(format_rfc3339(*sandbox.expires_at_ms)) : json(nullptr);
         p["lease"] = std::move(ref);
         for (const auto& [k, v] : host_fields.items()) p[k] = v;
         return p;
@@ -370,18 +377,20 @@ private:
         lease.environment_id = params.value("environmentId", "");
         lease.provider_lease_id = id->get<std::string>();
         lease.config = params.value("config", json::object());
-        lease.provider_metadata =
-            result.contains("metadata") && result["metadata"].is_object() ? result["metadata"] : json();
-        spdlog::warn("plugin={}: environmentAcquireLease for lease {} answered after its timeout "
-                     "(providerLeaseId {}): recorded for cleanup",
-                     plugin_id_, lease.id, lease.provider_lease_id);
+        lease.provider_metadata = result.contains("metadata") && result["metadata"].is_object()
+                                      ? result["metadata"]
+                                      : json();
+        spdlog::warn(
+            "plugin={}: environmentAcquireLease for lease {} answered after its timeout "
+            "(providerLeaseId {}): recorded for cleanup",
+            plugin_id_, lease.id, lease.provider_lease_id);
         if (late_sink_) late_sink_(std::move(lease));
     }
 
     [[noreturn]] void unsupported(const char* host_method, const char* sdk_method) const {
         throw rpc_error(errc::invalid_params,
-                        std::string(host_method) + ": plugin " + plugin_id_ + " (provider " +
-                            key_ + ") does not implement it (" + sdk_method +
+                        std::string(host_method) + ": plugin " + plugin_id_ + " (provider " + key_ +
+                            ") does not implement it (" + sdk_method +
                             " is not in its worker's supportedMethods)",
                         {{"field", host_method}});
     }

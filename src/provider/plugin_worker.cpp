@@ -1,7 +1,7 @@
 /// @file plugin_worker.cpp
 /// The plugin worker manager (docs/plugins.md). Everything but the public methods and the
-/// channel backend runs on the manager's own io_context thread, in plain completion handlers (no coroutines), so no
-/// state here needs a lock except the readiness snapshot read by other threads.
+/// channel backend runs on the manager's own io_context thread, in plain completion handlers (no
+/// coroutines), so no state here needs a lock except the readiness snapshot read by other threads.
 ///
 /// The worker speaks the protocol of @paperclipai/plugin-sdk 2026.916.1 (docs/plugins.md):
 /// newline-delimited JSON-RPC 2.0 both ways, the worker's own requests (config.get) and
@@ -20,10 +20,10 @@
 
 #include "provider/spawn.hpp"
 
-#include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/core/base64.hpp>
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/json_limits.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/core/net.hpp>
 #include <sandboxd/version.hpp>
 
@@ -46,8 +46,8 @@
 #include <map>
 #include <mutex>
 #include <set>
-#include <sstream>
 #include <span>
+#include <sstream>
 #include <thread>
 
 #ifndef P_PIDFD
@@ -76,8 +76,7 @@ awaitable<json> on_manager(WorkerManager::Impl* impl, Start start) {
         throw rpc_error(errc::provider_not_ready,
                         "plugin " + impl->config.plugin_id + " is stopping");
     }
-    co_return co_await net::async_initiate<decltype(use_awaitable),
-                                           void(std::exception_ptr, json)>(
+    co_return co_await net::async_initiate<decltype(use_awaitable), void(std::exception_ptr, json)>(
         [impl](auto handler, Start fn) {
             // The awaiting executor's io_context keeps running until the answer is back.
             auto back = net::prefer(net::get_associated_executor(handler),
@@ -165,8 +164,8 @@ public:
     awaitable<bool> write_stdin(std::string data) override {
         WorkerManager::Impl* impl = impl_.get();
         for (std::size_t at = 0; at < data.size(); at += stdin_write_chunk) {
-            auto write = [impl, r = route_, chunk = data.substr(at, stdin_write_chunk)](
-                             ReplyFn done) mutable {
+            auto write = [impl, r = route_,
+                          chunk = data.substr(at, stdin_write_chunk)](ReplyFn done) mutable {
                 impl->write_on_io(r, std::move(chunk), std::move(done));
             };
             bool taken = false;
@@ -292,7 +291,8 @@ WorkerManager::~WorkerManager() {
         }
         impl->current.reset();
     } catch (const std::exception& e) {
-        spdlog::error("plugin {}: stopping its worker failed: {}", impl_->config.plugin_id, e.what());
+        spdlog::error("plugin {}: stopping its worker failed: {}", impl_->config.plugin_id,
+                      e.what());
     }
 }
 
@@ -336,11 +336,10 @@ awaitable<WorkerManager::Answer> WorkerManager::call_answered(std::string method
     co_return Answer{std::move(result), *served_by};
 }
 
-awaitable<std::optional<json>> WorkerManager::call_if_supported(std::string method,
-                                                                json params) {
+awaitable<std::optional<json>> WorkerManager::call_if_supported(std::string method, json params) {
     Impl* impl = impl_.get();
-    auto start = [impl, method = std::move(method), params = std::move(params)](
-                     ReplyFn done) mutable {
+    auto start = [impl, method = std::move(method),
+                  params = std::move(params)](ReplyFn done) mutable {
         impl->call_on_io(method, std::move(params), true, std::move(done));
     };
     json r = co_await on_manager(impl, std::move(start));

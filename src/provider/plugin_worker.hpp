@@ -13,8 +13,8 @@
 /// worker answers (at most the RPC timeout) and never block a thread.
 
 #include <sandboxd/core/config.hpp>
-#include <sandboxd/provider/provider.hpp>
 #include <sandboxd/provider/plugin_provider.hpp>
+#include <sandboxd/provider/provider.hpp>
 
 #include <nlohmann/json.hpp>
 
@@ -30,7 +30,6 @@
 #include "provider/worker_line.hpp"
 
 namespace sandboxd {
-
 
 class WorkerManager {
 public:

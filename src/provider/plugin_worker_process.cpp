@@ -7,10 +7,10 @@
 
 #include "provider/spawn.hpp"
 
-#include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/core/base64.hpp>
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/json_limits.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/core/net.hpp>
 #include <sandboxd/version.hpp>
 
@@ -33,8 +33,8 @@
 #include <map>
 #include <mutex>
 #include <set>
-#include <sstream>
 #include <span>
+#include <sstream>
 #include <thread>
 
 #ifndef P_PIDFD
@@ -131,11 +131,11 @@ void WorkerManager::Impl::start_worker() {
     watch_exit(w);
     read_lines(w);
     read_stderr(w);
-    json params = {{"manifest", manifest},
-                   {"config", config.config},
-                   {"instanceInfo",
-                    {{"instanceId", tuning.instance_id}, {"hostVersion", version_string}}},
-                   {"apiVersion", api_version}};
+    json params = {
+        {"manifest", manifest},
+        {"config", config.config},
+        {"instanceInfo", {{"instanceId", tuning.instance_id}, {"hostVersion", version_string}}},
+        {"apiVersion", api_version}};
     request(w, "initialize", std::move(params), [this, w](json result, std::exception_ptr error) {
         on_initialized(w, std::move(result), std::move(error));
     });
@@ -210,8 +210,8 @@ void WorkerManager::Impl::on_initialized(const std::shared_ptr<Worker>& w, json 
     set_ready(w, true);
     std::string list;
     for (const auto& m : w->supported) list += (list.empty() ? "" : ",") + m;
-    spdlog::info("plugin={} worker pid={} ready: supportedMethods={}", config.plugin_id,
-                 w->pid, list);
+    spdlog::info("plugin={} worker pid={} ready: supportedMethods={}", config.plugin_id, w->pid,
+                 list);
     // What the plugin says of itself, for the log; readiness does not wait for it.
     request(w, "health", json::object(), [this, w](json health, std::exception_ptr failed) {
         if (failed) return;
@@ -238,10 +238,11 @@ void WorkerManager::Impl::schedule_restart() {
     const auto n = static_cast<int>(crashes.size());
     if (n >= tuning.crash_limit) {
         gave_up = true;
-        spdlog::error("plugin={} gave up: its worker exited {} times within {} s; the provider "
-                      "stays not ready until the daemon restarts",
-                      config.plugin_id, n,
-                      std::chrono::duration_cast<std::chrono::seconds>(tuning.crash_window).count());
+        spdlog::error(
+            "plugin={} gave up: its worker exited {} times within {} s; the provider "
+            "stays not ready until the daemon restarts",
+            config.plugin_id, n,
+            std::chrono::duration_cast<std::chrono::seconds>(tuning.crash_window).count());
         return;
     }
     auto delay = tuning.restart_initial;
@@ -261,7 +262,6 @@ void WorkerManager::Impl::watch_exit(const std::shared_ptr<Worker>& w) {
     w->pidfd.async_wait(net::posix::descriptor_base::wait_read,
                         [this, w](beast::error_code) { on_exit(w); });
 }
-
 
 void WorkerManager::Impl::on_exit(const std::shared_ptr<Worker>& w) {
     if (w->exited) return;
@@ -336,8 +336,8 @@ void WorkerManager::Impl::set_ready(const std::shared_ptr<Worker>& w, bool ready
 }
 
 std::string WorkerManager::Impl::not_ready_message() const {
-    std::string state = gave_up                     ? "gave up after repeated crashes"
-                        : stopping_io               ? "stopping"
+    std::string state = gave_up                        ? "gave up after repeated crashes"
+                        : stopping_io                  ? "stopping"
                         : current && !current->retired ? "starting"
                                                        : "down, restarting";
     return "plugin " + config.plugin_id + " (provider " + config.provider +
@@ -355,8 +355,9 @@ void WorkerManager::Impl::begin_stop(std::shared_ptr<std::promise<void>> done) {
     stopped = std::move(done);
     set_ready(w, false);
     if (w->initialized && !w->retired) {
-        request(w, "shutdown", json::object(),
-                [this, w](json, std::exception_ptr) { terminate(w); }, tuning.shutdown_grace);
+        request(
+            w, "shutdown", json::object(), [this, w](json, std::exception_ptr) { terminate(w); },
+            tuning.shutdown_grace);
     } else {
         terminate(w);
     }

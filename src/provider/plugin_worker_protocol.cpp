@@ -7,10 +7,10 @@
 
 #include "provider/spawn.hpp"
 
-#include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/core/base64.hpp>
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/json_limits.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/core/net.hpp>
 #include <sandboxd/version.hpp>
 
@@ -33,8 +33,8 @@
 #include <map>
 #include <mutex>
 #include <set>
-#include <sstream>
 #include <span>
+#include <sstream>
 #include <thread>
 
 #ifndef P_PIDFD
@@ -51,8 +51,8 @@ using namespace plugin_detail;  // NOLINT(google-build-using-namespace)
 
 void WorkerManager::Impl::request(const std::shared_ptr<Worker>& w, const std::string& method,
                                   json params, ReplyFn done,
-                                  std::optional<std::chrono::milliseconds> timeout,
-                                  json context, json invocation) {
+                                  std::optional<std::chrono::milliseconds> timeout, json context,
+                                  json invocation) {
     const std::int64_t id = w->next_id++;
     std::string line;
     json kept = method == "environmentAcquireLease"
@@ -65,9 +65,8 @@ void WorkerManager::Impl::request(const std::shared_ptr<Worker>& w, const std::s
                                       std::move(invocation));
     } catch (const json::exception&) {
         // Strings that are not UTF-8 (e.g. argv bytes) cannot travel in JSON.
-        done(json(), error_ptr(errc::provider_error,
-                               "plugin " + config.plugin_id + ": " + method +
-                                   " params are not valid UTF-8 text"));
+        done(json(), error_ptr(errc::provider_error, "plugin " + config.plugin_id + ": " + method +
+                                                         " params are not valid UTF-8 text"));
         return;
     }
     auto timer = std::make_shared<net::steady_timer>(ioc);
@@ -80,14 +79,14 @@ void WorkerManager::Impl::request(const std::shared_ptr<Worker>& w, const std::s
         auto p = std::move(it->second);
         w->pending.erase(it);
         w->abandoned[id] = std::make_pair(p.method, std::move(p.params));
-        spdlog::warn("plugin={} worker pid={}: {} (id {}) timed out after {} ms",
-                     config.plugin_id, w->pid, p.method, id, limit.count());
-        p.done(json(), error_ptr(errc::provider_error,
-                                 "plugin " + config.plugin_id + ": " + p.method +
-                                     " timed out after " + std::to_string(limit.count()) + " ms"));
+        spdlog::warn("plugin={} worker pid={}: {} (id {}) timed out after {} ms", config.plugin_id,
+                     w->pid, p.method, id, limit.count());
+        p.done(json(), error_ptr(errc::provider_error, "plugin " + config.plugin_id + ": " +
+                                                           p.method + " timed out after " +
+                                                           std::to_string(limit.count()) + " ms"));
     });
-    w->pending.emplace(id, Worker::Pending{method, std::move(done), std::move(timer),
-                                           std::move(kept)});
+    w->pending.emplace(id,
+                       Worker::Pending{method, std::move(done), std::move(timer), std::move(kept)});
     send_line(w, std::move(line));
 }
 
@@ -148,56 +147,50 @@ void WorkerManager::Impl::read_lines(const std::shared_ptr<Worker>& w) {
 
 void WorkerManager::Impl::read_stderr(const std::shared_ptr<Worker>& w) {
     auto chunk = std::make_shared<std::array<char, 4096>>();
-    w->err.async_read_some(net::buffer(*chunk), [this, w, chunk](beast::error_code ec,
-                                                                 std::size_t n) {
-        w->err_buf.append(chunk->data(), n);
-        std::size_t pos = 0;
-        for (;;) {
-            auto nl = w->err_buf.find('\n', pos);
-            if (nl == std::string::npos) break;
-            spdlog::info("plugin={} pid={} {}", config.plugin_id, w->pid,
-                         std::string_view(w->err_buf).substr(pos, nl - pos));
-            pos = nl + 1;
-        }
-        w->err_buf.erase(0, pos);
-        if (w->err_buf.size() >= stderr_line_max || (ec && !w->err_buf.empty())) {
-            spdlog::info("plugin={} pid={} {}", config.plugin_id, w->pid, w->err_buf);
-            w->err_buf.clear();
-        }
-        if (ec) {
-            close_quietly(w->err);
-            return;
-        }
-        read_stderr(w);
-    });
+    w->err.async_read_some(
+        net::buffer(*chunk), [this, w, chunk](beast::error_code ec, std::size_t n) {
+            w->err_buf.append(chunk->data(), n);
+            std::size_t pos = 0;
+            for (;;) {
+                auto nl = w->err_buf.find('\n', pos);
+                if (nl == std::string::npos) break;
+                spdlog::info("plugin={} pid={} {}", config.plugin_id, w->pid,
+                             std::string_view(w->err_buf).substr(pos, nl - pos));
+                pos = nl + 1;
+            }
+            w->err_buf.erase(0, pos);
+            if (w->err_buf.size() >= stderr_line_max || (ec && !w->err_buf.empty())) {
+                spdlog::info("plugin={} pid={} {}", config.plugin_id, w->pid, w->err_buf);
+                w->err_buf.clear();
+            }
+            if (ec) {
+                close_quietly(w->err);
+                return;
+            }
+            read_stderr(w);
+        });
 }
 
 void WorkerManager::Impl::on_line(const std::shared_ptr<Worker>& w, std::string_view line) {
     if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
     auto parsed = parse_worker_line(line);
     switch (parsed.kind) {
-    case worker_line_kind::blank:
-        return;
-    case worker_line_kind::text:
-        // A plugin's console.log writes plain text to stdout (the SDK does not redirect it):
-        // logged and dropped, as paperclip's host does. It can answer or forge nothing.
-        spdlog::info("plugin={} pid={} stdout: {}", config.plugin_id, w->pid,
-                     line.substr(0, log_text_max));
-        return;
-    case worker_line_kind::response:
-        on_response(w, parsed.message);
-        return;
-    case worker_line_kind::request:
-        on_worker_request(w, parsed.message);
-        return;
-    case worker_line_kind::notification:
-        on_notification(w, parsed.message);
-        return;
-    case worker_line_kind::invalid:
-        spdlog::warn("plugin={} worker pid={}: a message that is neither a response, a request "
-                     "nor a notification was dropped: {}",
-                     config.plugin_id, w->pid, line.substr(0, 200));
-        return;
+        case worker_line_kind::blank: return;
+        case worker_line_kind::text:
+            // A plugin's console.log writes plain text to stdout (the SDK does not redirect it):
+            // logged and dropped, as paperclip's host does. It can answer or forge nothing.
+            spdlog::info("plugin={} pid={} stdout: {}", config.plugin_id, w->pid,
+                         line.substr(0, log_text_max));
+            return;
+        case worker_line_kind::response: on_response(w, parsed.message); return;
+        case worker_line_kind::request: on_worker_request(w, parsed.message); return;
+        case worker_line_kind::notification: on_notification(w, parsed.message); return;
+        case worker_line_kind::invalid:
+            spdlog::warn(
+                "plugin={} worker pid={}: a message that is neither a response, a request "
+                "nor a notification was dropped: {}",
+                config.plugin_id, w->pid, line.substr(0, 200));
+            return;
     }
 }
 
@@ -209,8 +202,8 @@ void WorkerManager::Impl::on_worker_request(const std::shared_ptr<Worker>& w, co
         send_line(w, jsonrpc::result(msg["id"], config.config));
         return;
     }
-    spdlog::debug("plugin={} worker pid={}: host method {} is not served", config.plugin_id,
-                  w->pid, method);
+    spdlog::debug("plugin={} worker pid={}: host method {} is not served", config.plugin_id, w->pid,
+                  method);
     send_line(w, jsonrpc::error(msg["id"], {{"code", -32601},
                                             {"message", "Host does not handle method \"" +
                                                             method.substr(0, 200) + "\""}}));
@@ -249,8 +242,8 @@ void WorkerManager::Impl::on_response(const std::shared_ptr<Worker>& w, const js
         }
         auto [method, kept] = std::move(late->second);
         w->abandoned.erase(late);
-        spdlog::warn("plugin={} worker pid={}: late answer to {} (id {})", config.plugin_id,
-                     w->pid, method, id);
+        spdlog::warn("plugin={} worker pid={}: late answer to {} (id {})", config.plugin_id, w->pid,
+                     method, id);
         // An acquire that answered after its timeout made a sandbox nobody holds: the node
         // records it and tears it down (no leak). A late open was closed at its timeout.
         if (method == "environmentAcquireLease" && msg.contains("result") && late_acquire) {
@@ -304,10 +297,10 @@ void WorkerManager::Impl::on_notification(const std::shared_ptr<Worker>& w, cons
     if (method == "execute.log") {
         // Routed by the invocation id the SDK stamps, as paperclip's host does; without one
         // (or after its call was answered) it has nowhere to go.
-        const json* id = msg.contains("paperclipInvocationId") ? &msg["paperclipInvocationId"]
-                                                               : nullptr;
-        auto it = id && id->is_string() ? invocations.find(id->get<std::string>())
-                                        : invocations.end();
+        const json* id =
+            msg.contains("paperclipInvocationId") ? &msg["paperclipInvocationId"] : nullptr;
+        auto it =
+            id && id->is_string() ? invocations.find(id->get<std::string>()) : invocations.end();
         if (it == invocations.end()) {
             spdlog::debug("plugin={} worker pid={}: execute.log outside a call dropped",
                           config.plugin_id, w->pid);
@@ -321,13 +314,11 @@ void WorkerManager::Impl::on_notification(const std::shared_ptr<Worker>& w, cons
     const bool is_data = method == "duplexChannel.data";
     const bool is_exit = method == "duplexChannel.exit";
     if (!is_data && !is_exit) {
-        spdlog::debug("plugin={} worker pid={}: notification {} ignored", config.plugin_id,
-                      w->pid, method);
+        spdlog::debug("plugin={} worker pid={}: notification {} ignored", config.plugin_id, w->pid,
+                      method);
         return;
     }
-    auto str = [&p](const char* k) {
-        return p.is_object() && p.contains(k) && p[k].is_string();
-    };
+    auto str = [&p](const char* k) { return p.is_object() && p.contains(k) && p[k].is_string(); };
     if (!str("hostRouteId") || !str("workerSessionId")) {
         retire(w, method + " without a hostRouteId and workerSessionId");
         return;

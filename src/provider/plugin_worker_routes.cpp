@@ -7,10 +7,10 @@
 
 #include "provider/spawn.hpp"
 
-#include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/core/base64.hpp>
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/json_limits.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/core/net.hpp>
 #include <sandboxd/version.hpp>
 
@@ -33,8 +33,8 @@
 #include <map>
 #include <mutex>
 #include <set>
-#include <sstream>
 #include <span>
+#include <sstream>
 #include <thread>
 
 #ifndef P_PIDFD
@@ -137,8 +137,8 @@ void WorkerManager::Impl::open_failed(const std::shared_ptr<Worker>& w,
     if (!w->retired && !w->exited && has(*w, "duplexChannelClose")) {
         notify_ignoring(w, "duplexChannelClose", {{"hostRouteId", r->host_route_id}});
     }
-    spdlog::debug("plugin={} channel route={} not opened: {}", config.plugin_id,
-                  r->host_route_id, why);
+    spdlog::debug("plugin={} channel route={} not opened: {}", config.plugin_id, r->host_route_id,
+                  why);
 }
 
 void WorkerManager::Impl::on_open_answer(const std::shared_ptr<Worker>& w,
@@ -161,9 +161,9 @@ void WorkerManager::Impl::on_open_answer(const std::shared_ptr<Worker>& w,
                         !result["workerSessionId"].get<std::string>().empty() &&
                         result["workerSessionId"].get<std::string>().size() <= max_session_id;
     if (!shaped) {
-        retire(w, "answered duplexChannelOpen without echoing hostRouteId " +
-                      r->host_route_id + " or without a workerSessionId (1.." +
-                      std::to_string(max_session_id) + " bytes)");
+        retire(w, "answered duplexChannelOpen without echoing hostRouteId " + r->host_route_id +
+                      " or without a workerSessionId (1.." + std::to_string(max_session_id) +
+                      " bytes)");
         done(json(), error_ptr(errc::provider_error,
                                "plugin " + config.plugin_id +
                                    ": the worker answered duplexChannelOpen wrongly and was "
@@ -199,8 +199,7 @@ void WorkerManager::Impl::on_open_answer(const std::shared_ptr<Worker>& w,
         if (held_session != session) {
             retire(w, "sent " + msg["method"].get<std::string>() +
                           " before the open answer under workerSessionId " +
-                          held_session.substr(0, 200) + ", not the one it bound (" +
-                          session + ")");
+                          held_session.substr(0, 200) + ", not the one it bound (" + session + ")");
             break;
         }
         deliver(w, r, msg["method"] == "duplexChannel.data", msg["params"]);
@@ -260,9 +259,9 @@ void WorkerManager::Impl::signal_on_io(const std::shared_ptr<Route>& r, int sig,
         if (s.number == sig) name = s.name;
     }
     if (!name || !has(*w, "duplexChannelSignal")) return;  // ignored
-    notify_ignoring(w, "duplexChannelSignal", {{"hostRouteId", r->host_route_id},
-                                               {"workerSessionId", r->session_id},
-                                               {"signal", name}});
+    notify_ignoring(
+        w, "duplexChannelSignal",
+        {{"hostRouteId", r->host_route_id}, {"workerSessionId", r->session_id}, {"signal", name}});
 }
 
 // ---------------------------------------------------------------------------------------
@@ -319,7 +318,7 @@ ChannelExit exit_of(const json& p) {
     // exitCode null with no signal it may name, or transportClosed: true: the Channel
     // reports transportClosed.
     exit.lost = (!exit.exit_code && exit.signal == 0) ||
-               (p.contains("transportClosed") && p["transportClosed"] == true);
+                (p.contains("transportClosed") && p["transportClosed"] == true);
     return exit;
 }
 }  // namespace
@@ -361,8 +360,8 @@ void WorkerManager::Impl::stop_route(const std::shared_ptr<Route>& r) {
 void WorkerManager::Impl::end_locally(const std::shared_ptr<Route>& r, const std::string& why,
                                       errc code) {
     if (r->ph != Route::phase::open) return;
-    spdlog::warn("plugin={} channel route={} session={} ended by the daemon: {}",
-                 config.plugin_id, r->host_route_id, r->session_id, why);
+    spdlog::warn("plugin={} channel route={} session={} ended by the daemon: {}", config.plugin_id,
+                 r->host_route_id, r->session_id, why);
     r->ph = Route::phase::closing;
     sever(r, code == errc::flow_control ? why : std::string(), code);
     auto w = r->worker.lock();

@@ -41,7 +41,6 @@
 namespace sandboxd {
 namespace plugin_detail {
 
-
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 using descriptor = net::posix::stream_descriptor;
@@ -52,21 +51,21 @@ inline constexpr std::size_t stdin_write_chunk = 48 * 1024;  // 64 KiB of base64
 inline constexpr std::size_t max_session_id = 256;
 inline constexpr std::size_t stderr_line_max = 4096;
 inline constexpr std::size_t log_text_max = 4096;  // of one `log` notification in the daemon's log
-inline constexpr int api_version = 1;               // the SDK's PLUGIN_API_VERSION
+inline constexpr int api_version = 1;              // the SDK's PLUGIN_API_VERSION
 
 struct SignalName {
     int number;
     const char* name;
 };
 /// The signals a channel may forward (protocol section 3's duplexChannelSignal names).
-inline constexpr SignalName forwardable[] = {{SIGINT, "INT"},   {SIGTERM, "TERM"}, {SIGHUP, "HUP"},
-                                      {SIGQUIT, "QUIT"}, {SIGKILL, "KILL"}, {SIGUSR1, "USR1"},
-                                      {SIGUSR2, "USR2"}, {SIGWINCH, "WINCH"}};
+inline constexpr SignalName forwardable[] = {
+    {SIGINT, "INT"},   {SIGTERM, "TERM"}, {SIGHUP, "HUP"},   {SIGQUIT, "QUIT"},
+    {SIGKILL, "KILL"}, {SIGUSR1, "USR1"}, {SIGUSR2, "USR2"}, {SIGWINCH, "WINCH"}};
 /// Names a worker may report in duplexChannel.exit's `signal`.
 inline constexpr SignalName exit_signals[] = {
-    {SIGHUP, "HUP"},   {SIGINT, "INT"},   {SIGQUIT, "QUIT"}, {SIGILL, "ILL"},  {SIGTRAP, "TRAP"},
-    {SIGABRT, "ABRT"}, {SIGBUS, "BUS"},   {SIGFPE, "FPE"},   {SIGKILL, "KILL"}, {SIGUSR1, "USR1"},
-    {SIGSEGV, "SEGV"}, {SIGUSR2, "USR2"}, {SIGPIPE, "PIPE"}, {SIGALRM, "ALRM"}, {SIGTERM, "TERM"},
+    {SIGHUP, "HUP"},   {SIGINT, "INT"},   {SIGQUIT, "QUIT"}, {SIGILL, "ILL"},    {SIGTRAP, "TRAP"},
+    {SIGABRT, "ABRT"}, {SIGBUS, "BUS"},   {SIGFPE, "FPE"},   {SIGKILL, "KILL"},  {SIGUSR1, "USR1"},
+    {SIGSEGV, "SEGV"}, {SIGUSR2, "USR2"}, {SIGPIPE, "PIPE"}, {SIGALRM, "ALRM"},  {SIGTERM, "TERM"},
     {SIGXCPU, "XCPU"}, {SIGXFSZ, "XFSZ"}, {SIGSYS, "SYS"},   {SIGWINCH, "WINCH"}};
 
 inline std::exception_ptr error_ptr(errc code, std::string message) {
@@ -120,7 +119,7 @@ struct Worker {
     bool retired = false;  // no frame of it is processed any more
     bool exited = false;
     std::map<std::string, std::shared_ptr<Route>> routes;  // by hostRouteId, opening or bound
-    std::set<std::string> sessions;  // workerSessionIds of bound routes
+    std::set<std::string> sessions;                        // workerSessionIds of bound routes
 };
 
 /// The channel's side of a plugin channel: what the worker sent, until the daemon's Channel
@@ -131,7 +130,7 @@ struct Inbox {
     }
     void wake() { changed.cancel(); }
 
-    net::steady_timer changed;  ///< woken (cancelled) on every change below
+    net::steady_timer changed;       ///< woken (cancelled) on every change below
     std::deque<std::string> out[2];  // stdout, stderr: chunks, never empty
     std::size_t offset[2] = {0, 0};  // bytes of out[i].front() already read
     bool ended = false;              // no more output will come
@@ -182,7 +181,6 @@ struct OpenSlot {
     bool resize = false;
 };
 
-
 /// A worker's supportedMethods check, on the io thread.
 inline bool has(const Worker& w, const char* method) { return w.supported.count(method) > 0; }
 
@@ -205,8 +203,11 @@ struct WorkerManager::Impl {
     using json = plugin_detail::json;
 
     Impl(PluginConfig c, PluginTuning t)
-        : config(std::move(c)), tuning(std::move(t)), manifest(plugin_detail::load_manifest(config)),
-          work(net::make_work_guard(ioc)), restart_timer(ioc) {}
+        : config(std::move(c)),
+          tuning(std::move(t)),
+          manifest(plugin_detail::load_manifest(config)),
+          work(net::make_work_guard(ioc)),
+          restart_timer(ioc) {}
 
     PluginConfig config;
     PluginTuning tuning;
@@ -272,8 +273,8 @@ struct WorkerManager::Impl {
     void on_log(const std::shared_ptr<Worker>& w, const json& params);
     void on_notification(const std::shared_ptr<Worker>& w, const json& msg);
     /// A data or exit frame of `r` (bound), in order.
-    void deliver(const std::shared_ptr<Worker>& w, const std::shared_ptr<Route>& r,
-                 bool is_data, const json& params);
+    void deliver(const std::shared_ptr<Worker>& w, const std::shared_ptr<Route>& r, bool is_data,
+                 const json& params);
     /// Whether `route_id` is one this manager minted (so a frame for it, unknown now, is
     /// for a route that ended: dropped, not a violation).
     bool minted(const std::string& route_id) const;
@@ -289,8 +290,8 @@ struct WorkerManager::Impl {
     // --- calls from other threads, run here
     void call_on_io(const std::string& method, json params, bool optional, ReplyFn done,
                     json context = nullptr);
-    void invoke_on_io(const std::string& method, json params,
-                      std::shared_ptr<InvocationSlot> slot, ReplyFn done);
+    void invoke_on_io(const std::string& method, json params, std::shared_ptr<InvocationSlot> slot,
+                      ReplyFn done);
     void open_on_io(json params, std::uint64_t generation, std::shared_ptr<OpenSlot> slot,
                     ReplyFn done);
     /// The worker's answer to a route's duplexChannelOpen: the route bound to its session and

@@ -4,15 +4,15 @@
 
 #include <spdlog/spdlog.h>
 
-#include <csignal>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <fcntl.h>
 #include <sys/ioctl.h>
 #include <sys/syscall.h>
 #include <termios.h>
 #include <unistd.h>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 
 #include <variant>
 
@@ -130,7 +130,8 @@ void ProcessBackend::notify_output_ready(output_stream s, std::shared_ptr<Channe
     const int fd = output_fd(s).get();
     int avail = 0;
     if (fd < 0 || (::ioctl(fd, FIONREAD, &avail) == 0 && avail > 0) || !start_wait(s)) {
-        net::post(wait.get_executor(), [this, s, to = std::move(to)] { to->output_ready(s, readable_now(s)); });
+        net::post(wait.get_executor(),
+                  [this, s, to = std::move(to)] { to->output_ready(s, readable_now(s)); });
         return;
     }
     wait.async_wait(net::posix::descriptor_base::wait_read,
@@ -172,9 +173,7 @@ std::optional<std::size_t> ProcessBackend::read_output(output_stream s, std::spa
     return std::nullopt;
 }
 
-int ProcessBackend::output_pipe(output_stream s) noexcept {
-    return pty_ ? -1 : output_fd(s).get();
-}
+int ProcessBackend::output_pipe(output_stream s) noexcept { return pty_ ? -1 : output_fd(s).get(); }
 
 awaitable<bool> ProcessBackend::write_stdin(std::string data) {
     if (!stdin_.is_open()) co_return false;
@@ -238,7 +237,8 @@ void ProcessBackend::read_status(std::shared_ptr<ChannelEvents> to, const beast:
     } else {
         for (;;) {
             char chunk[max_status_line];
-            const ssize_t n = ::read(status_.native_handle(), chunk, max_status_line - status_line_.size());
+            const ssize_t n =
+                ::read(status_.native_handle(), chunk, max_status_line - status_line_.size());
             if (n < 0 && errno == EINTR) continue;
             if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
                 notify_exit(std::move(to));  // the rest of the line is still to come
@@ -277,8 +277,7 @@ void ProcessBackend::notify_gone(std::shared_ptr<ChannelEvents> to) {
         if (status_line_.find('\n') != std::string::npos) {
             // The "end" line came in the exit line's read: a callback never runs inside the
             // notify_*() call that asked for it.
-            net::post(status_.get_executor(),
-                      [this, to] { read_end(to, beast::error_code()); });
+            net::post(status_.get_executor(), [this, to] { read_end(to, beast::error_code()); });
         } else {
             status_.async_wait(net::posix::descriptor_base::wait_read,
                                [this, to](const beast::error_code& ec) { read_end(to, ec); });

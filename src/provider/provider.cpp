@@ -13,10 +13,10 @@ namespace {
 /// A host method the provider does not implement: INVALID_PARAMS naming it (protocol
 /// section 2).
 [[noreturn]] void not_implemented(const Provider& provider, const char* method) {
-    throw rpc_error(errc::invalid_params,
-                    std::string(method) + ": provider \"" + provider.key() +
-                        "\" does not implement it",
-                    {{"field", method}});
+    throw rpc_error(
+        errc::invalid_params,
+        std::string(method) + ": provider \"" + provider.key() + "\" does not implement it",
+        {{"field", method}});
 }
 
 }  // namespace
@@ -43,7 +43,7 @@ awaitable<nlohmann::json> Provider::probe(std::shared_ptr<SandboxHandle> sandbox
 }
 
 awaitable<nlohmann::json> Provider::realize_workspace(std::shared_ptr<SandboxHandle> sandbox,
-                                                     Lease lease, nlohmann::json workspace) {
+                                                      Lease lease, nlohmann::json workspace) {
     (void)sandbox;
     (void)lease;
     (void)workspace;

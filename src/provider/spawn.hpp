@@ -65,8 +65,8 @@ struct SpawnResult {
     unique_fd pidfd;  ///< close-on-exec and non-blocking
 };
 
-/// Starts `request` in a new session: the child gets exactly the fds asked for, an empty signal mask
-/// and default dispositions. The child shares the daemon's memory until its exec (CLONE_VM,
+/// Starts `request` in a new session: the child gets exactly the fds asked for, an empty signal
+/// mask and default dispositions. The child shares the daemon's memory until its exec (CLONE_VM,
 /// CLONE_VFORK): only async-signal-safe calls run in it, and the calling thread blocks (with
 /// every signal blocked) until the exec or the child's failure, typically well under 1 ms.
 /// Returns once the exec has succeeded. If it fails, the child is reaped and

@@ -21,9 +21,7 @@ WorkerLine parse_worker_line(std::string_view line) {
     switch (jsonrpc::classify_strict(out.message)) {
         case jsonrpc::message_kind::response: out.kind = worker_line_kind::response; break;
         case jsonrpc::message_kind::request: out.kind = worker_line_kind::request; break;
-        case jsonrpc::message_kind::notification:
-            out.kind = worker_line_kind::notification;
-            break;
+        case jsonrpc::message_kind::notification: out.kind = worker_line_kind::notification; break;
         case jsonrpc::message_kind::invalid: out.kind = worker_line_kind::invalid; break;
     }
     return out;

@@ -9,7 +9,8 @@ namespace sandboxd {
 
 /// What one line of a plugin worker's stdout is (docs/plugins.md): a JSON-RPC response, a
 /// request to the host, a notification; `text` (not a JSON object, or JSON nested deeper than
-/// max_json_depth: a console.log, logged and dropped); `blank`; or `invalid` (an object that is none of the three, dropped). A trailing
+/// max_json_depth: a console.log, logged and dropped); `blank`; or `invalid` (an object that is
+/// none of the three, dropped). A trailing
 /// "\r" is ignored. Pure; never throws for any input but std::bad_alloc.
 enum class worker_line_kind { blank, text, response, request, notification, invalid };
 struct WorkerLine {

@@ -93,7 +93,6 @@ struct Connection {
     }
 };
 
-
 std::string b64(std::string_view raw) { return base64_encode(raw); }
 
 }  // namespace
@@ -253,7 +252,8 @@ awaitable<Exchange> post(std::shared_ptr<Impl> impl, std::size_t idx, std::strin
         // A named local: GCC 12 destroys a temporary of a conditional inside co_await twice.
         std::shared_ptr<ssl::context> tls;
         if (ep.https && impl->tls) tls = impl->tls();
-        auto won = co_await (exchange(conn, ep, req, std::move(tls)) || timer.async_wait(as_tuple_awaitable));
+        auto won = co_await (exchange(conn, ep, req, std::move(tls)) ||
+                             timer.async_wait(as_tuple_awaitable));
         if (won.index() == 0) {
             ec = std::get<0>(won).ec;
             if (!ec) res.emplace(std::move(std::get<0>(won).res));

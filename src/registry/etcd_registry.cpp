@@ -53,8 +53,8 @@ constexpr int max_cas_attempts = 8;
 constexpr std::chrono::milliseconds request_timeout{2000};
 /// Operations per txn: etcd's default --max-txn-ops is 128.
 constexpr std::size_t txn_ops = 100;
-constexpr std::array all_statuses = {lease_status::active, lease_status::released,
-                                     lease_status::expired, lease_status::failed,
+constexpr std::array all_statuses = {lease_status::active,          lease_status::released,
+                                     lease_status::expired,         lease_status::failed,
                                      lease_status::pending_cleanup, lease_status::retained};
 
 [[noreturn]] void throw_unavailable(std::string_view op, std::string_view detail) {
@@ -359,7 +359,8 @@ public:
                  etcd::TlsSource tls, Counter* bad_records)
         : ex_(ex),
           bad_(std::make_shared<BadRecordLog>(bad_records)),
-          client_(std::make_shared<etcd::Client>(ex, endpoints, username, password, request_timeout, tls)),
+          client_(std::make_shared<etcd::Client>(ex, endpoints, username, password, request_timeout,
+                                                 tls)),
           membership_(std::make_shared<etcd::Client>(ex, std::move(endpoints), std::move(username),
                                                      std::move(password), request_timeout, tls)),
           prefix_(std::move(prefix)),
@@ -371,8 +372,8 @@ public:
                                              std::function<void(const Lease&)> on_change,
                                              std::function<void()> on_resync,
                                              std::int64_t retry_ms) override {
-        auto state =
-            std::make_shared<WatchState>(std::move(ex), std::move(on_change), std::move(on_resync), bad_);
+        auto state = std::make_shared<WatchState>(std::move(ex), std::move(on_change),
+                                                  std::move(on_resync), bad_);
         net::co_spawn(state->strand,
                       run_watch(client_, state, prefix_ + "leases/",
                                 std::chrono::milliseconds(std::max<std::int64_t>(retry_ms, 10))),
@@ -409,7 +410,8 @@ public:
     awaitable<std::optional<Lease>> update_lease_if_owner_unchanged(
         Lease next, std::int64_t expected_epoch, std::optional<NodeRecord> owner_seen) override {
         return guarded<std::optional<Lease>>(
-            "update lease", do_update(std::move(next), expected_epoch, OwnerFence{std::move(owner_seen)}));
+            "update lease",
+            do_update(std::move(next), expected_epoch, OwnerFence{std::move(owner_seen)}));
     }
     awaitable<std::vector<Lease>> expired_leases(std::string owner_node_id,
                                                  std::int64_t at_ms) override {
@@ -571,9 +573,8 @@ private:
                 if (e.code() != etcd::code_out_of_range || attempt >= 3) throw;
                 continue;
             }
-            std::sort(out.begin(), out.end(), [](const OwnerEntry& a, const OwnerEntry& b) {
-                return a.suffix < b.suffix;
-            });
+            std::sort(out.begin(), out.end(),
+                      [](const OwnerEntry& a, const OwnerEntry& b) { return a.suffix < b.suffix; });
             if (out.size() > n) out.resize(n);
             co_return out;
         }
@@ -822,8 +823,8 @@ private:
             if (fence) {
                 // Which compare failed: an owner record that moved ends the attempt.
                 auto owner = co_await client_->get(op, nk);
-                const bool unchanged = fence->seen ? owner && owner->mod_revision == fence->seen->revision
-                                                   : !owner;
+                const bool unchanged =
+                    fence->seen ? owner && owner->mod_revision == fence->seen->revision : !owner;
                 if (!unchanged) co_return std::nullopt;
             }
             // Another writer came between the read and the write: read again.
@@ -1078,8 +1079,8 @@ awaitable<void> run_watch(std::shared_ptr<etcd::Client> client, std::shared_ptr<
 std::unique_ptr<Registry> make_etcd_registry(net::any_io_executor ex,
                                              std::vector<std::string> endpoints, std::string prefix,
                                              std::int64_t node_ttl_ms, std::string username,
-                                             std::string password,
-                                             etcd::TlsSource tls, Counter* bad_records) {
+                                             std::string password, etcd::TlsSource tls,
+                                             Counter* bad_records) {
     return std::make_unique<EtcdRegistry>(std::move(ex), std::move(endpoints), std::move(prefix),
                                           node_ttl_ms, std::move(username), std::move(password),
                                           std::move(tls), bad_records);

@@ -383,9 +383,9 @@ db_ptr open_connection(const std::string& path) {
     // NOMUTEX: SQLite takes no lock of its own per call. Each connection is used by one
     // thread at a time (SqliteRegistry: one thread per write and membership lane, reader
     // connections lent per call), which is all that the multi-thread mode asks.
-    int rc = sqlite3_open_v2(path.c_str(), &raw,
-                             SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
-                             nullptr);
+    int rc =
+        sqlite3_open_v2(path.c_str(), &raw,
+                        SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX, nullptr);
     db_ptr db(raw);
     if (rc != SQLITE_OK) {
         throw_unavailable(
@@ -612,10 +612,9 @@ std::optional<Lease> update_lease_on(sqlite3* db, const Lease& next, std::int64_
                                "instance_id = ? AND heartbeat_at_ms = ?)"
                              : " AND NOT EXISTS (SELECT 1 FROM nodes WHERE node_id = ?)";
     }
-    Statement s(db,
-                "UPDATE leases SET " + update_lease_set_sql() + where + " RETURNING " +
-                    lease_columns,
-                op);
+    Statement s(
+        db, "UPDATE leases SET " + update_lease_set_sql() + where + " RETURNING " + lease_columns,
+        op);
     bind_lease(s, next, lease_columns_of::updatable);
     s.bind(next.id).bind(expected_epoch);
     if (fence) {
@@ -743,8 +742,7 @@ std::optional<NodeRecord> get_node_on(sqlite3* db, const std::string& node_id) {
 /// never for the lease writes queued behind it.
 class SqliteRegistry final : public Registry {
 public:
-    SqliteRegistry(const std::string& path, int readers, Counter* bad_records)
-        : bad_(bad_records) {
+    SqliteRegistry(const std::string& path, int readers, Counter* bad_records) : bad_(bad_records) {
         constexpr std::string_view op = "open";
         if (path.empty()) throw_unavailable(op, "empty path");
         if (readers < 1 || readers > 16) throw_unavailable(op, "readers must be in 1..16");
@@ -798,7 +796,8 @@ public:
         auto work = [this, provider = std::move(provider),
                      provider_lease_id = std::move(provider_lease_id)] {
             auto db = reader_dbs_.lend();
-            return noting([&] { return find_by_provider_lease_on(db.get(), provider, provider_lease_id); });
+            return noting(
+                [&] { return find_by_provider_lease_on(db.get(), provider, provider_lease_id); });
         };
         co_return co_await reads_->run(std::move(work));
     }
@@ -822,7 +821,8 @@ public:
         Lease next, std::int64_t expected_epoch, std::optional<NodeRecord> owner_seen) override {
         auto work = [this, next = std::move(next), expected_epoch,
                      fence = OwnerFence{std::move(owner_seen)}] {
-            return noting([&] { return update_lease_on(writer_.get(), next, expected_epoch, &fence); });
+            return noting(
+                [&] { return update_lease_on(writer_.get(), next, expected_epoch, &fence); });
         };
         co_return co_await writes_.run(std::move(work));
     }

@@ -3,12 +3,12 @@
 #include <spdlog/spdlog.h>
 #include <systemd/sd-journal.h>
 
+#include <fcntl.h>
+#include <unistd.h>
 #include <cerrno>
 #include <chrono>
 #include <ctime>
-#include <fcntl.h>
 #include <system_error>
-#include <unistd.h>
 
 namespace sandboxd {
 
@@ -62,7 +62,9 @@ std::string rfc3339_at(std::chrono::system_clock::time_point now) {
 
 void AuditLog::write(std::string_view event, nlohmann::json fields) noexcept {
     try {
-        nlohmann::json line = {{"time", rfc3339_now()}, {"event", event}, {"node", node_id_},
+        nlohmann::json line = {{"time", rfc3339_now()},
+                               {"event", event},
+                               {"node", node_id_},
                                {"instance", instance_id_}};
         for (auto& [key, value] : fields.items()) line[key] = std::move(value);
         std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);

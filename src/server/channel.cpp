@@ -1,10 +1,10 @@
 #include "server/channel.hpp"
 #include "server/frame_guard.hpp"
 
-#include <sandboxd/core/scope_exit.hpp>
-#include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/core/base64.hpp>
 #include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
+#include <sandboxd/core/scope_exit.hpp>
 
 #include <spdlog/spdlog.h>
 
@@ -161,8 +161,8 @@ void Channel::output_ready(output_stream stream, std::size_t avail) {
     // The other stream took the window meanwhile: wait for credit again. Reading takes no
     // wait: stdout and stderr together never have more than outputWindow bytes in flight.
     if (unacked_ >= options_.output_window && !hung_up_) return pump_next(stream);
-    const std::uint64_t room =
-        std::min<std::uint64_t>(read_chunk, hung_up_ ? read_chunk : options_.output_window - unacked_);
+    const std::uint64_t room = std::min<std::uint64_t>(
+        read_chunk, hung_up_ ? read_chunk : options_.output_window - unacked_);
     if (p.claimed > 0) {
         // Spliced frames still queued hold bytes of the pipe: only the rest is new. A second
         // frame is queued only when a whole one is there beside them; else the end of the
@@ -183,8 +183,8 @@ void Channel::output_ready(output_stream stream, std::size_t avail) {
     // first read) is never held back.
     const bool coalesce =
         p.coalesce_round > 0 ||
-        (p.last_bytes >= coalesce_after && std::chrono::steady_clock::now() - p.last_at < streaming_gap &&
-         !hung_up_);
+        (p.last_bytes >= coalesce_after &&
+         std::chrono::steady_clock::now() - p.last_at < streaming_gap && !hung_up_);
     if (coalesce && p.coalesce_round < coalesce_waits && avail < room) {
         ++p.coalesce_round;
         p.avail = avail;
@@ -207,7 +207,8 @@ void Channel::pump_send(output_stream stream, std::size_t size) {
         // without a copy through this process (docs/protocol.md, "Output frames").
         if (const int fd = backend_->output_pipe(stream); fd >= 0 && sink->can_splice()) {
             int queued = 0;  // the exact count: a frame may declare only bytes the pipe holds
-            if (::ioctl(fd, FIONREAD, &queued) == 0 && static_cast<std::size_t>(std::max(queued, 0)) > p.claimed) {
+            if (::ioctl(fd, FIONREAD, &queued) == 0 &&
+                static_cast<std::size_t>(std::max(queued, 0)) > p.claimed) {
                 return pump_splice(*sink, stream, fd,
                                    std::min(size, static_cast<std::size_t>(queued) - p.claimed));
             }
@@ -220,7 +221,8 @@ void Channel::pump_send(output_stream stream, std::size_t size) {
     }
     std::string frame = sink && !options_.base64 ? sink->frame_buffer() : std::string();
     frame.resize(frame_header_size + size);
-    const auto n = backend_->read_output(stream, std::span<char>(frame.data() + frame_header_size, size));
+    const auto n =
+        backend_->read_output(stream, std::span<char>(frame.data() + frame_header_size, size));
     if (!n) return pump_ended(stream);
     if (*n == 0) return pump_next(stream);
     p.last_bytes = *n;
@@ -263,18 +265,20 @@ void Channel::pump_splice(ChannelSink& sink, output_stream stream, int pipe_fd, 
     // frame takes the bytes after them.
     p.claimed += size;
     ++p.in_flight;
-    sink.send_spliced(std::move(head), pipe_fd, size, [self = shared_from_this(), stream, size](bool written) {
-        // Not written: the connection ended, and the session hangs the channel up; the pump
-        // then drains what is left of the pipe, as it does after any hangup.
-        (void)written;
-        auto& q = self->pump(stream);
-        q.claimed -= size;
-        --q.in_flight;
-        if (q.waiting_splice) {
-            q.waiting_splice = false;
-            self->pump_next(stream);
-        }
-    });
+    sink.send_spliced(std::move(head), pipe_fd, size,
+                      [self = shared_from_this(), stream, size](bool written) {
+                          // Not written: the connection ended, and the session hangs the channel
+                          // up; the pump then drains what is left of the pipe, as it does after any
+                          // hangup.
+                          (void)written;
+                          auto& q = self->pump(stream);
+                          q.claimed -= size;
+                          --q.in_flight;
+                          if (q.waiting_splice) {
+                              q.waiting_splice = false;
+                              self->pump_next(stream);
+                          }
+                      });
     pump_next(stream);
 }
 
@@ -356,10 +360,9 @@ void Channel::write_stdin(std::string_view data) {
         return;
     }
     if (stdin_pending_ + data.size() > options_.stdin_window) {
-        error_ = rpc_error(errc::flow_control,
-                           "channel " + std::to_string(options_.id) +
-                               ": the host overran its stdin window of " +
-                               std::to_string(options_.stdin_window) + " bytes")
+        error_ = rpc_error(errc::flow_control, "channel " + std::to_string(options_.id) +
+                                                   ": the host overran its stdin window of " +
+                                                   std::to_string(options_.stdin_window) + " bytes")
                      .to_json();
         stop(channel_outcome::error);
         throw rpc_error(errc::flow_control, (*error_)["message"].get<std::string>());
@@ -462,29 +465,29 @@ void Channel::send_exit() {
     if (forced_outcome_) outcome = *forced_outcome_;
     const auto duration = std::chrono::duration_cast<std::chrono::milliseconds>(
         std::chrono::steady_clock::now() - started_);
-    spdlog::info("channel={} lease={} ended: outcome={} exit={} signal={}{}{} stdout={} "
-                 "stderr={} stdin={} duration_ms={}",
-                 options_.audit_key, options_.lease_id, to_string(outcome),
-                 exit_code_ ? std::to_string(*exit_code_) : std::string("-"),
-                 term_signal_ > 0 ? signal_name(term_signal_) : std::string("-"),
-                 limit_.empty() ? "" : " limit=", limit_,
-                 stdout_bytes_, stderr_bytes_, stdin_bytes_, duration.count());
+    spdlog::info(
+        "channel={} lease={} ended: outcome={} exit={} signal={}{}{} stdout={} "
+        "stderr={} stdin={} duration_ms={}",
+        options_.audit_key, options_.lease_id, to_string(outcome),
+        exit_code_ ? std::to_string(*exit_code_) : std::string("-"),
+        term_signal_ > 0 ? signal_name(term_signal_) : std::string("-"),
+        limit_.empty() ? "" : " limit=", limit_, stdout_bytes_, stderr_bytes_, stdin_bytes_,
+        duration.count());
     if (options_.audit) {
-        options_.audit->write("channel.ended",
-                              {{"lease", options_.lease_id},
-                               {"epoch", options_.epoch},
-                               {"channel", options_.audit_key},
-                               {"token", options_.opened_for},
-                               {"argv0", options_.argv0},
-                               {"argvSha256", options_.argv_sha256},
-                               {"pty", options_.pty},
-                               {"outcome", std::string(to_string(outcome))},
-                               {"exitCode", exit_code},
-                               {"signal", signal},
-                               {"stdoutBytes", stdout_bytes_},
-                               {"stderrBytes", stderr_bytes_},
-                               {"stdinBytes", stdin_bytes_},
-                               {"durationMs", duration.count()}});
+        options_.audit->write("channel.ended", {{"lease", options_.lease_id},
+                                                {"epoch", options_.epoch},
+                                                {"channel", options_.audit_key},
+                                                {"token", options_.opened_for},
+                                                {"argv0", options_.argv0},
+                                                {"argvSha256", options_.argv_sha256},
+                                                {"pty", options_.pty},
+                                                {"outcome", std::string(to_string(outcome))},
+                                                {"exitCode", exit_code},
+                                                {"signal", signal},
+                                                {"stdoutBytes", stdout_bytes_},
+                                                {"stderrBytes", stderr_bytes_},
+                                                {"stdinBytes", stdin_bytes_},
+                                                {"durationMs", duration.count()}});
     }
     auto sink = sink_.lock();
     if (!sink) return;

@@ -107,7 +107,15 @@ struct ChannelOptions {
     const ChannelByteCounters* bytes = nullptr;
 };
 
-enum class channel_outcome { exited, signaled, timed_out, stopped, lease_released, transport_closed, error };
+enum class channel_outcome {
+    exited,
+    signaled,
+    timed_out,
+    stopped,
+    lease_released,
+    transport_closed,
+    error
+};
 std::string_view to_string(channel_outcome o) noexcept;
 /// "INT", "TERM", ... for a signal number; "SIG<n>" when it has no short name here.
 std::string signal_name(int sig);
@@ -221,9 +229,9 @@ private:
     std::unique_ptr<net::steady_timer> hangup_timer_;  // made at a hangup
     std::chrono::steady_clock::time_point started_;
 
-    std::uint64_t unacked_ = 0;  // output bytes sent and not yet credited
+    std::uint64_t unacked_ = 0;           // output bytes sent and not yet credited
     std::list<std::string> stdin_queue_;  // (an empty std::deque allocates 576 bytes)
-    std::uint64_t stdin_pending_ = 0;  // received from the host, not yet credited back
+    std::uint64_t stdin_pending_ = 0;     // received from the host, not yet credited back
     bool stdin_eof_requested_ = false;
     bool stdin_closed_ = false;
     bool stdin_running_ = false;  // pump_stdin() is running

@@ -10,7 +10,10 @@ namespace sandboxd {
 
 ChannelMux::ChannelMux(ChannelSink& out, std::size_t max_data_payload, std::string peer,
                        const ChannelByteCounters* bytes, std::atomic<std::int64_t>* relays)
-    : out_(out), max_data_payload_(max_data_payload), peer_(std::move(peer)), bytes_(bytes),
+    : out_(out),
+      max_data_payload_(max_data_payload),
+      peer_(std::move(peer)),
+      bytes_(bytes),
       relays_(relays) {}
 
 void ChannelMux::opening(std::uint32_t id) {
@@ -24,12 +27,14 @@ void ChannelMux::open_failed(std::uint32_t id) {
 }
 
 ChannelMux::~ChannelMux() {
-    if (relays_ && relays_counted_ != 0) relays_->fetch_sub(relays_counted_, std::memory_order_acq_rel);
+    if (relays_ && relays_counted_ != 0)
+        relays_->fetch_sub(relays_counted_, std::memory_order_acq_rel);
 }
 
 void ChannelMux::count_relays() {
     const auto now = static_cast<std::int64_t>(relayed_.size() + opening_.size());
-    if (relays_ && now != relays_counted_) relays_->fetch_add(now - relays_counted_, std::memory_order_acq_rel);
+    if (relays_ && now != relays_counted_)
+        relays_->fetch_add(now - relays_counted_, std::memory_order_acq_rel);
     relays_counted_ = now;
 }
 
@@ -40,11 +45,11 @@ void ChannelMux::add_local(std::uint32_t id, std::shared_ptr<Channel> channel) {
 std::shared_ptr<Channel> ChannelMux::local(std::uint32_t id) const {
     auto it = local_.find(id);
     if (it == local_.end()) {
-        throw rpc_error(errc::channel_not_found,
-                        "channel " + std::to_string(id) +
-                            (ended_.count(id) ? " has already ended"
-                                              : " is not open on this connection"),
-                        {{"channel", id}});
+        throw rpc_error(
+            errc::channel_not_found,
+            "channel " + std::to_string(id) +
+                (ended_.count(id) ? " has already ended" : " is not open on this connection"),
+            {{"channel", id}});
     }
     return it->second;
 }
@@ -151,9 +156,10 @@ void ChannelMux::apply_frame(std::string_view message) {
             r.stdin_outstanding += data->payload.size();
             if (r.stdin_window != 0 && r.stdin_outstanding > r.stdin_window) {
                 r.stdin_overrun = true;  // this frame still goes: the owner reports FLOW_CONTROL
-                spdlog::info("peer={} channel={}/{} (connection channel {}) overran the stdin "
-                             "window of its owner",
-                             peer_, r.link->peer_id(), r.remote_id, channel);
+                spdlog::info(
+                    "peer={} channel={}/{} (connection channel {}) overran the stdin "
+                    "window of its owner",
+                    peer_, r.link->peer_id(), r.remote_id, channel);
             }
         }
         std::string copy(message);

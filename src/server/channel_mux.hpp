@@ -58,9 +58,7 @@ public:
 
     /// Channels open or being opened (local, relayed and reserved): what
     /// limits.channelsPerConnection bounds.
-    std::size_t count() const noexcept {
-        return local_.size() + relayed_.size() + reserved_;
-    }
+    std::size_t count() const noexcept { return local_.size() + relayed_.size() + reserved_; }
     std::size_t local_count() const noexcept { return local_.size(); }
     /// An open in progress holds a slot until it ends (release()), so that concurrent opens
     /// cannot overshoot the limit.
@@ -105,7 +103,8 @@ public:
     // --- the connection's binary frames ---
     /// Whether `message` is a valid frame; the close reason (1002, or 1009 when too big)
     /// and its channel id otherwise: frames are checked on arrival even when queued.
-    std::variant<std::uint32_t, websocket::close_reason> check_frame(std::string_view message) const;
+    std::variant<std::uint32_t, websocket::close_reason> check_frame(
+        std::string_view message) const;
     /// Applies a checked frame: stdin and credit for a local channel, forwarded for a relayed
     /// one; dropped for an unknown channel.
     void apply_frame(std::string_view message);

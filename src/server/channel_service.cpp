@@ -37,7 +37,8 @@ std::string argv_digest(const std::vector<std::string>& argv) {
 std::shared_ptr<Channel> local_channel(Connection& c, std::uint32_t id, const Principal& caller) {
     auto channel = c.mux().local(id);
     if (c.principal().role == "peer" && channel->options().opened_for != caller.name) {
-        throw rpc_error(errc::channel_not_found, "channel " + std::to_string(id) + " is not open on this connection",
+        throw rpc_error(errc::channel_not_found,
+                        "channel " + std::to_string(id) + " is not open on this connection",
                         {{"channel", id}});
     }
     return channel;
@@ -51,8 +52,9 @@ awaitable<MethodReply> open_relayed(Connection& c, json p, Lease lease, Principa
     if (!c.forwarded_by().empty()) {
         throw rpc_error(errc::routing_loop,
                         "Sandbox lease " + lease.id + " is owned by node " + lease.owner_node_id +
-                            ", not by node " + node.node_id + ", and this open was already forwarded by node " +
-                            c.forwarded_by() + ".",
+                            ", not by node " + node.node_id +
+                            ", and this open was already forwarded by node " + c.forwarded_by() +
+                            ".",
                         {{"ownerNodeId", lease.owner_node_id}, {"forwardedBy", c.forwarded_by()}});
     }
     auto link = co_await owner_link(node, lease);
@@ -79,8 +81,9 @@ awaitable<MethodReply> open_relayed(Connection& c, json p, Lease lease, Principa
         link->forget(route.remote_id);
         co_return MethodReply{json::object(), {}};
     }
-    spdlog::info("channel={}/{} lease={} forwarded to node={} (connection channel {}) peer={}", lease.owner_node_id,
-                 route.remote_id, lease.id, lease.owner_node_id, local, c.peer());
+    spdlog::info("channel={}/{} lease={} forwarded to node={} (connection channel {}) peer={}",
+                 lease.owner_node_id, route.remote_id, lease.id, lease.owner_node_id, local,
+                 c.peer());
     result["channel"] = local;
     result["routed"] = true;
     // The frames that overtook the result go out right after it.
@@ -121,7 +124,8 @@ ChannelOptions channel_options(Node& node, const methods::OpenParams& params, co
 /// to the deadline it started under; on failure the node's channel slot is given back.
 awaitable<std::unique_ptr<ChannelBackend>> start_command(Node& node, const Lease& lease,
                                                          std::shared_ptr<SandboxHandle> sandbox,
-                                                         const ExecSpec& base, std::int64_t& start_deadline) {
+                                                         const ExecSpec& base,
+                                                         std::int64_t& start_deadline) {
     const std::uint64_t breaks = node.membership_breaks.load(std::memory_order_acquire);
     start_deadline = node.fence_deadline_ms();
     std::exception_ptr failed;
@@ -133,9 +137,10 @@ awaitable<std::unique_ptr<ChannelBackend>> start_command(Node& node, const Lease
             co_return co_await node.providers.at(lease.provider)->open(sandbox, std::move(spec));
         } catch (const start_deadline_passed&) {
             if (attempt < 3 && node.may_retry_start(start_deadline, breaks)) {
-                spdlog::info("lease={} open: its start deadline passed in the sandbox's queue; "
-                             "again with the renewed one (attempt {})",
-                             lease.id, attempt + 1);
+                spdlog::info(
+                    "lease={} open: its start deadline passed in the sandbox's queue; "
+                    "again with the renewed one (attempt {})",
+                    lease.id, attempt + 1);
                 start_deadline = node.fence_deadline_ms();
                 continue;
             }
@@ -155,22 +160,26 @@ awaitable<std::unique_ptr<ChannelBackend>> start_command(Node& node, const Lease
 
 /// Step 6: this node owns the lease; its cache must hold the sandbox (or its provider resume
 /// it). The channel starts right after the open's result is queued.
-awaitable<MethodReply> open_local(Connection& c, methods::OpenParams params, Lease lease, Principal caller) {
+awaitable<MethodReply> open_local(Connection& c, methods::OpenParams params, Lease lease,
+                                  Principal caller) {
     auto& node = c.node();
     auto sandbox = co_await sandbox_for(node, lease);
     const auto& limits = node.config.limits;
     if (!node.channels.try_reserve(limits.channels_per_node)) {
-        throw rpc_error(errc::channel_limit,
-                        "this node already runs its limit of " + std::to_string(limits.channels_per_node) + " channels");
+        throw rpc_error(errc::channel_limit, "this node already runs its limit of " +
+                                                 std::to_string(limits.channels_per_node) +
+                                                 " channels");
     }
     auto options = channel_options(node, params, lease, caller);
     params.spec.drain_grace_ms = limits.drain_grace_ms;
     std::int64_t start_deadline = 0;
     auto backend = co_await start_command(node, lease, sandbox, params.spec, start_deadline);
     const std::string start_deadline_text =
-        rfc3339_at(std::chrono::system_clock::now() + std::chrono::milliseconds(start_deadline - steady_now_ms()));
+        rfc3339_at(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(start_deadline - steady_now_ms()));
     options.id = c.mux().next_id();
-    auto channel = std::make_shared<Channel>(c.strand(), options, std::move(backend), sandbox, c.channel_sink());
+    auto channel = std::make_shared<Channel>(c.strand(), options, std::move(backend), sandbox,
+                                             c.channel_sink());
     ChannelTable::Entry entry;
     entry.channel = channel;
     entry.strand = c.strand();
@@ -196,8 +205,8 @@ awaitable<MethodReply> open_local(Connection& c, methods::OpenParams params, Lea
         co_return MethodReply{json::object(), {}};
     }
     c.mux().add_local(options.id, channel);
-    spdlog::info("channel={} lease={} opened: {} pty={} peer={} (connection channel {})", key, options.lease_id,
-                 options.argv0, options.pty, c.peer(), options.id);
+    spdlog::info("channel={} lease={} opened: {} pty={} peer={} (connection channel {})", key,
+                 options.lease_id, options.argv0, options.pty, c.peer(), options.id);
     // The result goes out before the first data frame of the channel.
     co_return MethodReply{json{{"channel", options.id},
                                {"hostRouteId", options.host_route_id},
@@ -220,7 +229,8 @@ awaitable<MethodReply> channel_open(Connection& c, MethodCall& call, methods::Op
     node.opens_in_flight.fetch_add(1);
     const ScopeExit counted([&node] { node.opens_in_flight.fetch_sub(1); });
     if (node.draining) {
-        throw rpc_error(errc::owner_unavailable, "node " + node.node_id + " is draining: it opens no new channels",
+        throw rpc_error(errc::owner_unavailable,
+                        "node " + node.node_id + " is draining: it opens no new channels",
                         {{"nodeId", node.node_id}, {"draining", true}});
     }
     // Steps 2-4: the lease, its scope and status.
@@ -228,7 +238,8 @@ awaitable<MethodReply> channel_open(Connection& c, MethodCall& call, methods::Op
     auto& mux = c.mux();
     const auto limit = node.config.limits.channels_per_connection;
     if (mux.count() >= limit) {
-        throw rpc_error(errc::channel_limit, "this connection already has " + std::to_string(mux.local_count()) +
+        throw rpc_error(errc::channel_limit, "this connection already has " +
+                                                 std::to_string(mux.local_count()) +
                                                  " channels (limit " + std::to_string(limit) + ")");
     }
     // The slot is held while the open runs, so concurrent opens cannot overshoot the limit.
@@ -236,7 +247,8 @@ awaitable<MethodReply> channel_open(Connection& c, MethodCall& call, methods::Op
     const ScopeExit release([&mux] { mux.release(); });
     // Step 5: another owner. A forwarded open is never forwarded again.
     if (lease.owner_node_id != node.node_id) {
-        co_return co_await open_relayed(c, std::move(call.params), std::move(lease), std::move(call.caller));
+        co_return co_await open_relayed(c, std::move(call.params), std::move(lease),
+                                        std::move(call.caller));
     }
     co_return co_await open_local(c, std::move(params), std::move(lease), std::move(call.caller));
 }
@@ -246,27 +258,32 @@ awaitable<MethodReply> channel_write(Connection& c, MethodCall& call, methods::W
     co_return empty_result();
 }
 
-awaitable<MethodReply> channel_close_stdin(Connection& c, MethodCall& call, methods::ChannelParams params) {
+awaitable<MethodReply> channel_close_stdin(Connection& c, MethodCall& call,
+                                           methods::ChannelParams params) {
     local_channel(c, params.channel, call.caller)->close_stdin();
     co_return empty_result();
 }
 
-awaitable<MethodReply> channel_resize(Connection& c, MethodCall& call, methods::ResizeParams params) {
+awaitable<MethodReply> channel_resize(Connection& c, MethodCall& call,
+                                      methods::ResizeParams params) {
     local_channel(c, params.channel, call.caller)->resize(params.cols, params.rows);
     co_return empty_result();
 }
 
-awaitable<MethodReply> channel_signal(Connection& c, MethodCall& call, methods::SignalParams params) {
+awaitable<MethodReply> channel_signal(Connection& c, MethodCall& call,
+                                      methods::SignalParams params) {
     local_channel(c, params.channel, call.caller)->send_signal(params.signal);
     co_return empty_result();
 }
 
-awaitable<MethodReply> channel_stop(Connection& c, MethodCall& call, methods::ChannelParams params) {
+awaitable<MethodReply> channel_stop(Connection& c, MethodCall& call,
+                                    methods::ChannelParams params) {
     local_channel(c, params.channel, call.caller)->stop(channel_outcome::stopped);
     co_return empty_result();
 }
 
-awaitable<MethodReply> channel_close(Connection& c, MethodCall& call, methods::ChannelParams params) {
+awaitable<MethodReply> channel_close(Connection& c, MethodCall& call,
+                                     methods::ChannelParams params) {
     // On a peer link, another host's channel is refused (local_channel() says why).
     if (c.mux().find_local(params.channel)) local_channel(c, params.channel, call.caller);
     if (auto channel = c.mux().take_local(params.channel)) {

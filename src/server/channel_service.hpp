@@ -16,10 +16,14 @@ namespace sandboxd::handlers {
 /// duplexChannelOpen.
 awaitable<MethodReply> channel_open(Connection& c, MethodCall& call, methods::OpenParams params);
 awaitable<MethodReply> channel_write(Connection& c, MethodCall& call, methods::WriteParams params);
-awaitable<MethodReply> channel_close_stdin(Connection& c, MethodCall& call, methods::ChannelParams params);
-awaitable<MethodReply> channel_resize(Connection& c, MethodCall& call, methods::ResizeParams params);
-awaitable<MethodReply> channel_signal(Connection& c, MethodCall& call, methods::SignalParams params);
+awaitable<MethodReply> channel_close_stdin(Connection& c, MethodCall& call,
+                                           methods::ChannelParams params);
+awaitable<MethodReply> channel_resize(Connection& c, MethodCall& call,
+                                      methods::ResizeParams params);
+awaitable<MethodReply> channel_signal(Connection& c, MethodCall& call,
+                                      methods::SignalParams params);
 awaitable<MethodReply> channel_stop(Connection& c, MethodCall& call, methods::ChannelParams params);
-awaitable<MethodReply> channel_close(Connection& c, MethodCall& call, methods::ChannelParams params);
+awaitable<MethodReply> channel_close(Connection& c, MethodCall& call,
+                                     methods::ChannelParams params);
 
 }  // namespace sandboxd::handlers

@@ -31,8 +31,8 @@ struct MethodReply {
 /// One request as a handler sees it.
 struct MethodCall {
     std::string_view method;  ///< its name, as the method table spells it (static storage)
-    nlohmann::json params;  ///< an object
-    nlohmann::json id;      ///< the JSON-RPC id; null for a notification
+    nlohmann::json params;    ///< an object
+    nlohmann::json id;        ///< the JSON-RPC id; null for a notification
     /// Whom it acts for: this connection's token, or on a peer link the host that the
     /// forwarding node names in the request's forwardedFor (docs/protocol.md section 6).
     Principal caller;

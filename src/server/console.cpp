@@ -79,7 +79,8 @@ std::optional<std::string> bearer_from_subprotocols(std::string_view header) {
     while (pos <= header.size()) {
         const auto comma = header.find(',', pos);
         auto item = header.substr(pos, comma == std::string_view::npos ? header.npos : comma - pos);
-        while (!item.empty() && (item.front() == ' ' || item.front() == '\t')) item.remove_prefix(1);
+        while (!item.empty() && (item.front() == ' ' || item.front() == '\t'))
+            item.remove_prefix(1);
         while (!item.empty() && (item.back() == ' ' || item.back() == '\t')) item.remove_suffix(1);
         if (item.starts_with(bearer_subprotocol_prefix)) {
             std::string b64(item.substr(bearer_subprotocol_prefix.size()));
@@ -110,7 +111,8 @@ bool origin_matches_host(std::string_view origin, std::string_view host) {
     const auto scheme_end = origin.find("://");
     if (scheme_end == std::string_view::npos || host.empty()) return false;
     const auto scheme = origin.substr(0, scheme_end);
-    if (!boost::beast::iequals(scheme, "http") && !boost::beast::iequals(scheme, "https")) return false;
+    if (!boost::beast::iequals(scheme, "http") && !boost::beast::iequals(scheme, "https"))
+        return false;
     auto authority = origin.substr(scheme_end + 3);
     if (authority.find('/') != std::string_view::npos) return false;  // an Origin has no path
     return boost::beast::iequals(authority, host);

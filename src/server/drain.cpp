@@ -35,8 +35,10 @@ awaitable<void> Drain::wait_channels(std::function<bool()> done,
     node_.channels.watch_removals(removed);
     net::steady_timer timer(ex);
     while (!done() && !node_.stopping && std::chrono::steady_clock::now() < until) {
-        timer.expires_at(std::min(until, std::chrono::steady_clock::now() + std::chrono::milliseconds(100)));
-        co_await (removed->async_receive(as_tuple_awaitable) || timer.async_wait(as_tuple_awaitable));
+        timer.expires_at(
+            std::min(until, std::chrono::steady_clock::now() + std::chrono::milliseconds(100)));
+        co_await (removed->async_receive(as_tuple_awaitable) ||
+                  timer.async_wait(as_tuple_awaitable));
     }
 }
 
@@ -48,9 +50,10 @@ awaitable<void> Drain::run() {
         return node_.channels.size() != 0 || node_.channels_unended.load() != 0 ||
                node_.relays_open.load() > 0 || node_.opens_in_flight.load() > 0;
     };
-    spdlog::info("node={} draining: new opens and leases are refused; {} channels and {} relayed "
-                 "channels running get up to {} ms to finish",
-                 node_.node_id, node_.channels.size(), node_.relays_open.load(), timeout.count());
+    spdlog::info(
+        "node={} draining: new opens and leases are refused; {} channels and {} relayed "
+        "channels running get up to {} ms to finish",
+        node_.node_id, node_.channels.size(), node_.relays_open.load(), timeout.count());
     if (node_.audit) {
         node_.audit->write("node.draining", {{"channels", node_.channels.size()},
                                              {"relayedChannels", node_.relays_open.load()},

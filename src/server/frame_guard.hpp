@@ -110,7 +110,8 @@ public:
     /// the process must ignore SIGPIPE (sandboxd does, src/app/daemon_main.cpp); then it is
     /// EPIPE.
     template <typename WriteHandler>
-    auto async_write_spliced(std::string head, int pipe_fd, std::size_t count, WriteHandler&& handler) {
+    auto async_write_spliced(std::string head, int pipe_fd, std::size_t count,
+                             WriteHandler&& handler) {
         return net::async_compose<WriteHandler, void(beast::error_code, std::size_t)>(
             spliced_op{this, std::move(head), pipe_fd, count}, handler, next_);
     }
@@ -203,9 +204,11 @@ private:
                 // Between frames, with no Beast write outstanding; else after the one that
                 // ends Beast's frame (write_op). `splicing_` already set when resumed from there.
                 const bool resumed = guard->splicing_;
-                if (!guard->following_) return self.complete(net::error::operation_not_supported, 0);
+                if (!guard->following_)
+                    return self.complete(net::error::operation_not_supported, 0);
                 if (!resumed && !guard->write_error_ &&
-                    (guard->beast_writing_ || guard->out_left_ != 0 || guard->out_header_len_ != 0)) {
+                    (guard->beast_writing_ || guard->out_left_ != 0 ||
+                     guard->out_header_len_ != 0)) {
                     ++guard->stats_.splices_parked;
                     guard->parked_splice_ = std::move(self);
                     // A cancellation (the connection ending) resumes it, to fail. On the slot
@@ -299,7 +302,8 @@ private:
             n -= len;
             for (std::size_t i = 0; i < len;) {
                 if (out_left_ > 0) {
-                    const auto k = static_cast<std::size_t>(std::min<std::uint64_t>(out_left_, len - i));
+                    const auto k =
+                        static_cast<std::size_t>(std::min<std::uint64_t>(out_left_, len - i));
                     out_left_ -= k;
                     i += k;
                     continue;
@@ -307,7 +311,10 @@ private:
                 out_header_[out_header_len_++] = p[i++];
                 if (out_header_len_ < 2) continue;
                 const unsigned code = out_header_[1] & 0x7f;
-                const std::size_t need = 2 + (code == 126 ? 2 : code == 127 ? 8 : 0) +
+                const std::size_t need = 2 +
+                                         (code == 126   ? 2
+                                          : code == 127 ? 8
+                                                        : 0) +
                                          ((out_header_[1] & 0x80) != 0 ? 4 : 0);
                 if (out_header_len_ < need) continue;
                 std::uint64_t length = code;
@@ -421,7 +428,7 @@ private:
     /// hold part of a frame, so no spliced frame starts any more; they fail with this error.
     beast::error_code write_error_;
     bool parked_cancelled_ = false;  ///< the parked spliced frame was cancelled: it fails
-    bool following_ = false;  ///< begin_frames() was called: the handshake is done
+    bool following_ = false;         ///< begin_frames() was called: the handshake is done
     WriteStats stats_;
     unsigned char out_header_[14] = {};
     std::size_t out_header_len_ = 0;  ///< bytes of an outgoing header seen so far

@@ -19,14 +19,14 @@
 namespace sandboxd {
 namespace {
 
-
 bool matches(const HttpRoute& route, std::string_view path) {
     if (path == route.path) return true;
     return route.subtree && path.size() > route.path.size() && path.starts_with(route.path) &&
            path[route.path.size()] == '/';
 }
 
-std::optional<Principal> bearer_principal(const Node& node, const http::request<http::string_body>& req) {
+std::optional<Principal> bearer_principal(const Node& node,
+                                          const http::request<http::string_body>& req) {
     std::string_view auth = req[http::field::authorization];
     if (auth.size() > 7 && beast::iequals(auth.substr(0, 7), "Bearer ")) {
         return node.authenticate(auth.substr(7));
@@ -42,11 +42,11 @@ std::string join_names(const std::vector<std::string>& names) {
 
 /// Answers a request too large to read with its status, then closes (the rest is unread).
 awaitable<void> reject_oversized(ConnStream& stream, bool header) {
-    auto res = plain(header ? http::status::request_header_fields_too_large
-                            : http::status::payload_too_large,
-                     header ? "request header fields over 16 KiB\n" : "request body over 64 KiB\n",
-                     11, false);
-    spdlog::info("rejected an HTTP request: {}", header ? "headers over 16 KiB" : "body over 64 KiB");
+    auto res = plain(
+        header ? http::status::request_header_fields_too_large : http::status::payload_too_large,
+        header ? "request header fields over 16 KiB\n" : "request body over 64 KiB\n", 11, false);
+    spdlog::info("rejected an HTTP request: {}",
+                 header ? "headers over 16 KiB" : "body over 64 KiB");
     co_await http::async_write(stream, res, as_tuple_awaitable);
     // A lingering close: what the client still sends is read and dropped (at most 1 MiB or
     // 2 s), so that closing with unread bytes does not reset the connection and lose the
@@ -67,14 +67,15 @@ awaitable<void> reject_oversized(ConnStream& stream, bool header) {
 std::span<const HttpRoute> HttpRoutes::routes() {
     // The handlers are private members: the table lives in a member function.
     static constexpr std::array<HttpRoute, 6> table{{
-            {http::verb::unknown, "/v1/ws", false, route_access::session, "", "", "connection.refused",
+        {http::verb::unknown, "/v1/ws", false, route_access::session, "", "", "connection.refused",
          &HttpRoutes::upgrade},
-            {http::verb::post, "/admin/drain", false, route_access::peer, "missing or invalid bearer token",
-         "a peer-role token", "drain.refused", &HttpRoutes::admin_drain},
-            {http::verb::get, "/healthz", false, route_access::open, "", "", "", &HttpRoutes::healthz},
-            {http::verb::get, "/readyz", false, route_access::open, "", "", "", &HttpRoutes::readyz},
-            {http::verb::get, "/console", true, route_access::open, "", "", "", &HttpRoutes::console},
-            {http::verb::get, "/metrics", false, route_access::metrics,
+        {http::verb::post, "/admin/drain", false, route_access::peer,
+         "missing or invalid bearer token", "a peer-role token", "drain.refused",
+         &HttpRoutes::admin_drain},
+        {http::verb::get, "/healthz", false, route_access::open, "", "", "", &HttpRoutes::healthz},
+        {http::verb::get, "/readyz", false, route_access::open, "", "", "", &HttpRoutes::readyz},
+        {http::verb::get, "/console", true, route_access::open, "", "", "", &HttpRoutes::console},
+        {http::verb::get, "/metrics", false, route_access::metrics,
          "GET /metrics takes a bearer token with role metrics or peer",
          "a token with role metrics or peer", "", &HttpRoutes::metrics},
     }};
@@ -101,8 +102,14 @@ awaitable<void> HttpRoutes::serve(ConnStream stream, listener_kind listener, Con
         if (ec) co_return;
         auto req = parser.release();
         const std::string_view target = req.target();
-        HttpExchange ex{req, stream, listener, slot, target.substr(0, target.find('?')),
-                        remote_address(stream), req.keep_alive(), bearer_principal(node_, req)};
+        HttpExchange ex{req,
+                        stream,
+                        listener,
+                        slot,
+                        target.substr(0, target.find('?')),
+                        remote_address(stream),
+                        req.keep_alive(),
+                        bearer_principal(node_, req)};
         auto res = co_await dispatch(ex);
         if (!res) co_return;  // upgraded: the session served the connection to its end
         auto [wec, wn] = co_await http::async_write(stream, *res, as_tuple_awaitable);
@@ -120,14 +127,14 @@ awaitable<std::optional<HttpResponse>> HttpRoutes::dispatch(HttpExchange& ex) {
                                     [&](const HttpRoute& r) { return matches(r, ex.path); });
     if (route == table.end()) {
         co_return ex.req.method() != http::verb::get
-                      ? plain(http::status::method_not_allowed, "method not allowed\n", version, ex.keep)
-                      : plain(http::status::not_found, "not found\n", version, ex.keep);
+            ? plain(http::status::method_not_allowed, "method not allowed\n", version, ex.keep)
+            : plain(http::status::not_found, "not found\n", version, ex.keep);
     }
     if (route->verb != http::verb::unknown && ex.req.method() != route->verb) {
         const std::string verb(http::to_string(route->verb));
         auto res = plain(http::status::method_not_allowed,
-                         "method not allowed: " + verb + " " + std::string(route->path) + "\n", version,
-                         ex.keep);
+                         "method not allowed: " + verb + " " + std::string(route->path) + "\n",
+                         version, ex.keep);
         res.set(http::field::allow, verb);
         co_return res;
     }
@@ -141,13 +148,16 @@ std::optional<HttpResponse> HttpRoutes::authorize(const HttpRoute& route, HttpEx
         case route_access::session: return std::nullopt;  // the upgrade checks its own
         case route_access::metrics:
             // issue 44, item 7: a credential by default; metrics.public opens plainListen alone.
-            if (node_.config.metrics_public && ex.listener == listener_kind::plain) return std::nullopt;
+            if (node_.config.metrics_public && ex.listener == listener_kind::plain)
+                return std::nullopt;
             break;
         case route_access::peer: break;
     }
-    if (!ex.bearer) return refuse(route, ex, http::status::unauthorized, std::string(route.unauthenticated));
+    if (!ex.bearer)
+        return refuse(route, ex, http::status::unauthorized, std::string(route.unauthenticated));
     const auto& who = *ex.bearer;
-    const bool role_ok = route.access == route_access::peer ? who.role == "peer" : who.reads_metrics;
+    const bool role_ok =
+        route.access == route_access::peer ? who.role == "peer" : who.reads_metrics;
     if (!role_ok) {
         return refuse(route, ex, http::status::forbidden,
                       "token \"" + who.name + "\" has role " + who.role + "; " +
@@ -165,22 +175,26 @@ std::optional<HttpResponse> HttpRoutes::authorize(const HttpRoute& route, HttpEx
 HttpResponse HttpRoutes::refuse(const HttpRoute& route, HttpExchange& ex, http::status status,
                                 const std::string& why) {
     if (!route.refusal_event.empty()) {
-        spdlog::info("peer={} {} {} refused: {}", ex.peer, http::to_string(route.verb), route.path, why);
+        spdlog::info("peer={} {} {} refused: {}", ex.peer, http::to_string(route.verb), route.path,
+                     why);
         if (node_.audit) {
-            node_.audit->write(std::string(route.refusal_event),
-                               {{"peer", ex.peer},
-                                {"token", ex.bearer ? nlohmann::json(ex.bearer->name) : nlohmann::json()},
-                                {"reason", why}});
+            node_.audit->write(
+                std::string(route.refusal_event),
+                {{"peer", ex.peer},
+                 {"token", ex.bearer ? nlohmann::json(ex.bearer->name) : nlohmann::json()},
+                 {"reason", why}});
         }
     }
     auto res = plain(status, why + "\n", ex.req.version(), ex.keep);
-    if (status == http::status::unauthorized) res.set(http::field::www_authenticate, "Bearer realm=\"sandboxd\"");
+    if (status == http::status::unauthorized)
+        res.set(http::field::www_authenticate, "Bearer realm=\"sandboxd\"");
     return res;
 }
 
 awaitable<std::optional<HttpResponse>> HttpRoutes::upgrade(HttpExchange& ex) {
     if (!websocket::is_upgrade(ex.req)) {
-        co_return plain(http::status::bad_request, "expected a WebSocket upgrade\n", ex.req.version(), false);
+        co_return plain(http::status::bad_request, "expected a WebSocket upgrade\n",
+                        ex.req.version(), false);
     }
     std::optional<Principal> who;
     if (auto refused = upgrade_refusal(ex, who)) co_return refused;
@@ -191,7 +205,8 @@ awaitable<std::optional<HttpResponse>> HttpRoutes::upgrade(HttpExchange& ex) {
     co_return std::nullopt;
 }
 
-std::optional<HttpResponse> HttpRoutes::upgrade_refusal(HttpExchange& ex, std::optional<Principal>& who) {
+std::optional<HttpResponse> HttpRoutes::upgrade_refusal(HttpExchange& ex,
+                                                        std::optional<Principal>& who) {
     const auto& req = ex.req;
     const auto version = req.version();
     // Logged with the peer's address, and audited as connection.refused.
@@ -210,11 +225,13 @@ std::optional<HttpResponse> HttpRoutes::upgrade_refusal(HttpExchange& ex, std::o
         // sandboxd.bearer.<base64url>, and only from a page of this node's own origin.
         if (auto token = bearer_from_subprotocols(req[http::field::sec_websocket_protocol])) {
             if (!origin_matches_host(req[http::field::origin], req[http::field::host])) {
-                refused("a browser upgrade from origin '" + std::string(req[http::field::origin]).substr(0, 200) +
-                            "' for host '" + std::string(req[http::field::host]).substr(0, 200) + "'",
+                refused("a browser upgrade from origin '" +
+                            std::string(req[http::field::origin]).substr(0, 200) + "' for host '" +
+                            std::string(req[http::field::host]).substr(0, 200) + "'",
                         std::nullopt);
                 return plain(http::status::forbidden,
-                             "a token in the subprotocol is accepted only from a page of this node's origin\n",
+                             "a token in the subprotocol is accepted only from a page of this "
+                             "node's origin\n",
                              version, false);
             }
             who = node_.authenticate(*token);
@@ -222,15 +239,18 @@ std::optional<HttpResponse> HttpRoutes::upgrade_refusal(HttpExchange& ex, std::o
     }
     if (!who) {
         refused("missing or invalid bearer token", std::nullopt);
-        auto res = plain(http::status::unauthorized, "missing or invalid bearer token\n", version, false);
+        auto res =
+            plain(http::status::unauthorized, "missing or invalid bearer token\n", version, false);
         res.set(http::field::www_authenticate, "Bearer realm=\"sandboxd\"");
         return res;
     }
     if (!peer_certified(ex.stream, *who)) {
-        refused("peer token \"" + who->name + "\": no client certificate that routing.peerTls.caFile verifies",
+        refused("peer token \"" + who->name +
+                    "\": no client certificate that routing.peerTls.caFile verifies",
                 who);
         return plain(http::status::forbidden,
-                     "a peer token needs a client certificate that the cluster CA verified\n", version, false);
+                     "a peer token needs a client certificate that the cluster CA verified\n",
+                     version, false);
     }
     if (const auto unbound = peer_binding_refusal(ex.stream, *who, req); !unbound.empty()) {
         refused(unbound, who);
@@ -243,8 +263,8 @@ std::optional<HttpResponse> HttpRoutes::upgrade_refusal(HttpExchange& ex, std::o
         // that does not hold the lease.
         const std::string meant(req["Sandboxd-Forwarded-To"]);
         refused("peer link meant for node " + meant + " reached node " + node_.node_id, who);
-        return plain(http::status::misdirected_request, "this is node " + node_.node_id + ", not " + meant + "\n",
-                     version, false);
+        return plain(http::status::misdirected_request,
+                     "this is node " + node_.node_id + ", not " + meant + "\n", version, false);
     }
     if (node_.stopping) {
         refused("node is stopping", who);
@@ -252,12 +272,13 @@ std::optional<HttpResponse> HttpRoutes::upgrade_refusal(HttpExchange& ex, std::o
     }
     if (!node_.registered) {
         refused("node is starting: not registered with the registry yet", who);
-        return plain(http::status::service_unavailable, "node is starting: not registered with the registry yet\n",
-                     version, false);
+        return plain(http::status::service_unavailable,
+                     "node is starting: not registered with the registry yet\n", version, false);
     }
     if (who->role == "metrics") {
         refused("token \"" + who->name + "\" has role metrics: it may only read GET /metrics", who);
-        return plain(http::status::forbidden, "a metrics-role token may only read GET /metrics\n", version, false);
+        return plain(http::status::forbidden, "a metrics-role token may only read GET /metrics\n",
+                     version, false);
     }
     return std::nullopt;
 }
@@ -269,7 +290,8 @@ awaitable<std::optional<HttpResponse>> HttpRoutes::admin_drain(HttpExchange& ex)
     const bool already = drain_.started();
     spdlog::info("peer={} token \"{}\": POST /admin/drain{}", ex.peer, who.name,
                  already ? " (already draining)" : "");
-    if (node_.audit) node_.audit->write("drain.requested", {{"peer", ex.peer}, {"token", who.name}});
+    if (node_.audit)
+        node_.audit->write("drain.requested", {{"peer", ex.peer}, {"token", who.name}});
     drain_.begin();
     const nlohmann::json body = {{"nodeId", node_.node_id},
                                  {"draining", true},
@@ -323,8 +345,8 @@ awaitable<std::optional<HttpResponse>> HttpRoutes::console(HttpExchange& ex) {
     const auto version = ex.req.version();
     const bool enabled = node_.config.console_enabled;
     if (enabled && !console_.available()) {
-        co_return plain(http::status::service_unavailable, "console not available: " + console_.problem() + "\n",
-                        version, ex.keep);
+        co_return plain(http::status::service_unavailable,
+                        "console not available: " + console_.problem() + "\n", version, ex.keep);
     }
     const auto* file = enabled ? console_.find(std::string(ex.req.target())) : nullptr;
     if (!file) co_return plain(http::status::not_found, "not found\n", version, ex.keep);

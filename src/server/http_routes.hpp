@@ -71,8 +71,12 @@ class HttpRoutes {
 public:
     HttpRoutes(Node& node, const ConsoleAssets& console, SessionSet& sessions, Drain& drain,
                Membership& membership, NodeGauges& gauges)
-        : node_(node), console_(console), sessions_(sessions), drain_(drain),
-          membership_(membership), gauges_(gauges) {}
+        : node_(node),
+          console_(console),
+          sessions_(sessions),
+          drain_(drain),
+          membership_(membership),
+          gauges_(gauges) {}
     HttpRoutes(const HttpRoutes&) = delete;
     HttpRoutes& operator=(const HttpRoutes&) = delete;
 
@@ -104,8 +108,9 @@ private:
     /// when it may: a token bound to a node (auth.tokens[].nodeId), or a client certificate
     /// that names DNS names (its subjectAltName), holds Sandboxd-Forwarded-By to that node, or
     /// to one of those names.
-    [[nodiscard]] std::string peer_binding_refusal(ConnStream& stream, const Principal& who,
-                                                   const http::request<http::string_body>& req) const;
+    [[nodiscard]] std::string peer_binding_refusal(
+        ConnStream& stream, const Principal& who,
+        const http::request<http::string_body>& req) const;
     /// Whether `who` may use this connection: a `peer` token needs, when routing.peerTls is
     /// set, a client certificate that the cluster CA verified (in the TLS handshake).
     bool peer_certified(ConnStream& stream, const Principal& who) const;

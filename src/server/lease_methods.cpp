@@ -26,11 +26,10 @@ using json = nlohmann::json;
 /// forwarded here already. `orphan_if_owner_dead`: a release whose owner is unreachable
 /// orphans the lease instead (it waits for cleanup). `notify` and `answer_within` as
 /// PeerLink::call's, for a call that streams.
-awaitable<std::optional<MethodReply>> at_owner(Connection& c, const MethodCall& call,
-                                               const std::string& lease_id,
-                                               bool orphan_if_owner_dead = false,
-                                               std::optional<PeerLink::Notify> notify = std::nullopt,
-                                               std::chrono::milliseconds answer_within = std::chrono::milliseconds(0)) {
+awaitable<std::optional<MethodReply>> at_owner(
+    Connection& c, const MethodCall& call, const std::string& lease_id,
+    bool orphan_if_owner_dead = false, std::optional<PeerLink::Notify> notify = std::nullopt,
+    std::chrono::milliseconds answer_within = std::chrono::milliseconds(0)) {
     auto& node = c.node();
     Lease lease = co_await sandboxd::lease_get(node, call.caller, lease_id);
     // A retained lease is held by no node: any node serves it (and answers that it is not
@@ -58,7 +57,8 @@ awaitable<std::optional<MethodReply>> at_owner(Connection& c, const MethodCall& 
         unavailable = e.what();
     }
     // A dead owner cannot tear down: the lease waits for cleanup instead.
-    json result = to_json(co_await lease_orphan(node, std::move(lease), std::move(unavailable), call.caller.name));
+    json result = to_json(
+        co_await lease_orphan(node, std::move(lease), std::move(unavailable), call.caller.name));
     co_return MethodReply{std::move(result), {}};
 }
 
@@ -86,14 +86,16 @@ ExecuteLog execute_log(Connection& c, const json& id) {
             bytes += chunk.size();
         }
         std::string text = jsonrpc::notification(
-            "leaseExecute.log", {{"requestId", id}, {"stream", stream}, {"chunk", std::move(chunk)}});
+            "leaseExecute.log",
+            {{"requestId", id}, {"stream", stream}, {"chunk", std::move(chunk)}});
         sink->send_text(std::move(text));
     };
 }
 
 }  // namespace
 
-awaitable<MethodReply> initialize(Connection& c, MethodCall& /*call*/, methods::InitializeParams /*params*/) {
+awaitable<MethodReply> initialize(Connection& c, MethodCall& /*call*/,
+                                  methods::InitializeParams /*params*/) {
     auto& node = c.node();
     const auto& l = node.config.limits;
     std::vector<std::string> supported;
@@ -116,8 +118,10 @@ awaitable<MethodReply> initialize(Connection& c, MethodCall& /*call*/, methods::
                           {}};
 }
 
-awaitable<MethodReply> lease_acquire(Connection& c, MethodCall& call, methods::LeaseAcquireParams params) {
-    json result = to_json(co_await sandboxd::lease_acquire(c.node(), call.caller, std::move(params)));
+awaitable<MethodReply> lease_acquire(Connection& c, MethodCall& call,
+                                     methods::LeaseAcquireParams params) {
+    json result =
+        to_json(co_await sandboxd::lease_acquire(c.node(), call.caller, std::move(params)));
     co_return MethodReply{std::move(result), {}};
 }
 
@@ -151,15 +155,19 @@ awaitable<MethodReply> lease_get(Connection& c, MethodCall& call, methods::Lease
     co_return MethodReply{to_json(lease), {}};
 }
 
-awaitable<MethodReply> lease_renew(Connection& c, MethodCall& call, methods::LeaseRenewParams params) {
+awaitable<MethodReply> lease_renew(Connection& c, MethodCall& call,
+                                   methods::LeaseRenewParams params) {
     if (auto owner = co_await at_owner(c, call, params.lease_id)) co_return std::move(*owner);
-    json result = to_json(co_await sandboxd::lease_renew(c.node(), call.caller, params.lease_id, params.ttl_ms));
+    json result = to_json(
+        co_await sandboxd::lease_renew(c.node(), call.caller, params.lease_id, params.ttl_ms));
     co_return MethodReply{std::move(result), {}};
 }
 
-awaitable<MethodReply> lease_release(Connection& c, MethodCall& call, methods::LeaseReleaseParams params) {
+awaitable<MethodReply> lease_release(Connection& c, MethodCall& call,
+                                     methods::LeaseReleaseParams params) {
     if (auto owner = co_await at_owner(c, call, params.lease_id, true)) co_return std::move(*owner);
-    json result = to_json(co_await sandboxd::lease_release(c.node(), call.caller, std::move(params)));
+    json result =
+        to_json(co_await sandboxd::lease_release(c.node(), call.caller, std::move(params)));
     co_return MethodReply{std::move(result), {}};
 }
 
@@ -170,7 +178,8 @@ awaitable<MethodReply> lease_probe(Connection& c, MethodCall& call, methods::Lea
     co_return MethodReply{std::move(result), {}};
 }
 
-awaitable<MethodReply> lease_execute(Connection& c, MethodCall& call, methods::ExecuteParams params) {
+awaitable<MethodReply> lease_execute(Connection& c, MethodCall& call,
+                                     methods::ExecuteParams params) {
     ExecuteLog log = execute_log(c, call.id);
     // The output is read only while this connection can take its log (issue 44, item 2);
     // the connection outlives the request (its session holds it while it runs).
@@ -186,12 +195,15 @@ awaitable<MethodReply> lease_execute(Connection& c, MethodCall& call, methods::E
             log(stream.get<std::string>(), chunk.get<std::string>());
         }
     };
-    const auto answer_within = std::chrono::milliseconds(params.request.timeout_ms) + std::chrono::seconds(60);
-    if (auto owner = co_await at_owner(c, call, params.lease_id, false, std::move(notify), answer_within)) {
+    const auto answer_within =
+        std::chrono::milliseconds(params.request.timeout_ms) + std::chrono::seconds(60);
+    if (auto owner =
+            co_await at_owner(c, call, params.lease_id, false, std::move(notify), answer_within)) {
         co_await c.wait_send_room();
         co_return std::move(*owner);
     }
-    json result = co_await sandboxd::lease_execute(c.node(), call.caller, std::move(params), std::move(log));
+    json result =
+        co_await sandboxd::lease_execute(c.node(), call.caller, std::move(params), std::move(log));
     // The result (up to limits.executeOutputBytes of each stream, 6 bytes per escaped byte
     // once serialised) is queued only when the connection has room: results of pipelined
     // executes wait here, as JSON values, not as serialised text in the queue.
@@ -202,13 +214,15 @@ awaitable<MethodReply> lease_execute(Connection& c, MethodCall& call, methods::E
 awaitable<MethodReply> lease_realize_workspace(Connection& c, MethodCall& call,
                                                methods::RealizeWorkspaceParams params) {
     if (auto owner = co_await at_owner(c, call, params.lease_id)) co_return std::move(*owner);
-    json result = co_await sandboxd::lease_realize_workspace(c.node(), call.caller, std::move(params));
+    json result =
+        co_await sandboxd::lease_realize_workspace(c.node(), call.caller, std::move(params));
     co_return MethodReply{std::move(result), {}};
 }
 
 awaitable<MethodReply> provider_validate_config(Connection& c, MethodCall& call,
                                                 methods::ValidateConfigParams params) {
-    json result = co_await sandboxd::provider_validate_config(c.node(), call.caller, std::move(params));
+    json result =
+        co_await sandboxd::provider_validate_config(c.node(), call.caller, std::move(params));
     co_return MethodReply{std::move(result), {}};
 }
 

@@ -19,7 +19,6 @@ namespace {
 
 using json = nlohmann::json;
 
-
 [[noreturn]] void not_found(const std::string& id) {
     throw rpc_error(errc::lease_not_found, "Sandbox lease " + id + " was not found.",
                     {{"leaseId", id}});
@@ -37,10 +36,10 @@ awaitable<Lease> load_visible(Node& node, const Principal& who, std::string id) 
 /// rather than a refusal.
 void not_ready_to_say(const Provider& provider) {
     if (provider.ready()) return;
-    throw rpc_error(errc::provider_not_ready,
-                    "provider \"" + provider.key() + "\" is not ready: its worker is down or starting");
+    throw rpc_error(
+        errc::provider_not_ready,
+        "provider \"" + provider.key() + "\" is not ready: its worker is down or starting");
 }
-
 
 /// The lease as the registry holds it now (after a write that lost to another writer).
 awaitable<Lease> current_record(Node& node, const std::string& id) {
@@ -48,8 +47,6 @@ awaitable<Lease> current_record(Node& node, const std::string& id) {
     if (!current) not_found(id);
     co_return *current;
 }
-
-
 
 }  // namespace
 
@@ -87,8 +84,7 @@ awaitable<std::vector<Lease>> all_leases(Node& node, LeaseQuery q) {
 
 /// Tears the sandbox down and records the outcome: released (or `final_status`), or
 /// pending_cleanup with the failure. Returns the stored lease.
-awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status,
-                          std::string actor) {
+awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status, std::string actor) {
     // One teardown of a lease at a time here (a release racing the sweeper's pass over a
     // lease pending cleanup): the later one finds the record changed and does not destroy
     // again (issue 15, item 2: no double teardown).
@@ -160,7 +156,6 @@ namespace {
 bool is_reuse(const std::string& policy) {
     return policy == "reuse_by_environment" || policy == "reuse_by_execution_workspace";
 }
-
 
 /// Every lease of (company, environment) with `status`.
 awaitable<std::vector<Lease>> leases_in(Node& node, std::string company_id,
@@ -245,8 +240,8 @@ awaitable<std::optional<Lease>> resume_retained(Node& node, Provider& provider, 
 /// when there is none.
 awaitable<std::optional<Lease>> reuse_lease(Node& node, const Principal& who, Provider& provider,
                                             Lease wanted, std::uint64_t ttl_ms) {
-    for (auto& l : co_await leases_in(node, wanted.company_id, wanted.environment_id,
-                                      lease_status::active)) {
+    for (auto& l :
+         co_await leases_in(node, wanted.company_id, wanted.environment_id, lease_status::active)) {
         if (!reusable_for(l, wanted) || !l.is_live(now_ms())) continue;
         try {
             Lease renewed = co_await lease_renew(node, who, l.id, ttl_ms);
@@ -256,12 +251,11 @@ awaitable<std::optional<Lease>> reuse_lease(Node& node, const Principal& who, Pr
             if (e.code() != errc::lease_not_active) throw;  // it ended meanwhile: next one
         }
     }
-    auto retained = co_await leases_in(node, wanted.company_id, wanted.environment_id,
-                                       lease_status::retained);
+    auto retained =
+        co_await leases_in(node, wanted.company_id, wanted.environment_id, lease_status::retained);
     std::erase_if(retained, [&wanted](const Lease& l) { return !reusable_for(l, wanted); });
-    std::sort(retained.begin(), retained.end(), [](const Lease& a, const Lease& b) {
-        return a.last_used_at_ms > b.last_used_at_ms;
-    });
+    std::sort(retained.begin(), retained.end(),
+              [](const Lease& a, const Lease& b) { return a.last_used_at_ms > b.last_used_at_ms; });
     for (auto& l : retained) {
         if (auto resumed = co_await resume_retained(node, provider, std::move(l), ttl_ms)) {
             co_return resumed;
@@ -307,7 +301,8 @@ awaitable<Lease> make_lease(Node& node, Provider* provider, Lease lease, std::ui
         try {
             co_await provider->destroy(handle);
         } catch (const std::exception& e) {
-            spdlog::warn("lease={} not stored; destroying its sandbox failed too: {}", lease.id, e.what());
+            spdlog::warn("lease={} not stored; destroying its sandbox failed too: {}", lease.id,
+                         e.what());
         }
         std::rethrow_exception(not_stored);
     }
@@ -350,15 +345,18 @@ awaitable<Lease> acquire(Node& node, const Principal& who, methods::LeaseAcquire
     lease.config = std::move(p.config);
     const auto ttl = p.ttl_ms.value_or(node.config.limits.default_ttl_ms);
     if (!who.allows(lease.company_id)) {
-        params::invalid("companyId", "this token may not act for tenant \"" + lease.company_id + "\"");
+        params::invalid("companyId",
+                        "this token may not act for tenant \"" + lease.company_id + "\"");
     }
     if (node.draining) {
-        throw rpc_error(errc::owner_unavailable, "node " + node.node_id + " is draining: it takes no new leases",
+        throw rpc_error(errc::owner_unavailable,
+                        "node " + node.node_id + " is draining: it takes no new leases",
                         {{"nodeId", node.node_id}, {"draining", true}});
     }
     node.require_membership();
     Provider* provider = provider_of(node, lease.provider);
-    if (!provider) params::invalid("provider", "no provider \"" + lease.provider + "\" on this node");
+    if (!provider)
+        params::invalid("provider", "no provider \"" + lease.provider + "\" on this node");
 
     if (lease.idempotency_key) {
         auto existing = co_await node.registry->find_by_idempotency_key(
@@ -407,8 +405,9 @@ awaitable<json> lease_list(Node& node, const Principal& who, LeaseQuery q) {
     auto page = co_await node.registry->list_leases(q);
     json leases = json::array();
     for (const auto& l : page.leases) leases.push_back(to_json(l));
-    co_return json{{"leases", std::move(leases)},
-                   {"nextCursor", page.next_cursor.empty() ? json(nullptr) : json(page.next_cursor)}};
+    co_return json{
+        {"leases", std::move(leases)},
+        {"nextCursor", page.next_cursor.empty() ? json(nullptr) : json(page.next_cursor)}};
 }
 
 awaitable<Lease> lease_renew(Node& node, const Principal& who, std::string lease_id,
@@ -422,8 +421,9 @@ awaitable<Lease> lease_renew(Node& node, const Principal& who, std::string lease
         Lease lease = co_await load_visible(node, who, lease_id);
         const auto now = now_ms();
         if (!lease.is_live(now)) {
-            throw rpc_error(errc::lease_not_active, lease_not_active_message(lease.id),
-                            {{"leaseId", lease.id}, {"status", std::string(to_string(lease.status))}});
+            throw rpc_error(
+                errc::lease_not_active, lease_not_active_message(lease.id),
+                {{"leaseId", lease.id}, {"status", std::string(to_string(lease.status))}});
         }
         Lease next = lease;
         next.expires_at_ms = now + static_cast<std::int64_t>(ttl_ms);
@@ -438,7 +438,8 @@ awaitable<Lease> lease_renew(Node& node, const Principal& who, std::string lease
             co_return *stored;
         }
     }
-    throw rpc_error(errc::registry_unavailable, "lease " + lease_id + " kept changing during renew");
+    throw rpc_error(errc::registry_unavailable,
+                    "lease " + lease_id + " kept changing during renew");
 }
 
 namespace {
@@ -544,9 +545,9 @@ awaitable<LiveLease> live_lease(Node& node, const Principal& who, std::string le
     LiveLease live;
     live.lease = co_await load_visible(node, who, lease_id);
     if (!live.lease.is_live(now_ms())) {
-        throw rpc_error(errc::lease_not_active, lease_not_active_message(live.lease.id),
-                        {{"leaseId", live.lease.id},
-                         {"status", std::string(to_string(live.lease.status))}});
+        throw rpc_error(
+            errc::lease_not_active, lease_not_active_message(live.lease.id),
+            {{"leaseId", live.lease.id}, {"status", std::string(to_string(live.lease.status))}});
     }
     live.provider = provider_of(node, live.lease.provider);
     if (!live.provider) {
@@ -592,12 +593,14 @@ awaitable<json> lease_execute(Node& node, const Principal& who, methods::Execute
         const std::int64_t deadline = node.fence_deadline_ms();
         request.start_deadline_ms = deadline;
         try {
-            co_return co_await live.provider->execute(live.sandbox, live.lease, std::move(request), log);
+            co_return co_await live.provider->execute(live.sandbox, live.lease, std::move(request),
+                                                      log);
         } catch (const start_deadline_passed&) {
             if (attempt >= 3 || !node.may_retry_start(deadline, breaks)) throw;
-            spdlog::info("lease={} execute: its start deadline passed in the sandbox's queue; again with "
-                         "the renewed one (attempt {})",
-                         live.lease.id, attempt + 1);
+            spdlog::info(
+                "lease={} execute: its start deadline passed in the sandbox's queue; again with "
+                "the renewed one (attempt {})",
+                live.lease.id, attempt + 1);
         }
     }
 }
@@ -639,13 +642,14 @@ awaitable<json> node_list(Node& node) {
         q.limit = 1000;
         auto page = co_await node.registry->list_leases(q);
         const bool alive = node.member_alive(n, now);
-        json entry = {{"nodeId", n.node_id},
-                      {"url", n.url},
-                      {"startedAt", format_rfc3339(n.started_at_ms)},
-                      {"heartbeatAt", format_rfc3339(n.heartbeat_at_ms)},
-                      {"alive", alive},
-                      {"leases", page.leases.size()},
-                      {"channels", n.node_id == node.node_id ? json(node.channels.size()) : json(nullptr)}};
+        json entry = {
+            {"nodeId", n.node_id},
+            {"url", n.url},
+            {"startedAt", format_rfc3339(n.started_at_ms)},
+            {"heartbeatAt", format_rfc3339(n.heartbeat_at_ms)},
+            {"alive", alive},
+            {"leases", page.leases.size()},
+            {"channels", n.node_id == node.node_id ? json(node.channels.size()) : json(nullptr)}};
         out.push_back(std::move(entry));
     }
     co_return json{{"nodes", std::move(out)}};
@@ -694,7 +698,8 @@ awaitable<Lease> resolve_lease(Node& node, const Principal& who, methods::LeaseR
 
 std::shared_ptr<SandboxHandle> cached_sandbox(Node& node, const Lease& lease, sandbox_use use) {
     if (use == sandbox_use::new_work && node.draining) {
-        throw rpc_error(errc::owner_unavailable, "node " + node.node_id + " is draining: it opens no new channels",
+        throw rpc_error(errc::owner_unavailable,
+                        "node " + node.node_id + " is draining: it opens no new channels",
                         {{"ownerNodeId", node.node_id}, {"draining", true}});
     }
     node.require_membership();
@@ -740,8 +745,10 @@ awaitable<std::shared_ptr<SandboxHandle>> sandbox_for(Node& node, Lease lease, s
     if (!handle) {
         co_await forget_unresumable(node, lease, "resume failed: " + failure);
         throw rpc_error(errc::sandbox_not_cached,
-                        std::string(sandbox_not_cached_message) + " (the provider could not "
-                        "resume it: " + failure + ")",
+                        std::string(sandbox_not_cached_message) +
+                            " (the provider could not "
+                            "resume it: " +
+                            failure + ")",
                         {{"leaseId", lease.id}});
     }
     if (handle->provider_metadata != lease.provider_metadata) {
@@ -777,9 +784,10 @@ awaitable<void> store_late_sandbox(Node& node, Lease lease) {
     lease.failure_reason = "the provider answered environmentAcquireLease after its timeout";
     try {
         co_await node.registry->create_lease(lease);
-        spdlog::warn("lease={} recorded in pending_cleanup: provider={} answered its acquire late "
-                     "(providerLeaseId {})",
-                     lease.id, lease.provider, lease.provider_lease_id);
+        spdlog::warn(
+            "lease={} recorded in pending_cleanup: provider={} answered its acquire late "
+            "(providerLeaseId {})",
+            lease.id, lease.provider, lease.provider_lease_id);
     } catch (const std::exception& e) {
         spdlog::error("lease={}: cannot record the late sandbox {} of provider={} for cleanup: {}",
                       lease.id, lease.provider_lease_id, lease.provider, e.what());
@@ -802,20 +810,21 @@ awaitable<std::shared_ptr<PeerLink>> owner_link(Node& node, const Lease& lease) 
                         {{"ownerNodeId", lease.owner_node_id}, {"leaseId", lease.id}});
     }
     if (node.config.routing_mode == "redirect") {
-        throw rpc_error(errc::owner_elsewhere,
-                        "Sandbox lease " + lease.id + " is served by node " + record->node_id + ".",
-                        {{"ownerNodeId", record->node_id}, {"ownerUrl", record->url}, {"leaseId", lease.id}});
+        throw rpc_error(
+            errc::owner_elsewhere,
+            "Sandbox lease " + lease.id + " is served by node " + record->node_id + ".",
+            {{"ownerNodeId", record->node_id}, {"ownerUrl", record->url}, {"leaseId", lease.id}});
     }
     const auto security = node.security();
     if (security->peer_token.empty()) {
         throw rpc_error(errc::owner_unavailable,
-                        "Owner node " + lease.owner_node_id + " is unavailable: this node has no "
-                        "peer token to reach it.",
+                        "Owner node " + lease.owner_node_id +
+                            " is unavailable: this node has no "
+                            "peer token to reach it.",
                         {{"ownerNodeId", lease.owner_node_id}});
     }
     co_return node.peers.get(node, *record, security->peer_token, *node.ioc);
 }
-
 
 awaitable<void> end_lease_channels(Node& node, const std::string& lease_id,
                                    std::chrono::milliseconds wait) {

@@ -11,7 +11,8 @@
 
 namespace sandboxd {
 
-awaitable<Lease> lease_acquire(Node& node, const Principal& who, methods::LeaseAcquireParams params);
+awaitable<Lease> lease_acquire(Node& node, const Principal& who,
+                               methods::LeaseAcquireParams params);
 awaitable<Lease> lease_get(Node& node, const Principal& who, std::string lease_id);
 /// Sets `lease.usage` from its provider when this node owns the active lease and holds its
 /// sandbox (protocol section 2); leaves it null otherwise. Reads a few kernel files; fast.
@@ -70,7 +71,7 @@ std::shared_ptr<SandboxHandle> cached_sandbox(Node& node, const Lease& lease,
 /// (pending_cleanup, for the sweeper) and gives SANDBOX_NOT_CACHED; PROVIDER_NOT_READY while
 /// the provider cannot serve (nothing changes).
 awaitable<std::shared_ptr<SandboxHandle>> sandbox_for(Node& node, Lease lease,
-                                                       sandbox_use use = sandbox_use::new_work);
+                                                      sandbox_use use = sandbox_use::new_work);
 
 /// The provider could not resume the cached sandbox of `lease` (a plugin worker restarted
 /// and its environmentResumeLease failed): evicts it and orphans the lease for the sweeper.
@@ -110,10 +111,10 @@ awaitable<Lease> lease_orphan(Node& node, Lease lease, std::string why,
 /// attempts backing off, then either `failed` (built-in providers) or, once warned, a slow
 /// retry for ever (plugins: a remote sandbox may still exist); once per nodeTtlMs,
 /// destroy_leftover_sandboxes. Leases of this node whose
-/// provider can_resume() stay active after a restart (the first use resumes them). It never touches a lease whose owner is alive
-/// and holds it (acceptance cases B21, B23). Reads only this node's leases (owner index) and those
-/// of owners whose membership lapsed (Registry::active_owner_nodes against list_nodes),
-/// never the leases of live owners.
+/// provider can_resume() stay active after a restart (the first use resumes them). It never touches
+/// a lease whose owner is alive and holds it (acceptance cases B21, B23). Reads only this node's
+/// leases (owner index) and those of owners whose membership lapsed (Registry::active_owner_nodes
+/// against list_nodes), never the leases of live owners.
 awaitable<void> sweep(Node& node);
 
 /// True when this node has channels or a cached sandbox of `lease` although the lease is no

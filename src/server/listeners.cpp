@@ -35,20 +35,23 @@ void Listeners::bind() {
     }
 }
 
-std::string Listeners::bind(tcp::acceptor& acc, const std::string& address, const std::string& field) {
+std::string Listeners::bind(tcp::acceptor& acc, const std::string& address,
+                            const std::string& field) {
     const auto listen = parse_host_port(address);  // validate_config checked it
     tcp::resolver resolver(ioc_);
     beast::error_code ec;
     auto results = resolver.resolve(listen.host, listen.port_text(),
                                     tcp::resolver::passive | tcp::resolver::numeric_service, ec);
     if (ec || results.empty()) {
-        throw config_error("config: " + field + ": cannot resolve " + address + ": " + ec.message());
+        throw config_error("config: " + field + ": cannot resolve " + address + ": " +
+                           ec.message());
     }
     tcp::endpoint endpoint = results.begin()->endpoint();
     acc.open(endpoint.protocol());
     acc.set_option(net::socket_base::reuse_address(true));
     acc.bind(endpoint, ec);
-    if (ec) throw config_error("config: " + field + ": cannot bind " + address + ": " + ec.message());
+    if (ec)
+        throw config_error("config: " + field + ": cannot bind " + address + ": " + ec.message());
     acc.listen(net::socket_base::max_listen_connections);
     return format_endpoint(acc.local_endpoint());
 }
@@ -101,20 +104,26 @@ void Listeners::set_caps() {
     const auto& l = node_.config.limits;
     rlimit lim{};
     std::uint64_t nofile = 1024;
-    if (::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) nofile = lim.rlim_cur;
+    if (::getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY)
+        nofile = lim.rlim_cur;
     // The greater of 256 and a tenth, but never more than half: a node run with a tiny limit
     // (a test of descriptor exhaustion) still takes connections.
-    const std::uint64_t reserve = std::min<std::uint64_t>(std::max<std::uint64_t>(256, nofile / 10), nofile / 2);
+    const std::uint64_t reserve =
+        std::min<std::uint64_t>(std::max<std::uint64_t>(256, nofile / 10), nofile / 2);
     const std::uint64_t room = nofile > reserve ? nofile - reserve : 0;
     counts_.cap = static_cast<std::uint32_t>(std::min<std::uint64_t>(l.connections, room));
-    counts_.pending_cap = static_cast<std::uint32_t>(std::min<std::uint64_t>(l.pending_connections, counts_.cap));
-    spdlog::info("node={} connections: at most {} open and {} not yet authenticated (limits.connections "
-                 "{}, limits.pendingConnections {}; {} of RLIMIT_NOFILE {} kept for the node's own work)",
-                 node_.node_id, counts_.cap, counts_.pending_cap, l.connections, l.pending_connections,
-                 reserve, nofile);
+    counts_.pending_cap =
+        static_cast<std::uint32_t>(std::min<std::uint64_t>(l.pending_connections, counts_.cap));
+    spdlog::info(
+        "node={} connections: at most {} open and {} not yet authenticated (limits.connections "
+        "{}, limits.pendingConnections {}; {} of RLIMIT_NOFILE {} kept for the node's own work)",
+        node_.node_id, counts_.cap, counts_.pending_cap, l.connections, l.pending_connections,
+        reserve, nofile);
     if (counts_.cap == 0) {
-        spdlog::error("node={} RLIMIT_NOFILE {} leaves no descriptor for connections beyond the "
-                      "reserve of {}: every connection is refused", node_.node_id, nofile, reserve);
+        spdlog::error(
+            "node={} RLIMIT_NOFILE {} leaves no descriptor for connections beyond the "
+            "reserve of {}: every connection is refused",
+            node_.node_id, nofile, reserve);
     }
 }
 
@@ -139,8 +148,8 @@ void Listeners::refuse(int fd, const std::string& refused_by) {
     const std::string res = "HTTP/1.1 503 Service Unavailable\r\nServer: sandboxd/" +
                             std::string(version_string) +
                             "\r\nContent-Type: text/plain; charset=utf-8\r\nRetry-After: 1\r\n"
-                            "Connection: close\r\nContent-Length: " + std::to_string(body.size()) +
-                            "\r\n\r\n" + body;
+                            "Connection: close\r\nContent-Length: " +
+                            std::to_string(body.size()) + "\r\n\r\n" + body;
     // One non-blocking send into an empty socket buffer: it takes the whole answer or the
     // peer gets the close alone. Over TLS the peer sees a failed handshake (closed).
     (void)::send(fd, res.data(), res.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -160,7 +169,8 @@ awaitable<void> Listeners::accept_loop(tcp::acceptor& acc, bool tls, listener_ki
             auto waited = co_await backoff.async_wait(as_tuple_awaitable);
             if (std::get<0>(waited) || !acc.is_open()) co_return;
         }
-        auto [ec, socket] = co_await acc.async_accept(net::make_strand(next_loop()), as_tuple_awaitable);
+        auto [ec, socket] =
+            co_await acc.async_accept(net::make_strand(next_loop()), as_tuple_awaitable);
         if (ec) {
             if (ec == net::error::operation_aborted || !acc.is_open()) co_return;
             if (delay.count() == 0) spdlog::warn("accept failed: {}; backing off", ec.message());
@@ -182,7 +192,8 @@ awaitable<void> Listeners::accept_loop(tcp::acceptor& acc, bool tls, listener_ki
             continue;
         }
         beast::error_code nodelay_ec;
-        socket.set_option(tcp::no_delay(true), nodelay_ec);  // no Nagle wait behind an unacked frame
+        socket.set_option(tcp::no_delay(true),
+                          nodelay_ec);  // no Nagle wait behind an unacked frame
         auto ex = socket.get_executor();
         net::co_spawn(ex, serve(std::move(socket), tls, listener, std::move(*slot)),
                       [](const std::exception_ptr& e) { log_failure(e, "connection"); });
@@ -201,16 +212,18 @@ awaitable<void> Listeners::serve(tcp::socket socket, bool tls, listener_kind lis
     const auto deadline = std::chrono::steady_clock::now() +
                           std::chrono::milliseconds(node_.config.limits.auth_timeout_ms);
     beast::get_lowest_layer(stream).expires_at(deadline);
-    auto [ec] = co_await stream.tls()->async_handshake(ssl::stream_base::server, as_tuple_awaitable);
+    auto [ec] =
+        co_await stream.tls()->async_handshake(ssl::stream_base::server, as_tuple_awaitable);
     if (ec) {
         // Plain HTTP to the TLS port, an untrusted or missing client certificate, an old
         // protocol version: the handshake fails and the connection is dropped.
         const auto remote = remote_address(stream);
         spdlog::info("peer={} TLS handshake failed: {}", remote, ec.message());
         if (node_.audit) {
-            node_.audit->write("connection.refused", {{"peer", remote},
-                                                      {"token", nullptr},
-                                                      {"reason", "TLS handshake failed: " + ec.message()}});
+            node_.audit->write("connection.refused",
+                               {{"peer", remote},
+                                {"token", nullptr},
+                                {"reason", "TLS handshake failed: " + ec.message()}});
         }
         co_return;
     }

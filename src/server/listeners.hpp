@@ -101,7 +101,8 @@ private:
     /// Accepts on `acc`; `tls`: each connection's TLS handshake first (the listener's
     /// context at the time of the accept).
     awaitable<void> accept_loop(tcp::acceptor& acc, bool tls, listener_kind listener);
-    awaitable<void> serve(tcp::socket socket, bool tls, listener_kind listener, ConnectionSlot slot);
+    awaitable<void> serve(tcp::socket socket, bool tls, listener_kind listener,
+                          ConnectionSlot slot);
 
     Node& node_;
     net::io_context& ioc_;

@@ -29,8 +29,8 @@ awaitable<std::int64_t> register_or_take_over(Registry& registry, NodeRecord rec
         if (e.code() != errc::invalid_params) throw;
     }
     const auto seen = co_await registry.get_node(record.node_id);
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::milliseconds(ttl_ms + heartbeat_ms);
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(ttl_ms + heartbeat_ms);
     spdlog::info("node={} is held by another instance; waiting up to {} ms to see if it is alive",
                  record.node_id, ttl_ms + heartbeat_ms);
     net::steady_timer pause(co_await net::this_coro::executor);
@@ -41,8 +41,9 @@ awaitable<std::int64_t> register_or_take_over(Registry& registry, NodeRecord rec
         if (seen && now && now->instance_id == seen->instance_id &&
             now->heartbeat_at_ms != seen->heartbeat_at_ms) {
             throw rpc_error(errc::invalid_params,
-                            "node id " + record.node_id + " is already held by a live process "
-                            "(its heartbeat advanced); give this process another --node-id");
+                            "node id " + record.node_id +
+                                " is already held by a live process "
+                                "(its heartbeat advanced); give this process another --node-id");
         }
         NodeRecord fresh = record;
         fresh.heartbeat_at_ms = now_ms();
@@ -151,8 +152,9 @@ void Membership::start_lease_watch() {
                 try {
                     co_await reconcile_cached(node_);
                 } catch (const std::exception& e) {
-                    spdlog::warn("node={} change feed resync: could not reconcile its sandboxes: {}",
-                                 node_.node_id, e.what());
+                    spdlog::warn(
+                        "node={} change feed resync: could not reconcile its sandboxes: {}",
+                        node_.node_id, e.what());
                 }
             },
             net::detached);
@@ -175,8 +177,8 @@ awaitable<void> Membership::heartbeat_loop() {
         const auto sent = steady_now_ms();
         const auto fenced = node_.fenced_for_ms();
         try {
-            bool mine = co_await node_.registry->heartbeat_node(node_.node_id, node_.instance_id,
-                                                                 now_ms());
+            bool mine =
+                co_await node_.registry->heartbeat_node(node_.node_id, node_.instance_id, now_ms());
             if (const auto took = steady_now_ms() - sent; took > node_.config.heartbeat_ms) {
                 // A renewal that takes longer than the period eats into the fencing margin
                 // (2/3 of nodeTtlMs): said, so that a slow registry shows in the log.
@@ -249,18 +251,19 @@ awaitable<void> Membership::fence_watch() {
             fenced = !fenced;
             node_.metrics.fenced.only().set(fenced ? 1 : 0);
             if (fenced) {
-                spdlog::warn("node={} fenced: membership not renewed for {} ms (limit {} ms): no "
-                             "opens and no lease changes until it renews",
-                             node_.node_id, fenced_for, node_.config.node_ttl_ms * 2 / 3);
+                spdlog::warn(
+                    "node={} fenced: membership not renewed for {} ms (limit {} ms): no "
+                    "opens and no lease changes until it renews",
+                    node_.node_id, fenced_for, node_.config.node_ttl_ms * 2 / 3);
             } else {
                 spdlog::info("node={} unfenced: membership renewed", node_.node_id);
             }
         }
         // Awake at the fencing deadline; while fenced, often enough to see the renewal.
-        const auto wait = fenced ? std::int64_t{50}
-                                 : std::clamp<std::int64_t>(
-                                       node_.fence_deadline_ms() - steady_now_ms() + 1, 1,
-                                       static_cast<std::int64_t>(node_.config.heartbeat_ms));
+        const auto wait =
+            fenced ? std::int64_t{50}
+                   : std::clamp<std::int64_t>(node_.fence_deadline_ms() - steady_now_ms() + 1, 1,
+                                              static_cast<std::int64_t>(node_.config.heartbeat_ms));
         fence_timer_.expires_after(std::chrono::milliseconds(wait));
         auto [ec] = co_await fence_timer_.async_wait(as_tuple_awaitable);
         if (ec || node_.stopping) co_return;

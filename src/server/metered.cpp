@@ -63,8 +63,9 @@ public:
     }
     awaitable<std::optional<Lease>> find_by_provider_lease(std::string provider,
                                                            std::string provider_lease_id) override {
-        return time("find_by_provider_lease",
-                    inner_->find_by_provider_lease(std::move(provider), std::move(provider_lease_id)));
+        return time(
+            "find_by_provider_lease",
+            inner_->find_by_provider_lease(std::move(provider), std::move(provider_lease_id)));
     }
     awaitable<LeasePage> list_leases(LeaseQuery query) override {
         return time("list_leases", inner_->list_leases(std::move(query)));
@@ -155,7 +156,9 @@ public:
     CleanupPolicy cleanup_policy(std::int64_t heartbeat_ms) const override {
         return inner_->cleanup_policy(heartbeat_ms);
     }
-    void on_late_sandbox(LateSandboxSink sink) override { inner_->on_late_sandbox(std::move(sink)); }
+    void on_late_sandbox(LateSandboxSink sink) override {
+        inner_->on_late_sandbox(std::move(sink));
+    }
     std::vector<std::string> capabilities() const override { return inner_->capabilities(); }
     awaitable<nlohmann::json> validate_config(std::string company_id,
                                               nlohmann::json config) override {
@@ -172,8 +175,9 @@ public:
     }
     awaitable<nlohmann::json> realize_workspace(std::shared_ptr<SandboxHandle> sandbox, Lease lease,
                                                 nlohmann::json workspace) override {
-        return time("realize_workspace", inner_->realize_workspace(std::move(sandbox), std::move(lease),
-                                                                   std::move(workspace)));
+        return time(
+            "realize_workspace",
+            inner_->realize_workspace(std::move(sandbox), std::move(lease), std::move(workspace)));
     }
     bool can_retain() const noexcept override { return inner_->can_retain(); }
     awaitable<void> stop(std::shared_ptr<SandboxHandle> sandbox) override {

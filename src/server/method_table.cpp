@@ -22,27 +22,40 @@ awaitable<MethodReply> typed(Connection& c, MethodCall call) {
 }
 
 // The parse functions of methods.hpp, given what of the node's config they need.
-methods::InitializeParams parse_initialize(const Node&, const json& p) { return methods::parse_initialize(p); }
+methods::InitializeParams parse_initialize(const Node&, const json& p) {
+    return methods::parse_initialize(p);
+}
 methods::LeaseAcquireParams parse_acquire(const Node& n, const json& p) {
     return methods::parse_lease_acquire(p, n.config.limits.max_ttl_ms);
 }
 LeaseQuery parse_list(const Node&, const json& p) { return methods::parse_lease_list(p); }
-methods::LeaseIdParams parse_lease_id(const Node&, const json& p) { return methods::parse_lease_id(p); }
-methods::LeaseRenewParams parse_renew(const Node&, const json& p) { return methods::parse_lease_renew(p); }
-methods::LeaseReleaseParams parse_release(const Node&, const json& p) { return methods::parse_lease_release(p); }
+methods::LeaseIdParams parse_lease_id(const Node&, const json& p) {
+    return methods::parse_lease_id(p);
+}
+methods::LeaseRenewParams parse_renew(const Node&, const json& p) {
+    return methods::parse_lease_renew(p);
+}
+methods::LeaseReleaseParams parse_release(const Node&, const json& p) {
+    return methods::parse_lease_release(p);
+}
 methods::ExecuteParams parse_execute(const Node& n, const json& p) {
     return methods::parse_execute(p, n.config.limits.execute_timeout_ms);
 }
 methods::RealizeWorkspaceParams parse_workspace(const Node&, const json& p) {
     return methods::parse_realize_workspace(p);
 }
-methods::ValidateConfigParams parse_validate(const Node&, const json& p) { return methods::parse_validate_config(p); }
+methods::ValidateConfigParams parse_validate(const Node&, const json& p) {
+    return methods::parse_validate_config(p);
+}
 handlers::NoParams parse_none(const Node&, const json&) { return {}; }
 methods::OpenParams parse_open(const Node& n, const json& p) {
-    return methods::parse_open(p, n.config.limits.max_output_window, n.config.limits.max_stdin_window);
+    return methods::parse_open(p, n.config.limits.max_output_window,
+                               n.config.limits.max_stdin_window);
 }
 methods::WriteParams parse_write(const Node&, const json& p) { return methods::parse_write(p); }
-methods::ChannelParams parse_channel(const Node&, const json& p) { return methods::parse_channel(p); }
+methods::ChannelParams parse_channel(const Node&, const json& p) {
+    return methods::parse_channel(p);
+}
 methods::ResizeParams parse_resize(const Node&, const json& p) { return methods::parse_resize(p); }
 methods::SignalParams parse_signal(const Node&, const json& p) { return methods::parse_signal(p); }
 
@@ -52,13 +65,19 @@ constexpr unsigned channel_call = on_channel | forwarded;
 // In the protocol's order (initialize lists them so).
 const std::array<MethodSpec, 18> table{{
     {"initialize", 0, typed<methods::InitializeParams, parse_initialize, handlers::initialize>},
-    {"leaseAcquire", fenced | lease_operation, typed<methods::LeaseAcquireParams, parse_acquire, handlers::lease_acquire>},
-    {"leaseGet", forwarded | lease_operation, typed<methods::LeaseIdParams, parse_lease_id, handlers::lease_get>},
+    {"leaseAcquire", fenced | lease_operation,
+     typed<methods::LeaseAcquireParams, parse_acquire, handlers::lease_acquire>},
+    {"leaseGet", forwarded | lease_operation,
+     typed<methods::LeaseIdParams, parse_lease_id, handlers::lease_get>},
     {"leaseList", lease_operation, typed<LeaseQuery, parse_list, handlers::lease_list>},
-    {"leaseRenew", lease_change, typed<methods::LeaseRenewParams, parse_renew, handlers::lease_renew>},
-    {"leaseRelease", lease_change, typed<methods::LeaseReleaseParams, parse_release, handlers::lease_release>},
-    {"leaseProbe", lease_change, typed<methods::LeaseIdParams, parse_lease_id, handlers::lease_probe>},
-    {"leaseExecute", lease_change, typed<methods::ExecuteParams, parse_execute, handlers::lease_execute>},
+    {"leaseRenew", lease_change,
+     typed<methods::LeaseRenewParams, parse_renew, handlers::lease_renew>},
+    {"leaseRelease", lease_change,
+     typed<methods::LeaseReleaseParams, parse_release, handlers::lease_release>},
+    {"leaseProbe", lease_change,
+     typed<methods::LeaseIdParams, parse_lease_id, handlers::lease_probe>},
+    {"leaseExecute", lease_change,
+     typed<methods::ExecuteParams, parse_execute, handlers::lease_execute>},
     {"leaseRealizeWorkspace", lease_change,
      typed<methods::RealizeWorkspaceParams, parse_workspace, handlers::lease_realize_workspace>},
     {"providerValidateConfig", 0,
@@ -70,9 +89,12 @@ const std::array<MethodSpec, 18> table{{
      typed<methods::WriteParams, parse_write, handlers::channel_write>},
     {"duplexChannelCloseStdin", channel_call | moot_after_exit,
      typed<methods::ChannelParams, parse_channel, handlers::channel_close_stdin>},
-    {"duplexChannelResize", channel_call, typed<methods::ResizeParams, parse_resize, handlers::channel_resize>},
-    {"duplexChannelSignal", channel_call, typed<methods::SignalParams, parse_signal, handlers::channel_signal>},
-    {"duplexChannelStop", channel_call, typed<methods::ChannelParams, parse_channel, handlers::channel_stop>},
+    {"duplexChannelResize", channel_call,
+     typed<methods::ResizeParams, parse_resize, handlers::channel_resize>},
+    {"duplexChannelSignal", channel_call,
+     typed<methods::SignalParams, parse_signal, handlers::channel_signal>},
+    {"duplexChannelStop", channel_call,
+     typed<methods::ChannelParams, parse_channel, handlers::channel_stop>},
     {"duplexChannelClose", channel_call | ends_channel,
      typed<methods::ChannelParams, parse_channel, handlers::channel_close>},
 }};

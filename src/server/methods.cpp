@@ -106,7 +106,8 @@ LeaseReleaseParams parse_lease_release(const json& p) {
 }
 
 LeaseQuery parse_lease_list(const json& p) {
-    params::only_keys(p, {"companyId", "environmentId", "status", "ownerNodeId", "limit", "cursor"});
+    params::only_keys(p,
+                      {"companyId", "environmentId", "status", "ownerNodeId", "limit", "cursor"});
     LeaseQuery q;
     q.company_id = params::opt_string(p, "companyId");
     q.environment_id = params::opt_string(p, "environmentId");
@@ -140,10 +141,9 @@ ValidateConfigParams parse_validate_config(const json& p) {
     return out;
 }
 
-
 ExecuteParams parse_execute(const json& p, std::uint64_t default_timeout_ms) {
-    params::only_keys(p, {"leaseId", "command", "args", "cwd", "env", "stdin", "timeoutMs",
-                          "bypassSession"});
+    params::only_keys(
+        p, {"leaseId", "command", "args", "cwd", "env", "stdin", "timeoutMs", "bypassSession"});
     ExecuteParams out;
     ExecuteRequest& r = out.request;
     out.lease_id = params::req_string(p, "leaseId");
@@ -156,7 +156,8 @@ ExecuteParams parse_execute(const json& p, std::uint64_t default_timeout_ms) {
         if (!p["args"].is_array()) params::invalid("args", "must be an array of strings");
         if (p["args"].size() > 4096) params::invalid("args", "must have at most 4096 items");
         for (std::size_t i = 0; i < p["args"].size(); ++i) {
-            r.argv.push_back(text_field(p["args"][i], "args[" + std::to_string(i) + "]", 128 * 1024));
+            r.argv.push_back(
+                text_field(p["args"][i], "args[" + std::to_string(i) + "]", 128 * 1024));
         }
         r.params["args"] = p["args"];
     }
@@ -270,11 +271,14 @@ LeaseRef parse_lease_ref(const json& lp) {
     LeaseRef ref;
     try {
         if (!lp.is_object()) params::invalid("lease", "must be an object");
-        const json* metadata = lp.contains("metadata") && lp["metadata"].is_object() ? &lp["metadata"] : nullptr;
+        const json* metadata =
+            lp.contains("metadata") && lp["metadata"].is_object() ? &lp["metadata"] : nullptr;
         auto is_str = [](const json* o, const char* k) {
-            return o && o->contains(k) && (*o)[k].is_string() && !(*o)[k].get<std::string>().empty();
+            return o && o->contains(k) && (*o)[k].is_string() &&
+                   !(*o)[k].get<std::string>().empty();
         };
-        if (!is_str(metadata, "pluginId") || !is_str(metadata, "provider") || !is_str(&lp, "providerLeaseId")) {
+        if (!is_str(metadata, "pluginId") || !is_str(metadata, "provider") ||
+            !is_str(&lp, "providerLeaseId")) {
             throw rpc_error(errc::lease_incomplete, std::string(lease_incomplete_message));
         }
         ref.provider = (*metadata)["provider"].get<std::string>();
@@ -290,13 +294,15 @@ LeaseRef parse_lease_ref(const json& lp) {
     return ref;
 }
 
-OpenParams parse_open(const json& p, std::uint64_t max_output_window, std::uint64_t max_stdin_window) {
+OpenParams parse_open(const json& p, std::uint64_t max_output_window,
+                      std::uint64_t max_stdin_window) {
     params::only_keys(p, {"hostRouteId", "lease", "command", "cwd", "env", "pty", "stdin",
                           "timeoutMs", "outputWindow", "stdinWindow", "dataEncoding"});
     OpenParams out;
     ExecSpec& spec = out.spec;
     out.host_route_id = params::opt_string(p, "hostRouteId").value_or("");
-    if (!p.contains("lease") || !p["lease"].is_object()) params::invalid("lease", "must be an object");
+    if (!p.contains("lease") || !p["lease"].is_object())
+        params::invalid("lease", "must be an object");
     out.lease = parse_lease_ref(p["lease"]);
     if (!p.contains("command") || !p["command"].is_array() || p["command"].empty()) {
         params::invalid("command", "must be an array of at least one string");
@@ -311,7 +317,8 @@ OpenParams parse_open(const json& p, std::uint64_t max_output_window, std::uint6
         spec.argv.push_back(std::move(s));
     }
     spec.cwd = params::opt_string(p, "cwd").value_or("");
-    if (spec.cwd.find('\0') != std::string::npos) params::invalid("cwd", "must not contain NUL bytes");
+    if (spec.cwd.find('\0') != std::string::npos)
+        params::invalid("cwd", "must not contain NUL bytes");
     spec.env = env_field(p, SIZE_MAX);  // bounded by limits.maxTextMessage
     if (p.contains("pty") && !p["pty"].is_null()) {
         const auto& pty = p["pty"];

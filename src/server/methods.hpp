@@ -36,7 +36,7 @@ struct LeaseAcquireParams {
     std::string company_id;
     std::string environment_id;
     std::string provider;
-    json config;  ///< an object, or null when absent
+    json config;                          ///< an object, or null when absent
     std::optional<std::uint64_t> ttl_ms;  ///< ms, 1000..max_ttl_ms; none: limits.defaultTtlMs
     std::optional<std::string> run_id;
     std::optional<std::string> issue_id;
@@ -98,7 +98,7 @@ struct RealizeWorkspaceParams {
 RealizeWorkspaceParams parse_realize_workspace(const json& p);
 
 struct LeaseRenewParams {
-    std::string lease_id;  ///< 1..1024 bytes
+    std::string lease_id;      ///< 1..1024 bytes
     std::uint64_t ttl_ms = 0;  ///< ms, 1000..2^62-1 (the node's maxTtlMs is checked later)
 };
 LeaseRenewParams parse_lease_renew(const json& p);
@@ -140,7 +140,7 @@ struct LeaseRef {
     std::string provider_lease_id;  ///< providerLeaseId
     std::string company_id;
     std::string environment_id;
-    std::optional<std::string> id;       ///< the lease id; none: found by (provider, providerLeaseId)
+    std::optional<std::string> id;  ///< the lease id; none: found by (provider, providerLeaseId)
     std::optional<std::uint64_t> epoch;  ///< the epoch the caller holds; none: any
     /// What is wrong with the reference (LEASE_INCOMPLETE, or INVALID_PARAMS naming a lease
     /// field), kept to be thrown at step 2 by resolve_lease: the protocol reports it after the
@@ -153,10 +153,12 @@ LeaseRef parse_lease_ref(const json& lease);
 struct OpenParams {
     std::string host_route_id;
     LeaseRef lease;  ///< read once here; checked against the registry by resolve_lease
-    ExecSpec spec;  ///< argv, cwd, env, pty, stdin (drain_grace_ms left for the node to set)
+    ExecSpec spec;   ///< argv, cwd, env, pty, stdin (drain_grace_ms left for the node to set)
     std::optional<std::chrono::milliseconds> timeout;  ///< 1 ms .. 30 days
-    std::optional<std::uint32_t> output_window;  ///< bytes, 1 KiB .. max_output_window; none = the node's
-    std::optional<std::uint32_t> stdin_window;   ///< bytes, 1 KiB .. max_stdin_window; none = the node's
+    std::optional<std::uint32_t>
+        output_window;  ///< bytes, 1 KiB .. max_output_window; none = the node's
+    std::optional<std::uint32_t>
+        stdin_window;     ///< bytes, 1 KiB .. max_stdin_window; none = the node's
     bool base64 = false;  ///< dataEncoding "base64"
 };
 /// `max_output_window` and `max_stdin_window`: the largest windows an open may ask for

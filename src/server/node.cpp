@@ -75,7 +75,8 @@ std::optional<Principal> Node::authenticate(std::string_view bearer_token) const
     const auto current = security();
     const Principal* found = nullptr;
     for (const auto& c : current->credentials) {
-        const bool same = CRYPTO_memcmp(c.principal.token_sha256.data(), presented.data(), presented.size()) == 0;
+        const bool same =
+            CRYPTO_memcmp(c.principal.token_sha256.data(), presented.data(), presented.size()) == 0;
         if (same && !found) found = &c.principal;
     }
     if (!found) return std::nullopt;
@@ -164,7 +165,8 @@ std::int64_t Node::fence_deadline_ms() const {
 bool Node::may_retry_start(std::int64_t deadline, std::uint64_t breaks) const {
     const std::int64_t now = steady_now_ms();
     const std::int64_t next = fence_deadline_ms();
-    return membership_breaks.load(std::memory_order_acquire) == breaks && next > deadline && next > now;
+    return membership_breaks.load(std::memory_order_acquire) == breaks && next > deadline &&
+           next > now;
 }
 
 void Node::require_membership() const {
@@ -216,7 +218,9 @@ awaitable<KeyedLocks::Guard> KeyedLocks::lock(std::string key) {
         explicit Held(std::shared_ptr<Gate> g) : gate(std::move(g)) {}
         Held(const Held&) = delete;
         Held& operator=(const Held&) = delete;
-        ~Held() { gate->try_receive([](boost::system::error_code) {}); }
+        ~Held() {
+            gate->try_receive([](boost::system::error_code) {});
+        }
         std::shared_ptr<Gate> gate;
     };
     co_return Guard{std::make_shared<Held>(std::move(gate)), waited};

@@ -72,7 +72,7 @@ struct Security {
     std::vector<Credential> credentials;
     /// The secret of the first `peer` token: what this node presents to its peers ("" none).
     std::string peer_token;
-    std::shared_ptr<ssl::context> listener_tls;     ///< `tls`; null: plain
+    std::shared_ptr<ssl::context> listener_tls;  ///< `tls`; null: plain
     /// routing.peerTls; else, on a TLS node, the system trust store; null: none (built when a
     /// link needs it)
     std::shared_ptr<ssl::context> peer_client_tls;
@@ -193,7 +193,6 @@ private:
     std::map<std::string, std::int64_t> claims_;
 
 public:
-
     /// Self-fencing (docs/protocol.md section 8): steady-clock milliseconds at which the last
     /// successful renewal of this node's registry membership was sent.
     std::atomic<std::int64_t> renewed_at_ms{0};

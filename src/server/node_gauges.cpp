@@ -18,7 +18,8 @@ void NodeGauges::collect() {
         if (const auto worker = provider->worker_status()) {
             const auto& plugin = provider->plugin_id();
             m.plugin_worker_up.with({plugin}).set(worker->up ? 1 : 0);
-            m.plugin_worker_restarts.with({plugin}).advance_to(static_cast<double>(worker->restarts));
+            m.plugin_worker_restarts.with({plugin}).advance_to(
+                static_cast<double>(worker->restarts));
         }
     }
     m.limit_events.with({"memory"}).advance_to(static_cast<double>(limit_events.memory));

@@ -18,7 +18,8 @@ namespace sandboxd {
 
 class NodeGauges {
 public:
-    NodeGauges(Node& node, const ConnectionCounts& connections) : node_(node), connections_(connections) {}
+    NodeGauges(Node& node, const ConnectionCounts& connections)
+        : node_(node), connections_(connections) {}
     NodeGauges(const NodeGauges&) = delete;
     NodeGauges& operator=(const NodeGauges&) = delete;
 

@@ -41,15 +41,17 @@ struct NodeMetrics {
         "sandboxd_build_info", "The running sandboxd's version (value 1).", {"version"});
     Family<Gauge>& connections = registry.gauge(
         "sandboxd_connections", "Open WebSocket connections, by the token's role.", {"role"});
-    Family<Gauge>& connections_open = registry.gauge(
-        "sandboxd_connections_open",
-        "Accepted connections open now on every listener, authenticated or not (limits.connections).");
-    Family<Gauge>& connections_pending = registry.gauge(
-        "sandboxd_connections_pending",
-        "Accepted connections not yet authenticated (limits.pendingConnections).");
-    Family<Gauge>& send_queue_bytes = registry.gauge(
-        "sandboxd_send_queue_bytes",
-        "Bytes queued toward hosts and peers that no socket has taken yet (limits.sendQueueBytes).");
+    Family<Gauge>& connections_open =
+        registry.gauge("sandboxd_connections_open",
+                       "Accepted connections open now on every listener, authenticated or not "
+                       "(limits.connections).");
+    Family<Gauge>& connections_pending =
+        registry.gauge("sandboxd_connections_pending",
+                       "Accepted connections not yet authenticated (limits.pendingConnections).");
+    Family<Gauge>& send_queue_bytes =
+        registry.gauge("sandboxd_send_queue_bytes",
+                       "Bytes queued toward hosts and peers that no socket has taken yet "
+                       "(limits.sendQueueBytes).");
     Family<Counter>& connections_refused = registry.counter(
         "sandboxd_connections_refused_total",
         "Connections refused at accept, by the limit that refused them (connections, "
@@ -64,9 +66,10 @@ struct NodeMetrics {
         "sandboxd_channel_open_seconds",
         "Time to answer a successful duplexChannelOpen, by route: local (this node owns the "
         "lease) or routed (forwarded to the owner).",
-        {"route"}, {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10});
-    Family<Gauge>& channels_running = registry.gauge(
-        "sandboxd_channels_running", "Channels whose command runs on this node.");
+        {"route"},
+        {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10});
+    Family<Gauge>& channels_running =
+        registry.gauge("sandboxd_channels_running", "Channels whose command runs on this node.");
     Family<Counter>& channel_bytes = registry.counter(
         "sandboxd_channel_bytes_total",
         "Channel payload bytes this node carried (its own channels and those it relays), by "
@@ -74,22 +77,22 @@ struct NodeMetrics {
         {"direction", "stream"});
 
     // Leases
-    Family<Gauge>& leases = registry.gauge(
-        "sandboxd_leases",
-        "Leases this node owns in the registry, by status (active, pending_cleanup, "
-        "retained); read from the registry at most every 10 s.",
-        {"status"});
-    Family<Counter>& lease_operations = registry.counter(
-        "sandboxd_lease_operations_total",
-        "Lease requests answered, by method and result: ok or the error's reason.",
-        {"method", "result"});
+    Family<Gauge>& leases =
+        registry.gauge("sandboxd_leases",
+                       "Leases this node owns in the registry, by status (active, pending_cleanup, "
+                       "retained); read from the registry at most every 10 s.",
+                       {"status"});
+    Family<Counter>& lease_operations =
+        registry.counter("sandboxd_lease_operations_total",
+                         "Lease requests answered, by method and result: ok or the error's reason.",
+                         {"method", "result"});
 
     // Registry
     Family<Histogram>& registry_call_seconds = registry.histogram(
         "sandboxd_registry_call_seconds", "Registry calls, by operation.", {"op"},
         {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5});
-    Family<Counter>& registry_errors = registry.counter(
-        "sandboxd_registry_errors_total", "Registry calls that failed.");
+    Family<Counter>& registry_errors =
+        registry.counter("sandboxd_registry_errors_total", "Registry calls that failed.");
     Family<Counter>& registry_bad_records = registry.counter(
         "sandboxd_registry_bad_records_total",
         "Lease and node records in the registry that cannot be read (not JSON, nested too deep, "
@@ -107,18 +110,17 @@ struct NodeMetrics {
         "Provider operations that failed (not counting invalid params), by provider and "
         "operation.",
         {"provider", "op"});
-    Family<Gauge>& plugin_worker_up = registry.gauge(
-        "sandboxd_plugin_worker_up", "1 while the plugin's worker is up and initialized.",
-        {"plugin"});
+    Family<Gauge>& plugin_worker_up =
+        registry.gauge("sandboxd_plugin_worker_up",
+                       "1 while the plugin's worker is up and initialized.", {"plugin"});
     Family<Counter>& plugin_worker_restarts = registry.counter(
         "sandboxd_plugin_worker_restarts_total",
-        "Times the plugin's worker was started again after it exited or was retired.",
-        {"plugin"});
+        "Times the plugin's worker was started again after it exited or was retired.", {"plugin"});
 
     // Peers and the node
-    Family<Gauge>& peer_link_up = registry.gauge(
-        "sandboxd_peer_link_up", "1 while this node's link to the peer node is connected.",
-        {"peer"});
+    Family<Gauge>& peer_link_up =
+        registry.gauge("sandboxd_peer_link_up",
+                       "1 while this node's link to the peer node is connected.", {"peer"});
     Family<Counter>& sweeper_passes = registry.counter(
         "sandboxd_sweeper_passes_total", "Passes of the lease sweeper that completed.");
     Family<Counter>& orphans_found = registry.counter(
@@ -135,8 +137,7 @@ struct NodeMetrics {
         "nodeTtlMs, so it serves no open and no lease change.");
     Family<Counter>& limit_events = registry.counter(
         "sandboxd_limit_events_total",
-        "Limits that sandboxes hit: channels OOM-killed (memory), forks refused (pids).",
-        {"kind"});
+        "Limits that sandboxes hit: channels OOM-killed (memory), forks refused (pids).", {"kind"});
 
     Family<Counter>& output_frames = registry.counter(
         "sandboxd_output_frames_total",
@@ -146,11 +147,10 @@ struct NodeMetrics {
         {"path"});
 
     /// The byte counters of every channel and relay of this node.
-    const ChannelByteCounters channel_byte_counters{&channel_bytes.with({"in", "stdin"}),
-                                                    &channel_bytes.with({"out", "stdout"}),
-                                                    &channel_bytes.with({"out", "stderr"}),
-                                                    &output_frames.with({"spliced"}),
-                                                    &output_frames.with({"copied"})};
+    const ChannelByteCounters channel_byte_counters{
+        &channel_bytes.with({"in", "stdin"}), &channel_bytes.with({"out", "stdout"}),
+        &channel_bytes.with({"out", "stderr"}), &output_frames.with({"spliced"}),
+        &output_frames.with({"copied"})};
 };
 
 }  // namespace sandboxd

@@ -28,7 +28,6 @@ std::uint32_t frame_channel(std::string_view f) {
     return (b(1) << 24) | (b(2) << 16) | (b(3) << 8) | b(4);
 }
 
-
 }  // namespace
 
 PeerLink::PeerLink(Node& node, NodeRecord peer, std::string peer_token, net::any_io_executor strand)
@@ -50,22 +49,22 @@ awaitable<json> PeerLink::call(std::string method, json params, json forwarded_f
         use_awaitable);
 }
 
-awaitable<json> PeerLink::call(std::string method, json params, json forwarded_for,
-                               Notify notify, std::chrono::milliseconds answer_within) {
-    co_return co_await net::co_spawn(strand_,
-                                     do_call(std::move(method), std::move(params),
-                                             std::move(forwarded_for), {}, 0, std::move(notify),
-                                             answer_within),
-                                     use_awaitable);
+awaitable<json> PeerLink::call(std::string method, json params, json forwarded_for, Notify notify,
+                               std::chrono::milliseconds answer_within) {
+    co_return co_await net::co_spawn(
+        strand_,
+        do_call(std::move(method), std::move(params), std::move(forwarded_for), {}, 0,
+                std::move(notify), answer_within),
+        use_awaitable);
 }
 
-awaitable<json> PeerLink::open(json params, json forwarded_for,
-                               std::weak_ptr<RelayTarget> target, std::uint32_t local_channel) {
-    co_return co_await net::co_spawn(strand_,
-                                     do_call("duplexChannelOpen", std::move(params),
-                                             std::move(forwarded_for), std::move(target),
-                                             local_channel),
-                                     use_awaitable);
+awaitable<json> PeerLink::open(json params, json forwarded_for, std::weak_ptr<RelayTarget> target,
+                               std::uint32_t local_channel) {
+    co_return co_await net::co_spawn(
+        strand_,
+        do_call("duplexChannelOpen", std::move(params), std::move(forwarded_for), std::move(target),
+                local_channel),
+        use_awaitable);
 }
 
 awaitable<void> PeerLink::ensure_connected() {
@@ -103,20 +102,27 @@ awaitable<void> PeerLink::connect() {
         ws_.emplace(ConnStream(beast::tcp_stream(strand_)));
     }
     tcp::resolver resolver(strand_);
-    auto [rec, endpoints] = co_await resolver.async_resolve(host, url.endpoint.port_text(), as_tuple_awaitable);
+    auto [rec, endpoints] =
+        co_await resolver.async_resolve(host, url.endpoint.port_text(), as_tuple_awaitable);
     if (rec) throw unavailable(peer_.node_id, "cannot resolve " + host + ": " + rec.message());
     auto& lowest = beast::get_lowest_layer(*ws_);
     lowest.expires_after(connect_timeout);
     auto [cec, ep] = co_await lowest.async_connect(endpoints, as_tuple_awaitable);
-    if (cec) throw unavailable(peer_.node_id, "cannot connect to " + peer_.url + ": " + cec.message());
+    if (cec)
+        throw unavailable(peer_.node_id, "cannot connect to " + peer_.url + ": " + cec.message());
     if (auto* t = ws_->next_layer().tls()) {
         expect_server_name(t->native_handle(), host, true);
         auto [tec] = co_await t->async_handshake(ssl::stream_base::client, as_tuple_awaitable);
-        if (tec) throw unavailable(peer_.node_id, "TLS handshake with " + peer_.url + " failed: " + tec.message());
+        if (tec)
+            throw unavailable(peer_.node_id,
+                              "TLS handshake with " + peer_.url + " failed: " + tec.message());
     }
     set_upgrade_options();
-    auto [hec] = co_await ws_->async_handshake(url.endpoint.authority(), url.target, as_tuple_awaitable);
-    if (hec) throw unavailable(peer_.node_id, "handshake with " + peer_.url + " failed: " + hec.message());
+    auto [hec] =
+        co_await ws_->async_handshake(url.endpoint.authority(), url.target, as_tuple_awaitable);
+    if (hec)
+        throw unavailable(peer_.node_id,
+                          "handshake with " + peer_.url + " failed: " + hec.message());
     lowest.expires_never();
     websocket::stream_base::timeout timeouts{};
     timeouts.handshake_timeout = std::chrono::seconds(10);
@@ -159,8 +165,8 @@ void PeerLink::set_upgrade_options() {
 }
 
 awaitable<json> PeerLink::do_call(std::string method, json params, json forwarded_for,
-                                  std::weak_ptr<RelayTarget> target,
-                                  std::uint32_t local_channel, Notify notify,
+                                  std::weak_ptr<RelayTarget> target, std::uint32_t local_channel,
+                                  Notify notify,
                                   std::optional<std::chrono::milliseconds> answer_within_override) {
     auto self = shared_from_this();
     co_await ensure_connected();
@@ -173,8 +179,8 @@ awaitable<json> PeerLink::do_call(std::string method, json params, json forwarde
     // answer, not a timeout here, says what happened to the lease.
     const auto ttl = std::chrono::milliseconds(node_.config.node_ttl_ms);
     const auto started = std::chrono::steady_clock::now();
-    const auto limit = started + (answer_within_override ? *answer_within_override
-                                                         : ttl * max_answer_ttls);
+    const auto limit =
+        started + (answer_within_override ? *answer_within_override : ttl * max_answer_ttls);
     auto deadline = answer_within_override ? limit : started + ttl;
     auto& slot = pending_[id];
     slot.wake = std::make_unique<net::steady_timer>(strand_);
@@ -184,7 +190,8 @@ awaitable<json> PeerLink::do_call(std::string method, json params, json forwarde
     slot.notify = std::move(notify);
     const bool open = method == "duplexChannelOpen";
     json for_close = open ? forwarded_for : json();
-    queue(false, jsonrpc::forwarded_request(id, method, std::move(params), std::move(forwarded_for)));
+    queue(false,
+          jsonrpc::forwarded_request(id, method, std::move(params), std::move(forwarded_for)));
     bool live = false;  // the peer's membership was live when its last TTL ran out
     for (;;) {
         while (!pending_[id].response && !broken_ && std::chrono::steady_clock::now() < deadline) {
@@ -204,12 +211,11 @@ awaitable<json> PeerLink::do_call(std::string method, json params, json forwarde
         if (broken_) throw unavailable(peer_.node_id, broken_reason_);
         const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
             std::chrono::steady_clock::now() - started);
-        throw unavailable(peer_.node_id,
-                          "it did not answer " + method + " within " +
-                              std::to_string(waited.count()) + " ms" +
-                              (answer_within_override ? ""
-                               : live ? " (its membership stayed live)"
-                                      : " and its membership lapsed"));
+        throw unavailable(peer_.node_id, "it did not answer " + method + " within " +
+                                             std::to_string(waited.count()) + " ms" +
+                                             (answer_within_override ? ""
+                                              : live ? " (its membership stayed live)"
+                                                     : " and its membership lapsed"));
     }
     co_return jsonrpc::result_or_throw(std::move(*node.mapped().response));
 }
@@ -217,8 +223,8 @@ awaitable<json> PeerLink::do_call(std::string method, json params, json forwarde
 awaitable<bool> PeerLink::peer_membership_live() {
     try {
         auto record = co_await node_.registry->get_node(peer_.node_id);
-        co_return record && record->instance_id == peer_.instance_id &&
-            node_.member_alive(*record, now_ms());
+        co_return record &&
+            record->instance_id == peer_.instance_id&& node_.member_alive(*record, now_ms());
     } catch (const std::exception& e) {
         // Unknown is not live: the call fails closed as it would have without the check.
         spdlog::warn("peer={}: cannot read its membership: {}", peer_.node_id, e.what());
@@ -248,9 +254,8 @@ void PeerLink::close_channel(std::uint32_t remote_channel, json forwarded_for) {
 }
 
 void PeerLink::forget(std::uint32_t remote_channel) {
-    net::post(strand_, [self = shared_from_this(), remote_channel] {
-        self->routes_.erase(remote_channel);
-    });
+    net::post(strand_,
+              [self = shared_from_this(), remote_channel] { self->routes_.erase(remote_channel); });
 }
 
 awaitable<void> PeerLink::write_loop() {
@@ -294,16 +299,16 @@ awaitable<void> PeerLink::read_loop() {
 void PeerLink::on_text(const std::string& text) {
     auto message = jsonrpc::parse_message(text);
     if (auto* response = std::get_if<jsonrpc::Response>(&message)) {
-        auto it = pending_.find(response->id.is_number_integer() ? response->id.get<std::int64_t>() : -1);
+        auto it =
+            pending_.find(response->id.is_number_integer() ? response->id.get<std::int64_t>() : -1);
         const auto& r = response->result;
-        const bool opened = r && r->is_object() && r->contains("channel") &&
-                            (*r)["channel"].is_number_unsigned();
+        const bool opened =
+            r && r->is_object() && r->contains("channel") && (*r)["channel"].is_number_unsigned();
         if (it == pending_.end()) {
             // An open answered after its caller gave up (timeout): nobody will read that
             // channel, so it is closed on the owner rather than left running.
-            auto abandoned = abandoned_opens_.find(response->id.is_number_integer()
-                                                       ? response->id.get<std::int64_t>()
-                                                       : -1);
+            auto abandoned = abandoned_opens_.find(
+                response->id.is_number_integer() ? response->id.get<std::int64_t>() : -1);
             if (abandoned == abandoned_opens_.end()) return;
             if (opened) {
                 close_channel((*r)["channel"].get<std::uint32_t>(), std::move(abandoned->second));
@@ -313,7 +318,8 @@ void PeerLink::on_text(const std::string& text) {
         }
         // An open's route exists before the next frame is read: no data is ever unrouted.
         if (opened && !it->second.target.expired()) {
-            routes_[(*r)["channel"].get<std::uint32_t>()] = {it->second.target, it->second.local_channel};
+            routes_[(*r)["channel"].get<std::uint32_t>()] = {it->second.target,
+                                                             it->second.local_channel};
         }
         it->second.response = std::move(*response);
         it->second.wake->cancel();
@@ -324,8 +330,8 @@ void PeerLink::on_text(const std::string& text) {
         // A forwarded call's output, for the call waiting under that id (none: dropped).
         const auto& p = notification->params;
         const json* id = p.is_object() && p.contains("requestId") ? &p["requestId"] : nullptr;
-        auto it = id && id->is_number_integer() ? pending_.find(id->get<std::int64_t>())
-                                                : pending_.end();
+        auto it =
+            id && id->is_number_integer() ? pending_.find(id->get<std::int64_t>()) : pending_.end();
         if (it == pending_.end() || !it->second.notify.fn || it->second.response) return;
         net::post(it->second.notify.executor,
                   [fn = it->second.notify.fn, params = std::move(notification->params)]() mutable {
@@ -343,9 +349,10 @@ void PeerLink::on_text(const std::string& text) {
     routes_.erase(it);
     if (auto target = route.target.lock()) {
         params["channel"] = route.local_channel;
-        net::post(target->relay_executor(), [target, local = route.local_channel, params = std::move(params)]() mutable {
-            target->relay_exit(local, std::move(params));
-        });
+        net::post(target->relay_executor(),
+                  [target, local = route.local_channel, params = std::move(params)]() mutable {
+                      target->relay_exit(local, std::move(params));
+                  });
     }
 }
 
@@ -357,9 +364,10 @@ void PeerLink::on_binary(std::string_view frame) {
     if (!target) return;
     std::string copy(frame);
     set_frame_channel(copy, it->second.local_channel);
-    net::post(target->relay_executor(), [target, local = it->second.local_channel, copy = std::move(copy)]() mutable {
-        target->relay_binary(local, std::move(copy));
-    });
+    net::post(target->relay_executor(),
+              [target, local = it->second.local_channel, copy = std::move(copy)]() mutable {
+                  target->relay_binary(local, std::move(copy));
+              });
 }
 
 void PeerLink::fail_all(const std::string& why) {
@@ -373,12 +381,18 @@ void PeerLink::fail_all(const std::string& why) {
     for (auto& [id, p] : pending_) p.wake->cancel();
     for (auto& [remote, route] : routes_) {
         if (auto target = route.target.lock()) {
-            json params = {{"channel", route.local_channel}, {"exitCode", nullptr}, {"signal", nullptr},
-                           {"outcome", "transportClosed"}, {"stdoutBytes", nullptr},
-                           {"stderrBytes", nullptr}, {"stdinBytes", nullptr}, {"durationMs", nullptr}};
-            net::post(target->relay_executor(), [target, local = route.local_channel, params = std::move(params)]() mutable {
-                target->relay_exit(local, std::move(params));
-            });
+            json params = {{"channel", route.local_channel},
+                           {"exitCode", nullptr},
+                           {"signal", nullptr},
+                           {"outcome", "transportClosed"},
+                           {"stdoutBytes", nullptr},
+                           {"stderrBytes", nullptr},
+                           {"stdinBytes", nullptr},
+                           {"durationMs", nullptr}};
+            net::post(target->relay_executor(),
+                      [target, local = route.local_channel, params = std::move(params)]() mutable {
+                          target->relay_exit(local, std::move(params));
+                      });
         }
     }
     routes_.clear();
@@ -387,8 +401,8 @@ void PeerLink::fail_all(const std::string& why) {
     if (ws_) beast::get_lowest_layer(*ws_).socket().close(ec);
 }
 
-std::shared_ptr<PeerLink> PeerLinks::get(Node& node, const NodeRecord& peer, const std::string& token,
-                                         net::io_context& ioc) {
+std::shared_ptr<PeerLink> PeerLinks::get(Node& node, const NodeRecord& peer,
+                                         const std::string& token, net::io_context& ioc) {
     std::lock_guard lock(mutex_);
     auto& link = links_[peer.node_id];
     if (!link || link->broken()) {

@@ -18,10 +18,10 @@
 #include <chrono>
 #include <deque>
 #include <functional>
-#include <optional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 namespace sandboxd {

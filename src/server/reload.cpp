@@ -16,9 +16,11 @@ namespace {
 /// a reload applies).
 void warn_restart_changes(const std::string& node_id, const Config& running, const Config& next) {
     std::string keys;
-    for (const auto& k : config_restart_sections(running, next)) keys += (keys.empty() ? "" : ", ") + k;
+    for (const auto& k : config_restart_sections(running, next))
+        keys += (keys.empty() ? "" : ", ") + k;
     if (!keys.empty()) {
-        spdlog::warn("node={} reload: changes to {} are not applied until a restart", node_id, keys);
+        spdlog::warn("node={} reload: changes to {} are not applied until a restart", node_id,
+                     keys);
     }
 }
 
@@ -29,8 +31,9 @@ bool Daemon::reload(const Config& next) {
     // The audit file first, whatever becomes of the rest: logrotate moved it away.
     if (node.audit) {
         if (auto problem = node.audit->reopen(); !problem.empty()) {
-            spdlog::error("node={} reload: cannot reopen the audit file, lines go to the old one: {}",
-                          node.node_id, problem);
+            spdlog::error(
+                "node={} reload: cannot reopen the audit file, lines go to the old one: {}",
+                node.node_id, problem);
         }
     }
     std::shared_ptr<const Security> fresh;
@@ -38,15 +41,15 @@ bool Daemon::reload(const Config& next) {
         validate_config(next);
         fresh = std::make_shared<const Security>(build_security(next, impl_->token_path));
     } catch (const std::exception& e) {
-        spdlog::error("node={} reload failed, keeping the tokens and certificates in use: {}", node.node_id,
-                      e.what());
+        spdlog::error("node={} reload failed, keeping the tokens and certificates in use: {}",
+                      node.node_id, e.what());
         return false;
     }
     warn_restart_changes(node.node_id, node.config, next);
     if ((fresh->listener_tls != nullptr) != (node.security()->listener_tls != nullptr)) {
         // A listener cannot turn TLS on or off under its connections.
-        spdlog::error("node={} reload failed: tls cannot be turned {} without a restart", node.node_id,
-                      fresh->listener_tls ? "on" : "off");
+        spdlog::error("node={} reload failed: tls cannot be turned {} without a restart",
+                      node.node_id, fresh->listener_tls ? "on" : "off");
         return false;
     }
     const auto old = node.security();
@@ -65,9 +68,10 @@ bool Daemon::reload(const Config& next) {
         session.revoke();
         ++closed;
     });
-    spdlog::info("node={} reloaded: {} tokens ({} added, {} revoked; {} connections closed), TLS {}",
-                 node.node_id, fresh->credentials.size(), added, revoked, closed,
-                 fresh->listener_tls ? "certificate and key read again" : "off");
+    spdlog::info(
+        "node={} reloaded: {} tokens ({} added, {} revoked; {} connections closed), TLS {}",
+        node.node_id, fresh->credentials.size(), added, revoked, closed,
+        fresh->listener_tls ? "certificate and key read again" : "off");
     return true;
 }
 

@@ -14,7 +14,8 @@ std::string read_secret_file(const std::string& path) {
     std::stringstream ss;
     ss << in.rdbuf();
     std::string s = ss.str();
-    while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ' || s.back() == '\t')) {
+    while (!s.empty() &&
+           (s.back() == '\n' || s.back() == '\r' || s.back() == ' ' || s.back() == '\t')) {
         s.pop_back();
     }
     if (s.empty()) throw config_error("config: auth: token file " + path + " is empty");
@@ -54,7 +55,8 @@ Security build_security(const Config& c, const std::string& admin_token_path) {
         o.cert_file = c.peer_tls.cert_file;
         o.key_file = c.peer_tls.key_file;
         s.peer_client_tls = make_client_tls(o, "routing.peerTls");
-        s.peer_ca = std::make_shared<const ClientCertVerifier>(c.peer_tls.ca_file, "routing.peerTls.caFile");
+        s.peer_ca = std::make_shared<const ClientCertVerifier>(c.peer_tls.ca_file,
+                                                               "routing.peerTls.caFile");
     }
     const bool https_registry =
         c.registry.kind == "etcd" &&

@@ -34,7 +34,8 @@ bool SendBudget::Account::has_room() const noexcept {
 bool SendBudget::Account::held_by_node() const noexcept {
     if (exempt_ || queued_ == 0) return false;
     if (budget_.total_.load() < budget_.node_bytes_) return false;
-    const std::uint64_t active = std::max<std::uint32_t>(1, budget_.active_.load(std::memory_order_relaxed));
+    const std::uint64_t active =
+        std::max<std::uint32_t>(1, budget_.active_.load(std::memory_order_relaxed));
     return queued_ >= budget_.node_bytes_ / active;
 }
 

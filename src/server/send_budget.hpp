@@ -33,9 +33,13 @@ public:
     SendBudget& operator=(SendBudget&&) = delete;
 
     /// Bytes queued on the whole node now.
-    [[nodiscard]] std::uint64_t queued() const noexcept { return total_.load(std::memory_order_relaxed); }
+    [[nodiscard]] std::uint64_t queued() const noexcept {
+        return total_.load(std::memory_order_relaxed);
+    }
     /// Connections with bytes queued now.
-    [[nodiscard]] std::uint32_t active() const noexcept { return active_.load(std::memory_order_relaxed); }
+    [[nodiscard]] std::uint32_t active() const noexcept {
+        return active_.load(std::memory_order_relaxed);
+    }
 
     /// One connection's share: what it has queued and whether it may be fed more.
     class Account {

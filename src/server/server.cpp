@@ -69,11 +69,12 @@ std::string ensure_admin_token(const std::string& state_dir) {
 void warn_unbound_peer_tokens(const Config& c) {
     for (const auto& t : c.tokens) {
         if (t.role == "peer" && t.node_id.empty() && c.peer_tls.empty()) {
-            spdlog::warn("auth.tokens: peer token \"{}\" names no node: a link with it may say it "
-                         "comes from any node (it acts only within its own tenants); binding it to "
-                         "its node with nodeId, or routing.peerTls certificates that name the node, "
-                         "is safer",
-                         t.name);
+            spdlog::warn(
+                "auth.tokens: peer token \"{}\" names no node: a link with it may say it "
+                "comes from any node (it acts only within its own tenants); binding it to "
+                "its node with nodeId, or routing.peerTls certificates that name the node, "
+                "is safer",
+                t.name);
         }
     }
 }
@@ -95,11 +96,11 @@ std::unique_ptr<Registry> make_registry(Node& node, net::io_context& ioc) {
                                c.registry.password_file + ", or it is empty");
         }
     }
-    return metered_registry(
-        make_etcd_registry(ioc.get_executor(), c.registry.endpoints, c.registry.prefix,
-                           c.node_ttl_ms, c.registry.username, password,
-                           [n = &node] { return n->security()->registry_tls; }, bad_records),
-        node.metrics);
+    return metered_registry(make_etcd_registry(
+                                ioc.get_executor(), c.registry.endpoints, c.registry.prefix,
+                                c.node_ttl_ms, c.registry.username, password,
+                                [n = &node] { return n->security()->registry_tls; }, bad_records),
+                            node.metrics);
 }
 
 std::unique_ptr<Provider> make_bwrap(const Config& c) {
@@ -138,13 +139,14 @@ void add_providers(Node& node) {
     if (c.noop_provider) add(make_noop_provider());
     for (std::size_t i = 0; i < c.plugins.size(); ++i) {
         if (node.providers.count(c.plugins[i].provider)) {
-            throw config_error("config: providers.plugins[" + std::to_string(i) +
-                               "].provider: \"" + c.plugins[i].provider + "\" is already taken");
+            throw config_error("config: providers.plugins[" + std::to_string(i) + "].provider: \"" +
+                               c.plugins[i].provider + "\" is already taken");
         }
         PluginTuning tuning;
         tuning.instance_id = node.node_id;
         auto provider = make_plugin_provider(c.plugins[i], std::move(tuning));
-        provider->on_late_sandbox([&node](Lease lease) { record_late_sandbox(node, std::move(lease)); });
+        provider->on_late_sandbox(
+            [&node](Lease lease) { record_late_sandbox(node, std::move(lease)); });
         add(std::move(provider));
     }
 }
@@ -163,7 +165,8 @@ void Daemon::Impl::build_node() {
                                                     c.limits.send_queue_bytes_per_connection);
     std::error_code ec;
     fs::create_directories(c.state_dir, ec);
-    if (ec) throw config_error("config: stateDir: cannot create " + c.state_dir + ": " + ec.message());
+    if (ec)
+        throw config_error("config: stateDir: cannot create " + c.state_dir + ": " + ec.message());
     ::chmod(c.state_dir.c_str(), 0700);
     node.node_id = c.node_id.empty() ? host_name() : c.node_id;
     node.instance_id = random_hex(8);
@@ -223,19 +226,23 @@ std::string Daemon::start() {
     listeners.start();
     spdlog::info("node={} bound {} ({}){}; registering with the {} registry", node.node_id,
                  listeners.bound(), tls ? "TLS" : "plain",
-                 listeners.plain_bound().empty() ? std::string() : ", and " + listeners.plain_bound() + " (plain)",
+                 listeners.plain_bound().empty() ? std::string()
+                                                 : ", and " + listeners.plain_bound() + " (plain)",
                  node.config.registry.kind);
     // The io_context does not run yet: drive it here until the registration finished.
     node.renewed_at_ms = run_until_done(
-        impl_->ioc, net::co_spawn(impl_->ioc, impl_->membership.register_at_start(record), net::use_future));
+        impl_->ioc,
+        net::co_spawn(impl_->ioc, impl_->membership.register_at_start(record), net::use_future));
     // Before any acquire can run (upgrades wait for node.registered): sandboxes that an
     // earlier process made and was killed before recording are destroyed.
     try {
-        run_until_done(impl_->ioc, net::co_spawn(impl_->ioc, destroy_unrecorded_sandboxes(node), net::use_future));
+        run_until_done(impl_->ioc, net::co_spawn(impl_->ioc, destroy_unrecorded_sandboxes(node),
+                                                 net::use_future));
     } catch (const std::exception& e) {
-        spdlog::warn("node={} could not check its sandboxes against the registry (left for "
-                     "the next start): {}",
-                     node.node_id, e.what());
+        spdlog::warn(
+            "node={} could not check its sandboxes against the registry (left for "
+            "the next start): {}",
+            node.node_id, e.what());
     }
     impl_->membership.start();
     node.registered = true;
@@ -334,7 +341,9 @@ std::string Daemon::status() const {
     // The lease count comes from the registry, read at most every 10 s, in the background.
     net::co_spawn(impl_->ioc, impl_->gauges.refresh_lease_counts(), net::detached);
     const auto& node = impl_->node;
-    const char* state = node.draining ? "draining" : node.fenced_for_ms() != 0 ? "fenced" : "serving";
+    const char* state = node.draining               ? "draining"
+                        : node.fenced_for_ms() != 0 ? "fenced"
+                                                    : "serving";
     return std::to_string(node.channels.size()) + " channels, " +
            std::to_string(impl_->gauges.active_leases()) + " leases, " + state;
 }

@@ -10,8 +10,8 @@
 #include <sandboxd/core/utf8.hpp>
 #include <sandboxd/version.hpp>
 
-#include <boost/asio/experimental/awaitable_operators.hpp>
 #include <spdlog/spdlog.h>
+#include <boost/asio/experimental/awaitable_operators.hpp>
 
 namespace sandboxd {
 namespace {
@@ -39,8 +39,8 @@ Session::Session(Node& node, ConnStream stream, Principal who)
       strand_(transport_.strand()),
       slot_free_(strand_),
       peer_(transport_.peer()),
-      mux_(*this, node.config.limits.max_data_payload, peer_,
-           &node.metrics.channel_byte_counters, &node.relays_open) {
+      mux_(*this, node.config.limits.max_data_payload, peer_, &node.metrics.channel_byte_counters,
+           &node.relays_open) {
     slot_free_.expires_at(net::steady_timer::time_point::max());
     transport_.on_written([this] {
         if (!room_waiters_.empty()) check_send_room();
@@ -78,7 +78,8 @@ awaitable<void> Session::wait_send_room() {
     while (!transport_.has_room()) {
         // The timer is shared with the wake, which may come after this frame is gone (the
         // request cancelled): it then finds nothing to cancel.
-        auto woken = std::make_shared<net::steady_timer>(strand_, net::steady_timer::time_point::max());
+        auto woken =
+            std::make_shared<net::steady_timer>(strand_, net::steady_timer::time_point::max());
         when_send_room([weak = std::weak_ptr<net::steady_timer>(woken)] {
             if (auto t = weak.lock()) t->cancel();
         });
@@ -134,7 +135,8 @@ void Session::shutdown() {
 
 void Session::revoke() {
     net::post(strand_, [self = shared_from_this()] {
-        spdlog::info("peer={} token \"{}\" revoked: closing the connection (1008)", self->peer_, self->who_.name);
+        spdlog::info("peer={} token \"{}\" revoked: closing the connection (1008)", self->peer_,
+                     self->who_.name);
         self->mux_.close_all();
         self->transport_.close(websocket::close_code::policy_error, self);
     });
@@ -269,14 +271,16 @@ awaitable<void> Session::serve(std::shared_ptr<Session> self, jsonrpc::Request r
     // The lease an open names, for open.refused (null when the params do not name one).
     json open_lease;
     if (open && request.params.is_object()) {
-        if (const auto l = request.params.find("lease"); l != request.params.end() && l->is_object()) {
-            if (const auto named = l->find("id"); named != l->end() && named->is_string()) open_lease = *named;
+        if (const auto l = request.params.find("lease");
+            l != request.params.end() && l->is_object()) {
+            if (const auto named = l->find("id"); named != l->end() && named->is_string())
+                open_lease = *named;
         }
     }
     bool routed = false;
     try {
-        MethodCall c{method ? method->name : std::string_view(request.method), std::move(request.params), id,
-                     caller_of(request, method)};
+        MethodCall c{method ? method->name : std::string_view(request.method),
+                     std::move(request.params), id, caller_of(request, method)};
         auto reply = co_await call(method, std::move(c));
         routed = open && reply.result.is_object() && reply.result.value("routed", false);
         if (request.id) respond(id, std::move(reply.result));
@@ -293,13 +297,15 @@ awaitable<void> Session::serve(std::shared_ptr<Session> self, jsonrpc::Request r
             respond_error(id, rpc_error(errc::internal_error, "Internal error").to_json());
         }
     }
-    count_request(method, request.method, result, routed, std::chrono::steady_clock::now() - started);
+    count_request(method, request.method, result, routed,
+                  std::chrono::steady_clock::now() - started);
     if (open && result != "ok" && node_.audit) {
-        node_.audit->write("open.refused", {{"peer", peer_},
-                                            {"token", who_.name},
-                                            {"forwardedBy", forwarded_by_.empty() ? json() : json(forwarded_by_)},
-                                            {"lease", open_lease},
-                                            {"reason", result}});
+        node_.audit->write("open.refused",
+                           {{"peer", peer_},
+                            {"token", who_.name},
+                            {"forwardedBy", forwarded_by_.empty() ? json() : json(forwarded_by_)},
+                            {"lease", open_lease},
+                            {"reason", result}});
     }
     --in_flight_;
     slot_free_.cancel();
@@ -310,8 +316,9 @@ awaitable<void> Session::serve(std::shared_ptr<Session> self, jsonrpc::Request r
     }
 }
 
-void Session::count_request(const MethodSpec* method, const std::string& name, std::string_view result,
-                            bool routed, std::chrono::steady_clock::duration took) {
+void Session::count_request(const MethodSpec* method, const std::string& name,
+                            std::string_view result, bool routed,
+                            std::chrono::steady_clock::duration took) {
     auto& m = node_.metrics;
     if (!method) return;
     if (method->has(opens_channel)) {
@@ -356,27 +363,30 @@ Principal Session::caller_of(const jsonrpc::Request& request, const MethodSpec* 
     // A peer link acts only for the host it forwards for, and only in the methods that a
     // node forwards (docs/protocol.md section 6, "Peer tokens").
     if (!method || !method->has(forwarded)) {
-        throw rpc_error(errc::forbidden, "a peer link may not call " + request.method +
-                                             ": a node never forwards it",
+        throw rpc_error(errc::forbidden,
+                        "a peer link may not call " + request.method + ": a node never forwards it",
                         {{"method", request.method}});
     }
     const json* f = request.forwarded_for ? &*request.forwarded_for : nullptr;
-    const bool valid = f && f->is_object() && f->size() == 2 && f->contains("tokenName") &&
-                       (*f)["tokenName"].is_string() && !(*f)["tokenName"].get<std::string>().empty() &&
-                       f->contains("tenants") && (*f)["tenants"].is_array() &&
-                       std::all_of((*f)["tenants"].begin(), (*f)["tenants"].end(),
-                                   [](const json& t) { return t.is_string() && !t.get<std::string>().empty(); });
+    const bool valid =
+        f && f->is_object() && f->size() == 2 && f->contains("tokenName") &&
+        (*f)["tokenName"].is_string() && !(*f)["tokenName"].get<std::string>().empty() &&
+        f->contains("tenants") && (*f)["tenants"].is_array() &&
+        std::all_of((*f)["tenants"].begin(), (*f)["tenants"].end(),
+                    [](const json& t) { return t.is_string() && !t.get<std::string>().empty(); });
     if (!valid) {
-        throw rpc_error(errc::forbidden,
-                        "a peer link's " + request.method +
-                            " needs forwardedFor: {tokenName: non-empty string, tenants: [non-empty "
-                            "strings]}, naming the host it acts for",
-                        {{"method", request.method}});
+        throw rpc_error(
+            errc::forbidden,
+            "a peer link's " + request.method +
+                " needs forwardedFor: {tokenName: non-empty string, tenants: [non-empty "
+                "strings]}, naming the host it acts for",
+            {{"method", request.method}});
     }
     // The host's tenants as the forwarding node states them, held to the peer token's own:
     // a peer link acts only within the tenants its token was given (issue 44, item 4).
-    return Principal{(*f)["tokenName"].get<std::string>(), "host",
-                     intersect_tenants((*f)["tenants"].get<std::vector<std::string>>(), who_.tenants)};
+    return Principal{
+        (*f)["tokenName"].get<std::string>(), "host",
+        intersect_tenants((*f)["tenants"].get<std::vector<std::string>>(), who_.tenants)};
 }
 
 awaitable<MethodReply> Session::call(const MethodSpec* method, MethodCall c) {
@@ -398,11 +408,13 @@ awaitable<MethodReply> Session::call(const MethodSpec* method, MethodCall c) {
                 link->forget(remote_id);
             }
             p["channel"] = remote_id;
-            json result = co_await link->call(std::string(method->name), std::move(p), forwarded_for(c.caller));
+            json result = co_await link->call(std::string(method->name), std::move(p),
+                                              forwarded_for(c.caller));
             co_return MethodReply{std::move(result), {}};
         }
         if (method->has(moot_after_exit) && channel && mux_.ended(*channel)) {
-            co_return MethodReply{json::object(), {}};  // the command is gone: nothing left to write to
+            co_return MethodReply{json::object(),
+                                  {}};  // the command is gone: nothing left to write to
         }
     }
     c.params = std::move(p);

@@ -127,8 +127,8 @@ private:
     void release(std::uint32_t lane);
     /// Counts an answered request in the node's metrics (opens by result and route, lease
     /// methods by result).
-    void count_request(const MethodSpec* method, const std::string& name, std::string_view result, bool routed,
-                       std::chrono::steady_clock::duration took);
+    void count_request(const MethodSpec* method, const std::string& name, std::string_view result,
+                       bool routed, std::chrono::steady_clock::duration took);
 
     Node& node_;
     Transport transport_;

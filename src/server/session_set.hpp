@@ -32,10 +32,11 @@ public:
     /// Sessions still alive that have not written their close frame.
     std::size_t not_closed() {
         std::lock_guard lock(mutex_);
-        return static_cast<std::size_t>(std::count_if(sessions_.begin(), sessions_.end(), [](const auto& w) {
-            auto s = w.lock();
-            return s && !s->close_written();
-        }));
+        return static_cast<std::size_t>(
+            std::count_if(sessions_.begin(), sessions_.end(), [](const auto& w) {
+                auto s = w.lock();
+                return s && !s->close_written();
+            }));
     }
 
 private:

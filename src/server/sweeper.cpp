@@ -166,13 +166,15 @@ awaitable<std::size_t> destroy_unrecorded_sandboxes(Node& node) {
         try {
             co_await provider->destroy(handle);
             ++destroyed;
-            spdlog::warn("sandbox {} of provider={}: no lease records it (an earlier process "
-                         "was killed before storing its lease); destroyed",
-                         id, key);
+            spdlog::warn(
+                "sandbox {} of provider={}: no lease records it (an earlier process "
+                "was killed before storing its lease); destroyed",
+                id, key);
         } catch (const std::exception& e) {
-            spdlog::warn("sandbox {} of provider={}: no lease records it; destroying it "
-                         "failed (retried at the next start): {}",
-                         id, key, e.what());
+            spdlog::warn(
+                "sandbox {} of provider={}: no lease records it; destroying it "
+                "failed (retried at the next start): {}",
+                id, key, e.what());
         }
     }
     co_return destroyed;
@@ -200,17 +202,19 @@ awaitable<std::size_t> destroy_leftover_sandboxes(Node& node) {
         auto handle = provider->handle_for_teardown(*lease);
         if (!handle) continue;
         const auto held = co_await provider->describe_stored(id);
-        spdlog::warn("lease={} is {} but its sandbox {} of provider={} is still on node {}: "
-                     "destroying it ({})",
-                     lease->id, to_string(lease->status), id, key, node.node_id, held);
+        spdlog::warn(
+            "lease={} is {} but its sandbox {} of provider={} is still on node {}: "
+            "destroying it ({})",
+            lease->id, to_string(lease->status), id, key, node.node_id, held);
         try {
             co_await provider->destroy(handle);
             ++destroyed;
             node.metrics.teardowns.with({"leftover"}).inc();
         } catch (const std::exception& e) {
-            spdlog::warn("lease={}: destroying the leftover sandbox {} failed (retried at the "
-                         "next check): {}",
-                         lease->id, id, e.what());
+            spdlog::warn(
+                "lease={}: destroying the leftover sandbox {} failed (retried at the "
+                "next check): {}",
+                lease->id, id, e.what());
         }
     }
     co_return destroyed;
@@ -232,7 +236,8 @@ awaitable<void> orphan_unheld_own(Node& node) {
         // Read again now: the snapshot may predate an acquire, and a release that began
         // since (its record still active) is held, not lost.
         if (!held.count(lease.id) && !node.cache.holds(scope_of(lease))) {
-            co_await lease_orphan(node, std::move(lease), "owner node restarted without the sandbox", "sweeper");
+            co_await lease_orphan(node, std::move(lease),
+                                  "owner node restarted without the sandbox", "sweeper");
         }
     }
 }
@@ -263,7 +268,8 @@ awaitable<bool> orphan_dead_owners(Node& node, std::int64_t now, std::vector<Nod
         for (auto& lease : co_await leases_of(node, owner, lease_status::active)) {
             if (node.fenced_for_ms() != 0) co_return false;
             const auto epoch = lease.epoch;
-            auto after = co_await lease_orphan(node, std::move(lease), "owner node " + owner + " is dead", "sweeper", seen);
+            auto after = co_await lease_orphan(node, std::move(lease),
+                                               "owner node " + owner + " is dead", "sweeper", seen);
             // Still active under the same epoch: the owner's record moved (it is alive).
             if (after.status == lease_status::active && after.epoch == epoch) break;
         }
@@ -273,15 +279,18 @@ awaitable<bool> orphan_dead_owners(Node& node, std::int64_t now, std::vector<Nod
 
 /// A lease past its quick attempts whose provider retries slowly for ever (a plugin: a
 /// remote sandbox may still exist): warned once, then torn down every slow_retry_ms.
-awaitable<void> retry_slowly(Node& node, Lease lease, const CleanupPolicy& policy, std::int64_t now) {
+awaitable<void> retry_slowly(Node& node, Lease lease, const CleanupPolicy& policy,
+                             std::int64_t now) {
     if (lease.cleanup_attempts == policy.attempts &&
         lease.cleanup_status != std::optional<std::string>("slow retry")) {
         Lease next = lease;
         next.epoch = lease.epoch + 1;
         next.cleanup_status = "slow retry";
         if (co_await node.registry->update_lease(next, lease.epoch)) {
-            spdlog::warn("lease={} teardown failed {} times ({}); retrying every {} ms until it succeeds", lease.id,
-                         lease.cleanup_attempts, lease.failure_reason.value_or("unknown"), policy.slow_retry_ms);
+            spdlog::warn(
+                "lease={} teardown failed {} times ({}); retrying every {} ms until it succeeds",
+                lease.id, lease.cleanup_attempts, lease.failure_reason.value_or("unknown"),
+                policy.slow_retry_ms);
         }
         co_return;
     }
@@ -322,9 +331,12 @@ awaitable<void> clean_pending(Node& node, std::int64_t now) {
             co_await give_up(node, lease);
             continue;
         }
-        const std::int64_t backoff =
-            lease.cleanup_attempts == 0 ? 0 : policy.backoff_ms << std::min(lease.cleanup_attempts - 1, 20);
-        const std::int64_t wait = policy.slow_retry_ms > 0 ? std::min(backoff, policy.slow_retry_ms) : backoff;
+        const std::int64_t backoff = lease.cleanup_attempts == 0
+                                         ? 0
+                                         : policy.backoff_ms
+                                               << std::min(lease.cleanup_attempts - 1, 20);
+        const std::int64_t wait =
+            policy.slow_retry_ms > 0 ? std::min(backoff, policy.slow_retry_ms) : backoff;
         if (lease.cleanup_attempts > 0 && now - lease.last_used_at_ms < wait) continue;
         co_await teardown(node, std::move(lease), lease_status::released, "sweeper");
     }

@@ -3,8 +3,8 @@
 #include <sandboxd/core/frame.hpp>
 #include <sandboxd/version.hpp>
 
-#include <boost/asio/experimental/awaitable_operators.hpp>
 #include <spdlog/spdlog.h>
+#include <boost/asio/experimental/awaitable_operators.hpp>
 
 #include <algorithm>
 
@@ -21,7 +21,8 @@ bool offers_subprotocol(std::string_view header) {
     while (pos <= header.size()) {
         auto comma = header.find(',', pos);
         auto item = header.substr(pos, comma == std::string_view::npos ? header.npos : comma - pos);
-        while (!item.empty() && (item.front() == ' ' || item.front() == '\t')) item.remove_prefix(1);
+        while (!item.empty() && (item.front() == ' ' || item.front() == '\t'))
+            item.remove_prefix(1);
         while (!item.empty() && (item.back() == ' ' || item.back() == '\t')) item.remove_suffix(1);
         if (item == subprotocol) return true;
         if (comma == std::string_view::npos) break;
@@ -74,10 +75,11 @@ awaitable<bool> Transport::accept(const http::request<http::string_body>& reques
     ws_.read_message_max(std::max<std::size_t>(limits_.max_text_message,
                                                limits_.max_data_payload + frame_header_size));
     const bool echo_subprotocol = offers_subprotocol(request[http::field::sec_websocket_protocol]);
-    ws_.set_option(websocket::stream_base::decorator([echo_subprotocol](websocket::response_type& res) {
-        res.set(http::field::server, std::string("sandboxd/") + version_string);
-        if (echo_subprotocol) res.set(http::field::sec_websocket_protocol, subprotocol);
-    }));
+    ws_.set_option(
+        websocket::stream_base::decorator([echo_subprotocol](websocket::response_type& res) {
+            res.set(http::field::server, std::string("sandboxd/") + version_string);
+            if (echo_subprotocol) res.set(http::field::sec_websocket_protocol, subprotocol);
+        }));
     auto [ec] = co_await ws_.async_accept(request, as_tuple_awaitable);
     if (ec) {
         spdlog::debug("peer={} websocket handshake failed: {}", peer_, ec.message());
@@ -92,7 +94,8 @@ awaitable<bool> Transport::accept(const http::request<http::string_body>& reques
 awaitable<void> Transport::serve(Receiver& receiver) {
     try {
         // Whichever loop ends first ends the connection; the others are cancelled with it.
-        co_await (read_loop(receiver) || write_loop() || ping_loop() || idle_loop() || stall_loop());
+        co_await (read_loop(receiver) || write_loop() || ping_loop() || idle_loop() ||
+                  stall_loop());
     } catch (const std::exception& e) {
         spdlog::error("peer={} connection loop failed: {}", peer_, e.what());
     }
@@ -156,7 +159,8 @@ awaitable<void> Transport::write_loop() {
             if (!idle) spare_.clear();  // the timer expired: nothing was sent for a while
             queue_timer_.expires_at(net::steady_timer::time_point::max());
             auto cs = co_await net::this_coro::cancellation_state;
-            if (cs.cancelled() != net::cancellation_type::none || (closing_ && !close_code_)) co_return;
+            if (cs.cancelled() != net::cancellation_type::none || (closing_ && !close_code_))
+                co_return;
             continue;
         }
         Outgoing out = std::move(queue_.front());
@@ -185,7 +189,8 @@ awaitable<void> Transport::write_loop() {
             beast::get_lowest_layer(ws_).socket().close(ec);
             co_return;
         }
-        if (out.binary && out.bytes.capacity() >= min_spare_capacity && spare_.size() < max_spare_buffers) {
+        if (out.binary && out.bytes.capacity() >= min_spare_capacity &&
+            spare_.size() < max_spare_buffers) {
             spare_.push_back(std::move(out.bytes));  // size and bytes kept: see take_buffer()
         }
     }
@@ -238,10 +243,11 @@ awaitable<void> Transport::stall_loop() {
         if (!(writing_ || !queue_.empty())) continue;
         const auto stalled = std::chrono::steady_clock::now() - send_progress_;
         if (stalled < stall) continue;
-        spdlog::info("peer={} took no message for {} ms with {} bytes queued (limits.sendStallTimeoutMs "
-                     "{}): dropping the connection",
-                     peer_, std::chrono::duration_cast<std::chrono::milliseconds>(stalled).count(),
-                     queued_bytes(), stall.count());
+        spdlog::info(
+            "peer={} took no message for {} ms with {} bytes queued (limits.sendStallTimeoutMs "
+            "{}): dropping the connection",
+            peer_, std::chrono::duration_cast<std::chrono::milliseconds>(stalled).count(),
+            queued_bytes(), stall.count());
         beast::error_code ignored;
         beast::get_lowest_layer(ws_).socket().close(ignored);
         co_return;

@@ -88,7 +88,9 @@ public:
         return !closing_ && account_ && account_->held_by_node();
     }
     /// Bytes queued here and not yet written (the message being written included).
-    [[nodiscard]] std::uint64_t queued_bytes() const noexcept { return account_ ? account_->queued() : 0; }
+    [[nodiscard]] std::uint64_t queued_bytes() const noexcept {
+        return account_ ? account_->queued() : 0;
+    }
     /// Called on the strand after each message is written or dropped, and once when the
     /// connection has ended: where the owner wakes the feeders that waited for room.
     void on_written(std::function<void()> fn) { on_written_ = std::move(fn); }
@@ -126,7 +128,9 @@ public:
     /// True once close() has written everything queued before it and started the close
     /// handshake (its frame goes out at once; the peer's answer may take long), or the
     /// connection has ended. Thread-safe.
-    [[nodiscard]] bool close_written() const noexcept { return close_written_.load(std::memory_order_acquire); }
+    [[nodiscard]] bool close_written() const noexcept {
+        return close_written_.load(std::memory_order_acquire);
+    }
 
 private:
     struct Outgoing {
@@ -160,7 +164,7 @@ private:
     static constexpr std::size_t min_spare_capacity = 64 * 1024;
     static constexpr auto spare_buffer_idle = std::chrono::milliseconds(50);
     std::vector<std::string> spare_;  // written binary messages' buffers, for take_buffer()
-    net::steady_timer queue_timer_;  // woken (cancelled) when the queue gets work
+    net::steady_timer queue_timer_;   // woken (cancelled) when the queue gets work
     std::chrono::steady_clock::time_point last_heard_;  // last frame read from the peer
     /// The last message written, or the moment the queue last became non-empty.
     std::chrono::steady_clock::time_point send_progress_;

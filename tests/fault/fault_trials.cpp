@@ -9,8 +9,9 @@
 // After each trial the stream stops, every lease still active is released, and within
 // 3 node TTLs of the trial's end (of a working registry: on etcd, the time that etcd itself
 // stalled, measured by a probe of its own, is added and counted) every lease must be released,
-// expired, retained or in pending_cleanup, with no process (by cgroup) and no sandbox directory left of a released or
-// expired one. At the end every node is stopped and the checker reads every node's audit file
+// expired, retained or in pending_cleanup, with no process (by cgroup) and no sandbox directory
+// left of a released or expired one. At the end every node is stopped and the checker reads every
+// node's audit file
 // (`audit: {file}`) and log:
 //   - every channel.opened names the lease's owner and the epoch it was acquired with, and its
 //     command started (by the line's time, or by its startDeadline, the node's fencing deadline
@@ -37,8 +38,8 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <sched.h>
-#include <sys/socket.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -174,7 +175,7 @@ struct Ledger {
     };
     std::mutex mutex;
     std::map<std::string, LeaseRecord> leases;
-    std::map<std::string, long> errors;  // reason (or "transport") -> count
+    std::map<std::string, long> errors;        // reason (or "transport") -> count
     std::map<std::string, long> channel_ends;  // outcome -> count
     long acquires = 0, releases = 0, channels_echoed = 0;
     std::vector<std::string> violations;
@@ -195,9 +196,8 @@ struct Ledger {
     }
     /// Every status the wire shows must be one of the protocol's (no intermediate state).
     void status_seen(const json& lease, const std::string& where) {
-        static const std::set<std::string> known = {"active",         "released", "expired",
-                                                    "failed",         "pending_cleanup",
-                                                    "retained"};
+        static const std::set<std::string> known = {"active", "released",        "expired",
+                                                    "failed", "pending_cleanup", "retained"};
         const auto status = lease.value("status", "");
         if (!known.contains(status)) violation(where + " answered status '" + status + "'");
     }
@@ -229,7 +229,9 @@ public:
     bool has_registry_fault() const { return etcd_ != nullptr; }
     /// etcd's client URL ("http://127.0.0.1:PORT"); only with has_registry_fault().
     const std::string& registry_endpoint() const { return etcd_->endpoint(); }
-    std::chrono::milliseconds ttl() const { return std::chrono::milliseconds(options_.node_ttl_ms); }
+    std::chrono::milliseconds ttl() const {
+        return std::chrono::milliseconds(options_.node_ttl_ms);
+    }
 
     /// Injects `f` on node `victim` for `hold`, then undoes it and waits until every node is
     /// ready again (at most 30 s; false when one is not).
@@ -270,7 +272,8 @@ public:
                     try {
                         const auto [status, body] = http_get(n->address(), "/readyz");
                         if (status == 200) continue;
-                        unready = concat(id_of(i), " answers /readyz ", std::to_string(status), ": ", body);
+                        unready = concat(id_of(i), " answers /readyz ", std::to_string(status),
+                                         ": ", body);
                     } catch (const std::exception& e) {  // refused: restarting, or gone
                         unready = concat(id_of(i), " at ", n->address(), ": ", e.what());
                     }
@@ -283,8 +286,9 @@ public:
         if (!ready) {
             const auto& n = nodes_[static_cast<std::size_t>(unready_node_)];
             const auto log = n->log();
-            not_ready_ = concat(unready, n->alive() ? " (its process is alive)" : " (its process has exited)",
-                                "; its log ends:\n", log.size() > 3000 ? log.substr(log.size() - 3000) : log);
+            not_ready_ = concat(
+                unready, n->alive() ? " (its process is alive)" : " (its process has exited)",
+                "; its log ends:\n", log.size() > 3000 ? log.substr(log.size() - 3000) : log);
         }
         return ready;
     }
@@ -313,9 +317,11 @@ public:
             const auto at = log.find(mark);
             if (at == std::string::npos) continue;
             const auto eol = log.find('\n', at);
-            const auto line = log.substr(at, eol == std::string::npos ? std::string::npos : eol - at);
+            const auto line =
+                log.substr(at, eol == std::string::npos ? std::string::npos : eol - at);
             const auto lease = line.find(" lease=");
-            if (lease != std::string::npos) return line.substr(lease + 7, line.find(' ', lease + 7) - lease - 7);
+            if (lease != std::string::npos)
+                return line.substr(lease + 7, line.find(' ', lease + 7) - lease - 7);
         }
         return {};
     }
@@ -347,7 +353,8 @@ public:
     /// returns its path (for a failed verdict; the run's own directories are removed).
     std::string keep_files() const {
         std::string tmpl = "/tmp/sandboxd-fault-kept-XXXXXX";
-        if (::mkdtemp(tmpl.data()) == nullptr) return std::string("(cannot make a directory: ") + std::strerror(errno) + ")";
+        if (::mkdtemp(tmpl.data()) == nullptr)
+            return std::string("(cannot make a directory: ") + std::strerror(errno) + ")";
         for (int i = 0; i < node_count; ++i) {
             std::ofstream(fs::path(tmpl) / (id_of(i) + ".log")) << nodes_[i]->log();
             std::error_code ec;
@@ -378,21 +385,26 @@ private:
     std::string config(int i) const {
         json registry;
         if (etcd_) {
-            registry = {{"kind", "etcd"}, {"endpoints", {etcd_->endpoint()}},
+            registry = {{"kind", "etcd"},
+                        {"endpoints", {etcd_->endpoint()}},
                         {"prefix", "/sandboxd-fault/"}};
         } else {
             registry = {{"kind", "sqlite"}, {"path", (dir_.path() / "registry.db").string()}};
         }
-        return json{{"registry", registry},
-                    {"auth",
-                     {{"tokens",
-                       {{{"name", "host"}, {"token", host_token}, {"role", "host"}, {"tenants", {"*"}}},
-                        {{"name", "peer"}, {"token", "peer-secret"}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
-                    {"routing",
-                     {{"mode", "proxy"},
-                      {"nodeTtlMs", options_.node_ttl_ms},
-                      {"heartbeatMs", options_.node_ttl_ms / 4}}},
-                    {"audit", {{"file", audit_[i].string()}}}}
+        return json{
+            {"registry", registry},
+            {"auth",
+             {{"tokens",
+               {{{"name", "host"}, {"token", host_token}, {"role", "host"}, {"tenants", {"*"}}},
+                {{"name", "peer"},
+                 {"token", "peer-secret"},
+                 {"role", "peer"},
+                 {"tenants", {"*"}}}}}}},
+            {"routing",
+             {{"mode", "proxy"},
+              {"nodeTtlMs", options_.node_ttl_ms},
+              {"heartbeatMs", options_.node_ttl_ms / 4}}},
+            {"audit", {{"file", audit_[i].string()}}}}
             .dump();
     }
 
@@ -425,7 +437,8 @@ void stream(Cluster& cluster, Ledger& ledger, const std::atomic<bool>& stop, uns
             f(*clients[i]);
             return true;
         } catch (const rpc_error& e) {
-            ledger.error(e.data().value("reason", "code " + std::to_string(static_cast<int>(e.code()))));
+            ledger.error(
+                e.data().value("reason", "code " + std::to_string(static_cast<int>(e.code()))));
         } catch (const std::exception&) {
             clients[i].reset();
             ledger.error("transport (timeout or connection lost)");
@@ -436,8 +449,9 @@ void stream(Cluster& cluster, Ledger& ledger, const std::atomic<bool>& stop, uns
     while (!stop) {
         json lease;
         const bool acquired = attempt(pick(), [&](Client& c) {
-            lease = c.call("leaseAcquire",
-                           {{"companyId", "acme"}, {"environmentId", "fault"}, {"provider", "bwrap"}});
+            lease =
+                c.call("leaseAcquire",
+                       {{"companyId", "acme"}, {"environmentId", "fault"}, {"provider", "bwrap"}});
         });
         if (!acquired) {
             std::this_thread::sleep_for(50ms);  // pacing while a node is down
@@ -451,10 +465,12 @@ void stream(Cluster& cluster, Ledger& ledger, const std::atomic<bool>& stop, uns
         }
         const int channels = 1 + static_cast<int>(rng() % 3);
         for (int k = 0; k < channels && !stop; ++k) {
-            const std::string line = "line " + std::to_string(seed) + "-" + std::to_string(++n) + "\n";
+            const std::string line =
+                "line " + std::to_string(seed) + "-" + std::to_string(++n) + "\n";
             const std::string linger = "0." + std::to_string(rng() % 4);
             attempt(pick(), [&](Client& c) {
-                auto run = c.run_channel(open_params(lease, {"sh", "-c", "cat; sleep " + linger}), line);
+                auto run =
+                    c.run_channel(open_params(lease, {"sh", "-c", "cat; sleep " + linger}), line);
                 const auto outcome = run.exit.value("outcome", "");
                 std::lock_guard lock(ledger.mutex);
                 ++ledger.channel_ends[outcome];
@@ -606,9 +622,10 @@ private:
     /// One etcd v3 put through its JSON gateway; true on an HTTP 200 within 30 s.
     bool put() const {
         const std::string body = R"({"key":"c2FuZGJveGQtZmF1bHQtcHJvYmU=","value":"MQ=="})";
-        const std::string req = "POST /v3/kv/put HTTP/1.1\r\nHost: etcd\r\nContent-Type: application/json\r\n"
-                                "Content-Length: " + std::to_string(body.size()) +
-                                "\r\nConnection: close\r\n\r\n" + body;
+        const std::string req =
+            "POST /v3/kv/put HTTP/1.1\r\nHost: etcd\r\nContent-Type: application/json\r\n"
+            "Content-Length: " +
+            std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body;
         const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
         if (fd < 0) return false;
         const timeval limit{30, 0};
@@ -645,7 +662,8 @@ public:
         for (int k = 0; k < node_count; ++k) {
             const int i = (first + k) % node_count;
             try {
-                if (!clients_[i]) clients_[i] = std::make_unique<Client>(cluster_.url(i), host_token, timeout_);
+                if (!clients_[i])
+                    clients_[i] = std::make_unique<Client>(cluster_.url(i), host_token, timeout_);
                 return clients_[i]->call(method, params);
             } catch (const rpc_error& e) {
                 error = method + ": " + e.what();
@@ -683,14 +701,14 @@ private:
     std::array<std::unique_ptr<Client>, node_count> clients_;
 };
 
-
 /// Adds what the registry says of `leases` to the ledger (a lease whose acquire answer was
 /// lost is known from here on), for `trial`.
 void learn(Ledger& ledger, const std::vector<json>& leases, int trial) {
     std::lock_guard lock(ledger.mutex);
     for (const auto& l : leases) {
-        ledger.leases.emplace(l["id"].get<std::string>(),
-                              Ledger::LeaseRecord{l["ownerNodeId"], l["providerLeaseId"], l["epoch"], trial});
+        ledger.leases.emplace(
+            l["id"].get<std::string>(),
+            Ledger::LeaseRecord{l["ownerNodeId"], l["providerLeaseId"], l["epoch"], trial});
     }
 }
 
@@ -700,13 +718,15 @@ void learn(Ledger& ledger, const std::vector<json>& leases, int trial) {
 /// sandbox directory or process is left but those of leases in pending_cleanup. Records a
 /// violation for what is still wrong then.
 void settle(Cluster& cluster, Ledger& ledger, int trial, steady::time_point end, AnyNode& any,
-            const RegistryProbe* probe, const HostProbe& host, std::map<std::string, long>& counts) {
+            const RegistryProbe* probe, const HostProbe& host,
+            std::map<std::string, long>& counts) {
     const auto due = end + 3 * cluster.ttl();
     // 3 node TTLs of a working registry: the registry's own stalls since `end` are added.
     const auto extension = [&] {
-        return probe ? std::min<std::chrono::milliseconds>(probe->stalled(end, steady::now()), 30s) : 0ms;
+        return probe ? std::min<std::chrono::milliseconds>(probe->stalled(end, steady::now()), 30s)
+                     : 0ms;
     };
-    std::map<std::string, std::string> status;  // lease -> status last seen
+    std::map<std::string, std::string> status;         // lease -> status last seen
     std::map<std::string, std::string> sandbox_lease;  // providerLeaseId -> lease
     {
         std::lock_guard lock(ledger.mutex);
@@ -770,10 +790,11 @@ void settle(Cluster& cluster, Ledger& ledger, int trial, steady::time_point end,
         };
         auto dirs = cluster.sandbox_dirs();
         auto running = Cluster::sandboxes_with_processes();
-        const bool unknown = std::any_of(dirs.begin(), dirs.end(),
-                                         [&](const auto& d) { return !sandbox_lease.contains(d.first); }) ||
-                             std::any_of(running.begin(), running.end(),
-                                         [&](const auto& r) { return !sandbox_lease.contains(r); });
+        const bool unknown =
+            std::any_of(dirs.begin(), dirs.end(),
+                        [&](const auto& d) { return !sandbox_lease.contains(d.first); }) ||
+            std::any_of(running.begin(), running.end(),
+                        [&](const auto& r) { return !sandbox_lease.contains(r); });
         if (unknown) {
             // A lease whose acquire answer was lost and that is no longer active: learn it from
             // the log line of the node that made its sandbox, then its record. (Not a listing of
@@ -844,15 +865,16 @@ void settle(Cluster& cluster, Ledger& ledger, int trial, steady::time_point end,
                     auto& longest = counts["longest host stall in a violating settle (ms)"];
                     longest = std::max(longest, static_cast<long>(host_stalls.count()));
                 }
-                ledger.violation(concat("trial ", std::to_string(trial), ": 3 node TTLs after its end",
-                                        more > 0ms ? concat(" (and ", std::to_string(more.count()),
-                                                            " ms of registry stalls)")
-                                                   : std::string(),
-                                        host_stalls > 0ms
-                                            ? concat(" (this machine stalled ", std::to_string(host_stalls.count()),
-                                                     " ms meanwhile)")
-                                            : std::string(),
-                                        ", ", problem));
+                ledger.violation(concat(
+                    "trial ", std::to_string(trial), ": 3 node TTLs after its end",
+                    more > 0ms
+                        ? concat(" (and ", std::to_string(more.count()), " ms of registry stalls)")
+                        : std::string(),
+                    host_stalls > 0ms
+                        ? concat(" (this machine stalled ", std::to_string(host_stalls.count()),
+                                 " ms meanwhile)")
+                        : std::string(),
+                    ", ", problem));
             }
             return;
         }
@@ -867,8 +889,8 @@ void settle(Cluster& cluster, Ledger& ledger, int trial, steady::time_point end,
         const auto& owner = ledger.leases[it->second].owner;
         for (int n : on) {
             if (Cluster::id_of(n) != owner) {
-                ledger.violations.push_back("lease " + it->second + " has a sandbox on " + Cluster::id_of(n) +
-                                            ", owner " + owner);
+                ledger.violations.push_back("lease " + it->second + " has a sandbox on " +
+                                            Cluster::id_of(n) + ", owner " + owner);
             }
         }
     }
@@ -933,7 +955,8 @@ void check_audit(Cluster& cluster, Ledger& ledger, std::map<std::string, long>& 
             if (std::regex_search(line, m, started)) last_instance[i] = m[1];
         }
         if (last_instance[i].empty()) {
-            ledger.violations.push_back(concat(Cluster::id_of(i), "'s log never says its instance"));
+            ledger.violations.push_back(
+                concat(Cluster::id_of(i), "'s log never says its instance"));
         }
     }
     for (int i = 0; i < node_count; ++i) {
@@ -944,18 +967,21 @@ void check_audit(Cluster& cluster, Ledger& ledger, std::map<std::string, long>& 
             try {
                 line = json::parse(text);
             } catch (const json::exception&) {
-                ledger.violations.push_back("audit of " + Cluster::id_of(i) + ": not JSON: " + text);
+                ledger.violations.push_back("audit of " + Cluster::id_of(i) +
+                                            ": not JSON: " + text);
                 continue;
             }
             // Only the channel lines: the audit also records connections and lease changes.
             const std::string event = line.value("event", "");
             if (event != "channel.opened" && event != "channel.ended") continue;
-            const std::string key = line.value("instance", "") + "/" + std::to_string(line.value("channel", -1));
+            const std::string key =
+                line.value("instance", "") + "/" + std::to_string(line.value("channel", -1));
             auto& ch = channels[key];
             ch.node = i;
             if (line["event"] == "channel.opened") {
                 ++counts["channels opened"];
-                if (!ch.opened.is_null()) ledger.violations.push_back("channel " + key + " opened twice");
+                if (!ch.opened.is_null())
+                    ledger.violations.push_back("channel " + key + " opened twice");
                 ch.opened = line;
             } else if (line["event"] == "channel.ended") {
                 ++counts["channels ended"];
@@ -975,16 +1001,18 @@ void check_audit(Cluster& cluster, Ledger& ledger, std::map<std::string, long>& 
         nodes_of_lease[lease].insert(node);
         const auto rec = ledger.leases.find(lease);
         if (rec == ledger.leases.end()) {
-            ledger.violations.push_back(concat("channel ", key, " ran on lease ", lease, " that no one acquired"));
+            ledger.violations.push_back(
+                concat("channel ", key, " ran on lease ", lease, " that no one acquired"));
         } else {
             if (node != rec->second.owner) {
-                ledger.violations.push_back(concat("channel ", key, " of lease ", lease, " ran on ", node,
-                                            ", owner ", rec->second.owner));
+                ledger.violations.push_back(concat("channel ", key, " of lease ", lease, " ran on ",
+                                                   node, ", owner ", rec->second.owner));
             }
             if (ch.opened.value("epoch", std::int64_t{-1}) != rec->second.epoch) {
-                ledger.violations.push_back(concat("channel ", key, " of lease ", lease, " opened under epoch ",
-                                            ch.opened["epoch"].dump(), ", acquired under ",
-                                            std::to_string(rec->second.epoch)));
+                ledger.violations.push_back(concat("channel ", key, " of lease ", lease,
+                                                   " opened under epoch ",
+                                                   ch.opened["epoch"].dump(), ", acquired under ",
+                                                   std::to_string(rec->second.epoch)));
             }
         }
         // The command started by the time the line was written, and (for the built-in
@@ -994,11 +1022,13 @@ void check_audit(Cluster& cluster, Ledger& ledger, std::map<std::string, long>& 
         const std::string started_by = std::min(opened_at, deadline);
         const auto l = left_at.find(lease);
         if (l != left_at.end() && started_by > l->second) {
-            ledger.violations.push_back(concat("channel ", key, " of lease ", lease, " on ", node,
-                                        " started by ", started_by, " (audited at ", opened_at,
-                                        "), after the lease left active at ", l->second));
+            ledger.violations.push_back(concat(
+                "channel ", key, " of lease ", lease, " on ", node, " started by ", started_by,
+                " (audited at ", opened_at, "), after the lease left active at ", l->second));
         }
-        if (ch.ends > 1) ledger.violations.push_back("channel " + key + " ended " + std::to_string(ch.ends) + " times");
+        if (ch.ends > 1)
+            ledger.violations.push_back("channel " + key + " ended " + std::to_string(ch.ends) +
+                                        " times");
         const bool killed = ch.opened.value("instance", "") != last_instance[ch.node];
         if (ch.ends == 0) {
             if (killed) {
@@ -1012,8 +1042,8 @@ void check_audit(Cluster& cluster, Ledger& ledger, std::map<std::string, long>& 
     }
     for (const auto& [lease, nodes] : nodes_of_lease) {
         if (nodes.size() > 1) {
-            ledger.violations.push_back("lease " + lease + " had channels on " + std::to_string(nodes.size()) +
-                                        " nodes");
+            ledger.violations.push_back("lease " + lease + " had channels on " +
+                                        std::to_string(nodes.size()) + " nodes");
         }
     }
 }
@@ -1087,7 +1117,8 @@ int main(int argc, char** argv) {
         o.seed ? o.seed : static_cast<std::uint64_t>(steady::now().time_since_epoch().count());
     std::mt19937 rng(static_cast<unsigned>(seed));
     std::cout << "fault trials: registry " << o.registry << ", " << o.trials << " trials, seed "
-              << seed << ", nodeTtlMs " << o.node_ttl_ms << ", " << o.workers << " stream connections\n"
+              << seed << ", nodeTtlMs " << o.node_ttl_ms << ", " << o.workers
+              << " stream connections\n"
               << std::flush;
     const auto started = steady::now();
     Ledger ledger;
@@ -1102,21 +1133,25 @@ int main(int argc, char** argv) {
         AnyNode any(cluster, rng);
         const HostProbe host;
         std::unique_ptr<RegistryProbe> probe;
-        if (cluster.has_registry_fault()) probe = std::make_unique<RegistryProbe>(cluster.registry_endpoint());
+        if (cluster.has_registry_fault())
+            probe = std::make_unique<RegistryProbe>(cluster.registry_endpoint());
         for (int t = 0; t < o.trials; ++t) {
             if (interrupted) {
                 std::cout << "stopping after " << t << " trials: interrupted\n";
                 break;
             }
-            if (o.max_seconds > 0 && steady::now() - started > std::chrono::seconds(o.max_seconds)) {
-                std::cout << "stopping after " << t << " trials: --max-seconds " << o.max_seconds << "\n";
+            if (o.max_seconds > 0 &&
+                steady::now() - started > std::chrono::seconds(o.max_seconds)) {
+                std::cout << "stopping after " << t << " trials: --max-seconds " << o.max_seconds
+                          << "\n";
                 break;
             }
             const fault f = kinds[static_cast<std::size_t>(t) % kinds.size()];
             const int victim = static_cast<int>(rng() % node_count);
             std::chrono::milliseconds hold =
                 f == fault::sigstop ? ttl * 3 / 2
-                                    : std::chrono::milliseconds(ttl.count() / 2 + static_cast<long>(rng() % ttl.count()));
+                                    : std::chrono::milliseconds(
+                                          ttl.count() / 2 + static_cast<long>(rng() % ttl.count()));
             if (f == fault::kill9) hold = std::chrono::milliseconds(rng() % 500);
             std::atomic<bool> stop{false};
             std::vector<std::thread> workers;
@@ -1132,16 +1167,17 @@ int main(int argc, char** argv) {
             std::this_thread::sleep_for(std::chrono::milliseconds(100 + rng() % 500));
             try {
                 if (!cluster.inject(f, victim, hold)) {
-                    ledger.violation(concat("trial ", std::to_string(t), ": a node was not ready 30 s after ",
-                                            name_of(f), ": ", cluster.not_ready()));
+                    ledger.violation(concat("trial ", std::to_string(t),
+                                            ": a node was not ready 30 s after ", name_of(f), ": ",
+                                            cluster.not_ready()));
                 }
             } catch (const std::exception& e) {
                 // A node that did not come back (e.g. it exited during its restart): a violation
                 // with its log's tail, and the run goes on to its checks and report.
                 const std::string what = e.what();
-                ledger.violation(concat("trial ", std::to_string(t), ": ", name_of(f), " of ",
-                                        Cluster::id_of(victim), " failed: ",
-                                        what.size() > 4000 ? what.substr(what.size() - 4000) : what));
+                ledger.violation(concat(
+                    "trial ", std::to_string(t), ": ", name_of(f), " of ", Cluster::id_of(victim),
+                    " failed: ", what.size() > 4000 ? what.substr(what.size() - 4000) : what));
                 stop = true;
                 for (auto& w : workers) w.join();
                 break;
@@ -1154,8 +1190,11 @@ int main(int argc, char** argv) {
             ++counts[std::string("trials ") + name_of(f)];
             ++ran;
             if ((t + 1) % 10 == 0) {
-                std::cout << "  " << t + 1 << " trials, " << ledger.violations.size() << " violations, "
-                          << std::chrono::duration_cast<std::chrono::seconds>(steady::now() - started).count()
+                std::cout << "  " << t + 1 << " trials, " << ledger.violations.size()
+                          << " violations, "
+                          << std::chrono::duration_cast<std::chrono::seconds>(steady::now() -
+                                                                              started)
+                                 .count()
                           << " s\n"
                           << std::flush;
             }
@@ -1186,12 +1225,14 @@ int main(int argc, char** argv) {
         std::cerr << "fault_trials: " << e.what() << "\n";
         return 1;
     }
-    const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(steady::now() - started).count();
+    const auto seconds =
+        std::chrono::duration_cast<std::chrono::seconds>(steady::now() - started).count();
     std::cout << "\n" << ran << " trials on " << o.registry << " in " << seconds << " s\n";
     for (const auto& [k, v] : counts) std::cout << "  " << k << ": " << v << "\n";
-    std::cout << "  acquires " << ledger.acquires << ", releases " << ledger.releases << ", channels echoed "
-              << ledger.channels_echoed << "\n";
-    for (const auto& [k, v] : ledger.channel_ends) std::cout << "  channel exit '" << k << "': " << v << "\n";
+    std::cout << "  acquires " << ledger.acquires << ", releases " << ledger.releases
+              << ", channels echoed " << ledger.channels_echoed << "\n";
+    for (const auto& [k, v] : ledger.channel_ends)
+        std::cout << "  channel exit '" << k << "': " << v << "\n";
     for (const auto& [k, v] : ledger.errors) std::cout << "  error " << k << ": " << v << "\n";
     std::cout << "verdict: " << (ledger.violations.empty() ? "PASS" : "FAIL") << ", "
               << ledger.violations.size() << " violations\n";

@@ -11,20 +11,20 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const auto parsed = sandboxd::parse_worker_line(line);
     using k = sandboxd::worker_line_kind;
     switch (parsed.kind) {
-    case k::blank:
-    case k::text:
-        if (!parsed.message.is_null()) std::abort();
-        break;
-    case k::request:
-    case k::notification:
-        if (!parsed.message.is_object() || !parsed.message["method"].is_string()) std::abort();
-        break;
-    case k::response:
-        if (!parsed.message.is_object() || !parsed.message.contains("id")) std::abort();
-        break;
-    case k::invalid:
-        if (!parsed.message.is_object()) std::abort();
-        break;
+        case k::blank:
+        case k::text:
+            if (!parsed.message.is_null()) std::abort();
+            break;
+        case k::request:
+        case k::notification:
+            if (!parsed.message.is_object() || !parsed.message["method"].is_string()) std::abort();
+            break;
+        case k::response:
+            if (!parsed.message.is_object() || !parsed.message.contains("id")) std::abort();
+            break;
+        case k::invalid:
+            if (!parsed.message.is_object()) std::abort();
+            break;
     }
     return 0;
 }

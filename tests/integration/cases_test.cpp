@@ -55,8 +55,6 @@ long long ms_since(steady::time_point t) {
     return std::chrono::duration_cast<std::chrono::milliseconds>(steady::now() - t).count();
 }
 
-
-
 json with_pty(json params, int cols, int rows) {
     params["pty"] = {{"cols", cols}, {"rows", rows}};
     return params;
@@ -937,7 +935,10 @@ TEST_CASE("cases: B12: no fd leak across many channels, and none at a low RLIMIT
     CHECK(failures == 0);
     // 5 s after quiescence: fds back to the baseline (+8), no PTY held, RSS bounded.
     CHECK(eventually(
-        [&] { return daemon.channel_processes().empty() && daemon.metric("sandboxd_channels_running") == 0; },
+        [&] {
+            return daemon.channel_processes().empty() &&
+                   daemon.metric("sandboxd_channels_running") == 0;
+        },
         10s));
     const bool fds_back = eventually([&] { return daemon.fd_count() <= fds_before + 8; }, 5s);
     {
@@ -1070,8 +1071,11 @@ TEST_CASE("cases: B12: a node out of file descriptors at accept backs off, then 
     std::vector<int> waiting;  // plain TCP connections: more than the daemon has room for
     waiting.reserve(80);
     for (int i = 0; i < 80; ++i) waiting.push_back(connect_tcp(daemon.address()));
-    REQUIRE(eventually([&] { return daemon.log().find("accept failed: Too many open files") != std::string::npos; },
-                       10s));
+    REQUIRE(eventually(
+        [&] {
+            return daemon.log().find("accept failed: Too many open files") != std::string::npos;
+        },
+        10s));
     // Connections wait in the backlog; the daemon must not spin retrying accept meanwhile.
     const auto before = cpu_ticks(daemon.pid());
     std::this_thread::sleep_for(2s);
@@ -1086,7 +1090,8 @@ TEST_CASE("cases: B12: a node out of file descriptors at accept backs off, then 
     auto ok = c->run_channel(open_params(lease, {"echo", "ok"}));
     CHECK(ok.out == "ok\n");
     CHECK(ok.exit["exitCode"] == 0);
-    CHECK(eventually([&] { return daemon.log().find("accepting connections again") != std::string::npos; }, 5s));
+    CHECK(eventually(
+        [&] { return daemon.log().find("accepting connections again") != std::string::npos; }, 5s));
     CHECK(daemon.alive());
 }
 
@@ -1392,7 +1397,8 @@ TEST_CASE("cases: B17: concurrent writers on one WebSocket: pings, resizes, stdi
     const auto lease = acquire_lease(*c);
     const std::string loop =
         "i=0; while [ $i -lt 20000 ]; do echo out$i; echo err$i >&2; i=$((i+1)); done; exit 0";
-    // NOLINTNEXTLINE(bugprone-exception-escape): json's noexcept move calls assert_invariant(), which clang-tidy 14 counts as throwing
+    // NOLINTNEXTLINE(bugprone-exception-escape): json's noexcept move calls assert_invariant(),
+    // which clang-tidy 14 counts as throwing
     struct Chan {
         bool pty = false;
         std::uint32_t id = 0;

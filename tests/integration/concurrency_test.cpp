@@ -73,8 +73,8 @@ TEST_CASE("A 5 s plugin open does not stall a channel streaming on the same conn
         take(*ev);
     }
 
-    const auto slow = c->send_request(
-        "duplexChannelOpen", open_params(plugin_lease, {"__slow_open__", "5000", "true"}));
+    const auto slow = c->send_request("duplexChannelOpen",
+                                      open_params(plugin_lease, {"__slow_open__", "5000", "true"}));
     const auto sent = clock_type::now();
     std::optional<std::uint64_t> at_1s, at_4s;
     std::optional<ClientEvent> answer;
@@ -118,7 +118,8 @@ TEST_CASE("Requests over limits.requestsPerConnection get CHANNEL_LIMIT while th
         FAIL("the third request was served");
     } catch (const rpc_error& e) {
         CHECK(e.code() == errc::channel_limit);
-        CHECK(std::string(e.what()) == "this connection already has 2 requests in flight (limit 2)");
+        CHECK(std::string(e.what()) ==
+              "this connection already has 2 requests in flight (limit 2)");
         CHECK(e.data() == json{{"limit", "requestsPerConnection"}, {"reason", "CHANNEL_LIMIT"}});
     }
     // The refused request answered first; the two in flight are served in full.
@@ -132,15 +133,16 @@ TEST_CASE("Requests and data frames naming one channel are applied in arrival or
     DaemonProcess daemon;
     auto c = daemon.connect();
     auto lease = acquire_lease(*c);
-    const auto ch = c->call("duplexChannelOpen", open_params(lease, {"cat"}))["channel"].get<std::uint32_t>();
+    const auto ch =
+        c->call("duplexChannelOpen", open_params(lease, {"cat"}))["channel"].get<std::uint32_t>();
     std::string expected;
     std::vector<std::int64_t> requests;
     for (int i = 0; i < 300; ++i) {
         const std::string piece = (i % 2 ? "r" : "f") + std::to_string(i) + ";";
         expected += piece;
         if (i % 2) {
-            requests.push_back(c->send_request(
-                "duplexChannelWrite", {{"channel", ch}, {"data", base64_encode(piece)}}));
+            requests.push_back(c->send_request("duplexChannelWrite",
+                                               {{"channel", ch}, {"data", base64_encode(piece)}}));
         } else {
             c->send_stdin(ch, piece);
         }

@@ -10,11 +10,11 @@
 #include <boost/beast/http.hpp>
 #include <catch2/catch.hpp>
 
+#include <sqlite3.h>
+#include <sys/wait.h>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
-#include <sqlite3.h>
-#include <sys/wait.h>
 
 using namespace sandboxd;
 using namespace sandboxd::test;
@@ -61,7 +61,8 @@ TEST_CASE("A command's stdout, stderr and exit code arrive exactly", "[daemon][c
     DaemonProcess daemon;
     auto c = daemon.connect();
     auto lease = acquire(*c);
-    auto run = c->run_channel(open_params(lease, {"sh", "-c", "printf hello; printf err >&2; exit 3"}));
+    auto run =
+        c->run_channel(open_params(lease, {"sh", "-c", "printf hello; printf err >&2; exit 3"}));
     CHECK(run.out == "hello");
     CHECK(run.err == "err");
     CHECK(run.exit["exitCode"] == 3);
@@ -87,9 +88,10 @@ TEST_CASE("cat returns 1 MiB of every byte value exactly after stdin half-close"
     CHECK(run.exit["stdinBytes"] == 1 << 20);
 }
 
-TEST_CASE("A pipe channel's output is spliced into a plain connection, a PTY's is copied, the "
-          "same bytes either way",
-          "[daemon][channel][splice]") {
+TEST_CASE(
+    "A pipe channel's output is spliced into a plain connection, a PTY's is copied, the "
+    "same bytes either way",
+    "[daemon][channel][splice]") {
     DaemonProcess daemon;
     auto c = daemon.connect();
     auto lease = acquire(*c);
@@ -101,8 +103,8 @@ TEST_CASE("A pipe channel's output is spliced into a plain connection, a PTY's i
         return out;
     };
     // About 2.6 MB on stdout and 1.3 MB on stderr, written while the other stream runs.
-    auto run = c->run_channel(
-        open_params(lease, {"sh", "-c", "seq 1 400000 & seq 1 200000 >&2; wait"}));
+    auto run =
+        c->run_channel(open_params(lease, {"sh", "-c", "seq 1 400000 & seq 1 200000 >&2; wait"}));
     REQUIRE(run.out.size() == numbers(1, 400000, "\n").size());
     CHECK(run.out == numbers(1, 400000, "\n"));
     CHECK(run.err == numbers(1, 200000, "\n"));
@@ -152,10 +154,12 @@ TEST_CASE("The sandbox has no capabilities and no inherited descriptors", "[daem
     CHECK(caps.out == "CapEff:\t0000000000000000\n");
     auto fds = c->run_channel(open_params(lease, {"ls", "/proc/self/fd"}));
     CHECK(fds.out == "0\n1\n2\n3\n");
-    auto net = c->run_channel(open_params(lease, {"sh", "-c", "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '"}));
+    auto net = c->run_channel(
+        open_params(lease, {"sh", "-c", "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '"}));
     CHECK(net.out == "lo\n");
     // PID 1 is sandboxd-init; the command is PID 2 of the channel's own namespace.
-    auto where = c->run_channel(open_params(lease, {"sh", "-c", "pwd; echo $$; ps -e -o pid= | wc -l"}));
+    auto where =
+        c->run_channel(open_params(lease, {"sh", "-c", "pwd; echo $$; ps -e -o pid= | wc -l"}));
     CHECK(where.out == "/workspace\n2\n4\n");
     auto env = c->run_channel(open_params(lease, {"env"}));
     CHECK(env.out ==
@@ -215,11 +219,13 @@ TEST_CASE("Every fail-closed check returns its code and message and starts no pr
         p["lease"]["epoch"] = lease["epoch"].get<int>() + 1;
         auto [reason, message] = call_error(*c, "duplexChannelOpen", p);
         CHECK(reason == "LEASE_NOT_ACTIVE");
-        CHECK(message == "Sandbox lease " + lease["id"].get<std::string>() + " is no longer active.");
+        CHECK(message ==
+              "Sandbox lease " + lease["id"].get<std::string>() + " is no longer active.");
         auto released = c->call("leaseRelease", {{"leaseId", lease["id"]}});
         CHECK(released["status"] == "released");
         CHECK(released["epoch"] == lease["epoch"].get<int>() + 1);
-        auto [reason2, message2] = call_error(*c, "duplexChannelOpen", open_params(lease, {"echo", "no"}));
+        auto [reason2, message2] =
+            call_error(*c, "duplexChannelOpen", open_params(lease, {"echo", "no"}));
         CHECK(reason2 == "LEASE_NOT_ACTIVE");
         CHECK(message2 == message);
     }
@@ -240,8 +246,9 @@ TEST_CASE("Another tenant's lease is reported as not found", "[daemon][failclose
     CHECK(call_error(b, "leaseRelease", {{"leaseId", lease["id"]}}).first == "LEASE_NOT_FOUND");
     CHECK(b.call("leaseList", json::object())["leases"].empty());
     CHECK(a.call("leaseList", json::object())["leases"].size() == 1);
-    CHECK(call_error(b, "leaseAcquire", {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}}).first ==
-          "INVALID_PARAMS");
+    CHECK(call_error(b, "leaseAcquire",
+                     {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}})
+              .first == "INVALID_PARAMS");
     CHECK(daemon.channel_processes().empty());
 }
 
@@ -259,7 +266,8 @@ TEST_CASE("After a restart a lease survives and fails closed with SANDBOX_NOT_CA
     auto stored = c->call("leaseGet", {{"leaseId", lease["id"]}});
     CHECK(stored["status"] == "active");
     CHECK(stored["providerLeaseId"] == lease["providerLeaseId"]);
-    auto [reason, message] = call_error(*c, "duplexChannelOpen", open_params(lease, {"echo", "hi"}));
+    auto [reason, message] =
+        call_error(*c, "duplexChannelOpen", open_params(lease, {"echo", "hi"}));
     CHECK(reason == "SANDBOX_NOT_CACHED");
     CHECK(message == "Sandbox duplex channel: no cached sandbox resolves the provider lease.");
     CHECK(daemon.channel_processes().empty());
@@ -289,7 +297,8 @@ TEST_CASE("A sandbox that no lease records is destroyed at the next start",
     {
         sqlite3* db = nullptr;
         REQUIRE(sqlite3_open((daemon.state_dir() / "registry.db").c_str(), &db) == SQLITE_OK);
-        const std::string sql = "DELETE FROM leases WHERE id = '" + lost["id"].get<std::string>() + "'";
+        const std::string sql =
+            "DELETE FROM leases WHERE id = '" + lost["id"].get<std::string>() + "'";
         CHECK(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, nullptr) == SQLITE_OK);
         CHECK(sqlite3_changes(db) == 1);
         sqlite3_close(db);
@@ -313,7 +322,8 @@ TEST_CASE("The sweeper destroys a sandbox of a released lease that is still on d
     // while its sandbox's directory stayed on the owner's disk. Made here by putting the
     // directory back after a release; a directory that no lease records is a killed
     // process's (destroyed at the next start, see above) and is left alone while running.
-    DaemonProcess daemon("node-a", json{{"routing", {{"nodeTtlMs", 2000}, {"heartbeatMs", 300}}}}.dump());
+    DaemonProcess daemon("node-a",
+                         json{{"routing", {{"nodeTtlMs", 2000}, {"heartbeatMs", 300}}}}.dump());
     auto c = daemon.connect();
     const auto sandboxes = daemon.state_dir() / "sandboxes";
     auto lease = acquire(*c);
@@ -330,13 +340,15 @@ TEST_CASE("The sweeper destroys a sandbox of a released lease that is still on d
     CHECK(daemon.metric(leftover_metric) == 1);
     const auto log = daemon.log();
     CHECK(log.find("lease=" + lease["id"].get<std::string>() + " is released but its sandbox " +
-                   id + " of provider=bwrap is still on node node-a: destroying it (directory: "
+                   id +
+                   " of provider=bwrap is still on node node-a: destroying it (directory: "
                    "identity; runtime directory: absent)") != std::string::npos);
     // The unrecorded one stays, through two more checks (a check per nodeTtlMs), and a live
     // lease's sandbox is never touched.
     auto live = acquire(*c);
     const auto passes = daemon.metric("sandboxd_sweeper_passes_total");
-    CHECK(eventually([&] { return daemon.metric("sandboxd_sweeper_passes_total") >= passes + 14; }, std::chrono::seconds(15)));
+    CHECK(eventually([&] { return daemon.metric("sandboxd_sweeper_passes_total") >= passes + 14; },
+                     std::chrono::seconds(15)));
     CHECK(fs::exists(sandboxes / unrecorded));
     CHECK(fs::exists(sandboxes / live["providerLeaseId"].get<std::string>()));
     CHECK(daemon.metric(leftover_metric) == 1);
@@ -358,9 +370,15 @@ TEST_CASE("Malformed requests get JSON-RPC errors and the connection stays usabl
     expect_error(R"([{"jsonrpc":"2.0","id":1,"method":"leaseList"}])", -32600);
     expect_error(R"({"jsonrpc":"2.0","id":2,"method":"noSuchMethod","params":{}})", -32601);
     expect_error(R"({"jsonrpc":"2.0","id":3,"method":"leaseGet","params":{"leaseId":5}})", -32602);
-    expect_error(R"({"jsonrpc":"2.0","id":4,"method":"leaseAcquire","params":{"companyId":"a","environmentId":"b","provider":"bwrap","ttlMs":"soon"}})", -32602);
-    expect_error(R"({"jsonrpc":"2.0","id":5,"method":"duplexChannelOpen","params":{"lease":{},"command":[]}})", -32602);
-    expect_error(R"({"jsonrpc":"2.0","id":6,"method":"duplexChannelWrite","params":{"channel":9,"data":"aGk="}})", -32019);
+    expect_error(
+        R"({"jsonrpc":"2.0","id":4,"method":"leaseAcquire","params":{"companyId":"a","environmentId":"b","provider":"bwrap","ttlMs":"soon"}})",
+        -32602);
+    expect_error(
+        R"({"jsonrpc":"2.0","id":5,"method":"duplexChannelOpen","params":{"lease":{},"command":[]}})",
+        -32602);
+    expect_error(
+        R"({"jsonrpc":"2.0","id":6,"method":"duplexChannelWrite","params":{"channel":9,"data":"aGk="}})",
+        -32019);
     auto init = c->call("initialize", {{"protocolVersion", 1}});
     CHECK(init["protocolVersion"] == 1);
     CHECK(init["nodeId"] == "node-a");
@@ -392,8 +410,9 @@ TEST_CASE("Oversized HTTP headers get 431 and bodies 413 before the close", "[da
         net::io_context ioc;
         net::ip::tcp::socket socket(ioc);
         const auto colon = daemon.address().rfind(':');
-        socket.connect({net::ip::make_address(daemon.address().substr(0, colon)),
-                        static_cast<unsigned short>(std::stoi(daemon.address().substr(colon + 1)))});
+        socket.connect(
+            {net::ip::make_address(daemon.address().substr(0, colon)),
+             static_cast<unsigned short>(std::stoi(daemon.address().substr(colon + 1)))});
         net::write(socket, net::buffer(request));
         boost::beast::flat_buffer buffer;
         http::response<http::string_body> res;
@@ -417,7 +436,8 @@ TEST_CASE("SIGHUP reloads an unchanged config: the daemon, its connections and c
     REQUIRE(::kill(daemon.pid(), SIGHUP) == 0);
     REQUIRE(eventually(
         [&] {
-            return daemon.log().find("reloaded: 1 tokens (0 added, 0 revoked; 0 connections closed)") !=
+            return daemon.log().find(
+                       "reloaded: 1 tokens (0 added, 0 revoked; 0 connections closed)") !=
                    std::string::npos;
         },
         std::chrono::seconds(10)));
@@ -438,15 +458,19 @@ TEST_CASE("A dropped connection leaves no process of its channels behind", "[dae
         REQUIRE(eventually([] { return count_processes_with("sleep 6009") == 3; },
                            std::chrono::seconds(10)));
     }  // the client's socket closes without a WebSocket close
-    CHECK(eventually([] { return count_processes_with("sleep 6009") == 0; }, std::chrono::seconds(6)));
+    CHECK(eventually([] { return count_processes_with("sleep 6009") == 0; },
+                     std::chrono::seconds(6)));
     CHECK(eventually([&] { return daemon.channel_processes().empty(); }, std::chrono::seconds(6)));
 }
 
 TEST_CASE("leaseAcquire with an idempotency key returns the same lease", "[daemon][lease]") {
     DaemonProcess daemon;
     auto c = daemon.connect();
-    json p = {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"},
-              {"idempotencyKey", "k1"}, {"ttlMs", 60000}};
+    json p = {{"companyId", "acme"},
+              {"environmentId", "dev"},
+              {"provider", "bwrap"},
+              {"idempotencyKey", "k1"},
+              {"ttlMs", 60000}};
     auto first = c->call("leaseAcquire", p);
     auto second = c->call("leaseAcquire", p);
     CHECK(first["id"] == second["id"]);
@@ -481,12 +505,12 @@ TEST_CASE("sandboxctl exec and run stream like docker exec and exit with the sta
     DaemonProcess daemon;
     auto c = daemon.connect();
     auto lease = acquire(*c);
-    const std::string base = std::string(SANDBOXCTL_BIN) + " --url " + daemon.url() + " --token " +
-                             daemon.token();
+    const std::string base =
+        std::string(SANDBOXCTL_BIN) + " --url " + daemon.url() + " --token " + daemon.token();
     const std::string out_file = (daemon.state_dir() / "out").string();
-    const std::string cmd = "printf 'abc' | " + base + " exec -i " + lease["id"].get<std::string>() +
-                            " -- sh -c 'cat; printf E >&2; exit 7' > " + out_file + " 2> " +
-                            out_file + ".err";
+    const std::string cmd =
+        "printf 'abc' | " + base + " exec -i " + lease["id"].get<std::string>() +
+        " -- sh -c 'cat; printf E >&2; exit 7' > " + out_file + " 2> " + out_file + ".err";
     int status = std::system(cmd.c_str());
     REQUIRE(WIFEXITED(status));
     CHECK(WEXITSTATUS(status) == 7);
@@ -515,9 +539,8 @@ TEST_CASE("sandboxctl exec and run stream like docker exec and exit with the sta
     CHECK(WEXITSTATUS(status) == 124);
     // A command quiet for longer than sandboxctl's 1 s poll of the connection is waited for
     // (the poll once closed the connection: "timed out after 1000 ms", status 255).
-    status = std::system((base + " run " + id + " -- sh -c 'sleep 2.5; echo late' > " +
-                          out_file)
-                             .c_str());
+    status = std::system(
+        (base + " run " + id + " -- sh -c 'sleep 2.5; echo late' > " + out_file).c_str());
     CHECK(WEXITSTATUS(status) == 0);
     std::ifstream late_out(out_file);
     CHECK(std::string((std::istreambuf_iterator<char>(late_out)), {}) == "late\n");
@@ -531,11 +554,11 @@ TEST_CASE("sandboxctl exec and run stream like docker exec and exit with the sta
 
 TEST_CASE("Lease limits above the node's maximum are refused with the field named",
           "[lease][limits]") {
-    const json config = {
-        {"providers",
-         {{"bwrap",
-           {{"limits",
-             {{"defaults", {{"memoryBytes", 268435456}}}, {"max", {{"memoryBytes", 268435456}}}}}}}}}};
+    const json config = {{"providers",
+                          {{"bwrap",
+                            {{"limits",
+                              {{"defaults", {{"memoryBytes", 268435456}}},
+                               {"max", {{"memoryBytes", 268435456}}}}}}}}}};
     DaemonProcess daemon("node-a", config.dump());
     auto c = daemon.connect();
     const json base = {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}};
@@ -551,8 +574,9 @@ TEST_CASE("Lease limits above the node's maximum are refused with the field name
         return {};
     };
     auto [message, data] = refused({{"memoryBytes", 536870912}});
-    CHECK(message == "config.limits.memoryBytes: 536870912 is above this node's maximum of "
-                     "268435456");
+    CHECK(message ==
+          "config.limits.memoryBytes: 536870912 is above this node's maximum of "
+          "268435456");
     CHECK(data["reason"] == "INVALID_PARAMS");
     CHECK(data["field"] == "config.limits.memoryBytes");
     std::tie(message, data) = refused({{"pids", 0}});
@@ -567,7 +591,8 @@ TEST_CASE("Lease limits above the node's maximum are refused with the field name
     CHECK(c->call("leaseList", json::object())["leases"].empty());
 
     json ok = base;
-    ok["config"] = {{"limits", {{"memoryBytes", 134217728}, {"pids", 64}, {"cpuQuotaPercent", 50}}}};
+    ok["config"] = {
+        {"limits", {{"memoryBytes", 134217728}, {"pids", 64}, {"cpuQuotaPercent", 50}}}};
     const auto lease = c->call("leaseAcquire", ok);
     CHECK(lease["limits"] == json{{"memoryBytes", 134217728},
                                   {"pids", 64},
@@ -601,8 +626,9 @@ TEST_CASE("With limits not enforced the node serves, says so, and removes a plai
     CHECK(daemon.log().find("no limits are enforced") != std::string::npos);
     auto [status, body] = http_get(daemon.address(), "/readyz");
     CHECK(status == 200);
-    CHECK(body == "ready\nwarning: provider bwrap: no limits are enforced "
-                  "(providers.bwrap.limits.enforce is false)\n");
+    CHECK(body ==
+          "ready\nwarning: provider bwrap: no limits are enforced "
+          "(providers.bwrap.limits.enforce is false)\n");
     auto c = daemon.connect();
     const auto lease = acquire(*c);
     CHECK(lease["limits"].is_null());
@@ -619,8 +645,9 @@ TEST_CASE("The no-op provider makes and releases leases and runs nothing and onl
     {
         DaemonProcess d("node-a", R"({"providers": {"noop": {"enabled": true}}})");
         auto c = d.connect();
-        const json lease = c->call("leaseAcquire",
-                                   {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "noop"}});
+        const json lease =
+            c->call("leaseAcquire",
+                    {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "noop"}});
         CHECK(lease["status"] == "active");
         CHECK(lease["provider"] == "noop");
         CHECK(lease["metadata"]["pluginId"] == "builtin");
@@ -641,8 +668,9 @@ TEST_CASE("The no-op provider makes and releases leases and runs nothing and onl
     {
         DaemonProcess d("node-b");
         auto c = d.connect();
-        auto [reason, message] = call_error(
-            *c, "leaseAcquire", {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "noop"}});
+        auto [reason, message] =
+            call_error(*c, "leaseAcquire",
+                       {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "noop"}});
         CHECK(reason == "INVALID_PARAMS");
         CHECK(message.find("no provider \"noop\"") != std::string::npos);
     }

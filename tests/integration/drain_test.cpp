@@ -77,7 +77,8 @@ void until_exit(Client& c, Running& r, const DaemonProcess& d) {
     try {
         until_exit(c, r);
     } catch (const std::exception& e) {
-        FAIL("no exit for channel " << r.channel << ": " << e.what() << "\ndaemon log:\n" << d.log());
+        FAIL("no exit for channel " << r.channel << ": " << e.what() << "\ndaemon log:\n"
+                                    << d.log());
     }
 }
 
@@ -105,17 +106,20 @@ TEST_CASE("drain: SIGTERM refuses opens and leases at once, and the running chan
     CHECK(http_get(d.address(), "/healthz").first == 200);
 
     // New work is refused with data.draining; the lease's other calls go on.
-    check_draining_refusal(failure_of(c, "duplexChannelOpen", open_params(lease, {"true"})), "node-a");
+    check_draining_refusal(failure_of(c, "duplexChannelOpen", open_params(lease, {"true"})),
+                           "node-a");
     check_draining_refusal(
         failure_of(c, "leaseAcquire",
                    {{"companyId", "acme"}, {"environmentId", "other"}, {"provider", "bwrap"}}),
         "node-a");
     CHECK(c.call("leaseRenew", {{"leaseId", lease["id"]}, {"ttlMs", 60000}})["status"] == "active");
     // Bad input is still told as such, not as draining.
-    CHECK(failure_of(c, "duplexChannelOpen", {{"lease", lease_ref(lease)}}).code() == errc::invalid_params);
+    CHECK(failure_of(c, "duplexChannelOpen", {{"lease", lease_ref(lease)}}).code() ==
+          errc::invalid_params);
     // A new connection is still accepted (a host may come back to release its lease).
     Client late(d.url(), host_token);
-    check_draining_refusal(failure_of(late, "duplexChannelOpen", open_params(lease, {"true"})), "node-a");
+    check_draining_refusal(failure_of(late, "duplexChannelOpen", open_params(lease, {"true"})),
+                           "node-a");
     CHECK(d.alive());
 
     // The channel that was running finishes as it would have: its output and exit are whole.
@@ -136,7 +140,8 @@ TEST_CASE("drain: channels still running at drainTimeoutMs are stopped with an e
     DaemonProcess d("node-a", config);
     Client c(d.url(), host_token);
     const auto lease = acquire_lease(c);
-    auto running = open(c, open_params(lease, {"sh", "-c", "trap '' TERM HUP; echo started; exec sleep 120"}));
+    auto running =
+        open(c, open_params(lease, {"sh", "-c", "trap '' TERM HUP; echo started; exec sleep 120"}));
     const auto sent = std::chrono::steady_clock::now();
     REQUIRE(::kill(d.pid(), SIGTERM) == 0);
     until_exit(c, running, d);
@@ -151,7 +156,8 @@ TEST_CASE("drain: channels still running at drainTimeoutMs are stopped with an e
 
 TEST_CASE("drain: a second SIGTERM stops at once", "[drain]") {
     const auto config =
-        json{{"auth", tokens()}, {"limits", {{"drainTimeoutMs", 600000}, {"hangupGraceMs", 200}}}}.dump();
+        json{{"auth", tokens()}, {"limits", {{"drainTimeoutMs", 600000}, {"hangupGraceMs", 200}}}}
+            .dump();
     DaemonProcess d("node-a", config);
     Client c(d.url(), host_token);
     const auto lease = acquire_lease(c);
@@ -177,7 +183,8 @@ TEST_CASE("drain: POST /admin/drain takes only a peer token, and the node stays 
     // Refused, and nothing changes: no token, a wrong one, a host's, the wrong method.
     CHECK(http_post(d.address(), "/admin/drain").first == 401);
     CHECK(http_post(d.address(), "/admin/drain", "Bearer wrong").first == 401);
-    const auto [host_status, host_body] = http_post(d.address(), "/admin/drain", "Bearer " + host_token);
+    const auto [host_status, host_body] =
+        http_post(d.address(), "/admin/drain", "Bearer " + host_token);
     CHECK(host_status == 403);
     CHECK(host_body == "token \"host\" has role host; POST /admin/drain takes a peer-role token\n");
     CHECK(http_get(d.address(), "/admin/drain", "Bearer " + peer_token).first == 405);
@@ -192,7 +199,8 @@ TEST_CASE("drain: POST /admin/drain takes only a peer token, and the node stays 
     CHECK(answer["drainTimeoutMs"] == 60000);
     // Draining from the answer on: /readyz and opens say so.
     CHECK(http_get(d.address(), "/readyz").second == "not ready: draining\n");
-    check_draining_refusal(failure_of(c, "duplexChannelOpen", open_params(lease, {"true"})), "node-a");
+    check_draining_refusal(failure_of(c, "duplexChannelOpen", open_params(lease, {"true"})),
+                           "node-a");
     // Again: the same drain.
     CHECK(http_post(d.address(), "/admin/drain", "Bearer " + peer_token).first == 202);
 
@@ -200,14 +208,16 @@ TEST_CASE("drain: POST /admin/drain takes only a peer token, and the node stays 
     until_exit(c, running, d);
     CHECK(running.exit["exitCode"] == 0);
     // Drained, and still up: the lease is released through it, then SIGTERM stops it at once.
-    REQUIRE(eventually([&] { return d.log().find("drained: no channel runs here") != std::string::npos; }, 10s));
+    REQUIRE(eventually(
+        [&] { return d.log().find("drained: no channel runs here") != std::string::npos; }, 10s));
     CHECK(d.alive());
     CHECK(c.call("leaseRelease", {{"leaseId", lease["id"]}})["status"] == "released");
     CHECK(d.stop() == 0);
 }
 
-TEMPLATE_TEST_CASE("drain: a rolling restart of three nodes under a stream of opens loses no channel",
-                   "[drain][multinode]", SqliteCluster) {
+TEMPLATE_TEST_CASE(
+    "drain: a rolling restart of three nodes under a stream of opens loses no channel",
+    "[drain][multinode]", SqliteCluster) {
     TestType cluster;
     const auto config = json{{"registry", cluster.registry()},
                              {"auth", tokens()},
@@ -273,13 +283,14 @@ TEMPLATE_TEST_CASE("drain: a rolling restart of three nodes under a stream of op
                     }
                     auto r = open(*c, open_params(lease, {"cat"}));
                     opened = true;
-                    const std::string line = "node " + std::to_string(i) + " line " + std::to_string(n) + "\n";
+                    const std::string line =
+                        "node " + std::to_string(i) + " line " + std::to_string(n) + "\n";
                     c->send_stdin(r.channel, line);
                     c->call("duplexChannelCloseStdin", {{"channel", r.channel}});
                     until_exit(*c, r);
                     if (r.out != line || r.exit.value("exitCode", -1) != 0) {
-                        s.lose("node " + std::to_string(i) + ": a channel ended with " + json(r.out).dump() +
-                               " and " + r.exit.dump());
+                        s.lose("node " + std::to_string(i) + ": a channel ended with " +
+                               json(r.out).dump() + " and " + r.exit.dump());
                     } else {
                         ++s.ok;
                     }
@@ -287,8 +298,8 @@ TEMPLATE_TEST_CASE("drain: a rolling restart of three nodes under a stream of op
                     const bool excused = !opened && (mine_restarting || restarting == i);
                     const auto* rpc = dynamic_cast<const rpc_error*>(&e);
                     if (!excused) {
-                        s.lose("node " + std::to_string(i) + (opened ? " (after its open)" : "") + ": " +
-                               e.what());
+                        s.lose("node " + std::to_string(i) + (opened ? " (after its open)" : "") +
+                               ": " + e.what());
                     } else if (rpc && rpc->data().value("draining", false)) {
                         ++s.refused;
                     }
@@ -307,7 +318,9 @@ TEMPLATE_TEST_CASE("drain: a rolling restart of three nodes under a stream of op
         return eventually(
             [&] {
                 for (int i = 0; i < nodes; ++i) {
-                    if (streams[static_cast<std::size_t>(i)].ok <= marks[static_cast<std::size_t>(i)]) return false;
+                    if (streams[static_cast<std::size_t>(i)].ok <=
+                        marks[static_cast<std::size_t>(i)])
+                        return false;
                 }
                 return true;
             },
@@ -327,14 +340,17 @@ TEMPLATE_TEST_CASE("drain: a rolling restart of three nodes under a stream of op
         // A channel of its own runs on the node when its SIGTERM comes, and holds the drain
         // open until the test lets it end.
         Client holder(d.url(), host_token);
-        const auto held_lease = holder.call(
-            "leaseAcquire",
-            {{"companyId", "acme"}, {"environmentId", "held-" + std::to_string(k)}, {"provider", "bwrap"}});
-        auto held = open(holder, open_params(held_lease, {"sh", "-c", "read line; echo \"got $line\""}));
+        const auto held_lease =
+            holder.call("leaseAcquire", {{"companyId", "acme"},
+                                         {"environmentId", "held-" + std::to_string(k)},
+                                         {"provider", "bwrap"}});
+        auto held =
+            open(holder, open_params(held_lease, {"sh", "-c", "read line; echo \"got $line\""}));
         const int refused_before = streams[static_cast<std::size_t>(k)].refused;
         REQUIRE(::kill(d.pid(), SIGTERM) == 0);
         // While it drains, its own stream is refused, and the other streams go on.
-        REQUIRE(eventually([&] { return streams[static_cast<std::size_t>(k)].refused > refused_before; }, 20s));
+        REQUIRE(eventually(
+            [&] { return streams[static_cast<std::size_t>(k)].refused > refused_before; }, 20s));
         CHECK(eventually(
             [&] {
                 for (int j = 0; j < nodes; ++j) {
@@ -362,7 +378,8 @@ TEMPLATE_TEST_CASE("drain: a rolling restart of three nodes under a stream of op
     for (auto& t : threads) t.join();
     for (int i = 0; i < nodes; ++i) {
         auto& s = streams[static_cast<std::size_t>(i)];
-        INFO("node-" << i << ": " << s.ok << " channels, " << s.refused << " opens refused while draining");
+        INFO("node-" << i << ": " << s.ok << " channels, " << s.refused
+                     << " opens refused while draining");
         std::string losses;
         for (const auto& loss : s.losses) losses += loss + "\n";
         INFO(losses);

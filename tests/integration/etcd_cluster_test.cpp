@@ -1,7 +1,8 @@
 // Nodes on an etcd registry under faults (issue 5): the lease change feed, etcd stopped under
 // a running daemon, and a node frozen (SIGSTOP) past its TTL that must fence itself, lose its
 // leases to the sweepers of the other nodes, end its stale channels and never serve them again.
-// Real daemons on loopback, real bubblewrap sandboxes, a real etcd (tests/support/etcd_fixture.hpp).
+// Real daemons on loopback, real bubblewrap sandboxes, a real etcd
+// (tests/support/etcd_fixture.hpp).
 #include "support/daemon_fixture.hpp"
 #include "support/etcd_fixture.hpp"
 
@@ -36,16 +37,15 @@ constexpr int node_ttl_ms = 3000;
 
 std::string etcd_cluster_config(const std::string& endpoint, const std::string& prefix,
                                 int ttl_ms = node_ttl_ms) {
-    return json{{"registry", {{"kind", "etcd"}, {"endpoints", {endpoint}}, {"prefix", prefix}}},
-                {"auth",
-                 {{"tokens",
-                   {{{"name", "host"}, {"token", host_token}, {"role", "host"}, {"tenants", {"*"}}},
-                    {{"name", "peer"}, {"token", peer_token}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
-                {"routing", {{"mode", "proxy"}, {"nodeTtlMs", ttl_ms}, {"heartbeatMs", 300}}}}
+    return json{
+        {"registry", {{"kind", "etcd"}, {"endpoints", {endpoint}}, {"prefix", prefix}}},
+        {"auth",
+         {{"tokens",
+           {{{"name", "host"}, {"token", host_token}, {"role", "host"}, {"tenants", {"*"}}},
+            {{"name", "peer"}, {"token", peer_token}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
+        {"routing", {{"mode", "proxy"}, {"nodeTtlMs", ttl_ms}, {"heartbeatMs", 300}}}}
         .dump();
 }
-
-
 
 std::string lease_status_of(Client& c, const json& lease) {
     return c.call("leaseGet", {{"leaseId", lease["id"]}})["status"].get<std::string>();
@@ -133,9 +133,10 @@ Lease feed_lease(const std::string& id) {
 
 }  // namespace
 
-TEST_CASE("etcd: the lease change feed starts at the store's revision, delivers every later "
-          "write and resumes after etcd restarts without starting again",
-          "[registry][etcd][watch]") {
+TEST_CASE(
+    "etcd: the lease change feed starts at the store's revision, delivers every later "
+    "write and resumes after etcd restarts without starting again",
+    "[registry][etcd][watch]") {
     EtcdServer etcd;  // private: this test stops and starts it
     const auto prefix = EtcdServer::unique_prefix();
     auto watcher = test::open_etcd({etcd.endpoint()}, prefix, 30000);
@@ -149,7 +150,8 @@ TEST_CASE("etcd: the lease change feed starts at the store's revision, delivers 
 
     const Lease lease = feed_lease("lease-1");
     const Lease created = writer->create_lease(lease);
-    CHECK(eventually([&] { return record.count_of("lease-1", lease_status::active, created.epoch) == 1; }, 5s));
+    CHECK(eventually(
+        [&] { return record.count_of("lease-1", lease_status::active, created.epoch) == 1; }, 5s));
 
     Lease next = created;
     next.status = lease_status::released;
@@ -157,7 +159,9 @@ TEST_CASE("etcd: the lease change feed starts at the store's revision, delivers 
     auto released = writer->update_lease(next, created.epoch);
     REQUIRE(released);
     CHECK(released->epoch > created.epoch);
-    CHECK(eventually([&] { return record.count_of("lease-1", lease_status::released, released->epoch) == 1; }, 5s));
+    CHECK(eventually(
+        [&] { return record.count_of("lease-1", lease_status::released, released->epoch) == 1; },
+        5s));
 
     // etcd restarts: the feed breaks, watches again from the last revision it delivered (no
     // listing of every lease: with many thousands stored that cost every node seconds of CPU
@@ -176,7 +180,9 @@ TEST_CASE("etcd: the lease change feed starts at the store's revision, delivers 
             }
         },
         10s));
-    CHECK(eventually([&] { return record.count_of("lease-2", lease_status::active, second_created.epoch) == 1; }, 10s));
+    CHECK(eventually(
+        [&] { return record.count_of("lease-2", lease_status::active, second_created.epoch) == 1; },
+        10s));
     CHECK(record.resync_count() == 1);
     CHECK(record.count_of("lease-0", lease_status::active, earlier.epoch) == 0);
     // Nothing was delivered twice: lease-1 once per write.
@@ -186,8 +192,9 @@ TEST_CASE("etcd: the lease change feed starts at the store's revision, delivers 
     // alive, receives the next write, and the destroyed one never does.
     std::atomic<bool> marker_seen{false};
     std::atomic<int> second_resyncs{0};
-    auto live_feed = watcher->watch_leases([&](const Lease& l) { marker_seen = marker_seen || l.id == "lease-3"; },
-                                        [&] { ++second_resyncs; }, 100);
+    auto live_feed = watcher->watch_leases(
+        [&](const Lease& l) { marker_seen = marker_seen || l.id == "lease-3"; },
+        [&] { ++second_resyncs; }, 100);
     REQUIRE(live_feed);
     REQUIRE(eventually([&] { return second_resyncs >= 1; }, 5s));
     feed.reset();
@@ -203,9 +210,10 @@ TEST_CASE("etcd: the lease change feed starts at the store's revision, delivers 
     CHECK(record.seen.size() == before);
 }
 
-TEST_CASE("etcd: a change feed cut off while etcd compacted its revision starts again at the "
-          "store's revision with a resync",
-          "[registry][etcd][watch]") {
+TEST_CASE(
+    "etcd: a change feed cut off while etcd compacted its revision starts again at the "
+    "store's revision with a resync",
+    "[registry][etcd][watch]") {
     EtcdServer etcd;  // private: this test compacts its history
     const auto target = parse_http_endpoint(etcd.endpoint());
     TcpRelay relay("127.0.0.1", target.port);
@@ -218,7 +226,8 @@ TEST_CASE("etcd: a change feed cut off while etcd compacted its revision starts 
 
     const Lease lease = feed_lease("lease-1");
     const Lease created = writer->create_lease(lease);
-    REQUIRE(eventually([&] { return record.count_of("lease-1", lease_status::active, created.epoch) == 1; }, 5s));
+    REQUIRE(eventually(
+        [&] { return record.count_of("lease-1", lease_status::active, created.epoch) == 1; }, 5s));
 
     // The feed's connection breaks and its reconnects fail while lease-1 ends, lease-2 is
     // made, and etcd forgets the history the feed would resume from. A watch from the feed's
@@ -244,7 +253,9 @@ TEST_CASE("etcd: a change feed cut off while etcd compacted its revision starts 
     // And it follows new writes after the resync, and only those.
     const Lease third = feed_lease("lease-3");
     const Lease third_created = writer->create_lease(third);
-    CHECK(eventually([&] { return record.count_of("lease-3", lease_status::active, third_created.epoch) == 1; }, 5s));
+    CHECK(eventually(
+        [&] { return record.count_of("lease-3", lease_status::active, third_created.epoch) == 1; },
+        5s));
     CHECK(record.resync_count() == 2);
     CHECK(record.count_of("lease-1", lease_status::released, released->epoch) == 0);
     CHECK(record.count_of("lease-2", lease_status::active, second_created.epoch) == 0);
@@ -257,7 +268,8 @@ TEST_CASE("etcd: a daemon whose etcd stops fails closed with REGISTRY_UNAVAILABL
     // the other core) once took over 2 s to answer a heartbeat, so the node fenced itself, as it
     // must, before the outage this case makes (CI of stop 28).
     constexpr int ttl_ms = 6000;
-    DaemonProcess p1("node-1", etcd_cluster_config(etcd.endpoint(), EtcdServer::unique_prefix(), ttl_ms));
+    DaemonProcess p1("node-1",
+                     etcd_cluster_config(etcd.endpoint(), EtcdServer::unique_prefix(), ttl_ms));
     Client c(p1.url(), host_token);
     auto lease = acquire_lease(c);
     // A channel that outlives the outage: it reads one line, then answers.
@@ -267,9 +279,10 @@ TEST_CASE("etcd: a daemon whose etcd stops fails closed with REGISTRY_UNAVAILABL
     read_until(c, channel, "ready\n");
 
     etcd.stop();
-    CHECK(error_reason(c, "duplexChannelOpen", open_params(lease, {"true"})) == "REGISTRY_UNAVAILABLE");
+    CHECK(error_reason(c, "duplexChannelOpen", open_params(lease, {"true"})) ==
+          "REGISTRY_UNAVAILABLE");
     CHECK(error_reason(c, "leaseAcquire",
-                    {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}}) ==
+                       {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}}) ==
           "REGISTRY_UNAVAILABLE");
     CHECK(error_reason(c, "leaseGet", {{"leaseId", lease["id"]}}) == "REGISTRY_UNAVAILABLE");
     // Past 2/3 of the TTL without a renewal the node is fenced, whatever the call needs.
@@ -301,8 +314,9 @@ TEST_CASE("etcd: a daemon whose etcd stops fails closed with REGISTRY_UNAVAILABL
     CHECK(p1.channel_processes().size() == 1);  // the running channel is left alone
 
     etcd.start();
-    REQUIRE(eventually([&] { return error_reason(c, "duplexChannelOpen", open_params(lease, {"true"})) == "ok"; },
-                       15s));
+    REQUIRE(eventually(
+        [&] { return error_reason(c, "duplexChannelOpen", open_params(lease, {"true"})) == "ok"; },
+        15s));
     // The channel that ran through the outage still works, end to end.
     c.send_stdin(channel, "hello\n");
     read_until(c, channel, "got hello\n");
@@ -316,8 +330,10 @@ TEST_CASE("etcd: a daemon whose etcd stops fails closed with REGISTRY_UNAVAILABL
     CHECK(lease_status_of(c, lease) == "active");
 }
 
-TEST_CASE("etcd: a node frozen past its TTL loses its leases, ends its stale channels and never serves them",
-          "[registry][etcd][daemon][fault][fencing]") {
+TEST_CASE(
+    "etcd: a node frozen past its TTL loses its leases, ends its stale channels and never serves "
+    "them",
+    "[registry][etcd][daemon][fault][fencing]") {
     auto& etcd = EtcdServer::shared();
     const auto prefix = EtcdServer::unique_prefix();
     DaemonProcess p1("node-1", etcd_cluster_config(etcd.endpoint(), prefix));
@@ -326,7 +342,8 @@ TEST_CASE("etcd: a node frozen past its TTL loses its leases, ends its stale cha
     Client c2(p2.url(), host_token, 30s);
     auto lease = acquire_lease(c1);
     REQUIRE(c2.run_channel(open_params(lease, {"true"})).open_result["routed"] == true);
-    auto open = c1.call("duplexChannelOpen", open_params(lease, {"sh", "-c", "echo ready; sleep 6317"}));
+    auto open =
+        c1.call("duplexChannelOpen", open_params(lease, {"sh", "-c", "echo ready; sleep 6317"}));
     const auto stale = open["channel"].get<std::uint32_t>();
     read_until(c1, stale, "ready\n");
 
@@ -342,7 +359,8 @@ TEST_CASE("etcd: a node frozen past its TTL loses its leases, ends its stale cha
         if (reason == "LEASE_NOT_ACTIVE") break;
         REQUIRE(reason == "OWNER_UNAVAILABLE");
         if (first_unavailable < 0) first_unavailable = seconds_since(frozen);
-        if (seconds_since(t) < 0.2 && fast_unavailable < 0) fast_unavailable = seconds_since(frozen);
+        if (seconds_since(t) < 0.2 && fast_unavailable < 0)
+            fast_unavailable = seconds_since(frozen);
         std::this_thread::sleep_for(100ms);
     }
     const double orphaned = seconds_since(frozen);
@@ -405,7 +423,8 @@ TEST_CASE("etcd: failover time from the owner's death to OWNER_UNAVAILABLE on th
     const auto killed = std::chrono::steady_clock::now();
     std::vector<double> answered;
     for (Client* c : {&c2, &c3}) {
-        CHECK(error_reason(*c, "duplexChannelOpen", open_params(lease, {"true"})) == "OWNER_UNAVAILABLE");
+        CHECK(error_reason(*c, "duplexChannelOpen", open_params(lease, {"true"})) ==
+              "OWNER_UNAVAILABLE");
         answered.push_back(seconds_since(killed));
     }
     // Its etcd lease expires: it leaves the member list, and its lease is orphaned.
@@ -442,8 +461,8 @@ TEST_CASE("etcd: a node started before etcd listens, answers 503 until registere
     CHECK(body.find("not registered with the registry yet") != std::string::npos);
     CHECK(http_get(address, "/v1/ws", "Bearer " + host_token, true).first == 503);
     // Every attempt is logged; no ready file yet.
-    REQUIRE(eventually([&] { return node.log().find("register attempt 2 failed") != std::string::npos; },
-                       30s));
+    REQUIRE(eventually(
+        [&] { return node.log().find("register attempt 2 failed") != std::string::npos; }, 30s));
     CHECK_FALSE(node.wait_ready(0ms));
     etcd.start();
     REQUIRE(node.wait_ready(30s));

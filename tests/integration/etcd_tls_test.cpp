@@ -18,14 +18,15 @@ namespace {
 const std::string host_token = "host-secret";
 
 json node_config(const EtcdServer& etcd, const json& registry_tls) {
-    return json{{"registry",
-                 {{"kind", "etcd"},
-                  {"endpoints", {etcd.endpoint()}},
-                  {"prefix", EtcdServer::unique_prefix()},
-                  {"startupTimeoutMs", 3000},
-                  {"tls", registry_tls}}},
-                {"auth", {{"tokens", {{{"name", "host"}, {"token", host_token}, {"role", "host"}}}}}},
-                {"routing", {{"nodeTtlMs", 3000}, {"heartbeatMs", 300}}}};
+    return json{
+        {"registry",
+         {{"kind", "etcd"},
+          {"endpoints", {etcd.endpoint()}},
+          {"prefix", EtcdServer::unique_prefix()},
+          {"startupTimeoutMs", 3000},
+          {"tls", registry_tls}}},
+        {"auth", {{"tokens", {{{"name", "host"}, {"token", host_token}, {"role", "host"}}}}}},
+        {"routing", {{"nodeTtlMs", 3000}, {"heartbeatMs", 300}}}};
 }
 
 }  // namespace
@@ -50,7 +51,8 @@ TEST_CASE("An etcd with client TLS serves as the registry", "[tls][etcd][registr
     CHECK(c.call("leaseRelease", {{"leaseId", lease["id"]}})["status"] == "released");
 
     SECTION("without a client certificate the node never registers") {
-        DaemonProcess refused("node-2", node_config(etcd, {{"caFile", pki.ca_cert.string()}}).dump(), {},
+        DaemonProcess refused("node-2",
+                              node_config(etcd, {{"caFile", pki.ca_cert.string()}}).dump(), {},
                               DaemonProcess::start_mode::no_wait);
         const auto status = refused.wait_exit(30s);
         REQUIRE(status.has_value());

@@ -87,7 +87,8 @@ std::vector<pid_t> descendants(pid_t root) {
         const pid_t p = todo.back();
         todo.pop_back();
         std::error_code ec;
-        for (const auto& task : fs::directory_iterator("/proc/" + std::to_string(p) + "/task", ec)) {
+        for (const auto& task :
+             fs::directory_iterator("/proc/" + std::to_string(p) + "/task", ec)) {
             std::istringstream in(read_file(task.path() / "children"));
             for (pid_t child = 0; in >> child;) {
                 out.push_back(child);
@@ -204,8 +205,10 @@ TEST_CASE("hostile: host secrets, tokens and the registry are unreachable from i
     fs::permissions(host_token, fs::perms::owner_read | fs::perms::owner_write);
     const json config = {{"auth",
                           {{"tokens",
-                            {{{"name", "host"}, {"tokenFile", host_token.string()},
-                              {"role", "host"}, {"tenants", {"*"}}}}}}}};
+                            {{{"name", "host"},
+                              {"tokenFile", host_token.string()},
+                              {"role", "host"},
+                              {"tenants", {"*"}}}}}}}};
     DaemonProcess configured("node-a", config.dump());
     DaemonProcess generated("node-b");  // makes <stateDir>/admin.token
     REQUIRE(fs::exists(generated.state_dir() / "admin.token"));
@@ -215,9 +218,9 @@ TEST_CASE("hostile: host secrets, tokens and the registry are unreachable from i
                      ? std::make_unique<Client>(d->url(), "host-token-0123456789abcdef")
                      : d->connect();
         const auto lease = acquire_lease(*c);
-        const std::vector<fs::path> secrets = {
-            "/etc/shadow", host_token, d->state_dir() / "admin.token",
-            d->state_dir() / "registry.db", d->state_dir()};
+        const std::vector<fs::path> secrets = {"/etc/shadow", host_token,
+                                               d->state_dir() / "admin.token",
+                                               d->state_dir() / "registry.db", d->state_dir()};
         for (const auto& path : secrets) {
             INFO("path " << path);
             // By path, through the channel init's /proc entries, and through any process's root.
@@ -331,7 +334,8 @@ TEST_CASE("hostile: a fork bomb at a pids limit of 128 leaves the node and other
         CHECK(got["usage"]["pids"].get<long>() <= 128);
     }
     std::string data(16 << 20, '\0');
-    for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>((i * 7 + i / 251) & 0xff);
+    for (std::size_t i = 0; i < data.size(); ++i)
+        data[i] = static_cast<char>((i * 7 + i / 251) & 0xff);
     auto streamed = run(*c, other, {"cat"}, data);
     CHECK(streamed.out.size() == data.size());
     CHECK(streamed.out == data);
@@ -367,9 +371,10 @@ TEST_CASE("hostile: allocating 1 GiB under a 128 MiB limit is killed and reporte
     CHECK(sh(*c, lease, "echo alive").out == "alive\n");
 }
 
-TEST_CASE("hostile: writing 200 MiB into a 64 MiB disk fails inside and costs the host at most "
-          "the limit",
-          "[hostile]") {
+TEST_CASE(
+    "hostile: writing 200 MiB into a 64 MiB disk fails inside and costs the host at most "
+    "the limit",
+    "[hostile]") {
     DaemonProcess d;
     auto c = d.connect();
     // What the daemon's own files hold on the host's disk (not the disk's free space, which
@@ -407,9 +412,10 @@ TEST_CASE("hostile: user namespaces, keyrings and TIOCSTI are refused with EPERM
                      "syscall(249, $t, $d, 0, 0); print $! + 0, ' '; "
                      "syscall(250, 0, -4, 0); print $! + 0, qq(\\n);"});
     CHECK(keys.out == "1 1 1\n");
-    json pty_open = open_params(lease, {"perl", "-e",
-                                        "my $c = 'x'; ioctl(STDIN, 0x5412, $c) and print qq(ok\\n); "
-                                        "print $! + 0, qq(\\n);"});
+    json pty_open =
+        open_params(lease, {"perl", "-e",
+                            "my $c = 'x'; ioctl(STDIN, 0x5412, $c) and print qq(ok\\n); "
+                            "print $! + 0, qq(\\n);"});
     pty_open["pty"] = {{"cols", 80}, {"rows", 24}};
     auto tiocsti = c->run_channel(pty_open, "", false);
     CHECK(tiocsti.out == "1\r\n");
@@ -421,15 +427,17 @@ TEST_CASE("hostile: with the network unshared the daemon's own port is unreachab
     auto c = d.connect();
     const auto lease = acquire_lease(*c);
     const std::string port = parse_host_port(d.address()).port_text();
-    auto r = run(*c, lease,
-                 {"bash", "-c", "echo > /dev/tcp/127.0.0.1/" + port + " && echo CONNECTED; exit 0"});
+    auto r =
+        run(*c, lease,
+            {"bash", "-c", "echo > /dev/tcp/127.0.0.1/" + port + " && echo CONNECTED; exit 0"});
     CHECK(r.out.find("CONNECTED") == std::string::npos);
     CHECK(r.err.find("Connection refused") != std::string::npos);
 }
 
-TEST_CASE("hostile: after kill -9 of the daemon and a restart no process of an old sandbox is "
-          "left",
-          "[hostile]") {
+TEST_CASE(
+    "hostile: after kill -9 of the daemon and a restart no process of an old sandbox is "
+    "left",
+    "[hostile]") {
     DaemonProcess d;
     fs::path cgroups[2];
     {
@@ -438,8 +446,8 @@ TEST_CASE("hostile: after kill -9 of the daemon and a restart no process of an o
             const auto lease = acquire_lease(*c);
             // A channel, and a background process of it that tries to outlive everything.
             const std::vector<std::string> marker = {"sleep", i == 0 ? "7331" : "7332"};
-            open_only(*c, open_params(lease, {"sh", "-c", "setsid sleep 7339 & exec sleep " +
-                                                              marker[1]}));
+            open_only(*c, open_params(lease,
+                                      {"sh", "-c", "setsid sleep 7339 & exec sleep " + marker[1]}));
             const pid_t pid = find_command(d, marker);
             REQUIRE(pid > 0);
             cgroups[i] = pids_cgroup_of(pid).parent_path();
@@ -510,7 +518,8 @@ TEST_CASE("hostile: a 30,000-level tree and 200,000 files cost the daemon nothin
     if (rss_is_meaningful) CHECK(d.peak_rss_kib() - rss_before < 16 * 1024);
     CHECK(d.fd_count() < fds_before + 16);
     std::error_code ec;
-    CHECK_FALSE(fs::exists(d.state_dir() / "sandboxes" / lease["providerLeaseId"].get<std::string>(), ec));
+    CHECK_FALSE(
+        fs::exists(d.state_dir() / "sandboxes" / lease["providerLeaseId"].get<std::string>(), ec));
 }
 
 #if defined(__x86_64__)
@@ -521,13 +530,15 @@ TEST_CASE("hostile: keyrings and inotify instances are not shared between leases
     const auto a = acquire_lease(*c);
     const auto b = acquire_lease(*c);
     // add_key (248) in A, then keyctl(KEYCTL_SEARCH = 10) for it from B: both refused.
-    auto add = run(*c, a, {"perl", "-e",
-                           "my ($t, $d, $p) = ('user', 'shared-key', 'secret'); "
-                           "my $r = syscall(248, $t, $d, $p, 6, -4); print $r, ' ', $! + 0;"});
+    auto add = run(*c, a,
+                   {"perl", "-e",
+                    "my ($t, $d, $p) = ('user', 'shared-key', 'secret'); "
+                    "my $r = syscall(248, $t, $d, $p, 6, -4); print $r, ' ', $! + 0;"});
     CHECK(add.out == "-1 1");
-    auto find = run(*c, b, {"perl", "-e",
-                            "my ($t, $d) = ('user', 'shared-key'); "
-                            "my $r = syscall(250, 10, -4, $t, $d, 0); print $r, ' ', $! + 0;"});
+    auto find = run(*c, b,
+                    {"perl", "-e",
+                     "my ($t, $d) = ('user', 'shared-key'); "
+                     "my $r = syscall(250, 10, -4, $t, $d, 0); print $r, ' ', $! + 0;"});
     CHECK(find.out == "-1 1");
     // 128 inotify instances held in A (inotify_init1 is 294) while root makes its own.
     auto ca = d.connect();

@@ -34,16 +34,17 @@ int pairs() {
 
 template <typename Registry>
 std::string config(const Registry& r) {
-    return json{{"registry", r.registry()},
-                {"auth",
-                 {{"tokens",
-                   {{{"name", "host"}, {"token", host_token}, {"role", "host"}, {"tenants", {"*"}}},
-                    {{"name", "peer"}, {"token", "peer-secret"}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
-                // The sweeper runs every heartbeatMs. The node TTL is wide because this test is
-                // about the sweeper meeting acquire and release, not about liveness: on a loaded
-                // machine a node's SQLite heartbeat (an fsync) stalled past 3 s once, and the node
-                // was then rightly declared dead (the fault trials test that verdict).
-                {"routing", {{"mode", "proxy"}, {"nodeTtlMs", 10000}, {"heartbeatMs", 100}}}}
+    return json{
+        {"registry", r.registry()},
+        {"auth",
+         {{"tokens",
+           {{{"name", "host"}, {"token", host_token}, {"role", "host"}, {"tenants", {"*"}}},
+            {{"name", "peer"}, {"token", "peer-secret"}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
+        // The sweeper runs every heartbeatMs. The node TTL is wide because this test is
+        // about the sweeper meeting acquire and release, not about liveness: on a loaded
+        // machine a node's SQLite heartbeat (an fsync) stalled past 3 s once, and the node
+        // was then rightly declared dead (the fault trials test that verdict).
+        {"routing", {{"mode", "proxy"}, {"nodeTtlMs", 10000}, {"heartbeatMs", 100}}}}
         .dump();
 }
 
@@ -109,8 +110,9 @@ TEMPLATE_TEST_CASE("Acquire and release pairs over two nodes never meet the swee
                     Client& acquirer = *nodes[i % 2];
                     Client& releaser = *nodes[(i / 2) % 2];  // every other pair: the other node
                     const json lease = unfenced([&] { return acquire_lease(acquirer); });
-                    const json released = unfenced(
-                        [&] { return releaser.call("leaseRelease", {{"leaseId", lease["id"]}}); });
+                    const json released = unfenced([&] {
+                        return releaser.call("leaseRelease", {{"leaseId", lease["id"]}});
+                    });
                     std::lock_guard lock(mutex);
                     leases.push_back(lease["id"].get<std::string>());
                     if (released["status"] != "released") {
@@ -127,7 +129,8 @@ TEMPLATE_TEST_CASE("Acquire and release pairs over two nodes never meet the swee
     }
     for (auto& t : threads) t.join();
     for (const auto& p : problems) UNSCOPED_INFO(p);
-    if (fenced > 0) WARN(fenced << " calls were answered REGISTRY_UNAVAILABLE (fenced) and made again");
+    if (fenced > 0)
+        WARN(fenced << " calls were answered REGISTRY_UNAVAILABLE (fenced) and made again");
     CHECK(errors == 0);
     CHECK(not_released == 0);
     REQUIRE(leases.size() == static_cast<std::size_t>(n));

@@ -3,8 +3,8 @@
 // sweep each read a bounded number of records. The lease service runs in-process on a Node
 // whose registry is wrapped in a decorator that counts what the registry returns.
 #include "server/lease_service.hpp"
-#include "support/temp_dir.hpp"
 #include "support/sync_registry.hpp"
+#include "support/temp_dir.hpp"
 
 #include <sandboxd/core/errors.hpp>
 
@@ -115,7 +115,6 @@ private:
 
     std::unique_ptr<Registry> inner_;
 };
-
 
 Lease record(int i, const std::string& owner) {
     Lease l;

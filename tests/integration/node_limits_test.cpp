@@ -55,13 +55,15 @@ constexpr std::string_view pattern = "0123456789abcde";
 
 /// Writes `bytes` of the pattern (no newline: a PTY passes it unchanged).
 std::vector<std::string> pattern_command(std::uint64_t bytes) {
-    return {"sh", "-c", "yes " + std::string(pattern) + " | tr -d '\\n' | head -c " + std::to_string(bytes)};
+    return {"sh", "-c",
+            "yes " + std::string(pattern) + " | tr -d '\\n' | head -c " + std::to_string(bytes)};
 }
 
 /// Bytes per second of one channel streaming `bytes` of zeros to a host that reads at once.
 double stream_rate(Client& c, const json& lease, std::uint64_t bytes) {
     const auto start = std::chrono::steady_clock::now();
-    auto run = c.run_channel(open_params(lease, {"head", "-c", std::to_string(bytes), "/dev/zero"}));
+    auto run =
+        c.run_channel(open_params(lease, {"head", "-c", std::to_string(bytes), "/dev/zero"}));
     const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
     REQUIRE(run.out.size() == bytes);
     return static_cast<double>(bytes) / took.count();
@@ -78,7 +80,8 @@ struct Stream {
 /// Reads everything `c` was sent for its opens `opens` (request id -> expected bytes): every
 /// channel's output, credited as it arrives and checked against the pattern, and its exit.
 void read_back(Client& c, const std::map<std::int64_t, std::uint64_t>& opens,
-               std::map<std::uint32_t, Stream>& streams, std::map<std::uint32_t, std::uint64_t>& expected) {
+               std::map<std::uint32_t, Stream>& streams,
+               std::map<std::uint32_t, std::uint64_t>& expected) {
     std::size_t exited = 0;
     while (exited < opens.size()) {
         auto ev = c.next_event();
@@ -108,9 +111,10 @@ void read_back(Client& c, const std::map<std::int64_t, std::uint64_t>& opens,
 
 }  // namespace
 
-TEST_CASE("A host that stops reading cannot grow the daemon: its output waits in the pipes, "
-          "other hosts stream, and every byte arrives in order once it reads",
-          "[limits][memory]") {
+TEST_CASE(
+    "A host that stops reading cannot grow the daemon: its output waits in the pipes, "
+    "other hosts stream, and every byte arrives in order once it reads",
+    "[limits][memory]") {
     const auto channels = env_count("SANDBOXD_STALL_CHANNELS", 8);
     const auto bytes = env_count("SANDBOXD_STALL_BYTES", 256ULL << 20);
     const auto executes = env_count("SANDBOXD_STALL_EXECUTES", 8);
@@ -119,27 +123,31 @@ TEST_CASE("A host that stops reading cannot grow the daemon: its output waits in
     // ASan keeps freed blocks in a quarantine (256 MiB by default): that is the sanitizer's
     // memory, not the daemon's. A small one, so that RSS measures what the daemon holds.
     const char* asan = std::getenv("ASAN_OPTIONS");
-    ScopedEnv asan_env("ASAN_OPTIONS", std::string(asan ? asan : "") +
-                                           ":quarantine_size_mb=4:thread_local_quarantine_size_kb=256");
-    json config = {{"auth", tokens()},
-                   {"limits",
-                    {{"sendQueueBytes", node_budget},
-                     {"sendQueueBytesPerConnection", connection_budget},
-                     {"maxOutputWindow", 1 << 30},
-                     {"channelsPerConnection", 1024},
-                     {"channelsPerNode", 4096},
-                     {"requestsPerConnection", 1024},
-                     {"idleTimeoutMs", 3 * 3600000},
-                     // The stalled hosts take nothing for as long as the checks below run.
-                     {"sendStallTimeoutMs", 3600000}}},
-                   {"providers", {{"bwrap", {{"limits", {{"defaults", {{"pids", 2048}}}, {"max", {{"pids", 4096}}}}}}}}}};
+    ScopedEnv asan_env("ASAN_OPTIONS",
+                       std::string(asan ? asan : "") +
+                           ":quarantine_size_mb=4:thread_local_quarantine_size_kb=256");
+    json config = {
+        {"auth", tokens()},
+        {"limits",
+         {{"sendQueueBytes", node_budget},
+          {"sendQueueBytesPerConnection", connection_budget},
+          {"maxOutputWindow", 1 << 30},
+          {"channelsPerConnection", 1024},
+          {"channelsPerNode", 4096},
+          {"requestsPerConnection", 1024},
+          {"idleTimeoutMs", 3 * 3600000},
+          // The stalled hosts take nothing for as long as the checks below run.
+          {"sendStallTimeoutMs", 3600000}}},
+        {"providers",
+         {{"bwrap", {{"limits", {{"defaults", {{"pids", 2048}}}, {"max", {{"pids", 4096}}}}}}}}}};
     DaemonProcess d("node-a", config.dump());
     Client host(d.url(), host_token, 120s);
     const auto lease = acquire_lease(host);
     // The unloaded rate of another host's stream, and the daemon's RSS after it (its
     // buffers made once).
     const std::uint64_t probe = 64ULL << 20;
-    const double unloaded = std::max(stream_rate(host, lease, probe), stream_rate(host, lease, probe));
+    const double unloaded =
+        std::max(stream_rate(host, lease, probe), stream_rate(host, lease, probe));
     const long baseline_kib = d.rss_kib();
     INFO("baseline RSS " << baseline_kib << " KiB, unloaded stream " << unloaded / 1e6 << " MB/s");
 
@@ -167,16 +175,17 @@ TEST_CASE("A host that stops reading cannot grow the daemon: its output waits in
     std::vector<std::int64_t> execute_ids;
     for (std::uint64_t i = 0; i < executes; ++i) {
         execute_ids.push_back(executor.send_request(
-            "leaseExecute", {{"leaseId", lease["id"]},
-                             {"command", "sh"},
-                             {"args", {"-c", ones_script}}}));
+            "leaseExecute",
+            {{"leaseId", lease["id"]}, {"command", "sh"}, {"args", {"-c", ones_script}}}));
     }
 
     // Every stalled connection fills its own budget (the node's is larger than their sum
     // here), and stays there: the commands block on their pipes and PTYs.
     const std::uint64_t connections = stalled.size() + (executes > 0 ? 1 : 0);
-    const double saturated = static_cast<double>(std::min(node_budget, connections * connection_budget));
-    REQUIRE(eventually([&] { return d.metric("sandboxd_send_queue_bytes") >= saturated * 0.9; }, 120s));
+    const double saturated =
+        static_cast<double>(std::min(node_budget, connections * connection_budget));
+    REQUIRE(
+        eventually([&] { return d.metric("sandboxd_send_queue_bytes") >= saturated * 0.9; }, 120s));
     const long loaded_kib = d.rss_kib();
     const long bound_kib = baseline_kib + static_cast<long>(node_budget / 1024) + 32 * 1024;
     INFO("loaded RSS " << loaded_kib << " KiB, bound " << bound_kib << " KiB, queued "
@@ -186,7 +195,8 @@ TEST_CASE("A host that stops reading cannot grow the daemon: its output waits in
 
     // Another host on the same node streams at half its unloaded rate or better.
     Client other(d.url(), host_token, 120s);
-    const double loaded = std::max(stream_rate(other, lease, probe), stream_rate(other, lease, probe));
+    const double loaded =
+        std::max(stream_rate(other, lease, probe), stream_rate(other, lease, probe));
     INFO("loaded stream " << loaded / 1e6 << " MB/s");
     CHECK(loaded >= unloaded / 2);
     CHECK(d.rss_kib() <= bound_kib);
@@ -214,11 +224,13 @@ TEST_CASE("A host that stops reading cannot grow the daemon: its output waits in
     CHECK(d.peak_rss_kib() <= bound_kib);
 }
 
-TEST_CASE("A connection whose socket takes nothing is closed after sendStallTimeoutMs, and one that "
-          "only gives no credit is not",
-          "[limits]") {
-    json config = {{"auth", tokens()},
-                   {"limits", {{"sendStallTimeoutMs", 1000}, {"sendQueueBytesPerConnection", 1 << 20}}}};
+TEST_CASE(
+    "A connection whose socket takes nothing is closed after sendStallTimeoutMs, and one that "
+    "only gives no credit is not",
+    "[limits]") {
+    json config = {
+        {"auth", tokens()},
+        {"limits", {{"sendStallTimeoutMs", 1000}, {"sendQueueBytesPerConnection", 1 << 20}}}};
     DaemonProcess d("node-a", config.dump());
     Client host(d.url(), host_token, 60s);
     const auto lease = acquire_lease(host);
@@ -234,7 +246,9 @@ TEST_CASE("A connection whose socket takes nothing is closed after sendStallTime
         if (ev.type == ClientEvent::kind::data) got += ev.bytes.size();
     }
     // Longer than the stall timeout, measured by a command of the node's own.
-    CHECK(host.call("leaseExecute", {{"leaseId", lease["id"]}, {"command", "sleep"}, {"args", {"2"}}})["exitCode"] == 0);
+    CHECK(host.call(
+              "leaseExecute",
+              {{"leaseId", lease["id"]}, {"command", "sleep"}, {"args", {"2"}}})["exitCode"] == 0);
     CHECK(d.log().find("took no message for") == std::string::npos);
     CHECK(stingy.call("duplexChannelStop", {{"channel", opened["channel"]}}).is_object());
 
@@ -243,10 +257,12 @@ TEST_CASE("A connection whose socket takes nothing is closed after sendStallTime
     auto flood = open_params(lease, {"head", "-c", "100000000", "/dev/zero"});
     flood["outputWindow"] = 64 << 20;
     deaf.send_request("duplexChannelOpen", flood);
-    CHECK(eventually([&] { return d.log().find("took no message for") != std::string::npos; }, 20s));
+    CHECK(
+        eventually([&] { return d.log().find("took no message for") != std::string::npos; }, 20s));
     // The deaf host's channel was hung up with its connection; the node serves on.
     CHECK(eventually([&] { return d.metric("sandboxd_channels_running") == 0; }, 20s));
-    CHECK(host.call("leaseExecute", {{"leaseId", lease["id"]}, {"command", "true"}})["exitCode"] == 0);
+    CHECK(host.call("leaseExecute", {{"leaseId", lease["id"]}, {"command", "true"}})["exitCode"] ==
+          0);
 }
 
 namespace {
@@ -254,7 +270,8 @@ namespace {
 /// A client process holding `count` TCP connections to `address`, each of which has sent one
 /// byte of an HTTP request and nothing more, until its `release` pipe closes. It writes one
 /// byte to `ready` once all are connected (or as many as the node let it have). Never returns.
-[[noreturn]] void hold_connections(const std::string& address, std::uint64_t count, int ready, int release) {
+[[noreturn]] void hold_connections(const std::string& address, std::uint64_t count, int ready,
+                                   int release) {
     rlimit lim{};
     if (::getrlimit(RLIMIT_NOFILE, &lim) == 0) {
         lim.rlim_cur = lim.rlim_max;
@@ -284,13 +301,15 @@ namespace {
 
 }  // namespace
 
-TEST_CASE("A flood of unauthenticated connections leaves existing hosts working, and a new host "
-          "connects within 1 s of its end",
-          "[limits][connections]") {
+TEST_CASE(
+    "A flood of unauthenticated connections leaves existing hosts working, and a new host "
+    "connects within 1 s of its end",
+    "[limits][connections]") {
     const auto flood = env_count("SANDBOXD_FLOOD_CONNECTIONS", 2000);
     const bool full = flood > 2000;
     // Reduced: a node whose descriptor limit is 1,024. Full: the default limits.
-    DaemonProcess d("node-a", json{{"auth", tokens()}, {"limits", {{"authTimeoutMs", 60000}}}}.dump());
+    DaemonProcess d("node-a",
+                    json{{"auth", tokens()}, {"limits", {{"authTimeoutMs", 60000}}}}.dump());
     if (!full) {
         d.set_fd_limit_for_next_start(1024);
         d.restart();
@@ -325,17 +344,20 @@ TEST_CASE("A flood of unauthenticated connections leaves existing hosts working,
         REQUIRE(::read(ready[0], &c, 1) == 1);
     }
     // The node holds its cap of pending connections and refused the rest at once.
-    REQUIRE(eventually([&] {
-        const auto log = d.log();
-        return log.find("connections: at most") != std::string::npos;
-    }, 5s));
+    REQUIRE(eventually(
+        [&] {
+            const auto log = d.log();
+            return log.find("connections: at most") != std::string::npos;
+        },
+        5s));
 
     // Meanwhile the existing host works: acquire, open, execute.
     const auto second = acquire_lease(host);
     auto run = host.run_channel(open_params(second, {"echo", "through the flood"}));
     CHECK(run.out == "through the flood\n");
     CHECK(run.exit["exitCode"] == 0);
-    CHECK(host.call("leaseExecute", {{"leaseId", lease["id"]}, {"command", "true"}})["exitCode"] == 0);
+    CHECK(host.call("leaseExecute", {{"leaseId", lease["id"]}, {"command", "true"}})["exitCode"] ==
+          0);
     // A new host is refused at once while the flood holds the pending places.
     CHECK_THROWS_AS(Client(d.url(), host_token, 5s), client_error);
 
@@ -354,12 +376,14 @@ TEST_CASE("A flood of unauthenticated connections leaves existing hosts working,
     const auto took = std::chrono::steady_clock::now() - ended;
     REQUIRE(fresh);
     CHECK(took <= 1s);
-    CHECK(fresh->call("leaseExecute", {{"leaseId", lease["id"]}, {"command", "true"}})["exitCode"] == 0);
+    CHECK(fresh->call("leaseExecute",
+                      {{"leaseId", lease["id"]}, {"command", "true"}})["exitCode"] == 0);
     CHECK(d.metric("sandboxd_connections_refused_total{limit=\"pendingConnections\"}") > 0);
 }
 
 TEST_CASE("An unauthenticated connection is closed at authTimeoutMs", "[limits][connections]") {
-    DaemonProcess d("node-a", json{{"auth", tokens()}, {"limits", {{"authTimeoutMs", 300}}}}.dump());
+    DaemonProcess d("node-a",
+                    json{{"auth", tokens()}, {"limits", {{"authTimeoutMs", 300}}}}.dump());
     const int fd = connect_tcp(d.address());
     REQUIRE(::send(fd, "GET /v1/ws HTTP/1.1\r\n", 21, MSG_NOSIGNAL) == 21);
     const auto start = std::chrono::steady_clock::now();

@@ -8,9 +8,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
-#include <poll.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -134,7 +134,8 @@ std::pair<int, std::string> promtool_check(const TempDir& dir, const std::string
     const auto in = dir.path() / "metrics.txt";
     const auto out = dir.path() / "promtool.out";
     std::ofstream(in) << text;
-    const int rc = std::system(("promtool check metrics < " + in.string() + " > " + out.string() + " 2>&1").c_str());
+    const int rc = std::system(
+        ("promtool check metrics < " + in.string() + " > " + out.string() + " 2>&1").c_str());
     std::ifstream o(out);
     std::stringstream ss;
     ss << o.rdbuf();
@@ -217,20 +218,35 @@ TEMPLATE_TEST_CASE("operations: /metrics of two nodes names every family and pas
     REQUIRE(status2 == 200);
     INFO("owner's /metrics:\n" << m1);
     INFO("router's /metrics:\n" << m2);
-    for (const auto* family :
-         {"sandboxd_build_info", "sandboxd_connections", "sandboxd_connections_open",
-          "sandboxd_connections_pending", "sandboxd_connections_refused_total",
-          "sandboxd_send_queue_bytes", "sandboxd_registry_bad_records_total",
-          "sandboxd_channel_opens_total",
-          "sandboxd_channel_open_seconds", "sandboxd_channels_running",
-          "sandboxd_channel_bytes_total", "sandboxd_leases", "sandboxd_lease_operations_total",
-          "sandboxd_registry_call_seconds", "sandboxd_registry_errors_total",
-          "sandboxd_provider_operation_seconds", "sandboxd_provider_failures_total",
-          "sandboxd_plugin_worker_up", "sandboxd_plugin_worker_restarts_total",
-          "sandboxd_peer_link_up", "sandboxd_sweeper_passes_total", "sandboxd_orphans_found_total",
-          "sandboxd_teardowns_total", "sandboxd_fenced", "sandboxd_limit_events_total",
-          "process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds",
-          "process_start_time_seconds"}) {
+    for (const auto* family : {"sandboxd_build_info",
+                               "sandboxd_connections",
+                               "sandboxd_connections_open",
+                               "sandboxd_connections_pending",
+                               "sandboxd_connections_refused_total",
+                               "sandboxd_send_queue_bytes",
+                               "sandboxd_registry_bad_records_total",
+                               "sandboxd_channel_opens_total",
+                               "sandboxd_channel_open_seconds",
+                               "sandboxd_channels_running",
+                               "sandboxd_channel_bytes_total",
+                               "sandboxd_leases",
+                               "sandboxd_lease_operations_total",
+                               "sandboxd_registry_call_seconds",
+                               "sandboxd_registry_errors_total",
+                               "sandboxd_provider_operation_seconds",
+                               "sandboxd_provider_failures_total",
+                               "sandboxd_plugin_worker_up",
+                               "sandboxd_plugin_worker_restarts_total",
+                               "sandboxd_peer_link_up",
+                               "sandboxd_sweeper_passes_total",
+                               "sandboxd_orphans_found_total",
+                               "sandboxd_teardowns_total",
+                               "sandboxd_fenced",
+                               "sandboxd_limit_events_total",
+                               "process_cpu_seconds_total",
+                               "process_resident_memory_bytes",
+                               "process_open_fds",
+                               "process_start_time_seconds"}) {
         CHECK(m1.find(std::string("# TYPE ") + family + " ") != std::string::npos);
     }
     // The owner: both opens ran here, one of them forwarded over the peer link.
@@ -243,10 +259,14 @@ TEMPLATE_TEST_CASE("operations: /metrics of two nodes names every family and pas
     CHECK(sample(m1, "sandboxd_connections{role=\"host\"}") == 1);
     CHECK(sample(m1, "sandboxd_connections{role=\"peer\"}") == 1);
     CHECK(sample(m1, "sandboxd_leases{status=\"active\"}") == 1);
-    CHECK(sample(m1, "sandboxd_lease_operations_total{method=\"leaseAcquire\",result=\"ok\"}") == 1);
+    CHECK(sample(m1, "sandboxd_lease_operations_total{method=\"leaseAcquire\",result=\"ok\"}") ==
+          1);
     CHECK(sample(m1, "sandboxd_lease_operations_total{method=\"leaseRenew\",result=\"ok\"}") == 1);
-    CHECK(sample(m1, "sandboxd_provider_operation_seconds_count{provider=\"bwrap\",op=\"create\"}") == 1);
-    CHECK(sample(m1, "sandboxd_provider_operation_seconds_count{provider=\"bwrap\",op=\"open\"}") == 2);
+    CHECK(
+        sample(m1, "sandboxd_provider_operation_seconds_count{provider=\"bwrap\",op=\"create\"}") ==
+        1);
+    CHECK(sample(m1, "sandboxd_provider_operation_seconds_count{provider=\"bwrap\",op=\"open\"}") ==
+          2);
     CHECK(sample(m1, "sandboxd_registry_call_seconds_count{op=\"create_lease\"}") == 1);
     CHECK(sample(m1, "sandboxd_registry_errors_total") == 0);
     CHECK(sample(m1, "sandboxd_fenced") == 0);
@@ -296,14 +316,17 @@ TEST_CASE("operations: the audit trail follows one lease's whole life", "[operat
         CHECK(c.call("leaseRelease", {{"leaseId", id}})["status"] == "released");
 
         // A lease left to expire: the sweeper ends it.
-        auto params = json{{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"},
+        auto params = json{{"companyId", "acme"},
+                           {"environmentId", "dev"},
+                           {"provider", "bwrap"},
                            {"ttlMs", 1000}};
         const auto short_lived = c.call("leaseAcquire", params);
         const auto short_id = short_lived["id"].get<std::string>();
         // Expired in the registry, then torn down (its audit line written after the teardown).
         REQUIRE(eventually(
             [&] {
-                if (c.call("leaseGet", {{"leaseId", short_id}})["status"] != "expired") return false;
+                if (c.call("leaseGet", {{"leaseId", short_id}})["status"] != "expired")
+                    return false;
                 for (const auto& l : events_named(audit_lines(audit), "lease.torn_down")) {
                     if (l.value("lease", "") == short_id) return true;
                 }
@@ -319,7 +342,7 @@ TEST_CASE("operations: the audit trail follows one lease's whole life", "[operat
             all += l.dump() + "\n";
         }
         INFO("audit:\n" << all);
-        CHECK(all.find(host_token) == std::string::npos);      // never a token value
+        CHECK(all.find(host_token) == std::string::npos);       // never a token value
         CHECK(all.find("secret-output") == std::string::npos);  // never payload bytes
 
         const auto accepted = events_named(lines, "connection.accepted");
@@ -342,7 +365,8 @@ TEST_CASE("operations: the audit trail follows one lease's whole life", "[operat
         CHECK(order == std::vector<std::string>{"lease.acquired", "lease.renewed", "channel.opened",
                                                 "channel.ended", "lease.torn_down",
                                                 "lease.released"});
-        for (const auto* event : {"lease.acquired", "lease.renewed", "lease.released", "lease.torn_down"}) {
+        for (const auto* event :
+             {"lease.acquired", "lease.renewed", "lease.released", "lease.torn_down"}) {
             const auto l = of(event, id);
             REQUIRE(l.size() == 1);
             CHECK(l[0]["tenant"] == "acme");
@@ -428,18 +452,24 @@ TEMPLATE_TEST_CASE("operations: a lease whose owner died is audited as orphaned 
 TEST_CASE("operations: SIGHUP reopens the audit file after a rotation", "[operations]") {
     TempDir dir;
     const auto audit = dir.path() / "audit.jsonl";
-    DaemonProcess d("node-a", json{{"auth", tokens()}, {"audit", {{"file", audit.string()}}}}.dump());
+    DaemonProcess d("node-a",
+                    json{{"auth", tokens()}, {"audit", {{"file", audit.string()}}}}.dump());
     { Client c(d.url(), host_token); }
-    REQUIRE(eventually([&] { return !events_named(audit_lines(audit), "connection.accepted").empty(); }, 5s));
+    REQUIRE(eventually(
+        [&] { return !events_named(audit_lines(audit), "connection.accepted").empty(); }, 5s));
     const auto rotated = dir.path() / "audit.jsonl.1";
     std::filesystem::rename(audit, rotated);
     const auto log_before = d.log().size();
     REQUIRE(::kill(d.pid(), SIGHUP) == 0);
-    REQUIRE(eventually([&] { return d.log().find("reloaded:", log_before) != std::string::npos; }, 5s));
+    REQUIRE(
+        eventually([&] { return d.log().find("reloaded:", log_before) != std::string::npos; }, 5s));
     { Client c(d.url(), host_token); }
-    REQUIRE(eventually([&] { return std::filesystem::exists(audit) &&
-                                    events_named(audit_lines(audit), "connection.accepted").size() == 1; },
-                       5s));
+    REQUIRE(eventually(
+        [&] {
+            return std::filesystem::exists(audit) &&
+                   events_named(audit_lines(audit), "connection.accepted").size() == 1;
+        },
+        5s));
     CHECK(events_named(audit_lines(rotated), "connection.accepted").size() == 1);
     CHECK((std::filesystem::status(audit).permissions() & std::filesystem::perms::all) ==
           (std::filesystem::perms::owner_read | std::filesystem::perms::owner_write));
@@ -474,11 +504,16 @@ TEST_CASE("operations: JSON logs carry node, lease, channel and peer as fields",
     CHECK(opened["msg"].get<std::string>().find("(connection channel ") != std::string::npos);
     // A refused upgrade names the client's address.
     CHECK(http_get(d.address(), "/v1/ws", "Bearer wrong", true).first == 401);
-    CHECK(eventually([&] { return d.log().find("rejected an upgrade: missing or invalid bearer token") !=
-                                  std::string::npos; }, 5s));
+    CHECK(eventually(
+        [&] {
+            return d.log().find("rejected an upgrade: missing or invalid bearer token") !=
+                   std::string::npos;
+        },
+        5s));
 }
 
-TEST_CASE("operations: /readyz is not ready while bubblewrap cannot make a sandbox", "[operations]") {
+TEST_CASE("operations: /readyz is not ready while bubblewrap cannot make a sandbox",
+          "[operations]") {
     // A bubblewrap that fails as it does in a container without the privileges it needs. A
     // stand-in for the failure only: the real one is probed in every other test's start.
     TempDir dir;
@@ -486,17 +521,22 @@ TEST_CASE("operations: /readyz is not ready while bubblewrap cannot make a sandb
                                                  std::filesystem::perms::group_exec |
                                                  std::filesystem::perms::others_exec);
     const auto fake = dir.path() / "bwrap";
-    std::ofstream(fake) << "#!/bin/sh\necho 'bwrap: Creating new namespace failed: Operation not permitted' >&2\nexit 1\n";
-    std::filesystem::permissions(fake, std::filesystem::perms::owner_all |
-                                           std::filesystem::perms::group_exec | std::filesystem::perms::group_read |
-                                           std::filesystem::perms::others_exec | std::filesystem::perms::others_read);
-    DaemonProcess d("node-a", json{{"auth", tokens()},
-                                   {"providers", {{"bwrap", {{"path", fake.string()}, {"limits", {{"enforce", false}}}}}}}}
-                                  .dump());
+    std::ofstream(fake) << "#!/bin/sh\necho 'bwrap: Creating new namespace failed: Operation not "
+                           "permitted' >&2\nexit 1\n";
+    std::filesystem::permissions(
+        fake, std::filesystem::perms::owner_all | std::filesystem::perms::group_exec |
+                  std::filesystem::perms::group_read | std::filesystem::perms::others_exec |
+                  std::filesystem::perms::others_read);
+    DaemonProcess d("node-a",
+                    json{{"auth", tokens()},
+                         {"providers",
+                          {{"bwrap", {{"path", fake.string()}, {"limits", {{"enforce", false}}}}}}}}
+                        .dump());
     const auto [status, body] = http_get(d.address(), "/readyz");
     CHECK(status == 503);
     CHECK(body ==
-          "not ready: provider bwrap not ready: cannot make a sandbox: bubblewrap exited with status 1: "
+          "not ready: provider bwrap not ready: cannot make a sandbox: bubblewrap exited with "
+          "status 1: "
           "bwrap: Creating new namespace failed: Operation not permitted\n");
     Client c(d.url(), host_token);
     try {
@@ -504,7 +544,8 @@ TEST_CASE("operations: /readyz is not ready while bubblewrap cannot make a sandb
         FAIL("leaseAcquire succeeded with a bubblewrap that cannot make a sandbox");
     } catch (const rpc_error& e) {
         CHECK(e.data().value("reason", "") == "PROVIDER_NOT_READY");
-        CHECK(std::string(e.what()).find("cannot make a sandbox on this node: bubblewrap exited with status 1") !=
+        CHECK(std::string(e.what()).find(
+                  "cannot make a sandbox on this node: bubblewrap exited with status 1") !=
               std::string::npos);
     }
     CHECK(d.log().find("bwrap provider: cannot make a sandbox on this node") != std::string::npos);

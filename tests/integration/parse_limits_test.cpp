@@ -89,7 +89,8 @@ std::pair<std::string, std::string> two_leases_then_stop(DaemonProcess& daemon) 
 /// On a node restarted over a registry whose record of `bad_id` cannot be read: that lease
 /// fails closed with REGISTRY_UNAVAILABLE naming it, the other is listed and served, and the
 /// bad record was counted once (not per read).
-void check_poisoned_lease(DaemonProcess& daemon, const std::string& bad_id, const std::string& good_id) {
+void check_poisoned_lease(DaemonProcess& daemon, const std::string& bad_id,
+                          const std::string& good_id) {
     auto c = daemon.connect();
     try {
         c->call("leaseGet", {{"leaseId", bad_id}});

@@ -114,7 +114,8 @@ Seen until_exits(Client& c, const std::vector<std::uint32_t>& channels, millisec
 
 /// Opens `argv` on `lease` and returns the channel id.
 std::uint32_t open_channel(Client& c, const json& lease, std::vector<std::string> argv) {
-    return c.call("duplexChannelOpen", open_params(lease, std::move(argv)))["channel"].get<std::uint32_t>();
+    return c.call("duplexChannelOpen", open_params(lease, std::move(argv)))["channel"]
+        .get<std::uint32_t>();
 }
 
 /// Reads events until `channel` has produced `want` on stdout.
@@ -130,8 +131,7 @@ bool wait_output(Client& c, std::uint32_t channel, const std::string& want, std:
 
 }  // namespace
 
-TEST_CASE("A plugin lease runs commands through the reference worker, byte for byte",
-          "[plugin]") {
+TEST_CASE("A plugin lease runs commands through the reference worker, byte for byte", "[plugin]") {
     PluginDaemon pd;
     auto c = pd.daemon->connect();
     auto lease = acquire_plugin_lease(*c);
@@ -142,7 +142,8 @@ TEST_CASE("A plugin lease runs commands through the reference worker, byte for b
     CHECK(plid.rfind("proc-", 0) == 0);
     CHECK(fs::is_directory(pd.leases() / plid / "workspace"));
 
-    auto run = c->run_channel(open_params(lease, {"sh", "-c", "printf hello; printf err >&2; exit 3"}));
+    auto run =
+        c->run_channel(open_params(lease, {"sh", "-c", "printf hello; printf err >&2; exit 3"}));
     CHECK(run.out == "hello");
     CHECK(run.err == "err");
     CHECK(run.exit["exitCode"] == 3);
@@ -274,9 +275,10 @@ TEST_CASE("A forged worker frame retires the worker and reaches no other channel
     CHECK(acquire_plugin_lease(*c, "acme")["metadata"]["pluginId"] == "process-ref");
 }
 
-TEST_CASE("A killed worker ends its channels as transportClosed, and PROVIDER_NOT_READY holds until "
-          "the restarted worker serves again",
-          "[plugin][supervision]") {
+TEST_CASE(
+    "A killed worker ends its channels as transportClosed, and PROVIDER_NOT_READY holds until "
+    "the restarted worker serves again",
+    "[plugin][supervision]") {
     PluginDaemon pd;
     auto c = pd.daemon->connect();
     auto lease = acquire_plugin_lease(*c);
@@ -284,7 +286,8 @@ TEST_CASE("A killed worker ends its channels as transportClosed, and PROVIDER_NO
     std::string out;
     REQUIRE(wait_output(*c, ch, "started\n", out, seconds(20)));
     const std::string sleeper = "sleep 47";
-    CHECK(eventually([&] { return count_processes_exactly(sleeper) >= 1; }, seconds(10)));  // after the exec
+    CHECK(eventually([&] { return count_processes_exactly(sleeper) >= 1; },
+                     seconds(10)));  // after the exec
 
     // Down: while the fail file exists the worker cannot start again.
     std::ofstream(pd.fail_file()) << "down\n";
@@ -298,7 +301,8 @@ TEST_CASE("A killed worker ends its channels as transportClosed, and PROVIDER_NO
     CHECK(seen.exits[ch]["signal"].is_null());
     CHECK(seen.exits[ch]["outcome"] == "transportClosed");
 
-    CHECK(reason_of([&] { c->call("leaseAcquire", acquire_params("acme")); }) == "PROVIDER_NOT_READY");
+    CHECK(reason_of([&] { c->call("leaseAcquire", acquire_params("acme")); }) ==
+          "PROVIDER_NOT_READY");
     CHECK(reason_of([&] { c->call("duplexChannelOpen", open_params(lease, {"true"})); }) ==
           "PROVIDER_NOT_READY");
     // The channel's command died with its worker.
@@ -316,9 +320,10 @@ TEST_CASE("A killed worker ends its channels as transportClosed, and PROVIDER_NO
     CHECK(pd.daemon->log().find("restarting its worker") != std::string::npos);
 }
 
-TEST_CASE("A release while the plugin is down waits in pending_cleanup without spending "
-          "attempts",
-          "[plugin][supervision]") {
+TEST_CASE(
+    "A release while the plugin is down waits in pending_cleanup without spending "
+    "attempts",
+    "[plugin][supervision]") {
     // A fast sweeper: five counted attempts would fail the lease within about 7 s.
     PluginDaemon pd(json::object(), {{"routing", {{"heartbeatMs", 100}}}});
     auto c = pd.daemon->connect();
@@ -338,7 +343,9 @@ TEST_CASE("A release while the plugin is down waits in pending_cleanup without s
     const auto failures = [&] {
         const std::string log = pd.daemon->log();
         int n = 0;
-        for (auto at = log.find(failed_line); at != std::string::npos; at = log.find(failed_line, at + 1)) ++n;
+        for (auto at = log.find(failed_line); at != std::string::npos;
+             at = log.find(failed_line, at + 1))
+            ++n;
         return n;
     };
     CHECK(eventually([&] { return failures() >= 7; }, seconds(30)));
@@ -347,8 +354,11 @@ TEST_CASE("A release while the plugin is down waits in pending_cleanup without s
     CHECK(waiting["cleanupStatus"] != "slow retry");
 
     fs::remove(pd.fail_file());
-    CHECK(eventually([&] { return c->call("leaseGet", {{"leaseId", lease["id"]}})["status"] == "released"; },
-                     seconds(40)));
+    CHECK(eventually(
+        [&] {
+            return c->call("leaseGet", {{"leaseId", lease["id"]}})["status"] == "released";
+        },
+        seconds(40)));
     CHECK_FALSE(fs::exists(pd.leases() / plid));
 }
 

@@ -81,9 +81,9 @@ int open_fd_count() {
     return n;
 }
 
-using sandboxd::test::wait_readable;
 using sandboxd::detail::ProcessBackend;
 using sandboxd::detail::ProcessEnds;
+using sandboxd::test::wait_readable;
 
 /// The io_context the provider's awaitables run on in these tests (one test at a time).
 boost::asio::io_context& test_io() {
@@ -238,7 +238,8 @@ std::vector<std::string> mounts_under(const fs::path& path) {
     std::vector<std::string> out;
     const std::string prefix = path.string();
     for (const auto& [point, type] : mounts()) {
-        if (point == prefix || point.rfind(prefix + "/", 0) == 0) out.push_back(std::string(point).append(" ").append(type));
+        if (point == prefix || point.rfind(prefix + "/", 0) == 0)
+            out.push_back(std::string(point).append(" ").append(type));
     }
     return out;
 }
@@ -636,8 +637,8 @@ TEST_CASE("process backend: output, stdin and the exit through the ChannelBacken
         CHECK_FALSE(killed.exit.exit_code);
         CHECK(killed.exit.signal == SIGTERM);
 
-        auto backend =
-            sandboxd::test::run_awaitable(test_io(), fx.provider->open(fx.sandbox, command({"true"})));
+        auto backend = sandboxd::test::run_awaitable(
+            test_io(), fx.provider->open(fx.sandbox, command({"true"})));
         CHECK(backend->has_output(output_stream::err));
         try {
             backend->resize(100, 30);
@@ -649,9 +650,10 @@ TEST_CASE("process backend: output, stdin and the exit through the ChannelBacken
     CHECK(open_fd_count() == fds_before);
 }
 
-TEST_CASE("process backend: an emptied channel cgroup serves the lease's next channel, its "
-          "counts from that channel on",
-          "[provider][cgroup]") {
+TEST_CASE(
+    "process backend: an emptied channel cgroup serves the lease's next channel, its "
+    "counts from that channel on",
+    "[provider][cgroup]") {
     Fixture fx(false, {{"limits", {{"memoryBytes", 64 << 20}}}});
     // The channel's memory cgroup, as its own cgroup namespace shows it.
     const std::string memory_line = "grep ':memory:' /proc/self/cgroup";
@@ -660,7 +662,10 @@ TEST_CASE("process backend: an emptied channel cgroup serves the lease's next ch
     REQUIRE(first.out.find(":memory:/") != std::string::npos);
 
     // Killed by its lease's memory limit: reported as memory.
-    auto hog = run_backend(fx, command({"sh", "-c", memory_line + "; exec awk 'BEGIN { s = \"x\"; while (1) s = s s }'"}), "");
+    auto hog = run_backend(
+        fx,
+        command({"sh", "-c", memory_line + "; exec awk 'BEGIN { s = \"x\"; while (1) s = s s }'"}),
+        "");
     CHECK(hog.out == first.out);  // the first channel's cgroup, emptied, again
     CHECK(hog.exit.signal == SIGKILL);
     CHECK(hog.exit.limit == "memory");
@@ -685,7 +690,9 @@ class Recorder final : public ChannelEvents {
 public:
     explicit Recorder(boost::asio::any_io_executor executor) : executor_(std::move(executor)) {}
     boost::asio::any_io_executor events_executor() const override { return executor_; }
-    void output_ready(output_stream stream, std::size_t bytes) override { ready.emplace_back(stream, bytes); }
+    void output_ready(output_stream stream, std::size_t bytes) override {
+        ready.emplace_back(stream, bytes);
+    }
     void exited(ChannelExit e) override { exit = std::move(e); }
     void gone() override { gone_reported = true; }
     void ended() override {
@@ -723,7 +730,8 @@ bool run_io_until(boost::asio::io_context& io, const std::function<bool()>& done
 struct PipeBackend {
     explicit PipeBackend(boost::asio::io_context& io) {
         const char* argv[] = {"sleep", "60", nullptr};
-        REQUIRE(::posix_spawnp(&child, "sleep", nullptr, nullptr, const_cast<char**>(argv), environ) == 0);
+        REQUIRE(::posix_spawnp(&child, "sleep", nullptr, nullptr, const_cast<char**>(argv),
+                               environ) == 0);
         ProcessEnds ends;
         ends.pid = child;
         ends.pidfd.reset(static_cast<int>(::syscall(SYS_pidfd_open, child, 0)));
@@ -749,7 +757,8 @@ struct PipeBackend {
     PipeBackend& operator=(const PipeBackend&) = delete;
 
     void write_status(std::string_view text) const {
-        REQUIRE(::write(status_w.get(), text.data(), text.size()) == static_cast<ssize_t>(text.size()));
+        REQUIRE(::write(status_w.get(), text.data(), text.size()) ==
+                static_cast<ssize_t>(text.size()));
     }
 
     pid_t child = -1;
@@ -768,7 +777,9 @@ TEST_CASE("process backend: its callback forms report what its awaitables do, wi
             io.restart();
             return io.poll();
         };
-        auto run_until = [&io](const std::function<bool()>& done) { return run_io_until(io, done); };
+        auto run_until = [&io](const std::function<bool()>& done) {
+            return run_io_until(io, done);
+        };
         auto recorder = std::make_shared<Recorder>(io.get_executor());
         PipeBackend pipes(io);
         auto& backend = *pipes.backend;
@@ -896,12 +907,16 @@ TEST_CASE("process backend: its callback forms report what its awaitables do, wi
     CHECK(open_fd_count() == fds_before);
 }
 
-TEST_CASE("process backend: notify_gone() reports ended() at the init's \"end\" line, or gone() with its pidfd",
-          "[provider]") {
+TEST_CASE(
+    "process backend: notify_gone() reports ended() at the init's \"end\" line, or gone() with its "
+    "pidfd",
+    "[provider]") {
     const int fds_before = open_fd_count();
     {
         boost::asio::io_context io;
-        auto run_until = [&io](const std::function<bool()>& done) { return run_io_until(io, done); };
+        auto run_until = [&io](const std::function<bool()>& done) {
+            return run_io_until(io, done);
+        };
         PipeBackend pipes(io);
         auto& backend = *pipes.backend;
         std::optional<ChannelExit> exit;
@@ -1375,12 +1390,12 @@ TEST_CASE("create validates the lease config", "[provider]") {
 
         // Limits given by the lease are those it runs with.
         auto other = create_sandbox(*provider, scope, "lease",
-                                      {{"network", false},
-                                       {"limits",
-                                        {{"memoryBytes", 64 * mib},
-                                         {"pids", 64},
-                                         {"cpuQuotaPercent", 50},
-                                         {"diskBytes", 64 * mib}}}});
+                                    {{"network", false},
+                                     {"limits",
+                                      {{"memoryBytes", 64 * mib},
+                                       {"pids", 64},
+                                       {"cpuQuotaPercent", 50},
+                                       {"diskBytes", 64 * mib}}}});
         LeaseGuard other_guard(*provider, other);
         CHECK(other->scope.provider_lease_id != id);
         CHECK(lease_uid(*other) != uid);
@@ -1597,8 +1612,10 @@ TEST_CASE("the init outlives the command until the daemon kills the namespace", 
     CHECK(open_fd_count() == fds_before);
 }
 
-TEST_CASE("with a drain grace the init says \"end\" once nothing but itself is left, its streams "
-          "closed", "[provider]") {
+TEST_CASE(
+    "with a drain grace the init says \"end\" once nothing but itself is left, its streams "
+    "closed",
+    "[provider]") {
     const int fds_before = open_fd_count();
     {
         Fixture fx;
@@ -1801,16 +1818,16 @@ TEST_CASE(
         auto init_sockets = [&] {
             sockets.clear();
             std::error_code ec;
-            for (const auto& fd : fs::directory_iterator(
-                     "/proc/" + std::to_string(first.init_pid()) + "/fd", ec)) {
+            for (const auto& fd :
+                 fs::directory_iterator("/proc/" + std::to_string(first.init_pid()) + "/fd", ec)) {
                 const std::string target = fs::read_symlink(fd.path(), ec).string();
                 if (target.rfind("socket:", 0) == 0)
                     sockets.push_back(fd.path().filename().string() + " -> " + target);
             }
             return sockets;
         };
-        const bool let_go = sandboxd::test::eventually([&] { return init_sockets().empty(); },
-                                                       status_timeout);
+        const bool let_go =
+            sandboxd::test::eventually([&] { return init_sockets().empty(); }, status_timeout);
         INFO("the init's sockets: " << (sockets.empty() ? "" : sockets.front()));
         CHECK(let_go);
         // Each channel below takes the warm init there is, and the supervisor makes the next
@@ -2066,7 +2083,7 @@ TEST_CASE("two sandboxes of one provider run as different uids", "[provider]") {
     {
         Fixture fx;
         auto second = create_sandbox(*fx.provider, SandboxScope{"bwrap", "company-1", "env-1", ""},
-                                          "lease-2", nullptr);
+                                     "lease-2", nullptr);
         LeaseGuard second_guard(*fx.provider, second);
         const uid_t first_uid = lease_uid(*fx.sandbox);
         const uid_t second_uid = lease_uid(*second);

@@ -457,8 +457,10 @@ TEMPLATE_TEST_CASE("Contract: list_leases pages through 250 leases exactly once,
     test::check_list_pages(*registry);
 }
 
-TEMPLATE_TEST_CASE("Contract: list_leases with or without a status pages over every owner in (acquiredAt, id) order",
-                   "[registry][contract]", SqliteBackend, EtcdBackend) {
+TEMPLATE_TEST_CASE(
+    "Contract: list_leases with or without a status pages over every owner in (acquiredAt, id) "
+    "order",
+    "[registry][contract]", SqliteBackend, EtcdBackend) {
     TestType backend;
     auto registry = backend.open();
     // 90 leases over three owners (one of them none) and two tenants; every third released.
@@ -676,7 +678,8 @@ TEMPLATE_TEST_CASE("Contract: list_leases by owner follows owner and status chan
         for (auto status : std::vector<std::optional<lease_status>>{
                  std::nullopt, lease_status::active, lease_status::released,
                  lease_status::retained}) {
-            for (const auto& company : std::vector<std::optional<std::string>>{std::nullopt, "co-1"}) {
+            for (const auto& company :
+                 std::vector<std::optional<std::string>>{std::nullopt, "co-1"}) {
                 CAPTURE(owner, status ? std::string(to_string(*status)) : "any",
                         company.value_or("any"));
                 LeaseQuery q;

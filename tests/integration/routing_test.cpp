@@ -28,16 +28,15 @@ const std::string peer_token = "peer-secret";
 
 template <typename Cluster>
 std::string cluster_config(const Cluster& cluster, const std::string& mode = "proxy") {
-    return json{{"registry", cluster.registry()},
-                {"auth",
-                 {{"tokens",
-                   {{{"name", "host"}, {"token", host_token}, {"role", "host"}, {"tenants", {"*"}}},
-                    {{"name", "peer"}, {"token", peer_token}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
-                {"routing", {{"mode", mode}, {"nodeTtlMs", 3000}, {"heartbeatMs", 300}}}}
+    return json{
+        {"registry", cluster.registry()},
+        {"auth",
+         {{"tokens",
+           {{{"name", "host"}, {"token", host_token}, {"role", "host"}, {"tenants", {"*"}}},
+            {{"name", "peer"}, {"token", peer_token}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
+        {"routing", {{"mode", mode}, {"nodeTtlMs", 3000}, {"heartbeatMs", 300}}}}
         .dump();
 }
-
-
 
 std::string random_bytes(std::size_t n) {
     std::string s(n, '\0');
@@ -131,7 +130,8 @@ TEMPLATE_TEST_CASE("An open through any node runs in the owner's sandbox, byte-e
         json exit;
         while (exit.is_null()) {
             auto ev = c3.next_event();
-            if (ev.type == ClientEvent::kind::notification && ev.message["method"] == "duplexChannel.exit") {
+            if (ev.type == ClientEvent::kind::notification &&
+                ev.message["method"] == "duplexChannel.exit") {
                 exit = ev.message["params"];
             }
         }
@@ -139,7 +139,8 @@ TEMPLATE_TEST_CASE("An open through any node runs in the owner's sandbox, byte-e
         CHECK(exit["exitCode"].is_null());
         CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(3));
         CHECK(count_processes_exactly(sleeper) == 0);
-        CHECK(error_reason(c2, "duplexChannelOpen", open_params(lease, {"true"})) == "LEASE_NOT_ACTIVE");
+        CHECK(error_reason(c2, "duplexChannelOpen", open_params(lease, {"true"})) ==
+              "LEASE_NOT_ACTIVE");
     }
     // Every node shuts down cleanly after proxying, hosts still connected: exit status 0 (a
     // peer link once outlived its io_context at exit and crashed the forwarding nodes).
@@ -163,7 +164,8 @@ TEMPLATE_TEST_CASE("A dead owner fails closed, and a restarted owner's lease is 
     REQUIRE(c2.run_channel(open_params(lease, {"true"})).exit["exitCode"] == 0);
     const auto killed = std::chrono::steady_clock::now();
     p1.kill9();
-    CHECK(error_reason(c2, "duplexChannelOpen", open_params(lease, {"true"})) == "OWNER_UNAVAILABLE");
+    CHECK(error_reason(c2, "duplexChannelOpen", open_params(lease, {"true"})) ==
+          "OWNER_UNAVAILABLE");
     CHECK(std::chrono::steady_clock::now() - killed < std::chrono::seconds(3));
     // A renewal goes to the owner too: a dead owner's lease is not kept alive from elsewhere.
     CHECK(error_reason(c2, "leaseRenew", {{"leaseId", lease["id"]}, {"ttlMs", 60000}}) ==
@@ -176,8 +178,11 @@ TEMPLATE_TEST_CASE("A dead owner fails closed, and a restarted owner's lease is 
     CHECK((direct == "SANDBOX_NOT_CACHED" || direct == "LEASE_NOT_ACTIVE"));
     CHECK((routed == "SANDBOX_NOT_CACHED" || routed == "LEASE_NOT_ACTIVE"));
     // After one liveness TTL the restarted owner moves it to pending_cleanup and tears it down.
-    CHECK(eventually([&] { return c2.call("leaseGet", {{"leaseId", lease["id"]}})["status"] == "released"; },
-                     std::chrono::seconds(15)));
+    CHECK(eventually(
+        [&] {
+            return c2.call("leaseGet", {{"leaseId", lease["id"]}})["status"] == "released";
+        },
+        std::chrono::seconds(15)));
     auto swept = c2.call("leaseGet", {{"leaseId", lease["id"]}});
     CHECK(swept["cleanupStatus"] == "destroyed");
     // Two changes (active -> pending_cleanup -> released): the epoch grew. On SQLite it counts
@@ -229,9 +234,11 @@ TEMPLATE_TEST_CASE("A peer link meant for another node is refused before anythin
     Client host(p1.url(), host_token);
     auto lease = acquire_lease(host);
     // As a link of node-2's made for node-3 whose record's address now reaches node-1.
-    CHECK_THROWS(Client(p1.url(), peer_token, std::chrono::seconds(10), 0,
-                        {{"Sandboxd-Forwarded-By", "node-2"}, {"Sandboxd-Forwarded-To", "node-3"}}));
-    CHECK(p1.log().find("peer link meant for node node-3 reached node node-1") != std::string::npos);
+    CHECK_THROWS(
+        Client(p1.url(), peer_token, std::chrono::seconds(10), 0,
+               {{"Sandboxd-Forwarded-By", "node-2"}, {"Sandboxd-Forwarded-To", "node-3"}}));
+    CHECK(p1.log().find("peer link meant for node node-3 reached node node-1") !=
+          std::string::npos);
     CHECK(host.call("leaseGet", {{"leaseId", lease["id"]}})["status"] == "active");
     // The node meant is served.
     Client meant(p1.url(), peer_token, std::chrono::seconds(10), 0,
@@ -498,12 +505,11 @@ TEMPLATE_TEST_CASE("A peer token acts only for the host it forwards for",
     }
     SECTION("a forwarded method without a valid forwardedFor is FORBIDDEN and changes nothing") {
         const json lease_id = {{"leaseId", lease["id"]}};
-        for (const auto& f :
-             {json(), json("host"), json::object(), json{{"tokenName", "x"}},
-              json{{"tokenName", ""}, {"tenants", {"acme"}}},
-              json{{"tokenName", "x"}, {"tenants", "acme"}},
-              json{{"tokenName", "x"}, {"tenants", {1}}},
-              json{{"tokenName", "x"}, {"tenants", {"acme"}}, {"role", "peer"}}}) {
+        for (const auto& f : {json(), json("host"), json::object(), json{{"tokenName", "x"}},
+                              json{{"tokenName", ""}, {"tenants", {"acme"}}},
+                              json{{"tokenName", "x"}, {"tenants", "acme"}},
+                              json{{"tokenName", "x"}, {"tenants", {1}}},
+                              json{{"tokenName", "x"}, {"tenants", {"acme"}}, {"role", "peer"}}}) {
             INFO(f.dump());
             CHECK(forwarded_reason(as_peer, "leaseRelease", lease_id, f) == "FORBIDDEN");
             CHECK(forwarded_reason(as_peer, "duplexChannelOpen", open_params(lease, {"true"}), f) ==
@@ -535,12 +541,13 @@ TEMPLATE_TEST_CASE("A peer token acts only for the host it forwards for",
     }
     SECTION("a channel opened for one host is not another's on the same peer link") {
         const auto id = 2'000'000;
-        as_peer.send_text(json{{"jsonrpc", "2.0"},
-                               {"id", id},
-                               {"method", "duplexChannelOpen"},
-                               {"params", open_params(lease, {"cat"})},
-                               {"forwardedFor", acme}}
-                              .dump());
+        as_peer.send_text(json{
+            {"jsonrpc", "2.0"},
+            {"id", id},
+            {"method", "duplexChannelOpen"},
+            {"params", open_params(lease, {"cat"})},
+            {"forwardedFor",
+             acme}}.dump());
         const auto channel = as_peer.wait_response(id)["channel"].get<std::uint32_t>();
         const json named = {{"channel", channel}};
         const json as_b = {{"tokenName", "host-b"}, {"tenants", {"acme"}}};
@@ -557,15 +564,18 @@ TEMPLATE_TEST_CASE("A peer token acts only for the host it forwards for",
     }
 }
 
-TEMPLATE_TEST_CASE("A peer token acts only within its own tenants, and a bound one only from its node",
-                   "[routing][multinode][auth]", SqliteCluster, EtcdCluster) {
+TEMPLATE_TEST_CASE(
+    "A peer token acts only within its own tenants, and a bound one only from its node",
+    "[routing][multinode][auth]", SqliteCluster, EtcdCluster) {
     // issue 44, item 4: the repro was a peer token for ["acme"] running leaseExecute in another
     // company's lease by forwarding for tenants ["*"].
     TestType cluster;
     INFO("registry: " << TestType::kind);
     auto config = json::parse(cluster_config(cluster));
-    config["auth"]["tokens"].push_back(
-        {{"name", "peer-acme"}, {"token", "peer-acme-secret"}, {"role", "peer"}, {"tenants", {"acme"}}});
+    config["auth"]["tokens"].push_back({{"name", "peer-acme"},
+                                        {"token", "peer-acme-secret"},
+                                        {"role", "peer"},
+                                        {"tenants", {"acme"}}});
     config["auth"]["tokens"].push_back({{"name", "peer-bound"},
                                         {"token", "peer-bound-secret"},
                                         {"role", "peer"},
@@ -575,8 +585,8 @@ TEMPLATE_TEST_CASE("A peer token acts only within its own tenants, and a bound o
     CHECK(p1.log().find("peer token \"peer-acme\" names no node") != std::string::npos);
     CHECK(p1.log().find("peer token \"peer-bound\" names no node") == std::string::npos);
     Client host(p1.url(), host_token);
-    const auto other = host.call("leaseAcquire",
-                                 {{"companyId", "other"}, {"environmentId", "dev"}, {"provider", "bwrap"}});
+    const auto other = host.call(
+        "leaseAcquire", {{"companyId", "other"}, {"environmentId", "dev"}, {"provider", "bwrap"}});
     const auto acme = acquire_lease(host);
     const json execute_other = {{"leaseId", other["id"]}, {"command", "true"}};
     const json execute_acme = {{"leaseId", acme["id"]}, {"command", "true"}};
@@ -587,12 +597,13 @@ TEMPLATE_TEST_CASE("A peer token acts only within its own tenants, and a bound o
         const json everyone = {{"tokenName", "x"}, {"tenants", {"*"}}};
         const json both = {{"tokenName", "x"}, {"tenants", {"other", "acme"}}};
         const json none = {{"tokenName", "x"}, {"tenants", json::array()}};
-        CHECK(forwarded_reason(as_peer, "leaseExecute", execute_other, everyone) == "LEASE_NOT_FOUND");
+        CHECK(forwarded_reason(as_peer, "leaseExecute", execute_other, everyone) ==
+              "LEASE_NOT_FOUND");
         CHECK(forwarded_reason(as_peer, "leaseExecute", execute_other, both) == "LEASE_NOT_FOUND");
         CHECK(forwarded_reason(as_peer, "leaseGet", {{"leaseId", other["id"]}}, everyone) ==
               "LEASE_NOT_FOUND");
-        CHECK(forwarded_reason(as_peer, "duplexChannelOpen", open_params(other, {"true"}), everyone) ==
-              "LEASE_NOT_FOUND");
+        CHECK(forwarded_reason(as_peer, "duplexChannelOpen", open_params(other, {"true"}),
+                               everyone) == "LEASE_NOT_FOUND");
         CHECK(forwarded_reason(as_peer, "leaseRelease", {{"leaseId", other["id"]}}, everyone) ==
               "LEASE_NOT_FOUND");
         CHECK(forwarded_reason(as_peer, "leaseExecute", execute_acme, none) == "LEASE_NOT_FOUND");
@@ -602,8 +613,8 @@ TEMPLATE_TEST_CASE("A peer token acts only within its own tenants, and a bound o
         CHECK(host.call("leaseGet", {{"leaseId", other["id"]}})["status"] == "active");
     }
     SECTION("a bound peer token is refused from any other node, and works from its own") {
-        const auto [status, body] = http_get(p1.address(), "/v1/ws", "Bearer peer-bound-secret", true,
-                                             {{"Sandboxd-Forwarded-By", "node-3"}});
+        const auto [status, body] = http_get(p1.address(), "/v1/ws", "Bearer peer-bound-secret",
+                                             true, {{"Sandboxd-Forwarded-By", "node-3"}});
         CHECK(status == 403);
         CHECK(body.find("bound to node node-2") != std::string::npos);
         CHECK(http_get(p1.address(), "/v1/ws", "Bearer peer-bound-secret", true).first == 403);
@@ -620,8 +631,10 @@ TEMPLATE_TEST_CASE("Nodes whose peer tokens are bound to them route both ways",
     INFO("registry: " << TestType::kind);
     // A node links out with its first peer token: each node lists the one bound to itself
     // first, and accepts the other's, bound to the other.
-    const json from_1 = {{"name", "peer-from-1"}, {"token", "from-1"}, {"role", "peer"}, {"nodeId", "node-1"}};
-    const json from_2 = {{"name", "peer-from-2"}, {"token", "from-2"}, {"role", "peer"}, {"nodeId", "node-2"}};
+    const json from_1 = {
+        {"name", "peer-from-1"}, {"token", "from-1"}, {"role", "peer"}, {"nodeId", "node-1"}};
+    const json from_2 = {
+        {"name", "peer-from-2"}, {"token", "from-2"}, {"role", "peer"}, {"nodeId", "node-2"}};
     const json host = {{"name", "host"}, {"token", host_token}, {"role", "host"}};
     const auto config_of = [&](const json& first, const json& second) {
         return json{{"registry", cluster.registry()},

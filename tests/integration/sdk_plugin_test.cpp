@@ -169,9 +169,10 @@ std::string status_of(Client& c, const json& lease) {
 
 }  // namespace
 
-TEST_CASE("An SDK plugin's lease: acquire with the SDK's params, its metadata kept, release and "
-          "destroy with config and leaseMetadata",
-          "[plugin][sdk]") {
+TEST_CASE(
+    "An SDK plugin's lease: acquire with the SDK's params, its metadata kept, release and "
+    "destroy with config and leaseMetadata",
+    "[plugin][sdk]") {
     SdkDaemon sd;
     auto c = sd.daemon->connect();
     // No runId from the host: the lease id is sent (the SDK requires one).
@@ -227,17 +228,18 @@ TEST_CASE("An SDK plugin's lease: acquire with the SDK's params, its metadata ke
     CHECK(sd.daemon->log().find("environmentAcquireLease ok") != std::string::npos);
 }
 
-TEST_CASE("SDK plugin channels: bytes exact both ways, exit codes, and what the SDK cannot carry "
-          "refused",
-          "[plugin][sdk]") {
+TEST_CASE(
+    "SDK plugin channels: bytes exact both ways, exit codes, and what the SDK cannot carry "
+    "refused",
+    "[plugin][sdk]") {
     SdkDaemon sd;
     auto c = sd.daemon->connect();
     auto lease = acquire(*c);
 
     // 1 MiB of every byte value in, and back out, byte for byte; the exit code passes.
     const std::string data = every_byte(1 << 20);
-    auto run = run_sdk(*c,
-        open_params(lease, {"sh", "-c", "head -c " + std::to_string(data.size()) + "; exit 7"}),
+    auto run = run_sdk(
+        *c, open_params(lease, {"sh", "-c", "head -c " + std::to_string(data.size()) + "; exit 7"}),
         data);
     CHECK(run.out.size() == data.size());
     CHECK(run.out == data);
@@ -261,16 +263,15 @@ TEST_CASE("SDK plugin channels: bytes exact both ways, exit codes, and what the 
     run = run_sdk(*c, open_params(lease, {"__data_before_answer__", "sh", "-c", "printf after"}));
     CHECK(run.out == "data before answer\nafter");
     CHECK(run.exit["exitCode"] == 0);
-    run = run_sdk(*c,
-        open_params(lease, {"__data_before_answer__", "__exit_before_answer__", "5"}));
+    run =
+        run_sdk(*c, open_params(lease, {"__data_before_answer__", "__exit_before_answer__", "5"}));
     CHECK(run.out == "data before answer\n");
     CHECK(run.exit["exitCode"] == 5);
     CHECK(run.messages_after_exit == 0);
 
     // Controls the SDK has no method for are refused, naming the method; the channel goes on.
     auto ch = c->call("duplexChannelOpen", open_params(lease, {"cat"}))["channel"];
-    for (const auto& [method, params] :
-         std::vector<std::pair<std::string, json>>{
+    for (const auto& [method, params] : std::vector<std::pair<std::string, json>>{
              {"duplexChannelCloseStdin", {{"channel", ch}}},
              {"duplexChannelSignal", {{"channel", ch}, {"signal", "INT"}}}}) {
         try {
@@ -429,9 +430,10 @@ TEST_CASE("An SDK teardown that fails 7 times is retried until it succeeds, neve
     CHECK(log.find("retrying every 300 ms", first + 1) == std::string::npos);
 }
 
-TEST_CASE("A node restarted with the same nodeId keeps its SDK plugin leases active and resumes "
-          "them on first use",
-          "[plugin][sdk][supervision]") {
+TEST_CASE(
+    "A node restarted with the same nodeId keeps its SDK plugin leases active and resumes "
+    "them on first use",
+    "[plugin][sdk][supervision]") {
     SdkDaemon sd(json::object(), {{"routing", {{"heartbeatMs", 100}, {"nodeTtlMs", 1000}}}});
     auto c = sd.daemon->connect();
     auto lease = acquire(*c);
@@ -481,15 +483,16 @@ TEST_CASE("An SDK plugin channel whose host does not credit its output ends with
     CHECK(sd.daemon->log().find("maxBufferedBytes") != std::string::npos);
 }
 
-TEST_CASE("SDK plugin leases carry capabilities and the host's metadata, and probe and config "
-          "validation reach the plugin",
-          "[plugin][sdk]") {
+TEST_CASE(
+    "SDK plugin leases carry capabilities and the host's metadata, and probe and config "
+    "validation reach the plugin",
+    "[plugin][sdk]") {
     SdkDaemon sd;
     auto c = sd.daemon->connect();
     const json host_metadata = {{"team", "blue"}, {"pluginId", "not-trusted"}};
     auto lease = acquire(*c, {{"metadata", host_metadata}});
-    const json capabilities = {"channels", "probe", "validateConfig", "resume",
-                               "execute", "realizeWorkspace", "retain"};
+    const json capabilities = {"channels",         "probe", "validateConfig", "resume", "execute",
+                               "realizeWorkspace", "retain"};
     CHECK(lease["capabilities"] == capabilities);
     CHECK(lease["hostMetadata"] == host_metadata);
     CHECK(lease["metadata"] == json{{"pluginId", "sdk-local"}, {"provider", "sdk-local"}});
@@ -536,9 +539,10 @@ TEST_CASE("SDK plugin leases carry capabilities and the host's metadata, and pro
     CHECK(error_reason(*c, "leaseProbe", {{"leaseId", lease["id"]}}) == "LEASE_NOT_ACTIVE");
 }
 
-TEST_CASE("leaseExecute and leaseRealizeWorkspace reach the SDK plugin: its logs stream before "
-          "the answer, which is the plugin's verbatim",
-          "[plugin][sdk]") {
+TEST_CASE(
+    "leaseExecute and leaseRealizeWorkspace reach the SDK plugin: its logs stream before "
+    "the answer, which is the plugin's verbatim",
+    "[plugin][sdk]") {
     SdkDaemon sd;
     auto c = sd.daemon->connect();
     auto lease = acquire(*c);
@@ -546,11 +550,12 @@ TEST_CASE("leaseExecute and leaseRealizeWorkspace reach the SDK plugin: its logs
     const auto pids = sd.worker_pids();
     REQUIRE(pids.size() == 1);
 
-    auto ex = execute(*c, {{"leaseId", lease["id"]},
-                           {"command", "sh"},
-                           {"args", {"-c", "printf 'one '; printf 'err' >&2; read x; printf \"$x $A\"; exit 3"}},
-                           {"env", {{"A", "env-a"}}},
-                           {"stdin", "from-stdin\n"}});
+    auto ex = execute(
+        *c, {{"leaseId", lease["id"]},
+             {"command", "sh"},
+             {"args", {"-c", "printf 'one '; printf 'err' >&2; read x; printf \"$x $A\"; exit 3"}},
+             {"env", {{"A", "env-a"}}},
+             {"stdin", "from-stdin\n"}});
     CHECK(ex.result == json{{"exitCode", 3},
                             {"signal", nullptr},
                             {"timedOut", false},
@@ -576,8 +581,8 @@ TEST_CASE("leaseExecute and leaseRealizeWorkspace reach the SDK plugin: its logs
     CHECK_FALSE(p.contains("leaseId"));
 
     // The plugin's own timeout: timedOut, killed.
-    ex = execute(*c, {{"leaseId", lease["id"]}, {"command", "sleep"}, {"args", {"30"}},
-                      {"timeoutMs", 300}});
+    ex = execute(
+        *c, {{"leaseId", lease["id"]}, {"command", "sleep"}, {"args", {"30"}}, {"timeoutMs", 300}});
     CHECK(ex.result["timedOut"] == true);
     CHECK(ex.result["exitCode"].is_null());
     CHECK(ex.result["signal"] == "SIGKILL");
@@ -598,9 +603,9 @@ TEST_CASE("leaseExecute and leaseRealizeWorkspace reach the SDK plugin: its logs
     CHECK(sd.journal_of("environmentExecute").size() == 2);
 
     // leaseRealizeWorkspace: environmentRealizeWorkspace with the lease, verbatim answer.
-    const json realized = c->call("leaseRealizeWorkspace",
-                                  {{"leaseId", lease["id"]},
-                                   {"workspace", {{"remotePath", "src"}, {"mode", "fresh"}}}});
+    const json realized = c->call(
+        "leaseRealizeWorkspace",
+        {{"leaseId", lease["id"]}, {"workspace", {{"remotePath", "src"}, {"mode", "fresh"}}}});
     CHECK(realized == json{{"cwd", (sd.root() / plid / "src").string()},
                            {"metadata", {{"mode", "fresh"}, {"providerLeaseId", plid}}}});
     CHECK(fs::is_directory(sd.root() / plid / "src"));
@@ -620,9 +625,10 @@ TEST_CASE("leaseExecute and leaseRealizeWorkspace reach the SDK plugin: its logs
           "LEASE_NOT_ACTIVE");
 }
 
-TEST_CASE("Built-in leases carry capabilities, and probe, config validation and execute go "
-          "through bwrap",
-          "[plugin][sdk]") {
+TEST_CASE(
+    "Built-in leases carry capabilities, and probe, config validation and execute go "
+    "through bwrap",
+    "[plugin][sdk]") {
     SdkDaemon sd;  // the built-in provider is on beside the plugin
     auto c = sd.daemon->connect();
     auto lease = c->call("leaseAcquire", {{"companyId", "acme"},
@@ -649,12 +655,14 @@ TEST_CASE("Built-in leases carry capabilities, and probe, config validation and 
 
     // leaseExecute runs as a channel in the sandbox: stdout and stderr apart, stdin, env,
     // cwd, the exit code; its logs come before the answer.
-    auto ex = execute(*c, {{"leaseId", lease["id"]},
-                           {"command", "/bin/sh"},
-                           {"args", {"-c", "printf out; printf err >&2; cat; printf \" $A $(pwd) $(id -u)\"; exit 3"}},
-                           {"env", {{"A", "a1"}}},
-                           {"cwd", "/tmp"},
-                           {"stdin", "in"}});
+    auto ex = execute(
+        *c, {{"leaseId", lease["id"]},
+             {"command", "/bin/sh"},
+             {"args",
+              {"-c", "printf out; printf err >&2; cat; printf \" $A $(pwd) $(id -u)\"; exit 3"}},
+             {"env", {{"A", "a1"}}},
+             {"cwd", "/tmp"},
+             {"stdin", "in"}});
     CHECK(ex.result["exitCode"] == 3);
     CHECK(ex.result["signal"].is_null());
     CHECK(ex.result["timedOut"] == false);
@@ -666,8 +674,8 @@ TEST_CASE("Built-in leases carry capabilities, and probe, config validation and 
     CHECK(ex.logged("stderr") == ex.result["stderr"]);
 
     // The timeout kills it.
-    ex = execute(*c, {{"leaseId", lease["id"]}, {"command", "sleep"}, {"args", {"30"}},
-                      {"timeoutMs", 200}});
+    ex = execute(
+        *c, {{"leaseId", lease["id"]}, {"command", "sleep"}, {"args", {"30"}}, {"timeoutMs", 200}});
     CHECK(ex.result["timedOut"] == true);
     CHECK(ex.result["exitCode"].is_null());
     CHECK(ex.result["signal"] == "SIGKILL");
@@ -676,7 +684,9 @@ TEST_CASE("Built-in leases carry capabilities, and probe, config validation and 
     // comes once the drain grace has ended that process. Executes back to back then each
     // answer at the channel init's "end" (the init's own exit comes after the answer) and
     // leave nothing held once those inits are gone.
-    ex = execute(*c, {{"leaseId", lease["id"]}, {"command", "/bin/sh"}, {"args", {"-c", "sleep 60 & echo bg"}}});
+    ex = execute(
+        *c,
+        {{"leaseId", lease["id"]}, {"command", "/bin/sh"}, {"args", {"-c", "sleep 60 & echo bg"}}});
     CHECK(ex.result["exitCode"] == 0);
     CHECK(ex.result["stdout"] == "bg\n");
     const std::size_t fds_before = sd.daemon->fd_count();
@@ -692,7 +702,9 @@ TEST_CASE("Built-in leases carry capabilities, and probe, config validation and 
                       {"command", "/bin/sh"},
                       {"args", {"-c", "printf 'a\\377b'; head -c 1572864 /dev/zero >&2"}}});
     CHECK(ex.result["exitCode"] == 0);
-    CHECK(ex.result["stdout"] == "a\xEF\xBF\xBD" "b");
+    CHECK(ex.result["stdout"] ==
+          "a\xEF\xBF\xBD"
+          "b");
     CHECK(ex.result["stderr"].get<std::string>().size() == (1U << 20));
     CHECK(ex.logged("stderr").size() == (1U << 20));
     CHECK(ex.result["metadata"]["stderrBytes"] == 1572864);
@@ -761,9 +773,10 @@ TEST_CASE("A probe and an open through a second node reach the owner's plugin wo
     CHECK(other.journal_of("environmentDestroyLease").empty());
 }
 
-TEST_CASE("Lease policies with an SDK plugin: concurrent reuses share one lease, retain stops "
-          "the sandbox through environmentReleaseLease and a reuse resumes it",
-          "[plugin][sdk][policy]") {
+TEST_CASE(
+    "Lease policies with an SDK plugin: concurrent reuses share one lease, retain stops "
+    "the sandbox through environmentReleaseLease and a reuse resumes it",
+    "[plugin][sdk][policy]") {
     SdkDaemon sd;
     auto c = sd.daemon->connect();
     (void)acquire(*c);  // the worker is up
@@ -827,15 +840,17 @@ TEST_CASE("Lease policies with an SDK plugin: concurrent reuses share one lease,
 
     // The built-in provider accepts only ephemeral and destroy; a refusal changes nothing.
     try {
-        c->call("leaseAcquire", {{"companyId", "acme"}, {"environmentId", "dev"},
-                                 {"provider", "bwrap"}, {"leasePolicy", "reuse_by_environment"}});
+        c->call("leaseAcquire", {{"companyId", "acme"},
+                                 {"environmentId", "dev"},
+                                 {"provider", "bwrap"},
+                                 {"leasePolicy", "reuse_by_environment"}});
         FAIL("bwrap accepted a reuse policy");
     } catch (const rpc_error& e) {
         CHECK(e.code() == errc::invalid_params);
         CHECK(e.data().value("field", "") == "leasePolicy");
     }
-    const json bw = c->call("leaseAcquire",
-                            {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}});
+    const json bw = c->call(
+        "leaseAcquire", {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}});
     try {
         c->call("leaseRelease", {{"leaseId", bw["id"]}, {"disposition", "retain"}});
         FAIL("bwrap retained a sandbox");
@@ -848,9 +863,10 @@ TEST_CASE("Lease policies with an SDK plugin: concurrent reuses share one lease,
     CHECK(c->call("leaseRelease", {{"leaseId", bw["id"]}})["status"] == "released");
 }
 
-TEST_CASE("Through a second node: a reuse returns the owner's lease, a release retains it at "
-          "the owner, and a reuse there resumes it on that node",
-          "[plugin][sdk][policy][routing]") {
+TEST_CASE(
+    "Through a second node: a reuse returns the owner's lease, a release retains it at "
+    "the owner, and a reuse there resumes it on that node",
+    "[plugin][sdk][policy][routing]") {
     TempDir shared;
     const json top = two_nodes(shared);
     // One lease root for both workers, as one cloud account behind two nodes.
@@ -899,7 +915,7 @@ TEST_CASE("Through a second node: a reuse returns the owner's lease, a release r
     CHECK(ex.result["metadata"]["pid"] == pids2[0]);
     CHECK(calls_by("environmentExecute", pids2[0]) == 1);
     CHECK(calls_by("environmentExecute", pids1[0]) == 0);
-    CHECK(c1.call("leaseRelease", {{"leaseId", lease["id"]}, {"disposition", "destroy"}})["status"] ==
-          "released");
+    CHECK(c1.call("leaseRelease",
+                  {{"leaseId", lease["id"]}, {"disposition", "destroy"}})["status"] == "released");
     CHECK(calls_by("environmentDestroyLease", pids2[0]) == 1);
 }

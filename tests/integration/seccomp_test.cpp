@@ -456,7 +456,9 @@ bool kernel_has_ia32_entry() {
 TEST_CASE("Syscalls of another architecture are refused with EPERM", "[seccomp]") {
 #if defined(__x86_64__)
     const bool ia32 = kernel_has_ia32_entry();
-    if (!ia32) WARN("this kernel has no i386 system call entry (int 0x80 faults): nothing to filter there");
+    if (!ia32)
+        WARN(
+            "this kernel has no i386 system call entry (int 0x80 faults): nothing to filter there");
     report out = run_filtered([ia32](report& r) {
         if (ia32) {
             const long rc = int80_getpid();

@@ -2,8 +2,8 @@
 // timeout (a real database file; moved out of tests/unit: it waits the timeout out, and the
 // unit suite stays under 10 s).
 #include "support/registry_cases.hpp"
-#include "support/temp_dir.hpp"
 #include "support/sync_registry.hpp"
+#include "support/temp_dir.hpp"
 
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/registry/registry.hpp>

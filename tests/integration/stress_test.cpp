@@ -16,14 +16,14 @@
 
 #include <catch2/catch.hpp>
 
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <fstream>
 #include <map>
 #include <set>
 #include <string>
 #include <vector>
-#include <sys/prctl.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 using namespace sandboxd;
 using namespace sandboxd::test;
@@ -218,8 +218,8 @@ struct AuditTally {
             const auto j = json::parse(line);
             // Only the channel lines: the audit also records connections and lease changes.
             if (j["event"] != "channel.opened" && j["event"] != "channel.ended") continue;
-            const std::string key =
-                j["instance"].get<std::string>() + "/" + std::to_string(j["channel"].get<std::uint64_t>());
+            const std::string key = j["instance"].get<std::string>() + "/" +
+                                    std::to_string(j["channel"].get<std::uint64_t>());
             if (j["event"] == "channel.opened") ++lines[key].first;
             if (j["event"] == "channel.ended") {
                 ++lines[key].second;
@@ -260,7 +260,8 @@ TEST_CASE("Stress: every race of a channel's end gives exactly one exit and leav
     auto c = daemon.connect();
     const auto lease = acquire_lease(*c);
     const int n = iterations();
-    const std::size_t base_descendants = own_descendants_but_warm_init();  // the lease's sandbox is up
+    const std::size_t base_descendants =
+        own_descendants_but_warm_init();  // the lease's sandbox is up
     const std::vector<std::string> base_fds = daemon.fd_targets();
     ExitTally tally;
 
@@ -315,8 +316,7 @@ TEST_CASE("Stress: every race of a channel's end gives exactly one exit and leav
                     const auto own = acquire_lease(*c);
                     const auto ch = open_channel(*c, tally, channel_params(own, pty));
                     const auto answer = await_response(
-                        *c, tally,
-                        c->send_request("leaseRelease", {{"leaseId", own["id"]}}));
+                        *c, tally, c->send_request("leaseRelease", {{"leaseId", own["id"]}}));
                     INFO(answer.dump());
                     REQUIRE(answer["result"]["status"] == "released");
                     await_exit(*c, tally, ch);

@@ -19,6 +19,10 @@
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
 
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <algorithm>
 #include <csignal>
 #include <cstdio>
@@ -27,10 +31,6 @@
 #include <fstream>
 #include <sstream>
 #include <string>
-#include <sys/stat.h>
-#include <sys/types.h>
-#include <sys/wait.h>
-#include <unistd.h>
 #include <utility>
 #include <vector>
 
@@ -45,7 +45,8 @@ namespace {
 const std::string host_token = "host-secret";
 const std::string peer_token = "peer-secret";
 
-json token_entry(const std::string& name, const std::string& secret, const std::string& role = "host") {
+json token_entry(const std::string& name, const std::string& secret,
+                 const std::string& role = "host") {
     return json{{"name", name}, {"token", secret}, {"role", role}, {"tenants", json::array({"*"})}};
 }
 
@@ -110,11 +111,14 @@ Attempt try_connect(const std::string& url, const std::string& token, const Clie
     return a;
 }
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+bool contains(const std::string& text, const std::string& part) {
+    return text.find(part) != std::string::npos;
+}
 
 std::size_t occurrences(const std::string& text, const std::string& part) {
     std::size_t n = 0;
-    for (auto at = text.find(part); at != std::string::npos; at = text.find(part, at + part.size())) ++n;
+    for (auto at = text.find(part); at != std::string::npos; at = text.find(part, at + part.size()))
+        ++n;
     return n;
 }
 
@@ -158,7 +162,8 @@ bool serves_certificate(Client& c, const fs::path& pem) {
 }
 
 /// HTTPS GET on `address` (HOST:PORT), the server verified against `ca` and its name.
-std::pair<int, std::string> https_get(const std::string& address, const std::string& target, const fs::path& ca) {
+std::pair<int, std::string> https_get(const std::string& address, const std::string& target,
+                                      const fs::path& ca) {
     net::io_context ioc;
     TlsClientOptions options;
     options.ca_file = ca.string();
@@ -241,8 +246,9 @@ CheckRun check_config(const fs::path& config, const fs::path& scratch) {
 
 }  // namespace
 
-TEST_CASE("A host reaches a TLS node over wss:// with the CA, and is refused without it or in plain text",
-          "[tls]") {
+TEST_CASE(
+    "A host reaches a TLS node over wss:// with the CA, and is refused without it or in plain text",
+    "[tls]") {
     TestPki pki;
     json config = tls_config(pki.server_cert, pki.server_key);
     config["plainListen"] = "127.0.0.1:0";
@@ -274,8 +280,9 @@ TEST_CASE("A host reaches a TLS node over wss:// with the CA, and is refused wit
         INFO(a.what);
         CHECK_FALSE(a.connected);
         CHECK(a.http_status == 0);
-        CHECK(eventually([&] { return occurrences(node.log(), "TLS handshake failed") > handshakes_failed; },
-                         5s));
+        CHECK(eventually(
+            [&] { return occurrences(node.log(), "TLS handshake failed") > handshakes_failed; },
+            5s));
         CHECK_THROWS(http_get(node.address(), "/healthz"));
     }
     // Without verification (sandboxctl --insecure-skip-tls-verify): accepted.
@@ -311,7 +318,8 @@ TEST_CASE("A host reaches a TLS node over wss:// with the CA, and is refused wit
     // A certificate of the right CA that does not name 127.0.0.1: refused, though the node
     // serves (it is accepted without verification).
     {
-        DaemonProcess wrong("node-wrong-name", tls_config(pki.wrong_name_cert, pki.wrong_name_key).dump());
+        DaemonProcess wrong("node-wrong-name",
+                            tls_config(pki.wrong_name_cert, pki.wrong_name_key).dump());
         const auto a = try_connect(wss_url(wrong), host_token, trusting(pki.ca_cert));
         INFO(a.what);
         CHECK_FALSE(a.connected);
@@ -321,14 +329,17 @@ TEST_CASE("A host reaches a TLS node over wss:// with the CA, and is refused wit
     }
 }
 
-TEST_CASE("Two nodes on peer mTLS route an open, and a node without a valid client certificate is refused "
-          "as a peer",
-          "[tls][multinode]") {
+TEST_CASE(
+    "Two nodes on peer mTLS route an open, and a node without a valid client certificate is "
+    "refused "
+    "as a peer",
+    "[tls][multinode]") {
     TestPki pki;
     SqliteCluster cluster;
     json config = tls_config(pki.server_cert, pki.server_key);
     config["registry"] = cluster.registry();
-    config["auth"]["tokens"] = json::array({token_entry("host", host_token), token_entry("peer", peer_token, "peer")});
+    config["auth"]["tokens"] =
+        json::array({token_entry("host", host_token), token_entry("peer", peer_token, "peer")});
     // Each node presents a certificate that names its node id (and so binds its links to it).
     const auto node_config = [&](const std::string& node) {
         const auto cert = pki.dir / (node + ".crt");
@@ -339,7 +350,9 @@ TEST_CASE("Two nodes on peer mTLS route an open, and a node without a valid clie
                         {"nodeTtlMs", 3000},
                         {"heartbeatMs", 300},
                         {"peerTls",
-                         {{"caFile", pki.ca_cert.string()}, {"certFile", cert.string()}, {"keyFile", key.string()}}}};
+                         {{"caFile", pki.ca_cert.string()},
+                          {"certFile", cert.string()},
+                          {"keyFile", key.string()}}}};
         return c.dump();
     };
     DaemonProcess p1("node-1", node_config("node-1"));
@@ -364,7 +377,8 @@ TEST_CASE("Two nodes on peer mTLS route an open, and a node without a valid clie
         INFO(a.what);
         CHECK_FALSE(a.connected);
         CHECK(a.http_status == 403);
-        CHECK(eventually([&] { return contains(p1.log(), "rejected an upgrade: peer token \"peer\""); }, 5s));
+        CHECK(eventually(
+            [&] { return contains(p1.log(), "rejected an upgrade: peer token \"peer\""); }, 5s));
     }
     // A client certificate of another CA: the node asks for one and verifies it; its
     // handshake fails. With TLS 1.3 the client has finished its side of the handshake by then
@@ -372,30 +386,35 @@ TEST_CASE("Two nodes on peer mTLS route an open, and a node without a valid clie
     // upgrade's answer: no HTTP status either way.
     {
         const auto handshakes_failed = occurrences(p1.log(), "TLS handshake failed");
-        const auto a = try_connect(wss_url(p1), peer_token,
-                                   presenting(pki.ca_cert, pki.other_client_cert, pki.other_client_key));
+        const auto a =
+            try_connect(wss_url(p1), peer_token,
+                        presenting(pki.ca_cert, pki.other_client_cert, pki.other_client_key));
         INFO(a.what);
         CHECK_FALSE(a.connected);
         CHECK(a.http_status == 0);
-        CHECK(eventually([&] { return occurrences(p1.log(), "TLS handshake failed") > handshakes_failed; },
-                         5s));
+        CHECK(eventually(
+            [&] { return occurrences(p1.log(), "TLS handshake failed") > handshakes_failed; }, 5s));
     }
     // A client certificate of the cluster CA: accepted as a peer.
     {
-        const auto a = try_connect(wss_url(p1), peer_token, presenting(pki.ca_cert, pki.client_cert, pki.client_key));
+        const auto a = try_connect(wss_url(p1), peer_token,
+                                   presenting(pki.ca_cert, pki.client_cert, pki.client_key));
         INFO(a.what);
         CHECK(a.connected);
     }
     // node-2's certificate binds its links to node-2 (issue 44, item 4): a link that says it
     // comes from another node is refused before anything runs.
     {
-        const auto as_node_2 = presenting(pki.ca_cert, pki.dir / "node-2.crt", pki.dir / "node-2.key");
-        const auto a = try_connect(wss_url(p1), peer_token, as_node_2, {{"Sandboxd-Forwarded-By", "node-3"}});
+        const auto as_node_2 =
+            presenting(pki.ca_cert, pki.dir / "node-2.crt", pki.dir / "node-2.key");
+        const auto a =
+            try_connect(wss_url(p1), peer_token, as_node_2, {{"Sandboxd-Forwarded-By", "node-3"}});
         INFO(a.what);
         CHECK_FALSE(a.connected);
         CHECK(a.http_status == 403);
         CHECK(eventually([&] { return contains(p1.log(), "client certificate names DNS"); }, 5s));
-        CHECK(try_connect(wss_url(p1), peer_token, as_node_2, {{"Sandboxd-Forwarded-By", "node-2"}}).connected);
+        CHECK(try_connect(wss_url(p1), peer_token, as_node_2, {{"Sandboxd-Forwarded-By", "node-2"}})
+                  .connected);
     }
     // The host token needs no client certificate.
     CHECK(try_connect(wss_url(p1), host_token, trusting(pki.ca_cert)).connected);
@@ -403,9 +422,11 @@ TEST_CASE("Two nodes on peer mTLS route an open, and a node without a valid clie
     CHECK(p1.stop() == 0);
 }
 
-TEST_CASE("A certificate that is missing, expired, mismatched or unreadable stops the start with an error "
-          "naming the file",
-          "[tls][config]") {
+TEST_CASE(
+    "A certificate that is missing, expired, mismatched or unreadable stops the start with an "
+    "error "
+    "naming the file",
+    "[tls][config]") {
     TestPki pki;
     TempDir files;
     const fs::path missing = files.path() / "missing.crt";
@@ -424,48 +445,57 @@ TEST_CASE("A certificate that is missing, expired, mismatched or unreadable stop
         std::string message;  ///< the whole message, when it is fixed ("": field and path only)
     };
     std::vector<Case> cases;
-    cases.push_back({"missing certificate", tls_config(missing, pki.server_key), "tls.certFile", missing.string(),
-                     "config: tls.certFile: cannot read " + missing.string() + ": No such file or directory"});
-    cases.push_back({"expired certificate", tls_config(pki.expired_cert, pki.expired_key), "tls.certFile",
-                     pki.expired_cert.string(),
-                     "config: tls.certFile: the certificate in " + pki.expired_cert.string() + " has expired"});
-    cases.push_back({"key of another certificate", tls_config(pki.server_cert, pki.mismatched_key), "tls.keyFile",
-                     pki.mismatched_key.string(),
+    cases.push_back(
+        {"missing certificate", tls_config(missing, pki.server_key), "tls.certFile",
+         missing.string(),
+         "config: tls.certFile: cannot read " + missing.string() + ": No such file or directory"});
+    cases.push_back(
+        {"expired certificate", tls_config(pki.expired_cert, pki.expired_key), "tls.certFile",
+         pki.expired_cert.string(),
+         "config: tls.certFile: the certificate in " + pki.expired_cert.string() + " has expired"});
+    cases.push_back({"key of another certificate", tls_config(pki.server_cert, pki.mismatched_key),
+                     "tls.keyFile", pki.mismatched_key.string(),
                      "config: tls.keyFile: the key in " + pki.mismatched_key.string() +
                          " does not match the certificate in " + server_cert});
-    cases.push_back({"certificate file that is not PEM", tls_config(garbage_cert, pki.server_key), "tls.certFile",
-                     garbage_cert.string(),
-                     "config: tls.certFile: " + garbage_cert.string() + " holds no PEM certificate"});
-    cases.push_back({"key file that is not PEM", tls_config(pki.server_cert, garbage_key), "tls.keyFile",
-                     garbage_key.string(),
-                     "config: tls.keyFile: " + garbage_key.string() + " holds no usable PEM private key"});
+    cases.push_back(
+        {"certificate file that is not PEM", tls_config(garbage_cert, pki.server_key),
+         "tls.certFile", garbage_cert.string(),
+         "config: tls.certFile: " + garbage_cert.string() + " holds no PEM certificate"});
+    cases.push_back(
+        {"key file that is not PEM", tls_config(pki.server_cert, garbage_key), "tls.keyFile",
+         garbage_key.string(),
+         "config: tls.keyFile: " + garbage_key.string() + " holds no usable PEM private key"});
     {
         // Unreadable as a file whoever the test runs as (root reads a file of mode 0000).
         const fs::path directory = files.path() / "directory.key";
         fs::create_directory(directory);
-        cases.push_back({"key path that is a directory", tls_config(pki.server_cert, directory), "tls.keyFile",
-                         directory.string(), ""});
+        cases.push_back({"key path that is a directory", tls_config(pki.server_cert, directory),
+                         "tls.keyFile", directory.string(), ""});
     }
     if (::geteuid() != 0) {
         const fs::path locked = files.path() / "locked.key";
         fs::copy_file(pki.server_key, locked);
         fs::permissions(locked, fs::perms::none);
-        cases.push_back({"key file nobody may read", tls_config(pki.server_cert, locked), "tls.keyFile",
-                         locked.string(),
-                         "config: tls.keyFile: cannot read " + locked.string() + ": Permission denied"});
+        cases.push_back(
+            {"key file nobody may read", tls_config(pki.server_cert, locked), "tls.keyFile",
+             locked.string(),
+             "config: tls.keyFile: cannot read " + locked.string() + ": Permission denied"});
     }
     {
         json c = tls_config(pki.server_cert, pki.server_key);
         c["tls"]["clientCaFile"] = missing.string();
         cases.push_back({"missing client CA", c, "tls.clientCaFile", missing.string(),
-                         "config: tls.clientCaFile: cannot read " + missing.string() + ": No such file or directory"});
+                         "config: tls.clientCaFile: cannot read " + missing.string() +
+                             ": No such file or directory"});
     }
-    const auto with_peer_tls = [&](const std::string& ca, const std::string& cert, const std::string& key) {
+    const auto with_peer_tls = [&](const std::string& ca, const std::string& cert,
+                                   const std::string& key) {
         json c = tls_config(pki.server_cert, pki.server_key);
         c["routing"] = {{"peerTls", {{"caFile", ca}, {"certFile", cert}, {"keyFile", key}}}};
         return c;
     };
-    cases.push_back({"missing peer certificate", with_peer_tls(pki.ca_cert.string(), missing.string(), server_key),
+    cases.push_back({"missing peer certificate",
+                     with_peer_tls(pki.ca_cert.string(), missing.string(), server_key),
                      "routing.peerTls.certFile", missing.string(),
                      "config: routing.peerTls.certFile: cannot read " + missing.string() +
                          ": No such file or directory"});
@@ -473,11 +503,12 @@ TEST_CASE("A certificate that is missing, expired, mismatched or unreadable stop
                      "routing.peerTls.caFile", missing.string(),
                      "config: routing.peerTls.caFile: cannot read " + missing.string() +
                          ": No such file or directory"});
-    cases.push_back({"expired peer certificate",
-                     with_peer_tls(pki.ca_cert.string(), pki.expired_cert.string(), pki.expired_key.string()),
-                     "routing.peerTls.certFile", pki.expired_cert.string(),
-                     "config: routing.peerTls.certFile: the certificate in " + pki.expired_cert.string() +
-                         " has expired"});
+    cases.push_back(
+        {"expired peer certificate",
+         with_peer_tls(pki.ca_cert.string(), pki.expired_cert.string(), pki.expired_key.string()),
+         "routing.peerTls.certFile", pki.expired_cert.string(),
+         "config: routing.peerTls.certFile: the certificate in " + pki.expired_cert.string() +
+             " has expired"});
 
     for (const auto& k : cases) {
         INFO("case: " << k.name);
@@ -493,8 +524,9 @@ TEST_CASE("A certificate that is missing, expired, mismatched or unreadable stop
     }
 }
 
-TEST_CASE("SIGHUP rotates the certificate and revokes a token without losing a byte of a running stream",
-          "[tls][reload]") {
+TEST_CASE(
+    "SIGHUP rotates the certificate and revokes a token without losing a byte of a running stream",
+    "[tls][reload]") {
     TestPki pki;
     TempDir files;
     const fs::path live_cert = files.path() / "live.crt";
@@ -507,9 +539,11 @@ TEST_CASE("SIGHUP rotates the certificate and revokes a token without losing a b
     const std::string token_b = "token-b-kept";
     write_file(a_file, token_a + "\n");
     json config = tls_config(live_cert, live_key);
-    config["auth"]["tokens"] = json::array(
-        {json{{"name", "a"}, {"tokenFile", a_file.string()}, {"role", "host"}, {"tenants", json::array({"*"})}},
-         token_entry("b", token_b)});
+    config["auth"]["tokens"] = json::array({json{{"name", "a"},
+                                                 {"tokenFile", a_file.string()},
+                                                 {"role", "host"},
+                                                 {"tenants", json::array({"*"})}},
+                                            token_entry("b", token_b)});
     DaemonProcess node("node-1", config.dump());
     const std::string url = wss_url(node);
     const auto trust = trusting(pki.ca_cert);
@@ -547,8 +581,9 @@ TEST_CASE("SIGHUP rotates the certificate and revokes a token without losing a b
     // A's connection, idle, is closed with 1008 at once.
     const auto [code, what] = wait_for_close(a, 5s);
     const auto closed_after = std::chrono::steady_clock::now() - hup;
-    INFO("A's connection: " << what << " after "
-                            << std::chrono::duration_cast<std::chrono::milliseconds>(closed_after).count() << " ms");
+    INFO("A's connection: "
+         << what << " after "
+         << std::chrono::duration_cast<std::chrono::milliseconds>(closed_after).count() << " ms");
     CHECK(code == 1008);
     CHECK(closed_after < 1s);
 
@@ -579,7 +614,8 @@ TEST_CASE("SIGHUP rotates the certificate and revokes a token without losing a b
     const auto failed_before = occurrences(node.log(), "reload failed");
     write_file(live_key, "not a key any more\n");
     REQUIRE(::kill(node.pid(), SIGHUP) == 0);
-    REQUIRE(eventually([&] { return occurrences(node.log(), "reload failed") > failed_before; }, 10s));
+    REQUIRE(
+        eventually([&] { return occurrences(node.log(), "reload failed") > failed_before; }, 10s));
     CHECK(contains(node.log(), "tls.keyFile"));
     CHECK(node.alive());
     {
@@ -593,8 +629,9 @@ TEST_CASE("SIGHUP rotates the certificate and revokes a token without losing a b
     CHECK(b.call("nodeList", json::object())["nodes"].size() == 1);
 }
 
-TEST_CASE("plainListen must be loopback, and --check-config warns about secret files others can read",
-          "[tls][config]") {
+TEST_CASE(
+    "plainListen must be loopback, and --check-config warns about secret files others can read",
+    "[tls][config]") {
     TestPki pki;
     TempDir files;
     const fs::path config_file = files.path() / "config.json";
@@ -622,14 +659,16 @@ TEST_CASE("plainListen must be loopback, and --check-config warns about secret f
     // A token file others can read: a warning naming it; mode 0600: none.
     const fs::path token_file = files.path() / "host.token";
     write_file(token_file, "a-secret\n");
-    const json token = {{"name", "host"}, {"tokenFile", token_file.string()}, {"role", "host"},
+    const json token = {{"name", "host"},
+                        {"tokenFile", token_file.string()},
+                        {"role", "host"},
                         {"tenants", json::array({"*"})}};
     json config = json::object();
     config["auth"]["tokens"] = json::array({token});
     write_file(config_file, config.dump());
     {
-        fs::permissions(token_file, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read |
-                                        fs::perms::others_read);
+        fs::permissions(token_file, fs::perms::owner_read | fs::perms::owner_write |
+                                        fs::perms::group_read | fs::perms::others_read);
         const auto run = check_config(config_file, files.path());
         INFO(run.err);
         CHECK(run.status == 0);
@@ -652,8 +691,9 @@ TEST_CASE("GET /metrics takes a metrics or peer token, and metrics.public opens 
     TestPki pki;
     json config = tls_config(pki.server_cert, pki.server_key);
     config["plainListen"] = "127.0.0.1:0";
-    config["auth"]["tokens"] = json::array({token_entry("host", host_token), token_entry("peer", peer_token, "peer"),
-                                            token_entry("scraper", "scrape-secret", "metrics")});
+    config["auth"]["tokens"] =
+        json::array({token_entry("host", host_token), token_entry("peer", peer_token, "peer"),
+                     token_entry("scraper", "scrape-secret", "metrics")});
     SECTION("by default: a token of role metrics or peer, on every listener") {
         DaemonProcess node("node-1", config.dump());
         const std::string plain = ready_line(node, 1);
@@ -670,7 +710,8 @@ TEST_CASE("GET /metrics takes a metrics or peer token, and metrics.public opens 
         CHECK(http_get(plain, "/metrics", "Bearer " + peer_token).first == 200);
         CHECK(https_get(node.address(), "/metrics", pki.ca_cert).first == 401);
         // A metrics token reads /metrics only: no WebSocket session.
-        const auto [upgrade, upgrade_body] = http_get(plain, "/v1/ws", "Bearer scrape-secret", true);
+        const auto [upgrade, upgrade_body] =
+            http_get(plain, "/v1/ws", "Bearer scrape-secret", true);
         CHECK(upgrade == 403);
         CHECK(upgrade_body.find("may only read GET /metrics") != std::string::npos);
         // The other routes keep answering without a token.

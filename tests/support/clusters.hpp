@@ -26,7 +26,8 @@ struct EtcdCluster {
     static constexpr int id = 1;
     std::string prefix = EtcdServer::unique_prefix();
     nlohmann::json registry() const {
-        return {{"kind", "etcd"}, {"endpoints", {EtcdServer::shared().endpoint()}}, {"prefix", prefix}};
+        return {
+            {"kind", "etcd"}, {"endpoints", {EtcdServer::shared().endpoint()}}, {"prefix", prefix}};
     }
 };
 

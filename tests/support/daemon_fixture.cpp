@@ -8,26 +8,26 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
-#include <cctype>
-#include <csignal>
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <linux/capability.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sched.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
-#include <linux/capability.h>
-#include <sched.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <algorithm>
-#include <fcntl.h>
+#include <cctype>
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/resource.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 namespace sandboxd::test {
 namespace fs = std::filesystem;
@@ -82,8 +82,11 @@ std::string with_test_drain(const std::string& config_json) {
 DaemonProcess::DaemonProcess(std::string node_id, std::string config_json,
                              std::vector<std::string> extra_args, start_mode mode,
                              std::string listen)
-    : node_id_(std::move(node_id)), config_json_(std::move(config_json)), listen_(std::move(listen)),
-      extra_args_(std::move(extra_args)), state_dir_(dir_.path() / "state") {
+    : node_id_(std::move(node_id)),
+      config_json_(std::move(config_json)),
+      listen_(std::move(listen)),
+      extra_args_(std::move(extra_args)),
+      state_dir_(dir_.path() / "state") {
     launch(mode);
 }
 
@@ -112,11 +115,13 @@ struct KeptCapability {
     const char* name;
     int value;
 };
-constexpr KeptCapability unit_capabilities[] = {
-    {"CAP_SYS_ADMIN", CAP_SYS_ADMIN}, {"CAP_SETUID", CAP_SETUID},
-    {"CAP_SETGID", CAP_SETGID},       {"CAP_CHOWN", CAP_CHOWN},
-    {"CAP_DAC_OVERRIDE", CAP_DAC_OVERRIDE}, {"CAP_FOWNER", CAP_FOWNER},
-    {"CAP_KILL", CAP_KILL}};
+constexpr KeptCapability unit_capabilities[] = {{"CAP_SYS_ADMIN", CAP_SYS_ADMIN},
+                                                {"CAP_SETUID", CAP_SETUID},
+                                                {"CAP_SETGID", CAP_SETGID},
+                                                {"CAP_CHOWN", CAP_CHOWN},
+                                                {"CAP_DAC_OVERRIDE", CAP_DAC_OVERRIDE},
+                                                {"CAP_FOWNER", CAP_FOWNER},
+                                                {"CAP_KILL", CAP_KILL}};
 
 /// In the forked child before the exec: what DaemonProcess::confine_like_the_unit_for_next_start
 /// promises. No allocation here: the test process may have other threads.
@@ -158,9 +163,10 @@ void set_daemon_binary(std::string path) { daemon_binary_path() = std::move(path
 void DaemonProcess::launch(start_mode mode) {
     const auto ready = dir_.path() / "ready";
     fs::remove(ready);
-    std::vector<std::string> args = {daemon_binary(), "--state-dir", state_dir_.string(), "--listen",
-                                     listen_, "--ready-file", ready.string(), "--node-id",
-                                     node_id_, "--log-level", "debug"};
+    std::vector<std::string> args = {daemon_binary(), "--state-dir", state_dir_.string(),
+                                     "--listen",      listen_,       "--ready-file",
+                                     ready.string(),  "--node-id",   node_id_,
+                                     "--log-level",   "debug"};
     {
         const auto cfg = dir_.path() / "config.json";
         std::ofstream(cfg) << with_test_drain(config_json_);
@@ -224,7 +230,8 @@ std::string DaemonProcess::bound_address() const {
     auto at = text.find(marker);
     while (at != std::string::npos && at + marker.size() < text.size() &&
            !std::isdigit(static_cast<unsigned char>(text[at + marker.size()])) &&
-           text[at + marker.size()] != '[' && text.compare(at + marker.size(), 9, "localhost") != 0) {
+           text[at + marker.size()] != '[' &&
+           text.compare(at + marker.size(), 9, "localhost") != 0) {
         at = text.find(marker, at + 1);
     }
     if (at == std::string::npos) return {};
@@ -582,7 +589,8 @@ ExecuteRun execute(Client& c, const nlohmann::json& params) {
         const auto& m = ev.message;
         if (ev.type == ClientEvent::kind::notification &&
             m.value("method", "") == "leaseExecute.log" && m["params"]["requestId"] == id) {
-            run.logs.push_back({{"stream", m["params"]["stream"]}, {"chunk", m["params"]["chunk"]}});
+            run.logs.push_back(
+                {{"stream", m["params"]["stream"]}, {"chunk", m["params"]["chunk"]}});
             continue;
         }
         others.push_back(std::move(ev));
@@ -593,10 +601,10 @@ ExecuteRun execute(Client& c, const nlohmann::json& params) {
 
 namespace {
 
-std::pair<int, std::string> http_request(boost::beast::http::verb verb, const std::string& address,
-                                         const std::string& target, const std::string& authorization,
-                                         bool upgrade,
-                                         const std::vector<std::pair<std::string, std::string>>& headers = {}) {
+std::pair<int, std::string> http_request(
+    boost::beast::http::verb verb, const std::string& address, const std::string& target,
+    const std::string& authorization, bool upgrade,
+    const std::vector<std::pair<std::string, std::string>>& headers = {}) {
     namespace net = boost::asio;
     namespace http = boost::beast::http;
     net::io_context ioc;
@@ -624,15 +632,17 @@ std::pair<int, std::string> http_request(boost::beast::http::verb verb, const st
 }  // namespace
 
 nlohmann::json host_and_peer_tokens() {
-    return {{"tokens",
-             {{{"name", "host"}, {"token", test_host_token}, {"role", "host"}, {"tenants", {"*"}}},
-              {{"name", "peer"}, {"token", test_peer_token}, {"role", "peer"}, {"tenants", {"*"}}}}}};
+    return {
+        {"tokens",
+         {{{"name", "host"}, {"token", test_host_token}, {"role", "host"}, {"tenants", {"*"}}},
+          {{"name", "peer"}, {"token", test_peer_token}, {"role", "peer"}, {"tenants", {"*"}}}}}};
 }
 
-std::pair<int, std::string> http_get(const std::string& address, const std::string& target,
-                                     const std::string& authorization, bool upgrade,
-                                     const std::vector<std::pair<std::string, std::string>>& headers) {
-    return http_request(boost::beast::http::verb::get, address, target, authorization, upgrade, headers);
+std::pair<int, std::string> http_get(
+    const std::string& address, const std::string& target, const std::string& authorization,
+    bool upgrade, const std::vector<std::pair<std::string, std::string>>& headers) {
+    return http_request(boost::beast::http::verb::get, address, target, authorization, upgrade,
+                        headers);
 }
 
 std::pair<int, std::string> http_post(const std::string& address, const std::string& target,

@@ -221,10 +221,9 @@ nlohmann::json host_and_peer_tokens();
 
 /// Raw HTTP GET on the daemon's port (`address` is host:port), with `headers` added: status
 /// and body.
-std::pair<int, std::string> http_get(const std::string& address, const std::string& target,
-                                     const std::string& authorization = "",
-                                     bool upgrade = false,
-                                     const std::vector<std::pair<std::string, std::string>>& headers = {});
+std::pair<int, std::string> http_get(
+    const std::string& address, const std::string& target, const std::string& authorization = "",
+    bool upgrade = false, const std::vector<std::pair<std::string, std::string>>& headers = {});
 /// Raw HTTP POST with an empty body: status and body.
 std::pair<int, std::string> http_post(const std::string& address, const std::string& target,
                                       const std::string& authorization = "");

@@ -192,7 +192,8 @@ std::int64_t EtcdServer::compact() {
     return revision;
 }
 
-bool etcd_healthy_tls(const std::string& endpoint, const EtcdTls& tls, std::chrono::milliseconds timeout) {
+bool etcd_healthy_tls(const std::string& endpoint, const EtcdTls& tls,
+                      std::chrono::milliseconds timeout) {
     std::string host;
     unsigned short port = 0;
     if (!split_endpoint(endpoint, host, port)) return false;
@@ -208,22 +209,28 @@ bool etcd_healthy_tls(const std::string& endpoint, const EtcdTls& tls, std::chro
         lowest.expires_after(timeout);
         expect_server_name(stream.tls()->native_handle(), host, true);
         bool ok = false;
-        lowest.async_connect(tcp::endpoint(net::ip::make_address(host), port), [&](beast::error_code ec) {
-            if (ec) return;
-            stream.tls()->async_handshake(ssl::stream_base::client, [&](beast::error_code hec) {
-                if (hec) return;
-                auto req = std::make_shared<http::request<http::empty_body>>(http::verb::get, "/health", 11);
-                req->set(http::field::host, host);
-                auto buffer = std::make_shared<beast::flat_buffer>();
-                auto res = std::make_shared<http::response<http::string_body>>();
-                http::async_write(stream, *req, [&, req, buffer, res](beast::error_code wec, std::size_t) {
-                    if (wec) return;
-                    http::async_read(stream, *buffer, *res, [&, buffer, res](beast::error_code rec, std::size_t) {
-                        ok = !rec && res->body().find("\"health\":\"true\"") != std::string::npos;
-                    });
+        lowest.async_connect(
+            tcp::endpoint(net::ip::make_address(host), port), [&](beast::error_code ec) {
+                if (ec) return;
+                stream.tls()->async_handshake(ssl::stream_base::client, [&](beast::error_code hec) {
+                    if (hec) return;
+                    auto req = std::make_shared<http::request<http::empty_body>>(http::verb::get,
+                                                                                 "/health", 11);
+                    req->set(http::field::host, host);
+                    auto buffer = std::make_shared<beast::flat_buffer>();
+                    auto res = std::make_shared<http::response<http::string_body>>();
+                    http::async_write(
+                        stream, *req, [&, req, buffer, res](beast::error_code wec, std::size_t) {
+                            if (wec) return;
+                            http::async_read(stream, *buffer, *res,
+                                             [&, buffer, res](beast::error_code rec, std::size_t) {
+                                                 ok = !rec &&
+                                                      res->body().find("\"health\":\"true\"") !=
+                                                          std::string::npos;
+                                             });
+                        });
                 });
             });
-        });
         ioc.run();
         return ok;
     } catch (const std::exception&) {
@@ -235,7 +242,8 @@ bool EtcdServer::healthy(std::chrono::milliseconds timeout) const {
     return tls_ ? etcd_healthy_tls(endpoint_, *tls_, timeout) : etcd_healthy(endpoint_, timeout);
 }
 
-EtcdServer::EtcdServer(EtcdTls tls) : dir_(make_temp_dir()), client_port_(free_port()), tls_(std::move(tls)) {
+EtcdServer::EtcdServer(EtcdTls tls)
+    : dir_(make_temp_dir()), client_port_(free_port()), tls_(std::move(tls)) {
     do {
         peer_port_ = free_port();
     } while (peer_port_ == client_port_);
@@ -363,9 +371,10 @@ void EtcdServer::start() {
                                      "--initial-cluster", "t=" + peer_url};
     // clang-format on
     if (tls_) {
-        for (const auto& a : {std::string("--cert-file"), tls_->cert_file.string(), std::string("--key-file"),
-                              tls_->key_file.string(), std::string("--trusted-ca-file"), tls_->ca_file.string(),
-                              std::string("--client-cert-auth")}) {
+        for (const auto& a :
+             {std::string("--cert-file"), tls_->cert_file.string(), std::string("--key-file"),
+              tls_->key_file.string(), std::string("--trusted-ca-file"), tls_->ca_file.string(),
+              std::string("--client-cert-auth")}) {
             args.push_back(a);
         }
     }
@@ -445,7 +454,8 @@ void EtcdServer::pause() {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (!all_threads_stopped(pid_)) {
         if (std::chrono::steady_clock::now() > deadline) {
-            throw std::runtime_error("etcd (pid " + std::to_string(pid_) + ") did not stop within 10 s");
+            throw std::runtime_error("etcd (pid " + std::to_string(pid_) +
+                                     ") did not stop within 10 s");
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }

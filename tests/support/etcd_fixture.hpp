@@ -7,9 +7,9 @@
 
 #include <chrono>
 #include <cstdint>
-#include <optional>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace sandboxd::test {
@@ -93,6 +93,7 @@ private:
 /// True when GET `endpoint`/health answers {"health":"true"} within `timeout`.
 bool etcd_healthy(const std::string& endpoint, std::chrono::milliseconds timeout);
 /// The same over TLS, verifying etcd with tls.ca_file and presenting tls.cert_file.
-bool etcd_healthy_tls(const std::string& endpoint, const EtcdTls& tls, std::chrono::milliseconds timeout);
+bool etcd_healthy_tls(const std::string& endpoint, const EtcdTls& tls,
+                      std::chrono::milliseconds timeout);
 
 }  // namespace sandboxd::test

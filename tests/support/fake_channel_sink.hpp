@@ -30,7 +30,8 @@ public:
     };
 
     /// `executor`: where when_send_room()'s resume runs (the channel's strand).
-    explicit FakeChannelSink(boost::asio::any_io_executor executor) : executor_(std::move(executor)) {}
+    explicit FakeChannelSink(boost::asio::any_io_executor executor)
+        : executor_(std::move(executor)) {}
 
     std::vector<Sent> sent;
     std::vector<std::uint32_t> finished;  ///< channel_finished() arguments, in order
@@ -51,7 +52,8 @@ public:
     /// Gives room again and runs the parked resumes on the executor (never inside this call).
     void give_room() {
         room = true;
-        for (auto& resume : std::exchange(resumes_, {})) boost::asio::post(executor_, std::move(resume));
+        for (auto& resume : std::exchange(resumes_, {}))
+            boost::asio::post(executor_, std::move(resume));
     }
 
     // ---- reading what was sent ----

@@ -140,17 +140,15 @@ private:
         if (!to || (pending(stream).empty() && open(stream))) return;
         const std::size_t bytes = pending(stream).size();
         auto executor = to->events_executor();
-        boost::asio::post(executor, [to = std::move(to), stream, bytes] {
-            to->output_ready(stream, bytes);
-        });
+        boost::asio::post(executor,
+                          [to = std::move(to), stream, bytes] { to->output_ready(stream, bytes); });
     }
     void report_end() {
         if (!exited_) return;
         if (exit_waiter_) {
             auto executor = exit_waiter_->events_executor();
-            boost::asio::post(executor, [to = std::move(exit_waiter_), exit = exit_] {
-                to->exited(exit);
-            });
+            boost::asio::post(executor,
+                              [to = std::move(exit_waiter_), exit = exit_] { to->exited(exit); });
         }
         if (gone_waiter_) {
             auto executor = gone_waiter_->events_executor();

@@ -41,7 +41,7 @@ public:
     /// outside the lock, and after each call yield to the executor once, so that what the hook
     /// started (e.g. a co_spawn'ed sweep) runs right there, between the write and the
     /// caller's next step. Set before the calls; run on the awaiting executor.
-    std::function<void(const std::string& op, const Lease& lease)> before_write, after_write;
+    std::function<void(const std::string&op, const Lease&lease)> before_write, after_write;
 
     awaitable<Lease> create_lease(Lease lease) override {
         co_await window(before_write, "create_lease", lease);
@@ -282,9 +282,8 @@ private:
         it->second = next;
         return next;
     }
-    static awaitable<void> window(
-        const std::function<void(const std::string&, const Lease&)>& hook, const char* op,
-        const Lease& lease) {
+    static awaitable<void> window(const std::function<void(const std::string&, const Lease&)>& hook,
+                                  const char* op, const Lease& lease) {
         if (!hook) co_return;
         hook(op, lease);
         co_await boost::asio::post(co_await boost::asio::this_coro::executor, use_awaitable);

@@ -69,8 +69,8 @@ void TestPki::openssl(const std::string& args) const {
     if (status == -1 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
         std::string tail = read_file(log);
         if (tail.size() > 2000) tail = tail.substr(tail.size() - 2000);
-        throw std::runtime_error("TestPki: `" + command + "` failed (status " + std::to_string(status) +
-                                 "):\n" + tail);
+        throw std::runtime_error("TestPki: `" + command + "` failed (status " +
+                                 std::to_string(status) + "):\n" + tail);
     }
 }
 
@@ -79,7 +79,8 @@ void TestPki::make_key(const fs::path& key) const {
 }
 
 void TestPki::issue(const fs::path& cert, const fs::path& key, const std::string& cn,
-                    const fs::path& ca_crt, const fs::path& ca_k, const std::string& extensions) const {
+                    const fs::path& ca_crt, const fs::path& ca_k,
+                    const std::string& extensions) const {
     const std::string n = std::to_string(++issued_);
     const fs::path csr = dir / ("request-" + n + ".csr");
     const fs::path ext = dir / ("request-" + n + ".ext");
@@ -121,19 +122,22 @@ TestPki::TestPki() {
                    "prompt = no\n"
                    "[ req_dn ]\n"
                    "CN = unused\n");
-        const auto make_ca = [this](const fs::path& crt, const fs::path& key, const std::string& cn) {
+        const auto make_ca = [this](const fs::path& crt, const fs::path& key,
+                                    const std::string& cn) {
             make_key(key);
-            openssl("req -x509 -new -key " + quote(key) + " -sha256 -days 3650 -subj " + quote("/CN=" + cn) +
-                    " -addext " + quote("basicConstraints=critical,CA:TRUE") + " -addext " +
-                    quote("keyUsage=critical,keyCertSign,cRLSign") + " -out " + quote(crt));
+            openssl("req -x509 -new -key " + quote(key) + " -sha256 -days 3650 -subj " +
+                    quote("/CN=" + cn) + " -addext " + quote("basicConstraints=critical,CA:TRUE") +
+                    " -addext " + quote("keyUsage=critical,keyCertSign,cRLSign") + " -out " +
+                    quote(crt));
         };
         make_ca(ca_cert, ca_key, "sandboxd test CA");
         make_ca(other_ca_cert, other_ca_key, "unrelated test CA");
         issue(server_cert, server_key, "127.0.0.1", ca_cert, ca_key, server_extensions);
         issue(client_cert, client_key, "sandboxd test client", ca_cert, ca_key, client_extensions);
-        issue(other_client_cert, other_client_key, "client of the other CA", other_ca_cert, other_ca_key,
-              client_extensions);
-        issue(wrong_name_cert, wrong_name_key, "wrong.example", ca_cert, ca_key, wrong_name_extensions);
+        issue(other_client_cert, other_client_key, "client of the other CA", other_ca_cert,
+              other_ca_key, client_extensions);
+        issue(wrong_name_cert, wrong_name_key, "wrong.example", ca_cert, ca_key,
+              wrong_name_extensions);
         make_key(mismatched_key);
 
         // Expired: `openssl x509 -req` (OpenSSL 3.0) cannot set the validity period's start;
@@ -147,19 +151,25 @@ TestPki::TestPki() {
                    "[ ca ]\n"
                    "default_ca = test_ca\n"
                    "[ test_ca ]\n"
-                   "database = " + (db / "index.txt").string() + "\n"
-                   "serial = " + (db / "serial").string() + "\n"
-                   "new_certs_dir = " + db.string() + "\n"
-                   "default_md = sha256\n"
-                   "policy = test_policy\n"
-                   "unique_subject = no\n"
-                   "copy_extensions = none\n"
-                   "[ test_policy ]\n"
-                   "commonName = supplied\n");
+                   "database = " +
+                       (db / "index.txt").string() +
+                       "\n"
+                       "serial = " +
+                       (db / "serial").string() +
+                       "\n"
+                       "new_certs_dir = " +
+                       db.string() +
+                       "\n"
+                       "default_md = sha256\n"
+                       "policy = test_policy\n"
+                       "unique_subject = no\n"
+                       "copy_extensions = none\n"
+                       "[ test_policy ]\n"
+                       "commonName = supplied\n");
         const fs::path expired_csr = dir / "expired.csr";
         make_key(expired_key);
-        openssl("req -new -key " + quote(expired_key) + " -subj " + quote("/CN=127.0.0.1") + " -out " +
-                quote(expired_csr));
+        openssl("req -new -key " + quote(expired_key) + " -subj " + quote("/CN=127.0.0.1") +
+                " -out " + quote(expired_csr));
         openssl("ca -batch -notext -config " + quote(dir / "ca.cnf") + " -cert " + quote(ca_cert) +
                 " -keyfile " + quote(ca_key) + " -in " + quote(expired_csr) +
                 " -startdate 20200101000000Z -enddate 20200102000000Z -extfile " +
@@ -180,11 +190,13 @@ void TestPki::issue_server_certificate(const fs::path& cert, const fs::path& key
     issue(cert, key, "127.0.0.1", ca_cert, ca_key, server_extensions);
 }
 
-void TestPki::issue_node_certificate(const fs::path& cert, const fs::path& key, const std::string& node_id) const {
-    const std::string extensions = std::string("basicConstraints = CA:FALSE\n"
-                                               "keyUsage = critical, digitalSignature\n"
-                                               "extendedKeyUsage = serverAuth, clientAuth\n"
-                                               "subjectAltName = IP:127.0.0.1, DNS:localhost, DNS:") +
+void TestPki::issue_node_certificate(const fs::path& cert, const fs::path& key,
+                                     const std::string& node_id) const {
+    const std::string extensions = std::string(
+                                       "basicConstraints = CA:FALSE\n"
+                                       "keyUsage = critical, digitalSignature\n"
+                                       "extendedKeyUsage = serverAuth, clientAuth\n"
+                                       "subjectAltName = IP:127.0.0.1, DNS:localhost, DNS:") +
                                    node_id + "\n";
     issue(cert, key, "127.0.0.1", ca_cert, ca_key, extensions);
 }
@@ -195,7 +207,8 @@ std::string TestPki::serial(const fs::path& cert) const {
     openssl("x509 -in " + quote(cert) + " -noout -serial -out " + quote(out));
     std::string text = read_file(out);
     const std::string prefix = "serial=";
-    if (text.rfind(prefix, 0) != 0) throw std::runtime_error("TestPki: unexpected serial output: " + text);
+    if (text.rfind(prefix, 0) != 0)
+        throw std::runtime_error("TestPki: unexpected serial output: " + text);
     text = text.substr(prefix.size());
     while (!text.empty() && (text.back() == '\n' || text.back() == '\r')) text.pop_back();
     return text;

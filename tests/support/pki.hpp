@@ -43,7 +43,8 @@ public:
     /// Writes a new key to `key` and a new certificate for it to `cert`, signed by the CA,
     /// with server_cert's names and usages (and a serial of its own): a rotated server
     /// certificate. Overwrites both files.
-    void issue_server_certificate(const std::filesystem::path& cert, const std::filesystem::path& key) const;
+    void issue_server_certificate(const std::filesystem::path& cert,
+                                  const std::filesystem::path& key) const;
     /// Like issue_server_certificate(), with `node_id` added to its DNS names: a node's
     /// certificate that binds its peer links to that node (docs/protocol.md section 6).
     void issue_node_certificate(const std::filesystem::path& cert, const std::filesystem::path& key,
@@ -65,9 +66,9 @@ private:
     /// A new key at `key` and a certificate for it at `cert`, signed by the CA
     /// (ca_cert, ca_key), with subject CN=`cn` and the extensions of `extensions` (lines of
     /// an openssl extension file), valid for a year.
-    void issue(const std::filesystem::path& cert, const std::filesystem::path& key, const std::string& cn,
-               const std::filesystem::path& ca_crt, const std::filesystem::path& ca_k,
-               const std::string& extensions) const;
+    void issue(const std::filesystem::path& cert, const std::filesystem::path& key,
+               const std::string& cn, const std::filesystem::path& ca_crt,
+               const std::filesystem::path& ca_k, const std::string& extensions) const;
     /// Numbers the scratch files (requests, extension files) of each openssl run.
     mutable unsigned issued_ = 0;
 };

@@ -52,7 +52,8 @@ int connect_tcp(const std::string& address) {
         throw std::runtime_error("connect_tcp: not an IPv4 address: " + address);
     }
     const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) throw std::runtime_error(std::string("connect_tcp: socket: ") + std::strerror(errno));
+    if (fd < 0)
+        throw std::runtime_error(std::string("connect_tcp: socket: ") + std::strerror(errno));
     if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
         const int err = errno;
         ::close(fd);

@@ -1,8 +1,9 @@
 #pragma once
 // The registry cases (idempotency key scopes, list_leases) that the SQLite registry's unit tests
 // (tests/unit/registry_test.cpp) and the contract suite over every backend
-// (tests/integration/registry_contract_test.cpp) both check, written once: each function is the body of a test case, run on an empty registry, and
-// reports through Catch (CHECK/REQUIRE, SECTIONs). Plus the helpers those bodies use.
+// (tests/integration/registry_contract_test.cpp) both check, written once: each function is the
+// body of a test case, run on an empty registry, and reports through Catch (CHECK/REQUIRE,
+// SECTIONs). Plus the helpers those bodies use.
 #include "support/sync_registry.hpp"
 
 #include <sandboxd/core/errors.hpp>
@@ -197,8 +198,7 @@ inline void check_list_pages(SyncRegistry& registry) {
 /// 1,001 leases: a limit of 0 gives one, of 5,000 gives 1,000 and a cursor to the last one.
 inline void check_list_limit_clamped(SyncRegistry& registry) {
     for (int i = 0; i < 1001; ++i) {
-        registry.create_lease(
-            make_lease("lease-" + std::to_string(10000 + i), "co-1", "env-1", i));
+        registry.create_lease(make_lease("lease-" + std::to_string(10000 + i), "co-1", "env-1", i));
     }
     LeaseQuery q;
     q.limit = 0;

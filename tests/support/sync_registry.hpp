@@ -96,8 +96,8 @@ public:
     std::optional<Lease> update_lease_if_owner_unchanged(const Lease& next,
                                                          std::int64_t expected_epoch,
                                                          std::optional<NodeRecord> owner_seen) {
-        return io_.run(
-            registry_->update_lease_if_owner_unchanged(next, expected_epoch, std::move(owner_seen)));
+        return io_.run(registry_->update_lease_if_owner_unchanged(next, expected_epoch,
+                                                                  std::move(owner_seen)));
     }
     std::vector<Lease> expired_leases(const std::string& owner, std::int64_t at_ms) {
         return io_.run(registry_->expired_leases(owner, at_ms));

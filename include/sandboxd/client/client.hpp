@@ -39,7 +39,7 @@ struct ClientEvent {
     enum class kind { data, credit, notification, response } type = kind::notification;
     std::uint32_t channel = 0;
     stream_id stream = stream_id::stdout_;
-    std::string bytes;     ///< data payload
+    std::string bytes;  ///< data payload
     std::uint32_t credit = 0;
     nlohmann::json message;  ///< notification or response object
 };

@@ -24,9 +24,9 @@ public:
 
 struct TokenConfig {
     std::string name;
-    std::string token;       ///< the secret itself, or
-    std::string token_file;  ///< a file holding it (trailing whitespace trimmed)
-    std::string role = "host";  ///< "host", "peer" or "metrics" (GET /metrics only)
+    std::string token;                         ///< the secret itself, or
+    std::string token_file;                    ///< a file holding it (trailing whitespace trimmed)
+    std::string role = "host";                 ///< "host", "peer" or "metrics" (GET /metrics only)
     std::vector<std::string> tenants = {"*"};  ///< companyIds, or "*" for every tenant
     /// A peer token bound to one node: its links must say they come from this node
     /// (Sandboxd-Forwarded-By), or the upgrade is refused (403). "" = not bound. Peer only.
@@ -39,7 +39,9 @@ struct TlsFilesConfig {
     std::string ca_file;    ///< CAs that verify the other side
     std::string cert_file;  ///< this side's certificate chain
     std::string key_file;   ///< its private key
-    [[nodiscard]] bool empty() const { return ca_file.empty() && cert_file.empty() && key_file.empty(); }
+    [[nodiscard]] bool empty() const {
+        return ca_file.empty() && cert_file.empty() && key_file.empty();
+    }
 };
 
 /// `tls`: the listener serves TLS (wss://, https://) when cert_file is set.
@@ -53,15 +55,16 @@ struct ListenerTlsConfig {
 };
 
 struct RegistryConfig {
-    std::string kind = "sqlite";  ///< "sqlite" or "etcd"
-    std::string path;             ///< sqlite file; "" = <stateDir>/registry.db
+    std::string kind = "sqlite";         ///< "sqlite" or "etcd"
+    std::string path;                    ///< sqlite file; "" = <stateDir>/registry.db
     std::vector<std::string> endpoints;  ///< etcd gateway URLs, http://host:port or https://
     /// registry.tls: for https:// endpoints, as etcd's --cacert/--cert/--key ("" ca: the
     /// system's trust store).
     TlsFilesConfig tls;
     std::string prefix = "/sandboxd/v1/";
-    std::string username;       ///< etcd auth user; "" = no auth
-    std::string password_file;  ///< file holding the etcd user's password (trailing whitespace trimmed)
+    std::string username;  ///< etcd auth user; "" = no auth
+    std::string
+        password_file;  ///< file holding the etcd user's password (trailing whitespace trimmed)
     /// How long the daemon keeps trying to register at start while the registry cannot be
     /// reached (listening meanwhile, /readyz 503), ms, 0..3600000; then it exits 1.
     std::uint32_t startup_timeout_ms = 60000;
@@ -125,18 +128,19 @@ struct BwrapConfig {
     /// Entries of the host's /etc copied into the sandbox's generated /etc (relative paths;
     /// missing ones skipped). passwd, group, hosts, hostname, nsswitch.conf and (with network)
     /// resolv.conf are always generated.
-    std::vector<std::string> etc_files = {
-        "alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "ssl/certs",
-        "ca-certificates.conf", "localtime", "timezone", "os-release", "debian_version",
-        "profile", "bash.bashrc", "inputrc", "protocols", "services", "mime.types",
-        "terminfo"};
+    std::vector<std::string> etc_files = {"alternatives",   "ld.so.cache", "ld.so.conf",
+                                          "ld.so.conf.d",   "ssl/certs",   "ca-certificates.conf",
+                                          "localtime",      "timezone",    "os-release",
+                                          "debian_version", "profile",     "bash.bashrc",
+                                          "inputrc",        "protocols",   "services",
+                                          "mime.types",     "terminfo"};
 };
 
 /// How the sweeper retries a plugin lease whose teardown failed (docs/plugins.md).
 struct PluginCleanupConfig {
-    std::uint32_t attempts = 5;             ///< 1..1000 quick attempts, then the slow retry
-    std::uint64_t backoff_ms = 1000;        ///< 1..86400000; doubles per failed attempt
-    std::uint64_t slow_retry_ms = 300000;   ///< 1..86400000; the retry period after that
+    std::uint32_t attempts = 5;            ///< 1..1000 quick attempts, then the slow retry
+    std::uint64_t backoff_ms = 1000;       ///< 1..86400000; doubles per failed attempt
+    std::uint64_t slow_retry_ms = 300000;  ///< 1..86400000; the retry period after that
 };
 
 /// One entry of providers.plugins (docs/plugins.md, "The config entry").
@@ -163,15 +167,15 @@ struct PluginConfig {
 const std::vector<std::string>& plugin_timeout_methods();
 
 struct LimitsConfig {
-    std::uint32_t max_text_message = 1 << 20;       ///< bytes, 1 KiB..64 MiB
-    std::uint32_t max_data_payload = 256 << 10;     ///< bytes, 1 KiB..16 MiB
-    std::uint32_t channels_per_connection = 256;    ///< 1..1048576
-    std::uint32_t channels_per_node = 4096;         ///< 1..1048576
+    std::uint32_t max_text_message = 1 << 20;     ///< bytes, 1 KiB..64 MiB
+    std::uint32_t max_data_payload = 256 << 10;   ///< bytes, 1 KiB..16 MiB
+    std::uint32_t channels_per_connection = 256;  ///< 1..1048576
+    std::uint32_t channels_per_node = 4096;       ///< 1..1048576
     /// Requests of one connection running at once (their responses not yet sent), 1..65536;
     /// over it a request gets CHANNEL_LIMIT with data.limit "requestsPerConnection".
     std::uint32_t requests_per_connection = 64;
-    std::uint32_t output_window = 1 << 20;          ///< default outputWindow, bytes, 1 KiB..1 GiB
-    std::uint32_t stdin_window = 1 << 20;           ///< default stdinWindow, bytes, 1 KiB..1 GiB
+    std::uint32_t output_window = 1 << 20;  ///< default outputWindow, bytes, 1 KiB..1 GiB
+    std::uint32_t stdin_window = 1 << 20;   ///< default stdinWindow, bytes, 1 KiB..1 GiB
     /// The largest outputWindow and stdinWindow an open may ask for, bytes, 1 KiB..1 GiB (at
     /// least outputWindow and stdinWindow).
     std::uint32_t max_output_window = 64 << 20;
@@ -196,15 +200,15 @@ struct LimitsConfig {
     /// How long a connection has from its accept to its TLS handshake and authenticated
     /// request (and a plain HTTP connection for each request), ms, 100..600000.
     std::uint32_t auth_timeout_ms = 5000;
-    std::uint32_t ping_interval_ms = 20000;         ///< 100..3600000
-    std::uint32_t idle_timeout_ms = 60000;          ///< peer silent this long is dropped
-    std::uint32_t drain_grace_ms = 250;             ///< output drain after the main process ends
-    std::uint32_t hangup_grace_ms = 5000;           ///< SIGHUP to SIGKILL on a dropped connection
+    std::uint32_t ping_interval_ms = 20000;  ///< 100..3600000
+    std::uint32_t idle_timeout_ms = 60000;   ///< peer silent this long is dropped
+    std::uint32_t drain_grace_ms = 250;      ///< output drain after the main process ends
+    std::uint32_t hangup_grace_ms = 5000;    ///< SIGHUP to SIGKILL on a dropped connection
     /// Drain (SIGTERM, POST /admin/drain): how long running channels may go on finishing
     /// once new opens are refused, before they are stopped; ms, 0..3600000.
     std::uint32_t drain_timeout_ms = 30000;
-    std::uint64_t default_ttl_ms = 3600000;         ///< lease TTL when leaseAcquire gives none
-    std::uint64_t max_ttl_ms = 7 * 24 * 3600000ULL; ///< largest ttlMs accepted
+    std::uint64_t default_ttl_ms = 3600000;          ///< lease TTL when leaseAcquire gives none
+    std::uint64_t max_ttl_ms = 7 * 24 * 3600000ULL;  ///< largest ttlMs accepted
     /// leaseExecute: bytes of each stream (stdout, stderr) kept in its result and streamed
     /// as leaseExecute.log, 1 KiB..64 MiB; the rest is read and dropped.
     std::uint32_t execute_output_bytes = 1 << 20;
@@ -216,11 +220,12 @@ struct LimitsConfig {
 };
 
 struct Config {
-    std::string node_id;  ///< "" = the host name
+    std::string node_id;                    ///< "" = the host name
     std::string listen = "127.0.0.1:7800";  ///< HOST:PORT; port 0 picks a free port
-    std::string advertise_url;  ///< "" = ws[s]://<listen address>/v1/ws once bound
-    ListenerTlsConfig tls;  ///< `tls`: TLS on `listen`
-    /// plainListen: HOST:PORT (loopback only) served in plain text beside a TLS `listen`; "" = none.
+    std::string advertise_url;              ///< "" = ws[s]://<listen address>/v1/ws once bound
+    ListenerTlsConfig tls;                  ///< `tls`: TLS on `listen`
+    /// plainListen: HOST:PORT (loopback only) served in plain text beside a TLS `listen`; "" =
+    /// none.
     std::string plain_listen;
     std::string state_dir = "/var/lib/sandboxd";
     unsigned threads = 0;  ///< I/O threads; 0 = number of cores
@@ -243,8 +248,8 @@ struct Config {
     bool noop_provider = false;
     std::vector<PluginConfig> plugins;
     LimitsConfig limits;
-    std::string log_level = "info";  ///< trace, debug, info, warn, error, critical, off
-    std::string log_format = "text"; ///< "text" or "json"
+    std::string log_level = "info";   ///< trace, debug, info, warn, error, critical, off
+    std::string log_format = "text";  ///< "text" or "json"
     /// audit.file: one JSON line per security-relevant event is appended here (created with
     /// mode 0600; reopened on SIGHUP); "" = no audit file.
     std::string audit_file;

@@ -55,10 +55,12 @@ struct TlsClientOptions {
 /// Builds a server context. Throws config_error "config: <field>: ..." naming the file that
 /// is missing, unreadable, not a PEM certificate or key, expired or not yet valid, or whose
 /// key does not match the certificate; or an unknown min_version.
-std::shared_ptr<ssl::context> make_server_tls(const TlsServerOptions& options, const std::string& field);
+std::shared_ptr<ssl::context> make_server_tls(const TlsServerOptions& options,
+                                              const std::string& field);
 /// Builds a client context; same errors as make_server_tls (the client certificate is
 /// checked as the server's is).
-std::shared_ptr<ssl::context> make_client_tls(const TlsClientOptions& options, const std::string& field);
+std::shared_ptr<ssl::context> make_client_tls(const TlsClientOptions& options,
+                                              const std::string& field);
 
 /// Sets the name (DNS name or IP address literal) that the server's certificate must carry,
 /// and the SNI, on a client stream before its handshake. No-op for names when the context
@@ -104,7 +106,9 @@ public:
         : context_(std::move(context)),
           stream_(std::in_place_type<tls_stream>, std::move(plain), *context_) {}
 
-    [[nodiscard]] bool is_tls() const noexcept { return std::holds_alternative<tls_stream>(stream_); }
+    [[nodiscard]] bool is_tls() const noexcept {
+        return std::holds_alternative<tls_stream>(stream_);
+    }
     /// The TLS layer, nullptr for plain TCP.
     tls_stream* tls() noexcept { return std::get_if<tls_stream>(&stream_); }
 

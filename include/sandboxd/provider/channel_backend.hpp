@@ -112,8 +112,7 @@ public:
 
     /// Reads up to `into.size()` bytes of `stream` without waiting. Returns the number read
     /// (0: nothing right now, wait again), or nullopt once the stream has ended.
-    virtual std::optional<std::size_t> read_output(output_stream stream,
-                                                   std::span<char> into) = 0;
+    virtual std::optional<std::size_t> read_output(output_stream stream, std::span<char> into) = 0;
     /// The read end of `stream` when it is a pipe (a pipe channel of the process backend):
     /// the caller may move bytes from it itself, with splice(2), in place of read_output()
     /// (issue 19: output written to the socket without a copy through user space). -1 when

@@ -20,12 +20,12 @@ struct PluginTuning {
     /// is not an environment*Lease method (those default to lifecycle_timeout).
     std::chrono::milliseconds rpc_timeout{30000};
     std::chrono::milliseconds lifecycle_timeout{300000};  ///< environment*Lease by default
-    std::chrono::milliseconds restart_initial{1000};     ///< first restart delay
-    std::chrono::milliseconds restart_max{300000};       ///< the delay doubles up to this
-    int crash_limit = 10;                                ///< give up after this many exits...
-    std::chrono::milliseconds crash_window{600000};      ///< ...within this window
-    std::chrono::milliseconds shutdown_grace{5000};      ///< `shutdown` answer; SIGTERM to SIGKILL
-    std::chrono::milliseconds stop_grace{10000};         ///< duplexChannelStop to its exit
+    std::chrono::milliseconds restart_initial{1000};      ///< first restart delay
+    std::chrono::milliseconds restart_max{300000};        ///< the delay doubles up to this
+    int crash_limit = 10;                                 ///< give up after this many exits...
+    std::chrono::milliseconds crash_window{600000};       ///< ...within this window
+    std::chrono::milliseconds shutdown_grace{5000};       ///< `shutdown` answer; SIGTERM to SIGKILL
+    std::chrono::milliseconds stop_grace{10000};          ///< duplexChannelStop to its exit
     /// One JSON line from the worker (over it the worker is retired). The SDK bounds
     /// nothing; a data frame of this many base64 bytes carries 24 MiB.
     std::size_t max_line = 32U << 20;

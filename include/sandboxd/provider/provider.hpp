@@ -93,9 +93,9 @@ struct SandboxHandle {
 /// retries every slow_retry_ms, for ever. slow_retry_ms 0 instead makes the lease `failed`
 /// after `attempts` failures (for a provider whose sandboxes cannot outlive the node).
 struct CleanupPolicy {
-    int attempts = 5;                   ///< 1..1000
-    std::int64_t backoff_ms = 1000;     ///< 1..86400000
-    std::int64_t slow_retry_ms = 0;     ///< 0, or 1..86400000
+    int attempts = 5;                ///< 1..1000
+    std::int64_t backoff_ms = 1000;  ///< 1..86400000
+    std::int64_t slow_retry_ms = 0;  ///< 0, or 1..86400000
 };
 
 /// leaseExecute (docs/protocol.md section 2): one command run to its end in a lease's
@@ -174,8 +174,8 @@ struct LimitEvents {
 /// A plugin provider's worker, for /metrics (sandboxd_plugin_worker_up and
 /// sandboxd_plugin_worker_restarts_total).
 struct WorkerStatus {
-    bool up = false;            ///< a worker is running and has answered `initialize`
-    std::uint64_t restarts = 0; ///< starts after the first since the daemon started
+    bool up = false;             ///< a worker is running and has answered `initialize`
+    std::uint64_t restarts = 0;  ///< starts after the first since the daemon started
 };
 
 class Provider {
@@ -189,11 +189,12 @@ public:
     /// Creates a sandbox for the lease being acquired: `lease` holds its id, scope (its
     /// providerLeaseId is empty: it is minted here and set in the result's scope), config,
     /// run/issue/agent/workspace ids and expires_at_ms (the upper bound of the sandbox's own
-    /// expiry). The result's provider_metadata and expires_at_ms become the lease's. Completes on the awaiting executor; the
-    /// blocking work (disks, cgroups, starting the supervisor) runs on a pool the provider owns
-    /// and bounds, or behind a plugin worker's answer (bounded by its RPC timeout). Throws
-    /// rpc_error(errc::invalid_params) for a bad config, errc::provider_not_ready while the
-    /// provider cannot serve, errc::provider_error otherwise; nothing is left behind then.
+    /// expiry). The result's provider_metadata and expires_at_ms become the lease's. Completes on
+    /// the awaiting executor; the blocking work (disks, cgroups, starting the supervisor) runs on a
+    /// pool the provider owns and bounds, or behind a plugin worker's answer (bounded by its RPC
+    /// timeout). Throws rpc_error(errc::invalid_params) for a bad config, errc::provider_not_ready
+    /// while the provider cannot serve, errc::provider_error otherwise; nothing is left behind
+    /// then.
     virtual awaitable<std::shared_ptr<SandboxHandle>> create(Lease lease) = 0;
 
     /// Destroys the sandbox (its workspace). The caller has stopped its channels first.
@@ -338,7 +339,7 @@ struct BwrapOptions {
     /// Run as each lease's uid: it must be reachable (every directory above it searchable)
     /// and executable by others.
     std::filesystem::path bwrap_path = "/usr/bin/bwrap";
-    std::filesystem::path init_path;    ///< sandboxd-init; "" = next to the running executable
+    std::filesystem::path init_path;  ///< sandboxd-init; "" = next to the running executable
     /// Each sandbox's records live in <sandboxes_dir>/<providerLeaseId>/ (disk.img,
     /// identity), root's alone. One daemon per directory (a lock).
     std::filesystem::path sandboxes_dir;
@@ -346,12 +347,12 @@ struct BwrapOptions {
     /// points (<runtime_dir>/<providerLeaseId>/workspace), the generated /etc and a copy of
     /// sandboxd-init. "" = /run/sandboxd/<a name derived from sandboxes_dir>.
     std::filesystem::path runtime_dir;
-    bool allow_network = false;         ///< whether a lease config may ask for "network": true
+    bool allow_network = false;  ///< whether a lease config may ask for "network": true
     std::vector<std::string> ro_binds = {"/usr"};  ///< read-only if present
     BwrapLimitsConfig limits;
     BwrapIdentityConfig identity;
     std::vector<std::string> etc_files = BwrapConfig{}.etc_files;
-    std::filesystem::path etc_source = "/etc";        ///< where etc_files are copied from
+    std::filesystem::path etc_source = "/etc";  ///< where etc_files are copied from
     std::filesystem::path cgroup_root = "/sys/fs/cgroup";
     /// Where kernel/pid_max and fs/file-max are read at start, for the node's budgets (with
     /// limits.enforce); tests point it at a directory of their own.

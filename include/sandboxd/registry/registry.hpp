@@ -231,12 +231,10 @@ std::unique_ptr<Registry> make_sqlite_registry(const std::string& path, int read
 /// without it (or when it returns null) the system's trust store and no client certificate.
 ///
 /// `bad_records` (may be null; must outlive the registry) counts records that cannot be read.
-std::unique_ptr<Registry> make_etcd_registry(boost::asio::any_io_executor ex,
-                                             std::vector<std::string> endpoints,
-                                             std::string prefix, std::int64_t node_ttl_ms,
-                                             std::string username = "",
-                                             std::string password = "",
-                                             std::function<std::shared_ptr<boost::asio::ssl::context>()> tls = {},
-                                             Counter* bad_records = nullptr);
+std::unique_ptr<Registry> make_etcd_registry(
+    boost::asio::any_io_executor ex, std::vector<std::string> endpoints, std::string prefix,
+    std::int64_t node_ttl_ms, std::string username = "", std::string password = "",
+    std::function<std::shared_ptr<boost::asio::ssl::context>()> tls = {},
+    Counter* bad_records = nullptr);
 
 }  // namespace sandboxd

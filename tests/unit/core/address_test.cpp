@@ -77,11 +77,16 @@ TEST_CASE("ws:// URLs give the endpoint and the handshake target", "[address]") 
     }
     SECTION("errors") {
         auto bad = [](const char* text) { return error_of([&] { parse_ws_url(text); }); };
-        CHECK(bad("http://h/") == R"(must be ws://HOST[:PORT][/PATH] or wss://HOST[:PORT][/PATH], got "http://h/")");
-        CHECK(bad("h:7800") == R"(must be ws://HOST[:PORT][/PATH] or wss://HOST[:PORT][/PATH], got "h:7800")");
-        CHECK(bad("ws:///v1/ws") == R"(must be ws://HOST[:PORT][/PATH] or wss://HOST[:PORT][/PATH], got "ws:///v1/ws")");
-        CHECK(bad("ws://u:p@h/") == R"(must be ws://HOST[:PORT][/PATH] or wss://HOST[:PORT][/PATH], got "ws://u:p@h/")");
-        CHECK(bad("ws://h/#x") == R"(must be ws://HOST[:PORT][/PATH] or wss://HOST[:PORT][/PATH], got "ws://h/#x")");
+        CHECK(bad("http://h/") ==
+              R"(must be ws://HOST[:PORT][/PATH] or wss://HOST[:PORT][/PATH], got "http://h/")");
+        CHECK(bad("h:7800") ==
+              R"(must be ws://HOST[:PORT][/PATH] or wss://HOST[:PORT][/PATH], got "h:7800")");
+        CHECK(bad("ws:///v1/ws") ==
+              R"(must be ws://HOST[:PORT][/PATH] or wss://HOST[:PORT][/PATH], got "ws:///v1/ws")");
+        CHECK(bad("ws://u:p@h/") ==
+              R"(must be ws://HOST[:PORT][/PATH] or wss://HOST[:PORT][/PATH], got "ws://u:p@h/")");
+        CHECK(bad("ws://h/#x") ==
+              R"(must be ws://HOST[:PORT][/PATH] or wss://HOST[:PORT][/PATH], got "ws://h/#x")");
         CHECK(bad("ws://h:0/") == R"(port must be 1..65535, got "0")");
         CHECK(bad("ws://h:70000/") == R"(port must be 1..65535, got "70000")");
     }
@@ -92,15 +97,21 @@ TEST_CASE("etcd endpoints are http://HOST:PORT with nothing after", "[address]")
     CHECK(parse_http_endpoint("http://etcd-0:2379/") == HostPort{"etcd-0", 2379});
     CHECK(parse_http_endpoint("http://[::1]:2379").authority() == "[::1]:2379");
     auto bad = [](const char* text) { return error_of([&] { parse_http_endpoint(text); }); };
-    CHECK(bad("127.0.0.1:2379") == R"(must be http://HOST:PORT or https://HOST:PORT, got "127.0.0.1:2379")");
+    CHECK(bad("127.0.0.1:2379") ==
+          R"(must be http://HOST:PORT or https://HOST:PORT, got "127.0.0.1:2379")");
     bool https = false;
     CHECK(parse_http_endpoint("https://h:2379", &https) == HostPort{"h", 2379});
     CHECK(https);
-    CHECK(bad("ftp://h:2379") == R"(must be http://HOST:PORT or https://HOST:PORT, got "ftp://h:2379")");
+    CHECK(bad("ftp://h:2379") ==
+          R"(must be http://HOST:PORT or https://HOST:PORT, got "ftp://h:2379")");
     CHECK(bad("http://h") == R"(must be http://HOST:PORT or https://HOST:PORT, got "http://h")");
-    CHECK(bad("http://h:2379/v3") == R"(must be http://HOST:PORT or https://HOST:PORT, got "http://h:2379/v3")");
-    CHECK(bad("http://h:2379//") == R"(must be http://HOST:PORT or https://HOST:PORT, got "http://h:2379//")");
-    CHECK(bad("http://h:2379?x") == R"(must be http://HOST:PORT or https://HOST:PORT, got "http://h:2379?x")");
-    CHECK(bad("http://[::1:2379") == R"(must be http://HOST:PORT or https://HOST:PORT, got "http://[::1:2379")");
+    CHECK(bad("http://h:2379/v3") ==
+          R"(must be http://HOST:PORT or https://HOST:PORT, got "http://h:2379/v3")");
+    CHECK(bad("http://h:2379//") ==
+          R"(must be http://HOST:PORT or https://HOST:PORT, got "http://h:2379//")");
+    CHECK(bad("http://h:2379?x") ==
+          R"(must be http://HOST:PORT or https://HOST:PORT, got "http://h:2379?x")");
+    CHECK(bad("http://[::1:2379") ==
+          R"(must be http://HOST:PORT or https://HOST:PORT, got "http://[::1:2379")");
     CHECK(bad("http://h:0") == R"(port must be 1..65535, got "0")");
 }

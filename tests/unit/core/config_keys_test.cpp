@@ -144,8 +144,7 @@ std::vector<std::string> sections_by_json(const Config& running, const Config& n
 
 }  // namespace
 
-TEST_CASE("Every config key reads back what it prints, and differs from its default",
-          "[config]") {
+TEST_CASE("Every config key reads back what it prints, and differs from its default", "[config]") {
     const auto doc = every_key_set();
     const auto config = parse_config(doc.dump());
     auto printed = config_to_json(config);
@@ -177,11 +176,13 @@ TEST_CASE("A value out of range or not allowed names its key and the range", "[c
         INFO(row.key);
         if (row.type == "string") {  // one of the allowed values
             CHECK(error_of(with_value(json::object(), row.key, "nope").dump()) ==
-                  "config: " + row.key + ": must be one of " + [&] {
-                      std::string list = row.range;
-                      list.erase(std::remove(list.begin(), list.end(), '"'), list.end());
-                      return list;
-                  }() + ", got \"nope\"");
+                  "config: " + row.key + ": must be one of " +
+                      [&] {
+                          std::string list = row.range;
+                          list.erase(std::remove(list.begin(), list.end(), '"'), list.end());
+                          return list;
+                      }() +
+                      ", got \"nope\"");
             ++checked;
             continue;
         }
@@ -261,8 +262,7 @@ TEST_CASE("The restart diff names the changed keys a reload does not apply", "[c
     limits.bwrap.limits.max.pids.reset();
     CHECK(config_restart_changes(rich, limits) ==
           std::vector<std::string>{"providers.bwrap.limits.max.pids", "limits.sendQueueBytes"});
-    CHECK(config_restart_sections(rich, limits) ==
-          std::vector<std::string>{"limits", "providers"});
+    CHECK(config_restart_sections(rich, limits) == std::vector<std::string>{"limits", "providers"});
 }
 
 TEST_CASE("docs/config.md is the generated reference table", "[config]") {

@@ -50,11 +50,16 @@ TEST_CASE("Malformed frames are rejected with a reason", "[frame]") {
         REQUIRE(e != nullptr);
         return *e;
     };
-    CHECK(error_of(std::string("\x01\x00\x00", 3)).what == "binary frame shorter than its 6-byte header");
-    CHECK(error_of(std::string("\x01\x00\x00\x00\x01\x00", 6)).what == "data frame with an empty payload");
-    CHECK(error_of(std::string("\x03\x00\x00\x00\x01\x00x", 7)).what == "binary frame of unknown kind 3");
-    CHECK(error_of(std::string("\x01\x00\x00\x00\x01\x03x", 7)).what == "binary frame names unknown stream 3");
-    CHECK(error_of(std::string("\x02\x00\x00\x00\x01\x01\x00", 7)).what == "credit frame is not 10 bytes");
+    CHECK(error_of(std::string("\x01\x00\x00", 3)).what ==
+          "binary frame shorter than its 6-byte header");
+    CHECK(error_of(std::string("\x01\x00\x00\x00\x01\x00", 6)).what ==
+          "data frame with an empty payload");
+    CHECK(error_of(std::string("\x03\x00\x00\x00\x01\x00x", 7)).what ==
+          "binary frame of unknown kind 3");
+    CHECK(error_of(std::string("\x01\x00\x00\x00\x01\x03x", 7)).what ==
+          "binary frame names unknown stream 3");
+    CHECK(error_of(std::string("\x02\x00\x00\x00\x01\x01\x00", 7)).what ==
+          "credit frame is not 10 bytes");
     CHECK(error_of(encode_credit(1, stream_id::stdout_, 0)).what == "credit frame grants 0 bytes");
     auto big = error_of(encode_data(1, stream_id::stdin_, std::string(17, 'x')));
     CHECK(big.too_big);
@@ -95,9 +100,11 @@ TEST_CASE("Every error maps to its protocol code and reason", "[errors]") {
     auto j = rpc_error(errc::sandbox_not_cached, std::string(sandbox_not_cached_message),
                        {{"leaseId", "l1"}})
                  .to_json();
-    CHECK(j == nlohmann::json{{"code", -32011},
-                              {"message", "Sandbox duplex channel: no cached sandbox resolves the provider lease."},
-                              {"data", {{"reason", "SANDBOX_NOT_CACHED"}, {"leaseId", "l1"}}}});
+    CHECK(j ==
+          nlohmann::json{
+              {"code", -32011},
+              {"message", "Sandbox duplex channel: no cached sandbox resolves the provider lease."},
+              {"data", {{"reason", "SANDBOX_NOT_CACHED"}, {"leaseId", "l1"}}}});
     CHECK(lease_not_active_message("l9") == "Sandbox lease l9 is no longer active.");
 }
 
@@ -121,7 +128,8 @@ TEST_CASE("Invalid configs are rejected with the field path", "[config]") {
     };
     CHECK(error_of(R"({"nope": 1})") == "config: nope: unknown key");
     // A number beyond a double: not valid JSON, not an escaping out_of_range (fuzzing found it).
-    CHECK(error_of(R"({"limits": {"outputWindow": 1e999}})").rfind("config: not valid JSON: ", 0) == 0);
+    CHECK(error_of(R"({"limits": {"outputWindow": 1e999}})").rfind("config: not valid JSON: ", 0) ==
+          0);
     CHECK(error_of(R"({"limits": {"outputWindow": 10}})") ==
           "config: limits.outputWindow: must be an integer in 1024..1073741824, got 10");
     CHECK(error_of(R"({"limits": {"outputWindow": "big"}})") ==
@@ -138,8 +146,9 @@ TEST_CASE("Invalid configs are rejected with the field path", "[config]") {
     CHECK(error_of(R"({"auth": {"tokens": [{"name": "x", "token": "t", "colour": "red"}]}})") ==
           "config: auth.tokens[0].colour: unknown key");
     CHECK(error_of(R"({"listen": "7800"})") == "config: listen: must be HOST:PORT, got \"7800\"");
-    CHECK(error_of(R"({"listen": "host:99999"})") == "config: listen: port must be 0..65535, got \"99999\"");
-    CHECK(error_of("{") .rfind("config: not valid JSON", 0) == 0);
+    CHECK(error_of(R"({"listen": "host:99999"})") ==
+          "config: listen: port must be 0..65535, got \"99999\"");
+    CHECK(error_of("{").rfind("config: not valid JSON", 0) == 0);
     CHECK(error_of(R"({"registry": {"kind": "etcd"}})") ==
           "config: registry.endpoints: etcd needs at least one endpoint");
     CHECK(error_of(R"(// comment

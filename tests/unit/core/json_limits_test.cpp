@@ -71,7 +71,8 @@ TEST_CASE("JSON one level deeper than max_json_depth is refused for its depth", 
         CHECK(r.value.is_null());
         CHECK(r.error == "nested deeper than 64 levels");
         CHECK_THROWS_AS(parse_json(text), json::parse_error);
-        CHECK_THROWS_WITH(parse_json(text), Catch::Matchers::Contains("nested deeper than 64 levels"));
+        CHECK_THROWS_WITH(parse_json(text),
+                          Catch::Matchers::Contains("nested deeper than 64 levels"));
     }
 }
 
@@ -135,8 +136,9 @@ TEST_CASE("A request nested too deep is a parse error naming the depth", "[json]
 TEST_CASE("A config nested too deep is a config error naming the depth", "[json][config]") {
     const std::string text = "{\"listen\": " + nested_arrays(100'000) + "}";
     CHECK_THROWS_AS(parse_config(text), config_error);
-        CHECK_THROWS_WITH(parse_config(text), Catch::Matchers::Contains("config: not valid JSON") &&
-                             Catch::Matchers::Contains("nested deeper than 64 levels"));
+    CHECK_THROWS_WITH(parse_config(text),
+                      Catch::Matchers::Contains("config: not valid JSON") &&
+                          Catch::Matchers::Contains("nested deeper than 64 levels"));
 }
 
 TEST_CASE("A plugin worker line nested too deep is text, dropped", "[json][plugin]") {
@@ -151,7 +153,8 @@ TEST_CASE("A plugin worker line nested too deep is text, dropped", "[json][plugi
 
 TEST_CASE("An etcd reply nested too deep is refused", "[json][etcd]") {
     CHECK_THROWS_AS(etcd::parse_reply_body(nested_arrays(500'000)), json::parse_error);
-        CHECK_THROWS_WITH(etcd::parse_reply_body(nested_arrays(500'000)), Catch::Matchers::Contains("nested deeper than 64 levels"));
+    CHECK_THROWS_WITH(etcd::parse_reply_body(nested_arrays(500'000)),
+                      Catch::Matchers::Contains("nested deeper than 64 levels"));
     // The first line of a stream is read alone; a deep first line is refused just the same.
     CHECK_THROWS_AS(etcd::parse_reply_body(nested_arrays(500'000) + "\n{}"), json::parse_error);
     CHECK(etcd::parse_reply_body("{\"a\":1}\n{\"b\":2}") == json{{"a", 1}});

@@ -55,14 +55,15 @@ std::string table_info(const std::string& create_sql) {
 
 TEST_CASE("The wire JSON of a lease is the protocol's, byte for byte", "[lease]") {
     SECTION("absent optional ids are left out, other absent fields are null") {
-        CHECK(to_json(minimal_lease()).dump() ==
-              R"({"acquiredAt":"2025-11-30T23:49:29.123Z","capabilities":null,"cleanupStatus":null,)"
-              R"("companyId":"acme","environmentId":"dev","epoch":1,"expiresAt":null,)"
-              R"("failureReason":null,"hostMetadata":null,"id":"l1",)"
-              R"("lastUsedAt":"2025-11-30T23:49:30.000Z","leasePolicy":"ephemeral",)"
-              R"("limits":null,"metadata":{},"ownerNodeId":"n1","provider":"bwrap",)"
-              R"("providerLeaseId":"bw-1","providerMetadata":null,"releasedAt":null,)"
-              R"("status":"active","usage":null})");
+        CHECK(
+            to_json(minimal_lease()).dump() ==
+            R"({"acquiredAt":"2025-11-30T23:49:29.123Z","capabilities":null,"cleanupStatus":null,)"
+            R"("companyId":"acme","environmentId":"dev","epoch":1,"expiresAt":null,)"
+            R"("failureReason":null,"hostMetadata":null,"id":"l1",)"
+            R"("lastUsedAt":"2025-11-30T23:49:30.000Z","leasePolicy":"ephemeral",)"
+            R"("limits":null,"metadata":{},"ownerNodeId":"n1","provider":"bwrap",)"
+            R"("providerLeaseId":"bw-1","providerMetadata":null,"releasedAt":null,)"
+            R"("status":"active","usage":null})");
     }
     SECTION("every field set; idempotency key, config and cleanup attempts stay internal") {
         Lease l = minimal_lease();
@@ -86,17 +87,18 @@ TEST_CASE("The wire JSON of a lease is the protocol's, byte for byte", "[lease]"
         l.idempotency_key = "k";
         l.config = {{"image", "x"}};
         l.cleanup_attempts = 3;
-        CHECK(to_json(l).dump() ==
-              R"({"acquiredAt":"2025-11-30T23:49:29.123Z","agentId":"a","capabilities":["pty"],)"
-              R"("cleanupStatus":"retrying",)"
-              R"("companyId":"acme","environmentId":"dev","epoch":42,"executionWorkspaceId":"w",)"
-              R"("expiresAt":"2025-11-30T23:49:31.000Z","failureReason":"boom",)"
-              R"("heartbeatRunId":"h","hostMetadata":{"team":"t"},"id":"l1","issueId":"i",)"
-              R"("lastUsedAt":"2025-11-30T23:49:30.000Z","leasePolicy":"ephemeral","limits":{"pids":64},)"
-              R"("metadata":{"pluginId":"builtin","provider":"bwrap"},"ownerNodeId":"n1",)"
-              R"("provider":"bwrap","providerLeaseId":"bw-1","providerMetadata":{"dir":"/x"},)"
-              R"("releasedAt":"2025-11-30T23:49:32.001Z","runId":"r","status":"pending_cleanup",)"
-              R"("usage":{"cpuMs":5}})");
+        CHECK(
+            to_json(l).dump() ==
+            R"({"acquiredAt":"2025-11-30T23:49:29.123Z","agentId":"a","capabilities":["pty"],)"
+            R"("cleanupStatus":"retrying",)"
+            R"("companyId":"acme","environmentId":"dev","epoch":42,"executionWorkspaceId":"w",)"
+            R"("expiresAt":"2025-11-30T23:49:31.000Z","failureReason":"boom",)"
+            R"("heartbeatRunId":"h","hostMetadata":{"team":"t"},"id":"l1","issueId":"i",)"
+            R"("lastUsedAt":"2025-11-30T23:49:30.000Z","leasePolicy":"ephemeral","limits":{"pids":64},)"
+            R"("metadata":{"pluginId":"builtin","provider":"bwrap"},"ownerNodeId":"n1",)"
+            R"("provider":"bwrap","providerLeaseId":"bw-1","providerMetadata":{"dir":"/x"},)"
+            R"("releasedAt":"2025-11-30T23:49:32.001Z","runId":"r","status":"pending_cleanup",)"
+            R"("usage":{"cpuMs":5}})");
     }
 }
 

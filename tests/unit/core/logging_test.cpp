@@ -2,12 +2,12 @@
 // their own, and `<N>` priority prefixes when stderr is the journal stream systemd named.
 #include <sandboxd/core/logging.hpp>
 
+#include <spdlog/spdlog.h>
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
-#include <spdlog/spdlog.h>
 
-#include <sys/stat.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -54,7 +54,8 @@ std::vector<std::string> captured(const std::string& format, bool as_journal, F 
 
 TEST_CASE("JSON logs take node, lease, channel and peer out of msg", "[logging]") {
     const auto lines = captured("json", false, [] {
-        spdlog::info("channel=7 lease=lse_abc opened: sh pty=false peer=127.0.0.1:5 (connection channel 2)");
+        spdlog::info(
+            "channel=7 lease=lse_abc opened: sh pty=false peer=127.0.0.1:5 (connection channel 2)");
         spdlog::warn("node=n1 fenced: membership not renewed for 2100 ms");
         spdlog::info("plain \"quoted\" text with a=b and node= empty");
     });

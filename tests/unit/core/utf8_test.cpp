@@ -20,11 +20,12 @@ TEST_CASE("valid UTF-8 passes through unchanged", "[utf8]") {
 }
 
 TEST_CASE("bytes that are not UTF-8 become U+FFFD, one per byte", "[utf8]") {
-    CHECK(to_utf8_text("a\xFF" "b") == "a" + fffd + "b");
-    CHECK(to_utf8_text("\xC0\xAF") == fffd + fffd);              // overlong '/'
-    CHECK(to_utf8_text("\xED\xA0\x80") == fffd + fffd + fffd);   // a surrogate
+    CHECK(to_utf8_text("a\xFF"
+                       "b") == "a" + fffd + "b");
+    CHECK(to_utf8_text("\xC0\xAF") == fffd + fffd);                        // overlong '/'
+    CHECK(to_utf8_text("\xED\xA0\x80") == fffd + fffd + fffd);             // a surrogate
     CHECK(to_utf8_text("\xF4\x90\x80\x80") == fffd + fffd + fffd + fffd);  // > U+10FFFF
-    CHECK(to_utf8_text("\x80") == fffd);                         // a lone continuation
+    CHECK(to_utf8_text("\x80") == fffd);                                   // a lone continuation
     // Every result is something nlohmann::json can serialise (it throws on invalid UTF-8).
     CHECK_NOTHROW(nlohmann::json(to_utf8_text("\xFE\xC3\x28\xE2\x28\xA1")).dump());
 }

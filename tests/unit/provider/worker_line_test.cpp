@@ -13,9 +13,7 @@ using namespace sandboxd;
 
 namespace {
 
-std::string nested(std::size_t depth) {
-    return std::string(depth, '[') + std::string(depth, ']');
-}
+std::string nested(std::size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); }
 
 }  // namespace
 

@@ -1,6 +1,6 @@
 #include "support/registry_cases.hpp"
-#include "support/temp_dir.hpp"
 #include "support/sync_registry.hpp"
+#include "support/temp_dir.hpp"
 
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/registry/registry.hpp>
@@ -22,7 +22,6 @@ using namespace sandboxd;
 using namespace sandboxd::test;
 
 namespace {
-
 
 void check_same(const Lease& got, const Lease& want) {
     CHECK(got.id == want.id);
@@ -53,7 +52,8 @@ void check_same(const Lease& got, const Lease& want) {
 std::string scalar_of(sqlite3* db, const char* sql) {
     sqlite3_stmt* s = nullptr;
     std::string out;
-    if (sqlite3_prepare_v2(db, sql, -1, &s, nullptr) == SQLITE_OK && sqlite3_step(s) == SQLITE_ROW) {
+    if (sqlite3_prepare_v2(db, sql, -1, &s, nullptr) == SQLITE_OK &&
+        sqlite3_step(s) == SQLITE_ROW) {
         const auto* text = sqlite3_column_text(s, 0);
         if (text != nullptr) out = reinterpret_cast<const char*>(text);
     }
@@ -434,8 +434,7 @@ TEST_CASE("A second live instance of a node id is refused until the TTL passes",
 }
 
 TEST_CASE("A registry whose directory cannot be created is unavailable", "[registry]") {
-    auto err =
-        rpc_error_of([] { sync_sqlite("/proc/sandboxd-registry-test/sub/registry.db"); });
+    auto err = rpc_error_of([] { sync_sqlite("/proc/sandboxd-registry-test/sub/registry.db"); });
     REQUIRE(err);
     CHECK(err->code() == errc::registry_unavailable);
     CHECK(std::string(err->what()).rfind("registry: open: ", 0) == 0);
@@ -541,16 +540,20 @@ TEST_CASE("A version 2 database is migrated in place and keeps its leases", "[re
     sqlite3* db = nullptr;
     REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
     CHECK(scalar_of(db, "PRAGMA user_version") == "7");
-    CHECK(scalar_of(db, "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name IN "
-                        "('leases_by_provider_lease', 'leases_by_status_owner')") == "2");
-    CHECK(scalar_of(db, "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name IN "
-                        "('leases_by_owner', 'leases_by_expiry')") == "0");
-    CHECK(scalar_of(db, "SELECT group_concat(name, ',') FROM pragma_index_info("
-                        "'leases_by_status_owner')") == "status,owner_node_id,expires_at_ms");
+    CHECK(scalar_of(db,
+                    "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name IN "
+                    "('leases_by_provider_lease', 'leases_by_status_owner')") == "2");
+    CHECK(scalar_of(db,
+                    "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name IN "
+                    "('leases_by_owner', 'leases_by_expiry')") == "0");
+    CHECK(scalar_of(db,
+                    "SELECT group_concat(name, ',') FROM pragma_index_info("
+                    "'leases_by_status_owner')") == "status,owner_node_id,expires_at_ms");
     // The owner's expired leases are found through it, not by a scan of the table.
     const auto plan = query_plan_of(
-        db, "SELECT id FROM leases WHERE owner_node_id = 'n' AND status = 'active' "
-            "AND expires_at_ms IS NOT NULL AND expires_at_ms <= 5 ORDER BY expires_at_ms, id");
+        db,
+        "SELECT id FROM leases WHERE owner_node_id = 'n' AND status = 'active' "
+        "AND expires_at_ms IS NOT NULL AND expires_at_ms <= 5 ORDER BY expires_at_ms, id");
     CAPTURE(plan);
     CHECK(plan.find("USING INDEX leases_by_status_owner (status=? AND owner_node_id=? AND "
                     "expires_at_ms") != std::string::npos);

@@ -2,8 +2,8 @@
 // (frames routed to them, ended ones remembered), and its relayed channels (the owner's frames
 // held until the open's result is queued, the stdin window of the owner, the relay count).
 #include "server/channel_mux.hpp"
-#include "unit/server/channel_rig.hpp"
 #include "server/node.hpp"
+#include "unit/server/channel_rig.hpp"
 
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/frame.hpp>
@@ -131,7 +131,8 @@ TEST_CASE("A connection's binary frames are checked on arrival", "[mux][frames]"
     CHECK(channel_of(encode_data(9, stream_id::stdin_, "x")) == 9);
     CHECK(channel_of(encode_credit(12, stream_id::stdout_, 5)) == 12);
     CHECK(close_code(std::string(5, '\x01')) == websocket::close_code::protocol_error);
-    CHECK(close_code(encode_credit(1, stream_id::stdout_, 0)) == websocket::close_code::protocol_error);
+    CHECK(close_code(encode_credit(1, stream_id::stdout_, 0)) ==
+          websocket::close_code::protocol_error);
     CHECK(close_code(encode_data(1, stream_id::stdin_, std::string(max_payload + 1, 'x'))) ==
           websocket::close_code::too_big);
 }
@@ -187,8 +188,7 @@ TEST_CASE("A relayed channel's frames wait for its open's result, then go in ord
     CHECK(m.rig.sink->sent.size() == 3);
 }
 
-TEST_CASE("A relayed channel whose exit overtook its open's result ends there",
-          "[mux][relay]") {
+TEST_CASE("A relayed channel whose exit overtook its open's result ends there", "[mux][relay]") {
     Node node;
     MuxRig m;
     m.mux.opening(4);
@@ -230,8 +230,7 @@ TEST_CASE("A relay forwards stdin up to the owner's window and one frame beyond 
     CHECK(m.mux.relayed(6)->stdin_outstanding == 11);
 }
 
-TEST_CASE("A connection that ends hangs up its local channels and forgets its relays",
-          "[mux]") {
+TEST_CASE("A connection that ends hangs up its local channels and forgets its relays", "[mux]") {
     Node node;
     MuxRig m;
     m.mux.add_local(1, m.rig.channel);

@@ -63,7 +63,8 @@ struct ChannelRig {
     explicit ChannelRig(ChannelOptions options = channel_options(), bool started = true) {
         auto b = FakeChannelBackend::running();
         backend = b.get();
-        channel = std::make_shared<Channel>(strand, std::move(options), std::move(b), nullptr, sink);
+        channel =
+            std::make_shared<Channel>(strand, std::move(options), std::move(b), nullptr, sink);
         if (started) start();
     }
     ChannelRig(const ChannelRig&) = delete;

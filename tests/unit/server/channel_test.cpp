@@ -44,8 +44,7 @@ TEST_CASE("Stdout and stderr share one output window", "[channel][flow]") {
     CHECK(rig.err() == "eeeeeeee");
 }
 
-TEST_CASE("A channel reads no output while its connection has no send room",
-          "[channel][flow]") {
+TEST_CASE("A channel reads no output while its connection has no send room", "[channel][flow]") {
     ChannelRig rig(channel_options(), /*started=*/false);
     rig.sink->room = false;
     rig.start();
@@ -105,8 +104,7 @@ TEST_CASE("A channel sends exactly one exit", "[channel][exit]") {
     CHECK_FALSE(rig.backend->killed);  // nothing left to kill
 }
 
-TEST_CASE("A hung-up channel drains its output, sends nothing and no exit",
-          "[channel][exit]") {
+TEST_CASE("A hung-up channel drains its output, sends nothing and no exit", "[channel][exit]") {
     std::atomic<std::int64_t> unended{0};
     auto options = channel_options(/*output_window=*/2);
     options.unended = &unended;
@@ -153,5 +151,6 @@ TEST_CASE("A host that overruns the stdin window ends its channel with FLOW_CONT
     rig.exit(137);
     REQUIRE(rig.exits().size() == 1);
     CHECK(rig.exits().front()["outcome"] == "error");
-    CHECK(rig.exits().front()["error"]["code"] == rpc_error(errc::flow_control, "").to_json()["code"]);
+    CHECK(rig.exits().front()["error"]["code"] ==
+          rpc_error(errc::flow_control, "").to_json()["code"]);
 }

@@ -4,10 +4,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <unistd.h>
 
 using namespace sandboxd;
 namespace fs = std::filesystem;
@@ -40,7 +40,8 @@ TEST_CASE("console: the Origin must name the Host", "[unit][console]") {
 }
 
 TEST_CASE("console: only the page's own files are served", "[unit][console]") {
-    const fs::path dir = fs::temp_directory_path() / ("sandboxd-console-unit-" + std::to_string(::getpid()));
+    const fs::path dir =
+        fs::temp_directory_path() / ("sandboxd-console-unit-" + std::to_string(::getpid()));
     fs::create_directories(dir);
     for (const char* name : {"index.html", "console.js", "console.css", "xterm.js", "xterm.css"}) {
         std::ofstream(dir / name) << name;

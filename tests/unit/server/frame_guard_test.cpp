@@ -27,7 +27,8 @@ namespace {
 std::string spliced_payload(int j) {
     const std::size_t size = 1 + static_cast<std::size_t>(j) * 7919 % (200 * 1024);
     std::string out(size, '\0');
-    for (std::size_t i = 0; i < size; ++i) out[i] = static_cast<char>('a' + (i * 31 + static_cast<std::size_t>(j)) % 26);
+    for (std::size_t i = 0; i < size; ++i)
+        out[i] = static_cast<char>('a' + (i * 31 + static_cast<std::size_t>(j)) % 26);
     return out;
 }
 
@@ -76,7 +77,8 @@ TEST_CASE("Frames spliced around Beast never interleave with its messages, pings
     server_socket.set_option(net::socket_base::send_buffer_size(4096));
 
     using Guarded = websocket::stream<frame_guard<ConnStream>>;
-    Guarded server(frame_guard<ConnStream>(ConnStream(beast::tcp_stream(std::move(server_socket)))));
+    Guarded server(
+        frame_guard<ConnStream>(ConnStream(beast::tcp_stream(std::move(server_socket)))));
     websocket::stream<beast::tcp_stream> client(beast::tcp_stream(std::move(client_socket)));
     REQUIRE(server.next_layer().can_splice());
 
@@ -114,7 +116,8 @@ TEST_CASE("Frames spliced around Beast never interleave with its messages, pings
     auto server_texts = [&]() -> net::awaitable<void> {
         server.text(true);
         for (int i = 0; i < texts; ++i) {
-            const std::string message = "text " + std::to_string(i) + std::string(static_cast<std::size_t>(i) * 37 % 3000, 't');
+            const std::string message = "text " + std::to_string(i) +
+                                        std::string(static_cast<std::size_t>(i) * 37 % 3000, 't');
             auto [ec, n] = co_await server.async_write(net::buffer(message), as_tuple_awaitable);
             if (ec) co_return fail("server text", ec);
         }
@@ -131,19 +134,22 @@ TEST_CASE("Frames spliced around Beast never interleave with its messages, pings
             const std::string prefix = "bin " + std::to_string(j) + ":";
             if (::write(pipe_w.get(), payload.data(), payload.size()) !=
                 static_cast<ssize_t>(payload.size())) {
-                co_return fail("filling the pipe", beast::error_code(errno, beast::system_category()));
+                co_return fail("filling the pipe",
+                               beast::error_code(errno, beast::system_category()));
             }
             auto [ec, n] = co_await server.next_layer().async_write_spliced(
-                websocket_binary_header(prefix.size() + payload.size()) + prefix, pipe_r.get(), payload.size(),
-                as_tuple_awaitable);
+                websocket_binary_header(prefix.size() + payload.size()) + prefix, pipe_r.get(),
+                payload.size(), as_tuple_awaitable);
             if (ec) co_return fail("server splice", ec);
-            CHECK(n == websocket_binary_header(prefix.size() + payload.size()).size() + prefix.size() + payload.size());
+            CHECK(n == websocket_binary_header(prefix.size() + payload.size()).size() +
+                           prefix.size() + payload.size());
         }
     };
     // Client: reads everything and pings the server meanwhile.
     auto client_reader = [&]() -> net::awaitable<void> {
         beast::flat_buffer buffer;
-        while (static_cast<int>(got_texts.size()) < texts || static_cast<int>(got_binaries.size()) < splices) {
+        while (static_cast<int>(got_texts.size()) < texts ||
+               static_cast<int>(got_binaries.size()) < splices) {
             auto [ec, n] = co_await client.async_read(buffer, as_tuple_awaitable);
             if (ec) co_return fail("client read", ec);
             const auto data = buffer.data();
@@ -163,21 +169,27 @@ TEST_CASE("Frames spliced around Beast never interleave with its messages, pings
         }
     };
 
-    net::co_spawn(ioc, [&]() -> net::awaitable<void> {
-        auto [ec] = co_await server.async_accept(as_tuple_awaitable);
-        if (ec) co_return fail("accept", ec);
-        server.next_layer().begin_frames();  // as the transport does after its handshake
-        net::co_spawn(ioc, server_reader(), net::detached);
-        net::co_spawn(ioc, server_texts(), net::detached);
-        net::co_spawn(ioc, server_pinger(), net::detached);
-        net::co_spawn(ioc, server_splicer(), net::detached);
-    }, net::detached);
-    net::co_spawn(ioc, [&]() -> net::awaitable<void> {
-        auto [ec] = co_await client.async_handshake("127.0.0.1", "/", as_tuple_awaitable);
-        if (ec) co_return fail("handshake", ec);
-        net::co_spawn(ioc, client_pinger(), net::detached);
-        co_await client_reader();
-    }, net::detached);
+    net::co_spawn(
+        ioc,
+        [&]() -> net::awaitable<void> {
+            auto [ec] = co_await server.async_accept(as_tuple_awaitable);
+            if (ec) co_return fail("accept", ec);
+            server.next_layer().begin_frames();  // as the transport does after its handshake
+            net::co_spawn(ioc, server_reader(), net::detached);
+            net::co_spawn(ioc, server_texts(), net::detached);
+            net::co_spawn(ioc, server_pinger(), net::detached);
+            net::co_spawn(ioc, server_splicer(), net::detached);
+        },
+        net::detached);
+    net::co_spawn(
+        ioc,
+        [&]() -> net::awaitable<void> {
+            auto [ec] = co_await client.async_handshake("127.0.0.1", "/", as_tuple_awaitable);
+            if (ec) co_return fail("handshake", ec);
+            net::co_spawn(ioc, client_pinger(), net::detached);
+            co_await client_reader();
+        },
+        net::detached);
     ioc.run_for(std::chrono::seconds(60));
 
     int client_inq = -1;
@@ -195,10 +207,12 @@ TEST_CASE("Frames spliced around Beast never interleave with its messages, pings
     REQUIRE(got_binaries.size() == static_cast<std::size_t>(splices));
     for (int i = 0; i < texts; ++i) {
         CHECK(got_texts[static_cast<std::size_t>(i)] ==
-              "text " + std::to_string(i) + std::string(static_cast<std::size_t>(i) * 37 % 3000, 't'));
+              "text " + std::to_string(i) +
+                  std::string(static_cast<std::size_t>(i) * 37 % 3000, 't'));
     }
     for (int j = 0; j < splices; ++j) {
-        CHECK(got_binaries[static_cast<std::size_t>(j)] == "bin " + std::to_string(j) + ":" + spliced_payload(j));
+        CHECK(got_binaries[static_cast<std::size_t>(j)] ==
+              "bin " + std::to_string(j) + ":" + spliced_payload(j));
     }
     CHECK(server_pings_seen == pings);
     CHECK(client_pongs_seen == pings);
@@ -267,13 +281,15 @@ TEST_CASE("A spliced frame waiting for the end of Beast's frame fails when cance
     tcp::socket server_socket = acceptor.accept();
     server_socket.set_option(net::socket_base::send_buffer_size(4096));
     using Guarded = websocket::stream<frame_guard<ConnStream>>;
-    Guarded server(frame_guard<ConnStream>(ConnStream(beast::tcp_stream(std::move(server_socket)))));
+    Guarded server(
+        frame_guard<ConnStream>(ConnStream(beast::tcp_stream(std::move(server_socket)))));
     websocket::stream<beast::tcp_stream> client(beast::tcp_stream(std::move(client_socket)));
     bool accepted = false;
     bool handshaken = false;
     server.async_accept([&](beast::error_code ec) { accepted = !ec; });
     client.async_handshake("localhost", "/", [&](beast::error_code ec) { handshaken = !ec; });
-    for (int i = 0; i < 200 && !(accepted && handshaken); ++i) ioc.run_one_for(std::chrono::milliseconds(50));
+    for (int i = 0; i < 200 && !(accepted && handshaken); ++i)
+        ioc.run_one_for(std::chrono::milliseconds(50));
     REQUIRE(accepted);
     REQUIRE(handshaken);
     server.next_layer().begin_frames();
@@ -312,8 +328,8 @@ TEST_CASE("A spliced frame waiting for the end of Beast's frame fails when cance
     for (int i = 0; i < 200 && server.next_layer().write_stats().splices_parked == 0; ++i) {
         ioc.run_one_for(std::chrono::milliseconds(50));
     }
-    INFO(server.next_layer().write_state() << " spliced_done=" << spliced_done << " "
-                                            << spliced_result.message());
+    INFO(server.next_layer().write_state()
+         << " spliced_done=" << spliced_done << " " << spliced_result.message());
     REQUIRE(server.next_layer().write_stats().splices_parked == 1);
     CHECK_FALSE(spliced_done);
     cancel.emit(net::cancellation_type::terminal);
@@ -339,10 +355,11 @@ TEST_CASE("A spliced frame before the handshake's end fails and writes nothing",
     auto [ioc, guard, pipe_r, pipe_w] = t.parts();
     beast::error_code result;
     std::size_t written = 99;
-    guard.async_write_spliced(websocket_binary_header(3), pipe_r.get(), 3, [&](beast::error_code ec, std::size_t n) {
-        result = ec;
-        written = n;
-    });
+    guard.async_write_spliced(websocket_binary_header(3), pipe_r.get(), 3,
+                              [&](beast::error_code ec, std::size_t n) {
+                                  result = ec;
+                                  written = n;
+                              });
     ioc.run_for(std::chrono::seconds(10));
     CHECK(result == net::error::operation_not_supported);
     CHECK(written == 0);

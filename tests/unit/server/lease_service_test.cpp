@@ -497,9 +497,10 @@ TEST_CASE("end_lease_channels returns at once when the lease has no channel here
     CHECK(h.node.channels.size() == 0);
 }
 
-TEST_CASE("A provider without probe or config validation answers INVALID_PARAMS naming the "
-          "method, and leases record its capabilities and the host's metadata",
-          "[unit][lease-service]") {
+TEST_CASE(
+    "A provider without probe or config validation answers INVALID_PARAMS naming the "
+    "method, and leases record its capabilities and the host's metadata",
+    "[unit][lease-service]") {
     NodeHarness h;
     auto lease = h.acquire({{"metadata", {{"team", "blue"}}}});
     CHECK(lease.host_metadata == json{{"team", "blue"}});
@@ -540,9 +541,10 @@ Lease release_with(NodeHarness& h, const std::string& id, json extra) {
 
 }  // namespace
 
-TEST_CASE("Lease policies: a provider that cannot retain accepts only ephemeral and destroy, "
-          "and a refusal changes nothing",
-          "[unit][lease-service][policy]") {
+TEST_CASE(
+    "Lease policies: a provider that cannot retain accepts only ephemeral and destroy, "
+    "and a refusal changes nothing",
+    "[unit][lease-service][policy]") {
     NodeHarness h;  // the fake provider cannot retain unless told
     auto err = rpc_error_of([&] { h.acquire({{"leasePolicy", "reuse_by_environment"}}); });
     REQUIRE(err);
@@ -575,9 +577,10 @@ TEST_CASE("Lease policies: a provider that cannot retain accepts only ephemeral 
     CHECK(err->data().value("field", "") == "disposition");
 }
 
-TEST_CASE("Lease policies: reuse returns the scope's active lease, retain stops the sandbox "
-          "and a reuse resumes it, and each policy has its default disposition",
-          "[unit][lease-service][policy]") {
+TEST_CASE(
+    "Lease policies: reuse returns the scope's active lease, retain stops the sandbox "
+    "and a reuse resumes it, and each policy has its default disposition",
+    "[unit][lease-service][policy]") {
     NodeHarness h;
     h.provider->retainable = true;
     const json reuse = {{"leasePolicy", "reuse_by_environment"}};
@@ -602,8 +605,10 @@ TEST_CASE("Lease policies: reuse returns the scope's active lease, retain stops 
     CHECK(h.provider->stops == 1);
     CHECK(h.provider->destroys == 0);
     CHECK(h.node.cache.find(scope_of(a)) == nullptr);
-    CHECK(release_with(h, a.id, {{"disposition", "retain"}}).epoch == retained.epoch);  // idempotent
-    auto listed = h.run(lease_list(h.node, h.host, methods::parse_lease_list({{"status", "retained"}})));
+    CHECK(release_with(h, a.id, {{"disposition", "retain"}}).epoch ==
+          retained.epoch);  // idempotent
+    auto listed =
+        h.run(lease_list(h.node, h.host, methods::parse_lease_list({{"status", "retained"}})));
     REQUIRE(listed["leases"].size() == 1);
     CHECK(listed["leases"][0]["id"] == a.id);
     CHECK(listed["leases"][0]["status"] == "retained");
@@ -632,11 +637,14 @@ TEST_CASE("Lease policies: reuse returns the scope's active lease, retain stops 
     CHECK(h.run(lease_get(h.node, h.host, b.id)).status == lease_status::released);
 
     // reuse_by_execution_workspace: one lease per execution workspace.
-    auto w1 = h.acquire({{"leasePolicy", "reuse_by_execution_workspace"}, {"executionWorkspaceId", "w1"}});
-    auto w2 = h.acquire({{"leasePolicy", "reuse_by_execution_workspace"}, {"executionWorkspaceId", "w2"}});
+    auto w1 = h.acquire(
+        {{"leasePolicy", "reuse_by_execution_workspace"}, {"executionWorkspaceId", "w1"}});
+    auto w2 = h.acquire(
+        {{"leasePolicy", "reuse_by_execution_workspace"}, {"executionWorkspaceId", "w2"}});
     CHECK(w1.id != w2.id);
-    CHECK(h.acquire({{"leasePolicy", "reuse_by_execution_workspace"},
-                     {"executionWorkspaceId", "w1"}}).id == w1.id);
+    CHECK(
+        h.acquire({{"leasePolicy", "reuse_by_execution_workspace"}, {"executionWorkspaceId", "w1"}})
+            .id == w1.id);
 
     // retain_on_failure: a failed run's sandbox is kept, a successful one's destroyed; a new
     // acquire never reuses.

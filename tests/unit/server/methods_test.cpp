@@ -26,9 +26,7 @@ std::pair<std::string, std::string> failure(const std::function<void()>& parse) 
     return {"", ""};
 }
 
-json open_params() {
-    return {{"lease", {{"id", "l-1"}}}, {"command", {"sh", "-c", "true"}}};
-}
+json open_params() { return {{"lease", {{"id", "l-1"}}}, {"command", {"sh", "-c", "true"}}}; }
 
 }  // namespace
 
@@ -50,38 +48,48 @@ TEST_CASE("Channel method params are parsed once into their struct", "[methods]"
 
 TEST_CASE("Channel method params name the field on error", "[methods]") {
     using F = std::pair<std::string, std::string>;
-    CHECK(failure([] { methods::parse_channel({{"channel", 1}, {"extra", 1}}); }) ==
-          F{"extra", "extra: unknown parameter"});
+    CHECK(failure([] {
+              methods::parse_channel({{"channel", 1}, {"extra", 1}});
+          }) == F{"extra", "extra: unknown parameter"});
     CHECK(failure([] { methods::parse_channel(json::object()); }) ==
           F{"channel", "channel: is required"});
-    CHECK(failure([] { methods::parse_channel({{"channel", -1}}); }) ==
-          F{"channel", "channel: must be an integer in 0..4294967295"});
-    CHECK(failure([] { methods::parse_write({{"channel", 1}}); }) ==
-          F{"data", "data: is required (base64)"});
-    CHECK(failure([] { methods::parse_write({{"channel", 1}, {"data", "abc"}}); }) ==
-          F{"data", "data: is not valid base64"});
-    CHECK(failure([] { methods::parse_resize({{"channel", 1}, {"cols", 0}, {"rows", 1}}); }) ==
-          F{"cols", "cols: must be an integer in 1..4096"});
-    CHECK(failure([] { methods::parse_resize({{"channel", 1}, {"cols", 1}}); }) ==
-          F{"rows", "rows: is required"});
-    CHECK(failure([] { methods::parse_signal({{"channel", 1}, {"signal", "STOP"}}); }) ==
+    CHECK(failure([] {
+              methods::parse_channel({{"channel", -1}});
+          }) == F{"channel", "channel: must be an integer in 0..4294967295"});
+    CHECK(failure([] {
+              methods::parse_write({{"channel", 1}});
+          }) == F{"data", "data: is required (base64)"});
+    CHECK(failure([] {
+              methods::parse_write({{"channel", 1}, {"data", "abc"}});
+          }) == F{"data", "data: is not valid base64"});
+    CHECK(failure([] {
+              methods::parse_resize({{"channel", 1}, {"cols", 0}, {"rows", 1}});
+          }) == F{"cols", "cols: must be an integer in 1..4096"});
+    CHECK(failure([] {
+              methods::parse_resize({{"channel", 1}, {"cols", 1}});
+          }) == F{"rows", "rows: is required"});
+    CHECK(failure([] {
+              methods::parse_signal({{"channel", 1}, {"signal", "STOP"}});
+          }) ==
           F{"signal", "signal: must be one of INT, TERM, HUP, QUIT, KILL, USR1, USR2, WINCH"});
 }
 
 TEST_CASE("Lease method params name the field on error", "[methods]") {
     using F = std::pair<std::string, std::string>;
     CHECK(methods::parse_lease_id({{"leaseId", "l-1"}}).lease_id == "l-1");
-    CHECK(failure([] { methods::parse_lease_id({{"leaseId", ""}}); }) ==
-          F{"leaseId", "leaseId: must not be empty"});
-    CHECK(failure([] { methods::parse_lease_renew({{"leaseId", "l"}, {"ttlMs", 999}}); }) ==
-          F{"ttlMs", "ttlMs: must be an integer in 1000..4611686018427387903"});
+    CHECK(failure([] {
+              methods::parse_lease_id({{"leaseId", ""}});
+          }) == F{"leaseId", "leaseId: must not be empty"});
+    CHECK(failure([] {
+              methods::parse_lease_renew({{"leaseId", "l"}, {"ttlMs", 999}});
+          }) == F{"ttlMs", "ttlMs: must be an integer in 1000..4611686018427387903"});
     CHECK(methods::parse_lease_renew({{"leaseId", "l"}, {"ttlMs", 5000}}).ttl_ms == 5000);
-    CHECK(failure([] { methods::parse_initialize({{"protocolVersion", 2}}); }) ==
-          F{"protocolVersion", "protocolVersion: only version 1 is supported"});
+    CHECK(failure([] {
+              methods::parse_initialize({{"protocolVersion", 2}});
+          }) == F{"protocolVersion", "protocolVersion: only version 1 is supported"});
 }
 
-TEST_CASE("An open's params are parsed into an exec spec, naming the field on error",
-          "[methods]") {
+TEST_CASE("An open's params are parsed into an exec spec, naming the field on error", "[methods]") {
     using F = std::pair<std::string, std::string>;
     auto p = open_params();
     p["env"] = {{"A", "1"}};
@@ -101,13 +109,18 @@ TEST_CASE("An open's params are parsed into an exec spec, naming the field on er
     // The lease reference, read once: {"id": "l-1"} names no pluginId, provider or
     // providerLeaseId, so it carries the LEASE_INCOMPLETE that step 2 reports.
     CHECK(o.lease.problem);
-    const auto whole = methods::parse_lease_ref(
-        json{{"id", "l-1"}, {"providerLeaseId", "p-1"}, {"companyId", "c"}, {"environmentId", "e"},
-             {"epoch", 3}, {"metadata", {{"pluginId", "x"}, {"provider", "bwrap"}}}});
+    const auto whole =
+        methods::parse_lease_ref(json{{"id", "l-1"},
+                                      {"providerLeaseId", "p-1"},
+                                      {"companyId", "c"},
+                                      {"environmentId", "e"},
+                                      {"epoch", 3},
+                                      {"metadata", {{"pluginId", "x"}, {"provider", "bwrap"}}}});
     CHECK_FALSE(whole.problem);
     CHECK(whole.id == std::optional<std::string>("l-1"));
     CHECK(whole.epoch == std::optional<std::uint64_t>(3));
-    CHECK((whole.provider == "bwrap" && whole.plugin_id == "x" && whole.provider_lease_id == "p-1"));
+    CHECK(
+        (whole.provider == "bwrap" && whole.plugin_id == "x" && whole.provider_lease_id == "p-1"));
 
     SECTION("the first bad field is named") {
         auto with = [](const char* key, json value) {
@@ -115,16 +128,20 @@ TEST_CASE("An open's params are parsed into an exec spec, naming the field on er
             q[key] = std::move(value);
             return q;
         };
-        CHECK(failure([&] { methods::parse_open(with("command", {"", "x"})); }) ==
-              F{"command[0]", "command[0]: must not be empty"});
-        CHECK(failure([&] { methods::parse_open(with("command", {"a", 1})); }) ==
-              F{"command[1]", "command[1]: must be a string"});
+        CHECK(failure([&] {
+                  methods::parse_open(with("command", {"", "x"}));
+              }) == F{"command[0]", "command[0]: must not be empty"});
+        CHECK(failure([&] {
+                  methods::parse_open(with("command", {"a", 1}));
+              }) == F{"command[1]", "command[1]: must be a string"});
         CHECK(failure([&] { methods::parse_open(with("lease", "l-1")); }) ==
               F{"lease", "lease: must be an object"});
-        CHECK(failure([&] { methods::parse_open(with("env", {{"A=B", "1"}})); }) ==
-              F{"env.A=B", "env.A=B: is not a valid variable name"});
-        CHECK(failure([&] { methods::parse_open(with("pty", {{"cols", 5000}, {"rows", 1}})); }) ==
-              F{"cols", "cols: must be an integer in 1..4096"});
+        CHECK(failure([&] {
+                  methods::parse_open(with("env", {{"A=B", "1"}}));
+              }) == F{"env.A=B", "env.A=B: is not a valid variable name"});
+        CHECK(failure([&] {
+                  methods::parse_open(with("pty", {{"cols", 5000}, {"rows", 1}}));
+              }) == F{"cols", "cols: must be an integer in 1..4096"});
         CHECK(failure([&] { methods::parse_open(with("outputWindow", 2048), 1024); }) ==
               F{"outputWindow", "outputWindow: must be an integer in 1024..1024"});
         CHECK(failure([&] { methods::parse_open(with("stdinWindow", 4096), 1 << 20, 2048); }) ==
@@ -191,7 +208,8 @@ TEST_CASE("A client reads responses and rethrows their errors with the reason's 
         CHECK(e.data()["limit"] == "x");
     }
     CHECK(std::holds_alternative<std::monostate>(jsonrpc::parse_message("not json")));
-    auto note = jsonrpc::parse_message(jsonrpc::notification("duplexChannel.exit", {{"channel", 1}}));
+    auto note =
+        jsonrpc::parse_message(jsonrpc::notification("duplexChannel.exit", {{"channel", 1}}));
     REQUIRE(std::holds_alternative<jsonrpc::Request>(note));
     CHECK(std::get<jsonrpc::Request>(note).method == "duplexChannel.exit");
 }

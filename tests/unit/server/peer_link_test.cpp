@@ -8,8 +8,8 @@
 // reads frames only from that stream, so a test cannot hand it frames without a socket. A
 // constructor over a given stream, or the routing (routes_, pending_, on_text, on_binary,
 // fail_all) as a class of its own that takes frames as arguments, would make it testable.
-#include "server/node.hpp"
 #include "server/peer_link.hpp"
+#include "server/node.hpp"
 
 #include <sandboxd/core/errors.hpp>
 

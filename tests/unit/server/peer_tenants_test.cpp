@@ -7,7 +7,8 @@
 using namespace sandboxd;
 using V = std::vector<std::string>;
 
-TEST_CASE("peer tenants: a forwarded request acts only within the peer token's own tenants", "[auth]") {
+TEST_CASE("peer tenants: a forwarded request acts only within the peer token's own tenants",
+          "[auth]") {
     CHECK(intersect_tenants({"*"}, {"acme"}) == V{"acme"});
     CHECK(intersect_tenants({"acme"}, {"*"}) == V{"acme"});
     CHECK(intersect_tenants({"*"}, {"*"}) == V{"*"});

@@ -39,7 +39,7 @@ TEST_CASE("send budget: with the node's budget spent, only connections above the
     CHECK(stalled.held_by_node());
     CHECK(reading.has_room());
     CHECK(idle.has_room());  // nothing queued: always room
-    reading.sub(10);  // the node is under its budget again: everyone has room
+    reading.sub(10);         // the node is under its budget again: everyone has room
     CHECK(stalled.has_room());
     reading.add(10);
     idle.add(1);  // three connections: a share of 33
@@ -60,8 +60,10 @@ TEST_CASE("send budget: a peer link is counted but never refused room", "[send_b
     CHECK(host.has_room());
 }
 
-TEST_CASE("send budget: a wake for the node's room runs once, when the node's total falls below its budget",
-          "[send_budget]") {
+TEST_CASE(
+    "send budget: a wake for the node's room runs once, when the node's total falls below its "
+    "budget",
+    "[send_budget]") {
     SendBudget budget(100, 100);
     int woken = 0;
     budget.when_node_has_room([&] { ++woken; });  // under the budget: at once

@@ -290,9 +290,10 @@ TEST_CASE("A registry failure ends the sweep without changing anything", "[unit]
     CHECK(h.registry->lease_for_test("lse_c")->status == lease_status::active);
 }
 
-TEST_CASE("A sweep in the middle of an acquire or a release neither orphans nor tears down "
-          "the lease twice",
-          "[unit][sweeper][race]") {
+TEST_CASE(
+    "A sweep in the middle of an acquire or a release neither orphans nor tears down "
+    "the lease twice",
+    "[unit][sweeper][race]") {
     NodeHarness h(/*started_ago_ms=*/20000);  // settled: it orphans leases it does not hold
     int sweeps = 0;
     // The sweep runs right after the registry stored the new active lease, before the acquire
@@ -326,9 +327,10 @@ TEST_CASE("A sweep in the middle of an acquire or a release neither orphans nor 
     CHECK_FALSE(h.node.cache.find(scope_of(lease)));
 }
 
-TEST_CASE("A release racing the sweeper's teardown of a lease pending cleanup destroys its "
-          "sandbox once",
-          "[unit][sweeper][race]") {
+TEST_CASE(
+    "A release racing the sweeper's teardown of a lease pending cleanup destroys its "
+    "sandbox once",
+    "[unit][sweeper][race]") {
     // Issue 15, item 2: a lease is torn down once. The release of a lease pending cleanup and
     // the sweeper's pass over it both tear it down; the one that comes second waits for the
     // first and finds the record changed.

@@ -74,15 +74,14 @@ TEST_CASE("A transport's close() takes effect on its strand, and what follows is
         // What was queued before the close stays queued, to be written before the close frame.
         CHECK(t.transport.queued_bytes() == 100);
         CHECK_FALSE(t.transport.close_written());
-        CHECK(t.transport.has_room());  // feeders drain and stop
+        CHECK(t.transport.has_room());                  // feeders drain and stop
         t.transport.send(false, std::string(10, 'x'));  // dropped
         CHECK(t.transport.queued_bytes() == 100);
         CHECK(t.budget.queued() == 100);
     });
 }
 
-TEST_CASE("A closed transport fails a spliced frame, later, on its strand",
-          "[transport]") {
+TEST_CASE("A closed transport fails a spliced frame, later, on its strand", "[transport]") {
     TransportRig t;
     t.transport.close(websocket::close_code::going_away, nullptr);
     settle(t.ioc);
