@@ -217,8 +217,8 @@ private:
 
 /// One message from the daemon. For binary frames only the header is decoded; the payload
 /// stays in the connection's buffer (valid until the next read).
-// NOLINTNEXTLINE(bugprone-exception-escape): json's noexcept move calls assert_invariant(), which
-// clang-tidy 14 counts as throwing
+// json's noexcept move calls assert_invariant(), which clang-tidy 14 counts as throwing.
+// NOLINTNEXTLINE(bugprone-exception-escape)
 struct Msg {
     bool text = false;
     json j;

@@ -54,8 +54,9 @@
 #include <vector>
 
 #ifndef P_PIDFD
-#define P_PIDFD \
-    3  // NOLINT(cppcoreguidelines-macro-usage): glibc 2.36 lacks it; waitid() takes it as idtype_t
+// glibc 2.36 lacks it; waitid() takes it as idtype_t.
+// NOLINTNEXTLINE(cppcoreguidelines-macro-usage)
+#define P_PIDFD 3
 #endif
 
 extern char** environ;

@@ -208,8 +208,8 @@ int run_daemon(const Config& config, const po::variables_map& vm,
         if (waiter.joinable()) {
             // Not a kill: SIGTERM is blocked and in the waiter's sigwait() set, so this only
             // ends its wait.
-            pthread_kill(waiter.native_handle(),
-                         SIGTERM);  // NOLINT(bugprone-bad-signal-to-kill-thread)
+            // NOLINTNEXTLINE(bugprone-bad-signal-to-kill-thread)
+            pthread_kill(waiter.native_handle(), SIGTERM);
             waiter.join();
         }
         spdlog::info("stopped");

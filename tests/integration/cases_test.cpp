@@ -1397,8 +1397,8 @@ TEST_CASE("cases: B17: concurrent writers on one WebSocket: pings, resizes, stdi
     const auto lease = acquire_lease(*c);
     const std::string loop =
         "i=0; while [ $i -lt 20000 ]; do echo out$i; echo err$i >&2; i=$((i+1)); done; exit 0";
-    // NOLINTNEXTLINE(bugprone-exception-escape): json's noexcept move calls assert_invariant(),
-    // which clang-tidy 14 counts as throwing
+    // json's noexcept move calls assert_invariant(), which clang-tidy 14 counts as throwing.
+    // NOLINTNEXTLINE(bugprone-exception-escape)
     struct Chan {
         bool pty = false;
         std::uint32_t id = 0;
