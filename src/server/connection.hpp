@@ -59,8 +59,6 @@ public:
     virtual std::weak_ptr<RelayTarget> relay_target() = 0;
     /// Completes once the connection has send room (at once when it has), or is closing.
     virtual awaitable<void> wait_send_room() = 0;
-    /// Queues a text frame (a notification).
-    virtual void send_text(std::string text) = 0;
 };
 
 }  // namespace sandboxd

@@ -2,6 +2,7 @@
 
 #include "server/http_routes.hpp"
 #include "server/http_util.hpp"
+#include "server/task_failure.hpp"
 
 #include <sandboxd/core/address.hpp>
 #include <sandboxd/version.hpp>
@@ -15,18 +16,7 @@
 #include <chrono>
 
 namespace sandboxd {
-namespace {
-
-void log_failure(const std::exception_ptr& e, const char* what) {
-    if (!e) return;
-    try {
-        std::rethrow_exception(e);
-    } catch (const std::exception& ex) {
-        spdlog::error("{} failed: {}", what, ex.what());
-    }
-}
-
-}  // namespace
+namespace {}  // namespace
 
 void Listeners::bind() {
     bound_ = bind(acceptor_, node_.config.listen, "listen");
@@ -60,7 +50,7 @@ void Listeners::start() {
     start_loops();
     set_caps();
     const bool tls = node_.security()->listener_tls != nullptr;
-    const auto failed = [](const std::exception_ptr& e) { log_failure(e, "daemon task"); };
+    const auto failed = logged_as("daemon task");
     net::co_spawn(ioc_, accept_loop(acceptor_, tls, listener_kind::main), failed);
     if (plain_acceptor_.is_open()) {
         net::co_spawn(ioc_, accept_loop(plain_acceptor_, false, listener_kind::plain), failed);
@@ -196,7 +186,7 @@ awaitable<void> Listeners::accept_loop(tcp::acceptor& acc, bool tls, listener_ki
                           nodelay_ec);  // no Nagle wait behind an unacked frame
         auto ex = socket.get_executor();
         net::co_spawn(ex, serve(std::move(socket), tls, listener, std::move(*slot)),
-                      [](const std::exception_ptr& e) { log_failure(e, "connection"); });
+                      logged_as("connection"));
     }
 }
 

@@ -1,6 +1,7 @@
 #include "server/membership.hpp"
 
 #include "server/lease_service.hpp"
+#include "server/task_failure.hpp"
 
 #include <sandboxd/core/errors.hpp>
 
@@ -59,15 +60,6 @@ awaitable<std::int64_t> register_or_take_over(Registry& registry, NodeRecord rec
                     "node id " + record.node_id + " is still held by another process");
 }
 
-void log_failure(const std::exception_ptr& e) {
-    if (!e) return;
-    try {
-        std::rethrow_exception(e);
-    } catch (const std::exception& ex) {
-        spdlog::error("daemon task failed: {}", ex.what());
-    }
-}
-
 }  // namespace
 
 awaitable<std::int64_t> Membership::register_at_start(NodeRecord record) {
@@ -114,9 +106,9 @@ awaitable<std::int64_t> Membership::register_at_start(NodeRecord record) {
 
 void Membership::start() {
     start_lease_watch();
-    net::co_spawn(ioc_, heartbeat_loop(), log_failure);
-    net::co_spawn(ioc_, sweep_loop(), log_failure);
-    net::co_spawn(ioc_, fence_watch(), log_failure);
+    net::co_spawn(ioc_, heartbeat_loop(), logged_as("daemon task"));
+    net::co_spawn(ioc_, sweep_loop(), logged_as("daemon task"));
+    net::co_spawn(ioc_, fence_watch(), logged_as("daemon task"));
 }
 
 void Membership::cancel() {
