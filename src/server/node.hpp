@@ -182,6 +182,8 @@ struct Node {
     net::thread_pool blocking{4};
     net::io_context* ioc = nullptr;
     PeerLinks peers;
+    /// How the links in `peers` connect; unset (the daemon's): TCP (and TLS) to the peer's url.
+    PeerDialer peer_dialer;
     KeyedLocks reuse_locks;
     /// One teardown of a lease at a time on this node (a release racing the sweeper).
     KeyedLocks teardown_locks;

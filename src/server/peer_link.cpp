@@ -91,32 +91,14 @@ awaitable<void> PeerLink::connect() {
     } catch (const address_error& e) {
         throw unavailable(peer_.node_id, "its url " + std::string(e.what()));
     }
-    const std::string& host = url.endpoint.host;
-    if (url.tls) {
-        // routing.peerTls: the cluster CA and this node's certificate; without it, the
-        // system's trust store and no client certificate.
-        auto tls = node_.security()->peer_client_tls;
-        if (!tls) tls = make_client_tls(TlsClientOptions{}, "routing.peerTls");
-        ws_.emplace(ConnStream(beast::tcp_stream(strand_), tls));
+    if (node_.peer_dialer) {
+        ConnStream stream = co_await node_.peer_dialer(url, strand_);
+        ws_.emplace(std::move(stream));
     } else {
-        ws_.emplace(ConnStream(beast::tcp_stream(strand_)));
+        ConnStream stream = co_await dial(url);
+        ws_.emplace(std::move(stream));
     }
-    tcp::resolver resolver(strand_);
-    auto [rec, endpoints] =
-        co_await resolver.async_resolve(host, url.endpoint.port_text(), as_tuple_awaitable);
-    if (rec) throw unavailable(peer_.node_id, "cannot resolve " + host + ": " + rec.message());
     auto& lowest = beast::get_lowest_layer(*ws_);
-    lowest.expires_after(connect_timeout);
-    auto [cec, ep] = co_await lowest.async_connect(endpoints, as_tuple_awaitable);
-    if (cec)
-        throw unavailable(peer_.node_id, "cannot connect to " + peer_.url + ": " + cec.message());
-    if (auto* t = ws_->next_layer().tls()) {
-        expect_server_name(t->native_handle(), host, true);
-        auto [tec] = co_await t->async_handshake(ssl::stream_base::client, as_tuple_awaitable);
-        if (tec)
-            throw unavailable(peer_.node_id,
-                              "TLS handshake with " + peer_.url + " failed: " + tec.message());
-    }
     set_upgrade_options();
     auto [hec] =
         co_await ws_->async_handshake(url.endpoint.authority(), url.target, as_tuple_awaitable);
@@ -145,6 +127,38 @@ awaitable<void> PeerLink::connect() {
     net::co_spawn(strand_, read_loop(), log);
     net::co_spawn(strand_, write_loop(), log);
     spdlog::info("peer={} link up ({})", peer_.node_id, peer_.url);
+}
+
+awaitable<ConnStream> PeerLink::dial(const WsUrl& url) {
+    const std::string& host = url.endpoint.host;
+    std::optional<ConnStream> stream;
+    if (url.tls) {
+        // routing.peerTls: the cluster CA and this node's certificate; without it, the
+        // system's trust store and no client certificate.
+        auto tls = node_.security()->peer_client_tls;
+        if (!tls) tls = make_client_tls(TlsClientOptions{}, "routing.peerTls");
+        stream.emplace(beast::tcp_stream(strand_), tls);
+    } else {
+        stream.emplace(beast::tcp_stream(strand_));
+    }
+    tcp::resolver resolver(strand_);
+    auto [rec, endpoints] =
+        co_await resolver.async_resolve(host, url.endpoint.port_text(), as_tuple_awaitable);
+    if (rec) throw unavailable(peer_.node_id, "cannot resolve " + host + ": " + rec.message());
+    // One deadline for the connect, the TLS handshake and the upgrade (connect() clears it).
+    auto& lowest = stream->next_layer();
+    lowest.expires_after(connect_timeout);
+    auto [cec, ep] = co_await lowest.async_connect(endpoints, as_tuple_awaitable);
+    if (cec)
+        throw unavailable(peer_.node_id, "cannot connect to " + peer_.url + ": " + cec.message());
+    if (auto* t = stream->tls()) {
+        expect_server_name(t->native_handle(), host, true);
+        auto [tec] = co_await t->async_handshake(ssl::stream_base::client, as_tuple_awaitable);
+        if (tec)
+            throw unavailable(peer_.node_id,
+                              "TLS handshake with " + peer_.url + " failed: " + tec.message());
+    }
+    co_return std::move(*stream);
 }
 
 void PeerLink::set_upgrade_options() {

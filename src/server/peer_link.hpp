@@ -27,6 +27,14 @@
 namespace sandboxd {
 
 struct Node;
+struct WsUrl;
+
+/// How a peer link reaches its peer (Node::peer_dialer): a connected stream to `url` on
+/// `strand` (under TLS for wss://, its handshake done), ready for the WebSocket upgrade; throws
+/// rpc_error(errc::owner_unavailable) when it cannot. The daemon leaves it unset (the link
+/// dials over TCP itself); tests give an in-process connection.
+using PeerDialer =
+    std::function<awaitable<ConnStream>(const WsUrl& url, const net::any_io_executor& strand)>;
 
 /// Where a forwarded channel's frames go on this node: the host's session, under the channel
 /// id the host knows.
@@ -120,8 +128,12 @@ private:
     /// (false when the registry cannot say). Runs on the link's strand.
     awaitable<bool> peer_membership_live();
     awaitable<void> ensure_connected();
-    /// Connects, upgrades and starts the read and write loops (ensure_connected's one try).
+    /// Connects (Node::peer_dialer, else dial()), upgrades and starts the read and write
+    /// loops (ensure_connected's one try).
     awaitable<void> connect();
+    /// A TCP connection to `url`, under TLS (handshake done) for wss://, on the link's strand,
+    /// its deadline (connect_timeout) still running. Throws rpc_error(owner_unavailable).
+    awaitable<ConnStream> dial(const WsUrl& url);
     /// The upgrade's headers (token, Sandboxd-Forwarded-By/To) and the stream's options.
     void set_upgrade_options();
     awaitable<void> read_loop();

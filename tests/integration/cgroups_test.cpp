@@ -123,6 +123,9 @@ private:
 class Fixture {
 public:
     explicit Fixture(const fs::path& root = "/sys/fs/cgroup") : instance_(unique_instance()) {
+        int was = 0;
+        ::prctl(PR_GET_CHILD_SUBREAPER, &was);
+        was_subreaper_ = was != 0;
         ::prctl(PR_SET_CHILD_SUBREAPER, 1);
         manager_ = probe_cgroups(instance_, root);
     }
@@ -219,13 +222,15 @@ private:
             return a.string().size() > b.string().size();
         });
         for (const auto& d : dirs) ::rmdir(d.c_str());
-        // Later tests in this process must not inherit other programs' orphans.
-        ::prctl(PR_SET_CHILD_SUBREAPER, 0);
+        // As it was before: the test runner's main makes every test process a subreaper
+        // (tests/support/catch_main.cpp), which the process scans of later tests rely on.
+        ::prctl(PR_SET_CHILD_SUBREAPER, was_subreaper_ ? 1 : 0);
     }
 
     std::string instance_;
     std::unique_ptr<CgroupManager> manager_;
     std::vector<pid_t> children_;
+    bool was_subreaper_ = false;
 };
 
 /// The cgroup path of `pid` in the hierarchy of `controller` ("" when not found).

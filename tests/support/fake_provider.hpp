@@ -19,7 +19,10 @@
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/provider/provider.hpp>
 
+#include <boost/asio/as_tuple.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/use_awaitable.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -194,6 +197,13 @@ public:
     bool teardown_by_scope = true;
     /// The limits create() reports on each handle.
     nlohmann::json limits = {{"memoryBytes", 268435456}, {"pids", 128}};
+    /// When set, open() waits for this timer (expiring at time_point::max()) to be cancelled
+    /// before it opens: a test holds an open in flight and lets it go with cancel().
+    std::shared_ptr<boost::asio::steady_timer> open_gate;
+    /// When set, open() gives a command still running (FakeChannelBackend::running()) and
+    /// keeps a pointer to it in `running` (the channel owns it), for the test to play.
+    bool open_running = false;
+    std::vector<FakeChannelBackend*> running;
 
     const std::string& key() const noexcept override { return key_; }
     const std::string& plugin_id() const noexcept override { return plugin_id_; }
@@ -231,11 +241,20 @@ public:
     awaitable<std::unique_ptr<ChannelBackend>> open(std::shared_ptr<SandboxHandle> sandbox,
                                                     ExecSpec spec) override {
         ++opens;
+        if (open_gate) {
+            auto gate = open_gate;  // the test may reset open_gate meanwhile
+            co_await gate->async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
+        }
         {
             std::lock_guard lock(mutex_);
             if (!live_.count(sandbox->scope.provider_lease_id)) {
                 throw rpc_error(errc::provider_error, "fake provider: the sandbox is gone");
             }
+        }
+        if (open_running) {
+            auto backend = FakeChannelBackend::running();
+            running.push_back(backend.get());
+            co_return std::unique_ptr<ChannelBackend>(std::move(backend));
         }
         ChannelExit exit;
         exit.exit_code = 0;

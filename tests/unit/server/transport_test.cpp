@@ -3,18 +3,24 @@
 // to check is the queue's side of the contract: the bytes it counts toward the send budgets
 // and has_room(), close() from another thread, what is dropped once it closes, and the end of
 // serve() (the queue emptied, the budget given back, spliced frames failed, feeders woken).
-// The order in which queued messages reach the peer needs a stream that takes bytes: see the
-// note at the end of this file.
+// The order in which queued messages reach the peer, and the order in which the peer's reach
+// the receiver, are checked over a connected pair (ws_pair.hpp).
 #include "server/transport.hpp"
 #include "unit/server/channel_rig.hpp"
+#include "unit/server/ws_pair.hpp"
 
 #include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/strand.hpp>
 
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace sandboxd;
@@ -125,9 +131,88 @@ TEST_CASE("A transport's serve() ends with its queue empty and its budget given 
     CHECK(spliced == std::vector<bool>{false});
 }
 
-// Not checked here: the order in which queued messages are written, and that a close frame
-// follows every message queued before close(). Transport's stream is fixed as
-// websocket::stream<frame_guard<ConnStream>>, and ConnStream holds a TCP stream (plain or
-// under TLS) and nothing else, so no in-memory stream (boost/beast/_experimental/test/
-// stream.hpp) can stand in for the socket. Making Transport a template on its stream (or
-// giving ConnStream an in-memory alternative) would let a test read the frames it writes.
+TEST_CASE(
+    "A transport writes its messages in the order queued, spliced frames among them, "
+    "and the close frame after them",
+    "[transport][order]") {
+    boost::asio::io_context ioc;
+    WsPair pair(ioc);
+    const auto request = pair.start_handshake();
+    LimitsConfig limits;
+    Transport transport(pair.take_server(), limits);
+    NullReceiver receiver;
+    bool served = false;
+    boost::asio::co_spawn(
+        transport.strand(),
+        [&]() -> awaitable<void> {
+            if (co_await transport.accept(request)) co_await transport.serve(receiver);
+        },
+        [&](const std::exception_ptr&) { served = true; });
+    REQUIRE(pair.finish_handshake());
+
+    // The spliced frame's payload waits in a pipe, as a channel's output does.
+    int pipe_fds[2] = {-1, -1};
+    REQUIRE(::pipe2(pipe_fds, O_CLOEXEC) == 0);
+    REQUIRE(::write(pipe_fds[1], "third", 5) == 5);
+    std::vector<bool> spliced;
+    on_strand(ioc, transport.strand(), [&] {
+        REQUIRE(transport.can_splice());
+        transport.send(false, "first");
+        transport.send(true, "second");
+        transport.send_spliced(websocket_binary_header(5), pipe_fds[0], 5,
+                               [&](bool written) { spliced.push_back(written); });
+        transport.send(false, "fourth");
+    });
+    transport.close(websocket::close_code::normal, nullptr);  // after all four, from off the strand
+
+    std::vector<std::pair<std::string, bool>> got;
+    while (auto m = pair.read()) got.emplace_back(m->bytes, m->binary);
+    CHECK(got == std::vector<std::pair<std::string, bool>>{
+                     {"first", false}, {"second", true}, {"third", true}, {"fourth", false}});
+    CHECK(pair.close_code() == websocket::close_code::normal);
+    CHECK(spliced == std::vector<bool>{true});
+    CHECK(transport.close_written());
+    ::close(pipe_fds[0]);
+    ::close(pipe_fds[1]);
+    // The client answers the close (Beast does when it reads one), and serve() ends.
+    CHECK(pump(ioc, [&] { return served; }));
+    CHECK(transport.queued_bytes() == 0);
+}
+
+TEST_CASE("A transport hands the peer's messages to its receiver in the order sent",
+          "[transport][order]") {
+    struct Recorder final : Transport::Receiver {
+        virtual ~Recorder() = default;
+        std::vector<std::string> got;
+        awaitable<void> on_text(std::string_view text) override {
+            got.emplace_back("text:" + std::string(text));
+            co_return;
+        }
+        std::optional<websocket::close_reason> on_binary(std::string_view message) override {
+            got.emplace_back("binary:" + std::string(message));
+            if (message == "bad")
+                return websocket::close_reason(websocket::close_code::protocol_error);
+            return std::nullopt;
+        }
+    };
+    boost::asio::io_context ioc;
+    WsPair pair(ioc);
+    const auto request = pair.start_handshake();
+    LimitsConfig limits;
+    Transport transport(pair.take_server(), limits);
+    Recorder receiver;
+    boost::asio::co_spawn(
+        transport.strand(),
+        [&]() -> awaitable<void> {
+            if (co_await transport.accept(request)) co_await transport.serve(receiver);
+        },
+        boost::asio::detached);
+    REQUIRE(pair.finish_handshake());
+    pair.send("a");
+    pair.send("b", true);
+    pair.send("c");
+    pair.send("bad", true);  // the receiver's close reason ends the connection
+    CHECK_FALSE(pair.read());
+    CHECK(pair.close_code() == websocket::close_code::protocol_error);
+    CHECK(receiver.got == std::vector<std::string>{"text:a", "binary:b", "text:c", "binary:bad"});
+}
