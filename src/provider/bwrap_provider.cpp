@@ -17,47 +17,36 @@
 #include "provider/bwrap_provider_impl.hpp"
 
 #include <sandboxd/core/errors.hpp>
-#include <sandboxd/core/net.hpp>
 #include <sandboxd/core/offload.hpp>
 #include <sandboxd/core/scope_exit.hpp>
 #include <sandboxd/provider/provider.hpp>
 
-#include "init/supervisor_protocol.hpp"
 #include "provider/bwrap_config.hpp"
 #include "provider/cgroups.hpp"
 #include "provider/identity_pool.hpp"
 #include "provider/lease_disk.hpp"
 #include "provider/node_budget.hpp"
-#include "provider/process_backend.hpp"
-#include "provider/seccomp_filter.hpp"
-#include "provider/spawn.hpp"
 
 #include <spdlog/spdlog.h>
 
 #include <fcntl.h>
-#include <poll.h>
-#include <sys/file.h>
-#include <sys/mman.h>
-#include <sys/mount.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <atomic>
 #include <cerrno>
-#include <chrono>
-#include <csignal>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
-#include <deque>
+#include <exception>
+#include <filesystem>
 #include <fstream>
-#include <functional>
-#include <mutex>
+#include <memory>
+#include <stdexcept>
+#include <string>
 #include <string_view>
 #include <system_error>
 #include <utility>
+#include <vector>
 
 #ifndef SANDBOXD_LIBEXECDIR
 #define SANDBOXD_LIBEXECDIR "/usr/libexec/sandboxd"  // NOLINT(cppcoreguidelines-macro-usage)

@@ -6,7 +6,6 @@
 /// start and removes at stop, and a sandbox's files), bwrap_supervisor.cpp (bubblewrap's start
 /// and the link to each sandbox's supervisor: its channel requests).
 
-#include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/net.hpp>
 #include <sandboxd/core/offload.hpp>
 #include <sandboxd/provider/provider.hpp>
@@ -16,19 +15,29 @@
 #include "provider/bwrap_sandbox.hpp"
 #include "provider/cgroups.hpp"
 #include "provider/identity_pool.hpp"
-#include "provider/lease_disk.hpp"
 #include "provider/node_budget.hpp"
 #include "provider/process_backend.hpp"
-#include "provider/seccomp_filter.hpp"
 #include "provider/spawn.hpp"
+
+#include <nlohmann/json.hpp>
 
 #include <sys/mount.h>
 #include <sys/socket.h>
+#include <sys/types.h>
 
+#include <cerrno>
+#include <cstddef>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
 #include <string_view>
 #include <system_error>
+#include <utility>
+#include <vector>
 
 namespace sandboxd::bwrap {
 

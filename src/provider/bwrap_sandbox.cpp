@@ -2,49 +2,20 @@
 /// A bubblewrap sandbox's teardown (bwrap_sandbox.hpp): ending its supervisor and bubblewrap,
 /// its cgroups and its workspace mount.
 
-#include "provider/bwrap_provider_impl.hpp"
+#include "provider/bwrap_sandbox.hpp"
 
-#include <sandboxd/core/errors.hpp>
-#include <sandboxd/core/net.hpp>
-#include <sandboxd/core/offload.hpp>
-#include <sandboxd/core/scope_exit.hpp>
-#include <sandboxd/provider/provider.hpp>
-
-#include "init/supervisor_protocol.hpp"
-#include "provider/bwrap_config.hpp"
 #include "provider/cgroups.hpp"
-#include "provider/identity_pool.hpp"
-#include "provider/lease_disk.hpp"
-#include "provider/node_budget.hpp"
-#include "provider/process_backend.hpp"
-#include "provider/seccomp_filter.hpp"
-#include "provider/spawn.hpp"
 
-#include <spdlog/spdlog.h>
-
-#include <fcntl.h>
 #include <poll.h>
-#include <sys/file.h>
-#include <sys/mman.h>
 #include <sys/mount.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <csignal>
-#include <cstring>
-#include <deque>
-#include <fstream>
-#include <functional>
+#include <memory>
 #include <mutex>
-#include <string_view>
-#include <system_error>
 #include <utility>
 
 #ifndef SANDBOXD_LIBEXECDIR

@@ -18,37 +18,32 @@
 
 #include "provider/plugin_worker_state.hpp"
 
-#include "provider/spawn.hpp"
-
-#include <sandboxd/core/base64.hpp>
 #include <sandboxd/core/errors.hpp>
-#include <sandboxd/core/json_limits.hpp>
-#include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/core/net.hpp>
-#include <sandboxd/version.hpp>
 
 #include <spdlog/spdlog.h>
 
-#include <fcntl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <csignal>
-#include <cstdlib>
+#include <cstddef>
+#include <cstdint>
 #include <cstring>
-#include <deque>
-#include <filesystem>
-#include <fstream>
+#include <exception>
 #include <functional>
 #include <future>
-#include <map>
+#include <memory>
 #include <mutex>
-#include <set>
+#include <optional>
 #include <span>
-#include <sstream>
+#include <string>
 #include <thread>
+#include <utility>
 
 #ifndef P_PIDFD
 #define P_PIDFD 3  // NOLINT(cppcoreguidelines-macro-usage)

@@ -7,35 +7,35 @@
 
 #include "provider/spawn.hpp"
 
-#include <sandboxd/core/base64.hpp>
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/json_limits.hpp>
-#include <sandboxd/core/jsonrpc.hpp>
 #include <sandboxd/core/net.hpp>
 #include <sandboxd/version.hpp>
 
 #include <spdlog/spdlog.h>
 
-#include <fcntl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <csignal>
+#include <cstddef>
 #include <cstdlib>
-#include <cstring>
-#include <deque>
+#include <exception>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <future>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
-#include <span>
 #include <sstream>
-#include <thread>
+#include <string>
+#include <system_error>
+#include <utility>
 
 #ifndef P_PIDFD
 #define P_PIDFD 3  // NOLINT(cppcoreguidelines-macro-usage)
