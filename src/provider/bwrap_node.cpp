@@ -44,10 +44,6 @@
 #include <utility>
 #include <vector>
 
-#ifndef SANDBOXD_LIBEXECDIR
-#define SANDBOXD_LIBEXECDIR "/usr/libexec/sandboxd"  // NOLINT(cppcoreguidelines-macro-usage)
-#endif
-
 namespace sandboxd::bwrap {
 
 BwrapProvider::BwrapProvider(BwrapOptions options)

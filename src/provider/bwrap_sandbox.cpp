@@ -18,10 +18,6 @@
 #include <mutex>
 #include <utility>
 
-#ifndef SANDBOXD_LIBEXECDIR
-#define SANDBOXD_LIBEXECDIR "/usr/libexec/sandboxd"  // NOLINT(cppcoreguidelines-macro-usage)
-#endif
-
 namespace sandboxd::bwrap {
 
 void BwrapSandbox::shutdown(bool unmount) noexcept {

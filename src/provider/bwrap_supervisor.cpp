@@ -41,10 +41,6 @@
 #include <variant>
 #include <vector>
 
-#ifndef SANDBOXD_LIBEXECDIR
-#define SANDBOXD_LIBEXECDIR "/usr/libexec/sandboxd"  // NOLINT(cppcoreguidelines-macro-usage)
-#endif
-
 namespace sandboxd::bwrap {
 
 awaitable<std::unique_ptr<ChannelBackend>> BwrapProvider::open(

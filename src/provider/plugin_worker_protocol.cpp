@@ -23,10 +23,6 @@
 #include <string_view>
 #include <utility>
 
-#ifndef P_PIDFD
-#define P_PIDFD 3  // NOLINT(cppcoreguidelines-macro-usage)
-#endif
-
 namespace sandboxd {
 
 // The state's types and helpers, used throughout this file.
