@@ -64,7 +64,8 @@ unique_fd make_ring(const fs::path& path, std::uint64_t capacity) {
 
 }  // namespace
 
-KeptOutput::KeptOutput(fs::path dir, std::uint64_t capacity, std::array<unique_fd, 2> files) noexcept
+KeptOutput::KeptOutput(fs::path dir, std::uint64_t capacity,
+                       std::array<unique_fd, 2> files) noexcept
     : dir_(std::move(dir)), capacity_(capacity), files_(std::move(files)) {}
 
 std::unique_ptr<KeptOutput> KeptOutput::create(const fs::path& dir, std::uint64_t capacity) {
@@ -102,11 +103,12 @@ std::size_t KeptOutput::read(output_stream stream, std::uint64_t offset,
                              std::span<char> into) const {
     const auto i = index(stream);
     if (offset < first_kept(stream) || offset > ends_[i]) {
-        throw std::out_of_range("kept output: offset " + std::to_string(offset) +
-                                " is not in [" + std::to_string(first_kept(stream)) + ", " +
+        throw std::out_of_range("kept output: offset " + std::to_string(offset) + " is not in [" +
+                                std::to_string(first_kept(stream)) + ", " +
                                 std::to_string(ends_[i]) + "]");
     }
-    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(into.size(), ends_[i] - offset));
+    const auto n =
+        static_cast<std::size_t>(std::min<std::uint64_t>(into.size(), ends_[i] - offset));
     const auto at = offset % capacity_;
     const auto first = static_cast<std::size_t>(std::min<std::uint64_t>(n, capacity_ - at));
     read_at(files_[i].get(), into.first(first), at);

@@ -40,7 +40,7 @@ std::string pattern(std::uint64_t from, std::size_t n) {
 TEST_CASE("Kept output below its capacity keeps every byte at its offset", "[kept_output]") {
     TempDir tmp;
     auto kept = KeptOutput::create(tmp.path() / "ch", 8192);
-    struct stat st{};
+    struct stat st {};
     REQUIRE(::stat((tmp.path() / "ch").c_str(), &st) == 0);
     CHECK((st.st_mode & 0777) == 0700);
     CHECK(fs::file_size(tmp.path() / "ch" / "stdout") == 8192);  // allocated at the open
