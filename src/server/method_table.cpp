@@ -49,8 +49,10 @@ methods::ValidateConfigParams parse_validate(const Node&, const json& p) {
 }
 handlers::NoParams parse_none(const Node&, const json&) { return {}; }
 methods::OpenParams parse_open(const Node& n, const json& p) {
-    return methods::parse_open(p, n.config.limits.max_output_window,
-                               n.config.limits.max_stdin_window);
+    const auto& l = n.config.limits;
+    return methods::parse_open(p, l.max_output_window, l.max_stdin_window,
+                               {l.detach_retain_ms, l.max_detach_retain_ms, l.detach_retain_bytes,
+                                l.max_detach_retain_bytes});
 }
 methods::WriteParams parse_write(const Node&, const json& p) { return methods::parse_write(p); }
 methods::ChannelParams parse_channel(const Node&, const json& p) {

@@ -3,6 +3,9 @@
 #include "server/channel.hpp"
 #include "server/params.hpp"
 
+#include <algorithm>
+#include <cctype>
+
 #include <sandboxd/core/base64.hpp>
 
 namespace sandboxd::methods {
@@ -294,10 +297,62 @@ LeaseRef parse_lease_ref(const json& lp) {
     return ref;
 }
 
+namespace {
+
+/// The open's `detach` and `name` (see parse_open).
+void parse_detach(const json& p, const DetachLimits& limits, OpenParams& out) {
+    if (p.contains("detach") && !p["detach"].is_null()) {
+        const auto& d = p["detach"];
+        if (!d.is_object())
+            params::invalid("detach", "must be an object {retainMs?, retainBytes?}");
+        for (const auto& [key, value] : d.items()) {
+            if (key != "retainMs" && key != "retainBytes") {
+                params::invalid("detach." + key, "is not a field of detach");
+            }
+        }
+        auto bounded = [&d](const char* key, std::uint64_t lo, std::uint64_t hi,
+                            std::uint64_t fallback) {
+            const auto it = d.find(key);
+            if (it == d.end() || it->is_null()) return fallback;
+            const std::string field = std::string("detach.") + key;
+            const std::string range = std::to_string(lo) + ".." + std::to_string(hi);
+            if (!it->is_number_integer() ||
+                (!it->is_number_unsigned() && it->get<std::int64_t>() < 0)) {
+                params::invalid(field, "must be an integer in " + range);
+            }
+            const auto v = it->get<std::uint64_t>();
+            if (v < lo || v > hi) params::invalid(field, "must be an integer in " + range);
+            return v;
+        };
+        OpenParams::Detach detach;
+        detach.retain_ms = bounded("retainMs", 1000, limits.max_retain_ms, limits.retain_ms);
+        detach.retain_bytes =
+            bounded("retainBytes", 4096, limits.max_retain_bytes, limits.retain_bytes);
+        out.detach = detach;
+    }
+    if (auto name = params::opt_string(p, "name")) {
+        if (!out.detach) params::invalid("name", "names a detached channel: give detach too");
+        const bool valid = !name->empty() && name->size() <= 128 &&
+                           std::all_of(name->begin(), name->end(), [](char c) {
+                               return std::isalnum(static_cast<unsigned char>(c)) || c == '.' ||
+                                      c == '_' || c == '-';
+                           });
+        if (!valid) params::invalid("name", "must be 1 to 128 of A-Z, a-z, 0-9, '.', '_', '-'");
+        out.name = std::move(*name);
+    }
+    if (out.detach && out.base64) {
+        params::invalid("dataEncoding",
+                        "must be \"binary\" with detach: kept output is sent as binary frames");
+    }
+}
+
+}  // namespace
+
 OpenParams parse_open(const json& p, std::uint64_t max_output_window,
-                      std::uint64_t max_stdin_window) {
-    params::only_keys(p, {"hostRouteId", "lease", "command", "cwd", "env", "pty", "stdin",
-                          "timeoutMs", "outputWindow", "stdinWindow", "dataEncoding"});
+                      std::uint64_t max_stdin_window, const DetachLimits& detach_limits) {
+    params::only_keys(p,
+                      {"hostRouteId", "lease", "command", "cwd", "env", "pty", "stdin", "timeoutMs",
+                       "outputWindow", "stdinWindow", "dataEncoding", "detach", "name"});
     OpenParams out;
     ExecSpec& spec = out.spec;
     out.host_route_id = params::opt_string(p, "hostRouteId").value_or("");
@@ -344,6 +399,7 @@ OpenParams parse_open(const json& p, std::uint64_t max_output_window,
         }
         out.base64 = *enc == "base64";
     }
+    parse_detach(p, detach_limits, out);
     return out;
 }
 

@@ -160,11 +160,33 @@ struct OpenParams {
     std::optional<std::uint32_t>
         stdin_window;     ///< bytes, 1 KiB .. max_stdin_window; none = the node's
     bool base64 = false;  ///< dataEncoding "base64"
+    /// `detach` (issue 46): the channel outlives its connection; its exit is kept for
+    /// retain_ms after it ends and the last retain_bytes of each output stream are kept.
+    struct Detach {
+        std::uint64_t retain_ms = 0;
+        std::uint64_t retain_bytes = 0;
+    };
+    std::optional<Detach> detach;
+    /// `name` (only with detach): 1..128 of [A-Za-z0-9._-], unique among the lease's detached
+    /// channels (checked by the node, not here); "" when none.
+    std::string name;
+};
+/// The node's bounds for `detach` (limits.detachRetainMs, maxDetachRetainMs,
+/// detachRetainBytes, maxDetachRetainBytes).
+struct DetachLimits {
+    std::uint64_t retain_ms = 600000;
+    std::uint64_t max_retain_ms = 86400000;
+    std::uint64_t retain_bytes = 8ULL << 20;
+    std::uint64_t max_retain_bytes = 256ULL << 20;
 };
 /// `max_output_window` and `max_stdin_window`: the largest windows an open may ask for
-/// (limits.maxOutputWindow, limits.maxStdinWindow), bytes.
+/// (limits.maxOutputWindow, limits.maxStdinWindow), bytes. INVALID_PARAMS naming the field:
+/// `detach` not an object or with other keys than retainMs (1000..max_retain_ms) and
+/// retainBytes (4096..max_retain_bytes); `name` without detach or not 1..128 of
+/// [A-Za-z0-9._-]; `dataEncoding: "base64"` with detach (kept output is binary frames).
 OpenParams parse_open(const json& p, std::uint64_t max_output_window = 1ULL << 30,
-                      std::uint64_t max_stdin_window = 1ULL << 30);
+                      std::uint64_t max_stdin_window = 1ULL << 30,
+                      const DetachLimits& detach_limits = {});
 
 /// Decodes standard base64 (with padding); INVALID_PARAMS on `field` when it is not.
 std::string decode_base64(const std::string& field, std::string_view text);
