@@ -3,6 +3,7 @@
 // attaches gets the kept bytes from its offsets within its credit, then live output, then the
 // exit once; a gap is announced with the first kept offset; a new attachment replaces the old.
 #include "server/detached_output.hpp"
+#include "server/strand_hop_sink.hpp"
 #include "support/temp_dir.hpp"
 #include "unit/server/channel_rig.hpp"
 
@@ -140,4 +141,25 @@ TEST_CASE(
     r.run([&] { r.kept->add_credit(1500); });
     CHECK(second->data(9, stream_id::stdout_) == digits(2000, 1000));
     CHECK(second->notifications("duplexChannel.exit").size() == 1);
+}
+
+TEST_CASE("An attachment on another strand gets the same bytes and exit through a hop",
+          "[detached]") {
+    DetachedRig r;
+    r.write(digits(5000));
+    // The host's connection runs on a strand of its own; the channel's sink reaches it by
+    // posting there.
+    const strand_t host_strand = boost::asio::make_strand(r.ioc);
+    auto host = std::make_shared<FakeChannelSink>(host_strand);
+    auto hop = std::make_shared<StrandHopSink>(host_strand, host);
+    r.run([&] { r.kept->attach(hop, 4, 1 << 20, DetachedOutput::Offsets{0, 0}); });
+    r.write(digits(100, 5000), output_stream::out);
+    r.exit(7);
+    REQUIRE(pump(r.ioc, [&] { return !host->notifications("duplexChannel.exit").empty(); }));
+    CHECK(host->data(4, stream_id::stdout_) == digits(5100));
+    CHECK(host->notifications("duplexChannel.exit")[0]["exitCode"] == 7);
+    CHECK(host->finished == std::vector<std::uint32_t>{4});
+    // The hop holds the host weakly: once it is gone, what follows is dropped.
+    host.reset();
+    r.run([&] { hop->send_text("{}"); });
 }
