@@ -59,8 +59,18 @@ std::shared_ptr<Channel> ChannelMux::take_local(std::uint32_t id) {
     return node ? std::move(node.mapped()) : nullptr;
 }
 
+void ChannelMux::add_attached(std::uint32_t id, Attached attached) {
+    attached_[id] = std::move(attached);
+}
+
+const ChannelMux::Attached* ChannelMux::attached(std::uint32_t id) const {
+    auto it = attached_.find(id);
+    return it == attached_.end() ? nullptr : &it->second;
+}
+
 void ChannelMux::finished(std::uint32_t id) {
     local_.erase(id);
+    attached_.erase(id);
     // Remembered so that a write or half-close racing the exit is a harmless no-op.
     ended_.insert(id);
     if (ended_.size() > 4096) ended_.erase(ended_.begin());
@@ -167,6 +177,21 @@ void ChannelMux::apply_frame(std::string_view message) {
         r.link->send_frame(std::move(copy));
         return;
     }
+    if (auto it = attached_.find(channel); it != attached_.end()) {
+        const auto& a = it->second;
+        if (data && data->stream == stream_id::stdin_) {
+            net::post(a.strand, [ch = a.channel, bytes = std::string(data->payload), peer = peer_] {
+                try {
+                    ch->write_stdin(bytes);
+                } catch (const rpc_error& e) {
+                    spdlog::info("peer={} frame rejected: {}", peer, e.what());
+                }
+            });
+        } else if (credit && credit->stream != stream_id::stdin_) {
+            net::post(a.strand, [out = a.output, n = credit->bytes] { out->add_credit(n); });
+        }
+        return;
+    }
     try {
         auto it = local_.find(channel);
         if (data) {
@@ -187,6 +212,10 @@ void ChannelMux::apply_frame(std::string_view message) {
 void ChannelMux::close_all() {
     for (auto& [id, channel] : local_) channel->hangup();
     local_.clear();
+    for (auto& [id, a] : attached_) {
+        net::post(a.strand, [out = a.output, id = a.attachment] { out->detach(id); });
+    }
+    attached_.clear();
     for (auto& [id, route] : relayed_) {
         route.link->close_channel(route.remote_id, route.forwarded_for);
         route.link->forget(route.remote_id);

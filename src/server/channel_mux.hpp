@@ -7,6 +7,7 @@
 // Threading: not thread-safe; every call runs on the connection's strand. Output goes to the
 // sink given at construction (the connection's write queue), which must outlive the mux.
 #include "server/channel.hpp"
+#include "server/detached_output.hpp"
 #include "server/peer_link.hpp"
 
 #include <nlohmann/json.hpp>
@@ -58,7 +59,9 @@ public:
 
     /// Channels open or being opened (local, relayed and reserved): what
     /// limits.channelsPerConnection bounds.
-    std::size_t count() const noexcept { return local_.size() + relayed_.size() + reserved_; }
+    std::size_t count() const noexcept {
+        return local_.size() + attached_.size() + relayed_.size() + reserved_;
+    }
     std::size_t local_count() const noexcept { return local_.size(); }
     /// An open in progress holds a slot until it ends (release()), so that concurrent opens
     /// cannot overshoot the limit.
@@ -81,6 +84,24 @@ public:
         auto it = local_.find(id);
         return it == local_.end() ? nullptr : it->second;
     }
+
+    // --- detached channels attached here (issue 46) ---
+    /// A detached channel this connection is attached to: it runs on its own strand, to which
+    /// the connection's stdin and credit are posted; its output reaches this connection
+    /// through its DetachedOutput's attachment.
+    struct Attached {
+        std::string handle;
+        std::shared_ptr<Channel> channel;
+        std::shared_ptr<DetachedOutput> output;
+        net::any_io_executor strand;   ///< the channel's
+        std::uint64_t attachment = 0;  ///< DetachedOutput::attach()'s id
+        /// What the output reaches this connection through (a StrandHopSink), held here
+        /// alone: the output holds it weakly, so the attachment lasts while this entry does.
+        std::shared_ptr<ChannelSink> sink;
+    };
+    void add_attached(std::uint32_t id, Attached attached);
+    /// The attachment of channel `id`, or nullptr.
+    const Attached* attached(std::uint32_t id) const;
 
     // --- relayed channels ---
     /// A forwarded open of `id` is under way: frames from the owner wait until opened().
@@ -105,11 +126,12 @@ public:
     /// and its channel id otherwise: frames are checked on arrival even when queued.
     std::variant<std::uint32_t, websocket::close_reason> check_frame(
         std::string_view message) const;
-    /// Applies a checked frame: stdin and credit for a local channel, forwarded for a relayed
-    /// one; dropped for an unknown channel.
+    /// Applies a checked frame: stdin and credit for a local channel, posted to an attached
+    /// one's strand, forwarded for a relayed one; dropped for an unknown channel.
     void apply_frame(std::string_view message);
 
-    /// The connection is gone: local channels are hung up, relayed ones closed on the owner.
+    /// The connection is gone: local channels are hung up, relayed ones closed on the owner,
+    /// attached ones detached (their commands go on).
     void close_all();
 
 private:
@@ -125,6 +147,7 @@ private:
     std::uint32_t next_id_ = 1;
     std::size_t reserved_ = 0;
     std::map<std::uint32_t, std::shared_ptr<Channel>> local_;
+    std::map<std::uint32_t, Attached> attached_;
     std::set<std::uint32_t> ended_;
     std::map<std::uint32_t, Relayed> relayed_;
     /// Forwarded opens awaiting their result: the owner's frames that overtook it, in order

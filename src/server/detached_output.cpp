@@ -26,10 +26,10 @@ stream_id wire(output_stream s) noexcept {
 DetachedOutput::DetachedOutput(strand_t strand, std::unique_ptr<KeptOutput> kept)
     : strand_(std::move(strand)), kept_(std::move(kept)) {}
 
-DetachedOutput::Offsets DetachedOutput::attach(std::weak_ptr<ChannelSink> sink,
-                                               std::uint32_t channel_id,
-                                               std::uint32_t output_window,
-                                               std::optional<Offsets> from) {
+DetachedOutput::AttachResult DetachedOutput::attach(std::weak_ptr<ChannelSink> sink,
+                                                    std::uint32_t channel_id,
+                                                    std::uint32_t output_window,
+                                                    std::optional<Offsets> from) {
     ++generation_;
     Attachment a;
     a.sink = std::move(sink);
@@ -44,10 +44,14 @@ DetachedOutput::Offsets DetachedOutput::attach(std::weak_ptr<ChannelSink> sink,
     }
     attachment_ = std::move(a);
     schedule();
-    return {attachment_->cursor[0], attachment_->cursor[1]};
+    return {{attachment_->cursor[0], attachment_->cursor[1]}, generation_};
 }
 
-void DetachedOutput::detach() noexcept {
+void DetachedOutput::detach(std::uint64_t id) noexcept {
+    if (id == generation_) drop_attachment();
+}
+
+void DetachedOutput::drop_attachment() noexcept {
     ++generation_;
     attachment_.reset();
 }
@@ -105,7 +109,7 @@ void DetachedOutput::schedule() {
 void DetachedOutput::send_to_attachment() {
     auto& a = *attachment_;
     auto sink = a.sink.lock();
-    if (!sink) return detach();  // its connection is gone
+    if (!sink) return drop_attachment();  // its connection is gone
     while (a.unacked < a.window) {
         if (!sink->has_send_room()) {
             if (!a.waiting_room) {

@@ -41,14 +41,20 @@ public:
         std::uint64_t stdout_offset = 0;
         std::uint64_t stderr_offset = 0;
     };
+    /// What attach() gives: where the attachment starts, and its id for detach().
+    struct AttachResult {
+        Offsets from;
+        std::uint64_t id = 0;
+    };
     /// Attaches `sink` as channel `channel_id` with `output_window` bytes of credit, from
     /// `from` (nullopt: the oldest kept bytes); ends the previous attachment. Returns the
     /// offsets it starts from (an offset past the end is taken as the end). The kept bytes
     /// follow on the next turns of the strand, never inside this call.
-    Offsets attach(std::weak_ptr<ChannelSink> sink, std::uint32_t channel_id,
-                   std::uint32_t output_window, std::optional<Offsets> from);
-    /// Ends the attachment (its connection went): the command goes on, its output is kept.
-    void detach() noexcept;
+    AttachResult attach(std::weak_ptr<ChannelSink> sink, std::uint32_t channel_id,
+                        std::uint32_t output_window, std::optional<Offsets> from);
+    /// Ends attachment `id` (its connection went), if it is still the current one: the
+    /// command goes on, its output is kept.
+    void detach(std::uint64_t id) noexcept;
     /// Output credit from the attached host.
     void add_credit(std::uint32_t bytes);
 
@@ -76,6 +82,7 @@ private:
     /// Sends the attachment what it may have now, on the next turn of the strand.
     void schedule();
     void send_to_attachment();
+    void drop_attachment() noexcept;
     /// One data frame of `stream` from the attachment's cursor; false when nothing was sent.
     bool send_kept(Attachment& a, ChannelSink& sink, output_stream stream);
 
