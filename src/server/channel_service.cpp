@@ -3,14 +3,20 @@
 #include "server/audit.hpp"
 #include "server/channel.hpp"
 #include "server/lease_service.hpp"
+#include "server/strand_hop_sink.hpp"
 
 #include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/lease.hpp>
 #include <sandboxd/core/scope_exit.hpp>
 
 #include <spdlog/spdlog.h>
 
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
 #include <chrono>
 #include <exception>
+#include <filesystem>
 
 namespace sandboxd::handlers {
 namespace {
@@ -158,6 +164,93 @@ awaitable<std::unique_ptr<ChannelBackend>> start_command(Node& node, const Lease
     std::rethrow_exception(failed);
 }
 
+/// A detached channel (issue 46): on a strand of its own, its output kept by a DetachedOutput
+/// in <stateDir>/kept/<lease>/<handle>, this connection its first attachment (from offset 0).
+/// Its command outlives the connection; the node's table keeps it.
+awaitable<MethodReply> open_detached(Connection& c, methods::OpenParams params, Lease lease,
+                                     Principal caller, std::shared_ptr<SandboxHandle> sandbox) {
+    auto& node = c.node();
+    const auto detach = *params.detach;
+    auto options = channel_options(node, params, lease, caller);
+    params.spec.drain_grace_ms = node.config.limits.drain_grace_ms;
+    if (!params.name.empty() && node.detached.find(lease.id, params.name)) {
+        node.channels.unreserve();
+        throw rpc_error(errc::invalid_params,
+                        "name: lease " + lease.id + " already has a detached channel named \"" +
+                            params.name + "\" (running, or its exit still kept)",
+                        {{"field", "name"}});
+    }
+    const strand_t strand = net::make_strand(*node.ioc);
+    std::int64_t start_deadline = 0;
+    // The backend is bound to the strand it is opened on: the channel's.
+    auto backend = co_await net::co_spawn(
+        strand, start_command(node, lease, sandbox, params.spec, start_deadline), use_awaitable);
+    const std::string handle = DetachedChannels::make_handle();
+    const auto dir = std::filesystem::path(node.config.state_dir) / "kept" / lease.id;
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    auto output = std::make_shared<DetachedOutput>(
+        strand, KeptOutput::create(dir / handle, detach.retain_bytes));
+    options.id = c.mux().next_id();
+    auto channel = std::make_shared<Channel>(strand, options, std::move(backend), sandbox, output);
+    output->bind(channel);
+    DetachedChannels::Entry entry;
+    entry.handle = handle;
+    entry.lease_id = lease.id;
+    entry.name = params.name;
+    entry.argv0 = options.argv0;
+    entry.pty = options.pty;
+    entry.started_at_ms = now_ms();
+    entry.retain_ms = detach.retain_ms;
+    entry.strand = strand;
+    entry.channel = channel;
+    entry.output = output;
+    try {
+        node.detached.add(std::move(entry));  // refuses a name taken meanwhile
+    } catch (...) {
+        // The command never started: the channel, destroyed unstarted, ends it.
+        node.channels.unreserve();
+        std::filesystem::remove_all(dir / handle, ec);
+        throw;
+    }
+    const auto key = node.channels.add({channel, strand, lease.id});
+    channel->set_on_reaped([&node, key, handle] {
+        node.channels.remove(key);
+        node.detached.ended(handle, now_ms());
+    });
+    channel->set_audit_key(key);
+    auto hop = std::make_shared<StrandHopSink>(c.strand(), c.channel_sink());
+    const auto attached = co_await net::co_spawn(
+        strand,
+        [output, hop, id = options.id,
+         window = options.output_window]() -> awaitable<std::uint64_t> {
+            co_return output->attach(hop, id, window, DetachedOutput::Offsets{0, 0}).id;
+        },
+        use_awaitable);
+    ChannelMux::Attached attachment;
+    attachment.handle = handle;
+    attachment.channel = channel;
+    attachment.output = output;
+    attachment.strand = strand;
+    attachment.attachment = attached;
+    attachment.sink = std::move(hop);
+    c.mux().add_attached(options.id, std::move(attachment));
+    spdlog::info(
+        "channel={} lease={} opened detached as {}: {} pty={} peer={} (connection channel {})", key,
+        lease.id, handle, options.argv0, options.pty, c.peer(), options.id);
+    json result = {{"channel", options.id},
+                   {"handle", handle},
+                   {"hostRouteId", options.host_route_id},
+                   {"ownerNodeId", node.node_id},
+                   {"routed", false},
+                   {"stdinWindow", options.stdin_window},
+                   {"outputWindow", options.output_window}};
+    if (!params.name.empty()) result["name"] = params.name;
+    co_return MethodReply{std::move(result), [channel, strand] {
+                              net::post(strand, [channel] { channel->start(); });
+                          }};
+}
+
 /// Step 6: this node owns the lease; its cache must hold the sandbox (or its provider resume
 /// it). The channel starts right after the open's result is queued.
 awaitable<MethodReply> open_local(Connection& c, methods::OpenParams params, Lease lease,
@@ -169,6 +262,10 @@ awaitable<MethodReply> open_local(Connection& c, methods::OpenParams params, Lea
         throw rpc_error(errc::channel_limit, "this node already runs its limit of " +
                                                  std::to_string(limits.channels_per_node) +
                                                  " channels");
+    }
+    if (params.detach) {
+        co_return co_await open_detached(c, std::move(params), std::move(lease), std::move(caller),
+                                         std::move(sandbox));
     }
     auto options = channel_options(node, params, lease, caller);
     params.spec.drain_grace_ms = limits.drain_grace_ms;

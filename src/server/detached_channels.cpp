@@ -7,6 +7,8 @@
 
 namespace sandboxd {
 
+std::string DetachedChannels::make_handle() { return "dch_" + random_hex(12); }
+
 std::string DetachedChannels::add(Entry entry) {
     std::lock_guard lock(mutex_);
     if (!entry.name.empty() && by_name_.count({entry.lease_id, entry.name})) {
@@ -16,10 +18,8 @@ std::string DetachedChannels::add(Entry entry) {
                             "\" (running, or its exit still kept)",
                         {{"field", "name"}});
     }
-    std::string handle;
-    do {
-        handle = "dch_" + random_hex(12);
-    } while (by_handle_.count(handle));
+    std::string handle = entry.handle;
+    while (handle.empty() || by_handle_.count(handle)) handle = make_handle();
     entry.handle = handle;
     if (!entry.name.empty()) by_name_[{entry.lease_id, entry.name}] = handle;
     added_order_[handle] = order_++;

@@ -38,7 +38,9 @@ public:
         std::shared_ptr<DetachedOutput> output;
     };
 
-    /// Registers `entry` under a new handle, which it returns. Throws
+    /// A new handle ("dch_" and 24 random hex digits), for add().
+    static std::string make_handle();
+    /// Registers `entry` under its handle (made here when empty), which it returns. Throws
     /// rpc_error(errc::invalid_params) with field "name" when the lease already has a
     /// detached channel of that name (running, or ended with its exit still kept).
     std::string add(Entry entry);
