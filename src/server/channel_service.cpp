@@ -182,9 +182,11 @@ awaitable<MethodReply> open_detached(Connection& c, methods::OpenParams params, 
     }
     const strand_t strand = net::make_strand(*node.ioc);
     std::int64_t start_deadline = 0;
-    // The backend is bound to the strand it is opened on: the channel's.
-    auto backend = co_await net::co_spawn(
-        strand, start_command(node, lease, sandbox, params.spec, start_deadline), use_awaitable);
+    // The backend is bound to the strand it is opened on: the channel's. The coroutine is made
+    // in a statement of its own: no temporary with a destructor in a co_await expression (see
+    // the attach below).
+    auto starting = start_command(node, lease, sandbox, params.spec, start_deadline);
+    auto backend = co_await net::co_spawn(strand, std::move(starting), use_awaitable);
     const std::string handle = DetachedChannels::make_handle();
     const auto dir = std::filesystem::path(node.config.state_dir) / "kept" / lease.id;
     std::error_code ec;
@@ -220,13 +222,12 @@ awaitable<MethodReply> open_detached(Connection& c, methods::OpenParams params, 
     });
     channel->set_audit_key(key);
     auto hop = std::make_shared<StrandHopSink>(c.strand(), c.channel_sink());
-    const auto attached = co_await net::co_spawn(
-        strand,
-        [output, hop, id = options.id,
-         window = options.output_window]() -> awaitable<std::uint64_t> {
-            co_return output->attach(hop, id, window, DetachedOutput::Offsets{0, 0}).id;
-        },
-        use_awaitable);
+    // Called here, off the channel's strand: nothing else uses the output before the channel
+    // starts (after the result). (Not through a capturing lambda under co_await co_spawn: there
+    // the hop captured by copy lost a reference under GCC 12 and died under the connection's
+    // entry; GCC 12 mishandles temporaries of a co_await expression, see MethodReply.)
+    const auto attached =
+        output->attach(hop, options.id, options.output_window, DetachedOutput::Offsets{0, 0}).id;
     ChannelMux::Attached attachment;
     attachment.handle = handle;
     attachment.channel = channel;
