@@ -164,6 +164,26 @@ awaitable<std::unique_ptr<ChannelBackend>> start_command(Node& node, const Lease
     std::rethrow_exception(failed);
 }
 
+/// The node's record of a detached channel about to start.
+DetachedChannels::Entry detached_entry(const std::string& handle, const Lease& lease,
+                                       const methods::OpenParams& params,
+                                       const ChannelOptions& options, const strand_t& strand,
+                                       std::shared_ptr<Channel> channel,
+                                       std::shared_ptr<DetachedOutput> output) {
+    DetachedChannels::Entry entry;
+    entry.handle = handle;
+    entry.lease_id = lease.id;
+    entry.name = params.name;
+    entry.argv0 = options.argv0;
+    entry.pty = options.pty;
+    entry.started_at_ms = now_ms();
+    entry.retain_ms = params.detach->retain_ms;
+    entry.strand = strand;
+    entry.channel = std::move(channel);
+    entry.output = std::move(output);
+    return entry;
+}
+
 /// A detached channel (issue 46): on a strand of its own, its output kept by a DetachedOutput
 /// in <stateDir>/kept/<lease>/<handle>, this connection its first attachment (from offset 0).
 /// Its command outlives the connection; the node's table keeps it.
@@ -196,19 +216,9 @@ awaitable<MethodReply> open_detached(Connection& c, methods::OpenParams params, 
     options.id = c.mux().next_id();
     auto channel = std::make_shared<Channel>(strand, options, std::move(backend), sandbox, output);
     output->bind(channel);
-    DetachedChannels::Entry entry;
-    entry.handle = handle;
-    entry.lease_id = lease.id;
-    entry.name = params.name;
-    entry.argv0 = options.argv0;
-    entry.pty = options.pty;
-    entry.started_at_ms = now_ms();
-    entry.retain_ms = detach.retain_ms;
-    entry.strand = strand;
-    entry.channel = channel;
-    entry.output = output;
     try {
-        node.detached.add(std::move(entry));  // refuses a name taken meanwhile
+        // Refuses a name taken meanwhile.
+        node.detached.add(detached_entry(handle, lease, params, options, strand, channel, output));
     } catch (...) {
         // The command never started: the channel, destroyed unstarted, ends it.
         node.channels.unreserve();
