@@ -1,5 +1,7 @@
 #include "server/channel.hpp"
+
 #include "server/frame_guard.hpp"
+#include "server/task_failure.hpp"
 
 #include <sandboxd/core/base64.hpp>
 #include <sandboxd/core/errors.hpp>
@@ -34,15 +36,6 @@ std::string_view stream_name(output_stream s) {
 
 stream_id wire_stream(output_stream s) {
     return s == output_stream::err ? stream_id::stderr_ : stream_id::stdout_;
-}
-
-void log_task_failure(std::uint64_t key, const std::exception_ptr& e) {
-    if (!e) return;
-    try {
-        std::rethrow_exception(e);
-    } catch (const std::exception& ex) {
-        spdlog::error("channel={} task failed: {}", key, ex.what());
-    }
 }
 
 }  // namespace
@@ -304,7 +297,7 @@ void Channel::kick_stdin() {
     if (stdin_queue_.empty() && !stdin_eof_requested_) return;
     stdin_running_ = true;
     net::co_spawn(strand_, pump_stdin(), [key = options_.audit_key](const std::exception_ptr& e) {
-        log_task_failure(key, e);
+        if (e) log_task_failure("channel=" + std::to_string(key) + " task", e);
     });
 }
 

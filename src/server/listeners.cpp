@@ -16,7 +16,6 @@
 #include <chrono>
 
 namespace sandboxd {
-namespace {}  // namespace
 
 void Listeners::bind() {
     bound_ = bind(acceptor_, node_.config.listen, "listen");

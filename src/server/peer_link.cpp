@@ -1,6 +1,7 @@
 #include "server/peer_link.hpp"
 
 #include "server/node.hpp"
+#include "server/task_failure.hpp"
 
 #include <sandboxd/core/address.hpp>
 #include <sandboxd/core/errors.hpp>
@@ -117,12 +118,8 @@ awaitable<void> PeerLink::connect() {
     connect_wait_.cancel();
     auto self = shared_from_this();
     auto log = [self](const std::exception_ptr& e) {
-        if (!e) return;
-        try {
-            std::rethrow_exception(e);
-        } catch (const std::exception& ex) {
-            spdlog::warn("peer={} link task failed: {}", self->peer_.node_id, ex.what());
-        }
+        if (e)
+            log_task_failure("peer=" + self->peer_.node_id + " link task", e, spdlog::level::warn);
     };
     net::co_spawn(strand_, read_loop(), log);
     net::co_spawn(strand_, write_loop(), log);

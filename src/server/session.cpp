@@ -2,6 +2,7 @@
 
 #include "server/audit.hpp"
 #include "server/lease_service.hpp"
+#include "server/task_failure.hpp"
 
 #include <sandboxd/core/base64.hpp>
 #include <sandboxd/core/errors.hpp>
@@ -20,15 +21,6 @@ using json = nlohmann::json;
 using namespace net::experimental::awaitable_operators;
 
 // No co_await inside MethodReply{...} (lease_methods.cpp says why).
-
-void log_task_failure(const std::string& peer, const std::exception_ptr& e) {
-    if (!e) return;
-    try {
-        std::rethrow_exception(e);
-    } catch (const std::exception& ex) {
-        spdlog::error("peer={} session task failed: {}", peer, ex.what());
-    }
-}
 
 }  // namespace
 
@@ -258,7 +250,9 @@ void Session::route(jsonrpc::Request request) {
 
 void Session::start(jsonrpc::Request request, std::optional<std::uint32_t> lane) {
     net::co_spawn(strand_, serve(shared_from_this(), std::move(request), lane),
-                  [peer = peer_](const std::exception_ptr& e) { log_task_failure(peer, e); });
+                  [peer = peer_](const std::exception_ptr& e) {
+                      if (e) log_task_failure("peer=" + peer + " session task", e);
+                  });
 }
 
 awaitable<void> Session::serve(std::shared_ptr<Session> self, jsonrpc::Request request,

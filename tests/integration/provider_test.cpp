@@ -178,13 +178,8 @@ std::vector<pid_t> children_of(pid_t pid) {
 /// The children of this process (of each of its threads: the provider spawns from its
 /// workers), zombies included.
 std::set<pid_t> own_children() {
-    std::set<pid_t> out;
-    std::error_code ec;
-    for (const auto& task : fs::directory_iterator("/proc/self/task", ec)) {
-        std::istringstream in(read_text(task.path() / "children"));
-        for (pid_t child = 0; in >> child;) out.insert(child);
-    }
-    return out;
+    const auto children = test::children_of_every_thread(::getpid());
+    return {children.begin(), children.end()};
 }
 
 /// Children of this process that `before` did not list: what a test left unreaped. (Not

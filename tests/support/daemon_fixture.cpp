@@ -297,9 +297,7 @@ std::string DaemonProcess::log() const {
     return ss.str();
 }
 
-namespace {
-/// The children of every thread of `pid`.
-std::vector<pid_t> children_of(pid_t pid) {
+std::vector<pid_t> children_of_every_thread(pid_t pid) {
     std::vector<pid_t> out;
     std::error_code ec;
     for (const auto& task : fs::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
@@ -309,16 +307,15 @@ std::vector<pid_t> children_of(pid_t pid) {
     }
     return out;
 }
-}  // namespace
 
 std::vector<pid_t> DaemonProcess::children() const {
-    return pid_ > 0 ? children_of(pid_) : std::vector<pid_t>{};
+    return pid_ > 0 ? children_of_every_thread(pid_) : std::vector<pid_t>{};
 }
 
 std::vector<pid_t> descendants_of(pid_t pid) {
-    std::vector<pid_t> out = children_of(pid);
+    std::vector<pid_t> out = children_of_every_thread(pid);
     for (std::size_t i = 0; i < out.size(); ++i) {
-        for (pid_t grandchild : children_of(out[i])) out.push_back(grandchild);
+        for (pid_t grandchild : children_of_every_thread(out[i])) out.push_back(grandchild);
     }
     return out;
 }
@@ -333,8 +330,8 @@ std::vector<pid_t> DaemonProcess::channel_processes() const {
         std::error_code ec;
         const auto exe = fs::read_symlink("/proc/" + std::to_string(child) + "/exe", ec);
         if (ec || exe.filename() != "bwrap") continue;
-        for (pid_t supervisor : children_of(child)) {
-            for (pid_t init : children_of(supervisor)) {
+        for (pid_t supervisor : children_of_every_thread(child)) {
+            for (pid_t init : children_of_every_thread(supervisor)) {
                 // The lease's warm init (src/init/init_main.cpp) is no channel's until it
                 // takes a request, when it renames itself "init".
                 if (read_proc_file("/proc/" + std::to_string(init) + "/comm") == "warm-init\n") {

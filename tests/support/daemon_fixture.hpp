@@ -154,6 +154,9 @@ std::vector<std::string> unit_capability_names();
 template <typename Pred>
 bool eventually(Pred pred, std::chrono::milliseconds timeout);
 
+/// PIDs of the children of every thread of `pid`, from /proc/<pid>/task/*/children (zombies
+/// included).
+std::vector<pid_t> children_of_every_thread(pid_t pid);
 /// PIDs of every descendant of `pid`, from /proc/<pid>/task/*/children (zombies included).
 std::vector<pid_t> descendants_of(pid_t pid);
 

@@ -201,9 +201,12 @@ public:
     /// before it opens: a test holds an open in flight and lets it go with cancel().
     std::shared_ptr<boost::asio::steady_timer> open_gate;
     /// When set, open() gives a command still running (FakeChannelBackend::running()) and
-    /// keeps a pointer to it in `running` (the channel owns it), for the test to play.
+    /// keeps a pointer to it (the channel owns it), for the test to play: running_backends().
     bool open_running = false;
-    std::vector<FakeChannelBackend*> running;
+    std::vector<FakeChannelBackend*> running_backends() const {
+        std::lock_guard lock(mutex_);
+        return running_;
+    }
 
     const std::string& key() const noexcept override { return key_; }
     const std::string& plugin_id() const noexcept override { return plugin_id_; }
@@ -253,7 +256,8 @@ public:
         }
         if (open_running) {
             auto backend = FakeChannelBackend::running();
-            running.push_back(backend.get());
+            std::lock_guard lock(mutex_);
+            running_.push_back(backend.get());
             co_return std::unique_ptr<ChannelBackend>(std::move(backend));
         }
         ChannelExit exit;
@@ -327,6 +331,7 @@ private:
     int minted_ = 0;
     std::set<std::string> live_;
     std::vector<std::string> destroyed_;
+    std::vector<FakeChannelBackend*> running_;
     nlohmann::json last_config_;
     std::string last_lease_id_;
 };

@@ -53,7 +53,7 @@ struct SessionRig {
     /// (A teardown that fails shows as a leak or use-after-free report: nothing is thrown.)
     ~SessionRig() {
         try {
-            for (auto* b : h.provider->running) {
+            for (auto* b : h.provider->running_backends()) {
                 b->end_output(output_stream::out);
                 b->end_output(output_stream::err);
                 b->finish(ChannelExit{});
@@ -113,14 +113,14 @@ TEST_CASE(
     // Neither is answered or applied while the open runs (without the wait, the close would
     // fail at once: no channel 1 yet).
     CHECK(r.pair->unread_bytes() == 0);
-    REQUIRE(r.h.provider->running.empty());
+    REQUIRE(r.h.provider->running_backends().empty());
     r.open_gate();
     REQUIRE(r.await_response(1));
     CHECK(r.responses[1]["result"]["channel"] == 1);
     REQUIRE(r.await_response(2));
     CHECK(r.responses[2].contains("result"));
-    REQUIRE(r.h.provider->running.size() == 1);
-    const auto* backend = r.h.provider->running[0];
+    REQUIRE(r.h.provider->running_backends().size() == 1);
+    const auto* backend = r.h.provider->running_backends()[0];
     CHECK(pump(r.h.ioc, [&] { return backend->stdin_closed; }));
     CHECK(backend->stdin_bytes == "data");  // the frame before the close, as sent
 }
