@@ -98,8 +98,11 @@ public:
         /// What the output reaches this connection through (a StrandHopSink), held here
         /// alone: the output holds it weakly, so the attachment lasts while this entry does.
         std::shared_ptr<ChannelSink> sink;
+        std::string opened_for;  ///< the token name of the host that attached (peer links)
     };
     void add_attached(std::uint32_t id, Attached attached);
+    /// Removes and returns the attachment of channel `id`, if any (the caller detaches it).
+    std::optional<Attached> take_attached(std::uint32_t id);
     /// The attachment of channel `id`, or nullptr.
     const Attached* attached(std::uint32_t id) const;
 
@@ -120,6 +123,8 @@ public:
     void relay_binary(std::uint32_t id, std::string frame);
     /// The owner's exit for relayed channel `id` (already renumbered); the route ends.
     void relay_exit(std::uint32_t id, nlohmann::json exit_params);
+    /// The owner's duplexChannel.gap for relayed channel `id` (already renumbered).
+    void relay_gap(std::uint32_t id, nlohmann::json gap_params);
 
     // --- the connection's binary frames ---
     /// Whether `message` is a valid frame; the close reason (1002, or 1009 when too big)
@@ -150,9 +155,11 @@ private:
     std::map<std::uint32_t, Attached> attached_;
     std::set<std::uint32_t> ended_;
     std::map<std::uint32_t, Relayed> relayed_;
-    /// Forwarded opens awaiting their result: the owner's frames that overtook it, in order
-    /// (binary, bytes).
-    std::map<std::uint32_t, std::vector<std::pair<bool, std::string>>> opening_;
+    /// What of the owner's may overtake a forwarded open's result.
+    enum class early_kind { binary, notice, exit };
+    /// Forwarded opens awaiting their result: the owner's frames and notifications that
+    /// overtook it, in order.
+    std::map<std::uint32_t, std::vector<std::pair<early_kind, std::string>>> opening_;
 };
 
 }  // namespace sandboxd

@@ -50,54 +50,6 @@ std::shared_ptr<Channel> local_channel(Connection& c, std::uint32_t id, const Pr
     return channel;
 }
 
-/// Step 5: the lease has another owner; the open goes there over a peer link, and the
-/// channel is relayed (its frames and exit come back under this connection's id).
-awaitable<MethodReply> open_relayed(Connection& c, json p, Lease lease, Principal caller) {
-    auto& node = c.node();
-    auto& mux = c.mux();
-    if (!c.forwarded_by().empty()) {
-        throw rpc_error(errc::routing_loop,
-                        "Sandbox lease " + lease.id + " is owned by node " + lease.owner_node_id +
-                            ", not by node " + node.node_id +
-                            ", and this open was already forwarded by node " + c.forwarded_by() +
-                            ".",
-                        {{"ownerNodeId", lease.owner_node_id}, {"forwardedBy", c.forwarded_by()}});
-    }
-    auto link = co_await owner_link(node, lease);
-    // The owner compares the epoch this node routed on with its own reading (fencing).
-    if (!p["lease"].contains("epoch")) p["lease"]["epoch"] = lease.epoch;
-    const std::uint32_t local = mux.next_id();
-    mux.opening(local);  // frames that overtake the open's result wait there
-    json result;
-    try {
-        result = co_await link->open(p, forwarded_for(caller), c.relay_target(), local);
-    } catch (...) {
-        mux.open_failed(local);
-        throw;
-    }
-    ChannelMux::Relayed route;
-    route.link = link;
-    route.remote_id = result.value("channel", 0U);
-    route.forwarded_for = forwarded_for(caller);
-    route.stdin_window = result.value("stdinWindow", std::uint64_t{0});
-    if (c.closing()) {
-        // The host left while the owner opened: nobody will read it.
-        mux.open_failed(local);
-        link->close_channel(route.remote_id, route.forwarded_for);
-        link->forget(route.remote_id);
-        co_return MethodReply{json::object(), {}};
-    }
-    spdlog::info("channel={}/{} lease={} forwarded to node={} (connection channel {}) peer={}",
-                 lease.owner_node_id, route.remote_id, lease.id, lease.owner_node_id, local,
-                 c.peer());
-    result["channel"] = local;
-    result["routed"] = true;
-    // The frames that overtook the result go out right after it.
-    co_return MethodReply{std::move(result), [&mux, local, route = std::move(route)]() mutable {
-                              mux.opened(local, std::move(route));
-                          }};
-}
-
 /// The channel's options from the open's params, the node's limits and the lease.
 ChannelOptions channel_options(Node& node, const methods::OpenParams& params, const Lease& lease,
                                const Principal& caller) {
@@ -208,7 +160,7 @@ awaitable<MethodReply> open_detached(Connection& c, methods::OpenParams params, 
     auto starting = start_command(node, lease, sandbox, params.spec, start_deadline);
     auto backend = co_await net::co_spawn(strand, std::move(starting), use_awaitable);
     const std::string handle = DetachedChannels::make_handle();
-    const auto dir = std::filesystem::path(node.config.state_dir) / "kept" / lease.id;
+    const auto dir = kept_output_root(node) / lease.id;
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
     auto output = std::make_shared<DetachedOutput>(
@@ -226,9 +178,9 @@ awaitable<MethodReply> open_detached(Connection& c, methods::OpenParams params, 
         throw;
     }
     const auto key = node.channels.add({channel, strand, lease.id});
-    channel->set_on_reaped([&node, key, handle] {
+    channel->set_on_reaped([&node, key, handle, retain = detach.retain_ms] {
         node.channels.remove(key);
-        node.detached.ended(handle, now_ms());
+        detached_channel_ended(node, handle, retain);
     });
     channel->set_audit_key(key);
     auto hop = std::make_shared<StrandHopSink>(c.strand(), c.channel_sink());
@@ -245,6 +197,7 @@ awaitable<MethodReply> open_detached(Connection& c, methods::OpenParams params, 
     attachment.strand = strand;
     attachment.attachment = attached;
     attachment.sink = std::move(hop);
+    attachment.opened_for = caller.name;
     c.mux().add_attached(options.id, std::move(attachment));
     spdlog::info(
         "channel={} lease={} opened detached as {}: {} pty={} peer={} (connection channel {})", key,
@@ -328,6 +281,52 @@ awaitable<MethodReply> open_local(Connection& c, methods::OpenParams params, Lea
 
 }  // namespace
 
+awaitable<MethodReply> open_relayed(Connection& c, json p, Lease lease, Principal caller,
+                                    std::string method) {
+    auto& node = c.node();
+    auto& mux = c.mux();
+    if (!c.forwarded_by().empty()) {
+        throw rpc_error(errc::routing_loop,
+                        "Sandbox lease " + lease.id + " is owned by node " + lease.owner_node_id +
+                            ", not by node " + node.node_id +
+                            ", and this open was already forwarded by node " + c.forwarded_by() +
+                            ".",
+                        {{"ownerNodeId", lease.owner_node_id}, {"forwardedBy", c.forwarded_by()}});
+    }
+    auto link = co_await owner_link(node, lease);
+    const std::uint32_t local = mux.next_id();
+    mux.opening(local);  // frames that overtake the open's result wait there
+    json result;
+    try {
+        result = co_await link->open(std::move(method), std::move(p), forwarded_for(caller),
+                                     c.relay_target(), local);
+    } catch (...) {
+        mux.open_failed(local);
+        throw;
+    }
+    ChannelMux::Relayed route;
+    route.link = link;
+    route.remote_id = result.value("channel", 0U);
+    route.forwarded_for = forwarded_for(caller);
+    route.stdin_window = result.value("stdinWindow", std::uint64_t{0});
+    if (c.closing()) {
+        // The host left while the owner opened: nobody will read it.
+        mux.open_failed(local);
+        link->close_channel(route.remote_id, route.forwarded_for);
+        link->forget(route.remote_id);
+        co_return MethodReply{json::object(), {}};
+    }
+    spdlog::info("channel={}/{} lease={} forwarded to node={} (connection channel {}) peer={}",
+                 lease.owner_node_id, route.remote_id, lease.id, lease.owner_node_id, local,
+                 c.peer());
+    result["channel"] = local;
+    result["routed"] = true;
+    // The frames that overtook the result go out right after it.
+    co_return MethodReply{std::move(result), [&mux, local, route = std::move(route)]() mutable {
+                              mux.opened(local, std::move(route));
+                          }};
+}
+
 // docs/protocol.md section 3: the fail-closed checks, in order. Step 1 (the shape of the
 // params) was the method table's parse.
 awaitable<MethodReply> channel_open(Connection& c, MethodCall& call, methods::OpenParams params) {
@@ -355,46 +354,94 @@ awaitable<MethodReply> channel_open(Connection& c, MethodCall& call, methods::Op
     const ScopeExit release([&mux] { mux.release(); });
     // Step 5: another owner. A forwarded open is never forwarded again.
     if (lease.owner_node_id != node.node_id) {
+        // The owner compares the epoch this node routed on with its own reading (fencing).
+        auto& lease_param = call.params["lease"];
+        if (!lease_param.contains("epoch")) lease_param["epoch"] = lease.epoch;
         co_return co_await open_relayed(c, std::move(call.params), std::move(lease),
-                                        std::move(call.caller));
+                                        std::move(call.caller), "duplexChannelOpen");
     }
     co_return co_await open_local(c, std::move(params), std::move(lease), std::move(call.caller));
 }
 
+namespace {
+
+/// Runs `fn` on `channel` (a coroutine of its own, spawned on the channel's strand).
+template <typename F>
+awaitable<void> run_on_channel(std::shared_ptr<Channel> channel, F fn) {
+    fn(*channel);
+    co_return;
+}
+
+/// Runs `fn(channel)` on channel `id` of this connection: here for a local channel, on its
+/// strand for a detached channel attached here (its errors come back to the caller).
+template <typename F>
+awaitable<void> with_channel(Connection& c, std::uint32_t id, const Principal& caller, F fn) {
+    if (const auto* a = c.mux().attached(id)) {
+        if (c.principal().role == "peer" && a->opened_for != caller.name) {
+            throw rpc_error(errc::channel_not_found,
+                            "channel " + std::to_string(id) + " is not open on this connection",
+                            {{"channel", id}});
+        }
+        auto task = run_on_channel(a->channel, std::move(fn));
+        co_await net::co_spawn(a->strand, std::move(task), use_awaitable);
+        co_return;
+    }
+    fn(*local_channel(c, id, caller));
+}
+
+}  // namespace
+
 awaitable<MethodReply> channel_write(Connection& c, MethodCall& call, methods::WriteParams params) {
-    local_channel(c, params.channel, call.caller)->write_stdin(params.data);
+    // Named, not a temporary of the co_await expression (GCC 12, see open_detached).
+    auto write = [data = std::move(params.data)](Channel& ch) { ch.write_stdin(data); };
+    co_await with_channel(c, params.channel, call.caller, std::move(write));
     co_return empty_result();
 }
 
 awaitable<MethodReply> channel_close_stdin(Connection& c, MethodCall& call,
                                            methods::ChannelParams params) {
-    local_channel(c, params.channel, call.caller)->close_stdin();
+    auto close = [](Channel& ch) { ch.close_stdin(); };
+    co_await with_channel(c, params.channel, call.caller, close);
     co_return empty_result();
 }
 
 awaitable<MethodReply> channel_resize(Connection& c, MethodCall& call,
                                       methods::ResizeParams params) {
-    local_channel(c, params.channel, call.caller)->resize(params.cols, params.rows);
+    auto resize = [cols = params.cols, rows = params.rows](Channel& ch) { ch.resize(cols, rows); };
+    co_await with_channel(c, params.channel, call.caller, resize);
     co_return empty_result();
 }
 
 awaitable<MethodReply> channel_signal(Connection& c, MethodCall& call,
                                       methods::SignalParams params) {
-    local_channel(c, params.channel, call.caller)->send_signal(params.signal);
+    auto signal = [sig = params.signal](Channel& ch) { ch.send_signal(sig); };
+    co_await with_channel(c, params.channel, call.caller, signal);
     co_return empty_result();
 }
 
 awaitable<MethodReply> channel_stop(Connection& c, MethodCall& call,
                                     methods::ChannelParams params) {
-    local_channel(c, params.channel, call.caller)->stop(channel_outcome::stopped);
+    auto stop = [](Channel& ch) { ch.stop(channel_outcome::stopped); };
+    co_await with_channel(c, params.channel, call.caller, stop);
     co_return empty_result();
 }
 
 awaitable<MethodReply> channel_close(Connection& c, MethodCall& call,
                                      methods::ChannelParams params) {
+    auto& mux = c.mux();
+    if (mux.attached(params.channel) != nullptr) {
+        // A detached channel: this connection lets go of it; the command goes on.
+        auto check = [](Channel&) {};  // only the peer-link check of with_channel
+        co_await with_channel(c, params.channel, call.caller, check);
+        if (auto gone = mux.take_attached(params.channel)) {
+            net::post(gone->strand,
+                      [out = gone->output, id = gone->attachment] { out->detach(id); });
+        }
+        co_return empty_result();
+    }
     // On a peer link, another host's channel is refused (local_channel() says why).
-    if (c.mux().find_local(params.channel)) local_channel(c, params.channel, call.caller);
-    if (auto channel = c.mux().take_local(params.channel)) {
+    if (mux.find_local(params.channel)) local_channel(c, params.channel, call.caller);
+    if (auto channel = mux.take_local(params.channel)) {
         channel->hangup(channel_outcome::stopped);  // stop and forget: no exit follows
     }
     co_return empty_result();

@@ -1,5 +1,6 @@
 #include "server/detached_output.hpp"
 
+#include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/frame.hpp>
 #include <sandboxd/core/jsonrpc.hpp>
 
@@ -29,12 +30,23 @@ DetachedOutput::DetachedOutput(strand_t strand, std::unique_ptr<KeptOutput> kept
 DetachedOutput::AttachResult DetachedOutput::attach(std::weak_ptr<ChannelSink> sink,
                                                     std::uint32_t channel_id,
                                                     std::uint32_t output_window,
-                                                    std::optional<Offsets> from) {
+                                                    std::optional<Offsets> from, bool takeover,
+                                                    bool hold) {
+    if (attachment_) {
+        if (!takeover) {
+            throw rpc_error(errc::channel_attached,
+                            "another connection is attached to this detached channel; attach "
+                            "with takeover: true to take it over",
+                            {{"takeover", false}});
+        }
+        end_taken_over();
+    }
     ++generation_;
     Attachment a;
     a.sink = std::move(sink);
     a.channel_id = channel_id;
     a.window = output_window;
+    a.held = hold;
     const std::array<std::uint64_t, 2> asked =
         from ? std::array<std::uint64_t, 2>{from->stdout_offset, from->stderr_offset}
              : std::array<std::uint64_t, 2>{kept_->first_kept(output_stream::out),
@@ -45,6 +57,26 @@ DetachedOutput::AttachResult DetachedOutput::attach(std::weak_ptr<ChannelSink> s
     attachment_ = std::move(a);
     schedule();
     return {{attachment_->cursor[0], attachment_->cursor[1]}, generation_};
+}
+
+void DetachedOutput::release(std::uint64_t id) {
+    if (id != generation_ || !attachment_) return;
+    attachment_->held = false;
+    schedule();
+}
+
+void DetachedOutput::end_taken_over() {
+    if (auto sink = attachment_->sink.lock()) {
+        const auto id = attachment_->channel_id;
+        sink->send_text(jsonrpc::notification("duplexChannel.exit", {{"channel", id},
+                                                                     {"exitCode", nullptr},
+                                                                     {"signal", nullptr},
+                                                                     {"outcome", "takenOver"},
+                                                                     {"stdoutBytes", nullptr},
+                                                                     {"stderrBytes", nullptr}}));
+        sink->channel_finished(id);
+    }
+    drop_attachment();
 }
 
 void DetachedOutput::detach(std::uint64_t id) noexcept {
@@ -97,7 +129,7 @@ void DetachedOutput::send_text(std::string text) {
 void DetachedOutput::channel_finished(std::uint32_t /*channel*/) { finished_ = true; }
 
 void DetachedOutput::schedule() {
-    if (!attachment_ || attachment_->scheduled) return;
+    if (!attachment_ || attachment_->scheduled || attachment_->held) return;
     attachment_->scheduled = true;
     net::post(strand_, [self = shared_from_this(), generation = generation_] {
         if (generation != self->generation_ || !self->attachment_) return;

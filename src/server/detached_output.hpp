@@ -47,11 +47,19 @@ public:
         std::uint64_t id = 0;
     };
     /// Attaches `sink` as channel `channel_id` with `output_window` bytes of credit, from
-    /// `from` (nullopt: the oldest kept bytes); ends the previous attachment. Returns the
-    /// offsets it starts from (an offset past the end is taken as the end). The kept bytes
-    /// follow on the next turns of the strand, never inside this call.
+    /// `from` (nullopt: the oldest kept bytes). Returns the offsets it starts from (an offset
+    /// past the end is taken as the end). With another host attached, throws
+    /// rpc_error(errc::channel_attached) and changes nothing, unless `takeover`: then the
+    /// previous attachment is sent duplexChannel.exit with outcome "takenOver" (its last
+    /// message; the command goes on) and ends. Held (`hold`), the attachment is sent nothing
+    /// until release(): the host's result goes first. The kept bytes follow on the next turns
+    /// of the strand, never inside this call.
     AttachResult attach(std::weak_ptr<ChannelSink> sink, std::uint32_t channel_id,
-                        std::uint32_t output_window, std::optional<Offsets> from);
+                        std::uint32_t output_window, std::optional<Offsets> from,
+                        bool takeover = false, bool hold = false);
+    /// Lets held attachment `id` be sent to (see attach); nothing when it is no longer the
+    /// current one.
+    void release(std::uint64_t id);
     /// Ends attachment `id` (its connection went), if it is still the current one: the
     /// command goes on, its output is kept.
     void detach(std::uint64_t id) noexcept;
@@ -78,11 +86,14 @@ private:
         bool exit_sent = false;
         bool waiting_room = false;
         bool scheduled = false;
+        bool held = false;
     };
     /// Sends the attachment what it may have now, on the next turn of the strand.
     void schedule();
     void send_to_attachment();
     void drop_attachment() noexcept;
+    /// Tells the current attachment that another host took the channel over, and drops it.
+    void end_taken_over();
     /// One data frame of `stream` from the attachment's cursor; false when nothing was sent.
     bool send_kept(Attachment& a, ChannelSink& sink, output_stream stream);
 

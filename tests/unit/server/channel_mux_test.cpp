@@ -289,8 +289,8 @@ TEST_CASE(
         attached = output->attach(hop, 3, 4, DetachedOutput::Offsets{0, 0});
     });
     on_strand(ioc, conn_strand, [&] {
-        mux.add_attached(3,
-                         {"dch_x", channel, output, channel_strand, attached.id, std::move(hop)});
+        mux.add_attached(
+            3, {"dch_x", channel, output, channel_strand, attached.id, std::move(hop), "host"});
         CHECK(mux.count() == 1);
         mux.apply_frame(encode_data(3, stream_id::stdin_, "in"));
     });

@@ -3,6 +3,8 @@
 // attaches gets the kept bytes from its offsets within its credit, then live output, then the
 // exit once; a gap is announced with the first kept offset; a new attachment replaces the old.
 #include "server/detached_output.hpp"
+
+#include <sandboxd/core/errors.hpp>
 #include "server/strand_hop_sink.hpp"
 #include "support/temp_dir.hpp"
 #include "unit/server/channel_rig.hpp"
@@ -65,11 +67,13 @@ struct DetachedRig {
         settle(ioc);
     }
     std::shared_ptr<FakeChannelSink> attach(std::uint32_t id, std::uint32_t window,
-                                            std::optional<DetachedOutput::Offsets> from = {}) {
+                                            std::optional<DetachedOutput::Offsets> from = {},
+                                            bool takeover = false, bool hold = false) {
         auto host = std::make_shared<FakeChannelSink>(strand);
-        run([&] { kept->attach(host, id, window, from); });
+        run([&] { last = kept->attach(host, id, window, from, takeover, hold).id; });
         return host;
     }
+    std::uint64_t last = 0;  ///< the id of the last attachment made
 };
 
 }  // namespace
@@ -124,19 +128,24 @@ TEST_CASE("An attachment that asks for bytes no longer kept is told where they b
 }
 
 TEST_CASE(
-    "A new attachment replaces the previous one, and the exit waits for the host's last "
+    "A takeover ends the previous attachment, and the exit waits for the host's last "
     "byte",
     "[detached]") {
     DetachedRig r;
     r.write(digits(3000));
     auto first = r.attach(1, 1000);
     CHECK(first->data(1, stream_id::stdout_) == digits(1000));
-    // The host goes away having read 1000 bytes; another connection takes over from there.
-    auto second = r.attach(9, 1500, DetachedOutput::Offsets{1000, 0});
+    // Another connection takes over from where the first stopped reading.
+    auto second = r.attach(9, 1500, DetachedOutput::Offsets{1000, 0}, /*takeover=*/true);
     CHECK(second->data(9, stream_id::stdout_) == digits(1500, 1000));
+    const auto ended = first->notifications("duplexChannel.exit");
+    REQUIRE(ended.size() == 1);
+    CHECK(ended[0]["outcome"] == "takenOver");
+    CHECK(ended[0]["exitCode"].is_null());
+    CHECK(first->finished == std::vector<std::uint32_t>{1});
     r.exit(0);
     CHECK(first->data(1, stream_id::stdout_) == digits(1000));  // nothing more to the first
-    CHECK(first->notifications("duplexChannel.exit").empty());
+    CHECK(first->notifications("duplexChannel.exit").size() == 1);
     CHECK(second->notifications("duplexChannel.exit").empty());  // 500 bytes it has not read
     r.run([&] { r.kept->add_credit(1500); });
     CHECK(second->data(9, stream_id::stdout_) == digits(2000, 1000));
@@ -162,4 +171,34 @@ TEST_CASE("An attachment on another strand gets the same bytes and exit through 
     // The hop holds the host weakly: once it is gone, what follows is dropped.
     host.reset();
     r.run([&] { hop->send_text("{}"); });
+}
+
+TEST_CASE("A second attachment without takeover is refused and changes nothing", "[detached]") {
+    DetachedRig r;
+    r.write(digits(100));
+    auto first = r.attach(1, 1 << 20);
+    auto refused = std::make_shared<FakeChannelSink>(r.strand);
+    r.run([&] {
+        try {
+            r.kept->attach(refused, 2, 1 << 20, std::nullopt);
+            FAIL("attached without takeover");
+        } catch (const rpc_error& e) {
+            CHECK(e.code() == errc::channel_attached);
+        }
+    });
+    r.write(digits(50, 100));
+    CHECK(first->data(1, stream_id::stdout_) == digits(150));
+    CHECK(first->notifications("duplexChannel.exit").empty());
+    CHECK(refused->data(2, stream_id::stdout_).empty());
+}
+
+TEST_CASE("A held attachment is sent nothing until it is released", "[detached]") {
+    DetachedRig r;
+    r.write(digits(500));
+    auto host = r.attach(4, 1 << 20, DetachedOutput::Offsets{100, 0}, false, /*hold=*/true);
+    settle(r.ioc);
+    CHECK(host->data(4, stream_id::stdout_).empty());
+    r.run([&] { r.kept->release(r.last); });
+    settle(r.ioc);
+    CHECK(host->data(4, stream_id::stdout_) == digits(400, 100));
 }
