@@ -167,6 +167,7 @@ void DetachedOutput::send_to_attachment() {
         params["channel"] = a.channel_id;
         sink->send_text(jsonrpc::notification("duplexChannel.exit", std::move(params)));
         sink->channel_finished(a.channel_id);
+        drop_attachment();  // it has everything: the next host may attach without a takeover
     }
 }
 

@@ -202,3 +202,18 @@ TEST_CASE("A held attachment is sent nothing until it is released", "[detached]"
     settle(r.ioc);
     CHECK(host->data(4, stream_id::stdout_) == digits(400, 100));
 }
+
+TEST_CASE("An attachment that got the exit is over: the next host needs no takeover",
+          "[detached]") {
+    DetachedRig r;
+    r.write(digits(10));
+    auto first = r.attach(1, 1 << 20);
+    r.exit(0);
+    REQUIRE(first->notifications("duplexChannel.exit").size() == 1);
+    CHECK_FALSE(r.kept->attached());
+    auto second = r.attach(2, 1 << 20);
+    settle(r.ioc);
+    CHECK(second->data(2, stream_id::stdout_) == digits(10));
+    CHECK(second->notifications("duplexChannel.exit").size() == 1);
+    CHECK(first->notifications("duplexChannel.exit").size() == 1);
+}
