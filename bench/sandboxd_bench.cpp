@@ -570,15 +570,17 @@ json concurrent_opens(const Target& t, const json& lease, std::size_t total,
 
 /// Streams `bytes` of zeros from `head` through a channel; returns MB/s (10^6 bytes).
 json stream_once(const Target& t, const json& lease, std::uint64_t bytes, std::uint64_t window,
-                 std::uint64_t batch, long daemon_pid, long relay_pid = 0) {
+                 std::uint64_t batch, long daemon_pid, long relay_pid = 0,
+                 const json& extra = json::object()) {
     Conn c(t.url, t.token);
     const double cpu0 = cpu_self_s();
     const double dcpu0 = cpu_of_pid(daemon_pid);
     const double rcpu0 = cpu_of_pid(relay_pid);
     const auto t0 = clock_type::now();
-    const auto id = c.send_request(
-        "duplexChannelOpen",
-        open_params(lease, {"head", "-c", std::to_string(bytes), "/dev/zero"}, false, window));
+    auto params =
+        open_params(lease, {"head", "-c", std::to_string(bytes), "/dev/zero"}, false, window);
+    params.update(extra);
+    const auto id = c.send_request("duplexChannelOpen", params);
     const json result = c.wait(id);
     const auto channel = result.at("channel").get<std::uint32_t>();
     std::uint64_t got = 0, uncredited = 0, frames = 0;
@@ -616,6 +618,121 @@ json stream_once(const Target& t, const json& lease, std::uint64_t bytes, std::u
     if (!std::isnan(dcpu)) j["daemon_cpu_s"] = dcpu;
     if (!std::isnan(rcpu)) j["relay_daemon_cpu_s"] = rcpu;
     return j;
+}
+
+json runs_summary(const std::vector<json>& runs);
+
+/// Reads channel `channel` of `c` to its exit, crediting every `batch` bytes; the bytes read.
+std::uint64_t drain_channel(Conn& c, std::uint32_t channel, std::uint64_t batch, json& exit) {
+    std::uint64_t got = 0, uncredited = 0;
+    for (;;) {
+        Msg m;
+        c.next(m);
+        if (!m.text && m.kind == 0x01 && m.channel == channel) {
+            got += m.payload;
+            uncredited += m.payload;
+            if (uncredited >= batch) {
+                c.send_credit(channel, m.stream, static_cast<std::uint32_t>(uncredited));
+                uncredited = 0;
+            }
+        } else if (m.is_exit() && m.j["params"].value("channel", 0U) == channel) {
+            exit = m.j["params"];
+            return got;
+        }
+    }
+}
+
+/// Replay of kept output (issue 46): a detached `head -c BYTES /dev/zero` that nobody reads,
+/// kept whole, then attached from offset 0 and read to its exit; MB/s of the attach.
+json detached_replay_once(const Target& t, const json& lease, std::uint64_t bytes,
+                          std::uint64_t window) {
+    std::string handle;
+    {
+        Conn c(t.url, t.token);
+        auto p = open_params(lease, {"head", "-c", std::to_string(bytes), "/dev/zero"}, false);
+        p["detach"] = {{"retainBytes", bytes}, {"retainMs", 60000}};
+        handle = c.call("duplexChannelOpen", p).at("handle").get<std::string>();
+        c.close();  // the command goes on, kept
+    }
+    Conn c(t.url, t.token);
+    // Polled: the bench waits for the command to have written everything (not a test).
+    for (int i = 0;; ++i) {
+        const auto l = c.call("duplexChannelList", {{"leaseId", lease.at("id")}});
+        bool done = false;
+        for (const auto& ch : l["channels"])
+            done |= ch["handle"] == handle && ch["state"] == "exited";
+        if (done) break;
+        if (i > 6000) throw std::runtime_error("replay: the detached command did not end");
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    const auto t0 = clock_type::now();
+    const auto attached = c.call("duplexChannelAttach", {{"leaseId", lease.at("id")},
+                                                         {"handle", handle},
+                                                         {"offsets", {{"stdout", 0}}},
+                                                         {"outputWindow", window}});
+    json exit;
+    const auto got =
+        drain_channel(c, attached.at("channel").get<std::uint32_t>(), window / 8, exit);
+    const double secs = secs_since(t0);
+    c.close();
+    if (got != bytes || exit.value("exitCode", json()) != 0) {
+        throw std::runtime_error("replay: got " + std::to_string(got) + " of " +
+                                 std::to_string(bytes) + " bytes, exit " + exit.dump());
+    }
+    return {{"mb_s", static_cast<double>(bytes) / 1e6 / secs}, {"seconds", secs}};
+}
+
+/// detached (issue 46), in one run: a detached stream against an undetached one (alternating
+/// runs), the replay of kept output, and opens of `true` with and without detach (alternating).
+json cmd_detached(const Args& a) {
+    const Target t = target_of(a);
+    const std::uint64_t bytes = a.num("bytes", 1ULL << 30);
+    const std::uint64_t replay_bytes = a.num("replay-bytes", 64ULL << 20);
+    const std::uint64_t window = a.num("window", 16ULL << 20);
+    const std::size_t count = a.num("count", 200);
+    const long pid = static_cast<long>(a.num("pid", 0));
+    Conn c(t.url, t.token);
+    const json lease = acquire(c);
+    const json detach = {{"detach", {{"retainBytes", 8ULL << 20}, {"retainMs", 1000}}}};
+    stream_once(t, lease, 32ULL << 20, window, window / 8, pid);  // warm-up
+    std::vector<json> plain, detached;
+    for (std::uint64_t i = 0; i < a.num("runs", 3); ++i) {
+        plain.push_back(stream_once(t, lease, bytes, window, window / 8, pid));
+        detached.push_back(stream_once(t, lease, bytes, window, window / 8, pid, 0, detach));
+    }
+    std::vector<json> replays;
+    for (std::uint64_t i = 0; i < a.num("runs", 3); ++i)
+        replays.push_back(detached_replay_once(t, lease, replay_bytes, window));
+    // Opens: `true` without and with detach (1 MiB kept per stream, exit kept 1 s), in turns.
+    const json small = {{"retainBytes", 1ULL << 20}, {"retainMs", 1000}};
+    std::vector<double> plain_ms, detached_ms;
+    for (std::size_t i = 0; i < count; ++i) {
+        plain_ms.push_back(open_true_once(c, lease).first);
+        auto p = open_params(lease, {"true"}, false);
+        p["detach"] = small;
+        const auto t0 = clock_type::now();
+        const auto channel = c.call("duplexChannelOpen", p).at("channel").get<std::uint32_t>();
+        json exit;
+        drain_channel(c, channel, 1 << 20, exit);
+        detached_ms.push_back(ms_since(t0));
+    }
+    c.call("leaseRelease", {{"leaseId", lease["id"]}});
+    c.close();
+    json sp = runs_summary(plain), sd = runs_summary(detached), sr = runs_summary(replays);
+    const double ratio = sd["median_mb_s"].get<double>() / sp["median_mb_s"].get<double>();
+    const double open_plain = median(plain_ms), open_detached = median(detached_ms);
+    return {{"detached_stream_ratio", ratio},
+            {"detached_replay_mb_s", sr["median_mb_s"]},
+            {"detached_open_ratio", open_detached / open_plain},
+            {"details",
+             {{"detached",
+               {{"stream_mb_s", sp},
+                {"detached_stream_mb_s", sd},
+                {"replay_mb_s", sr},
+                {"replay_bytes", replay_bytes},
+                {"bytes", bytes},
+                {"open_ms", summary(plain_ms)},
+                {"detached_open_ms", summary(detached_ms)}}}}}};
 }
 
 /// Writes `bytes` of zeros as stdin into `cat > /dev/null`; returns MB/s.
@@ -1459,6 +1576,19 @@ json cmd_report(const Args& a) {
             node_ratio.is_null() ? "n/a"
                                  : fmt(json(node_ratio.get<double>() * 100), 0) + "% of C++");
     }
+    if (all.contains("detached_stream_ratio")) {
+        const auto& d = details["detached"];
+        const double sr = num("detached_stream_ratio").get<double>();
+        row("  detached stream (MB/s)", fmt(d["detached_stream_mb_s"]["median_mb_s"], 0),
+            "undetached " + fmt(d["stream_mb_s"]["median_mb_s"], 0), ">= 0.8x",
+            fmt(json(sr), 2) + "x " + verdict(sr >= 0.8));
+        row("  replay of kept output (MB/s)", fmt(num("detached_replay_mb_s"), 0),
+            fmt(json(d["replay_bytes"].get<double>() / 1048576.0), 0) + " MiB kept", "", "");
+        const double orat = num("detached_open_ratio").get<double>();
+        row("  open `true` p50, detached (ms)", fmt(d["detached_open_ms"]["p50"], 2),
+            "undetached " + fmt(d["open_ms"]["p50"], 2), "<= 1.05x",
+            fmt(json(orat), 3) + "x " + verdict(orat <= 1.05));
+    }
     if (all.contains("tls_stream_mb_s")) {
         const json tr = ratio(num("tls_stream_mb_s"), num("plain_stream_mb_s"));
         row("stream over TLS (wss://) (MB/s)", fmt(num("tls_stream_mb_s"), 0),
@@ -1541,6 +1671,7 @@ json dispatch(const Args& a) {
     if (a.command == "open") return cmd_open(a);
     if (a.command == "open-ab") return cmd_open_ab(a);
     if (a.command == "stream") return cmd_stream(a);
+    if (a.command == "detached") return cmd_detached(a);
     if (a.command == "tls") return cmd_tls(a);
     if (a.command == "stdin") return cmd_stdin(a);
     if (a.command == "pipe") return cmd_pipe(a);
@@ -1553,10 +1684,11 @@ json dispatch(const Args& a) {
     if (a.command == "proxy") return cmd_proxy(a);
     if (a.command == "free-port") return cmd_free_port(a);
     if (a.command == "report") return cmd_report(a);
-    throw std::runtime_error("unknown command \"" + a.command +
-                             "\" (open, open-ab, open-pair, open-refused, stream, stdin, pipe, "
-                             "ws-open, ws-stream, hold, lease-ops, "
-                             "proxy, free-port, report)");
+    throw std::runtime_error(
+        "unknown command \"" + a.command +
+        "\" (open, open-ab, open-pair, open-refused, stream, detached, stdin, pipe, "
+        "ws-open, ws-stream, hold, lease-ops, "
+        "proxy, free-port, report)");
 }
 
 }  // namespace

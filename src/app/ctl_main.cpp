@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -48,6 +49,14 @@ const char* usage_text =
     "  exec [-i] [-t] [--cwd DIR] [-e NAME=VALUE]... [--timeout-ms N] LEASE -- CMD [ARG...]\n"
     "       runs CMD in the lease's sandbox; -i streams stdin, -t allocates a PTY; exits with\n"
     "       the command's status (128+N for signal N, 255 for an error)\n"
+    "  exec --detach [--name NAME] [--retain-ms N] [--retain-bytes N] [-t] ... LEASE -- CMD\n"
+    "       starts CMD as a detached channel that outlives this connection and prints its\n"
+    "       handle; `attach` comes back to it\n"
+    "  attach [-i] [-t] [--takeover] [--from-end] LEASE NAME|HANDLE\n"
+    "       attaches to a detached channel: its kept output from the start (--from-end: only\n"
+    "       what comes next), then live output; exits with its status like exec. Leaving\n"
+    "       (Ctrl-C without -t, or a dropped connection) detaches; the command goes on\n"
+    "  ps LEASE                      lists the lease's detached channels\n"
     "  nodes                         lists the nodes sharing the registry\n\n"
     "Environment: SANDBOXD_URL (default ws://127.0.0.1:7800/v1/ws), SANDBOXD_TOKEN,\n"
     "SANDBOXD_TOKEN_FILE, SANDBOXD_CACERT.\n";
@@ -368,6 +377,12 @@ private:
             unacked_ -= std::min<std::uint64_t>(unacked_, ev.credit);
             wake_stdin_.cancel();
         } else if (ev.type == ClientEvent::kind::notification &&
+                   ev.message.value("method", "") == "duplexChannel.gap" &&
+                   ev.message["params"].value("channel", 0U) == channel_) {
+            const auto& gap = ev.message["params"];
+            std::cerr << "sandboxctl: " << gap.value("stream", "stdout") << " before offset "
+                      << gap.value("firstKept", 0ULL) << " is no longer kept\n";
+        } else if (ev.type == ClientEvent::kind::notification &&
                    ev.message.value("method", "") == "duplexChannel.exit" &&
                    ev.message["params"].value("channel", 0U) == channel_) {
             exit_ = ev.message["params"];
@@ -464,12 +479,17 @@ private:
     std::string error_;
 };
 
-int exec_command(Client& client, const std::vector<std::string>& args) {
+int session_status(Client& client, const json& result, bool interactive, bool tty);
+
+int exec_command(Client& client, const Globals& g, const std::vector<std::string>& args) {
     po::options_description opts;
     bool interactive = false, tty = false;
     std::vector<std::string> env;
+    bool detach = false;
     opts.add_options()("interactive,i", po::bool_switch(&interactive), "")(
-        "tty,t", po::bool_switch(&tty), "")("cwd", po::value<std::string>(), "")(
+        "tty,t", po::bool_switch(&tty), "")("detach,d", po::bool_switch(&detach), "")(
+        "name", po::value<std::string>(), "")("retain-ms", po::value<std::uint64_t>(), "")(
+        "retain-bytes", po::value<std::uint64_t>(), "")("cwd", po::value<std::string>(), "")(
         "env,e", po::value<std::vector<std::string>>(&env), "")(
         "timeout-ms", po::value<std::uint64_t>(), "")("lease", po::value<std::string>()->required(),
                                                       "")(
@@ -510,7 +530,100 @@ int exec_command(Client& client, const std::vector<std::string>& args) {
         }
         open["pty"] = {{"cols", cols}, {"rows", rows}};
     }
+    if (!detach && (vm.count("name") || vm.count("retain-ms") || vm.count("retain-bytes"))) {
+        throw po::error("--name, --retain-ms and --retain-bytes go with --detach");
+    }
+    if (detach) {
+        if (interactive) throw po::error("exec --detach takes no -i: attach -i gives it stdin");
+        json d = json::object();
+        if (vm.count("retain-ms")) d["retainMs"] = vm["retain-ms"].as<std::uint64_t>();
+        if (vm.count("retain-bytes")) d["retainBytes"] = vm["retain-bytes"].as<std::uint64_t>();
+        open["detach"] = d;
+        open["stdin"] = true;  // an attachment may write to it later
+        if (vm.count("name")) open["name"] = vm["name"].as<std::string>();
+        const auto result = client.call("duplexChannelOpen", open);
+        if (g.output == "json") {
+            std::cout << json{{"handle", result["handle"]}, {"name", result.value("name", json())}}
+                             .dump(2)
+                      << "\n";
+        } else {
+            std::cout << result["handle"].get<std::string>() << "\n";
+        }
+        return 0;
+    }
     auto result = client.call("duplexChannelOpen", open);
+    return session_status(client, result, interactive, tty);
+}
+
+/// sandboxctl attach: a detached channel, by name or handle ("dch_...").
+int attach_command(Client& client, const std::vector<std::string>& args) {
+    po::options_description opts;
+    bool interactive = false, tty = false, takeover = false, from_end = false;
+    opts.add_options()("interactive,i", po::bool_switch(&interactive), "")(
+        "tty,t", po::bool_switch(&tty), "")("takeover", po::bool_switch(&takeover), "")(
+        "from-end", po::bool_switch(&from_end), "")("lease", po::value<std::string>()->required(),
+                                                    "")("channel",
+                                                        po::value<std::string>()->required(), "");
+    po::positional_options_description pos;
+    pos.add("lease", 1).add("channel", 1);
+    auto vm = parse_sub(args, opts, pos);
+    const auto& lease = vm["lease"].as<std::string>();
+    const auto& which = vm["channel"].as<std::string>();
+    json p = {{"leaseId", lease}, {"takeover", takeover}};
+    p[which.rfind("dch_", 0) == 0 ? "handle" : "name"] = which;
+    if (from_end) {
+        for (const auto& ch : client.call("duplexChannelList", {{"leaseId", lease}})["channels"]) {
+            if (ch["handle"] == which || ch["name"] == which) p["offsets"] = ch["offsets"];
+        }
+    }
+    winsize ws{};
+    if (tty && ::ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0 && ws.ws_row > 0) {
+        p["resize"] = {{"cols", ws.ws_col}, {"rows", ws.ws_row}};
+    }
+    json result;
+    try {
+        result = client.call("duplexChannelAttach", p);
+    } catch (const rpc_error& e) {
+        // A pipe channel refuses a size: attach without one.
+        if (!p.contains("resize") || e.code() != errc::invalid_params) throw;
+        p.erase("resize");
+        result = client.call("duplexChannelAttach", p);
+    }
+    return session_status(client, result, interactive, tty && result.value("pty", false));
+}
+
+/// sandboxctl ps: the lease's detached channels.
+int ps_command(Client& client, const Globals& g, const std::vector<std::string>& args) {
+    if (args.size() != 1) throw po::error("ps needs one lease: ps LEASE");
+    const auto listed = client.call("duplexChannelList", {{"leaseId", args[0]}});
+    if (g.output == "json") {
+        std::cout << listed.dump(2) << "\n";
+        return 0;
+    }
+    std::cout << "HANDLE                        NAME              STATE    ATTACHED  STDOUT  "
+                 "STDERR  EXIT  COMMAND\n";
+    for (const auto& ch : listed["channels"]) {
+        std::string exit = "-";
+        if (ch["exit"].is_object()) {
+            const auto& e = ch["exit"];
+            exit = e["exitCode"].is_number() ? std::to_string(e["exitCode"].get<int>())
+                   : e["signal"].is_string() ? e["signal"].get<std::string>()
+                                             : e.value("outcome", "?");
+        }
+        std::string name = ch["name"].is_string() ? ch["name"].get<std::string>() : "-";
+        std::printf("%-29s %-17s %-8s %-9s %-7llu %-7llu %-5s %s\n", ch.value("handle", "").c_str(),
+                    name.c_str(), ch.value("state", "").c_str(),
+                    ch.value("attached", false) ? "yes" : "no",
+                    static_cast<unsigned long long>(ch["offsets"].value("stdout", 0ULL)),
+                    static_cast<unsigned long long>(ch["offsets"].value("stderr", 0ULL)),
+                    exit.c_str(), ch.value("command", "").c_str());
+    }
+    return 0;
+}
+
+/// Streams the channel of `result` (an open's or an attach's) to its exit; the exit status as
+/// exec gives it.
+int session_status(Client& client, const json& result, bool interactive, bool tty) {
     RawTerminal raw(tty && interactive && ::isatty(STDIN_FILENO));
     ExecSession session(client, result["channel"].get<std::uint32_t>(),
                         result.value("stdinWindow", 1U << 20), interactive, tty);
@@ -578,7 +691,8 @@ int ctl_main(int argc, char** argv) {
         if (i >= args.size()) throw po::error("a command is needed");
         const std::string command = args[i];
         const std::vector<std::string> rest(args.begin() + static_cast<long>(i) + 1, args.end());
-        if (command != "lease" && command != "exec" && command != "run" && command != "nodes") {
+        if (command != "lease" && command != "exec" && command != "run" && command != "nodes" &&
+            command != "attach" && command != "ps") {
             throw po::error("unknown command \"" + command + "\"");
         }
         if (g.token.empty() && !token_file.empty()) g.token = read_token_file(token_file);
@@ -594,7 +708,9 @@ int ctl_main(int argc, char** argv) {
         if (command == "lease") return lease_command(client, g, rest);
         if (command == "nodes") return nodes_command(client, g);
         if (command == "run") return run_command(client, rest);
-        return exec_command(client, rest);
+        if (command == "attach") return attach_command(client, rest);
+        if (command == "ps") return ps_command(client, g, rest);
+        return exec_command(client, g, rest);
     } catch (const po::error& e) {
         std::cerr << "sandboxctl: " << e.what() << "\n\n" << usage_text;
         return exit_error;

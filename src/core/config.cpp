@@ -209,6 +209,12 @@ void check_limits(const LimitsConfig& l) {
     if (l.stdin_window > l.max_stdin_window) {
         fail("limits.stdinWindow", "must not exceed limits.maxStdinWindow");
     }
+    if (l.detach_retain_ms > l.max_detach_retain_ms) {
+        fail("limits.detachRetainMs", "must not exceed limits.maxDetachRetainMs");
+    }
+    if (l.detach_retain_bytes > l.max_detach_retain_bytes) {
+        fail("limits.detachRetainBytes", "must not exceed limits.maxDetachRetainBytes");
+    }
     if (l.send_queue_bytes_per_connection > l.send_queue_bytes) {
         fail("limits.sendQueueBytesPerConnection", "must not exceed limits.sendQueueBytes");
     }

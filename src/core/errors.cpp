@@ -10,7 +10,7 @@ struct ErrorInfo {
     std::string_view reason;
 };
 
-constexpr std::array<ErrorInfo, 20> error_table = {{
+constexpr std::array<ErrorInfo, 21> error_table = {{
     {0, "UNKNOWN"},
     {-32700, "PARSE_ERROR"},
     {-32600, "INVALID_REQUEST"},
@@ -31,6 +31,7 @@ constexpr std::array<ErrorInfo, 20> error_table = {{
     {-32021, "REGISTRY_UNAVAILABLE"},
     {-32022, "ROUTING_LOOP"},
     {-32023, "FORBIDDEN"},
+    {-32024, "CHANNEL_ATTACHED"},
 }};
 
 const ErrorInfo& info(errc e) noexcept {

@@ -150,7 +150,7 @@ std::variant<std::monostate, Request, Response> parse_message(std::string_view t
 }
 
 errc errc_of_reason(std::string_view r) noexcept {
-    for (int i = 1; i <= static_cast<int>(errc::forbidden); ++i) {
+    for (int i = 1; i <= static_cast<int>(errc::channel_attached); ++i) {
         if (reason(static_cast<errc>(i)) == r) return static_cast<errc>(i);
     }
     return errc::internal_error;

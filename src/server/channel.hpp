@@ -140,6 +140,9 @@ public:
     const ChannelOptions& options() const noexcept { return options_; }
     const std::shared_ptr<SandboxHandle>& sandbox() const noexcept { return sandbox_; }
     bool finished() const noexcept { return exit_sent_; }
+    /// Stdin bytes received and not yet credited back: a host attaching to a detached channel
+    /// may send its stdin window less these (the credits for them reach that host).
+    std::uint64_t stdin_pending() const noexcept { return stdin_pending_; }
     /// Sets the callback run once every process of the channel is gone (before start()).
     void set_on_reaped(std::function<void()> f) { options_.on_reaped = std::move(f); }
     /// Sets the channel's node-wide key for its audit lines (before start()).

@@ -59,8 +59,24 @@ std::shared_ptr<Channel> ChannelMux::take_local(std::uint32_t id) {
     return node ? std::move(node.mapped()) : nullptr;
 }
 
+void ChannelMux::add_attached(std::uint32_t id, Attached attached) {
+    attached_[id] = std::move(attached);
+}
+
+std::optional<ChannelMux::Attached> ChannelMux::take_attached(std::uint32_t id) {
+    auto node = attached_.extract(id);
+    if (!node) return std::nullopt;
+    return std::move(node.mapped());
+}
+
+const ChannelMux::Attached* ChannelMux::attached(std::uint32_t id) const {
+    auto it = attached_.find(id);
+    return it == attached_.end() ? nullptr : &it->second;
+}
+
 void ChannelMux::finished(std::uint32_t id) {
     local_.erase(id);
+    attached_.erase(id);
     // Remembered so that a write or half-close racing the exit is a harmless no-op.
     ended_.insert(id);
     if (ended_.size() > 4096) ended_.erase(ended_.begin());
@@ -70,14 +86,16 @@ void ChannelMux::opened(std::uint32_t id, Relayed route) {
     relayed_[id] = std::move(route);
     auto early = std::move(opening_[id]);
     opening_.erase(id);
-    for (auto& [binary, bytes] : early) {
-        if (binary) {
+    for (auto& [kind, bytes] : early) {
+        if (kind == early_kind::binary) {
             out_.send_binary(std::move(bytes));
         } else {
             out_.send_text(std::move(bytes));
         }
     }
-    if (!early.empty() && !early.back().first) relayed_.erase(id);  // its exit came early
+    if (!early.empty() && early.back().first == early_kind::exit) {
+        relayed_.erase(id);  // its exit came early
+    }
     count_relays();
 }
 
@@ -95,7 +113,7 @@ std::optional<ChannelMux::Relayed> ChannelMux::take_relayed(std::uint32_t id) {
 
 void ChannelMux::relay_binary(std::uint32_t id, std::string frame) {
     if (auto it = opening_.find(id); it != opening_.end()) {
-        it->second.emplace_back(true, std::move(frame));
+        it->second.emplace_back(early_kind::binary, std::move(frame));
         return;
     }
     auto it = relayed_.find(id);
@@ -120,13 +138,22 @@ void ChannelMux::relay_binary(std::uint32_t id, std::string frame) {
 void ChannelMux::relay_exit(std::uint32_t id, nlohmann::json exit_params) {
     auto text = jsonrpc::notification("duplexChannel.exit", std::move(exit_params));
     if (auto it = opening_.find(id); it != opening_.end()) {
-        it->second.emplace_back(false, std::move(text));
+        it->second.emplace_back(early_kind::exit, std::move(text));
         return;
     }
     if (relayed_.erase(id)) {
         count_relays();
         out_.send_text(std::move(text));
     }
+}
+
+void ChannelMux::relay_gap(std::uint32_t id, nlohmann::json gap_params) {
+    auto text = jsonrpc::notification("duplexChannel.gap", std::move(gap_params));
+    if (auto it = opening_.find(id); it != opening_.end()) {
+        it->second.emplace_back(early_kind::notice, std::move(text));
+        return;
+    }
+    if (relayed_.count(id)) out_.send_text(std::move(text));
 }
 
 std::variant<std::uint32_t, websocket::close_reason> ChannelMux::check_frame(
@@ -167,6 +194,21 @@ void ChannelMux::apply_frame(std::string_view message) {
         r.link->send_frame(std::move(copy));
         return;
     }
+    if (auto it = attached_.find(channel); it != attached_.end()) {
+        const auto& a = it->second;
+        if (data && data->stream == stream_id::stdin_) {
+            net::post(a.strand, [ch = a.channel, bytes = std::string(data->payload), peer = peer_] {
+                try {
+                    ch->write_stdin(bytes);
+                } catch (const rpc_error& e) {
+                    spdlog::info("peer={} frame rejected: {}", peer, e.what());
+                }
+            });
+        } else if (credit && credit->stream != stream_id::stdin_) {
+            net::post(a.strand, [out = a.output, n = credit->bytes] { out->add_credit(n); });
+        }
+        return;
+    }
     try {
         auto it = local_.find(channel);
         if (data) {
@@ -187,6 +229,10 @@ void ChannelMux::apply_frame(std::string_view message) {
 void ChannelMux::close_all() {
     for (auto& [id, channel] : local_) channel->hangup();
     local_.clear();
+    for (auto& [id, a] : attached_) {
+        net::post(a.strand, [out = a.output, id = a.attachment] { out->detach(id); });
+    }
+    attached_.clear();
     for (auto& [id, route] : relayed_) {
         route.link->close_channel(route.remote_id, route.forwarded_for);
         route.link->forget(route.remote_id);

@@ -7,6 +7,7 @@
 // Threading: not thread-safe; every call runs on the connection's strand. Output goes to the
 // sink given at construction (the connection's write queue), which must outlive the mux.
 #include "server/channel.hpp"
+#include "server/detached_output.hpp"
 #include "server/peer_link.hpp"
 
 #include <nlohmann/json.hpp>
@@ -58,7 +59,9 @@ public:
 
     /// Channels open or being opened (local, relayed and reserved): what
     /// limits.channelsPerConnection bounds.
-    std::size_t count() const noexcept { return local_.size() + relayed_.size() + reserved_; }
+    std::size_t count() const noexcept {
+        return local_.size() + attached_.size() + relayed_.size() + reserved_;
+    }
     std::size_t local_count() const noexcept { return local_.size(); }
     /// An open in progress holds a slot until it ends (release()), so that concurrent opens
     /// cannot overshoot the limit.
@@ -82,6 +85,27 @@ public:
         return it == local_.end() ? nullptr : it->second;
     }
 
+    // --- detached channels attached here (issue 46) ---
+    /// A detached channel this connection is attached to: it runs on its own strand, to which
+    /// the connection's stdin and credit are posted; its output reaches this connection
+    /// through its DetachedOutput's attachment.
+    struct Attached {
+        std::string handle;
+        std::shared_ptr<Channel> channel;
+        std::shared_ptr<DetachedOutput> output;
+        net::any_io_executor strand;   ///< the channel's
+        std::uint64_t attachment = 0;  ///< DetachedOutput::attach()'s id
+        /// What the output reaches this connection through (a StrandHopSink), held here
+        /// alone: the output holds it weakly, so the attachment lasts while this entry does.
+        std::shared_ptr<ChannelSink> sink;
+        std::string opened_for;  ///< the token name of the host that attached (peer links)
+    };
+    void add_attached(std::uint32_t id, Attached attached);
+    /// Removes and returns the attachment of channel `id`, if any (the caller detaches it).
+    std::optional<Attached> take_attached(std::uint32_t id);
+    /// The attachment of channel `id`, or nullptr.
+    const Attached* attached(std::uint32_t id) const;
+
     // --- relayed channels ---
     /// A forwarded open of `id` is under way: frames from the owner wait until opened().
     void opening(std::uint32_t id);
@@ -99,17 +123,20 @@ public:
     void relay_binary(std::uint32_t id, std::string frame);
     /// The owner's exit for relayed channel `id` (already renumbered); the route ends.
     void relay_exit(std::uint32_t id, nlohmann::json exit_params);
+    /// The owner's duplexChannel.gap for relayed channel `id` (already renumbered).
+    void relay_gap(std::uint32_t id, nlohmann::json gap_params);
 
     // --- the connection's binary frames ---
     /// Whether `message` is a valid frame; the close reason (1002, or 1009 when too big)
     /// and its channel id otherwise: frames are checked on arrival even when queued.
     std::variant<std::uint32_t, websocket::close_reason> check_frame(
         std::string_view message) const;
-    /// Applies a checked frame: stdin and credit for a local channel, forwarded for a relayed
-    /// one; dropped for an unknown channel.
+    /// Applies a checked frame: stdin and credit for a local channel, posted to an attached
+    /// one's strand, forwarded for a relayed one; dropped for an unknown channel.
     void apply_frame(std::string_view message);
 
-    /// The connection is gone: local channels are hung up, relayed ones closed on the owner.
+    /// The connection is gone: local channels are hung up, relayed ones closed on the owner,
+    /// attached ones detached (their commands go on).
     void close_all();
 
 private:
@@ -125,11 +152,14 @@ private:
     std::uint32_t next_id_ = 1;
     std::size_t reserved_ = 0;
     std::map<std::uint32_t, std::shared_ptr<Channel>> local_;
+    std::map<std::uint32_t, Attached> attached_;
     std::set<std::uint32_t> ended_;
     std::map<std::uint32_t, Relayed> relayed_;
-    /// Forwarded opens awaiting their result: the owner's frames that overtook it, in order
-    /// (binary, bytes).
-    std::map<std::uint32_t, std::vector<std::pair<bool, std::string>>> opening_;
+    /// What of the owner's may overtake a forwarded open's result.
+    enum class early_kind { binary, notice, exit };
+    /// Forwarded opens awaiting their result: the owner's frames and notifications that
+    /// overtook it, in order.
+    std::map<std::uint32_t, std::vector<std::pair<early_kind, std::string>>> opening_;
 };
 
 }  // namespace sandboxd

@@ -3,14 +3,20 @@
 #include "server/audit.hpp"
 #include "server/channel.hpp"
 #include "server/lease_service.hpp"
+#include "server/strand_hop_sink.hpp"
 
 #include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/lease.hpp>
 #include <sandboxd/core/scope_exit.hpp>
 
 #include <spdlog/spdlog.h>
 
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
 #include <chrono>
 #include <exception>
+#include <filesystem>
 
 namespace sandboxd::handlers {
 namespace {
@@ -42,54 +48,6 @@ std::shared_ptr<Channel> local_channel(Connection& c, std::uint32_t id, const Pr
                         {{"channel", id}});
     }
     return channel;
-}
-
-/// Step 5: the lease has another owner; the open goes there over a peer link, and the
-/// channel is relayed (its frames and exit come back under this connection's id).
-awaitable<MethodReply> open_relayed(Connection& c, json p, Lease lease, Principal caller) {
-    auto& node = c.node();
-    auto& mux = c.mux();
-    if (!c.forwarded_by().empty()) {
-        throw rpc_error(errc::routing_loop,
-                        "Sandbox lease " + lease.id + " is owned by node " + lease.owner_node_id +
-                            ", not by node " + node.node_id +
-                            ", and this open was already forwarded by node " + c.forwarded_by() +
-                            ".",
-                        {{"ownerNodeId", lease.owner_node_id}, {"forwardedBy", c.forwarded_by()}});
-    }
-    auto link = co_await owner_link(node, lease);
-    // The owner compares the epoch this node routed on with its own reading (fencing).
-    if (!p["lease"].contains("epoch")) p["lease"]["epoch"] = lease.epoch;
-    const std::uint32_t local = mux.next_id();
-    mux.opening(local);  // frames that overtake the open's result wait there
-    json result;
-    try {
-        result = co_await link->open(p, forwarded_for(caller), c.relay_target(), local);
-    } catch (...) {
-        mux.open_failed(local);
-        throw;
-    }
-    ChannelMux::Relayed route;
-    route.link = link;
-    route.remote_id = result.value("channel", 0U);
-    route.forwarded_for = forwarded_for(caller);
-    route.stdin_window = result.value("stdinWindow", std::uint64_t{0});
-    if (c.closing()) {
-        // The host left while the owner opened: nobody will read it.
-        mux.open_failed(local);
-        link->close_channel(route.remote_id, route.forwarded_for);
-        link->forget(route.remote_id);
-        co_return MethodReply{json::object(), {}};
-    }
-    spdlog::info("channel={}/{} lease={} forwarded to node={} (connection channel {}) peer={}",
-                 lease.owner_node_id, route.remote_id, lease.id, lease.owner_node_id, local,
-                 c.peer());
-    result["channel"] = local;
-    result["routed"] = true;
-    // The frames that overtook the result go out right after it.
-    co_return MethodReply{std::move(result), [&mux, local, route = std::move(route)]() mutable {
-                              mux.opened(local, std::move(route));
-                          }};
 }
 
 /// The channel's options from the open's params, the node's limits and the lease.
@@ -158,6 +116,105 @@ awaitable<std::unique_ptr<ChannelBackend>> start_command(Node& node, const Lease
     std::rethrow_exception(failed);
 }
 
+/// The node's record of a detached channel about to start.
+DetachedChannels::Entry detached_entry(const std::string& handle, const Lease& lease,
+                                       const methods::OpenParams& params,
+                                       const ChannelOptions& options, const strand_t& strand,
+                                       std::shared_ptr<Channel> channel,
+                                       std::shared_ptr<DetachedOutput> output) {
+    DetachedChannels::Entry entry;
+    entry.handle = handle;
+    entry.lease_id = lease.id;
+    entry.name = params.name;
+    entry.argv0 = options.argv0;
+    entry.pty = options.pty;
+    entry.started_at_ms = now_ms();
+    entry.retain_ms = params.detach->retain_ms;
+    entry.strand = strand;
+    entry.channel = std::move(channel);
+    entry.output = std::move(output);
+    return entry;
+}
+
+/// A detached channel (issue 46): on a strand of its own, its output kept by a DetachedOutput
+/// in <stateDir>/kept/<lease>/<handle>, this connection its first attachment (from offset 0).
+/// Its command outlives the connection; the node's table keeps it.
+awaitable<MethodReply> open_detached(Connection& c, methods::OpenParams params, Lease lease,
+                                     Principal caller, std::shared_ptr<SandboxHandle> sandbox) {
+    auto& node = c.node();
+    const auto detach = *params.detach;
+    auto options = channel_options(node, params, lease, caller);
+    params.spec.drain_grace_ms = node.config.limits.drain_grace_ms;
+    if (!params.name.empty() && node.detached.find(lease.id, params.name)) {
+        node.channels.unreserve();
+        throw rpc_error(errc::invalid_params,
+                        "name: lease " + lease.id + " already has a detached channel named \"" +
+                            params.name + "\" (running, or its exit still kept)",
+                        {{"field", "name"}});
+    }
+    const strand_t strand = net::make_strand(*node.ioc);
+    std::int64_t start_deadline = 0;
+    // The backend is bound to the strand it is opened on: the channel's. The coroutine is made
+    // in a statement of its own: no temporary with a destructor in a co_await expression (see
+    // the attach below).
+    auto starting = start_command(node, lease, sandbox, params.spec, start_deadline);
+    auto backend = co_await net::co_spawn(strand, std::move(starting), use_awaitable);
+    const std::string handle = DetachedChannels::make_handle();
+    const auto dir = kept_output_root(node) / lease.id;
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    auto output = std::make_shared<DetachedOutput>(
+        strand, KeptOutput::create(dir / handle, detach.retain_bytes));
+    options.id = c.mux().next_id();
+    auto channel = std::make_shared<Channel>(strand, options, std::move(backend), sandbox, output);
+    output->bind(channel);
+    try {
+        // Refuses a name taken meanwhile.
+        node.detached.add(detached_entry(handle, lease, params, options, strand, channel, output));
+    } catch (...) {
+        // The command never started: the channel, destroyed unstarted, ends it.
+        node.channels.unreserve();
+        std::filesystem::remove_all(dir / handle, ec);
+        throw;
+    }
+    const auto key = node.channels.add({channel, strand, lease.id});
+    channel->set_on_reaped([&node, key, handle, retain = detach.retain_ms] {
+        node.channels.remove(key);
+        detached_channel_ended(node, handle, retain);
+    });
+    channel->set_audit_key(key);
+    auto hop = std::make_shared<StrandHopSink>(c.strand(), c.channel_sink());
+    // Called here, off the channel's strand: nothing else uses the output before the channel
+    // starts (after the result). (Not through a capturing lambda under co_await co_spawn: there
+    // the hop captured by copy lost a reference under GCC 12 and died under the connection's
+    // entry; GCC 12 mishandles temporaries of a co_await expression, see MethodReply.)
+    const auto attached =
+        output->attach(hop, options.id, options.output_window, DetachedOutput::Offsets{0, 0}).id;
+    ChannelMux::Attached attachment;
+    attachment.handle = handle;
+    attachment.channel = channel;
+    attachment.output = output;
+    attachment.strand = strand;
+    attachment.attachment = attached;
+    attachment.sink = std::move(hop);
+    attachment.opened_for = caller.name;
+    c.mux().add_attached(options.id, std::move(attachment));
+    spdlog::info(
+        "channel={} lease={} opened detached as {}: {} pty={} peer={} (connection channel {})", key,
+        lease.id, handle, options.argv0, options.pty, c.peer(), options.id);
+    json result = {{"channel", options.id},
+                   {"handle", handle},
+                   {"hostRouteId", options.host_route_id},
+                   {"ownerNodeId", node.node_id},
+                   {"routed", false},
+                   {"stdinWindow", options.stdin_window},
+                   {"outputWindow", options.output_window}};
+    if (!params.name.empty()) result["name"] = params.name;
+    co_return MethodReply{std::move(result), [channel, strand] {
+                              net::post(strand, [channel] { channel->start(); });
+                          }};
+}
+
 /// Step 6: this node owns the lease; its cache must hold the sandbox (or its provider resume
 /// it). The channel starts right after the open's result is queued.
 awaitable<MethodReply> open_local(Connection& c, methods::OpenParams params, Lease lease,
@@ -169,6 +226,10 @@ awaitable<MethodReply> open_local(Connection& c, methods::OpenParams params, Lea
         throw rpc_error(errc::channel_limit, "this node already runs its limit of " +
                                                  std::to_string(limits.channels_per_node) +
                                                  " channels");
+    }
+    if (params.detach) {
+        co_return co_await open_detached(c, std::move(params), std::move(lease), std::move(caller),
+                                         std::move(sandbox));
     }
     auto options = channel_options(node, params, lease, caller);
     params.spec.drain_grace_ms = limits.drain_grace_ms;
@@ -220,6 +281,52 @@ awaitable<MethodReply> open_local(Connection& c, methods::OpenParams params, Lea
 
 }  // namespace
 
+awaitable<MethodReply> open_relayed(Connection& c, json p, Lease lease, Principal caller,
+                                    std::string method) {
+    auto& node = c.node();
+    auto& mux = c.mux();
+    if (!c.forwarded_by().empty()) {
+        throw rpc_error(errc::routing_loop,
+                        "Sandbox lease " + lease.id + " is owned by node " + lease.owner_node_id +
+                            ", not by node " + node.node_id +
+                            ", and this open was already forwarded by node " + c.forwarded_by() +
+                            ".",
+                        {{"ownerNodeId", lease.owner_node_id}, {"forwardedBy", c.forwarded_by()}});
+    }
+    auto link = co_await owner_link(node, lease);
+    const std::uint32_t local = mux.next_id();
+    mux.opening(local);  // frames that overtake the open's result wait there
+    json result;
+    try {
+        result = co_await link->open(std::move(method), std::move(p), forwarded_for(caller),
+                                     c.relay_target(), local);
+    } catch (...) {
+        mux.open_failed(local);
+        throw;
+    }
+    ChannelMux::Relayed route;
+    route.link = link;
+    route.remote_id = result.value("channel", 0U);
+    route.forwarded_for = forwarded_for(caller);
+    route.stdin_window = result.value("stdinWindow", std::uint64_t{0});
+    if (c.closing()) {
+        // The host left while the owner opened: nobody will read it.
+        mux.open_failed(local);
+        link->close_channel(route.remote_id, route.forwarded_for);
+        link->forget(route.remote_id);
+        co_return MethodReply{json::object(), {}};
+    }
+    spdlog::info("channel={}/{} lease={} forwarded to node={} (connection channel {}) peer={}",
+                 lease.owner_node_id, route.remote_id, lease.id, lease.owner_node_id, local,
+                 c.peer());
+    result["channel"] = local;
+    result["routed"] = true;
+    // The frames that overtook the result go out right after it.
+    co_return MethodReply{std::move(result), [&mux, local, route = std::move(route)]() mutable {
+                              mux.opened(local, std::move(route));
+                          }};
+}
+
 // docs/protocol.md section 3: the fail-closed checks, in order. Step 1 (the shape of the
 // params) was the method table's parse.
 awaitable<MethodReply> channel_open(Connection& c, MethodCall& call, methods::OpenParams params) {
@@ -247,46 +354,94 @@ awaitable<MethodReply> channel_open(Connection& c, MethodCall& call, methods::Op
     const ScopeExit release([&mux] { mux.release(); });
     // Step 5: another owner. A forwarded open is never forwarded again.
     if (lease.owner_node_id != node.node_id) {
+        // The owner compares the epoch this node routed on with its own reading (fencing).
+        auto& lease_param = call.params["lease"];
+        if (!lease_param.contains("epoch")) lease_param["epoch"] = lease.epoch;
         co_return co_await open_relayed(c, std::move(call.params), std::move(lease),
-                                        std::move(call.caller));
+                                        std::move(call.caller), "duplexChannelOpen");
     }
     co_return co_await open_local(c, std::move(params), std::move(lease), std::move(call.caller));
 }
 
+namespace {
+
+/// Runs `fn` on `channel` (a coroutine of its own, spawned on the channel's strand).
+template <typename F>
+awaitable<void> run_on_channel(std::shared_ptr<Channel> channel, F fn) {
+    fn(*channel);
+    co_return;
+}
+
+/// Runs `fn(channel)` on channel `id` of this connection: here for a local channel, on its
+/// strand for a detached channel attached here (its errors come back to the caller).
+template <typename F>
+awaitable<void> with_channel(Connection& c, std::uint32_t id, const Principal& caller, F fn) {
+    if (const auto* a = c.mux().attached(id)) {
+        if (c.principal().role == "peer" && a->opened_for != caller.name) {
+            throw rpc_error(errc::channel_not_found,
+                            "channel " + std::to_string(id) + " is not open on this connection",
+                            {{"channel", id}});
+        }
+        auto task = run_on_channel(a->channel, std::move(fn));
+        co_await net::co_spawn(a->strand, std::move(task), use_awaitable);
+        co_return;
+    }
+    fn(*local_channel(c, id, caller));
+}
+
+}  // namespace
+
 awaitable<MethodReply> channel_write(Connection& c, MethodCall& call, methods::WriteParams params) {
-    local_channel(c, params.channel, call.caller)->write_stdin(params.data);
+    // Named, not a temporary of the co_await expression (GCC 12, see open_detached).
+    auto write = [data = std::move(params.data)](Channel& ch) { ch.write_stdin(data); };
+    co_await with_channel(c, params.channel, call.caller, std::move(write));
     co_return empty_result();
 }
 
 awaitable<MethodReply> channel_close_stdin(Connection& c, MethodCall& call,
                                            methods::ChannelParams params) {
-    local_channel(c, params.channel, call.caller)->close_stdin();
+    auto close = [](Channel& ch) { ch.close_stdin(); };
+    co_await with_channel(c, params.channel, call.caller, close);
     co_return empty_result();
 }
 
 awaitable<MethodReply> channel_resize(Connection& c, MethodCall& call,
                                       methods::ResizeParams params) {
-    local_channel(c, params.channel, call.caller)->resize(params.cols, params.rows);
+    auto resize = [cols = params.cols, rows = params.rows](Channel& ch) { ch.resize(cols, rows); };
+    co_await with_channel(c, params.channel, call.caller, resize);
     co_return empty_result();
 }
 
 awaitable<MethodReply> channel_signal(Connection& c, MethodCall& call,
                                       methods::SignalParams params) {
-    local_channel(c, params.channel, call.caller)->send_signal(params.signal);
+    auto signal = [sig = params.signal](Channel& ch) { ch.send_signal(sig); };
+    co_await with_channel(c, params.channel, call.caller, signal);
     co_return empty_result();
 }
 
 awaitable<MethodReply> channel_stop(Connection& c, MethodCall& call,
                                     methods::ChannelParams params) {
-    local_channel(c, params.channel, call.caller)->stop(channel_outcome::stopped);
+    auto stop = [](Channel& ch) { ch.stop(channel_outcome::stopped); };
+    co_await with_channel(c, params.channel, call.caller, stop);
     co_return empty_result();
 }
 
 awaitable<MethodReply> channel_close(Connection& c, MethodCall& call,
                                      methods::ChannelParams params) {
+    auto& mux = c.mux();
+    if (mux.attached(params.channel) != nullptr) {
+        // A detached channel: this connection lets go of it; the command goes on.
+        auto check = [](Channel&) {};  // only the peer-link check of with_channel
+        co_await with_channel(c, params.channel, call.caller, check);
+        if (auto gone = mux.take_attached(params.channel)) {
+            net::post(gone->strand,
+                      [out = gone->output, id = gone->attachment] { out->detach(id); });
+        }
+        co_return empty_result();
+    }
     // On a peer link, another host's channel is refused (local_channel() says why).
-    if (c.mux().find_local(params.channel)) local_channel(c, params.channel, call.caller);
-    if (auto channel = c.mux().take_local(params.channel)) {
+    if (mux.find_local(params.channel)) local_channel(c, params.channel, call.caller);
+    if (auto channel = mux.take_local(params.channel)) {
         channel->hangup(channel_outcome::stopped);  // stop and forget: no exit follows
     }
     co_return empty_result();

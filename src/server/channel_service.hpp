@@ -11,6 +11,9 @@
 
 #include <sandboxd/core/net.hpp>
 
+#include <filesystem>
+#include <string>
+
 namespace sandboxd::handlers {
 
 /// duplexChannelOpen.
@@ -26,4 +29,32 @@ awaitable<MethodReply> channel_stop(Connection& c, MethodCall& call, methods::Ch
 awaitable<MethodReply> channel_close(Connection& c, MethodCall& call,
                                      methods::ChannelParams params);
 
+// --- detached channels (issue 46; detached_service.cpp) ---
+/// duplexChannelAttach: on the owner, attaches this connection to a detached channel of the
+/// lease; on another node, forwarded to the owner like an open.
+awaitable<MethodReply> channel_attach(Connection& c, MethodCall& call,
+                                      methods::AttachParams params);
+/// duplexChannelList: the lease's detached channels, running and recently ended (the owner
+/// answers).
+awaitable<MethodReply> channel_list(Connection& c, MethodCall& call, methods::LeaseIdParams params);
+
+/// Step 5 of an open (and an attach): `method` with params `p` goes to the lease's owner over
+/// a peer link, and the channel is relayed (its frames, gaps and exit come back under a new
+/// id of this connection). ROUTING_LOOP when this request was itself forwarded.
+awaitable<MethodReply> open_relayed(Connection& c, nlohmann::json p, Lease lease, Principal caller,
+                                    std::string method);
+
 }  // namespace sandboxd::handlers
+
+namespace sandboxd {
+
+/// The detached channel `handle` ended: its entry and kept output go once its retain_ms has
+/// passed (a timer on the node's io_context). Thread-safe.
+void detached_channel_ended(Node& node, const std::string& handle, std::uint64_t retain_ms);
+/// The lease `lease_id` ended: its detached channels' entries and kept output go now (their
+/// commands were ended with the lease's channels). Thread-safe; removes files (blocks briefly).
+void forget_detached_channels(Node& node, const std::string& lease_id);
+/// Where this node keeps detached channels' output: <stateDir>/kept.
+std::filesystem::path kept_output_root(const Node& node);
+
+}  // namespace sandboxd

@@ -20,48 +20,6 @@ using json = nlohmann::json;
 // aggregate's braced initializer too early (heap-use-after-free under ASan), so each result
 // is awaited into a local first.
 
-/// Renewals, releases, probes, executes and workspaces of a lease owned by another node are
-/// answered by the owner (so that its cache and channels follow); nullopt when this node
-/// answers: it owns the lease, the lease is settled (held by no node), or the call was
-/// forwarded here already. `orphan_if_owner_dead`: a release whose owner is unreachable
-/// orphans the lease instead (it waits for cleanup). `notify` and `answer_within` as
-/// PeerLink::call's, for a call that streams.
-awaitable<std::optional<MethodReply>> at_owner(
-    Connection& c, const MethodCall& call, const std::string& lease_id,
-    bool orphan_if_owner_dead = false, std::optional<PeerLink::Notify> notify = std::nullopt,
-    std::chrono::milliseconds answer_within = std::chrono::milliseconds(0)) {
-    auto& node = c.node();
-    Lease lease = co_await sandboxd::lease_get(node, call.caller, lease_id);
-    // A retained lease is held by no node: any node serves it (and answers that it is not
-    // active to everything but a release).
-    const bool settled = lease.status == lease_status::released ||
-                         lease.status == lease_status::failed ||
-                         lease.status == lease_status::retained;
-    if (lease.owner_node_id == node.node_id || settled || !c.forwarded_by().empty()) {
-        co_return std::nullopt;
-    }
-    const std::string method(call.method);
-    std::string unavailable;
-    try {
-        auto link = co_await owner_link(node, lease);
-        json result;
-        if (notify) {
-            result = co_await link->call(method, call.params, forwarded_for(call.caller),
-                                         std::move(*notify), answer_within);
-        } else {
-            result = co_await link->call(method, call.params, forwarded_for(call.caller));
-        }
-        co_return MethodReply{std::move(result), {}};
-    } catch (const rpc_error& e) {
-        if (e.code() != errc::owner_unavailable || !orphan_if_owner_dead) throw;
-        unavailable = e.what();
-    }
-    // A dead owner cannot tear down: the lease waits for cleanup instead.
-    json result = to_json(
-        co_await lease_orphan(node, std::move(lease), std::move(unavailable), call.caller.name));
-    co_return MethodReply{std::move(result), {}};
-}
-
 /// leaseExecute's sink: leaseExecute.log {requestId: id, stream, chunk} to this host, at most
 /// limits.executeOutputBytes per stream (none when the request has no id).
 ExecuteLog execute_log(Connection& c, const json& id) {
@@ -93,6 +51,43 @@ ExecuteLog execute_log(Connection& c, const json& id) {
 }
 
 }  // namespace
+
+awaitable<std::optional<MethodReply>> at_owner(Connection& c, const MethodCall& call,
+                                               const std::string& lease_id,
+                                               bool orphan_if_owner_dead,
+                                               std::optional<PeerLink::Notify> notify,
+                                               std::chrono::milliseconds answer_within) {
+    auto& node = c.node();
+    Lease lease = co_await sandboxd::lease_get(node, call.caller, lease_id);
+    // A retained lease is held by no node: any node serves it (and answers that it is not
+    // active to everything but a release).
+    const bool settled = lease.status == lease_status::released ||
+                         lease.status == lease_status::failed ||
+                         lease.status == lease_status::retained;
+    if (lease.owner_node_id == node.node_id || settled || !c.forwarded_by().empty()) {
+        co_return std::nullopt;
+    }
+    const std::string method(call.method);
+    std::string unavailable;
+    try {
+        auto link = co_await owner_link(node, lease);
+        json result;
+        if (notify) {
+            result = co_await link->call(method, call.params, forwarded_for(call.caller),
+                                         std::move(*notify), answer_within);
+        } else {
+            result = co_await link->call(method, call.params, forwarded_for(call.caller));
+        }
+        co_return MethodReply{std::move(result), {}};
+    } catch (const rpc_error& e) {
+        if (e.code() != errc::owner_unavailable || !orphan_if_owner_dead) throw;
+        unavailable = e.what();
+    }
+    // A dead owner cannot tear down: the lease waits for cleanup instead.
+    json result = to_json(
+        co_await lease_orphan(node, std::move(lease), std::move(unavailable), call.caller.name));
+    co_return MethodReply{std::move(result), {}};
+}
 
 awaitable<MethodReply> initialize(Connection& c, MethodCall& /*call*/,
                                   methods::InitializeParams /*params*/) {

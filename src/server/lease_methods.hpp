@@ -6,8 +6,13 @@
 // Threading: on the connection's strand.
 #include "server/connection.hpp"
 #include "server/methods.hpp"
+#include "server/peer_link.hpp"
 
 #include <sandboxd/core/net.hpp>
+
+#include <chrono>
+#include <optional>
+#include <string>
 
 namespace sandboxd::handlers {
 
@@ -32,5 +37,16 @@ awaitable<MethodReply> lease_realize_workspace(Connection& c, MethodCall& call,
 awaitable<MethodReply> provider_validate_config(Connection& c, MethodCall& call,
                                                 methods::ValidateConfigParams params);
 awaitable<MethodReply> node_list(Connection& c, MethodCall& call, NoParams params);
+
+/// Renewals, releases, probes, executes and workspaces of a lease owned by another node are
+/// answered by the owner (so that its cache and channels follow); nullopt when this node
+/// answers: it owns the lease, the lease is settled (held by no node), or the call was
+/// forwarded here already. `orphan_if_owner_dead`: a release whose owner is unreachable
+/// orphans the lease instead (it waits for cleanup). `notify` and `answer_within` as
+/// PeerLink::call's, for a call that streams.
+awaitable<std::optional<MethodReply>> at_owner(
+    Connection& c, const MethodCall& call, const std::string& lease_id,
+    bool orphan_if_owner_dead = false, std::optional<PeerLink::Notify> notify = std::nullopt,
+    std::chrono::milliseconds answer_within = std::chrono::milliseconds(0));
 
 }  // namespace sandboxd::handlers

@@ -1,6 +1,7 @@
 #include "server/lease_service.hpp"
 
 #include "server/channel.hpp"
+#include "server/channel_service.hpp"
 #include "server/lease_ops.hpp"
 #include "server/params.hpp"
 
@@ -97,6 +98,7 @@ awaitable<Lease> teardown(Node& node, Lease lease, lease_status final_status, st
     auto scope = scope_of(lease);
     auto handle = node.cache.begin_teardown(scope);
     co_await end_lease_channels(node, lease.id, std::chrono::milliseconds(3000));
+    forget_detached_channels(node, lease.id);  // their exits and output end with the lease
     Provider* provider = provider_of(node, lease.provider);
     if (!handle && provider) handle = provider->handle_for_teardown(lease);
     std::optional<std::string> failure;

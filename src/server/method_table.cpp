@@ -49,8 +49,13 @@ methods::ValidateConfigParams parse_validate(const Node&, const json& p) {
 }
 handlers::NoParams parse_none(const Node&, const json&) { return {}; }
 methods::OpenParams parse_open(const Node& n, const json& p) {
-    return methods::parse_open(p, n.config.limits.max_output_window,
-                               n.config.limits.max_stdin_window);
+    const auto& l = n.config.limits;
+    return methods::parse_open(p, l.max_output_window, l.max_stdin_window,
+                               {l.detach_retain_ms, l.max_detach_retain_ms, l.detach_retain_bytes,
+                                l.max_detach_retain_bytes});
+}
+methods::AttachParams parse_attach(const Node& n, const json& p) {
+    return methods::parse_attach(p, n.config.limits.max_output_window);
 }
 methods::WriteParams parse_write(const Node&, const json& p) { return methods::parse_write(p); }
 methods::ChannelParams parse_channel(const Node&, const json& p) {
@@ -63,7 +68,7 @@ constexpr unsigned lease_change = fenced | forwarded | lease_operation;
 constexpr unsigned channel_call = on_channel | forwarded;
 
 // In the protocol's order (initialize lists them so).
-const std::array<MethodSpec, 18> table{{
+const std::array<MethodSpec, 20> table{{
     {"initialize", 0, typed<methods::InitializeParams, parse_initialize, handlers::initialize>},
     {"leaseAcquire", fenced | lease_operation,
      typed<methods::LeaseAcquireParams, parse_acquire, handlers::lease_acquire>},
@@ -97,6 +102,10 @@ const std::array<MethodSpec, 18> table{{
      typed<methods::ChannelParams, parse_channel, handlers::channel_stop>},
     {"duplexChannelClose", channel_call | ends_channel,
      typed<methods::ChannelParams, parse_channel, handlers::channel_close>},
+    {"duplexChannelAttach", forwarded | opens_channel,
+     typed<methods::AttachParams, parse_attach, handlers::channel_attach>},
+    {"duplexChannelList", forwarded,
+     typed<methods::LeaseIdParams, parse_lease_id, handlers::channel_list>},
 }};
 
 }  // namespace

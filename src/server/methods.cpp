@@ -3,6 +3,9 @@
 #include "server/channel.hpp"
 #include "server/params.hpp"
 
+#include <algorithm>
+#include <cctype>
+
 #include <sandboxd/core/base64.hpp>
 
 namespace sandboxd::methods {
@@ -294,10 +297,79 @@ LeaseRef parse_lease_ref(const json& lp) {
     return ref;
 }
 
+namespace {
+
+/// `obj[key]` of the object param `prefix`, an integer in lo..hi (INVALID_PARAMS naming
+/// "prefix.key"); `fallback` when absent or null.
+std::optional<std::uint64_t> nested_uint(const json& obj, const std::string& prefix,
+                                         const char* key, std::uint64_t lo, std::uint64_t hi) {
+    const auto it = obj.find(key);
+    if (it == obj.end() || it->is_null()) return std::nullopt;
+    const std::string field = prefix + "." + key;
+    const std::string range = std::to_string(lo) + ".." + std::to_string(hi);
+    if (!it->is_number_integer() || (!it->is_number_unsigned() && it->get<std::int64_t>() < 0)) {
+        params::invalid(field, "must be an integer in " + range);
+    }
+    const auto v = it->get<std::uint64_t>();
+    if (v < lo || v > hi) params::invalid(field, "must be an integer in " + range);
+    return v;
+}
+
+/// The object param `key` with only the fields `allowed` (null when absent).
+const json* nested_object(const json& p, const char* key,
+                          std::initializer_list<const char*> allowed, const char* shape) {
+    const auto it = p.find(key);
+    if (it == p.end() || it->is_null()) return nullptr;
+    if (!it->is_object()) params::invalid(key, std::string("must be an object ") + shape);
+    for (const auto& [field, value] : it->items()) {
+        if (std::find_if(allowed.begin(), allowed.end(),
+                         [&field](const char* a) { return field == a; }) == allowed.end()) {
+            params::invalid(std::string(key) + "." + field,
+                            std::string("is not a field of ") + key);
+        }
+    }
+    return &*it;
+}
+
+/// A detached channel's `name`: 1..128 of [A-Za-z0-9._-].
+std::string channel_name(std::string name) {
+    const bool valid =
+        !name.empty() && name.size() <= 128 && std::all_of(name.begin(), name.end(), [](char c) {
+            return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+        });
+    if (!valid) params::invalid("name", "must be 1 to 128 of A-Z, a-z, 0-9, '.', '_', '-'");
+    return name;
+}
+
+/// The open's `detach` and `name` (see parse_open).
+void parse_detach(const json& p, const DetachLimits& limits, OpenParams& out) {
+    if (const json* d =
+            nested_object(p, "detach", {"retainMs", "retainBytes"}, "{retainMs?, retainBytes?}")) {
+        OpenParams::Detach detach;
+        detach.retain_ms = nested_uint(*d, "detach", "retainMs", 1000, limits.max_retain_ms)
+                               .value_or(limits.retain_ms);
+        detach.retain_bytes =
+            nested_uint(*d, "detach", "retainBytes", 4096, limits.max_retain_bytes)
+                .value_or(limits.retain_bytes);
+        out.detach = detach;
+    }
+    if (auto name = params::opt_string(p, "name")) {
+        if (!out.detach) params::invalid("name", "names a detached channel: give detach too");
+        out.name = channel_name(std::move(*name));
+    }
+    if (out.detach && out.base64) {
+        params::invalid("dataEncoding",
+                        "must be \"binary\" with detach: kept output is sent as binary frames");
+    }
+}
+
+}  // namespace
+
 OpenParams parse_open(const json& p, std::uint64_t max_output_window,
-                      std::uint64_t max_stdin_window) {
-    params::only_keys(p, {"hostRouteId", "lease", "command", "cwd", "env", "pty", "stdin",
-                          "timeoutMs", "outputWindow", "stdinWindow", "dataEncoding"});
+                      std::uint64_t max_stdin_window, const DetachLimits& detach_limits) {
+    params::only_keys(p,
+                      {"hostRouteId", "lease", "command", "cwd", "env", "pty", "stdin", "timeoutMs",
+                       "outputWindow", "stdinWindow", "dataEncoding", "detach", "name"});
     OpenParams out;
     ExecSpec& spec = out.spec;
     out.host_route_id = params::opt_string(p, "hostRouteId").value_or("");
@@ -344,6 +416,7 @@ OpenParams parse_open(const json& p, std::uint64_t max_output_window,
         }
         out.base64 = *enc == "base64";
     }
+    parse_detach(p, detach_limits, out);
     return out;
 }
 
@@ -353,6 +426,49 @@ std::string decode_base64(const std::string& field, std::string_view text) {
     } catch (const base64_error&) {
         params::invalid(field, "is not valid base64");
     }
+}
+
+AttachParams parse_attach(const json& p, std::uint64_t max_output_window) {
+    params::only_keys(
+        p, {"leaseId", "handle", "name", "offsets", "takeover", "outputWindow", "resize"});
+    AttachParams out;
+    out.lease_id = params::req_string(p, "leaseId");
+    auto handle = params::opt_string(p, "handle");
+    auto name = params::opt_string(p, "name");
+    if (handle.has_value() == name.has_value()) {
+        params::invalid(handle ? "name" : "handle",
+                        "give exactly one of handle and name (the detached channel to attach to)");
+    }
+    if (handle) {
+        const bool valid =
+            handle->size() == 28 && handle->rfind("dch_", 0) == 0 &&
+            std::all_of(handle->begin() + 4, handle->end(), [](char c) {
+                return std::isdigit(static_cast<unsigned char>(c)) || (c >= 'a' && c <= 'f');
+            });
+        if (!valid) params::invalid("handle", "must be \"dch_\" and 24 lowercase hex digits");
+        out.handle = std::move(*handle);
+    } else {
+        out.name = channel_name(std::move(*name));
+    }
+    if (const json* o = nested_object(p, "offsets", {"stdout", "stderr"}, "{stdout?, stderr?}")) {
+        constexpr std::uint64_t max_offset = (1ULL << 62) - 1;
+        AttachParams::Offsets offsets;
+        offsets.stdout_offset = nested_uint(*o, "offsets", "stdout", 0, max_offset).value_or(0);
+        offsets.stderr_offset = nested_uint(*o, "offsets", "stderr", 0, max_offset).value_or(0);
+        out.offsets = offsets;
+    }
+    out.takeover = params::opt_bool(p, "takeover").value_or(false);
+    if (auto w = params::opt_uint(p, "outputWindow", 1024, max_output_window)) {
+        out.output_window = static_cast<std::uint32_t>(*w);
+    }
+    if (const json* r = nested_object(p, "resize", {"cols", "rows"}, "{cols, rows}")) {
+        const auto cols = nested_uint(*r, "resize", "cols", 1, 4096);
+        const auto rows = nested_uint(*r, "resize", "rows", 1, 4096);
+        if (!cols || !rows) params::invalid("resize", "needs both cols and rows (1..4096)");
+        out.resize =
+            std::make_pair(static_cast<std::uint16_t>(*cols), static_cast<std::uint16_t>(*rows));
+    }
+    return out;
 }
 
 }  // namespace sandboxd::methods

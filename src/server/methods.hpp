@@ -160,11 +160,53 @@ struct OpenParams {
     std::optional<std::uint32_t>
         stdin_window;     ///< bytes, 1 KiB .. max_stdin_window; none = the node's
     bool base64 = false;  ///< dataEncoding "base64"
+    /// `detach` (issue 46): the channel outlives its connection; its exit is kept for
+    /// retain_ms after it ends and the last retain_bytes of each output stream are kept.
+    struct Detach {
+        std::uint64_t retain_ms = 0;
+        std::uint64_t retain_bytes = 0;
+    };
+    std::optional<Detach> detach;
+    /// `name` (only with detach): 1..128 of [A-Za-z0-9._-], unique among the lease's detached
+    /// channels (checked by the node, not here); "" when none.
+    std::string name;
+};
+/// The node's bounds for `detach` (limits.detachRetainMs, maxDetachRetainMs,
+/// detachRetainBytes, maxDetachRetainBytes).
+struct DetachLimits {
+    std::uint64_t retain_ms = 600000;
+    std::uint64_t max_retain_ms = 86400000;
+    std::uint64_t retain_bytes = 8ULL << 20;
+    std::uint64_t max_retain_bytes = 256ULL << 20;
 };
 /// `max_output_window` and `max_stdin_window`: the largest windows an open may ask for
-/// (limits.maxOutputWindow, limits.maxStdinWindow), bytes.
+/// (limits.maxOutputWindow, limits.maxStdinWindow), bytes. INVALID_PARAMS naming the field:
+/// `detach` not an object or with other keys than retainMs (1000..max_retain_ms) and
+/// retainBytes (4096..max_retain_bytes); `name` without detach or not 1..128 of
+/// [A-Za-z0-9._-]; `dataEncoding: "base64"` with detach (kept output is binary frames).
 OpenParams parse_open(const json& p, std::uint64_t max_output_window = 1ULL << 30,
-                      std::uint64_t max_stdin_window = 1ULL << 30);
+                      std::uint64_t max_stdin_window = 1ULL << 30,
+                      const DetachLimits& detach_limits = {});
+
+/// duplexChannelAttach (issue 46): a detached channel of the lease, by handle or by name.
+struct AttachParams {
+    std::string lease_id;  ///< 1..1024 bytes
+    std::string handle;    ///< "dch_" and 24 hex digits; "" when named
+    std::string name;      ///< 1..128 of [A-Za-z0-9._-]; "" when by handle
+    struct Offsets {
+        std::uint64_t stdout_offset = 0;
+        std::uint64_t stderr_offset = 0;
+    };
+    /// Where to resume each stream (absolute byte offsets); none: from the oldest kept byte.
+    std::optional<Offsets> offsets;
+    bool takeover = false;  ///< end another host's attachment instead of CHANNEL_ATTACHED
+    std::optional<std::uint32_t> output_window;  ///< bytes, 1 KiB .. max; none = the node's
+    std::optional<std::pair<std::uint16_t, std::uint16_t>> resize;  ///< (cols, rows) 1..4096
+};
+/// INVALID_PARAMS naming the field: unknown keys, both or neither of handle and name, a
+/// malformed handle or name, offsets other than {stdout?, stderr?} of 0..2^62-1, an
+/// outputWindow outside 1 KiB..`max_output_window`, resize without both cols and rows.
+AttachParams parse_attach(const json& p, std::uint64_t max_output_window = 1ULL << 30);
 
 /// Decodes standard base64 (with padding); INVALID_PARAMS on `field` when it is not.
 std::string decode_base64(const std::string& field, std::string_view text);

@@ -2,6 +2,7 @@
 // The state one daemon process (a node) shares between its sessions.
 #include <sandboxd/core/net.hpp>
 #include "server/audit.hpp"
+#include "server/detached_channels.hpp"
 #include "server/node_metrics.hpp"
 #include "server/peer_link.hpp"
 #include "server/send_budget.hpp"
@@ -158,6 +159,8 @@ struct Node {
     /// before `channels`, whose channels count it down when they are destroyed.
     std::atomic<std::int64_t> channels_unended{0};
     ChannelTable channels;
+    /// The detached channels of this node (issue 46): they outlive their connections.
+    DetachedChannels detached;
     /// Draining (SIGTERM, POST /admin/drain; docs/protocol.md section 7): no new opens and
     /// no new leases here, running channels finish; heartbeats, renewals and releases go on.
     std::atomic<bool> draining{false};

@@ -59,11 +59,11 @@ awaitable<json> PeerLink::call(std::string method, json params, json forwarded_f
         use_awaitable);
 }
 
-awaitable<json> PeerLink::open(json params, json forwarded_for, std::weak_ptr<RelayTarget> target,
-                               std::uint32_t local_channel) {
+awaitable<json> PeerLink::open(std::string method, json params, json forwarded_for,
+                               std::weak_ptr<RelayTarget> target, std::uint32_t local_channel) {
     co_return co_await net::co_spawn(
         strand_,
-        do_call("duplexChannelOpen", std::move(params), std::move(forwarded_for), std::move(target),
+        do_call(std::move(method), std::move(params), std::move(forwarded_for), std::move(target),
                 local_channel),
         use_awaitable);
 }
@@ -199,7 +199,7 @@ awaitable<json> PeerLink::do_call(std::string method, json params, json forwarde
     slot.target = std::move(target);
     slot.local_channel = local_channel;
     slot.notify = std::move(notify);
-    const bool open = method == "duplexChannelOpen";
+    const bool open = !slot.target.expired();  // an open or an attach: a channel to close if late
     json for_close = open ? forwarded_for : json();
     queue(false,
           jsonrpc::forwarded_request(id, method, std::move(params), std::move(forwarded_for)));
@@ -350,13 +350,25 @@ void PeerLink::on_text(const std::string& text) {
                   });
         return;
     }
-    if (!notification || notification->method != "duplexChannel.exit") return;
+    if (!notification) return;
+    const bool exit = notification->method == "duplexChannel.exit";
+    if (!exit && notification->method != "duplexChannel.gap") return;
     auto params = std::move(notification->params);
     if (!params.is_object()) return;
     const auto remote = params.value("channel", 0U);
     auto it = routes_.find(remote);
     if (it == routes_.end()) return;
     auto route = it->second;
+    if (!exit) {
+        if (auto target = route.target.lock()) {
+            params["channel"] = route.local_channel;
+            net::post(target->relay_executor(),
+                      [target, local = route.local_channel, params = std::move(params)]() mutable {
+                          target->relay_gap(local, std::move(params));
+                      });
+        }
+        return;
+    }
     routes_.erase(it);
     if (auto target = route.target.lock()) {
         params["channel"] = route.local_channel;

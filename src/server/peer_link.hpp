@@ -47,6 +47,9 @@ public:
     /// The owner's duplexChannel.exit (channel rewritten), or a made-up transportClosed exit
     /// when the link died. Called on the target's strand; the route is gone afterwards.
     virtual void relay_exit(std::uint32_t local_channel, nlohmann::json exit_params) = 0;
+    /// The owner's duplexChannel.gap (channel rewritten): a detached channel's output that
+    /// is no longer kept. Called on the target's strand.
+    virtual void relay_gap(std::uint32_t local_channel, nlohmann::json gap_params) = 0;
     virtual net::any_io_executor relay_executor() = 0;
 };
 
@@ -91,10 +94,12 @@ public:
                                    nlohmann::json forwarded_for, Notify notify,
                                    std::chrono::milliseconds answer_within);
 
-    /// Like call("duplexChannelOpen"), and on success routes the remote channel's frames to
-    /// `target` under `local_channel` before any of them is read.
-    awaitable<nlohmann::json> open(nlohmann::json params, nlohmann::json forwarded_for,
-                                   std::weak_ptr<RelayTarget> target, std::uint32_t local_channel);
+    /// Like call(method) for a method that opens a channel (duplexChannelOpen,
+    /// duplexChannelAttach), and on success routes the remote channel's frames and
+    /// notifications to `target` under `local_channel` before any of them is read.
+    awaitable<nlohmann::json> open(std::string method, nlohmann::json params,
+                                   nlohmann::json forwarded_for, std::weak_ptr<RelayTarget> target,
+                                   std::uint32_t local_channel);
 
     /// Queues a binary frame (already rewritten to the remote channel id) for the peer.
     void send_frame(std::string frame);

@@ -2,6 +2,7 @@
 // providers, audit, console, credentials), starts its parts in order and stops them. The
 // parts live in their own files: listeners.cpp, http_routes.cpp, membership.cpp, drain.cpp,
 // node_gauges.cpp, reload.cpp (daemon_impl.hpp lists them).
+#include "server/channel_service.hpp"
 #include "server/daemon_impl.hpp"
 
 #include "server/lease_service.hpp"
@@ -168,6 +169,9 @@ void Daemon::Impl::build_node() {
     if (ec)
         throw config_error("config: stateDir: cannot create " + c.state_dir + ": " + ec.message());
     ::chmod(c.state_dir.c_str(), 0700);
+    // Detached channels do not outlive their daemon yet (issue 47): an earlier process's
+    // kept output has no channel to go with.
+    fs::remove_all(kept_output_root(node), ec);
     node.node_id = c.node_id.empty() ? host_name() : c.node_id;
     node.instance_id = random_hex(8);
     if (c.console_enabled) {

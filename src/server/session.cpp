@@ -165,6 +165,10 @@ void Session::relay_exit(std::uint32_t local_channel, json exit_params) {
     mux_.relay_exit(local_channel, std::move(exit_params));
 }
 
+void Session::relay_gap(std::uint32_t local_channel, json gap_params) {
+    mux_.relay_gap(local_channel, std::move(gap_params));
+}
+
 net::any_io_executor Session::relay_executor() { return strand_; }
 
 // ---------------------------------------------------------------------------------------------

@@ -86,6 +86,7 @@ public:
 
     void relay_binary(std::uint32_t local_channel, std::string frame) override;
     void relay_exit(std::uint32_t local_channel, nlohmann::json exit_params) override;
+    void relay_gap(std::uint32_t local_channel, nlohmann::json gap_params) override;
     net::any_io_executor relay_executor() override;
 
 private:

@@ -552,6 +552,52 @@ TEST_CASE("sandboxctl exec and run stream like docker exec and exit with the sta
     CHECK(json::parse(probe_out)["ok"] == true);
 }
 
+TEST_CASE("sandboxctl exec --detach, ps and attach come back to a command that outlived them",
+          "[daemon][sandboxctl][detached]") {
+    DaemonProcess daemon;
+    auto c = daemon.connect();
+    auto lease = acquire(*c);
+    const std::string id = lease["id"].get<std::string>();
+    const std::string base =
+        std::string(SANDBOXCTL_BIN) + " --url " + daemon.url() + " --token " + daemon.token();
+    const std::string out_file = (daemon.state_dir() / "out").string();
+    auto read_out = [&] {
+        std::ifstream in(out_file);
+        return std::string((std::istreambuf_iterator<char>(in)), {});
+    };
+    // Started detached: sandboxctl prints the handle and returns; the command waits for stdin.
+    int status = std::system((base + " exec --detach --name job " + id +
+                              " -- sh -c 'echo first; read x; echo got $x; exit 3' > " + out_file)
+                                 .c_str());
+    REQUIRE(WEXITSTATUS(status) == 0);
+    const std::string handle = read_out().substr(0, 28);
+    CHECK(handle.rfind("dch_", 0) == 0);
+    REQUIRE(eventually(
+        [&] {
+            const auto l = c->call("duplexChannelList", {{"leaseId", id}});
+            return l["channels"].size() == 1 && l["channels"][0]["offsets"]["stdout"] == 6;
+        },
+        std::chrono::seconds(20)));
+    status = std::system((base + " ps " + id + " > " + out_file).c_str());
+    CHECK(WEXITSTATUS(status) == 0);
+    const auto listed = read_out();
+    CHECK(listed.find(handle) != std::string::npos);
+    CHECK(listed.find("job") != std::string::npos);
+    CHECK(listed.find("running") != std::string::npos);
+    // attach -i by name: the kept "first", stdin to the command, then its status.
+    status =
+        std::system(("echo hello | " + base + " attach -i " + id + " job > " + out_file).c_str());
+    CHECK(WEXITSTATUS(status) == 3);
+    CHECK(read_out() == "first\ngot hello\n");
+    // Attaching by handle after the end replays the kept output and the same status.
+    status = std::system((base + " attach " + id + " " + handle + " > " + out_file).c_str());
+    CHECK(WEXITSTATUS(status) == 3);
+    CHECK(read_out() == "first\ngot hello\n");
+    status = std::system((base + " attach " + id + " nosuch 2> " + out_file).c_str());
+    CHECK(WEXITSTATUS(status) == 255);
+    CHECK(read_out().find("CHANNEL_NOT_FOUND") != std::string::npos);
+}
+
 TEST_CASE("Lease limits above the node's maximum are refused with the field named",
           "[lease][limits]") {
     const json config = {{"providers",

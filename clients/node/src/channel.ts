@@ -4,7 +4,26 @@ import { Duplex, Readable } from "node:stream";
 import type { Connection } from "./connection.js";
 import { SandboxdError } from "./errors.js";
 import { creditFrame, dataFrame, MAX_DATA_PAYLOAD, STREAM_STDERR, STREAM_STDIN, STREAM_STDOUT } from "./frames.js";
-import type { ChannelExit, ChannelSignal, DuplexChannelOpenParams, DuplexChannelOpenResult } from "./protocol.js";
+import type {
+  ChannelExit,
+  ChannelGap,
+  ChannelSignal,
+  DuplexChannelAttachResult,
+  DuplexChannelOpenParams,
+  DuplexChannelOpenResult,
+  StreamOffsets,
+} from "./protocol.js";
+
+/** What a channel is made from: an open's result, or an attach's. */
+export type ChannelInit = (DuplexChannelOpenResult | DuplexChannelAttachResult) & {
+  hostRouteId?: string | null;
+  workerSessionId?: string | null;
+};
+
+/** What of the request a channel keeps. */
+export type ChannelRequest = Pick<DuplexChannelOpenParams, "hostRouteId" | "outputWindow" | "stdin"> & {
+  leaseId?: string;
+};
 
 /** The exit made by the client when no exit comes from the node (close, dropped connection). */
 function madeExit(channel: number, hostRouteId: string | null, outcome: "stopped" | "transportClosed"): ChannelExit {
@@ -46,8 +65,16 @@ interface QueuedWrite {
  * `transportClosed`, with null exitCode, signal and counters. The channel also emits 'exit'.
  */
 export class Channel extends Duplex {
-  /** The channel's id on its connection. */
-  readonly id: number;
+  /** The channel's id on its connection (a new one after a resume). */
+  get id(): number {
+    return this.channelId;
+  }
+  /** A detached channel's durable handle (docs/protocol.md section 3.1), else null. */
+  readonly handle: string | null;
+  /** A detached channel's name, else null. */
+  readonly name: string | null;
+  /** The lease, when the open named it by id or this is an attachment. */
+  readonly leaseId: string | null;
   readonly hostRouteId: string | null;
   /** The node whose sandbox runs the command. */
   readonly ownerNodeId: string;
@@ -61,7 +88,14 @@ export class Channel extends Duplex {
   /** Resolves once with how the channel ended; never rejects. */
   readonly exit: Promise<ChannelExit>;
 
-  private readonly conn: Connection;
+  private conn: Connection;
+  private channelId: number;
+  // Absolute offset of the first byte pushed on each stream (a detached channel attached
+  // from an offset, or past a gap): offsets = start + pushed.
+  private startOut = 0;
+  private startErr = 0;
+  /** @internal A detached channel whose connection dropped: true when the client resumes it. */
+  onLost: ((channel: Channel) => boolean) | null = null;
   private resolveExit!: (exit: ChannelExit) => void;
   private exitInfo: ChannelExit | null = null;
   private closedByClient = false;
@@ -75,7 +109,7 @@ export class Channel extends Duplex {
   private readonly stdinQueue: QueuedWrite[] = [];
   private readonly noStdin: boolean;
 
-  constructor(conn: Connection, result: DuplexChannelOpenResult, params: DuplexChannelOpenParams) {
+  constructor(conn: Connection, result: ChannelInit, params: ChannelRequest) {
     const stdinWindow = positive(result.stdinWindow, conn.info?.limits?.stdinWindow, 1 << 20);
     super({
       allowHalfOpen: true,
@@ -85,7 +119,14 @@ export class Channel extends Duplex {
       readableHighWaterMark: 64 * 1024,
     });
     this.conn = conn;
-    this.id = result.channel;
+    this.channelId = result.channel;
+    this.handle = result.handle ?? null;
+    this.name = result.name ?? null;
+    this.leaseId = ("leaseId" in result ? result.leaseId : undefined) ?? params.leaseId ?? null;
+    if ("offsets" in result && result.offsets) {
+      this.startOut = result.offsets.stdout;
+      this.startErr = result.offsets.stderr;
+    }
     this.hostRouteId = result.hostRouteId ?? params.hostRouteId ?? null;
     this.ownerNodeId = result.ownerNodeId;
     this.routed = result.routed === true;
@@ -150,7 +191,46 @@ export class Channel extends Duplex {
     await this.conn.request(method, params, { timeoutMs: 30_000, ...(options.signal ? { signal: options.signal } : {}) });
   }
 
+  /**
+   * Bytes received so far per stream, as absolute offsets of the command's output: where a
+   * detached channel resumes (`attach({offsets})`) to miss and repeat nothing.
+   */
+  get offsets(): StreamOffsets {
+    return { stdout: this.startOut + this.pushedOut, stderr: this.startErr + this.pushedErr };
+  }
+
   // ---- from the connection ----
+
+  /**
+   * @internal `duplexChannel.gap`: the bytes before `firstKept` are lost; what follows starts
+   * there. Emitted as 'gap'.
+   */
+  onGap(gap: ChannelGap): void {
+    if (gap.stream === "stderr") this.startErr = gap.firstKept - this.pushedErr;
+    else this.startOut = gap.firstKept - this.pushedOut;
+    this.emit("gap", gap);
+  }
+
+  /**
+   * @internal The channel goes on as attachment `result` on `conn` (a resume after a dropped
+   * connection): output continues from its offsets, the windows start afresh.
+   */
+  rebind(conn: Connection, result: DuplexChannelAttachResult): void {
+    this.conn = conn;
+    this.channelId = result.channel;
+    this.startOut = result.offsets.stdout - this.pushedOut;
+    this.startErr = result.offsets.stderr - this.pushedErr;
+    // Bytes received before are credited already as far as the new attachment is concerned.
+    this.credited = this.pushedOut + this.pushedErr;
+    this.stdinInFlight = Math.max(0, this.stdinWindow - result.stdinWindow);
+    this.emit("resumed", result);
+    this.pump();
+  }
+
+  /** @internal A resume failed for good: the channel ends as its connection did. */
+  onResumeFailed(): void {
+    this.finish(madeExit(this.id, this.hostRouteId, "transportClosed"));
+  }
 
   /** @internal */
   onData(stream: number, payload: Buffer): void {
@@ -180,6 +260,7 @@ export class Channel extends Duplex {
 
   /** @internal */
   onTransportClosed(): void {
+    if (!this.exitInfo && !this.closedByClient && this.onLost?.(this)) return;
     this.finish(madeExit(this.id, this.hostRouteId, "transportClosed"));
   }
 
@@ -268,7 +349,8 @@ export class Channel extends Duplex {
   /** Sends queued stdin within the window, in frames of at most the node's payload limit. */
   private pump(): void {
     const maxPayload = Math.min(MAX_DATA_PAYLOAD, this.conn.info?.limits?.maxDataPayload ?? MAX_DATA_PAYLOAD);
-    while (this.stdinQueue.length > 0 && !this.exitInfo) {
+    // A detached channel being resumed sends once it is rebound to its new connection.
+    while (this.stdinQueue.length > 0 && !this.exitInfo && !this.conn.closed) {
       const head = this.stdinQueue[0] as QueuedWrite;
       const room = this.stdinWindow - this.stdinInFlight;
       if (room <= 0) return;

@@ -6,6 +6,8 @@ import { Connection, normalizeUrl, type TlsOptions } from "./connection.js";
 import { SandboxdError } from "./errors.js";
 import type {
   ChannelSignal,
+  DuplexChannelAttachParams,
+  DuplexChannelListResult,
   DuplexChannelOpenParams,
   InitializeParams,
   InitializeResult,
@@ -64,6 +66,20 @@ export interface SandboxdClientOptions {
 export interface CallOptions {
   signal?: AbortSignal;
   timeoutMs?: number;
+}
+
+export interface OpenOptions extends CallOptions {
+  /**
+   * For a detached channel (`detach`, and a lease given with its `id`): when its connection
+   * drops, the client connects again (with the `reconnect` delays; one more try when
+   * `reconnect` is false) and attaches to the channel from the offsets it has read, with
+   * `takeover` (the node may not have seen the drop yet). The same Channel goes on, the output
+   * without a byte lost or repeated (within the channel's retainBytes; past them a 'gap'
+   * event says what was lost), after a delay; it emits 'resumed' each time. Stdin written in
+   * the moments before the drop may be lost. When no attach succeeds, the channel ends with
+   * outcome `transportClosed`.
+   */
+  resume?: boolean;
 }
 
 export interface ExecuteOptions extends CallOptions {
@@ -213,15 +229,49 @@ export class SandboxdClient {
    * once more on the owner (when followRedirects). Never repeated after a dropped connection:
    * that fails with TRANSPORT_CLOSED, as the open's fate is unknown.
    */
-  async open(params: DuplexChannelOpenParams, options: CallOptions = {}): Promise<Channel> {
+  async open(params: DuplexChannelOpenParams, options: OpenOptions = {}): Promise<Channel> {
+    if (options.resume && (!params.detach || typeof params.lease?.id !== "string")) {
+      throw SandboxdError.client("INVALID_PARAMS", "open: resume needs detach and the lease's id");
+    }
     const run = (conn: Connection) => conn.openChannel(params, this.requestOptions(options));
+    let channel: Channel;
     try {
-      return await run(await this.connection(options.signal));
+      channel = await run(await this.connection(options.signal));
     } catch (error) {
       const owner = this.redirectTarget(error);
       if (!owner) throw error;
-      return run(await this.ownerConnection(owner, options.signal));
+      channel = await run(await this.ownerConnection(owner, options.signal));
     }
+    if (options.resume) this.resumeOnLoss(channel);
+    return channel;
+  }
+
+  /**
+   * Attaches to a detached channel of a lease (docs/protocol.md section 3.1), by handle or by
+   * name: the kept output from `offsets` (or the oldest kept byte), then live output, then its
+   * exit. CHANNEL_ATTACHED when another host is attached, unless `takeover`. With `resume`, as
+   * open's.
+   */
+  async attach(params: DuplexChannelAttachParams, options: OpenOptions = {}): Promise<Channel> {
+    const conn = await this.connection(options.signal);
+    const channel = await conn.attachChannel(params, this.requestOptions(options));
+    if (options.resume) this.resumeOnLoss(channel);
+    return channel;
+  }
+
+  /** The same as `attach`. */
+  async duplexChannelAttach(params: DuplexChannelAttachParams, options: OpenOptions = {}): Promise<Channel> {
+    return this.attach(params, options);
+  }
+
+  /** A lease's detached channels, running and recently ended (oldest first). */
+  async listChannels(params: { leaseId: string }, options: CallOptions = {}): Promise<DuplexChannelListResult> {
+    return (await this.call("duplexChannelList", params, options)) as DuplexChannelListResult;
+  }
+
+  /** The same as `listChannels`. */
+  async duplexChannelList(params: { leaseId: string }, options: CallOptions = {}): Promise<DuplexChannelListResult> {
+    return this.listChannels(params, options);
   }
 
   // Channel controls by channel; prefer the Channel's own methods.
@@ -253,6 +303,37 @@ export class SandboxdClient {
   }
 
   // ---- connections, retries and redirects ----
+
+  /** Resumes `channel` on a new connection whenever its own drops (OpenOptions.resume). */
+  private resumeOnLoss(channel: Channel): void {
+    channel.onLost = (lost) => {
+      if (this.closed || !lost.handle || !lost.leaseId) return false;
+      void this.resume(lost, lost.handle, lost.leaseId);
+      return true;
+    };
+  }
+
+  private async resume(channel: Channel, handle: string, leaseId: string): Promise<void> {
+    const retries = this.options.reconnect ? this.options.reconnect.retries : 1;
+    for (let attempt = 0; !this.closed; attempt++) {
+      try {
+        const conn = await this.connection();
+        await conn.attachChannel(
+          { leaseId, handle, offsets: channel.offsets, takeover: true },
+          this.requestOptions({}),
+          channel,
+        );
+        return;
+      } catch (error) {
+        const gone =
+          error instanceof SandboxdError &&
+          ["CHANNEL_NOT_FOUND", "LEASE_NOT_FOUND", "LEASE_NOT_ACTIVE", "FORBIDDEN", "UNAUTHORIZED"].includes(error.reason);
+        if (gone || attempt >= retries) break;
+        await this.backoff(attempt);
+      }
+    }
+    channel.onResumeFailed();
+  }
 
   private requestOptions(options: ExecuteOptions) {
     return {

@@ -8,6 +8,9 @@ import { decodeFrame, FRAME_CREDIT, FRAME_DATA } from "./frames.js";
 import type {
   ChannelExit,
   DuplexChannelOpenParams,
+  ChannelGap,
+  DuplexChannelAttachParams,
+  DuplexChannelAttachResult,
   DuplexChannelOpenResult,
   InitializeResult,
   LeaseExecuteLog,
@@ -282,7 +285,7 @@ export class Connection extends EventEmitter {
     const abandoned: Pending = {
       method: p.method,
       resolve: (result) => {
-        if (p.method === "duplexChannelOpen") {
+        if (p.method === "duplexChannelOpen" || p.method === "duplexChannelAttach") {
           const channel = (result as DuplexChannelOpenResult | null)?.channel;
           if (typeof channel === "number") this.notify("duplexChannelClose", { channel });
         }
@@ -311,14 +314,39 @@ export class Connection extends EventEmitter {
   /** Opens a channel; its Channel exists before any of its frames is read. */
   async openChannel(params: DuplexChannelOpenParams, options: RequestOptions): Promise<Channel> {
     let channel: Channel | null = null;
+    const leaseId = typeof params.lease?.id === "string" ? params.lease.id : undefined;
     await this.request("duplexChannelOpen", params, {
       ...options,
       onResult: (result) => {
-        channel = new Channel(this, result as DuplexChannelOpenResult, params);
+        channel = new Channel(this, result as DuplexChannelOpenResult, { ...params, ...(leaseId ? { leaseId } : {}) });
         this.channels.set(channel.id, channel);
       },
     });
     if (!channel) throw SandboxdError.client("PROTOCOL_ERROR", "duplexChannelOpen answered without a channel");
+    return channel;
+  }
+
+  /**
+   * Attaches to a detached channel: a new Channel, or `into` resumed (rebound to this
+   * connection). Either exists before any of the attachment's frames is read.
+   */
+  async attachChannel(params: DuplexChannelAttachParams, options: RequestOptions, into?: Channel): Promise<Channel> {
+    let channel: Channel | null = null;
+    await this.request("duplexChannelAttach", params, {
+      ...options,
+      onResult: (result) => {
+        const attached = result as DuplexChannelAttachResult;
+        if (into) {
+          into.rebind(this, attached);
+          channel = into;
+        } else {
+          const request = params.outputWindow ? { outputWindow: params.outputWindow } : {};
+          channel = new Channel(this, attached, request);
+        }
+        this.channels.set(channel.id, channel);
+      },
+    });
+    if (!channel) throw SandboxdError.client("PROTOCOL_ERROR", "duplexChannelAttach answered without a channel");
     return channel;
   }
 
@@ -368,6 +396,8 @@ export class Connection extends EventEmitter {
       if (!channel) return;
       this.channels.delete(channel.id);
       channel.onExit(params as ChannelExit);
+    } else if (method === "duplexChannel.gap") {
+      this.channels.get(p.channel as number)?.onGap(params as ChannelGap);
     } else if (method === "duplexChannel.data") {
       const channel = this.channels.get(p.channel as number);
       if (!channel || typeof p.chunk !== "string") return;

@@ -257,6 +257,80 @@ export interface DuplexChannelOpenParams {
   outputWindow?: number;
   /** This client speaks binary frames; base64 is accepted for completeness but not needed. */
   dataEncoding?: "binary" | "base64";
+  /**
+   * The channel outlives its connection (docs/protocol.md section 3.1): its command goes on
+   * and its output is kept, to attach to again from any node. Defaults: the node's
+   * `limits.detachRetainMs` (600,000) and `limits.detachRetainBytes` (8 MiB).
+   */
+  detach?: { retainMs?: number; retainBytes?: number };
+  /** With `detach`: 1..128 of [A-Za-z0-9._-], unique among the lease's detached channels. */
+  name?: string;
+}
+
+/** Where an attachment resumes each output stream: absolute byte offsets. */
+export interface StreamOffsets {
+  stdout: number;
+  stderr: number;
+}
+
+export interface DuplexChannelAttachParams {
+  leaseId: string;
+  /** Exactly one of handle and name. */
+  handle?: string;
+  name?: string;
+  /** Absent: from the oldest kept byte. */
+  offsets?: Partial<StreamOffsets>;
+  /** End another host's attachment (it gets outcome `takenOver`) instead of CHANNEL_ATTACHED. */
+  takeover?: boolean;
+  outputWindow?: number;
+  /** A PTY channel's new size. */
+  resize?: { cols: number; rows: number };
+}
+
+export interface DuplexChannelAttachResult {
+  channel: number;
+  handle: string;
+  name?: string;
+  leaseId: string;
+  ownerNodeId: string;
+  routed: boolean;
+  pty: boolean;
+  state: "running" | "exited";
+  /** Where this attachment starts. */
+  offsets: StreamOffsets;
+  stdinWindow: number;
+  outputWindow: number;
+}
+
+/** `duplexChannel.gap`: bytes from the asked offset are no longer kept; data resumes at firstKept. */
+export interface ChannelGap {
+  channel: number;
+  stream: "stdout" | "stderr";
+  firstKept: number;
+}
+
+export interface DetachedChannelInfo {
+  handle: string;
+  name: string | null;
+  /** The program (command[0]). */
+  command: string;
+  pty: boolean;
+  state: "running" | "exited";
+  attached: boolean;
+  startedAt: string;
+  endedAt: string | null;
+  /** Bytes written so far per stream. */
+  offsets: StreamOffsets;
+  firstKept: StreamOffsets;
+  retainBytes: number;
+  retainMs: number;
+  /** The exit (without `channel`), null while it runs. */
+  exit: Omit<ChannelExit, "channel"> | null;
+}
+
+export interface DuplexChannelListResult {
+  leaseId: string;
+  channels: DetachedChannelInfo[];
 }
 
 export interface DuplexChannelOpenResult {
@@ -267,6 +341,9 @@ export interface DuplexChannelOpenResult {
   routed: boolean;
   stdinWindow: number;
   outputWindow: number;
+  /** A detached channel's durable handle ("dch_" and 24 hex digits). */
+  handle?: string;
+  name?: string;
 }
 
 export type ChannelSignal = "INT" | "TERM" | "HUP" | "QUIT" | "KILL" | "USR1" | "USR2" | "WINCH";
@@ -278,7 +355,9 @@ export type ExitOutcome =
   | "stopped"
   | "leaseReleased"
   | "transportClosed"
-  | "error";
+  | "error"
+  /** An attachment to a detached channel that another host took over; the command goes on. */
+  | "takenOver";
 
 /** `duplexChannel.exit`: a channel's last message, sent after every output byte (section 3). */
 export interface ChannelExit {
@@ -317,7 +396,8 @@ export type ServerReason =
   | "FLOW_CONTROL"
   | "REGISTRY_UNAVAILABLE"
   | "ROUTING_LOOP"
-  | "FORBIDDEN";
+  | "FORBIDDEN"
+  | "CHANNEL_ATTACHED";
 
 /**
  * Reasons that the client itself gives (code 0, never on the wire):
@@ -353,4 +433,5 @@ export const ERROR_CODES: Readonly<Record<ServerReason, number>> = {
   REGISTRY_UNAVAILABLE: -32021,
   ROUTING_LOOP: -32022,
   FORBIDDEN: -32023,
+  CHANNEL_ATTACHED: -32024,
 };

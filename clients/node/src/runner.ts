@@ -55,12 +55,21 @@ export interface SandboxdRunnerOptions {
   cwd?: string;
   /** Environment added to every duplex channel. */
   env?: Record<string, string>;
+  /**
+   * Duplex channels are detached (docs/protocol.md section 3.1) and resumed after a dropped
+   * connection (`open`'s `resume`): the agent's long-lived command goes on, and its stream with
+   * it, while the host reconnects. Default true; false: a dropped connection ends the command
+   * (outcome `transportClosed`). An object sets the kept output and exit
+   * (`{retainBytes, retainMs}`; the node's defaults otherwise).
+   */
+  detach?: boolean | { retainMs?: number; retainBytes?: number };
 }
 
 /**
  * A runner for paperclip's command-managed runtime: `execute` is `leaseExecute` with `onLog`
  * streaming (in output order, each call awaited before the next) and the command's real exit
- * code; `openDuplexChannel` is a duplex channel. No `syncIn`/`syncOut`: file sync is not served,
+ * code; `openDuplexChannel` is a duplex channel, detached and resumed across a dropped connection
+ * unless `detach: false`. No `syncIn`/`syncOut`: file sync is not served,
  * so adapter-utils falls back to its shell transport over `execute`.
  */
 export function createSandboxdRunner(options: SandboxdRunnerOptions): SandboxdRunner {
@@ -116,12 +125,17 @@ export function createSandboxdRunner(options: SandboxdRunnerOptions): SandboxdRu
       if (input.command.length === 0) {
         throw SandboxdError.client("PROTOCOL_ERROR", "openDuplexChannel: command needs at least the program");
       }
-      const channel = await client.open({
-        lease,
-        command: [...input.command],
-        ...(options.cwd ? { cwd: options.cwd } : {}),
-        ...(options.env ? { env: options.env } : {}),
-      });
+      const detach = options.detach === false ? null : options.detach === true || options.detach === undefined ? {} : options.detach;
+      const channel = await client.open(
+        {
+          lease,
+          command: [...input.command],
+          ...(options.cwd ? { cwd: options.cwd } : {}),
+          ...(options.env ? { env: options.env } : {}),
+          ...(detach ? { detach } : {}),
+        },
+        detach ? { resume: true } : {},
+      );
       // Both streams feed the one data listener (paperclip's channel has one output).
       let exitListener: ((exit: { exitCode: number | null; transportClosed?: boolean }) => void) | null = null;
       let dataListener: ((chunk: Uint8Array) => void) | null = null;
@@ -160,7 +174,13 @@ export function createSandboxdRunner(options: SandboxdRunnerOptions): SandboxdRu
           });
         },
         async close() {
-          await channel.close();
+          if (!detach) {
+            await channel.close();
+            return;
+          }
+          // Closing an attachment would only let go of it: the command is ended instead.
+          await channel.stop().catch(() => {});
+          await channel.exit;
         },
       };
     },

@@ -180,6 +180,14 @@ struct LimitsConfig {
     /// least outputWindow and stdinWindow).
     std::uint32_t max_output_window = 64 << 20;
     std::uint32_t max_stdin_window = 16 << 20;
+    /// A detached channel (duplexChannelOpen `detach`): how long its exit is kept after it
+    /// ends, ms, 1000..2592000000 (30 days), and how many of the last bytes of each of its
+    /// output streams are kept, 4 KiB..1 GiB; the defaults and the largest an open may ask for
+    /// (each default at most its maximum).
+    std::uint64_t detach_retain_ms = 600000;
+    std::uint64_t max_detach_retain_ms = 86400000;
+    std::uint64_t detach_retain_bytes = 8ULL << 20;
+    std::uint64_t max_detach_retain_bytes = 256ULL << 20;
     /// Bytes queued toward hosts (WebSocket messages written by no socket yet) on the whole
     /// node and on one connection, 64 KiB..64 GiB. A connection over its own budget, or over
     /// its fair share (sendQueueBytes divided by the connections that have bytes queued) while

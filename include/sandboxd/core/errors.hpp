@@ -35,6 +35,8 @@ enum class errc {
     registry_unavailable,  ///< -32021 REGISTRY_UNAVAILABLE
     routing_loop,          ///< -32022 ROUTING_LOOP
     forbidden,             ///< -32023 FORBIDDEN: a peer link calls what it may not
+    channel_attached,      ///< -32024 CHANNEL_ATTACHED: a detached channel has a host attached
+    // Keep channel_attached last, or move errc_of_reason's bound (jsonrpc.cpp) with it.
 };
 
 /// The category of sandboxd::errc (name "sandboxd"); message() gives the reason string.

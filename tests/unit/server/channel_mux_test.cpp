@@ -3,6 +3,8 @@
 // held until the open's result is queued, the stdin window of the owner, the relay count).
 #include "server/channel_mux.hpp"
 #include "server/node.hpp"
+#include "server/strand_hop_sink.hpp"
+#include "support/temp_dir.hpp"
 #include "unit/server/channel_rig.hpp"
 
 #include <sandboxd/core/errors.hpp>
@@ -260,4 +262,57 @@ TEST_CASE("A connection gives its relays back to the node's count when it goes",
         CHECK(node_relays.load() == 7);
     }
     CHECK(node_relays.load() == 5);
+}
+
+TEST_CASE(
+    "A connection attached to a detached channel posts its stdin and credit to the "
+    "channel's strand, and detaches it when it goes",
+    "[mux][detached]") {
+    TempDir tmp;
+    boost::asio::io_context ioc;
+    const strand_t conn_strand = boost::asio::make_strand(ioc);
+    const strand_t channel_strand = boost::asio::make_strand(ioc);
+    auto host = std::make_shared<FakeChannelSink>(conn_strand);
+    ChannelMux mux{*host, max_payload, "test-peer"};
+    // The detached channel, on its own strand, its output kept.
+    auto output = std::make_shared<DetachedOutput>(
+        channel_strand, KeptOutput::create(tmp.path() / "kept", 1 << 20));
+    auto b = FakeChannelBackend::running();
+    auto* backend = b.get();
+    auto channel =
+        std::make_shared<Channel>(channel_strand, channel_options(), std::move(b), nullptr, output);
+    output->bind(channel);
+    on_strand(ioc, channel_strand, [&] { channel->start(); });
+    DetachedOutput::AttachResult attached;
+    auto hop = std::make_shared<StrandHopSink>(conn_strand, host);
+    on_strand(ioc, channel_strand, [&] {
+        attached = output->attach(hop, 3, 4, DetachedOutput::Offsets{0, 0});
+    });
+    on_strand(ioc, conn_strand, [&] {
+        mux.add_attached(
+            3, {"dch_x", channel, output, channel_strand, attached.id, std::move(hop), "host"});
+        CHECK(mux.count() == 1);
+        mux.apply_frame(encode_data(3, stream_id::stdin_, "in"));
+    });
+    REQUIRE(pump(ioc, [&] { return backend->stdin_bytes == "in"; }));
+    backend->write(output_stream::out, "0123456789");
+    REQUIRE(pump(ioc, [&] { return host->data(3, stream_id::stdout_) == "0123"; }));  // window 4
+    auto credit = [&](std::uint32_t n) {
+        on_strand(ioc, conn_strand,
+                  [&] { mux.apply_frame(encode_credit(3, stream_id::stdout_, n)); });
+    };
+    credit(4);
+    REQUIRE(pump(ioc, [&] { return host->data(3, stream_id::stdout_) == "01234567"; }));
+    credit(4);
+    REQUIRE(pump(ioc, [&] { return host->data(3, stream_id::stdout_) == "0123456789"; }));
+
+    // The connection goes: the command goes on, detached, and keeps its output.
+    on_strand(ioc, conn_strand, [&] { mux.close_all(); });
+    REQUIRE(pump(ioc, [&] { return !output->attached(); }));
+    CHECK(mux.count() == 0);
+    CHECK(backend->signals.empty());
+    backend->write(output_stream::out, "more");
+    REQUIRE(pump(ioc, [&] { return output->kept().end(output_stream::out) == 14; }));
+    CHECK(host->data(3, stream_id::stdout_) == "0123456789");
+    backend->forget_events();
 }

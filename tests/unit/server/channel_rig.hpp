@@ -11,6 +11,7 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/strand.hpp>
 
+#include <chrono>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -34,6 +35,19 @@ inline ChannelOptions channel_options(std::uint32_t output_window = 1 << 20,
 inline void settle(boost::asio::io_context& ioc) {
     ioc.restart();
     ioc.poll();
+}
+
+/// Runs `ioc` until `done()` holds, for at most `limit`; returns whether it held.
+inline bool pump(boost::asio::io_context& ioc, const std::function<bool()>& done,
+                 std::chrono::milliseconds limit = std::chrono::seconds(10)) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    ioc.restart();
+    while (!done()) {
+        if (std::chrono::steady_clock::now() >= deadline) return false;
+        ioc.run_one_for(std::chrono::milliseconds(50));
+        if (ioc.stopped()) ioc.restart();
+    }
+    return true;
 }
 
 /// Runs `f` on `strand` and settles; rethrows what `f` threw.

@@ -155,6 +155,92 @@ TEST_CASE("An open's params are parsed into an exec spec, naming the field on er
     }
 }
 
+TEST_CASE("An open's detach and name are parsed within the node's bounds", "[methods][detach]") {
+    using F = std::pair<std::string, std::string>;
+    const methods::DetachLimits limits{60000, 120000, 1 << 20, 4 << 20};
+    auto parse = [&](json extra) {
+        auto q = open_params();
+        q.update(extra);
+        return methods::parse_open(q, 1 << 20, 1 << 20, limits);
+    };
+    CHECK_FALSE(parse(json::object()).detach);
+    const auto defaults = parse({{"detach", json::object()}});
+    REQUIRE(defaults.detach);
+    CHECK(defaults.detach->retain_ms == 60000);
+    CHECK(defaults.detach->retain_bytes == 1 << 20);
+    CHECK(defaults.name.empty());
+    const auto asked =
+        parse({{"detach", {{"retainMs", 120000}, {"retainBytes", 4096}}}, {"name", "build-1.x_y"}});
+    CHECK(asked.detach->retain_ms == 120000);
+    CHECK(asked.detach->retain_bytes == 4096);
+    CHECK(asked.name == "build-1.x_y");
+
+    CHECK(failure([&] {
+              parse({{"detach", true}});
+          }) == F{"detach", "detach: must be an object {retainMs?, retainBytes?}"});
+    CHECK(failure([&] {
+              parse({{"detach", {{"retainMs", 120001}}}});
+          }) == F{"detach.retainMs", "detach.retainMs: must be an integer in 1000..120000"});
+    CHECK(failure([&] {
+              parse({{"detach", {{"retainBytes", 100}}}});
+          }) == F{"detach.retainBytes", "detach.retainBytes: must be an integer in 4096..4194304"});
+    CHECK(failure([&] {
+              parse({{"detach", {{"keep", 1}}}});
+          }) == F{"detach.keep", "detach.keep: is not a field of detach"});
+    CHECK(failure([&] {
+              parse({{"name", "n"}});
+          }) == F{"name", "name: names a detached channel: give detach too"});
+    CHECK(failure([&] {
+              parse({{"detach", json::object()}, {"name", "a b"}});
+          }) == F{"name", "name: must be 1 to 128 of A-Z, a-z, 0-9, '.', '_', '-'"});
+    CHECK(failure([&] {
+              parse({{"detach", json::object()}, {"name", std::string(129, 'a')}});
+          }).first == "name");
+    CHECK(failure([&] {
+              parse({{"detach", json::object()}, {"dataEncoding", "base64"}});
+          }) ==
+          F{"dataEncoding",
+            "dataEncoding: must be \"binary\" with detach: kept output is sent as binary frames"});
+}
+
+TEST_CASE("An attach names one detached channel of a lease, with offsets and a takeover",
+          "[methods][detach]") {
+    using F = std::pair<std::string, std::string>;
+    const std::string handle = "dch_0123456789abcdef01234567";
+    const auto by_handle = methods::parse_attach({{"leaseId", "l1"}, {"handle", handle}});
+    CHECK(by_handle.lease_id == "l1");
+    CHECK(by_handle.handle == handle);
+    CHECK_FALSE(by_handle.offsets);
+    CHECK_FALSE(by_handle.takeover);
+    const auto full = methods::parse_attach({{"leaseId", "l1"},
+                                             {"name", "job"},
+                                             {"offsets", {{"stdout", 5}}},
+                                             {"takeover", true},
+                                             {"outputWindow", 4096},
+                                             {"resize", {{"cols", 100}, {"rows", 30}}}});
+    CHECK(full.name == "job");
+    REQUIRE(full.offsets);
+    CHECK(full.offsets->stdout_offset == 5);
+    CHECK(full.offsets->stderr_offset == 0);
+    CHECK(full.takeover);
+    CHECK(full.output_window == 4096U);
+    CHECK(full.resize == std::make_pair(std::uint16_t{100}, std::uint16_t{30}));
+
+    auto fails = [](json p) { return failure([&] { methods::parse_attach(p); }); };
+    CHECK(fails({{"leaseId", "l1"}}).first == "handle");
+    CHECK(fails({{"leaseId", "l1"}, {"name", "a"}, {"handle", handle}}).first == "name");
+    CHECK(fails({{"name", "a"}}) == F{"leaseId", "leaseId: is required"});
+    CHECK(fails({{"leaseId", "l1"}, {"handle", "dch_XYZ"}}) ==
+          F{"handle", "handle: must be \"dch_\" and 24 lowercase hex digits"});
+    CHECK(fails({{"leaseId", "l1"}, {"name", "a"}, {"offsets", {{"stdout", -1}}}}) ==
+          F{"offsets.stdout", "offsets.stdout: must be an integer in 0..4611686018427387903"});
+    CHECK(fails({{"leaseId", "l1"}, {"name", "a"}, {"offsets", {{"stdin", 1}}}}) ==
+          F{"offsets.stdin", "offsets.stdin: is not a field of offsets"});
+    CHECK(fails({{"leaseId", "l1"}, {"name", "a"}, {"resize", {{"cols", 10}}}}).first == "resize");
+    CHECK(fails({{"leaseId", "l1"}, {"name", "a"}, {"takeover", 1}}).first == "takeover");
+    CHECK(fails({{"leaseId", "l1"}, {"name", "a"}, {"extra", 1}}).first == "extra");
+}
+
 TEST_CASE("A request names its channel only with an unsigned 32-bit id", "[methods]") {
     CHECK(methods::channel_named({{"channel", 3}}) == 3U);
     CHECK_FALSE(methods::channel_named({{"channel", -3}}));

@@ -112,11 +112,15 @@ struct RecordingTarget final : RelayTarget {
     strand_t strand;
     std::vector<std::pair<std::uint32_t, std::string>> frames;
     std::vector<nlohmann::json> exits;
+    std::vector<nlohmann::json> gaps;
     void relay_binary(std::uint32_t local_channel, std::string frame) override {
         frames.emplace_back(local_channel, std::move(frame));
     }
     void relay_exit(std::uint32_t /*local_channel*/, nlohmann::json exit_params) override {
         exits.push_back(std::move(exit_params));
+    }
+    void relay_gap(std::uint32_t /*local_channel*/, nlohmann::json gap_params) override {
+        gaps.push_back(std::move(gap_params));
     }
     net::any_io_executor relay_executor() override { return strand; }
 };
@@ -189,12 +193,13 @@ TEST_CASE(
     // Two channels, the host's 7 and 8, the owner's 42 and 43.
     std::vector<nlohmann::json> opened;
     auto open = [&](std::uint32_t local) {
-        boost::asio::co_spawn(link_strand,
-                              link->open({{"command", {"cat"}}}, forwarded_for, target, local),
-                              [&](const std::exception_ptr& e, nlohmann::json r) {
-                                  CHECK_FALSE(e);
-                                  opened.push_back(std::move(r));
-                              });
+        boost::asio::co_spawn(
+            link_strand,
+            link->open("duplexChannelOpen", {{"command", {"cat"}}}, forwarded_for, target, local),
+            [&](const std::exception_ptr& e, nlohmann::json r) {
+                CHECK_FALSE(e);
+                opened.push_back(std::move(r));
+            });
     };
     open(7);
     owner.accept(h.ioc);

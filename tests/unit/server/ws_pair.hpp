@@ -6,6 +6,8 @@
 // an in-memory stream (boost/beast/_experimental/test/stream.hpp) cannot stand in, but no
 // network, port or other process takes part. Everything runs on the test's io_context, which
 // pump() runs until what the test waits for has happened (bounded, never a sleep).
+#include "unit/server/channel_rig.hpp"
+
 #include <sandboxd/core/net.hpp>
 #include <sandboxd/core/tls.hpp>
 
@@ -24,19 +26,6 @@
 #include <utility>
 
 namespace sandboxd::test {
-
-/// Runs `ioc` until `done()` holds, for at most `limit`; returns whether it held.
-inline bool pump(net::io_context& ioc, const std::function<bool()>& done,
-                 std::chrono::milliseconds limit = std::chrono::seconds(10)) {
-    const auto deadline = std::chrono::steady_clock::now() + limit;
-    ioc.restart();
-    while (!done()) {
-        if (std::chrono::steady_clock::now() >= deadline) return false;
-        ioc.run_one_for(std::chrono::milliseconds(50));
-        if (ioc.stopped()) ioc.restart();
-    }
-    return true;
-}
 
 /// A message the client read: its bytes and whether it was binary.
 struct ClientMessage {

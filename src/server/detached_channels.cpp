@@ -1,0 +1,98 @@
+#include "server/detached_channels.hpp"
+
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/lease.hpp>
+
+#include <algorithm>
+
+namespace sandboxd {
+
+std::string DetachedChannels::make_handle() { return "dch_" + random_hex(12); }
+
+std::string DetachedChannels::add(Entry entry) {
+    std::lock_guard lock(mutex_);
+    if (!entry.name.empty() && by_name_.count({entry.lease_id, entry.name})) {
+        throw rpc_error(errc::invalid_params,
+                        "name: lease " + entry.lease_id +
+                            " already has a detached channel named \"" + entry.name +
+                            "\" (running, or its exit still kept)",
+                        {{"field", "name"}});
+    }
+    std::string handle = entry.handle;
+    while (handle.empty() || by_handle_.count(handle)) handle = make_handle();
+    entry.handle = handle;
+    if (!entry.name.empty()) by_name_[{entry.lease_id, entry.name}] = handle;
+    added_order_[handle] = order_++;
+    by_handle_.emplace(handle, std::make_shared<Entry>(std::move(entry)));
+    return handle;
+}
+
+std::shared_ptr<const DetachedChannels::Entry> DetachedChannels::find(
+    const std::string& handle) const {
+    std::lock_guard lock(mutex_);
+    const auto it = by_handle_.find(handle);
+    return it == by_handle_.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<const DetachedChannels::Entry> DetachedChannels::find(
+    const std::string& lease_id, const std::string& name) const {
+    std::lock_guard lock(mutex_);
+    const auto named = by_name_.find({lease_id, name});
+    if (named == by_name_.end()) return nullptr;
+    const auto it = by_handle_.find(named->second);
+    return it == by_handle_.end() ? nullptr : it->second;
+}
+
+std::vector<std::shared_ptr<const DetachedChannels::Entry>> DetachedChannels::of_lease(
+    const std::string& lease_id) const {
+    std::lock_guard lock(mutex_);
+    std::vector<std::shared_ptr<Entry>> found;
+    for (const auto& [handle, entry] : by_handle_) {
+        if (entry->lease_id == lease_id) found.push_back(entry);
+    }
+    std::sort(found.begin(), found.end(), [this](const auto& a, const auto& b) {
+        return added_order_.at(a->handle) < added_order_.at(b->handle);
+    });
+    return {found.begin(), found.end()};
+}
+
+void DetachedChannels::ended(const std::string& handle, std::int64_t at_ms) {
+    std::lock_guard lock(mutex_);
+    if (const auto it = by_handle_.find(handle); it != by_handle_.end()) {
+        if (!it->second->ended_at_ms) it->second->ended_at_ms = at_ms;
+    }
+}
+
+std::vector<std::shared_ptr<const DetachedChannels::Entry>> DetachedChannels::expire(
+    std::int64_t now_ms, const std::string& lease_id) {
+    std::lock_guard lock(mutex_);
+    std::vector<std::shared_ptr<const Entry>> gone;
+    for (auto it = by_handle_.begin(); it != by_handle_.end();) {
+        const auto& e = *it->second;
+        const bool lapsed =
+            e.ended_at_ms && now_ms - *e.ended_at_ms >= static_cast<std::int64_t>(e.retain_ms);
+        if (!lapsed && (lease_id.empty() || e.lease_id != lease_id)) {
+            ++it;
+            continue;
+        }
+        if (!e.name.empty()) by_name_.erase({e.lease_id, e.name});
+        added_order_.erase(e.handle);
+        gone.push_back(it->second);
+        it = by_handle_.erase(it);
+    }
+    return gone;
+}
+
+std::size_t DetachedChannels::running() const {
+    std::lock_guard lock(mutex_);
+    return static_cast<std::size_t>(
+        std::count_if(by_handle_.begin(), by_handle_.end(),
+                      [](const auto& kv) { return !kv.second->ended_at_ms; }));
+}
+
+std::size_t DetachedChannels::size() const {
+    std::lock_guard lock(mutex_);
+    return by_handle_.size();
+}
+
+}  // namespace sandboxd

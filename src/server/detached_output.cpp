@@ -1,0 +1,199 @@
+#include "server/detached_output.hpp"
+
+#include <sandboxd/core/errors.hpp>
+#include <sandboxd/core/frame.hpp>
+#include <sandboxd/core/jsonrpc.hpp>
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+namespace sandboxd {
+namespace {
+
+using json = nlohmann::json;
+
+/// The largest data frame sent to an attachment (the Channel's own read size).
+constexpr std::size_t max_frame_payload = 256 * 1024;
+
+constexpr std::size_t index(output_stream s) noexcept { return s == output_stream::err ? 1 : 0; }
+
+stream_id wire(output_stream s) noexcept {
+    return s == output_stream::err ? stream_id::stderr_ : stream_id::stdout_;
+}
+
+}  // namespace
+
+DetachedOutput::DetachedOutput(strand_t strand, std::unique_ptr<KeptOutput> kept)
+    : strand_(std::move(strand)), kept_(std::move(kept)) {}
+
+DetachedOutput::AttachResult DetachedOutput::attach(std::weak_ptr<ChannelSink> sink,
+                                                    std::uint32_t channel_id,
+                                                    std::uint32_t output_window,
+                                                    std::optional<Offsets> from, bool takeover,
+                                                    bool hold) {
+    if (attachment_) {
+        if (!takeover) {
+            throw rpc_error(errc::channel_attached,
+                            "another connection is attached to this detached channel; attach "
+                            "with takeover: true to take it over",
+                            {{"takeover", false}});
+        }
+        end_taken_over();
+    }
+    ++generation_;
+    Attachment a;
+    a.sink = std::move(sink);
+    a.channel_id = channel_id;
+    a.window = output_window;
+    a.held = hold;
+    const std::array<std::uint64_t, 2> asked =
+        from ? std::array<std::uint64_t, 2>{from->stdout_offset, from->stderr_offset}
+             : std::array<std::uint64_t, 2>{kept_->first_kept(output_stream::out),
+                                            kept_->first_kept(output_stream::err)};
+    for (auto s : {output_stream::out, output_stream::err}) {
+        a.cursor[index(s)] = std::min(asked[index(s)], kept_->end(s));
+    }
+    attachment_ = std::move(a);
+    schedule();
+    return {{attachment_->cursor[0], attachment_->cursor[1]}, generation_};
+}
+
+void DetachedOutput::release(std::uint64_t id) {
+    if (id != generation_ || !attachment_) return;
+    attachment_->held = false;
+    schedule();
+}
+
+void DetachedOutput::end_taken_over() {
+    if (auto sink = attachment_->sink.lock()) {
+        const auto id = attachment_->channel_id;
+        sink->send_text(jsonrpc::notification("duplexChannel.exit", {{"channel", id},
+                                                                     {"exitCode", nullptr},
+                                                                     {"signal", nullptr},
+                                                                     {"outcome", "takenOver"},
+                                                                     {"stdoutBytes", nullptr},
+                                                                     {"stderrBytes", nullptr}}));
+        sink->channel_finished(id);
+    }
+    drop_attachment();
+}
+
+void DetachedOutput::detach(std::uint64_t id) noexcept {
+    if (id == generation_) drop_attachment();
+}
+
+void DetachedOutput::drop_attachment() noexcept {
+    ++generation_;
+    attachment_.reset();
+}
+
+void DetachedOutput::add_credit(std::uint32_t bytes) {
+    if (!attachment_) return;
+    auto& a = *attachment_;
+    a.unacked = bytes >= a.unacked ? 0 : a.unacked - bytes;
+    schedule();
+}
+
+void DetachedOutput::send_binary(std::string frame) {
+    auto decoded = decode_frame(frame, std::numeric_limits<std::uint32_t>::max());
+    if (const auto* credit = std::get_if<CreditFrame>(&decoded)) {
+        // Stdin credit: the host attached now is the one writing.
+        if (auto sink = attachment_ ? attachment_->sink.lock() : nullptr) {
+            sink->send_binary(
+                encode_credit(attachment_->channel_id, stream_id::stdin_, credit->bytes));
+        }
+        return;
+    }
+    const auto* data = std::get_if<DataFrame>(&decoded);
+    if (!data || data->stream == stream_id::stdin_) return;
+    const auto stream =
+        data->stream == stream_id::stderr_ ? output_stream::err : output_stream::out;
+    kept_->append(stream, data->payload);
+    // Read, as far as the command is concerned: its credit comes back at once.
+    const auto n = static_cast<std::uint32_t>(data->payload.size());
+    net::post(strand_, [weak = channel_, n] {
+        if (auto channel = weak.lock()) channel->add_credit(n);
+    });
+    schedule();
+}
+
+void DetachedOutput::send_text(std::string text) {
+    // The only text a binary-mode channel sends is its exit.
+    auto message = json::parse(text, nullptr, false);
+    if (message.is_discarded() || message.value("method", "") != "duplexChannel.exit") return;
+    exit_ = std::move(message["params"]);
+    schedule();
+}
+
+void DetachedOutput::channel_finished(std::uint32_t /*channel*/) { finished_ = true; }
+
+void DetachedOutput::schedule() {
+    if (!attachment_ || attachment_->scheduled || attachment_->held) return;
+    attachment_->scheduled = true;
+    net::post(strand_, [self = shared_from_this(), generation = generation_] {
+        if (generation != self->generation_ || !self->attachment_) return;
+        self->attachment_->scheduled = false;
+        self->send_to_attachment();
+    });
+}
+
+void DetachedOutput::send_to_attachment() {
+    auto& a = *attachment_;
+    auto sink = a.sink.lock();
+    if (!sink) return drop_attachment();  // its connection is gone
+    while (a.unacked < a.window) {
+        if (!sink->has_send_room()) {
+            if (!a.waiting_room) {
+                a.waiting_room = true;
+                sink->when_send_room([weak = weak_from_this(), generation = generation_] {
+                    auto self = weak.lock();
+                    if (!self || generation != self->generation_ || !self->attachment_) return;
+                    self->attachment_->waiting_room = false;
+                    self->schedule();
+                });
+            }
+            return;
+        }
+        const bool sent_out = send_kept(a, *sink, output_stream::out);
+        const bool sent_err = send_kept(a, *sink, output_stream::err);
+        if (!sent_out && !sent_err) break;
+    }
+    const bool caught_up = a.cursor[0] == kept_->end(output_stream::out) &&
+                           a.cursor[1] == kept_->end(output_stream::err);
+    if (caught_up && !exit_.is_null() && !a.exit_sent) {
+        a.exit_sent = true;
+        auto params = exit_;
+        params["channel"] = a.channel_id;
+        sink->send_text(jsonrpc::notification("duplexChannel.exit", std::move(params)));
+        sink->channel_finished(a.channel_id);
+        drop_attachment();  // it has everything: the next host may attach without a takeover
+    }
+}
+
+bool DetachedOutput::send_kept(Attachment& a, ChannelSink& sink, output_stream stream) {
+    auto& cursor = a.cursor[index(stream)];
+    if (const auto first = kept_->first_kept(stream); cursor < first) {
+        // Bytes it has not read are no longer kept: it is told where the kept ones begin.
+        sink.send_text(jsonrpc::notification(
+            "duplexChannel.gap", {{"channel", a.channel_id},
+                                  {"stream", stream == output_stream::err ? "stderr" : "stdout"},
+                                  {"firstKept", first}}));
+        cursor = first;
+    }
+    const auto left = kept_->end(stream) - cursor;
+    const auto room = a.window - a.unacked;
+    const auto n = static_cast<std::size_t>(
+        std::min<std::uint64_t>({left, room, static_cast<std::uint64_t>(max_frame_payload)}));
+    if (n == 0) return false;
+    std::string frame = sink.frame_buffer();
+    frame.resize(frame_header_size + n);
+    kept_->read(stream, cursor, std::span<char>(frame.data() + frame_header_size, n));
+    write_data_header(frame.data(), a.channel_id, wire(stream));
+    sink.send_binary(std::move(frame));
+    cursor += n;
+    a.unacked += n;
+    return true;
+}
+
+}  // namespace sandboxd

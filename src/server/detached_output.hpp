@@ -1,0 +1,109 @@
+#pragma once
+// The sink of a detached channel (issue 46): it stands between the Channel and whichever host
+// connection is attached now, if any, so that the command never waits for a host and a host
+// that comes back resumes exactly where it stopped reading.
+//
+// The Channel sends its frames here as it would to a connection. Each data frame's payload is
+// appended to the channel's KeptOutput and credited back to the channel at once (the command
+// is never blocked by a slow or absent host; past the kept capacity the oldest bytes go). The
+// exit notification is kept. An attachment (a host connection's sink and its channel id
+// there) is a cursor per stream: it is sent the kept bytes from its offsets while it has
+// credit (its own output window), first a duplexChannel.gap {channel, stream, firstKept} when
+// bytes it asked for are no longer kept, and the exit once, after its last byte. A new
+// attachment replaces the previous one, which is sent nothing more.
+//
+// Threading: everything on the channel's strand; the attached sink must be on the same
+// strand. Frames are encoded binary only (dataEncoding base64 is not kept).
+#include "server/channel.hpp"
+#include "server/kept_output.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace sandboxd {
+
+class DetachedOutput final : public ChannelSink,
+                             public std::enable_shared_from_this<DetachedOutput> {
+public:
+    DetachedOutput(strand_t strand, std::unique_ptr<KeptOutput> kept);
+
+    /// The channel whose sink this is (after the Channel is made with it): credit goes back
+    /// to it.
+    void bind(std::weak_ptr<Channel> channel) { channel_ = std::move(channel); }
+
+    /// Where an attachment starts on each stream.
+    struct Offsets {
+        std::uint64_t stdout_offset = 0;
+        std::uint64_t stderr_offset = 0;
+    };
+    /// What attach() gives: where the attachment starts, and its id for detach().
+    struct AttachResult {
+        Offsets from;
+        std::uint64_t id = 0;
+    };
+    /// Attaches `sink` as channel `channel_id` with `output_window` bytes of credit, from
+    /// `from` (nullopt: the oldest kept bytes). Returns the offsets it starts from (an offset
+    /// past the end is taken as the end). With another host attached, throws
+    /// rpc_error(errc::channel_attached) and changes nothing, unless `takeover`: then the
+    /// previous attachment is sent duplexChannel.exit with outcome "takenOver" (its last
+    /// message; the command goes on) and ends. Held (`hold`), the attachment is sent nothing
+    /// until release(): the host's result goes first. The kept bytes follow on the next turns
+    /// of the strand, never inside this call.
+    AttachResult attach(std::weak_ptr<ChannelSink> sink, std::uint32_t channel_id,
+                        std::uint32_t output_window, std::optional<Offsets> from,
+                        bool takeover = false, bool hold = false);
+    /// Lets held attachment `id` be sent to (see attach); nothing when it is no longer the
+    /// current one.
+    void release(std::uint64_t id);
+    /// Ends attachment `id` (its connection went), if it is still the current one: the
+    /// command goes on, its output is kept.
+    void detach(std::uint64_t id) noexcept;
+    /// Output credit from the attached host.
+    void add_credit(std::uint32_t bytes);
+
+    [[nodiscard]] bool attached() const noexcept { return attachment_.has_value(); }
+    /// The kept exit notification's params (null while the command runs).
+    [[nodiscard]] const nlohmann::json& exit() const noexcept { return exit_; }
+    [[nodiscard]] const KeptOutput& kept() const noexcept { return *kept_; }
+
+    // ChannelSink: what the Channel sends.
+    void send_binary(std::string frame) override;
+    void send_text(std::string text) override;
+    void channel_finished(std::uint32_t channel) override;
+
+private:
+    struct Attachment {
+        std::weak_ptr<ChannelSink> sink;
+        std::uint32_t channel_id = 0;
+        std::uint32_t window = 0;
+        std::uint64_t unacked = 0;
+        std::array<std::uint64_t, 2> cursor{0, 0};
+        bool exit_sent = false;
+        bool waiting_room = false;
+        bool scheduled = false;
+        bool held = false;
+    };
+    /// Sends the attachment what it may have now, on the next turn of the strand.
+    void schedule();
+    void send_to_attachment();
+    void drop_attachment() noexcept;
+    /// Tells the current attachment that another host took the channel over, and drops it.
+    void end_taken_over();
+    /// One data frame of `stream` from the attachment's cursor; false when nothing was sent.
+    bool send_kept(Attachment& a, ChannelSink& sink, output_stream stream);
+
+    strand_t strand_;
+    std::unique_ptr<KeptOutput> kept_;
+    std::weak_ptr<Channel> channel_;
+    std::optional<Attachment> attachment_;
+    std::uint64_t generation_ = 0;  ///< bumped per attachment: stale wakes do nothing
+    nlohmann::json exit_;
+    bool finished_ = false;
+};
+
+}  // namespace sandboxd

@@ -1,0 +1,82 @@
+#pragma once
+// The kept output of one detached channel (issue 46): the last `capacity` bytes of each of its
+// output streams, with their absolute offsets (bytes since the command started writing to
+// that stream), so that a host that reattaches can resume exactly where it stopped reading.
+//
+// Storage: one ring file per stream in a directory of its own, each preallocated to
+// `capacity` bytes with fallocate(2) when made, so that the whole retention is charged at the
+// open to the filesystem that holds it (the lease's disk, where the lease has one) and a full
+// disk refuses the open rather than a later write. The bytes live in those files and the page
+// cache, never in the daemon's heap: holding a flooding channel's output costs the daemon one
+// frame buffer, whatever `capacity` is. Absolute offset `o` is at `o % capacity` in its file;
+// only the two counters (end, and from it first_kept) are kept in memory.
+//
+// Errors: create() throws rpc_error(errc::provider_error) naming the step and the errno text
+// (ENOSPC: "no room for the kept output"), and leaves nothing behind; append() and read()
+// throw the same on an I/O error. Offsets before first_kept() or after end() are the caller's
+// error: read() throws std::out_of_range for them.
+//
+// Blocking: every call is a pread/pwrite/fallocate on a local file (page cache; may wait for
+// writeback under memory pressure). Thread-safety: none; one owner (the channel's strand).
+#include <sandboxd/core/unique_fd.hpp>
+#include <sandboxd/provider/channel_backend.hpp>
+
+#include <array>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string_view>
+
+namespace sandboxd {
+
+class KeptOutput {
+public:
+    /// Smallest and largest `capacity` per stream (one page; 1 GiB).
+    static constexpr std::uint64_t min_capacity = 4096;
+    static constexpr std::uint64_t max_capacity = 1ULL << 30;
+
+    /// Makes `dir` (mode 0700; its parent must exist) with the files "stdout" and "stderr",
+    /// each `capacity` bytes (in [min_capacity, max_capacity]; std::invalid_argument else).
+    /// `dir` must not exist yet.
+    static std::unique_ptr<KeptOutput> create(const std::filesystem::path& dir,
+                                              std::uint64_t capacity);
+    ~KeptOutput() = default;
+    KeptOutput(const KeptOutput&) = delete;
+    KeptOutput& operator=(const KeptOutput&) = delete;
+
+    /// Keeps `bytes` as the next bytes of `stream` (overwriting its oldest ones when the ring
+    /// is full). Any size: more than `capacity` keeps the last `capacity` of them.
+    void append(output_stream stream, std::string_view bytes);
+    /// Copies kept bytes of `stream` from absolute `offset` (first_kept() <= offset <= end())
+    /// into `into`; returns how many (min(into.size(), end() - offset)).
+    std::size_t read(output_stream stream, std::uint64_t offset, std::span<char> into) const;
+
+    /// Bytes written to `stream` so far: the offset of the next byte.
+    [[nodiscard]] std::uint64_t end(output_stream stream) const noexcept {
+        return ends_[index(stream)];
+    }
+    /// The offset of the oldest byte still kept (end() - capacity, or 0).
+    [[nodiscard]] std::uint64_t first_kept(output_stream stream) const noexcept {
+        const auto e = end(stream);
+        return e > capacity_ ? e - capacity_ : 0;
+    }
+    [[nodiscard]] std::uint64_t capacity() const noexcept { return capacity_; }
+    [[nodiscard]] const std::filesystem::path& dir() const noexcept { return dir_; }
+
+    /// Deletes the files and the directory (the open descriptors stay valid until destroyed).
+    /// noexcept: what cannot be removed is left.
+    void remove() noexcept;
+
+private:
+    KeptOutput(std::filesystem::path dir, std::uint64_t capacity,
+               std::array<unique_fd, 2> files) noexcept;
+    static std::size_t index(output_stream s) noexcept { return s == output_stream::err ? 1 : 0; }
+
+    std::filesystem::path dir_;
+    std::uint64_t capacity_;
+    std::array<unique_fd, 2> files_;
+    std::array<std::uint64_t, 2> ends_{0, 0};
+};
+
+}  // namespace sandboxd

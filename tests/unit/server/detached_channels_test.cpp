@@ -1,0 +1,81 @@
+// DetachedChannels (src/server/detached_channels.hpp): handles, names unique per lease while
+// a channel runs or its exit is kept, the order of a lease's list, and expiry (by retain_ms
+// after the end, or all of a lease's at once).
+#include "server/detached_channels.hpp"
+
+#include <sandboxd/core/errors.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <string>
+
+using namespace sandboxd;
+
+namespace {
+
+DetachedChannels::Entry entry(std::string lease, std::string name, std::uint64_t retain_ms = 1000) {
+    DetachedChannels::Entry e;
+    e.lease_id = std::move(lease);
+    e.name = std::move(name);
+    e.argv0 = "sh";
+    e.retain_ms = retain_ms;
+    return e;
+}
+
+}  // namespace
+
+TEST_CASE("Detached channels are found by handle and by name within their lease",
+          "[detached_channels]") {
+    DetachedChannels t;
+    const auto a = t.add(entry("lse_1", "build"));
+    const auto b = t.add(entry("lse_1", ""));
+    const auto c = t.add(entry("lse_2", "build"));  // the same name in another lease
+    CHECK(a.rfind("dch_", 0) == 0);
+    CHECK(a.size() == 4 + 24);
+    CHECK(a != b);
+    CHECK(t.find(a)->name == "build");
+    CHECK(t.find("lse_1", "build")->handle == a);
+    CHECK(t.find("lse_2", "build")->handle == c);
+    CHECK_FALSE(t.find("lse_3", "build"));
+    CHECK_FALSE(t.find("dch_nonesuch"));
+    const auto list = t.of_lease("lse_1");
+    REQUIRE(list.size() == 2);
+    CHECK(list[0]->handle == a);  // oldest first
+    CHECK(list[1]->handle == b);
+    CHECK(t.running() == 3);
+}
+
+TEST_CASE("A name is refused while its channel runs or its exit is kept, and free after",
+          "[detached_channels]") {
+    DetachedChannels t;
+    const auto a = t.add(entry("lse_1", "build", /*retain_ms=*/1000));
+    try {
+        t.add(entry("lse_1", "build"));
+        FAIL("a second \"build\" was added");
+    } catch (const rpc_error& e) {
+        CHECK(e.code() == errc::invalid_params);
+        CHECK(e.data().value("field", "") == "name");
+    }
+    CHECK(t.size() == 1);  // the refused one changed nothing
+    t.ended(a, 5000);
+    CHECK(t.running() == 0);
+    CHECK(t.expire(5999).empty());  // kept for 1000 ms after its end
+    CHECK_THROWS_AS(t.add(entry("lse_1", "build")), rpc_error);
+    const auto gone = t.expire(6000);
+    REQUIRE(gone.size() == 1);
+    CHECK(gone[0]->handle == a);
+    CHECK_FALSE(t.find(a));
+    CHECK_NOTHROW(t.add(entry("lse_1", "build")));
+}
+
+TEST_CASE("A lease that ends takes all of its detached channels with it", "[detached_channels]") {
+    DetachedChannels t;
+    t.add(entry("lse_1", "a"));
+    t.add(entry("lse_1", "b"));
+    const auto other = t.add(entry("lse_2", "a"));
+    const auto gone = t.expire(0, "lse_1");
+    CHECK(gone.size() == 2);
+    CHECK(t.of_lease("lse_1").empty());
+    CHECK(t.find(other));
+    CHECK_NOTHROW(t.add(entry("lse_1", "a")));
+}

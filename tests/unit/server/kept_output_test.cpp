@@ -1,0 +1,119 @@
+// KeptOutput (src/server/kept_output.hpp): the last `capacity` bytes of each stream at their
+// absolute offsets, across wraps of the ring, checked against the whole output kept in the
+// test's memory; the files it makes and removes; the errors that change nothing.
+#include "server/kept_output.hpp"
+#include "support/temp_dir.hpp"
+
+#include <sandboxd/core/errors.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <random>
+#include <stdexcept>
+#include <string>
+
+using namespace sandboxd;
+using namespace sandboxd::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+/// What `kept` holds of `stream` from `offset` to its end.
+std::string read_from(const KeptOutput& kept, output_stream stream, std::uint64_t offset) {
+    std::string out(kept.end(stream) - offset, '\0');
+    REQUIRE(kept.read(stream, offset, out) == out.size());
+    return out;
+}
+
+/// `n` bytes that tell their offset apart (a counter, not a repeated byte).
+std::string pattern(std::uint64_t from, std::size_t n) {
+    std::string s(n, '\0');
+    for (std::size_t i = 0; i < n; ++i) s[i] = static_cast<char>((from + i) * 131 % 251);
+    return s;
+}
+
+}  // namespace
+
+TEST_CASE("Kept output below its capacity keeps every byte at its offset", "[kept_output]") {
+    TempDir tmp;
+    auto kept = KeptOutput::create(tmp.path() / "ch", 8192);
+    struct stat st {};
+    REQUIRE(::stat((tmp.path() / "ch").c_str(), &st) == 0);
+    CHECK((st.st_mode & 0777) == 0700);
+    CHECK(fs::file_size(tmp.path() / "ch" / "stdout") == 8192);  // allocated at the open
+    kept->append(output_stream::out, "hello ");
+    kept->append(output_stream::err, "oops");
+    kept->append(output_stream::out, "world");
+    CHECK(kept->end(output_stream::out) == 11);
+    CHECK(kept->end(output_stream::err) == 4);
+    CHECK(kept->first_kept(output_stream::out) == 0);
+    CHECK(read_from(*kept, output_stream::out, 0) == "hello world");
+    CHECK(read_from(*kept, output_stream::out, 6) == "world");
+    CHECK(read_from(*kept, output_stream::err, 0) == "oops");
+    char none[4];
+    CHECK(kept->read(output_stream::out, 11, none) == 0);  // at the end: nothing yet
+    CHECK_THROWS_AS(kept->read(output_stream::out, 12, none), std::out_of_range);
+}
+
+TEST_CASE("Kept output past its capacity keeps the last capacity bytes across the wrap",
+          "[kept_output]") {
+    TempDir tmp;
+    auto kept = KeptOutput::create(tmp.path() / "ch", 4096);
+    kept->append(output_stream::out, pattern(0, 3000));
+    kept->append(output_stream::out, pattern(3000, 3000));  // wraps at 4096
+    CHECK(kept->end(output_stream::out) == 6000);
+    CHECK(kept->first_kept(output_stream::out) == 6000 - 4096);
+    CHECK(read_from(*kept, output_stream::out, 6000 - 4096) == pattern(6000 - 4096, 4096));
+    CHECK(read_from(*kept, output_stream::out, 5000) == pattern(5000, 1000));
+    char one[1];
+    CHECK_THROWS_AS(kept->read(output_stream::out, 6000 - 4097, one), std::out_of_range);
+    // One append larger than the ring keeps its last 4096 bytes.
+    kept->append(output_stream::out, pattern(6000, 10000));
+    CHECK(kept->end(output_stream::out) == 16000);
+    CHECK(read_from(*kept, output_stream::out, 16000 - 4096) == pattern(16000 - 4096, 4096));
+    CHECK(kept->end(output_stream::err) == 0);  // the other stream is its own
+}
+
+TEST_CASE("Kept output matches the whole output at every offset, whatever the appends",
+          "[kept_output]") {
+    TempDir tmp;
+    constexpr std::uint64_t capacity = 3 * 4096;
+    auto kept = KeptOutput::create(tmp.path() / "ch", capacity);
+    std::mt19937 rng(46);
+    std::string whole[2];
+    for (int i = 0; i < 400; ++i) {
+        const auto s = rng() % 2 ? output_stream::out : output_stream::err;
+        auto& w = whole[s == output_stream::err ? 1 : 0];
+        const auto n = static_cast<std::size_t>(rng() % 5000);
+        const auto bytes = pattern(w.size() + (s == output_stream::err ? 7 : 0), n);
+        kept->append(s, bytes);
+        w += bytes;
+        REQUIRE(kept->end(s) == w.size());
+        const auto first = kept->first_kept(s);
+        REQUIRE(first == (w.size() > capacity ? w.size() - capacity : 0));
+        const auto from = first + rng() % (w.size() - first + 1);
+        REQUIRE(read_from(*kept, s, from) == w.substr(from));
+    }
+}
+
+TEST_CASE("Kept output refuses what it cannot keep and leaves nothing behind", "[kept_output]") {
+    TempDir tmp;
+    CHECK_THROWS_AS(KeptOutput::create(tmp.path() / "small", 4095), std::invalid_argument);
+    CHECK_THROWS_AS(KeptOutput::create(tmp.path() / "big", (1ULL << 30) + 1),
+                    std::invalid_argument);
+    CHECK_FALSE(fs::exists(tmp.path() / "small"));
+    CHECK_FALSE(fs::exists(tmp.path() / "big"));
+    fs::create_directory(tmp.path() / "taken");
+    CHECK_THROWS_AS(KeptOutput::create(tmp.path() / "taken", 4096), rpc_error);
+    CHECK(fs::is_empty(tmp.path() / "taken"));  // what was there is left as it was
+    CHECK_THROWS_AS(KeptOutput::create(tmp.path() / "no" / "parent", 4096), rpc_error);
+
+    auto kept = KeptOutput::create(tmp.path() / "ch", 4096);
+    kept->append(output_stream::out, "x");
+    kept->remove();
+    CHECK_FALSE(fs::exists(tmp.path() / "ch"));
+    CHECK(read_from(*kept, output_stream::out, 0) == "x");  // its descriptors outlive the files
+}
