@@ -333,3 +333,29 @@ TEST_CASE("A detached channel that floods its kept output does not grow the daem
     INFO("baseline " << baseline << " KiB, peak " << daemon.peak_rss_kib() << " KiB");
     if (rss_is_meaningful) CHECK(daemon.peak_rss_kib() <= baseline + 32 * 1024);
 }
+
+TEST_CASE("A lease's detached output is bounded: an open past it is refused before it starts",
+          "[daemon][detached]") {
+    const std::string config =
+        json{{"limits", {{"detachRetainBytes", 4096}, {"detachKeptBytesPerLease", 16384}}}}.dump();
+    DaemonProcess daemon("node-a", config);
+    auto c = daemon.connect();
+    const auto lease = acquire_lease(*c);
+    c->call("duplexChannelOpen", detached_open(lease, {"sleep", "6464"}, "a", 4096));
+    c->call("duplexChannelOpen", detached_open(lease, {"sleep", "6464"}, "b", 4096));
+    REQUIRE(eventually([] { return count_processes_with("sleep 6464") == 2; }, 20s));
+    try {
+        c->call("duplexChannelOpen", detached_open(lease, {"sleep", "6465"}, "c", 4096));
+        FAIL("a third detached channel went past the lease's budget");
+    } catch (const rpc_error& e) {
+        CHECK(e.code() == errc::channel_limit);
+        CHECK(e.data().value("limit", "") == "detachKeptBytesPerLease");
+    }
+    CHECK(count_processes_with("sleep 6465") == 0);  // nothing started
+    // Another lease has a budget of its own; an undetached channel needs none.
+    const auto other = acquire_lease(*c);
+    c->call("duplexChannelOpen", detached_open(other, {"sleep", "6466"}, "a", 4096));
+    c->call("duplexChannelOpen", open_params(lease, {"sleep", "6467"}));
+    CHECK(eventually([] { return count_processes_with("sleep 6466") == 1; }, 20s));
+    CHECK(eventually([] { return count_processes_with("sleep 6467") == 1; }, 20s));
+}
