@@ -24,19 +24,7 @@ using json = nlohmann::json;
 
 namespace {
 
-const std::string host_token = "host-secret";
-const std::string peer_token = "peer-secret";
-
-std::string cluster_config(const SqliteCluster& cluster) {
-    return json{
-        {"registry", cluster.registry()},
-        {"auth",
-         {{"tokens",
-           {{{"name", "host"}, {"token", host_token}, {"role", "host"}, {"tenants", {"*"}}},
-            {{"name", "peer"}, {"token", peer_token}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
-        {"routing", {{"mode", "proxy"}, {"nodeTtlMs", 3000}, {"heartbeatMs", 300}}}}
-        .dump();
-}
+const std::string& host_token = test_host_token;
 
 /// What one connection received per channel id: output (credited back as it is read, so no
 /// window stalls), gaps and exits.
