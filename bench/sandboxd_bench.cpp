@@ -568,6 +568,28 @@ json concurrent_opens(const Target& t, const json& lease, std::size_t total,
             {"opens_per_s", static_cast<double>(total * rounds) / std::max(wall_s, 1e-9)}};
 }
 
+/// Reads channel `channel` of `c` to its exit, crediting every `batch` bytes; the bytes read.
+std::uint64_t drain_channel(Conn& c, std::uint32_t channel, std::uint64_t batch, json& exit,
+                            std::uint64_t* frames = nullptr) {
+    std::uint64_t got = 0, uncredited = 0;
+    for (;;) {
+        Msg m;
+        c.next(m);
+        if (!m.text && m.kind == 0x01 && m.channel == channel) {
+            got += m.payload;
+            uncredited += m.payload;
+            if (frames) ++*frames;
+            if (uncredited >= batch) {
+                c.send_credit(channel, m.stream, static_cast<std::uint32_t>(uncredited));
+                uncredited = 0;
+            }
+        } else if (m.is_exit() && m.j["params"].value("channel", 0U) == channel) {
+            exit = m.j["params"];
+            return got;
+        }
+    }
+}
+
 /// Streams `bytes` of zeros from `head` through a channel; returns MB/s (10^6 bytes).
 json stream_once(const Target& t, const json& lease, std::uint64_t bytes, std::uint64_t window,
                  std::uint64_t batch, long daemon_pid, long relay_pid = 0,
@@ -583,24 +605,9 @@ json stream_once(const Target& t, const json& lease, std::uint64_t bytes, std::u
     const auto id = c.send_request("duplexChannelOpen", params);
     const json result = c.wait(id);
     const auto channel = result.at("channel").get<std::uint32_t>();
-    std::uint64_t got = 0, uncredited = 0, frames = 0;
+    std::uint64_t frames = 0;
     json exit;
-    for (;;) {
-        Msg m;
-        c.next(m);
-        if (!m.text && m.kind == 0x01 && m.channel == channel) {
-            got += m.payload;
-            uncredited += m.payload;
-            ++frames;
-            if (uncredited >= batch) {
-                c.send_credit(channel, m.stream, static_cast<std::uint32_t>(uncredited));
-                uncredited = 0;
-            }
-        } else if (m.is_exit() && m.j["params"].value("channel", 0U) == channel) {
-            exit = m.j["params"];
-            break;
-        }
-    }
+    const auto got = drain_channel(c, channel, batch, exit, &frames);
     const double secs = secs_since(t0);
     const double cpu = cpu_self_s() - cpu0;
     const double dcpu = cpu_of_pid(daemon_pid) - dcpu0;
@@ -621,26 +628,6 @@ json stream_once(const Target& t, const json& lease, std::uint64_t bytes, std::u
 }
 
 json runs_summary(const std::vector<json>& runs);
-
-/// Reads channel `channel` of `c` to its exit, crediting every `batch` bytes; the bytes read.
-std::uint64_t drain_channel(Conn& c, std::uint32_t channel, std::uint64_t batch, json& exit) {
-    std::uint64_t got = 0, uncredited = 0;
-    for (;;) {
-        Msg m;
-        c.next(m);
-        if (!m.text && m.kind == 0x01 && m.channel == channel) {
-            got += m.payload;
-            uncredited += m.payload;
-            if (uncredited >= batch) {
-                c.send_credit(channel, m.stream, static_cast<std::uint32_t>(uncredited));
-                uncredited = 0;
-            }
-        } else if (m.is_exit() && m.j["params"].value("channel", 0U) == channel) {
-            exit = m.j["params"];
-            return got;
-        }
-    }
-}
 
 /// Replay of kept output (issue 46): a detached `head -c BYTES /dev/zero` that nobody reads,
 /// kept whole, then attached from offset 0 and read to its exit; MB/s of the attach.

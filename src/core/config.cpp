@@ -215,6 +215,10 @@ void check_limits(const LimitsConfig& l) {
     if (l.detach_retain_bytes > l.max_detach_retain_bytes) {
         fail("limits.detachRetainBytes", "must not exceed limits.maxDetachRetainBytes");
     }
+    if (l.detach_kept_bytes_per_lease < 2 * l.detach_retain_bytes) {
+        fail("limits.detachKeptBytesPerLease",
+             "must be at least twice limits.detachRetainBytes (a default open keeps both streams)");
+    }
     if (l.send_queue_bytes_per_connection > l.send_queue_bytes) {
         fail("limits.sendQueueBytesPerConnection", "must not exceed limits.sendQueueBytes");
     }

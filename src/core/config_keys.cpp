@@ -690,6 +690,9 @@ const Keys<LimitsConfig>& limits_keys() {
                 "detached channel."),
         integer("maxDetachRetainBytes", &T::max_detach_retain_bytes, 4 * kib, gib,
                 "Largest detach.retainBytes an open may ask for; at least detachRetainBytes."),
+        integer("detachKeptBytesPerLease", &T::detach_kept_bytes_per_lease, 8 * kib, 1024 * gib,
+                "Kept output of one lease's detached channels together (2 x retainBytes each, "
+                "running or with the exit kept); at least 2 x detachRetainBytes."),
         integer("sendQueueBytes", &T::send_queue_bytes, 64 * kib, 64 * gib,
                 "Bytes queued toward hosts on the whole node."),
         integer("sendQueueBytesPerConnection", &T::send_queue_bytes_per_connection, 64 * kib,

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <exception>
 #include <filesystem>
+#include <utility>
 
 namespace sandboxd::handlers {
 namespace {
@@ -130,10 +131,49 @@ DetachedChannels::Entry detached_entry(const std::string& handle, const Lease& l
     entry.pty = options.pty;
     entry.started_at_ms = now_ms();
     entry.retain_ms = params.detach->retain_ms;
+    entry.kept_bytes = 2 * params.detach->retain_bytes;
     entry.strand = strand;
     entry.channel = std::move(channel);
     entry.output = std::move(output);
     return entry;
+}
+
+/// The audit line of a channel that started (`handle`: a detached channel's, else "").
+void audit_opened(Node& node, const Lease& lease, std::uint64_t key, const Principal& caller,
+                  const ChannelOptions& options, std::int64_t start_deadline,
+                  const std::string& handle) {
+    if (!node.audit) return;
+    json line = {
+        {"lease", lease.id},
+        {"epoch", lease.epoch},
+        {"channel", key},
+        {"token", caller.name},
+        {"argv0", options.argv0},
+        {"argvSha256", options.argv_sha256},
+        {"pty", options.pty},
+        {"startDeadline", rfc3339_at(std::chrono::system_clock::now() +
+                                     std::chrono::milliseconds(start_deadline - steady_now_ms()))}};
+    if (!handle.empty()) line["detached"] = handle;
+    node.audit->write("channel.opened", std::move(line));
+}
+
+/// A detached channel's kept output, made before its command starts: a full disk or a lease
+/// over its budget refuses the open before anything runs (the channel slot is given back).
+std::shared_ptr<DetachedOutput> kept_output_for(Node& node, const Lease& lease,
+                                                const methods::OpenParams& params,
+                                                const std::string& handle, const strand_t& strand) {
+    try {
+        node.detached.check_new(lease.id, params.name, 2 * params.detach->retain_bytes,
+                                node.config.limits.detach_kept_bytes_per_lease);
+        const auto dir = kept_output_root(node) / lease.id;
+        std::error_code ec;
+        std::filesystem::create_directories(dir, ec);
+        return std::make_shared<DetachedOutput>(
+            strand, KeptOutput::create(dir / handle, params.detach->retain_bytes));
+    } catch (...) {
+        node.channels.unreserve();
+        throw;
+    }
 }
 
 /// A detached channel (issue 46): on a strand of its own, its output kept by a DetachedOutput
@@ -142,60 +182,48 @@ DetachedChannels::Entry detached_entry(const std::string& handle, const Lease& l
 awaitable<MethodReply> open_detached(Connection& c, methods::OpenParams params, Lease lease,
                                      Principal caller, std::shared_ptr<SandboxHandle> sandbox) {
     auto& node = c.node();
-    const auto detach = *params.detach;
     auto options = channel_options(node, params, lease, caller);
     params.spec.drain_grace_ms = node.config.limits.drain_grace_ms;
-    if (!params.name.empty() && node.detached.find(lease.id, params.name)) {
-        node.channels.unreserve();
-        throw rpc_error(errc::invalid_params,
-                        "name: lease " + lease.id + " already has a detached channel named \"" +
-                            params.name + "\" (running, or its exit still kept)",
-                        {{"field", "name"}});
-    }
     const strand_t strand = net::make_strand(*node.ioc);
+    const std::string handle = DetachedChannels::make_handle();
+    auto output = kept_output_for(node, lease, params, handle, strand);
+    ScopeExit forget_output([&output] {
+        if (output) output->remove_kept();  // the open failed: nothing is kept
+    });
     std::int64_t start_deadline = 0;
     // The backend is bound to the strand it is opened on: the channel's. The coroutine is made
-    // in a statement of its own: no temporary with a destructor in a co_await expression (see
-    // the attach below).
+    // in a statement of its own: no temporary with a destructor in a co_await expression (a
+    // capturing coroutine lambda under co_await co_spawn lost a shared_ptr under GCC 12).
     auto starting = start_command(node, lease, sandbox, params.spec, start_deadline);
     auto backend = co_await net::co_spawn(strand, std::move(starting), use_awaitable);
-    const std::string handle = DetachedChannels::make_handle();
-    const auto dir = kept_output_root(node) / lease.id;
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    auto output = std::make_shared<DetachedOutput>(
-        strand, KeptOutput::create(dir / handle, detach.retain_bytes));
     options.id = c.mux().next_id();
     auto channel = std::make_shared<Channel>(strand, options, std::move(backend), sandbox, output);
     output->bind(channel);
     try {
-        // Refuses a name taken meanwhile.
-        node.detached.add(detached_entry(handle, lease, params, options, strand, channel, output));
+        // Refuses a name taken meanwhile (or a budget spent meanwhile).
+        node.detached.add(detached_entry(handle, lease, params, options, strand, channel, output),
+                          node.config.limits.detach_kept_bytes_per_lease);
     } catch (...) {
-        // The command never started: the channel, destroyed unstarted, ends it.
-        node.channels.unreserve();
-        std::filesystem::remove_all(dir / handle, ec);
+        node.channels.unreserve();  // the channel, destroyed unstarted, ends the command
         throw;
     }
     const auto key = node.channels.add({channel, strand, lease.id});
-    channel->set_on_reaped([&node, key, handle, retain = detach.retain_ms] {
+    channel->set_on_reaped([&node, key, handle, retain = params.detach->retain_ms] {
         node.channels.remove(key);
         detached_channel_ended(node, handle, retain);
     });
     channel->set_audit_key(key);
+    audit_opened(node, lease, key, caller, options, start_deadline, handle);
+    // This connection is the first attachment, made here off the channel's strand: nothing
+    // else uses the output before the channel starts (after the result).
     auto hop = std::make_shared<StrandHopSink>(c.strand(), c.channel_sink());
-    // Called here, off the channel's strand: nothing else uses the output before the channel
-    // starts (after the result). (Not through a capturing lambda under co_await co_spawn: there
-    // the hop captured by copy lost a reference under GCC 12 and died under the connection's
-    // entry; GCC 12 mishandles temporaries of a co_await expression, see MethodReply.)
-    const auto attached =
-        output->attach(hop, options.id, options.output_window, DetachedOutput::Offsets{0, 0}).id;
     ChannelMux::Attached attachment;
+    attachment.attachment =
+        output->attach(hop, options.id, options.output_window, DetachedOutput::Offsets{0, 0}).id;
     attachment.handle = handle;
     attachment.channel = channel;
-    attachment.output = output;
+    attachment.output = std::exchange(output, nullptr);  // kept from here on
     attachment.strand = strand;
-    attachment.attachment = attached;
     attachment.sink = std::move(hop);
     attachment.opened_for = caller.name;
     c.mux().add_attached(options.id, std::move(attachment));
@@ -235,9 +263,6 @@ awaitable<MethodReply> open_local(Connection& c, methods::OpenParams params, Lea
     params.spec.drain_grace_ms = limits.drain_grace_ms;
     std::int64_t start_deadline = 0;
     auto backend = co_await start_command(node, lease, sandbox, params.spec, start_deadline);
-    const std::string start_deadline_text =
-        rfc3339_at(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(start_deadline - steady_now_ms()));
     options.id = c.mux().next_id();
     auto channel = std::make_shared<Channel>(c.strand(), options, std::move(backend), sandbox,
                                              c.channel_sink());
@@ -249,16 +274,7 @@ awaitable<MethodReply> open_local(Connection& c, methods::OpenParams params, Lea
     // on_reaped is set after add() so the key is known; it runs on this strand.
     channel->set_on_reaped([&node, key] { node.channels.remove(key); });
     channel->set_audit_key(key);
-    if (node.audit) {
-        node.audit->write("channel.opened", {{"lease", lease.id},
-                                             {"epoch", lease.epoch},
-                                             {"channel", key},
-                                             {"token", caller.name},
-                                             {"argv0", options.argv0},
-                                             {"argvSha256", options.argv_sha256},
-                                             {"pty", options.pty},
-                                             {"startDeadline", start_deadline_text}});
-    }
+    audit_opened(node, lease, key, caller, options, start_deadline, "");
     if (c.closing()) {
         // The host left while the command started: it is hung up at once, as on a drop.
         channel->start();

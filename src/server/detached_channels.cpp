@@ -9,15 +9,41 @@ namespace sandboxd {
 
 std::string DetachedChannels::make_handle() { return "dch_" + random_hex(12); }
 
-std::string DetachedChannels::add(Entry entry) {
-    std::lock_guard lock(mutex_);
-    if (!entry.name.empty() && by_name_.count({entry.lease_id, entry.name})) {
+std::uint64_t DetachedChannels::kept_bytes_locked(const std::string& lease_id) const {
+    std::uint64_t total = 0;
+    for (const auto& [handle, entry] : by_handle_) {
+        if (entry->lease_id == lease_id) total += entry->kept_bytes;
+    }
+    return total;
+}
+
+void DetachedChannels::check_new_locked(const std::string& lease_id, const std::string& name,
+                                        std::uint64_t bytes, std::uint64_t lease_budget) const {
+    if (!name.empty() && by_name_.count({lease_id, name})) {
         throw rpc_error(errc::invalid_params,
-                        "name: lease " + entry.lease_id +
-                            " already has a detached channel named \"" + entry.name +
-                            "\" (running, or its exit still kept)",
+                        "name: lease " + lease_id + " already has a detached channel named \"" +
+                            name + "\" (running, or its exit still kept)",
                         {{"field", "name"}});
     }
+    const auto kept = kept_bytes_locked(lease_id);
+    if (kept + bytes <= lease_budget) return;
+    throw rpc_error(errc::channel_limit,
+                    "lease " + lease_id + " keeps " + std::to_string(kept) +
+                        " bytes of detached output already; " + std::to_string(bytes) +
+                        " more would pass its limit of " + std::to_string(lease_budget) +
+                        " (limits.detachKeptBytesPerLease)",
+                    {{"limit", "detachKeptBytesPerLease"}});
+}
+
+void DetachedChannels::check_new(const std::string& lease_id, const std::string& name,
+                                 std::uint64_t bytes, std::uint64_t lease_budget) const {
+    std::lock_guard lock(mutex_);
+    check_new_locked(lease_id, name, bytes, lease_budget);
+}
+
+std::string DetachedChannels::add(Entry entry, std::uint64_t lease_budget) {
+    std::lock_guard lock(mutex_);
+    check_new_locked(entry.lease_id, entry.name, entry.kept_bytes, lease_budget);
     std::string handle = entry.handle;
     while (handle.empty() || by_handle_.count(handle)) handle = make_handle();
     entry.handle = handle;

@@ -31,6 +31,7 @@ public:
         bool pty = false;
         std::int64_t started_at_ms = 0;  ///< wall clock, ms since the epoch
         std::uint64_t retain_ms = 0;     ///< how long the exit is kept once it ends
+        std::uint64_t kept_bytes = 0;    ///< its kept output's size (both streams), bytes
         /// Wall clock ms when its exit was kept (ended() was called); nullopt while it runs.
         std::optional<std::int64_t> ended_at_ms;
         std::optional<strand_t> strand;  ///< the channel's (set for a running channel)
@@ -42,8 +43,14 @@ public:
     static std::string make_handle();
     /// Registers `entry` under its handle (made here when empty), which it returns. Throws
     /// rpc_error(errc::invalid_params) with field "name" when the lease already has a
-    /// detached channel of that name (running, or ended with its exit still kept).
-    std::string add(Entry entry);
+    /// detached channel of that name (running, or ended with its exit still kept), and
+    /// rpc_error(errc::channel_limit) with limit "detachKeptBytesPerLease" when the lease's
+    /// entries would keep more than `lease_budget` bytes with it.
+    std::string add(Entry entry, std::uint64_t lease_budget = UINT64_MAX);
+    /// Throws what add() would for an entry of `lease_id` named `name` ("": none) keeping
+    /// `bytes`: for failing before any work (add() checks again).
+    void check_new(const std::string& lease_id, const std::string& name, std::uint64_t bytes,
+                   std::uint64_t lease_budget) const;
     /// The entry of `handle`, or null.
     std::shared_ptr<const Entry> find(const std::string& handle) const;
     /// The entry named `name` in `lease_id`, or null.
@@ -62,6 +69,10 @@ public:
     [[nodiscard]] std::size_t size() const;
 
 private:
+    std::uint64_t kept_bytes_locked(const std::string& lease_id) const;
+    void check_new_locked(const std::string& lease_id, const std::string& name, std::uint64_t bytes,
+                          std::uint64_t lease_budget) const;
+
     mutable std::mutex mutex_;
     std::map<std::string, std::shared_ptr<Entry>> by_handle_;
     std::map<std::pair<std::string, std::string>, std::string> by_name_;  // (lease, name)

@@ -70,6 +70,8 @@ public:
     /// The kept exit notification's params (null while the command runs).
     [[nodiscard]] const nlohmann::json& exit() const noexcept { return exit_; }
     [[nodiscard]] const KeptOutput& kept() const noexcept { return *kept_; }
+    /// Deletes the kept output's files (an open that failed); the descriptors stay valid.
+    void remove_kept() noexcept { kept_->remove(); }
 
     // ChannelSink: what the Channel sends.
     void send_binary(std::string frame) override;

@@ -321,7 +321,8 @@ const json* nested_object(const json& p, const char* key,
     const auto it = p.find(key);
     if (it == p.end() || it->is_null()) return nullptr;
     if (!it->is_object()) params::invalid(key, std::string("must be an object ") + shape);
-    for (const auto& [field, value] : it->items()) {
+    for (const auto& item : it->items()) {
+        const std::string& field = item.key();  // not a structured binding: clang captures none
         if (std::find_if(allowed.begin(), allowed.end(),
                          [&field](const char* a) { return field == a; }) == allowed.end()) {
             params::invalid(std::string(key) + "." + field,

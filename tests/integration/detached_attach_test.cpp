@@ -24,19 +24,7 @@ using json = nlohmann::json;
 
 namespace {
 
-const std::string host_token = "host-secret";
-const std::string peer_token = "peer-secret";
-
-std::string cluster_config(const SqliteCluster& cluster) {
-    return json{
-        {"registry", cluster.registry()},
-        {"auth",
-         {{"tokens",
-           {{{"name", "host"}, {"token", host_token}, {"role", "host"}, {"tenants", {"*"}}},
-            {{"name", "peer"}, {"token", peer_token}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
-        {"routing", {{"mode", "proxy"}, {"nodeTtlMs", 3000}, {"heartbeatMs", 300}}}}
-        .dump();
-}
+const std::string& host_token = test_host_token;
 
 /// What one connection received per channel id: output (credited back as it is read, so no
 /// window stalls), gaps and exits.
@@ -332,4 +320,30 @@ TEST_CASE("A detached channel that floods its kept output does not grow the daem
     CHECK(l["channels"][0]["firstKept"]["stdout"] == flood - (64ULL << 20));
     INFO("baseline " << baseline << " KiB, peak " << daemon.peak_rss_kib() << " KiB");
     if (rss_is_meaningful) CHECK(daemon.peak_rss_kib() <= baseline + 32 * 1024);
+}
+
+TEST_CASE("A lease's detached output is bounded: an open past it is refused before it starts",
+          "[daemon][detached]") {
+    const std::string config =
+        json{{"limits", {{"detachRetainBytes", 4096}, {"detachKeptBytesPerLease", 16384}}}}.dump();
+    DaemonProcess daemon("node-a", config);
+    auto c = daemon.connect();
+    const auto lease = acquire_lease(*c);
+    c->call("duplexChannelOpen", detached_open(lease, {"sleep", "6464"}, "a", 4096));
+    c->call("duplexChannelOpen", detached_open(lease, {"sleep", "6464"}, "b", 4096));
+    REQUIRE(eventually([] { return count_processes_with("sleep 6464") == 2; }, 20s));
+    try {
+        c->call("duplexChannelOpen", detached_open(lease, {"sleep", "6465"}, "c", 4096));
+        FAIL("a third detached channel went past the lease's budget");
+    } catch (const rpc_error& e) {
+        CHECK(e.code() == errc::channel_limit);
+        CHECK(e.data().value("limit", "") == "detachKeptBytesPerLease");
+    }
+    CHECK(count_processes_with("sleep 6465") == 0);  // nothing started
+    // Another lease has a budget of its own; an undetached channel needs none.
+    const auto other = acquire_lease(*c);
+    c->call("duplexChannelOpen", detached_open(other, {"sleep", "6466"}, "a", 4096));
+    c->call("duplexChannelOpen", open_params(lease, {"sleep", "6467"}));
+    CHECK(eventually([] { return count_processes_with("sleep 6466") == 1; }, 20s));
+    CHECK(eventually([] { return count_processes_with("sleep 6467") == 1; }, 20s));
 }

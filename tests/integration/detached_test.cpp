@@ -15,7 +15,7 @@ using namespace sandboxd::test;
 using namespace std::chrono_literals;
 using json = nlohmann::json;
 
-TEST_CASE("A detached channel's command outlives its connection; its lease's release ends it",
+TEST_CASE("A detached channel's command outlives its connection, and its lease's release ends it",
           "[daemon][detached]") {
     DaemonProcess daemon;
     auto c = daemon.connect();

@@ -23,20 +23,8 @@ using namespace std::chrono_literals;
 
 namespace {
 
-const std::string host_token = "host-secret";
-const std::string peer_token = "peer-secret";
-
-template <typename Cluster>
-std::string cluster_config(const Cluster& cluster, const std::string& mode = "proxy") {
-    return json{
-        {"registry", cluster.registry()},
-        {"auth",
-         {{"tokens",
-           {{{"name", "host"}, {"token", host_token}, {"role", "host"}, {"tenants", {"*"}}},
-            {{"name", "peer"}, {"token", peer_token}, {"role", "peer"}, {"tenants", {"*"}}}}}}},
-        {"routing", {{"mode", mode}, {"nodeTtlMs", 3000}, {"heartbeatMs", 300}}}}
-        .dump();
-}
+const std::string& host_token = test_host_token;
+const std::string& peer_token = test_peer_token;
 
 std::string random_bytes(std::size_t n) {
     std::string s(n, '\0');

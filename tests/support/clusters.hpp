@@ -7,6 +7,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <string>
+
 namespace sandboxd::test {
 
 /// One SQLite file in a temporary directory.
@@ -30,5 +32,17 @@ struct EtcdCluster {
             {"kind", "etcd"}, {"endpoints", {EtcdServer::shared().endpoint()}}, {"prefix", prefix}};
     }
 };
+
+/// A node's config in `cluster`: its registry, the host and peer tokens of
+/// host_and_peer_tokens() (test_host_token, test_peer_token), routing `mode` ("proxy" or
+/// "redirect"), and a short liveness TTL (3 s; heartbeats every 300 ms) so that tests of dead
+/// owners do not wait long.
+template <typename Cluster>
+std::string cluster_config(const Cluster& cluster, const std::string& mode = "proxy") {
+    return nlohmann::json{{"registry", cluster.registry()},
+                          {"auth", host_and_peer_tokens()},
+                          {"routing", {{"mode", mode}, {"nodeTtlMs", 3000}, {"heartbeatMs", 300}}}}
+        .dump();
+}
 
 }  // namespace sandboxd::test

@@ -188,6 +188,10 @@ struct LimitsConfig {
     std::uint64_t max_detach_retain_ms = 86400000;
     std::uint64_t detach_retain_bytes = 8ULL << 20;
     std::uint64_t max_detach_retain_bytes = 256ULL << 20;
+    /// The kept output of one lease's detached channels (2 x retainBytes each, while it runs
+    /// and while its exit is kept), bytes, 8 KiB..1 TiB, at least 2 x detachRetainBytes: what
+    /// one tenant can make this node keep for it (an open beyond is CHANNEL_LIMIT).
+    std::uint64_t detach_kept_bytes_per_lease = 1ULL << 30;
     /// Bytes queued toward hosts (WebSocket messages written by no socket yet) on the whole
     /// node and on one connection, 64 KiB..64 GiB. A connection over its own budget, or over
     /// its fair share (sendQueueBytes divided by the connections that have bytes queued) while

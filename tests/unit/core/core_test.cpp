@@ -228,6 +228,13 @@ TEST_CASE("providers.bwrap limits, identity and etcFiles are parsed and checked"
           "providers.bwrap.limits.max.memoryBytes (16777216)");
     CHECK(error_of(R"({"providers": {"bwrap": {"limits": {"defaults": {"swap": 1}}}}})") ==
           "config: providers.bwrap.limits.defaults.swap: unknown key");
+    CHECK(
+        error_of(
+            R"({"limits": {"detachRetainBytes": 1048576, "detachKeptBytesPerLease": 1048576}})") ==
+        "config: limits.detachKeptBytesPerLease: must be at least twice limits.detachRetainBytes "
+        "(a default open keeps both streams)");
+    CHECK(error_of(R"({"limits": {"detachRetainMs": 9000, "maxDetachRetainMs": 5000}})") ==
+          "config: limits.detachRetainMs: must not exceed limits.maxDetachRetainMs");
     CHECK(error_of(R"({"providers": {"bwrap": {"etcFiles": ["../shadow"]}}})") ==
           "config: providers.bwrap.etcFiles: entries are relative paths under /etc, got "
           "\"../shadow\"");

@@ -79,3 +79,31 @@ TEST_CASE("A lease that ends takes all of its detached channels with it", "[deta
     CHECK(t.find(other));
     CHECK_NOTHROW(t.add(entry("lse_1", "a")));
 }
+
+TEST_CASE("A lease's detached channels keep at most its budget of output together",
+          "[detached_channels]") {
+    DetachedChannels t;
+    auto sized = [](std::string lease, std::uint64_t bytes) {
+        auto e = entry(std::move(lease), "");
+        e.kept_bytes = bytes;
+        return e;
+    };
+    t.add(sized("lse_1", 600), 1000);
+    try {
+        t.add(sized("lse_1", 500), 1000);
+        FAIL("went past the lease's budget");
+    } catch (const rpc_error& e) {
+        CHECK(e.code() == errc::channel_limit);
+        CHECK(e.data().value("limit", "") == "detachKeptBytesPerLease");
+    }
+    CHECK(t.size() == 1);  // the refusal changed nothing
+    CHECK_NOTHROW(t.check_new("lse_1", "", 400, 1000));
+    CHECK_THROWS_AS(t.check_new("lse_1", "", 401, 1000), rpc_error);
+    t.add(sized("lse_2", 1000), 1000);  // another lease's budget is its own
+    // An ended entry still counts until it is forgotten; then the room is back.
+    const auto h = t.of_lease("lse_1").front()->handle;
+    t.ended(h, 0);
+    CHECK_THROWS_AS(t.check_new("lse_1", "", 500, 1000), rpc_error);
+    t.expire(1000);
+    CHECK_NOTHROW(t.check_new("lse_1", "", 1000, 1000));
+}
