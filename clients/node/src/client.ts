@@ -71,7 +71,7 @@ export interface CallOptions {
 export interface OpenOptions extends CallOptions {
   /**
    * For a detached channel (`detach`, and a lease given with its `id`): when its connection
-   * drops, the client connects again (with the `reconnect` delays; one more try when
+   * drops, the client connects again (with the `reconnect` retries and delays; one try when
    * `reconnect` is false) and attaches to the channel from the offsets it has read, with
    * `takeover` (the node may not have seen the drop yet). The same Channel goes on, the output
    * without a byte lost or repeated (within the channel's retainBytes; past them a 'gap'
@@ -314,7 +314,7 @@ export class SandboxdClient {
   }
 
   private async resume(channel: Channel, handle: string, leaseId: string): Promise<void> {
-    const retries = this.options.reconnect ? this.options.reconnect.retries : 1;
+    const retries = this.options.reconnect ? this.options.reconnect.retries : 0;
     for (let attempt = 0; !this.closed; attempt++) {
       try {
         const conn = await this.connection();
