@@ -109,13 +109,30 @@ void DetachedOutput::send_binary(std::string frame) {
     if (!data || data->stream == stream_id::stdin_) return;
     const auto stream =
         data->stream == stream_id::stderr_ ? output_stream::err : output_stream::out;
+    const auto at = kept_->end(stream);
     kept_->append(stream, data->payload);
     // Read, as far as the command is concerned: its credit comes back at once.
     const auto n = static_cast<std::uint32_t>(data->payload.size());
     net::post(strand_, [weak = channel_, n] {
         if (auto channel = weak.lock()) channel->add_credit(n);
     });
-    schedule();
+    if (!forward_live(stream, at, frame, n)) schedule();
+}
+
+bool DetachedOutput::forward_live(output_stream stream, std::uint64_t at, std::string& frame,
+                                  std::uint32_t n) {
+    if (!attachment_) return false;
+    auto& a = *attachment_;
+    auto& cursor = a.cursor[index(stream)];
+    // Only an attachment that has everything before these bytes, with room for all of them.
+    if (a.held || a.waiting_room || cursor != at || a.unacked + n > a.window) return false;
+    auto sink = a.sink.lock();
+    if (!sink || !sink->has_send_room()) return false;
+    set_frame_channel(frame, a.channel_id);
+    sink->send_binary(std::move(frame));
+    cursor += n;
+    a.unacked += n;
+    return true;
 }
 
 void DetachedOutput::send_text(std::string text) {

@@ -13,7 +13,9 @@
 // attachment replaces the previous one, which is sent nothing more.
 //
 // Threading: everything on the channel's strand; the attached sink must be on the same
-// strand. Frames are encoded binary only (dataEncoding base64 is not kept).
+// strand. Frames are encoded binary only (dataEncoding base64 is not kept). Live output to an
+// attachment that has caught up is forwarded as it came (one write to the kept output, no read
+// back); an attachment behind is sent from the kept output.
 #include "server/channel.hpp"
 #include "server/kept_output.hpp"
 
@@ -96,6 +98,10 @@ private:
     void drop_attachment() noexcept;
     /// Tells the current attachment that another host took the channel over, and drops it.
     void end_taken_over();
+    /// Live output: the frame just kept (its `n` bytes at offset `at`) goes on as it came, its
+    /// channel id rewritten, when the attachment has read everything before it and has room
+    /// for it: no read back from the kept output. False when the frame must wait (schedule()).
+    bool forward_live(output_stream stream, std::uint64_t at, std::string& frame, std::uint32_t n);
     /// One data frame of `stream` from the attachment's cursor; false when nothing was sent.
     bool send_kept(Attachment& a, ChannelSink& sink, output_stream stream);
 
