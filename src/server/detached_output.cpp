@@ -86,6 +86,13 @@ void DetachedOutput::detach(std::uint64_t id) noexcept {
 void DetachedOutput::drop_attachment() noexcept {
     ++generation_;
     attachment_.reset();
+    // Nobody is attached: the command is held back by no one.
+    if (withheld_ > 0) {
+        const auto n = std::exchange(withheld_, 0);
+        net::post(strand_, [weak = channel_, n] {
+            if (auto channel = weak.lock()) channel->add_credit(static_cast<std::uint32_t>(n));
+        });
+    }
 }
 
 void DetachedOutput::add_credit(std::uint32_t bytes) {
@@ -111,12 +118,27 @@ void DetachedOutput::send_binary(std::string frame) {
         data->stream == stream_id::stderr_ ? output_stream::err : output_stream::out;
     const auto at = kept_->end(stream);
     kept_->append(stream, data->payload);
-    // Read, as far as the command is concerned: its credit comes back at once.
     const auto n = static_cast<std::uint32_t>(data->payload.size());
-    net::post(strand_, [weak = channel_, n] {
-        if (auto channel = weak.lock()) channel->add_credit(n);
-    });
+    if (attachment_) {
+        // A host is attached: the command goes at its pace, its credit coming back as the
+        // host is sent bytes (sent()), as an undetached channel's would.
+        withheld_ += n;
+    } else {
+        // Read, as far as the command is concerned: its credit comes back at once.
+        net::post(strand_, [weak = channel_, n] {
+            if (auto channel = weak.lock()) channel->add_credit(n);
+        });
+    }
     if (!forward_live(stream, at, frame, n)) schedule();
+}
+
+void DetachedOutput::sent(std::uint64_t n) {
+    const auto back = std::min(n, withheld_);
+    if (back == 0) return;
+    withheld_ -= back;
+    net::post(strand_, [weak = channel_, back] {
+        if (auto channel = weak.lock()) channel->add_credit(static_cast<std::uint32_t>(back));
+    });
 }
 
 bool DetachedOutput::forward_live(output_stream stream, std::uint64_t at, std::string& frame,
@@ -132,6 +154,7 @@ bool DetachedOutput::forward_live(output_stream stream, std::uint64_t at, std::s
     sink->send_binary(std::move(frame));
     cursor += n;
     a.unacked += n;
+    sent(n);
     return true;
 }
 
@@ -210,6 +233,7 @@ bool DetachedOutput::send_kept(Attachment& a, ChannelSink& sink, output_stream s
     sink.send_binary(std::move(frame));
     cursor += n;
     a.unacked += n;
+    sent(n);
     return true;
 }
 

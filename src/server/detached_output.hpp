@@ -1,11 +1,14 @@
 #pragma once
 // The sink of a detached channel (issue 46): it stands between the Channel and whichever host
-// connection is attached now, if any, so that the command never waits for a host and a host
-// that comes back resumes exactly where it stopped reading.
+// connection is attached now, if any, so that the command never waits for an absent host and
+// a host that comes back resumes exactly where it stopped reading.
 //
 // The Channel sends its frames here as it would to a connection. Each data frame's payload is
-// appended to the channel's KeptOutput and credited back to the channel at once (the command
-// is never blocked by a slow or absent host; past the kept capacity the oldest bytes go). The
+// appended to the channel's KeptOutput. With no host attached it is credited back to the
+// channel at once (the command is never blocked by an absent host; past the kept capacity the
+// oldest bytes go); while a host is attached, as that host is sent bytes, so that the command
+// goes at the host's pace as an undetached one does (a host attached at the end of the kept
+// output loses nothing when retainBytes is at least the channel's outputWindow). The
 // exit notification is kept. An attachment (a host connection's sink and its channel id
 // there) is a cursor per stream: it is sent the kept bytes from its offsets while it has
 // credit (its own output window), first a duplexChannel.gap {channel, stream, firstKept} when
@@ -96,6 +99,8 @@ private:
     void schedule();
     void send_to_attachment();
     void drop_attachment() noexcept;
+    /// The attachment was sent `n` bytes: as much withheld credit goes back to the channel.
+    void sent(std::uint64_t n);
     /// Tells the current attachment that another host took the channel over, and drops it.
     void end_taken_over();
     /// Live output: the frame just kept (its `n` bytes at offset `at`) goes on as it came, its
@@ -110,6 +115,9 @@ private:
     std::weak_ptr<Channel> channel_;
     std::optional<Attachment> attachment_;
     std::uint64_t generation_ = 0;  ///< bumped per attachment: stale wakes do nothing
+    /// Output credit not yet given back to the channel: while a host is attached, the command
+    /// goes at its pace (at most the channel's outputWindow ahead of what the host was sent).
+    std::uint64_t withheld_ = 0;
     nlohmann::json exit_;
     bool finished_ = false;
 };

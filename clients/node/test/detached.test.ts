@@ -176,12 +176,13 @@ describe("detached channels", () => {
       outputWindow: 1024,
     });
     const total = numbered(1, 20000).length;
+    // Attached, the command goes at this host's pace; let go of, it runs on and is kept.
+    await opened.close();
     await eventually(
       async () => (await client.listChannels({ leaseId: lease.id })).channels.some((c) => c.handle === opened.handle && c.offsets.stdout === total),
       30_000,
       "the command's output kept",
     );
-    await opened.close();  // lets go of it: the command goes on
     const again = await client.attach({ leaseId: lease.id, handle: opened.handle ?? "", offsets: { stdout: 0 } });
     const gaps: ChannelGap[] = [];
     again.on("gap", (gap: ChannelGap) => gaps.push(gap));

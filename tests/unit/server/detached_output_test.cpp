@@ -217,3 +217,24 @@ TEST_CASE("An attachment that got the exit is over: the next host needs no takeo
     CHECK(second->notifications("duplexChannel.exit").size() == 1);
     CHECK(first->notifications("duplexChannel.exit").size() == 1);
 }
+
+TEST_CASE("An attached host paces the command; once it lets go, the command runs free",
+          "[detached]") {
+    DetachedRig r;
+    auto host = r.attach(3, /*window=*/4096);
+    // The host takes 4 KiB and credits nothing: the channel stops within its own 64 KiB window.
+    r.backend->write(output_stream::out, digits(200 * 1024));
+    settle(r.ioc);
+    CHECK(r.backend->unread(output_stream::out) > 0);
+    CHECK(host->data(3, stream_id::stdout_) == digits(4096));
+    CHECK(r.kept->kept().end(output_stream::out) <= 64 * 1024 + 4096);
+    // Its credit lets the command go on as far as it is sent.
+    r.run([&] { r.kept->add_credit(4096); });
+    settle(r.ioc);
+    CHECK(host->data(3, stream_id::stdout_) == digits(8192));
+    // Detached: nobody holds it back any more, and nothing was lost.
+    r.run([&] { r.kept->detach(r.last); });
+    REQUIRE(pump(r.ioc, [&] { return r.backend->unread(output_stream::out) == 0; }));
+    settle(r.ioc);
+    CHECK(r.kept->kept().end(output_stream::out) == 200 * 1024);
+}
