@@ -94,6 +94,8 @@ export class Channel extends Duplex {
   // from an offset, or past a gap): offsets = start + pushed.
   private startOut = 0;
   private startErr = 0;
+  /** Every `duplexChannel.gap` of this channel so far (also emitted as 'gap'). */
+  readonly gaps: ChannelGap[] = [];
   /** @internal A detached channel whose connection dropped: true when the client resumes it. */
   onLost: ((channel: Channel) => boolean) | null = null;
   private resolveExit!: (exit: ChannelExit) => void;
@@ -208,7 +210,10 @@ export class Channel extends Duplex {
   onGap(gap: ChannelGap): void {
     if (gap.stream === "stderr") this.startErr = gap.firstKept - this.pushedErr;
     else this.startOut = gap.firstKept - this.pushedOut;
-    this.emit("gap", gap);
+    this.gaps.push(gap);
+    // A turn later: the gap may come in the same socket read as the attach's answer, before
+    // the code that awaited attach() has added its listener.
+    setImmediate(() => this.emit("gap", gap));
   }
 
   /**

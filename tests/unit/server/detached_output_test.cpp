@@ -218,7 +218,7 @@ TEST_CASE("An attachment that got the exit is over: the next host needs no takeo
     CHECK(first->notifications("duplexChannel.exit").size() == 1);
 }
 
-TEST_CASE("An attached host paces the command; once it lets go, the command runs free",
+TEST_CASE("An attached host paces the command, and once it lets go the command runs free",
           "[detached]") {
     DetachedRig r;
     auto host = r.attach(3, /*window=*/4096);
