@@ -67,6 +67,10 @@ describe("detached channels", () => {
     relay = await Relay.start(new URL(daemon.url.replace(/^ws/, "http")));
   });
 
+  /** A client that reaches the daemon through the relay and reconnects quickly after a cut. */
+  const relayClient = () =>
+    new SandboxdClient({ url: relay.url, token: daemon.token, reconnect: { retries: 20, initialDelayMs: 50, maxDelayMs: 500 } });
+
   after(async () => {
     relay?.close();
     if (lease) await client.leaseRelease({ leaseId: lease.id }).catch(() => {});
@@ -75,11 +79,7 @@ describe("detached channels", () => {
   });
 
   it("a resumed channel goes on across a dropped connection, nothing lost or repeated", async () => {
-    const viaRelay = new SandboxdClient({
-      url: relay.url,
-      token: daemon.token,
-      reconnect: { retries: 20, initialDelayMs: 50, maxDelayMs: 500 },
-    });
+    const viaRelay = relayClient();
     try {
       const channel = await viaRelay.open(
         {
@@ -117,11 +117,7 @@ describe("detached channels", () => {
   });
 
   it("createSandboxdRunner's duplex channel goes on across a dropped connection", async () => {
-    const viaRelay = new SandboxdClient({
-      url: relay.url,
-      token: daemon.token,
-      reconnect: { retries: 20, initialDelayMs: 50, maxDelayMs: 500 },
-    });
+    const viaRelay = relayClient();
     try {
       const runner = createSandboxdRunner({ client: viaRelay, lease });
       const channel = await runner.openDuplexChannel({ command: ["sh", "-c", "read a; echo got $a; read b; echo got $b; exit 4"] });
