@@ -693,6 +693,9 @@ const Keys<LimitsConfig>& limits_keys() {
         integer("detachKeptBytesPerLease", &T::detach_kept_bytes_per_lease, 8 * kib, 1024 * gib,
                 "Kept output of one lease's detached channels together (2 x retainBytes each, "
                 "running or with the exit kept); at least 2 x detachRetainBytes."),
+        integer("detachKeptExitsPerLease", &T::detach_kept_exits_per_lease, 1, 65536,
+                "Ended detached channels of one lease whose exit and output are kept; past it "
+                "the oldest opened is forgotten first, whatever its retainMs."),
         integer("sendQueueBytes", &T::send_queue_bytes, 64 * kib, 64 * gib,
                 "Bytes queued toward hosts on the whole node."),
         integer("sendQueueBytesPerConnection", &T::send_queue_bytes_per_connection, 64 * kib,

@@ -38,6 +38,49 @@ stream_id wire_stream(output_stream s) {
     return s == output_stream::err ? stream_id::stderr_ : stream_id::stdout_;
 }
 
+/// What a Channel holds in place of its backend once the command is gone, its exit sent and
+/// nothing of it in flight: the backend's constant answers, and no descriptor, process or
+/// cgroup (a detached channel's exit is kept for hours; its pipes and pidfd are not). Nothing
+/// calls its notify_*() or reads from it: the pumps have ended.
+class EndedBackend final : public ChannelBackend {
+public:
+    explicit EndedBackend(const ChannelBackend& was)
+        : out_(was.has_output(output_stream::out)),
+          err_(was.has_output(output_stream::err)),
+          stdin_(was.has_stdin()),
+          close_stdin_(was.supports(channel_control::close_stdin)),
+          signal_(was.supports(channel_control::signal)),
+          resize_(was.supports(channel_control::resize)) {}
+
+    bool has_output(output_stream s) const noexcept override {
+        return s == output_stream::err ? err_ : out_;
+    }
+    bool has_stdin() const noexcept override { return stdin_; }
+    bool supports(channel_control c) const noexcept override {
+        switch (c) {
+            case channel_control::close_stdin: return close_stdin_;
+            case channel_control::signal: return signal_;
+            case channel_control::resize: return resize_;
+        }
+        return false;
+    }
+    std::optional<std::size_t> read_output(output_stream, std::span<char>) override {
+        return std::nullopt;
+    }
+    awaitable<bool> write_stdin(std::string) override { co_return false; }
+    void close_stdin() noexcept override {}
+    void signal(int) noexcept override {}
+    void signal_all(int) noexcept override {}
+    void kill() noexcept override {}
+    void resize(std::uint16_t, std::uint16_t) override {}  // the terminal is gone
+    void notify_output_ready(output_stream, std::shared_ptr<ChannelEvents>) override {}
+    void notify_exit(std::shared_ptr<ChannelEvents>) override {}
+    void notify_gone(std::shared_ptr<ChannelEvents>) override {}
+
+private:
+    bool out_, err_, stdin_, close_stdin_, signal_, resize_;
+};
+
 }  // namespace
 
 Channel::Channel(strand_t strand, ChannelOptions options, std::unique_ptr<ChannelBackend> backend,
@@ -111,9 +154,28 @@ void Channel::ended() {
 
 void Channel::maybe_finish() {
     // Exit after output: every byte the command wrote is sent before its exit.
-    if ((!reaped_ && !ended_) || pumps_running_ > 0 || exit_sent_) return;
+    if ((!reaped_ && !ended_) || pumps_running_ > 0 || exit_sent_) {
+        release_backend_when_done();
+        return;
+    }
     stdin_closed_ = true;  // a running stdin pump stops after its write
     send_exit();
+    release_backend_when_done();
+}
+
+void Channel::release_backend_when_done() {
+    const auto done = [this] {
+        return options_.release_backend_at_end && reaped_ && exit_sent_ && !stdin_running_ &&
+               pumps_running_ == 0 && pump(output_stream::out).in_flight == 0 &&
+               pump(output_stream::err).in_flight == 0 && !backend_released_;
+    };
+    if (!done()) return;
+    // On a turn of its own: never under a caller that may still use the backend.
+    net::post(strand_, [self = shared_from_this(), done] {
+        if (!done()) return;
+        self->backend_released_ = true;
+        self->backend_ = std::make_unique<EndedBackend>(*self->backend_);
+    });
 }
 
 void Channel::pump_next(output_stream stream) {
@@ -332,6 +394,7 @@ awaitable<void> Channel::pump_stdin() {
     if (stdin_eof_requested_) backend_->close_stdin();
     stdin_closed_ = true;
     stdin_running_ = false;
+    release_backend_when_done();
 }
 
 void Channel::write_stdin(std::string_view data) {
@@ -410,12 +473,12 @@ void Channel::stop(channel_outcome outcome) {
     kill_tree();
 }
 
-void Channel::hangup(channel_outcome why) {
+void Channel::hangup(channel_outcome why, bool keep_sink) {
     if (hung_up_ || reaped_) return;
     hung_up_ = true;
     // Whatever the command does from now on, nobody receives it: never logged as a success.
     if (!forced_outcome_) forced_outcome_ = why;
-    sink_.reset();
+    if (!keep_sink) sink_.reset();
     resume_credit_waiters();
     resume_room_waiters();
     backend_->signal_all(SIGHUP);

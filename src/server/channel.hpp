@@ -82,6 +82,10 @@ struct ChannelOptions {
     std::uint32_t stdin_window = 1 << 20;
     std::optional<std::chrono::milliseconds> timeout;
     std::chrono::milliseconds hangup_grace{5000};
+    /// Once the command is gone and its exit sent, the backend is destroyed (its descriptors,
+    /// processes and cgroup given back) and the Channel answers from what it kept: for a
+    /// detached channel, whose Channel outlives its command by its retainMs.
+    bool release_backend_at_end = false;
     /// Called once on the strand when no process of the channel's command is left: at the
     /// backend's ended() or gone(), the first (the channel's init may still be exiting then;
     /// its cgroup goes back to the lease when the backend sees it gone).
@@ -169,8 +173,10 @@ public:
     void stop(channel_outcome outcome);
     /// The connection dropped (`why` transport_closed) or the host closed the channel
     /// (stopped): SIGHUP to every process of the channel, SIGKILL after the hangup grace; no
-    /// exit is sent, and the channel is logged with outcome `why`.
-    void hangup(channel_outcome why = channel_outcome::transport_closed);
+    /// exit is sent, and the channel is logged with outcome `why`. With `keep_sink` (a
+    /// detached channel nobody attached to for its hangupAfterMs), the sink is kept and is sent
+    /// the exit, with outcome `why`; the output after the hangup is read and dropped.
+    void hangup(channel_outcome why = channel_outcome::transport_closed, bool keep_sink = false);
 
 private:
     /// One output stream's pump: wait for credit, wait for bytes (and, while the stream
@@ -216,6 +222,10 @@ private:
     /// Sends the exit once every process of the command is gone (ended() or gone()) and every
     /// output pump has ended.
     void maybe_finish();
+    /// Once the command is gone, its exit sent and nothing of it in flight (no pump, no stdin
+    /// write, no spliced frame): the backend is swapped, on a later turn, for a stand-in that
+    /// holds no descriptor (a detached channel's entry keeps this Channel for its retainMs).
+    void release_backend_when_done();
     /// Starts the stdin pump when bytes or the half-close wait and it is not running.
     void kick_stdin();
     awaitable<void> pump_stdin();
@@ -246,6 +256,7 @@ private:
     bool hung_up_ = false;
     bool abandon_output_ = false;  // FLOW_CONTROL from the backend: undelivered output is dropped
     bool reaped_ = false;
+    bool backend_released_ = false;  ///< backend_ is an EndedBackend (release_backend_when_done)
     bool ended_ = false;  ///< the backend said nothing of the command is left (before reaped_)
     std::optional<channel_outcome> forced_outcome_;
     std::uint64_t stdout_bytes_ = 0, stderr_bytes_ = 0, stdin_bytes_ = 0;

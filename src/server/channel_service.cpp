@@ -7,6 +7,7 @@
 
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/lease.hpp>
+#include <sandboxd/core/offload.hpp>
 #include <sandboxd/core/scope_exit.hpp>
 
 #include <spdlog/spdlog.h>
@@ -157,23 +158,29 @@ void audit_opened(Node& node, const Lease& lease, std::uint64_t key, const Princ
     node.audit->write("channel.opened", std::move(line));
 }
 
-/// A detached channel's kept output, made before its command starts: a full disk or a lease
-/// over its budget refuses the open before anything runs (the channel slot is given back).
-std::shared_ptr<DetachedOutput> kept_output_for(Node& node, const Lease& lease,
-                                                const methods::OpenParams& params,
-                                                const std::string& handle, const strand_t& strand) {
-    try {
-        node.detached.check_new(lease.id, params.name, 2 * params.detach->retain_bytes,
-                                node.config.limits.detach_kept_bytes_per_lease);
-        const auto dir = kept_output_root(node) / lease.id;
+/// A detached channel's kept output, made before its command starts (its files on the
+/// blocking pool, never on an I/O thread): a full disk or a lease over its budget refuses the
+/// open before anything runs (the channel slot is given back).
+awaitable<std::shared_ptr<DetachedOutput>> kept_output_for(Node& node, const Lease& lease,
+                                                           const methods::OpenParams& params,
+                                                           const std::string& handle,
+                                                           const strand_t& strand) {
+    bool made = false;
+    const ScopeExit unreserve([&node, &made] {
+        if (!made) node.channels.unreserve();
+    });
+    node.detached.check_new(lease.id, params.name, 2 * params.detach->retain_bytes,
+                            node.config.limits.detach_kept_bytes_per_lease);
+    // Named first: no closure with a destructor inside a co_await expression (GCC 12).
+    auto make_files = [dir = kept_output_root(node) / lease.id / handle,
+                       capacity = params.detach->retain_bytes] {
         std::error_code ec;
-        std::filesystem::create_directories(dir, ec);
-        return std::make_shared<DetachedOutput>(
-            strand, KeptOutput::create(dir / handle, params.detach->retain_bytes));
-    } catch (...) {
-        node.channels.unreserve();
-        throw;
-    }
+        std::filesystem::create_directories(dir.parent_path(), ec);
+        return KeptOutput::create(dir, capacity);
+    };
+    auto kept = co_await offload(node.blocking, std::move(make_files));
+    made = true;
+    co_return std::make_shared<DetachedOutput>(strand, std::move(kept));
 }
 
 /// A detached channel (issue 46): on a strand of its own, its output kept by a DetachedOutput
@@ -184,9 +191,11 @@ awaitable<MethodReply> open_detached(Connection& c, methods::OpenParams params, 
     auto& node = c.node();
     auto options = channel_options(node, params, lease, caller);
     params.spec.drain_grace_ms = node.config.limits.drain_grace_ms;
+    options.release_backend_at_end = true;  // its Channel is kept with its exit
     const strand_t strand = net::make_strand(*node.ioc);
     const std::string handle = DetachedChannels::make_handle();
-    auto output = kept_output_for(node, lease, params, handle, strand);
+    auto making = kept_output_for(node, lease, params, handle, strand);
+    auto output = co_await std::move(making);
     ScopeExit forget_output([&output] {
         if (output) output->remove_kept();  // the open failed: nothing is kept
     });
@@ -199,6 +208,7 @@ awaitable<MethodReply> open_detached(Connection& c, methods::OpenParams params, 
     options.id = c.mux().next_id();
     auto channel = std::make_shared<Channel>(strand, options, std::move(backend), sandbox, output);
     output->bind(channel);
+    if (params.detach->hangup_after) output->hang_up_when_idle(*params.detach->hangup_after);
     try {
         // Refuses a name taken meanwhile (or a budget spent meanwhile).
         node.detached.add(detached_entry(handle, lease, params, options, strand, channel, output),

@@ -4,6 +4,7 @@
 #include <sandboxd/core/lease.hpp>
 
 #include <algorithm>
+#include <utility>
 
 namespace sandboxd {
 
@@ -82,11 +83,38 @@ std::vector<std::shared_ptr<const DetachedChannels::Entry>> DetachedChannels::of
     return {found.begin(), found.end()};
 }
 
-void DetachedChannels::ended(const std::string& handle, std::int64_t at_ms) {
+std::map<std::string, std::shared_ptr<DetachedChannels::Entry>>::iterator
+DetachedChannels::erase_locked(std::map<std::string, std::shared_ptr<Entry>>::iterator it) {
+    const auto& e = *it->second;
+    if (!e.name.empty()) by_name_.erase({e.lease_id, e.name});
+    added_order_.erase(e.handle);
+    return by_handle_.erase(it);
+}
+
+std::vector<std::shared_ptr<const DetachedChannels::Entry>> DetachedChannels::ended(
+    const std::string& handle, std::int64_t at_ms, std::size_t max_kept_exits) {
     std::lock_guard lock(mutex_);
-    if (const auto it = by_handle_.find(handle); it != by_handle_.end()) {
-        if (!it->second->ended_at_ms) it->second->ended_at_ms = at_ms;
+    const auto it = by_handle_.find(handle);
+    if (it == by_handle_.end()) return {};
+    if (!it->second->ended_at_ms) it->second->ended_at_ms = at_ms;
+    const auto lease_id = it->second->lease_id;
+    // The lease's ended entries, oldest added first.
+    std::vector<std::pair<std::uint64_t, std::string>> lease_ended;
+    for (const auto& [h, entry] : by_handle_) {
+        if (entry->lease_id == lease_id && entry->ended_at_ms) {
+            lease_ended.emplace_back(added_order_.at(h), h);
+        }
     }
+    std::vector<std::shared_ptr<const Entry>> gone;
+    if (lease_ended.size() <= max_kept_exits) return gone;
+    std::sort(lease_ended.begin(), lease_ended.end());
+    lease_ended.resize(lease_ended.size() - max_kept_exits);
+    for (const auto& [order, h] : lease_ended) {
+        const auto at = by_handle_.find(h);
+        gone.push_back(at->second);
+        erase_locked(at);
+    }
+    return gone;
 }
 
 std::vector<std::shared_ptr<const DetachedChannels::Entry>> DetachedChannels::expire(
@@ -101,10 +129,8 @@ std::vector<std::shared_ptr<const DetachedChannels::Entry>> DetachedChannels::ex
             ++it;
             continue;
         }
-        if (!e.name.empty()) by_name_.erase({e.lease_id, e.name});
-        added_order_.erase(e.handle);
         gone.push_back(it->second);
-        it = by_handle_.erase(it);
+        it = erase_locked(it);
     }
     return gone;
 }

@@ -57,8 +57,11 @@ public:
     std::shared_ptr<const Entry> find(const std::string& lease_id, const std::string& name) const;
     /// The lease's entries, oldest first.
     std::vector<std::shared_ptr<const Entry>> of_lease(const std::string& lease_id) const;
-    /// The channel of `handle` ended at `at_ms` (wall clock): its exit is kept from now.
-    void ended(const std::string& handle, std::int64_t at_ms);
+    /// The channel of `handle` ended at `at_ms` (wall clock): its exit is kept from now. When
+    /// its lease then has more than `max_kept_exits` ended entries, the oldest added of them
+    /// are removed (their names free again) and returned, for their kept output to go.
+    std::vector<std::shared_ptr<const Entry>> ended(const std::string& handle, std::int64_t at_ms,
+                                                    std::size_t max_kept_exits = SIZE_MAX);
     /// Removes and returns the entries whose exit has been kept for their retain_ms at
     /// `now_ms`, and those of `lease_id` when given (the lease ended: all of them, running or
     /// not). Their names are free again.
@@ -69,6 +72,9 @@ public:
     [[nodiscard]] std::size_t size() const;
 
 private:
+    /// Removes the entry at `it` from every index; returns the next.
+    std::map<std::string, std::shared_ptr<Entry>>::iterator erase_locked(
+        std::map<std::string, std::shared_ptr<Entry>>::iterator it);
     std::uint64_t kept_bytes_locked(const std::string& lease_id) const;
     void check_new_locked(const std::string& lease_id, const std::string& name, std::uint64_t bytes,
                           std::uint64_t lease_budget) const;

@@ -4,6 +4,8 @@
 #include <sandboxd/core/frame.hpp>
 #include <sandboxd/core/jsonrpc.hpp>
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <limits>
 #include <utility>
@@ -32,15 +34,17 @@ DetachedOutput::AttachResult DetachedOutput::attach(std::weak_ptr<ChannelSink> s
                                                     std::uint32_t output_window,
                                                     std::optional<Offsets> from, bool takeover,
                                                     bool hold) {
-    if (attachment_) {
-        if (!takeover) {
-            throw rpc_error(errc::channel_attached,
-                            "another connection is attached to this detached channel; attach "
-                            "with takeover: true to take it over",
-                            {{"takeover", false}});
-        }
-        end_taken_over();
+    if (attachment_ && !takeover) {
+        throw rpc_error(errc::channel_attached,
+                        "another connection is attached to this detached channel; attach "
+                        "with takeover: true to take it over",
+                        {{"takeover", false}});
     }
+    // An ended channel that nobody read holds no descriptor: its files are opened again for
+    // this attachment (a failure changes nothing).
+    kept_->reopen();
+    if (attachment_) end_taken_over();
+    if (idle_timer_) idle_timer_->cancel();
     ++generation_;
     Attachment a;
     a.sink = std::move(sink);
@@ -65,22 +69,51 @@ void DetachedOutput::release(std::uint64_t id) {
     schedule();
 }
 
-void DetachedOutput::end_taken_over() {
+void DetachedOutput::end_attachment(const char* outcome, json error) {
     if (auto sink = attachment_->sink.lock()) {
         const auto id = attachment_->channel_id;
-        sink->send_text(jsonrpc::notification("duplexChannel.exit", {{"channel", id},
-                                                                     {"exitCode", nullptr},
-                                                                     {"signal", nullptr},
-                                                                     {"outcome", "takenOver"},
-                                                                     {"stdoutBytes", nullptr},
-                                                                     {"stderrBytes", nullptr}}));
+        json params = {{"channel", id},      {"exitCode", nullptr},    {"signal", nullptr},
+                       {"outcome", outcome}, {"stdoutBytes", nullptr}, {"stderrBytes", nullptr}};
+        if (!error.is_null()) params["error"] = std::move(error);
+        sink->send_text(jsonrpc::notification("duplexChannel.exit", std::move(params)));
         sink->channel_finished(id);
     }
+}
+
+void DetachedOutput::end_taken_over() {
+    end_attachment("takenOver");
     drop_attachment();
 }
 
 void DetachedOutput::detach(std::uint64_t id) noexcept {
-    if (id == generation_) drop_attachment();
+    if (id == generation_) let_go();
+}
+
+void DetachedOutput::let_go() noexcept {
+    drop_attachment();
+    if (finished_) {
+        kept_->close_files();  // nothing more is written or read until an attach
+    } else {
+        arm_idle_hangup();
+    }
+}
+
+void DetachedOutput::arm_idle_hangup() noexcept try {
+    if (!idle_after_) return;
+    if (!idle_timer_) idle_timer_ = std::make_unique<net::steady_timer>(strand_);
+    idle_timer_->expires_after(*idle_after_);  // cancels a wait still pending
+    idle_timer_->async_wait([weak = weak_from_this()](beast::error_code ec) {
+        auto self = weak.lock();
+        if (ec || !self || self->attachment_ || self->finished_) return;
+        if (auto channel = self->channel_.lock()) {
+            spdlog::info("detached channel: no host attached for {} ms: hanging it up",
+                         self->idle_after_->count());
+            channel->hangup(channel_outcome::transport_closed, /*keep_sink=*/true);
+        }
+    });
+} catch (const std::exception& e) {
+    // Out of memory: the channel runs on without the hangupAfterMs rule.
+    spdlog::error("detached channel: cannot start its hangupAfterMs timer: {}", e.what());
 }
 
 void DetachedOutput::drop_attachment() noexcept {
@@ -89,9 +122,14 @@ void DetachedOutput::drop_attachment() noexcept {
     // Nobody is attached: the command is held back by no one.
     if (withheld_ > 0) {
         const auto n = std::exchange(withheld_, 0);
-        net::post(strand_, [weak = channel_, n] {
-            if (auto channel = weak.lock()) channel->add_credit(static_cast<std::uint32_t>(n));
-        });
+        try {
+            net::post(strand_, [weak = channel_, n] {
+                if (auto channel = weak.lock()) channel->add_credit(static_cast<std::uint32_t>(n));
+            });
+        } catch (const std::exception& e) {
+            // Out of memory: the command stays held back until the next host's credit.
+            spdlog::error("detached channel: crediting {} bytes back: {}", n, e.what());
+        }
     }
 }
 
@@ -166,7 +204,11 @@ void DetachedOutput::send_text(std::string text) {
     schedule();
 }
 
-void DetachedOutput::channel_finished(std::uint32_t /*channel*/) { finished_ = true; }
+void DetachedOutput::channel_finished(std::uint32_t /*channel*/) {
+    finished_ = true;
+    if (idle_timer_) idle_timer_->cancel();
+    if (!attachment_) kept_->close_files();
+}
 
 void DetachedOutput::schedule() {
     if (!attachment_ || attachment_->scheduled || attachment_->held) return;
@@ -174,14 +216,25 @@ void DetachedOutput::schedule() {
     net::post(strand_, [self = shared_from_this(), generation = generation_] {
         if (generation != self->generation_ || !self->attachment_) return;
         self->attachment_->scheduled = false;
-        self->send_to_attachment();
+        try {
+            self->send_to_attachment();
+        } catch (const std::exception& e) {
+            // The kept files failed (an I/O error): this attachment ends with the error, the
+            // command goes on; another attach may try again.
+            spdlog::warn("detached channel: sending kept output to an attachment: {}", e.what());
+            if (!self->attachment_) return;
+            self->end_attachment(
+                "error",
+                rpc_error(errc::provider_error, std::string("kept output: ") + e.what()).to_json());
+            self->let_go();
+        }
     });
 }
 
 void DetachedOutput::send_to_attachment() {
     auto& a = *attachment_;
     auto sink = a.sink.lock();
-    if (!sink) return drop_attachment();  // its connection is gone
+    if (!sink) return let_go();  // its connection is gone
     while (a.unacked < a.window) {
         if (!sink->has_send_room()) {
             if (!a.waiting_room) {
@@ -207,7 +260,7 @@ void DetachedOutput::send_to_attachment() {
         params["channel"] = a.channel_id;
         sink->send_text(jsonrpc::notification("duplexChannel.exit", std::move(params)));
         sink->channel_finished(a.channel_id);
-        drop_attachment();  // it has everything: the next host may attach without a takeover
+        let_go();  // it has everything: the next host may attach without a takeover
     }
 }
 

@@ -19,12 +19,16 @@
 // strand. Frames are encoded binary only (dataEncoding base64 is not kept). Live output to an
 // attachment that has caught up is forwarded as it came (one write to the kept output, no read
 // back); an attachment behind is sent from the kept output.
+//
+// Descriptors: the kept output's two files are open while the command runs and while a host
+// is attached; an ended channel that nobody reads holds none (attach() opens them again).
 #include "server/channel.hpp"
 #include "server/kept_output.hpp"
 
 #include <nlohmann/json.hpp>
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -58,7 +62,8 @@ public:
     /// previous attachment is sent duplexChannel.exit with outcome "takenOver" (its last
     /// message; the command goes on) and ends. Held (`hold`), the attachment is sent nothing
     /// until release(): the host's result goes first. The kept bytes follow on the next turns
-    /// of the strand, never inside this call.
+    /// of the strand, never inside this call. When the kept files cannot be opened again (an
+    /// ended channel), throws rpc_error(errc::provider_error) and changes nothing.
     AttachResult attach(std::weak_ptr<ChannelSink> sink, std::uint32_t channel_id,
                         std::uint32_t output_window, std::optional<Offsets> from,
                         bool takeover = false, bool hold = false);
@@ -70,6 +75,12 @@ public:
     void detach(std::uint64_t id) noexcept;
     /// Output credit from the attached host.
     void add_credit(std::uint32_t bytes);
+    /// detach.hangupAfterMs: once no host has been attached for `after` while the command
+    /// runs, the channel is hung up (Channel::hangup with its sink kept: SIGHUP, SIGKILL after
+    /// the hangup grace, the exit kept with outcome transportClosed). Counted from each
+    /// moment the last attachment ends; an attach stops the count. Call before the first
+    /// attach.
+    void hang_up_when_idle(std::chrono::milliseconds after) { idle_after_ = after; }
 
     [[nodiscard]] bool attached() const noexcept { return attachment_.has_value(); }
     /// The kept exit notification's params (null while the command runs).
@@ -99,10 +110,16 @@ private:
     void schedule();
     void send_to_attachment();
     void drop_attachment() noexcept;
+    /// drop_attachment(), and the kept files closed when the command has ended.
+    void let_go() noexcept;
+    /// Starts the hangupAfterMs count (nobody is attached and the command runs).
+    void arm_idle_hangup() noexcept;
     /// The attachment was sent `n` bytes: as much withheld credit goes back to the channel.
     void sent(std::uint64_t n);
     /// Tells the current attachment that another host took the channel over, and drops it.
     void end_taken_over();
+    /// Sends the current attachment its last message: an exit with `outcome` (and `error`).
+    void end_attachment(const char* outcome, nlohmann::json error = nullptr);
     /// Live output: the frame just kept (its `n` bytes at offset `at`) goes on as it came, its
     /// channel id rewritten, when the attachment has read everything before it and has room
     /// for it: no read back from the kept output. False when the frame must wait (schedule()).
@@ -120,6 +137,8 @@ private:
     std::uint64_t withheld_ = 0;
     nlohmann::json exit_;
     bool finished_ = false;
+    std::optional<std::chrono::milliseconds> idle_after_;
+    std::unique_ptr<net::steady_timer> idle_timer_;  ///< made on the first arm
 };
 
 }  // namespace sandboxd

@@ -30,32 +30,46 @@ std::filesystem::path kept_output_root(const Node& node) {
 
 namespace {
 
-/// Deletes the kept output of entries that are gone from the table (their files; a host
-/// still reading one keeps its descriptors until it is done).
-void remove_kept(const std::vector<std::shared_ptr<const DetachedChannels::Entry>>& gone) {
+/// Deletes the kept output of entries that are gone from the table (their files, on the
+/// blocking pool: never on an I/O thread; a host still reading one keeps its descriptors
+/// until it is done).
+void remove_kept(Node& node,
+                 const std::vector<std::shared_ptr<const DetachedChannels::Entry>>& gone,
+                 const char* why) {
+    std::vector<std::filesystem::path> dirs;
     for (const auto& e : gone) {
-        std::error_code ec;
-        std::filesystem::remove_all(e->output->kept().dir(), ec);
-        spdlog::info("lease={} detached channel {} forgotten{}", e->lease_id, e->handle,
-                     e->name.empty() ? "" : " (" + e->name + ")");
+        dirs.push_back(e->output->kept().dir());
+        spdlog::info("lease={} detached channel {} forgotten{}: {}", e->lease_id, e->handle,
+                     e->name.empty() ? "" : " (" + e->name + ")", why);
     }
+    if (dirs.empty()) return;
+    net::post(node.blocking, [dirs = std::move(dirs)] {
+        for (const auto& dir : dirs) {
+            std::error_code ec;
+            std::filesystem::remove_all(dir, ec);
+        }
+    });
 }
 
 }  // namespace
 
 void detached_channel_ended(Node& node, const std::string& handle, std::uint64_t retain_ms) {
-    node.detached.ended(handle, now_ms());
+    remove_kept(
+        node, node.detached.ended(handle, now_ms(), node.config.limits.detach_kept_exits_per_lease),
+        "its lease keeps limits.detachKeptExitsPerLease ended channels");
     auto timer = std::make_shared<net::steady_timer>(*node.ioc);
     timer->expires_after(std::chrono::milliseconds(retain_ms));
     timer->async_wait([&node, timer](const boost::system::error_code& ec) {
-        if (!ec) remove_kept(node.detached.expire(now_ms()));
+        if (!ec) remove_kept(node, node.detached.expire(now_ms()), "its retainMs passed");
     });
 }
 
 void forget_detached_channels(Node& node, const std::string& lease_id) {
-    remove_kept(node.detached.expire(now_ms(), lease_id));
-    std::error_code ec;
-    std::filesystem::remove_all(kept_output_root(node) / lease_id, ec);
+    remove_kept(node, node.detached.expire(now_ms(), lease_id), "its lease ended");
+    net::post(node.blocking, [dir = kept_output_root(node) / lease_id] {
+        std::error_code ec;
+        std::filesystem::remove_all(dir, ec);
+    });
 }
 
 }  // namespace sandboxd

@@ -87,6 +87,7 @@ std::unique_ptr<KeptOutput> KeptOutput::create(const fs::path& dir, std::uint64_
 
 void KeptOutput::append(output_stream stream, std::string_view bytes) {
     const auto i = index(stream);
+    if (!files_[i]) throw std::logic_error("kept output: append with the files closed");
     auto& end = ends_[i];
     if (bytes.size() > capacity_) {  // only the last `capacity` bytes can be kept
         end += bytes.size() - capacity_;
@@ -102,6 +103,7 @@ void KeptOutput::append(output_stream stream, std::string_view bytes) {
 std::size_t KeptOutput::read(output_stream stream, std::uint64_t offset,
                              std::span<char> into) const {
     const auto i = index(stream);
+    if (!files_[i]) throw std::logic_error("kept output: read with the files closed");
     if (offset < first_kept(stream) || offset > ends_[i]) {
         throw std::out_of_range("kept output: offset " + std::to_string(offset) + " is not in [" +
                                 std::to_string(first_kept(stream)) + ", " +
@@ -121,6 +123,21 @@ void KeptOutput::remove() noexcept {
     fs::remove(dir_ / "stdout", ec);
     fs::remove(dir_ / "stderr", ec);
     fs::remove(dir_, ec);
+}
+
+void KeptOutput::close_files() noexcept {
+    for (auto& f : files_) f.reset();
+}
+
+void KeptOutput::reopen() {
+    if (files_open()) return;
+    std::array<unique_fd, 2> files;
+    for (auto s : {output_stream::out, output_stream::err}) {
+        const auto path = dir_ / (s == output_stream::err ? "stderr" : "stdout");
+        files[index(s)] = unique_fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+        if (!files[index(s)]) fail("open " + path.string(), errno);
+    }
+    files_ = std::move(files);
 }
 
 }  // namespace sandboxd

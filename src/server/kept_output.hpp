@@ -12,8 +12,9 @@
 // only the two counters (end, and from it first_kept) are kept in memory.
 //
 // Errors: create() throws rpc_error(errc::provider_error) naming the step and the errno text
-// (ENOSPC: "no room for the kept output"), and leaves nothing behind; append() and read()
-// throw the same on an I/O error. Offsets before first_kept() or after end() are the caller's
+// (ENOSPC: "no room for the kept output"), and leaves nothing behind; append(), read() and
+// reopen() throw the same on an I/O error; read() with the files closed throws
+// std::logic_error. Offsets before first_kept() or after end() are the caller's
 // error: read() throws std::out_of_range for them.
 //
 // Blocking: every call is a pread/pwrite/fallocate on a local file (page cache; may wait for
@@ -64,9 +65,18 @@ public:
     [[nodiscard]] std::uint64_t capacity() const noexcept { return capacity_; }
     [[nodiscard]] const std::filesystem::path& dir() const noexcept { return dir_; }
 
-    /// Deletes the files and the directory (the open descriptors stay valid until destroyed).
-    /// noexcept: what cannot be removed is left.
+    /// Deletes the files and the directory (the open descriptors stay valid until destroyed
+    /// or closed). noexcept: what cannot be removed is left.
     void remove() noexcept;
+
+    /// Closes the two files (the command ended and nobody reads: an ended channel kept for
+    /// hours holds no descriptor). append() may not be called after; read() needs reopen().
+    void close_files() noexcept;
+    /// Opens the files again by path, for reading (after close_files(); nothing when open).
+    /// Throws rpc_error(errc::provider_error) naming the file and the errno text when one is
+    /// gone or cannot be opened, and then leaves them closed.
+    void reopen();
+    [[nodiscard]] bool files_open() const noexcept { return static_cast<bool>(files_[0]); }
 
 private:
     KeptOutput(std::filesystem::path dir, std::uint64_t capacity,

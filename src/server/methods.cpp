@@ -343,15 +343,21 @@ std::string channel_name(std::string name) {
 }
 
 /// The open's `detach` and `name` (see parse_open).
+/// The longest a detached channel may wait for a host before it is hung up: 30 days.
+constexpr std::uint64_t max_hangup_after_ms = 30ULL * 24 * 3600 * 1000;
+
 void parse_detach(const json& p, const DetachLimits& limits, OpenParams& out) {
-    if (const json* d =
-            nested_object(p, "detach", {"retainMs", "retainBytes"}, "{retainMs?, retainBytes?}")) {
+    if (const json* d = nested_object(p, "detach", {"retainMs", "retainBytes", "hangupAfterMs"},
+                                      "{retainMs?, retainBytes?, hangupAfterMs?}")) {
         OpenParams::Detach detach;
         detach.retain_ms = nested_uint(*d, "detach", "retainMs", 1000, limits.max_retain_ms)
                                .value_or(limits.retain_ms);
         detach.retain_bytes =
             nested_uint(*d, "detach", "retainBytes", 4096, limits.max_retain_bytes)
                 .value_or(limits.retain_bytes);
+        if (auto after = nested_uint(*d, "detach", "hangupAfterMs", 1000, max_hangup_after_ms)) {
+            detach.hangup_after = std::chrono::milliseconds(*after);
+        }
         out.detach = detach;
     }
     if (auto name = params::opt_string(p, "name")) {

@@ -165,6 +165,9 @@ struct OpenParams {
     struct Detach {
         std::uint64_t retain_ms = 0;
         std::uint64_t retain_bytes = 0;
+        /// hangupAfterMs, 1000 .. 30 days: the command is hung up (SIGHUP, then SIGKILL after
+        /// the hangup grace) once no host has been attached for this long; none = never.
+        std::optional<std::chrono::milliseconds> hangup_after;
     };
     std::optional<Detach> detach;
     /// `name` (only with detach): 1..128 of [A-Za-z0-9._-], unique among the lease's detached
@@ -181,9 +184,10 @@ struct DetachLimits {
 };
 /// `max_output_window` and `max_stdin_window`: the largest windows an open may ask for
 /// (limits.maxOutputWindow, limits.maxStdinWindow), bytes. INVALID_PARAMS naming the field:
-/// `detach` not an object or with other keys than retainMs (1000..max_retain_ms) and
-/// retainBytes (4096..max_retain_bytes); `name` without detach or not 1..128 of
-/// [A-Za-z0-9._-]; `dataEncoding: "base64"` with detach (kept output is binary frames).
+/// `detach` not an object or with other keys than retainMs (1000..max_retain_ms),
+/// retainBytes (4096..max_retain_bytes) and hangupAfterMs (1000..2592000000); `name` without detach
+/// or not 1..128 of [A-Za-z0-9._-]; `dataEncoding: "base64"` with detach (kept output is binary
+/// frames).
 OpenParams parse_open(const json& p, std::uint64_t max_output_window = 1ULL << 30,
                       std::uint64_t max_stdin_window = 1ULL << 30,
                       const DetachLimits& detach_limits = {});

@@ -347,3 +347,98 @@ TEST_CASE("A lease's detached output is bounded: an open past it is refused befo
     CHECK(eventually([] { return count_processes_with("sleep 6466") == 1; }, 20s));
     CHECK(eventually([] { return count_processes_with("sleep 6467") == 1; }, 20s));
 }
+
+TEST_CASE("Ended detached channels hold no descriptors, and a lease keeps a bounded number",
+          "[daemon][detached]") {
+    // 40 detached channels end at once with 10 minutes of retention each: the daemon keeps
+    // the exits of the last 16 (limits.detachKeptExitsPerLease) and no descriptor for any of
+    // them, so no tenant can run the node out of descriptors or memory with ended channels.
+    const std::string config = json{{"limits",
+                                     {{"detachRetainBytes", 4096},
+                                      {"detachKeptBytesPerLease", 1 << 20},
+                                      {"detachKeptExitsPerLease", 16}}}}
+                                   .dump();
+    DaemonProcess daemon("node-a", config);
+    auto c = daemon.connect();
+    const auto lease = acquire_lease(*c);
+    // A first channel that ended: what the daemon holds with nothing detached running.
+    c->call("duplexChannelOpen", detached_open(lease, {"true"}, "warm", 4096));
+    Received got;
+    REQUIRE(got.until(*c, [&] { return got.exits.size() == 1; }));
+    const auto fds_before = daemon.fd_count();
+    constexpr int count = 40;
+    for (int i = 0; i < count; ++i) {
+        c->call("duplexChannelOpen", detached_open(lease, {"sh", "-c", "echo " + std::to_string(i)},
+                                                   "ended-" + std::to_string(i), 4096));
+    }
+    REQUIRE(got.until(*c, [&] { return got.exits.size() == count + 1; }));
+    c->close();
+    c.reset();
+    auto again = daemon.connect();
+    const auto listed = again->call("duplexChannelList", {{"leaseId", lease["id"]}});
+    REQUIRE(listed["channels"].size() == 16);
+    // The oldest were forgotten first: the last 16 are kept, in order, with their output.
+    for (int i = 0; i < 16; ++i) {
+        const auto& ch = listed["channels"][i];
+        CHECK(ch["name"] == "ended-" + std::to_string(count - 16 + i));
+        CHECK(ch["state"] == "exited");
+        CHECK(ch["exit"]["exitCode"] == 0);
+    }
+    const auto fds_after = daemon.fd_count();
+    INFO("descriptors before " << fds_before << ", after " << fds_after);
+    CHECK(fds_after <= fds_before + 4);
+    // A kept one replays from its files, reopened for the attachment.
+    auto attached =
+        again->call("duplexChannelAttach", {{"leaseId", lease["id"]}, {"name", "ended-39"}});
+    const auto id = attached["channel"].get<std::uint32_t>();
+    Received replay;
+    REQUIRE(replay.until(*again, [&] { return replay.exits.count(id) == 1; }));
+    CHECK(replay.out[id] == "39\n");
+    CHECK(replay.exits[id][0]["exitCode"] == 0);
+    // A forgotten one's name is free again; its attach says it is not kept.
+    CHECK(error_reason(*again, "duplexChannelAttach",
+                       {{"leaseId", lease["id"]}, {"name", "ended-0"}}) == "CHANNEL_NOT_FOUND");
+    again->call("duplexChannelOpen", detached_open(lease, {"true"}, "ended-0", 4096));
+    CHECK(eventually([&] { return daemon.fd_count() <= fds_before + 4; }, 20s));
+}
+
+TEST_CASE("A detached channel with hangupAfterMs is hung up once no host is attached for that long",
+          "[daemon][detached]") {
+    DaemonProcess daemon("node-a");
+    auto c = daemon.connect();
+    const auto lease = acquire_lease(*c);
+    // It says when it is hung up (the trap runs on SIGHUP), then exits on its own.
+    auto p = detached_open(lease,
+                           {"sh", "-c",
+                            "trap 'echo hung-up >&2; exit 3' HUP; echo up; "
+                            "while :; do sleep 0.05; done"},
+                           "idle");
+    p["detach"]["hangupAfterMs"] = 1000;
+    const auto opened = c->call("duplexChannelOpen", p);
+    const auto id = opened["channel"].get<std::uint32_t>();
+    Received got;
+    REQUIRE(got.until(*c, [&] { return got.out[id] == "up\n"; }));
+    const auto dropped_at = std::chrono::steady_clock::now();
+    c->close();
+    c.reset();
+    auto again = daemon.connect();
+    json entry;
+    REQUIRE(eventually(
+        [&] {
+            entry = again->call("duplexChannelList", {{"leaseId", lease["id"]}})["channels"][0];
+            return entry["state"] == "exited";
+        },
+        30s));
+    CHECK(std::chrono::steady_clock::now() - dropped_at >= 1000ms);
+    CHECK(entry["exit"]["outcome"] == "transportClosed");
+    CHECK(entry["exit"]["exitCode"] == 3);
+    // Its output up to the hangup is kept, and its trap's line (written after it) is not.
+    CHECK(entry["offsets"]["stdout"] == 3);
+    auto attached =
+        again->call("duplexChannelAttach", {{"leaseId", lease["id"]}, {"name", "idle"}});
+    const auto replay_id = attached["channel"].get<std::uint32_t>();
+    Received replay;
+    REQUIRE(replay.until(*again, [&] { return replay.exits.count(replay_id) == 1; }));
+    CHECK(replay.out[replay_id] == "up\n");
+    CHECK(replay.exits[replay_id][0]["outcome"] == "transportClosed");
+}

@@ -1,6 +1,12 @@
 // sandboxd's browser console: one PTY channel in a lease's sandbox (docs/protocol.md, the
 // console in section 8). The token travels as the WebSocket subprotocol
 // `sandboxd.bearer.<base64url>` because a browser cannot set Authorization on a WebSocket.
+//
+// The channel is detached (section 3.1): a reload of the page, or a dropped connection and a
+// reload, attaches to it again and replays its kept output (the last MiB), so the terminal
+// comes back as it was. What it needs for that (lease, handle, token) is in this tab's
+// sessionStorage until the channel ends (gone with the tab); the daemon hangs the command up
+// once no page has been attached to it for `hangupAfterMs`.
 "use strict";
 (function () {
   const $ = (id) => document.getElementById(id);
@@ -30,6 +36,33 @@
       return lines.join("\n");
     },
   };
+
+  // The session a reload attaches to again: {token, leaseId, command, handle}.
+  const sessionKey = "sandboxd.console.session";
+  const keptBytes = 1 << 20;
+  const hangupAfterMs = 300000;
+  function remember(session) {
+    try {
+      sessionStorage.setItem(sessionKey, JSON.stringify(session));
+    } catch (e) {
+      /* storage disabled: a reload then starts afresh */
+    }
+  }
+  function forget() {
+    try {
+      sessionStorage.removeItem(sessionKey);
+    } catch (e) {
+      /* storage disabled */
+    }
+  }
+  function remembered() {
+    try {
+      const s = JSON.parse(sessionStorage.getItem(sessionKey) || "null");
+      return s && typeof s.handle === "string" && typeof s.leaseId === "string" ? s : null;
+    } catch (e) {
+      return null;
+    }
+  }
 
   const hash = new URLSearchParams(location.hash.slice(1));
   if (hash.get("lease")) $("lease").value = hash.get("lease");
@@ -114,9 +147,12 @@
       state.pending.delete(msg.id);
       if (msg.error) p.reject(msg.error);
       else p.resolve(msg.result);
+    } else if (msg.method === "duplexChannel.gap" && msg.params.channel === state.channel) {
+      term.write("\x1b[2m[earlier output is no longer kept]\x1b[0m\r\n");
     } else if (msg.method === "duplexChannel.exit" && msg.params.channel === state.channel) {
       const e = msg.params;
       state.exit = e;
+      forget();
       const how = e.outcome === "exited" ? `exit ${e.exitCode}` : e.signal ? `${e.outcome}, signal ${e.signal}` : e.outcome;
       term.write(`\r\n\x1b[2m[channel ended: ${how}]\x1b[0m\r\n`);
       status(`Channel ended: ${how}.`, e.outcome === "exited" && e.exitCode === 0 ? "ok" : "error");
@@ -124,8 +160,16 @@
     }
   }
 
-  async function open(token, leaseId, command) {
-    if (state.ws) state.ws.close(1000);
+  /** Opens `command` in lease `leaseId`, or with `handle`, attaches to that channel again. */
+  async function open(token, leaseId, command, handle) {
+    if (state.ws) {
+      // A new terminal replaces the one shown: its command ends now, not at hangupAfterMs.
+      if (state.channel !== null && !state.exit && state.ws.readyState === WebSocket.OPEN) {
+        call("duplexChannelStop", { channel: state.channel }).catch(() => {});
+      }
+      forget();
+      state.ws.close(1000);
+    }
     Object.assign(state, { channel: null, exit: null, stdinInFlight: 0, queue: [], pending: new Map() });
     status("Connecting...");
     const scheme = location.protocol === "https:" ? "wss:" : "ws:";
@@ -141,7 +185,8 @@
       if (!opened) {
         status("The node refused the connection: check the token (or the node is not ready).", "error");
       } else if (!state.exit) {
-        status(`Connection closed (code ${ev.code}${ev.reason ? ": " + ev.reason : ""}).`, "error");
+        const again = remembered() ? " The command goes on: reload the page to attach again." : "";
+        status(`Connection closed (code ${ev.code}${ev.reason ? ": " + ev.reason : ""}).${again}`, "error");
         term.write("\r\n\x1b[2m[connection closed]\x1b[0m\r\n");
       }
     };
@@ -149,21 +194,42 @@
       opened = true;
       try {
         const info = await call("initialize", { protocolVersion: 1, client: { name: "sandboxd-console", version: "1" } });
-        const lease = await call("leaseGet", { leaseId });
-        const result = await call("duplexChannelOpen", {
-          lease,
-          command,
-          pty: { cols: term.cols, rows: term.rows },
-          env: { TERM: "xterm-256color" },
-        });
+        let result;
+        if (handle) {
+          // This tab's page before the reload may still count as attached: take it over. All
+          // the kept output comes again, from offset 0, to draw the screen as it was.
+          result = await call("duplexChannelAttach", {
+            leaseId,
+            handle,
+            offsets: { stdout: 0, stderr: 0 },
+            takeover: true,
+            resize: { cols: term.cols, rows: term.rows },
+          });
+        } else {
+          const lease = await call("leaseGet", { leaseId });
+          result = await call("duplexChannelOpen", {
+            lease,
+            command,
+            pty: { cols: term.cols, rows: term.rows },
+            env: { TERM: "xterm-256color" },
+            detach: { retainBytes: keptBytes, hangupAfterMs },
+          });
+        }
         state.channel = result.channel;
         state.stdinWindow = result.stdinWindow || info.limits.stdinWindow;
-        status(`Connected to ${result.ownerNodeId}: ${command.join(" ")} in lease ${leaseId}.`, "ok");
+        remember({ token, leaseId, command, handle: result.handle });
+        const what = `${command.join(" ")} in lease ${leaseId}`;
+        status(handle ? `Attached again to ${result.ownerNodeId}: ${what}.` : `Connected to ${result.ownerNodeId}: ${what}.`, "ok");
         term.focus();
         pumpStdin();
       } catch (e) {
         const reason = e && e.data && e.data.reason ? `${e.data.reason}: ` : "";
-        status(`${reason}${(e && e.message) || e}`, "error");
+        if (handle) {
+          forget();  // ended and forgotten, or no longer this token's: a new terminal is needed
+          status(`Cannot attach to the terminal again: ${reason}${(e && e.message) || e}`, "error");
+        } else {
+          status(`${reason}${(e && e.message) || e}`, "error");
+        }
         ws.close(1000);
       }
     };
@@ -174,4 +240,13 @@
     const command = $("command").value.trim().split(/\s+/).filter(Boolean);
     open($("token").value, $("lease").value.trim(), command.length ? command : ["sh"]);
   });
+
+  // A reload (or a page that came back) attaches to its terminal again.
+  const session = remembered();
+  if (session) {
+    $("token").value = session.token;
+    $("lease").value = session.leaseId;
+    $("command").value = (session.command || []).join(" ");
+    open(session.token, session.leaseId, session.command || [], session.handle);
+  }
 })();

@@ -262,7 +262,12 @@ export interface DuplexChannelOpenParams {
    * and its output is kept, to attach to again from any node. Defaults: the node's
    * `limits.detachRetainMs` (600,000) and `limits.detachRetainBytes` (8 MiB).
    */
-  detach?: { retainMs?: number; retainBytes?: number };
+  detach?: {
+    retainMs?: number;
+    retainBytes?: number;
+    /** 1,000..2,592,000,000: hang the command up once no host has been attached this long. */
+    hangupAfterMs?: number;
+  };
   /** With `detach`: 1..128 of [A-Za-z0-9._-], unique among the lease's detached channels. */
   name?: string;
 }

@@ -186,4 +186,48 @@ describe("console", { skip: chromiumPath() ? false : "no chromium (scripts/boots
     await eventually(async () => /Channel ended: exit 0/.test(await statusText()), 10_000, "the end of the channel on the page");
     assert.match(await screen(), /\[channel ended: exit 0\]/);
   });
+
+  it("attaches to its terminal again after the page went away: the command went on, the screen comes back", async () => {
+    const sessionStored = () => browser.evaluate(page, "sessionStorage.getItem('sandboxd.console.session')") as Promise<string | null>;
+    await browser.navigate(page, `http://${daemon.address}/console?reattach#lease=${lease.id}`);
+    await submit(daemon.token);
+    await eventually(async () => /^Connected/.test(await statusText()), 15_000, "the channel to open");
+    const stored = JSON.parse((await sessionStored()) ?? "null");
+    assert.equal(stored?.leaseId, lease.id);
+    assert.match(stored?.handle ?? "", /^dch_[0-9a-f]{24}$/);
+    const mine = async () => (await client.listChannels({ leaseId: lease.id })).channels.find((c) => c.handle === stored.handle);
+    assert.equal((await mine())?.retainBytes, 1 << 20);
+
+    // The shell starts a command that writes once a file appears (made below, from outside).
+    await waitForPrompt("at the start");
+    await type("echo before-$((2*3)); while [ ! -e /tmp/console-go ]; do sleep 0.05; done; echo while-away-$((4*4))");
+    await waitForLine("before-6", "the first line");
+
+    // The page goes away: the channel is detached, and the command goes on without it.
+    await browser.navigate(page, "about:blank");
+    await eventually(async () => (await mine())?.attached === false, 10_000, "the channel to be let go");
+    const written = (await mine())!.offsets.stdout;
+    const touched = await client.leaseExecute({ leaseId: lease.id, command: "touch", args: ["/tmp/console-go"] });
+    assert.equal(touched.exitCode, 0);
+    await eventually(async () => (await mine())!.offsets.stdout > written, 10_000, "the line written while away");
+    assert.equal((await mine())?.state, "running");
+
+    // Back on the page: it attaches again by itself, and the terminal shows what came before and
+    // while it was away.
+    await browser.navigate(page, `http://${daemon.address}/console?reattach#lease=${lease.id}`);
+    await eventually(async () => /^Attached again/.test(await statusText()), 15_000, "the page to attach again");
+    await waitForLine("before-6", "the replayed first line");
+    await waitForLine("while-away-16", "the line written while away");
+    assert.equal((await mine())?.attached, true);
+    await waitForPrompt("after attaching again");
+    await type("echo back-$((5*5))");
+    await waitForLine("back-25", "the shell answering after the reattach");
+
+    // Its end clears the session: the next load starts afresh.
+    await type("exit 0");
+    await eventually(async () => /Channel ended: exit 0/.test(await statusText()), 10_000, "the end of the channel");
+    assert.equal(await sessionStored(), null);
+    await browser.navigate(page, `http://${daemon.address}/console?afresh#lease=${lease.id}`);
+    assert.equal(await statusText(), "Not connected.");
+  });
 });

@@ -192,6 +192,10 @@ struct LimitsConfig {
     /// and while its exit is kept), bytes, 8 KiB..1 TiB, at least 2 x detachRetainBytes: what
     /// one tenant can make this node keep for it (an open beyond is CHANNEL_LIMIT).
     std::uint64_t detach_kept_bytes_per_lease = 1ULL << 30;
+    /// How many ended detached channels of one lease have their exit (and kept output) kept,
+    /// 1..65536: past it the oldest opened is forgotten first, whatever its retainMs (so the
+    /// node's memory for ended channels is bounded per lease).
+    std::uint64_t detach_kept_exits_per_lease = 64;
     /// Bytes queued toward hosts (WebSocket messages written by no socket yet) on the whole
     /// node and on one connection, 64 KiB..64 GiB. A connection over its own budget, or over
     /// its fair share (sendQueueBytes divided by the connections that have bytes queued) while

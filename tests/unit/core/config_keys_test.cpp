@@ -64,7 +64,7 @@ json every_key_set() {
                  "outputWindow": 4096, "stdinWindow": 8192, "maxOutputWindow": 16384,
                  "maxStdinWindow": 32768, "detachRetainMs": 5000, "maxDetachRetainMs": 9000,
                  "detachRetainBytes": 65536, "maxDetachRetainBytes": 131072,
-                 "detachKeptBytesPerLease": 262144,
+                 "detachKeptBytesPerLease": 262144, "detachKeptExitsPerLease": 7,
                  "sendQueueBytes": 1048576,
                  "sendQueueBytesPerConnection": 524288, "sendStallTimeoutMs": 2000,
                  "connections": 100, "pendingConnections": 10, "authTimeoutMs": 1000,

@@ -107,3 +107,29 @@ TEST_CASE("A lease's detached channels keep at most its budget of output togethe
     t.expire(1000);
     CHECK_NOTHROW(t.check_new("lse_1", "", 1000, 1000));
 }
+
+TEST_CASE("A lease keeps a bounded number of ended channels: the oldest opened go first",
+          "[detached_channels]") {
+    DetachedChannels t;
+    std::vector<std::string> handles;
+    handles.reserve(5);
+    for (int i = 0; i < 5; ++i) handles.push_back(t.add(entry("lse_1", "n" + std::to_string(i))));
+    const auto other = t.add(entry("lse_2", "n0"));
+    // They end out of order; at most 2 ended are kept per lease.
+    CHECK(t.ended(handles[3], 100, 2).empty());
+    CHECK(t.ended(handles[1], 101, 2).empty());
+    CHECK(t.ended(other, 102, 2).empty());  // another lease's count is its own
+    auto gone = t.ended(handles[4], 103, 2);
+    REQUIRE(gone.size() == 1);
+    CHECK(gone[0]->handle == handles[1]);  // opened before 3 and 4, though it ended after 3
+    CHECK_FALSE(t.find("lse_1", "n1"));
+    CHECK_NOTHROW(t.check_new("lse_1", "n1", 0, UINT64_MAX));  // its name is free again
+    gone = t.ended(handles[0], 104, 2);
+    REQUIRE(gone.size() == 1);
+    CHECK(gone[0]->handle == handles[0]);  // the one that just ended was the oldest opened
+    // The running one is never forgotten this way.
+    CHECK(t.find(handles[2]));
+    CHECK(t.running() == 1);
+    CHECK(t.of_lease("lse_1").size() == 3);
+    CHECK(t.of_lease("lse_2").size() == 1);
+}

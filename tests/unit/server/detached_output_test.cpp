@@ -11,8 +11,11 @@
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
+#include <csignal>
 #include <memory>
 #include <string>
+#include <vector>
 
 using namespace sandboxd;
 using namespace sandboxd::test;
@@ -237,4 +240,77 @@ TEST_CASE("An attached host paces the command, and once it lets go the command r
     REQUIRE(pump(r.ioc, [&] { return r.backend->unread(output_stream::out) == 0; }));
     settle(r.ioc);
     CHECK(r.kept->kept().end(output_stream::out) == 200 * 1024);
+}
+
+TEST_CASE("An ended channel nobody reads holds no descriptor, and an attach opens its files again",
+          "[detached]") {
+    DetachedRig r;
+    r.write(digits(300));
+    r.exit(0);
+    CHECK_FALSE(r.kept->kept().files_open());  // nobody attached: closed at the exit
+    // The attach opens them again and the replay reads from them (attach() settles: the whole
+    // replay and the exit have been sent when it returns).
+    auto host = r.attach(6, 1 << 20);
+    CHECK(host->data(6, stream_id::stdout_) == digits(300));
+    CHECK(host->notifications("duplexChannel.exit").size() == 1);
+    CHECK_FALSE(r.kept->kept().files_open());  // it got everything: closed again
+    // An attachment that lets go early closes them too.
+    auto early = r.attach(7, /*window=*/100);
+    CHECK(r.kept->kept().files_open());
+    r.run([&] { r.kept->detach(r.last); });
+    CHECK_FALSE(r.kept->kept().files_open());
+    // Files gone: the attach is refused with the reason and changes nothing.
+    r.run([&] { r.kept->remove_kept(); });
+    std::optional<rpc_error> refused;
+    r.run([&] {
+        try {
+            r.kept->attach(std::make_shared<FakeChannelSink>(r.strand), 8, 1 << 20, {});
+        } catch (const rpc_error& e) {
+            refused = e;
+        }
+    });
+    REQUIRE(refused);
+    CHECK(refused->code() == errc::provider_error);
+    CHECK_FALSE(r.kept->attached());
+}
+
+TEST_CASE("A running channel's files stay open with nobody attached", "[detached]") {
+    DetachedRig r;
+    r.write(digits(10));
+    CHECK(r.kept->kept().files_open());
+    auto host = r.attach(1, 1 << 20);
+    r.run([&] { r.kept->detach(r.last); });
+    CHECK(r.kept->kept().files_open());
+    r.write(digits(10, 10));
+    CHECK(r.kept->kept().end(output_stream::out) == 20);
+}
+
+TEST_CASE("A detached channel nobody attaches to for its hangupAfterMs is hung up, its exit kept",
+          "[detached]") {
+    using namespace std::chrono_literals;
+    DetachedRig r;
+    r.kept->hang_up_when_idle(1000ms);
+    const auto hung_up = [&] { return !r.backend->signals.empty(); };
+    auto first = r.attach(1, 1 << 20);
+    r.run([&] { r.kept->detach(r.last); });  // the count starts
+    auto second = r.attach(2, 1 << 20);      // and stops: attached, it is never hung up
+    CHECK_FALSE(pump(r.ioc, hung_up, 1500ms));
+    const auto let_go_at = std::chrono::steady_clock::now();
+    r.run([&] { r.kept->detach(r.last); });  // counted again from here
+    REQUIRE(pump(r.ioc, hung_up));
+    CHECK(std::chrono::steady_clock::now() - let_go_at >= 1000ms);
+    CHECK(r.backend->signals == std::vector<int>{SIGHUP});
+    r.write(digits(10));  // output after the hangup is read and dropped, never kept
+    CHECK(r.kept->kept().end(output_stream::out) == 0);
+    ChannelExit e;
+    e.signal = SIGHUP;
+    r.backend->end_output(output_stream::out);
+    r.backend->end_output(output_stream::err);
+    r.backend->finish(e);
+    REQUIRE(pump(r.ioc, [&] { return !r.kept->exit().is_null(); }));
+    CHECK(r.kept->exit()["outcome"] == "transportClosed");
+    // A host that comes back reads that exit.
+    auto third = r.attach(3, 1 << 20);
+    settle(r.ioc);
+    CHECK(third->notifications("duplexChannel.exit").size() == 1);
 }

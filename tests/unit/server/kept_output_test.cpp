@@ -117,3 +117,30 @@ TEST_CASE("Kept output refuses what it cannot keep and leaves nothing behind", "
     CHECK_FALSE(fs::exists(tmp.path() / "ch"));
     CHECK(read_from(*kept, output_stream::out, 0) == "x");  // its descriptors outlive the files
 }
+
+TEST_CASE("Kept output closes its files and opens them again by path to read", "[kept_output]") {
+    TempDir tmp;
+    auto kept = KeptOutput::create(tmp.path() / "ch", 4096);
+    kept->append(output_stream::out, pattern(0, 6000));  // wrapped
+    kept->append(output_stream::err, "e");
+    kept->close_files();
+    CHECK_FALSE(kept->files_open());
+    char buf[4];
+    CHECK_THROWS_AS(kept->read(output_stream::out, 5000, buf), std::logic_error);
+    kept->reopen();
+    CHECK(kept->files_open());
+    CHECK(read_from(*kept, output_stream::out, kept->first_kept(output_stream::out)) ==
+          pattern(6000 - 4096, 4096));
+    CHECK(read_from(*kept, output_stream::err, 0) == "e");
+    // Gone from under it: the reopen says which file, and leaves it closed.
+    kept->close_files();
+    kept->remove();
+    try {
+        kept->reopen();
+        FAIL("reopened removed files");
+    } catch (const rpc_error& e) {
+        CHECK(e.code() == errc::provider_error);
+        CHECK(std::string(e.what()).find("stdout") != std::string::npos);
+    }
+    CHECK_FALSE(kept->files_open());
+}

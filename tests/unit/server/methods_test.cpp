@@ -174,10 +174,18 @@ TEST_CASE("An open's detach and name are parsed within the node's bounds", "[met
     CHECK(asked.detach->retain_ms == 120000);
     CHECK(asked.detach->retain_bytes == 4096);
     CHECK(asked.name == "build-1.x_y");
+    CHECK_FALSE(asked.detach->hangup_after);
+    const auto idle = parse({{"detach", {{"hangupAfterMs", 30000}}}});
+    REQUIRE(idle.detach->hangup_after);
+    CHECK(idle.detach->hangup_after->count() == 30000);
 
     CHECK(failure([&] {
               parse({{"detach", true}});
-          }) == F{"detach", "detach: must be an object {retainMs?, retainBytes?}"});
+          }) == F{"detach", "detach: must be an object {retainMs?, retainBytes?, hangupAfterMs?}"});
+    CHECK(failure([&] {
+              parse({{"detach", {{"hangupAfterMs", 999}}}});
+          }) == F{"detach.hangupAfterMs",
+                  "detach.hangupAfterMs: must be an integer in 1000..2592000000"});
     CHECK(failure([&] {
               parse({{"detach", {{"retainMs", 120001}}}});
           }) == F{"detach.retainMs", "detach.retainMs: must be an integer in 1000..120000"});
