@@ -754,6 +754,12 @@ int main(int argc, char** argv) {
         adoption.listen = proto::listen_fd;
         adoption.timeout_ms = static_cast<long>(adopt_timeout_ms);
         ::fcntl(adoption.listen, F_SETFD, FD_CLOEXEC);
+        // This process listens, so that SO_PEERCRED of every connection names it, not the
+        // daemon that bound the socket.
+        if (::listen(adoption.listen, 4) != 0) {
+            print_error("cannot listen on the adoption socket", "", errno);
+            return 1;
+        }
     }
     if (!join_lease_cgroup(static_cast<unsigned>(cgroup_fds))) return 1;
     // Keep only the protocol fds (and the adoption socket).
