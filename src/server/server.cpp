@@ -97,9 +97,16 @@ std::unique_ptr<Registry> make_registry(Node& node, net::io_context& ioc) {
                                c.registry.password_file + ", or it is empty");
         }
     }
+    // How long the node's record outlives its last heartbeat in etcd (liveness is judged by
+    // the heartbeat's age, never by the record's presence): through routing.adoptGraceMs too
+    // when its sandboxes outlive it, so that other nodes still see when it was last alive and
+    // give its leases the grace (issue 47).
+    const std::int64_t record_ttl_ms =
+        static_cast<std::int64_t>(c.node_ttl_ms) +
+        (c.bwrap.enabled && c.bwrap.adopt_timeout_ms > 0 ? c.adopt_grace_ms : 0);
     return metered_registry(make_etcd_registry(
                                 ioc.get_executor(), c.registry.endpoints, c.registry.prefix,
-                                c.node_ttl_ms, c.registry.username, password,
+                                record_ttl_ms, c.registry.username, password,
                                 [n = &node] { return n->security()->registry_tls; }, bad_records),
                             node.metrics);
 }

@@ -1,9 +1,10 @@
 // Issue 47: a lease's sandbox outlives its daemon (providers.bwrap.adoptTimeoutMs), and the
 // next process on the same state re-adopts it. Real daemons on loopback, real bubblewrap and
 // supervisors, the SQLite registry.
+#include "support/clusters.hpp"
 #include "support/daemon_fixture.hpp"
 
-#include <catch2/catch_test_macros.hpp>
+#include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
 #include <sys/socket.h>
@@ -198,4 +199,46 @@ TEST_CASE(
             CHECK(eventually([&] { return !fs::exists(d.state_dir() / "sandboxes" / id); }, 15s));
         }
     }
+}
+
+TEMPLATE_TEST_CASE("adopt: other nodes leave a dead owner's sandboxes for adoptGraceMs, and its "
+                   "restart serves them again at once",
+                   "[adopt][multinode][restart]", SqliteCluster, EtcdCluster) {
+    TestType cluster;
+    INFO("registry: " << TestType::kind);
+    constexpr int ttl_ms = 3000;
+    constexpr int grace_ms = 4000;
+    auto config = json::parse(cluster_config(cluster));
+    config["routing"]["adoptGraceMs"] = grace_ms;
+    config["providers"] = {{"bwrap", {{"adoptTimeoutMs", 120000}}}};
+    DaemonProcess p1("node-1", config.dump());
+    DaemonProcess p2("node-2", config.dump());
+    Client c2(p2.url(), test_host_token);
+    json lease;
+    {
+        Client c1(p1.url(), test_host_token);
+        lease = acquire(c1);
+        REQUIRE(run(c1, lease, "echo kept > /tmp/mark").second == 0);
+    }
+    // A crash and a quick restart: the record is taken over at once (no TTL's wait), and the
+    // lease serves again, routed through node-2, from the same sandbox.
+    p1.kill9();
+    p1.restart();
+    CHECK(p1.log().find("node=node-1 took over the record of its previous process") !=
+          std::string::npos);
+    CHECK(run(c2, lease, "cat /tmp/mark").first == "kept\n");
+
+    // A crash with no restart: node-2 leaves the lease active until the TTL and the grace
+    // have passed since node-1's last heartbeat, then orphans it.
+    const auto killed = std::chrono::steady_clock::now();
+    p1.kill9();
+    CHECK(error_reason(c2, "duplexChannelOpen", open_params(lease, {"true"})) ==
+          "OWNER_UNAVAILABLE");
+    REQUIRE(eventually(
+        [&] { return lease_status(c2, lease) != "active"; }, std::chrono::seconds(30)));
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::chrono::steady_clock::now() - killed);
+    CHECK(waited.count() >= ttl_ms + grace_ms - 500);  // its last heartbeat was at most 300 ms
+                                                       // before the kill, and one more may lag
+    CHECK(lease_status(c2, lease) == "pending_cleanup");
 }
