@@ -754,6 +754,9 @@ int main(int argc, char** argv) {
         adoption.listen = proto::listen_fd;
         adoption.timeout_ms = static_cast<long>(adopt_timeout_ms);
         ::fcntl(adoption.listen, F_SETFD, FD_CLOEXEC);
+        // Non-blocking: a connection gone between poll() and accept4() must not hold the
+        // supervisor (the accepted sockets are blocking, with timeouts).
+        ::fcntl(adoption.listen, F_SETFL, O_NONBLOCK);
         // This process listens, so that SO_PEERCRED of every connection names it, not the
         // daemon that bound the socket.
         if (::listen(adoption.listen, 4) != 0) {

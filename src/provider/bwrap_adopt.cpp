@@ -155,29 +155,12 @@ BwrapProvider::Reached BwrapProvider::reach_supervisor(const std::string& id,
         provider_failure("sandbox " + id +
                          ": cannot reach its supervisor: " + std::strerror(errno));
     }
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
-    iovec iov{&out.welcome, sizeof out.welcome};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
-    ssize_t got = 0;
-    do {
-        got = ::recvmsg(out.socket.get(), &msg, MSG_CMSG_CLOEXEC);
-    } while (got < 0 && errno == EINTR);
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS &&
-            c->cmsg_len >= CMSG_LEN(sizeof(int))) {
-            int fd = -1;
-            std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
-            out.pidfd.reset(fd);
-        }
-    }
+    const ssize_t got =
+        recv_with_fd(out.socket.get(), &out.welcome, sizeof out.welcome, out.pidfd, 0);
     if (got != static_cast<ssize_t>(sizeof out.welcome) ||
         out.welcome.magic != proto::welcome_magic) {
         provider_failure("sandbox " + id + ": its supervisor did not welcome this daemon (" +
-                         (got < 0 ? std::string(std::strerror(errno))
+                         (got < 0 ? std::string(std::strerror(static_cast<int>(-got)))
                                   : "a reply of " + std::to_string(got) + " bytes") +
                          "; a wrong secret gets no answer)");
     }

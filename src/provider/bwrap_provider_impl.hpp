@@ -345,6 +345,10 @@ private:
     /// readable), 0 at EOF. `flags`: MSG_DONTWAIT, or 0 to block (up to SO_RCVTIMEO).
     static ssize_t recv_reply(int socket, proto::Reply& reply, unique_fd& pidfd,
                               int flags = MSG_DONTWAIT);
+    /// One packet of at most `size` bytes into `data`, and the descriptor it carries (if any)
+    /// into `fd_out`: its size, or -errno (EINTR retried).
+    static ssize_t recv_with_fd(int socket, void* data, std::size_t size, unique_fd& fd_out,
+                                int flags);
 
     /// Sends the request and reads its reply, waiting on `socket` (the awaiting executor's)
     /// whenever the kernel would block. Never throws for the supervisor's failures: they are

@@ -387,8 +387,13 @@ ssize_t BwrapProvider::send_request(int socket, const proto::Request& request,
 }
 
 ssize_t BwrapProvider::recv_reply(int socket, proto::Reply& reply, unique_fd& pidfd, int flags) {
+    return recv_with_fd(socket, &reply, sizeof reply, pidfd, flags);
+}
+
+ssize_t BwrapProvider::recv_with_fd(int socket, void* data, std::size_t size, unique_fd& fd_out,
+                                    int flags) {
     alignas(cmsghdr) char reply_control[CMSG_SPACE(sizeof(int))];
-    iovec riov{&reply, sizeof reply};
+    iovec riov{data, size};
     msghdr rmsg{};
     rmsg.msg_iov = &riov;
     rmsg.msg_iovlen = 1;
@@ -404,7 +409,7 @@ ssize_t BwrapProvider::recv_reply(int socket, proto::Reply& reply, unique_fd& pi
             rc->cmsg_len >= CMSG_LEN(sizeof(int))) {
             int fd = -1;
             std::memcpy(&fd, CMSG_DATA(rc), sizeof fd);
-            pidfd.reset(fd);
+            fd_out.reset(fd);
         }
     }
     return got;

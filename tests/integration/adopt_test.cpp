@@ -47,6 +47,14 @@ std::pair<std::string, int> run(Client& c, const json& lease, const std::string&
     return {done.out, done.exit.value("exitCode", -1)};
 }
 
+/// A lease of `d` in whose sandbox `script` has run and exited 0.
+json lease_after(const DaemonProcess& d, const std::string& script) {
+    auto c = host(d);
+    json lease = acquire(*c);
+    REQUIRE(run(*c, lease, script).second == 0);
+    return lease;
+}
+
 fs::path runtime_of(const DaemonProcess& d) {
     return fs::read_symlink(d.state_dir() / "sandboxes" / ".runtime");
 }
@@ -116,12 +124,7 @@ TEST_CASE("adopt: after kill -9 and after SIGTERM the next process re-adopts eve
 TEST_CASE("adopt: a supervisor that no daemon adopts ends its sandbox after adoptTimeoutMs",
           "[adopt][restart]") {
     DaemonProcess d("node-a", adopting_config(1000));
-    json lease;
-    {
-        auto c = host(d);
-        lease = acquire(*c);
-        REQUIRE(run(*c, lease, "true").second == 0);
-    }
+    const json lease = lease_after(d, "true");
     const std::string id = lease["providerLeaseId"];
     d.kill9();
     REQUIRE(supervisor_listens(d, id));
@@ -176,12 +179,7 @@ TEST_CASE(
         INFO(k.init);
         // The earlier process ran that supervisor; the next one is this build's.
         DaemonProcess d("node-a", adopting_config(120000, k.init));
-        json lease;
-        {
-            auto c = host(d);
-            lease = acquire(*c);
-            REQUIRE(run(*c, lease, "echo v > /tmp/mark").second == 0);
-        }
+        const json lease = lease_after(d, "echo v > /tmp/mark");
         const std::string id = lease["providerLeaseId"];
         d.kill9();
         d.set_config_for_next_start(adopting_config());
@@ -201,9 +199,10 @@ TEST_CASE(
     }
 }
 
-TEMPLATE_TEST_CASE("adopt: other nodes leave a dead owner's sandboxes for adoptGraceMs, and its "
-                   "restart serves them again at once",
-                   "[adopt][multinode][restart]", SqliteCluster, EtcdCluster) {
+TEMPLATE_TEST_CASE(
+    "adopt: other nodes leave a dead owner's sandboxes for adoptGraceMs, and its "
+    "restart serves them again at once",
+    "[adopt][multinode][restart]", SqliteCluster, EtcdCluster) {
     TestType cluster;
     INFO("registry: " << TestType::kind);
     constexpr int ttl_ms = 3000;
@@ -234,8 +233,8 @@ TEMPLATE_TEST_CASE("adopt: other nodes leave a dead owner's sandboxes for adoptG
     p1.kill9();
     CHECK(error_reason(c2, "duplexChannelOpen", open_params(lease, {"true"})) ==
           "OWNER_UNAVAILABLE");
-    REQUIRE(eventually(
-        [&] { return lease_status(c2, lease) != "active"; }, std::chrono::seconds(30)));
+    REQUIRE(
+        eventually([&] { return lease_status(c2, lease) != "active"; }, std::chrono::seconds(30)));
     const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
         std::chrono::steady_clock::now() - killed);
     CHECK(waited.count() >= ttl_ms + grace_ms - 500);  // its last heartbeat was at most 300 ms
