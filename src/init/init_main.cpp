@@ -724,11 +724,10 @@ bool parse_number(const char* text, unsigned long low, unsigned long high, unsig
 int main(int argc, char** argv) {
     unsigned long cgroup_fds = 0;
     unsigned long adopt_timeout_ms = 0;
-    bool usage_ok = argc >= 2 && std::strcmp(argv[1], "--lease") == 0;
-    for (int i = 2; usage_ok && i < argc; i += 2) {
-        if (i + 1 >= argc) {
-            usage_ok = false;
-        } else if (std::strcmp(argv[i], "--cgroup-fds") == 0) {
+    // --lease, then options that each take a value.
+    bool usage_ok = argc >= 2 && argc % 2 == 0 && std::strcmp(argv[1], "--lease") == 0;
+    for (int i = 2; usage_ok && i + 1 < argc; i += 2) {
+        if (std::strcmp(argv[i], "--cgroup-fds") == 0) {
             usage_ok = parse_number(argv[i + 1], 1, proto::max_cgroup_fds, cgroup_fds);
         } else if (std::strcmp(argv[i], "--adopt-timeout-ms") == 0) {
             usage_ok = parse_number(argv[i + 1], 1, 86'400'000, adopt_timeout_ms);
