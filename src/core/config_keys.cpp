@@ -529,6 +529,9 @@ const Keys<Config>& routing_keys() {
                 "A node is alive while its heartbeat is younger than this, ms."),
         integer("heartbeatMs", &Config::heartbeat_ms, 100, 60000,
                 "Period of the heartbeat and the sweeper, ms; at most nodeTtlMs / 3."),
+        integer("adoptGraceMs", &Config::adopt_grace_ms, 0, 3600000,
+                "How long beyond nodeTtlMs a dead owner's bwrap leases are left to its "
+                "restart, ms."),
         object("peerTls", &Config::peer_tls, tls_files_keys(),
                "Mutual TLS between nodes (needs tls): all three files or none.", Reload::sighup),
     };
@@ -604,6 +607,9 @@ const Keys<BwrapConfig>& bwrap_keys() {
         object("limits", &T::limits, bwrap_limits_keys(), "Per-lease limits."),
         object("identity", &T::identity, identity_keys(),
                "The host uids (and gids) of the leases' processes."),
+        integer("adoptTimeoutMs", &T::adopt_timeout_ms, 0, 86400000,
+                "How long a sandbox outlives its daemon waiting to be re-adopted, ms; 0: it "
+                "ends with its daemon."),
         strings("etcFiles", &T::etc_files,
                 "Entries of the host's /etc copied into the sandbox's (relative paths)."),
     };

@@ -1,8 +1,8 @@
 /// @file init_main.cpp
 /// sandboxd-init: the supervisor of a lease's sandbox and the init of each of its channels.
 ///
-/// Usage: sandboxd-init --lease [--cgroup-fds N]   (run by bubblewrap as PID 1 of the lease's
-/// PID namespace)
+/// Usage: sandboxd-init --lease [--cgroup-fds N] [--adopt-timeout-ms MS]   (run by bubblewrap
+/// as PID 1 of the lease's PID namespace; supervisor_protocol.hpp says what adoption is)
 ///
 /// As the **supervisor** it first joins the lease's cgroup through the N join files at fds 8..
 /// (supervisor_protocol.hpp, cgroup_fd) and makes a cgroup namespace rooted there, reads the
@@ -85,8 +85,18 @@ using namespace sandboxd::init;  // NOLINT(google-build-using-namespace): its ow
 
 // --- The supervisor. ---
 
+/// What adoption needs (supervisor_protocol.hpp): the listening socket, the secret, and how
+/// long to wait for a daemon once the one it served let go.
+struct Adoption {
+    int listen = -1;  ///< -1: no adoption; the supervisor exits when its daemon lets go
+    unsigned char secret[proto::secret_size] = {};
+    long timeout_ms = 0;
+};
+
 class Supervisor {
 public:
+    explicit Supervisor(const Adoption& adoption) : adoption_(adoption) {}
+
     int run() {
         if (!read_program()) return 1;
         ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
@@ -108,7 +118,7 @@ public:
             print_error("signalfd", "", errno);
             return 1;
         }
-        ::fcntl(proto::socket_fd, F_SETFD, FD_CLOEXEC);
+        ::fcntl(socket_, F_SETFD, FD_CLOEXEC);
         // Hello (id 0): the sandbox is up and serving. It carries a pidfd of this process
         // (PID 1 here), by which the daemon ends the sandbox without reading /proc (which a
         // unit's ProtectProc=invisible hides from it: this process runs as the lease's uid).
@@ -117,27 +127,122 @@ public:
             print_error("pidfd_open", "", errno);
             return 1;
         }
-        send_reply(proto::Reply{}, self);
+        send_reply(socket_, proto::Reply{}, self);
         ::close(self);
         // Not zero-filled: pages are touched only as large requests need them.
         buffer_.reset(new char[buffer_size]);
         make_warm();  // with touch_for_next_request(), which gives request_ its storage
         for (;;) {
-            // A negative fd is skipped by poll(): no channel is starting.
-            pollfd fds[3] = {{proto::socket_fd, POLLIN, 0},
+            // A negative fd is skipped by poll(): no daemon, no channel starting, or no
+            // adoption.
+            pollfd fds[4] = {{socket_, POLLIN, 0},
                              {signal_fd_, POLLIN, 0},
-                             {starting_socket_, POLLIN, 0}};
-            if (::poll(fds, 3, -1) < 0) {
+                             {starting_socket_, POLLIN, 0},
+                             {adoption_.listen, POLLIN, 0}};
+            int timeout = -1;
+            if (socket_ < 0) {  // waiting for a daemon: until the adoption deadline
+                const long left = orphaned_until_ms_ - now_ms();
+                if (left <= 0) return 0;  // nobody came: the sandbox ends with this process
+                timeout = static_cast<int>(std::min<long>(left, 60'000));
+            }
+            if (::poll(fds, 4, timeout) < 0) {
                 if (errno == EINTR) continue;
                 return 1;
             }
             if (fds[1].revents != 0) reap();
             if (fds[2].revents != 0) started();
-            if (fds[0].revents != 0 && !serve_one()) return 0;  // the daemon let go
+            if (fds[3].revents != 0 && !adopt_one()) return 0;  // asked to end
+            // (not when adopt_one() just replaced the socket polled)
+            if (fds[0].fd == socket_ && socket_ >= 0 && fds[0].revents != 0 && !serve_one() &&
+                !let_go()) {
+                return 0;  // the daemon let go, and no other may come
+            }
         }
     }
 
 private:
+    static long now_ms() {
+        timespec ts{};
+        ::clock_gettime(CLOCK_MONOTONIC, &ts);
+        return ts.tv_sec * 1000L + ts.tv_nsec / 1'000'000L;
+    }
+
+    // The daemon's end of the socket closed (it stopped, or died): false when this supervisor
+    // is not adoptable (it exits, as before). Else it waits for the next daemon, up to the
+    // adoption timeout. The channels whose pipes that daemon held end by themselves.
+    bool let_go() {
+        if (adoption_.listen < 0) return false;
+        ::close(socket_);
+        socket_ = -1;
+        orphaned_until_ms_ = now_ms() + adoption_.timeout_ms;
+        return true;
+    }
+
+    // Same length, compared in a time that does not depend on where they differ.
+    bool right_secret(const unsigned char* given) const {
+        unsigned char diff = 0;
+        for (std::size_t i = 0; i < proto::secret_size; ++i) {
+            diff |= static_cast<unsigned char>(given[i] ^ adoption_.secret[i]);
+        }
+        return diff == 0;
+    }
+
+    // One connection to the adoption socket (supervisor_protocol.hpp, "Adoption"): false when
+    // an authenticated daemon asked this sandbox to end.
+    bool adopt_one() {
+        const int conn = ::accept4(adoption_.listen, nullptr, nullptr, SOCK_CLOEXEC);
+        if (conn < 0) return true;
+        // Only the daemon can reach the socket; still, a connection that says nothing must
+        // not hold this supervisor for long.
+        const timeval tv{2, 0};
+        ::setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        ::setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+        proto::Adopt adopt{};
+        ssize_t n = 0;
+        do {
+            n = ::recv(conn, &adopt, sizeof adopt, 0);
+        } while (n < 0 && errno == EINTR);
+        if (n != static_cast<ssize_t>(sizeof adopt) || adopt.magic != proto::adopt_magic ||
+            !right_secret(adopt.secret)) {
+            ::close(conn);  // no answer for a stranger
+            return true;
+        }
+        proto::Welcome welcome;
+        welcome.version = proto::version;
+        const bool end = (adopt.flags & proto::adopt_end) != 0;
+        if (!end && (adopt.min_version > proto::version || adopt.max_version < proto::version)) {
+            welcome.error = EPROTONOSUPPORT;
+            send_packet(conn, &welcome, sizeof welcome, -1);
+            ::close(conn);
+            return true;
+        }
+        const int self = static_cast<int>(::syscall(SYS_pidfd_open, ::getpid(), 0));
+        if (self < 0) {
+            ::close(conn);
+            return true;
+        }
+        send_packet(conn, &welcome, sizeof welcome, self);
+        ::close(self);
+        if (end) {
+            ::close(conn);
+            return false;
+        }
+        const timeval none{0, 0};
+        ::setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof none);
+        ::setsockopt(conn, SOL_SOCKET, SO_SNDTIMEO, &none, sizeof none);
+        if (socket_ >= 0) ::close(socket_);  // a daemon that takes over from another
+        socket_ = conn;
+        orphaned_until_ms_ = 0;
+        return true;
+    }
+
+    // What a clone (a channel's init) must not keep: the daemon's socket and the adoption
+    // socket.
+    void close_in_child() const {
+        if (socket_ >= 0) ::close(socket_);
+        if (adoption_.listen >= 0) ::close(adoption_.listen);
+    }
+
     bool read_program() {
         struct stat st {};
         if (::fstat(proto::program_fd, &st) < 0) return true;  // no filter given
@@ -208,7 +313,7 @@ private:
         req.argv.clear();
         req.envp.clear();
         int msg_flags = 0;
-        const ssize_t n = receive(proto::socket_fd, req, msg_flags);
+        const ssize_t n = receive(socket_, req, msg_flags);
         if (n < 0) return errno == EINTR || errno == EAGAIN;
         if (n == 0) return false;
 
@@ -222,7 +327,7 @@ private:
         }
         for (int fd : req.fds) ::close(fd);
         reply.error = err;
-        send_reply(reply, pidfd);
+        send_reply(socket_, reply, pidfd);
         if (pidfd >= 0) ::close(pidfd);
         if (warm_socket_ < 0 && starting_socket_ < 0) make_warm();
         return true;
@@ -272,7 +377,7 @@ private:
         }
         if (pid == 0) {
             ::close(signal_fd_);
-            ::close(proto::socket_fd);
+            close_in_child();
             ::close(sv[0]);
             run_warm_init(sv[1]);
         }
@@ -511,6 +616,7 @@ private:
         if (pid < 0) return errno;
         if (pid == 0) {
             ::close(signal_fd_);
+            close_in_child();
             if (const int err = mount_channel_proc(); err != 0) {
                 print_error("cannot mount the channel's /proc", "", err);
                 ::_exit(125);
@@ -521,8 +627,13 @@ private:
         return 0;
     }
 
-    static void send_reply(const proto::Reply& reply, int pidfd) {
-        iovec iov{const_cast<proto::Reply*>(&reply), sizeof reply};
+    static void send_reply(int socket, const proto::Reply& reply, int pidfd) {
+        send_packet(socket, &reply, sizeof reply, pidfd);
+    }
+
+    // One packet of `size` bytes, with `pidfd` by SCM_RIGHTS when it is not negative.
+    static void send_packet(int socket, const void* data, std::size_t size, int pidfd) {
+        iovec iov{const_cast<void*>(data), size};
         msghdr msg{};
         msg.msg_iov = &iov;
         msg.msg_iovlen = 1;
@@ -536,11 +647,14 @@ private:
             c->cmsg_len = CMSG_LEN(sizeof(int));
             std::memcpy(CMSG_DATA(c), &pidfd, sizeof pidfd);
         }
-        while (::sendmsg(proto::socket_fd, &msg, MSG_NOSIGNAL) < 0 && errno == EINTR) {
+        while (::sendmsg(socket, &msg, MSG_NOSIGNAL) < 0 && errno == EINTR) {
         }
     }
 
     static constexpr std::size_t buffer_size = sizeof(proto::Request) + proto::max_payload + 1;
+    Adoption adoption_;
+    int socket_ = proto::socket_fd;  ///< the daemon's socket; -1 while waiting for one
+    long orphaned_until_ms_ = 0;     ///< CLOCK_MONOTONIC: no daemon after it, the sandbox ends
     std::unique_ptr<char[]> buffer_;
     ChannelRequest request_;  ///< the request being served; its vectors' storage is kept
     std::string program_;
@@ -577,28 +691,84 @@ bool join_lease_cgroup(unsigned count) {
 
 }  // namespace
 
+namespace {
+
+// Reads the lease's secret from the memfd at `fd` and closes it; false, with the reason on
+// stderr, when it does not hold secret_size bytes.
+bool read_secret(int fd, Adoption& adoption) {
+    std::size_t done = 0;
+    while (done < proto::secret_size) {
+        const ssize_t n = ::pread(fd, adoption.secret + done, proto::secret_size - done,
+                                  static_cast<off_t>(done));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            print_error("cannot read the lease's secret", "", n < 0 ? errno : EIO);
+            return false;
+        }
+        done += static_cast<std::size_t>(n);
+    }
+    ::close(fd);
+    return true;
+}
+
+// A whole decimal number in [low, high], or false.
+bool parse_number(const char* text, unsigned long low, unsigned long high, unsigned long& out) {
+    char* end = nullptr;
+    errno = 0;
+    out = std::strtoul(text, &end, 10);
+    return errno == 0 && end != text && *end == '\0' && text[0] != '-' && out >= low && out <= high;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-    unsigned cgroup_fds = 0;
-    bool usage_ok = argc >= 2 && std::strcmp(argv[1], "--lease") == 0;
-    if (usage_ok && argc == 4 && std::strcmp(argv[2], "--cgroup-fds") == 0) {
-        char* end = nullptr;
-        const unsigned long n = std::strtoul(argv[3], &end, 10);
-        usage_ok = end != argv[3] && *end == '\0' && n >= 1 && n <= proto::max_cgroup_fds;
-        cgroup_fds = static_cast<unsigned>(n);
-    } else if (argc != 2) {
-        usage_ok = false;
+    unsigned long cgroup_fds = 0;
+    unsigned long adopt_timeout_ms = 0;
+    // --lease, then options that each take a value.
+    bool usage_ok = argc >= 2 && argc % 2 == 0 && std::strcmp(argv[1], "--lease") == 0;
+    for (int i = 2; usage_ok && i + 1 < argc; i += 2) {
+        if (std::strcmp(argv[i], "--cgroup-fds") == 0) {
+            usage_ok = parse_number(argv[i + 1], 1, proto::max_cgroup_fds, cgroup_fds);
+        } else if (std::strcmp(argv[i], "--adopt-timeout-ms") == 0) {
+            usage_ok = parse_number(argv[i + 1], 1, 86'400'000, adopt_timeout_ms);
+        } else {
+            usage_ok = false;
+        }
     }
     if (!usage_ok) {
         static const char usage[] =
-            "usage: sandboxd-init --lease [--cgroup-fds N]  (started by sandboxd inside a "
-            "lease's sandbox)\n";
+            "usage: sandboxd-init --lease [--cgroup-fds N] [--adopt-timeout-ms MS]  (started by "
+            "sandboxd inside a lease's sandbox)\n";
         write_all(STDERR_FILENO, usage, sizeof usage - 1);
         return 2;
     }
-    if (!join_lease_cgroup(cgroup_fds)) return 1;
-    // Keep only the protocol fds.
-    ::syscall(SYS_close_range, 5U, ~0U, 0U);
+    Adoption adoption;
+    if (adopt_timeout_ms > 0) {
+        const int given = proto::cgroup_fd + static_cast<int>(cgroup_fds);
+        if (!read_secret(given + 1, adoption)) return 1;
+        if (given != proto::listen_fd && ::dup2(given, proto::listen_fd) < 0) {
+            print_error("cannot keep the adoption socket", "", errno);
+            return 1;
+        }
+        adoption.listen = proto::listen_fd;
+        adoption.timeout_ms = static_cast<long>(adopt_timeout_ms);
+        ::fcntl(adoption.listen, F_SETFD, FD_CLOEXEC);
+        // Non-blocking: a connection gone between poll() and accept4() must not hold the
+        // supervisor (the accepted sockets are blocking, with timeouts).
+        ::fcntl(adoption.listen, F_SETFL, O_NONBLOCK);
+        // This process listens, so that SO_PEERCRED of every connection names it, not the
+        // daemon that bound the socket.
+        if (::listen(adoption.listen, 4) != 0) {
+            print_error("cannot listen on the adoption socket", "", errno);
+            return 1;
+        }
+    }
+    if (!join_lease_cgroup(static_cast<unsigned>(cgroup_fds))) return 1;
+    // Keep only the protocol fds (and the adoption socket).
+    ::syscall(SYS_close_range, 5U, static_cast<unsigned>(proto::listen_fd) - 1U, 0U);
+    ::syscall(SYS_close_range, static_cast<unsigned>(proto::listen_fd) + 1U, ~0U, 0U);
+    if (adoption.listen < 0) ::close(proto::listen_fd);
     // bwrap exports PWD after --chdir; every command's environment is exactly the daemon's.
     ::unsetenv("PWD");
-    return Supervisor().run();
+    return Supervisor(adoption).run();
 }

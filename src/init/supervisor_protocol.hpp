@@ -26,8 +26,28 @@
 /// are not dumpable, so a command (same uid, no capabilities) cannot open their descriptors,
 /// and this socket is closed in every channel before its command runs.
 ///
-/// The supervisor exits when the daemon's end closes; as PID 1 of the lease's PID namespace,
-/// its exit kills every process of the lease.
+/// **Adoption** (issue 47). Started with `--adopt-timeout-ms N`, the supervisor outlives its
+/// daemon: it also holds a listening SOCK_SEQPACKET socket (`listen_fd`, bound by the daemon at
+/// `<runtimeDir>/<providerLeaseId>/supervisor.sock`, a path no sandbox can reach) and the lease's
+/// secret (`secret_size` random bytes, read once from a memfd and kept only in
+/// its memory; the daemon keeps its copy in `<stateDir>/sandboxes/<providerLeaseId>/secret`,
+/// 0600). When the daemon's end of the socket pair closes, the channels whose pipes the daemon
+/// held end by themselves (their init sees its status pipe's reader gone), and the supervisor
+/// waits up to N ms for a daemon to connect; then it exits. A daemon connects and sends one
+/// `Adopt` packet:
+///  - with the right secret and a version range that holds `version`, the supervisor answers
+///    with a `Welcome` (error 0) carrying a pidfd of itself, closes the socket it served before
+///    (a daemon that takes over) and serves requests on the new connection, as on the pair;
+///  - with the right secret and `adopt_end`, it answers with a `Welcome` and exits: the daemon
+///    ends a sandbox it will not adopt (whatever the versions: this packet's layout never
+///    changes);
+///  - with the right secret and a range without `version`, the answer is a `Welcome` with
+///    error EPROTONOSUPPORT and this supervisor's version, and nothing else changes;
+///  - anything else (a short packet, a wrong secret) is closed without an answer.
+/// The daemon checks SO_PEERCRED of the connection (the lease's uid, and the pid its pidfd
+/// names) before it trusts the welcome. Without `--adopt-timeout-ms` the supervisor exits when
+/// the daemon's end closes. Either way, as PID 1 of the lease's PID namespace, its exit kills
+/// every process of the lease.
 
 #include <cstddef>
 #include <cstdint>
@@ -43,6 +63,23 @@ inline constexpr int program_fd = 4;  ///< memfd holding the seccomp BPF program
 /// (1 <= N <= max_cgroup_fds): fds cgroup_fd .. cgroup_fd + N - 1. The supervisor joins them
 /// before it serves, then unshares its cgroup namespace.
 inline constexpr int cgroup_fd = 8;
+/// With `--adopt-timeout-ms`, bubblewrap passes the adoption socket and the secret's memfd
+/// right after the cgroup join files (fds cgroup_fd + N and cgroup_fd + N + 1, N the
+/// `--cgroup-fds` count or 0); the supervisor reads and closes the secret's, and keeps the
+/// socket at `listen_fd`.
+inline constexpr int listen_fd = 16;
+inline constexpr std::size_t secret_size = 32;
+/// This supervisor's protocol version: the Request/Reply layout and the requests it serves.
+/// SANDBOXD_SUPERVISOR_VERSION replaces it only in the test builds that play an older or a
+/// newer supervisor (tests/CMakeLists.txt).
+#ifdef SANDBOXD_SUPERVISOR_VERSION
+inline constexpr std::uint32_t version = SANDBOXD_SUPERVISOR_VERSION;
+#else
+inline constexpr std::uint32_t version = 2;
+#endif
+/// The oldest supervisor version this daemon adopts: version 1's Request and Reply are
+/// these, unchanged by 2 (which added adoption). A version whose requests change raises it.
+inline constexpr std::uint32_t oldest_adoptable = 1;
 inline constexpr std::size_t max_payload = 2U << 20;  ///< cwd + argv + env, as execve allows
 /// The largest payload sent in the packet itself; above it, a memfd carries it.
 inline constexpr std::size_t max_inline_payload = 64U << 10;
@@ -55,6 +92,32 @@ inline constexpr std::uint32_t max_strings = 1U << 16;                    ///< a
 enum request_flags : std::uint32_t {
     flag_pty = 1U << 0,            ///< fd 0 is a PTY slave: make it the controlling terminal
     flag_payload_memfd = 1U << 1,  ///< the payload is in the last descriptor, a sealed memfd
+};
+
+inline constexpr std::uint32_t adopt_magic = 0x53424144;    // "SBAD"
+inline constexpr std::uint32_t welcome_magic = 0x53425745;  // "SBWE"
+
+enum adopt_flags : std::uint32_t {
+    adopt_end = 1U << 0,  ///< end the sandbox instead of serving this daemon
+};
+
+/// Daemon -> supervisor, the first packet on a connection to `listen_fd`. Its layout is fixed
+/// for every version.
+struct Adopt {
+    std::uint32_t magic = adopt_magic;
+    std::uint32_t flags = 0;
+    std::uint32_t min_version = 0;  ///< the versions this daemon can serve a sandbox with
+    std::uint32_t max_version = 0;
+    unsigned char secret[secret_size] = {};
+};
+
+/// Supervisor -> daemon, the answer to an Adopt. Its layout is fixed for every version. With
+/// error 0, SCM_RIGHTS carries a pidfd of the supervisor.
+struct Welcome {
+    std::uint32_t magic = welcome_magic;
+    std::uint32_t version = 0;  ///< the supervisor's
+    std::int32_t error = 0;     ///< 0, or EPROTONOSUPPORT
+    std::uint32_t reserved = 0;
 };
 
 struct Request {

@@ -205,7 +205,13 @@ void BwrapProvider::probe_enforcement() {
     }
     budget_ = detail::NodeBudget::read_host(options_.proc_sys, options_.limits.overcommit);
     spdlog::info("bwrap provider: node budgets: {}", budget_->describe());
-    const auto removed = cgroups_->remove_orphans();
+    // A sandbox with a record is the registry's to judge: re-adopted (resume) or destroyed.
+    // With adoption off, whatever an earlier process left is killed, as before issue 47.
+    const auto removed = cgroups_->remove_orphans([this](const std::string& name) {
+        std::error_code ignored;
+        return options_.adopt_timeout_ms > 0 && is_sandbox_id(name) &&
+               fs::is_directory(options_.sandboxes_dir / name, ignored);
+    });
     spdlog::info(
         "bwrap provider: limits enforced with {}; workspace disks: loop-mounted "
         "ext4{}",
@@ -350,7 +356,12 @@ void BwrapProvider::reclaim_identities() {
 void BwrapProvider::release_stale_mounts() const {
     std::error_code ec;
     for (const auto& entry : fs::directory_iterator(runtime_dir_, ec)) {
-        if (!is_sandbox_id(entry.path().filename().string())) continue;
+        const auto name = entry.path().filename().string();
+        if (!is_sandbox_id(name)) continue;
+        // A recorded sandbox's mount stays: it is re-adopted, or its teardown unmounts it.
+        if (options_.adopt_timeout_ms > 0 && fs::is_directory(options_.sandboxes_dir / name, ec)) {
+            continue;
+        }
         const fs::path ws = entry.path() / "workspace";
         if (::umount2(ws.c_str(), MNT_DETACH) == 0) {
             spdlog::info("sandbox {}: unmounted the workspace an earlier process left",
@@ -377,7 +388,8 @@ void BwrapProvider::teardown_files(const SandboxHandle& sandbox) {
         detail::remove_tree_bounded(workspace);
     }
     for (const auto& d : {run_dir, dir}) {
-        fs::remove(d / "identity", ec);
+        // identity and secret (sandboxes_dir), the adoption socket (runtime directory).
+        for (const char* file : {"identity", "secret", "supervisor.sock"}) fs::remove(d / file, ec);
         if (::rmdir(d.c_str()) < 0 && errno != ENOENT) {
             provider_failure("cannot remove sandbox " + sandbox.scope.provider_lease_id + ": " +
                              d.string() + ": " + std::strerror(errno));

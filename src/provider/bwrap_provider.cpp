@@ -286,7 +286,7 @@ std::shared_ptr<SandboxHandle> BwrapProvider::create_now(SandboxScope scope,
         }
         if (options_.limits.enforce) sandbox->workspace = handle->workspace;
         make_workspace(*sandbox, *handle, uid, cfg);
-        start_supervisor(*sandbox, handle->workspace, uid, cfg);
+        start_supervisor(*sandbox, id, handle->workspace, uid, cfg);
         if (budget_) sandbox->budget_held = true;
         budget_kept = true;
         // Only a sandbox that was made ends on the lane: a failed one ends here, before its
@@ -313,10 +313,14 @@ void BwrapProvider::destroy_now(const SandboxHandle& sandbox) {
     std::unique_ptr<detail::LeaseCgroup> left_behind;
     if (state) {
         state->shutdown();
-    } else if (cgroups_) {
-        // A sandbox of an earlier process: its cgroup may still hold processes.
-        left_behind = cgroups_->find_lease(sandbox.scope.provider_lease_id);
-        if (left_behind) left_behind->kill();
+    } else {
+        // A sandbox of an earlier process: its supervisor may still wait for a daemon (it
+        // outlives its own), and its cgroup may still hold processes.
+        end_stored_supervisor(sandbox.scope.provider_lease_id);
+        if (cgroups_) {
+            left_behind = cgroups_->find_lease(sandbox.scope.provider_lease_id);
+            if (left_behind) left_behind->kill();
+        }
     }
     teardown_files(sandbox);
     left_behind.reset();

@@ -4,7 +4,8 @@
 /// provider layer. Its methods are defined by concern: bwrap_provider.cpp (the Provider calls,
 /// a lease's create and destroy), bwrap_node.cpp (what the provider sets up on the node at
 /// start and removes at stop, and a sandbox's files), bwrap_supervisor.cpp (bubblewrap's start
-/// and the link to each sandbox's supervisor: its channel requests).
+/// and the link to each sandbox's supervisor: its channel requests), bwrap_adopt.cpp (a
+/// sandbox outliving its daemon, and its re-adoption by the next).
 
 #include <sandboxd/core/net.hpp>
 #include <sandboxd/core/offload.hpp>
@@ -287,8 +288,45 @@ private:
     /// `cgroup_fds`: how many lease cgroup join files bubblewrap passes on at fds 8, 9, ...
     std::vector<std::string> bwrap_argv(const LeaseConfig& cfg, std::size_t cgroup_fds) const;
 
-    void start_supervisor(BwrapSandbox& sandbox, const fs::path& workspace, uid_t uid,
-                          const LeaseConfig& cfg);
+    void start_supervisor(BwrapSandbox& sandbox, const std::string& id, const fs::path& workspace,
+                          uid_t uid, const LeaseConfig& cfg);
+
+    // --- Adoption (bwrap_adopt.cpp; the protocol in supervisor_protocol.hpp). ---
+
+    /// What a supervisor that may outlive this process is given: its adoption socket (bound
+    /// at <runtime_dir>/<id>/supervisor.sock, not listening: the supervisor listens, so that
+    /// SO_PEERCRED names it) and a sealed memfd of the lease's secret, whose copy is written
+    /// to <sandboxes_dir>/<id>/secret (0600).
+    struct AdoptionEnds {
+        unique_fd listen;
+        unique_fd secret;
+    };
+    AdoptionEnds prepare_adoption(const std::string& id) const;
+
+    /// The supervisor of stored sandbox `id`, reached through its adoption socket: the
+    /// connection, its welcome and the supervisor's pidfd. Checks the peer's credentials (the
+    /// lease's uid, the pid of the pidfd). Throws provider_error saying what failed.
+    struct Reached {
+        unique_fd socket;
+        proto::Welcome welcome{};
+        unique_fd pidfd;
+    };
+    Reached reach_supervisor(const std::string& id, std::uint32_t flags) const;
+
+    /// resume(): re-adopts the running sandbox of `lease` (blocking: on the workers).
+    std::shared_ptr<SandboxHandle> adopt_now(const Lease& lease);
+
+    /// Asks the supervisor of stored sandbox `id` to end its sandbox (adopt_end); false when
+    /// none answered. Never throws.
+    bool end_stored_supervisor(const std::string& id) const noexcept;
+
+    bool outlives_daemon() const noexcept override { return options_.adopt_timeout_ms > 0; }
+    void keep_at_stop() noexcept override { lane_->keep(); }
+    bool can_resume() const noexcept override { return options_.adopt_timeout_ms > 0; }
+    awaitable<std::shared_ptr<SandboxHandle>> resume(Lease lease) override {
+        auto work = [this, lease = std::move(lease)] { return adopt_now(lease); };
+        co_return co_await offload(workers_, std::move(work));
+    }
 
     /// What one exchange with a supervisor got: 0 or the errno that ended it, the reply and
     /// the descriptor it carried.
@@ -307,6 +345,10 @@ private:
     /// readable), 0 at EOF. `flags`: MSG_DONTWAIT, or 0 to block (up to SO_RCVTIMEO).
     static ssize_t recv_reply(int socket, proto::Reply& reply, unique_fd& pidfd,
                               int flags = MSG_DONTWAIT);
+    /// One packet of at most `size` bytes into `data`, and the descriptor it carries (if any)
+    /// into `fd_out`: its size, or -errno (EINTR retried).
+    static ssize_t recv_with_fd(int socket, void* data, std::size_t size, unique_fd& fd_out,
+                                int flags);
 
     /// Sends the request and reads its reply, waiting on `socket` (the awaiting executor's)
     /// whenever the kernel would block. Never throws for the supervisor's failures: they are

@@ -38,6 +38,13 @@ void BwrapSandbox::shutdown(bool unmount) noexcept {
         while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
         }
         pid = -1;
+    } else if (supervisor_pidfd) {
+        // Adopted: bubblewrap is another process's child now (it exits once the supervisor
+        // has); the supervisor's exit ends every process of the sandbox.
+        ::syscall(SYS_pidfd_send_signal, supervisor_pidfd.get(), SIGKILL, nullptr, 0);
+        pollfd p{supervisor_pidfd.get(), POLLIN, 0};
+        ::poll(&p, 1, bwrap_exit_grace_ms);
+        supervisor_pidfd.reset();
     }
     spare_cgroups.clear();       // emptied ones: removed, not killed
     if (cgroup) cgroup->kill();  // whatever is left (a sandbox whose bubblewrap is gone)
@@ -48,6 +55,13 @@ void BwrapSandbox::shutdown(bool unmount) noexcept {
 }
 
 BwrapSandbox::~BwrapSandbox() {
+    if (lane && lane->keeping()) {
+        // Kept for the next process: nothing is killed or unmounted; the members' own
+        // destructors close the descriptors (the socket's close tells the supervisor).
+        std::lock_guard lock(mutex);
+        if (cgroup) cgroup->keep();
+        return;
+    }
     if (!lane) {
         shutdown(true);
         return;

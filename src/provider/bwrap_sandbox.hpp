@@ -122,10 +122,16 @@ public:
         open_ = false;
     }
 
+    /// From the daemon's stop when it keeps its sandboxes for the next process
+    /// (Provider::keep_at_stop): a sandbox dropped from then on is let go, not ended.
+    void keep() noexcept { keep_.store(true); }
+    bool keeping() const noexcept { return keep_.load(); }
+
 private:
     net::thread_pool& pool_;
     std::mutex mutex_;
     bool open_ = true;
+    std::atomic<bool> keep_{false};
 };
 
 /// A running sandbox: its supervisor, cgroup and identity.
@@ -135,7 +141,9 @@ public:
     BwrapSandbox(const BwrapSandbox&) = delete;
     BwrapSandbox& operator=(const BwrapSandbox&) = delete;
     /// Ends what is left (shutdown(true)): on `lane` when there is one, with the processes,
-    /// cgroups and mount handed to a sandbox of its own there; else here.
+    /// cgroups and mount handed to a sandbox of its own there; else here. Once the lane is
+    /// keeping (the daemon stops and keeps its sandboxes), it only closes its descriptors:
+    /// the supervisor then waits for the next daemon (supervisor_protocol.hpp, adoption).
     ~BwrapSandbox() override;
 
     /// Ends every process of the sandbox and reaps bubblewrap; with `unmount`, also unmounts
@@ -147,11 +155,13 @@ public:
     static constexpr int bwrap_exit_grace_ms = 2000;
 
     /// Whether bubblewrap (and so the supervisor, PID 1 inside) still runs and its socket
-    /// is in step. A poll of its pidfd; no wait.
+    /// is in step. A poll of its pidfd (the supervisor's, for an adopted sandbox: its
+    /// bubblewrap is no child of this process); no wait.
     bool supervisor_alive() {
         std::lock_guard lock(mutex);
-        if (pid <= 0 || broken || !socket) return false;
-        pollfd p{pidfd.get(), POLLIN, 0};
+        const int watched = pid > 0 ? pidfd.get() : supervisor_pidfd.get();
+        if (watched < 0 || broken || !socket) return false;
+        pollfd p{watched, POLLIN, 0};
         return ::poll(&p, 1, 0) == 0;  // readable: it has exited
     }
 
@@ -159,13 +169,16 @@ public:
 
     Turns turns;       ///< one request in flight on the socket
     std::mutex mutex;  ///< guards the fields below (never held across a wait)
-    pid_t pid = -1;    ///< bubblewrap, our child
+    pid_t pid = -1;    ///< bubblewrap, our child; -1 once reaped, and for an adopted sandbox
     unique_fd pidfd;
     unique_fd socket;  ///< the daemon's end of the supervisor's socket pair
     /// The supervisor (PID 1 of the lease's namespaces, bubblewrap's child), from its hello:
     /// its death ends every process of the sandbox. Empty before the hello and after shutdown.
     unique_fd supervisor_pidfd;
     std::uint64_t next_request = 1;
+    /// The prefix of its channels' cgroup names: "ch-" for a sandbox this process made; for
+    /// one it adopted, a prefix of its own, apart from the emptied cgroups its maker kept.
+    std::string channel_prefix = "ch-";
     bool broken = false;  ///< a request timed out: the replies may be out of step
 
     std::unique_ptr<detail::LeaseCgroup> cgroup;  ///< null when limits are not enforced

@@ -186,7 +186,8 @@ TakenCgroup BwrapProvider::take_channel_cgroup(BwrapSandbox& state) {
             return out;
         }
     }
-    out.cgroup = state.cgroup->create_channel("ch-" + std::to_string(++state.channels));
+    out.cgroup =
+        state.cgroup->create_channel(state.channel_prefix + std::to_string(++state.channels));
     return out;
 }
 
@@ -240,19 +241,20 @@ detail::ProcessEnds BwrapProvider::channel_ends(PreparedChannel prepared, unique
 std::vector<std::string> BwrapProvider::bwrap_argv(const LeaseConfig& cfg,
                                                    std::size_t cgroup_fds) const {
     const auto& id = options_.identity;
-    std::vector<std::string> a = {
-        options_.bwrap_path.string(),
-        "--die-with-parent",
-        "--unshare-user",
-        "--uid",
-        std::to_string(id.inside_uid),
-        "--gid",
-        std::to_string(id.inside_gid),
-        "--unshare-pid",
-        "--unshare-ipc",
-        "--unshare-uts",
-        "--unshare-cgroup-try",
-    };
+    std::vector<std::string> a = {options_.bwrap_path.string()};
+    // A sandbox that the next daemon may adopt outlives this process (issue 47).
+    if (options_.adopt_timeout_ms <= 0) a.emplace_back("--die-with-parent");
+    a.insert(a.end(), {
+                          "--unshare-user",
+                          "--uid",
+                          std::to_string(id.inside_uid),
+                          "--gid",
+                          std::to_string(id.inside_gid),
+                          "--unshare-pid",
+                          "--unshare-ipc",
+                          "--unshare-uts",
+                          "--unshare-cgroup-try",
+                      });
     if (!cfg.network) a.emplace_back("--unshare-net");
     // The supervisor needs these two inside the lease's user namespace only: to make each
     // channel's PID and mount namespaces and mount its /proc, and to empty the bounding
@@ -284,11 +286,14 @@ std::vector<std::string> BwrapProvider::bwrap_argv(const LeaseConfig& cfg,
              {"--bind-fd", "5", "/workspace", "--ro-bind-fd", "7", init_in_sandbox, "--chdir",
               "/workspace", "--hostname", "sandbox", "--", init_in_sandbox, "--lease"});
     if (cgroup_fds > 0) a.insert(a.end(), {"--cgroup-fds", std::to_string(cgroup_fds)});
+    if (options_.adopt_timeout_ms > 0) {
+        a.insert(a.end(), {"--adopt-timeout-ms", std::to_string(options_.adopt_timeout_ms)});
+    }
     return a;
 }
 
-void BwrapProvider::start_supervisor(BwrapSandbox& sandbox, const fs::path& workspace, uid_t uid,
-                                     const LeaseConfig& cfg) {
+void BwrapProvider::start_supervisor(BwrapSandbox& sandbox, const std::string& id,
+                                     const fs::path& workspace, uid_t uid, const LeaseConfig& cfg) {
     int sv[2];
     if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
         provider_failure(std::string("cannot create the supervisor's socket: ") +
@@ -314,6 +319,13 @@ void BwrapProvider::start_supervisor(BwrapSandbox& sandbox, const fs::path& work
     std::vector<unique_fd> procs;
     if (sandbox.cgroup) procs = sandbox.cgroup->open_procs();
     for (const auto& fd : procs) request.extra_fds.push_back(fd.get());
+    // Then, when the sandbox may outlive this process, its adoption socket and secret.
+    AdoptionEnds adoption;
+    if (options_.adopt_timeout_ms > 0) {
+        adoption = prepare_adoption(id);
+        request.extra_fds.push_back(adoption.listen.get());
+        request.extra_fds.push_back(adoption.secret.get());
+    }
     request.argv = bwrap_argv(cfg, procs.size());
     request.envp = {"PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"};
     request.fds = {-1,
@@ -375,8 +387,13 @@ ssize_t BwrapProvider::send_request(int socket, const proto::Request& request,
 }
 
 ssize_t BwrapProvider::recv_reply(int socket, proto::Reply& reply, unique_fd& pidfd, int flags) {
+    return recv_with_fd(socket, &reply, sizeof reply, pidfd, flags);
+}
+
+ssize_t BwrapProvider::recv_with_fd(int socket, void* data, std::size_t size, unique_fd& fd_out,
+                                    int flags) {
     alignas(cmsghdr) char reply_control[CMSG_SPACE(sizeof(int))];
-    iovec riov{&reply, sizeof reply};
+    iovec riov{data, size};
     msghdr rmsg{};
     rmsg.msg_iov = &riov;
     rmsg.msg_iovlen = 1;
@@ -392,7 +409,7 @@ ssize_t BwrapProvider::recv_reply(int socket, proto::Reply& reply, unique_fd& pi
             rc->cmsg_len >= CMSG_LEN(sizeof(int))) {
             int fd = -1;
             std::memcpy(&fd, CMSG_DATA(rc), sizeof fd);
-            pidfd.reset(fd);
+            fd_out.reset(fd);
         }
     }
     return got;

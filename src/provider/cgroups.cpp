@@ -38,6 +38,7 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -501,7 +502,11 @@ public:
     Lease& operator=(const Lease&) = delete;
     Lease(Lease&&) = delete;
     Lease& operator=(Lease&&) = delete;
-    ~Lease() override { destroy(); }
+    ~Lease() override {
+        if (!kept_) destroy();
+    }
+
+    void keep() noexcept override { kept_ = true; }
 
     /// Kills and removes the lease; false when something is left (logged).
     bool destroy() noexcept {
@@ -557,6 +562,7 @@ public:
 private:
     std::shared_ptr<const Layout> layout_;
     std::string name_;
+    bool kept_ = false;
 };
 
 class Manager final : public CgroupManager {
@@ -583,7 +589,7 @@ public:
     }
     std::string describe() const override { return description_; }
 
-    std::size_t remove_orphans() override {
+    std::size_t remove_orphans(const std::function<bool(const std::string&)>& keep) override {
         std::vector<std::string> names;
         for (const auto& h : layout_->hierarchies) {
             for (auto& name : child_dirs(h.instance)) names.push_back(std::move(name));
@@ -592,6 +598,7 @@ public:
         names.erase(std::unique(names.begin(), names.end()), names.end());
         std::size_t removed = 0;
         for (auto& name : names) {
+            if (keep && keep(name)) continue;
             if (Lease(layout_, std::move(name)).destroy()) ++removed;
         }
         return removed;

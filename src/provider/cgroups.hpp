@@ -43,6 +43,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -122,6 +123,9 @@ public:
     /// Kills every process of the lease, channels included (v2 cgroup.kill; v1 freezer:
     /// freeze, SIGKILL every pid of the subtree, thaw, until empty). Waits at most ~2 s.
     virtual void kill() noexcept = 0;
+    /// From now on the destructor leaves the cgroup and its processes as they are: the
+    /// sandbox is kept for the next daemon process (BwrapProvider, adoption). No I/O.
+    virtual void keep() noexcept = 0;
 };
 
 class CgroupManager {
@@ -137,9 +141,10 @@ public:
     virtual bool io_throttle() const noexcept = 0;
     virtual bool io_weight() const noexcept = 0;
     /// Kills every process left in this instance's subtree (a previous process with the same
-    /// instance name that was killed) and removes the cgroups. Returns how many lease cgroups
-    /// were removed. Call before serving.
-    virtual std::size_t remove_orphans() = 0;
+    /// instance name that was killed) and removes the cgroups, except the lease cgroups for
+    /// whose name `keep` is true (a sandbox that the next process may re-adopt). Returns how
+    /// many lease cgroups were removed. Call before serving.
+    virtual std::size_t remove_orphans(const std::function<bool(const std::string&)>& keep) = 0;
     /// Makes the lease cgroup `name` ([A-Za-z0-9_-], 1..64 chars) with `limits` set.
     /// Throws provider_error (an existing cgroup of that name is an error; so is an io limit
     /// this machine cannot apply, see io_throttle() and io_weight()).

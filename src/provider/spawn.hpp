@@ -51,9 +51,10 @@ struct SpawnRequest {
     /// The fds stay owned by the caller (close the child's ends after spawn returns).
     std::array<int, 8> fds = {-1, -1, -1, -1, -1, -1, -1, -1};
     /// The child's fds 8, 9, ... (at most max_extra_fds): passed on as they are, open across
-    /// the exec. Owned by the caller, as `fds`.
+    /// the exec. Owned by the caller, as `fds`. (A lease's supervisor takes up to 8 cgroup
+    /// join files, then its adoption socket and secret.)
     std::vector<int> extra_fds;
-    static constexpr std::size_t max_extra_fds = 8;
+    static constexpr std::size_t max_extra_fds = 10;
     /// If >= 0, a PTY slave to make the child's controlling terminal (after setsid).
     int controlling_tty = -1;
     /// If set, the child drops to this uid and gid (no supplementary groups) before exec.

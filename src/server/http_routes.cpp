@@ -2,10 +2,12 @@
 
 #include "server/drain.hpp"
 #include "server/http_util.hpp"
+#include "server/lease_service.hpp"
 #include "server/membership.hpp"
 #include "server/node_gauges.hpp"
 #include "server/session.hpp"
 #include "server/session_set.hpp"
+#include "server/task_failure.hpp"
 
 #include <sandboxd/core/metrics.hpp>
 
@@ -66,12 +68,15 @@ awaitable<void> reject_oversized(ConnStream& stream, bool header) {
 
 std::span<const HttpRoute> HttpRoutes::routes() {
     // The handlers are private members: the table lives in a member function.
-    static constexpr std::array<HttpRoute, 6> table{{
+    static constexpr std::array<HttpRoute, 7> table{{
         {http::verb::unknown, "/v1/ws", false, route_access::session, "", "", "connection.refused",
          &HttpRoutes::upgrade},
         {http::verb::post, "/admin/drain", false, route_access::peer,
          "missing or invalid bearer token", "a peer-role token", "drain.refused",
          &HttpRoutes::admin_drain},
+        {http::verb::post, "/admin/decommission", false, route_access::peer,
+         "missing or invalid bearer token", "a peer-role token", "decommission.refused",
+         &HttpRoutes::admin_decommission},
         {http::verb::get, "/healthz", false, route_access::open, "", "", "", &HttpRoutes::healthz},
         {http::verb::get, "/readyz", false, route_access::open, "", "", "", &HttpRoutes::readyz},
         {http::verb::get, "/console", true, route_access::open, "", "", "", &HttpRoutes::console},
@@ -298,6 +303,42 @@ awaitable<std::optional<HttpResponse>> HttpRoutes::admin_drain(HttpExchange& ex)
                                  {"channels", node_.channels.size()},
                                  {"relayedChannels", node_.relays_open.load()},
                                  {"drainTimeoutMs", node_.config.limits.drain_timeout_ms}};
+    auto res = plain(http::status::accepted, body.dump() + "\n", ex.req.version(), ex.keep);
+    res.set(http::field::content_type, "application/json");
+    co_return res;
+}
+
+awaitable<std::optional<HttpResponse>> HttpRoutes::admin_decommission(HttpExchange& ex) {
+    // Retires the node for good (issue 47): unlike a stop, which keeps the sandboxes, the
+    // leases and the record for the next process, it ends every sandbox, releases every
+    // lease this node owns, removes its record and stops. Peer-role only, like drain.
+    const auto& who = *ex.bearer;
+    const bool already = node_.decommissioning.exchange(true);
+    spdlog::warn("peer={} token \"{}\": POST /admin/decommission{}", ex.peer, who.name,
+                 already ? " (already decommissioning)" : "");
+    if (node_.audit) {
+        node_.audit->write("node.decommissioned", {{"peer", ex.peer}, {"token", who.name}});
+    }
+    if (!already) {
+        drain_.begin();  // no new leases or opens from now on
+        net::co_spawn(
+            *node_.ioc,
+            [&node = node_, &drain = drain_, actor = who.name]() -> awaitable<void> {
+                try {
+                    const auto released = co_await release_own_leases(node, actor);
+                    spdlog::info("node={} decommissioned: released {} lease(s); stopping",
+                                 node.node_id, released);
+                } catch (const std::exception& e) {
+                    spdlog::error("node={} decommission: releasing its leases failed: {}",
+                                  node.node_id, e.what());
+                }
+                drain.then_stop();
+            },
+            logged_as("decommission"));
+    }
+    const nlohmann::json body = {{"nodeId", node_.node_id},
+                                 {"decommissioning", true},
+                                 {"leases", node_.cache.snapshot().size()}};
     auto res = plain(http::status::accepted, body.dump() + "\n", ex.req.version(), ex.keep);
     res.set(http::field::content_type, "application/json");
     co_return res;

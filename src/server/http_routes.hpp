@@ -96,6 +96,7 @@ private:
 
     awaitable<std::optional<HttpResponse>> upgrade(HttpExchange& ex);
     awaitable<std::optional<HttpResponse>> admin_drain(HttpExchange& ex);
+    awaitable<std::optional<HttpResponse>> admin_decommission(HttpExchange& ex);
     awaitable<std::optional<HttpResponse>> healthz(HttpExchange& ex);
     awaitable<std::optional<HttpResponse>> readyz(HttpExchange& ex);
     awaitable<std::optional<HttpResponse>> console(HttpExchange& ex);

@@ -140,6 +140,20 @@ awaitable<void> reconcile_cached(Node& node);
 /// fails is logged and left for the next start.
 awaitable<std::size_t> destroy_unrecorded_sandboxes(Node& node);
 
+/// At start, before the node serves (issue 47): every active lease of this node whose
+/// provider's sandboxes outlive their daemon (Provider::outlives_daemon) and that this process
+/// does not cache is re-adopted through sandbox_for() (Provider::resume), under the lease's
+/// current epoch; one that cannot be (its supervisor is gone, its version is not served) is
+/// orphaned to pending_cleanup, and the sweeper tears it down. Returns how many were
+/// re-adopted. Throws what the registry throws when it lists the leases.
+awaitable<std::size_t> adopt_own_sandboxes(Node& node);
+
+/// POST /admin/decommission: tears down the sandbox of every lease this node owns (active,
+/// retained or pending_cleanup) and records it released, audited with `actor`. Returns how
+/// many were released; a teardown that fails leaves its lease pending_cleanup (logged).
+/// Throws what the registry throws when it lists the leases.
+awaitable<std::size_t> release_own_leases(Node& node, std::string actor);
+
 /// Run by the sweeper once per nodeTtlMs: destroys every sandbox that a provider keeps on
 /// this node's disk, that this process does not cache, and whose lease (by providerLeaseId)
 /// is released or expired, by this node or another: a teardown recorded the end, yet the

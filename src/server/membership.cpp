@@ -21,7 +21,8 @@ namespace {
 /// Returns the steady-clock time (steady_now_ms) at which the registration that succeeded was
 /// sent: the node's first renewal.
 awaitable<std::int64_t> register_or_take_over(Registry& registry, NodeRecord record,
-                                              std::int64_t ttl_ms, std::int64_t heartbeat_ms) {
+                                              std::int64_t ttl_ms, std::int64_t heartbeat_ms,
+                                              std::string predecessor) {
     try {
         const auto sent = steady_now_ms();
         co_await registry.register_node(record, ttl_ms);
@@ -30,6 +31,16 @@ awaitable<std::int64_t> register_or_take_over(Registry& registry, NodeRecord rec
         if (e.code() != errc::invalid_params) throw;
     }
     const auto seen = co_await registry.get_node(record.node_id);
+    if (seen && !predecessor.empty() && seen->instance_id == predecessor) {
+        // The record is this state directory's previous process, which is gone (this one
+        // holds the state's lock): taken over at once, its leases with it (issue 47).
+        co_await registry.remove_node(record.node_id, seen->instance_id);
+        const auto sent = steady_now_ms();
+        co_await registry.register_node(record, ttl_ms);
+        spdlog::info("node={} took over the record of its previous process (instance {})",
+                     record.node_id, predecessor);
+        co_return sent;
+    }
     const auto deadline =
         std::chrono::steady_clock::now() + std::chrono::milliseconds(ttl_ms + heartbeat_ms);
     spdlog::info("node={} is held by another instance; waiting up to {} ms to see if it is alive",
@@ -72,8 +83,8 @@ awaitable<std::int64_t> Membership::register_at_start(NodeRecord record) {
         std::string problem;
         try {
             record.heartbeat_at_ms = now_ms();
-            const auto sent = co_await register_or_take_over(*node_.registry, record, c.node_ttl_ms,
-                                                             c.heartbeat_ms);
+            const auto sent = co_await register_or_take_over(
+                *node_.registry, record, c.node_ttl_ms, c.heartbeat_ms, node_.predecessor_instance);
             if (attempt > 1) {
                 spdlog::info("node={} registered at attempt {}", node_.node_id, attempt);
             }

@@ -150,6 +150,8 @@ public:
         return inner_->describe_stored(std::move(provider_lease_id));
     }
     bool can_resume() const noexcept override { return inner_->can_resume(); }
+    bool outlives_daemon() const noexcept override { return inner_->outlives_daemon(); }
+    void keep_at_stop() noexcept override { inner_->keep_at_stop(); }
     awaitable<std::shared_ptr<SandboxHandle>> resume(Lease lease) override {
         return time("resume", inner_->resume(std::move(lease)));
     }

@@ -147,6 +147,14 @@ struct Node {
     Config config;
     std::string node_id;
     std::string instance_id;
+    /// The instance of the process that ran this node on this state directory before, when a
+    /// provider's sandboxes outlive their daemon ("" otherwise, or on a first start): this
+    /// process holds the state's lock, so that instance is gone, and its node record may be
+    /// taken over at once rather than after a liveness TTL (issue 47).
+    std::string predecessor_instance;
+    /// Set by POST /admin/decommission: the stop ends this node's sandboxes, releases its
+    /// leases and removes its record, instead of keeping them for the next process.
+    std::atomic<bool> decommissioning{false};
     std::string advertise_url;
     std::int64_t started_at_ms = 0;
     /// When the sweeper last looked for sandboxes of ended leases on this node's disk (ms

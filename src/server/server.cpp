@@ -97,9 +97,16 @@ std::unique_ptr<Registry> make_registry(Node& node, net::io_context& ioc) {
                                c.registry.password_file + ", or it is empty");
         }
     }
+    // How long the node's record outlives its last heartbeat in etcd (liveness is judged by
+    // the heartbeat's age, never by the record's presence): through routing.adoptGraceMs too
+    // when its sandboxes outlive it, so that other nodes still see when it was last alive and
+    // give its leases the grace (issue 47).
+    const std::int64_t record_ttl_ms =
+        static_cast<std::int64_t>(c.node_ttl_ms) +
+        (c.bwrap.enabled && c.bwrap.adopt_timeout_ms > 0 ? c.adopt_grace_ms : 0);
     return metered_registry(make_etcd_registry(
                                 ioc.get_executor(), c.registry.endpoints, c.registry.prefix,
-                                c.node_ttl_ms, c.registry.username, password,
+                                record_ttl_ms, c.registry.username, password,
                                 [n = &node] { return n->security()->registry_tls; }, bad_records),
                             node.metrics);
 }
@@ -113,6 +120,7 @@ std::unique_ptr<Provider> make_bwrap(const Config& c) {
     opts.limits = c.bwrap.limits;
     opts.identity = c.bwrap.identity;
     opts.etc_files = c.bwrap.etc_files;
+    opts.adopt_timeout_ms = c.bwrap.adopt_timeout_ms;
     std::error_code ec;
     fs::create_directories(opts.sandboxes_dir, ec);
     if (ec) throw config_error("config: stateDir: cannot create " + opts.sandboxes_dir.string());
@@ -160,6 +168,32 @@ Daemon::Daemon(Config config) : impl_(std::make_unique<Impl>()) {
     impl_->build_node();
 }
 
+namespace {
+
+/// When a provider's sandboxes outlive their daemon: reads which instance ran this node on
+/// this state directory before (Node::predecessor_instance), and records this one. The
+/// provider holds the state's lock (bwrap: <stateDir>/sandboxes/.lock), so the instance read
+/// is gone. A file that cannot be read or written only costs the fast takeover.
+void note_instance(Node& node) {
+    bool outlives = false;
+    for (const auto& [key, provider] : node.providers) outlives |= provider->outlives_daemon();
+    if (!outlives) return;
+    const fs::path file = fs::path(node.config.state_dir) / "node-instance";
+    {
+        std::ifstream in(file);
+        std::string node_id;
+        std::string instance;
+        if (in >> node_id >> instance && node_id == node.node_id) {
+            node.predecessor_instance = instance;
+        }
+    }
+    std::ofstream out(file, std::ios::trunc);
+    out << node.node_id << " " << node.instance_id << "\n";
+    if (!out) spdlog::warn("node={}: cannot write {}", node.node_id, file.string());
+}
+
+}  // namespace
+
 void Daemon::Impl::build_node() {
     auto& c = node.config;
     node.send_budget = std::make_unique<SendBudget>(c.limits.send_queue_bytes,
@@ -196,6 +230,7 @@ void Daemon::Impl::build_node() {
     warn_unbound_peer_tokens(c);
     node.registry = make_registry(node, ioc);
     add_providers(node);
+    note_instance(node);
     node.metrics.build_info.with({version_string}).set(1);
     node.metrics.registry.on_collect([g = &gauges] { g->collect(); });
 }
@@ -237,6 +272,15 @@ std::string Daemon::start() {
     node.renewed_at_ms = run_until_done(
         impl_->ioc,
         net::co_spawn(impl_->ioc, impl_->membership.register_at_start(record), net::use_future));
+    // Before any request is served: the sandboxes an earlier process of this node left
+    // running for it are re-adopted (issue 47).
+    try {
+        run_until_done(impl_->ioc,
+                       net::co_spawn(impl_->ioc, adopt_own_sandboxes(node), net::use_future));
+    } catch (const std::exception& e) {
+        spdlog::warn("node={} could not list its leases to re-adopt their sandboxes: {}",
+                     node.node_id, e.what());
+    }
     // Before any acquire can run (upgrades wait for node.registered): sandboxes that an
     // earlier process made and was killed before recording are destroyed.
     try {
@@ -287,10 +331,27 @@ void Daemon::drain_then_stop() { impl_->drain.then_stop(); }
 awaitable<void> Daemon::Impl::finish_stop() {
     auto work_unwatch = [this] { node.lease_watch.reset(); };  // joins its thread: not here
     co_await offload(node.blocking, std::move(work_unwatch));
-    try {
-        co_await node.registry->remove_node(node.node_id, node.instance_id);
-    } catch (const std::exception& e) {
-        spdlog::warn("node={} could not remove its node record: {}", node.node_id, e.what());
+    // A node whose sandboxes outlive it keeps them, its leases and its record for its next
+    // process (issue 47), unless it was decommissioned.
+    bool keep = false;
+    if (!node.decommissioning.load()) {
+        for (const auto& [key, provider] : node.providers) {
+            if (!provider->outlives_daemon()) continue;
+            provider->keep_at_stop();
+            keep = true;
+        }
+    }
+    if (keep) {
+        spdlog::info(
+            "node={} stopping: keeping {} sandbox(es), their leases and this node's "
+            "record for the next process",
+            node.node_id, node.cache.snapshot().size());
+    } else {
+        try {
+            co_await node.registry->remove_node(node.node_id, node.instance_id);
+        } catch (const std::exception& e) {
+            spdlog::warn("node={} could not remove its node record: {}", node.node_id, e.what());
+        }
     }
     net::steady_timer t(ioc);
     // Every process reaped, then every channel's end recorded (its output flushed, its

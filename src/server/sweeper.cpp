@@ -180,6 +180,47 @@ awaitable<std::size_t> destroy_unrecorded_sandboxes(Node& node) {
     co_return destroyed;
 }
 
+awaitable<std::size_t> adopt_own_sandboxes(Node& node) {
+    std::size_t adopted = 0;
+    std::size_t lost = 0;
+    for (auto& lease : co_await leases_of(node, node.node_id, lease_status::active)) {
+        Provider* provider = provider_of(node, lease.provider);
+        if (provider == nullptr || !provider->outlives_daemon()) continue;
+        if (node.cache.holds(scope_of(lease))) continue;
+        const std::string id = lease.id;
+        try {
+            co_await sandbox_for(node, std::move(lease), sandbox_use::release);
+            ++adopted;
+        } catch (const std::exception& e) {
+            ++lost;  // orphaned by sandbox_for (pending_cleanup), unless not ready
+            spdlog::warn("lease={}: its sandbox was not re-adopted: {}", id, e.what());
+        }
+    }
+    if (adopted + lost > 0) {
+        spdlog::info("node={} re-adopted {} sandbox(es) of an earlier process; {} could not be",
+                     node.node_id, adopted, lost);
+    }
+    co_return adopted;
+}
+
+awaitable<std::size_t> release_own_leases(Node& node, std::string actor) {
+    std::size_t released = 0;
+    for (const auto status :
+         {lease_status::active, lease_status::retained, lease_status::pending_cleanup}) {
+        for (auto& lease : co_await leases_of(node, node.node_id, status)) {
+            const std::string id = lease.id;
+            try {
+                const auto after =
+                    co_await teardown(node, std::move(lease), lease_status::released, actor);
+                if (after.status == lease_status::released) ++released;
+            } catch (const std::exception& e) {
+                spdlog::warn("lease={}: its release at decommission failed: {}", id, e.what());
+            }
+        }
+    }
+    co_return released;
+}
+
 awaitable<std::size_t> destroy_leftover_sandboxes(Node& node) {
     std::set<std::pair<std::string, std::string>> cached;  // provider key, providerLeaseId
     for (const auto& handle : node.cache.snapshot()) {
@@ -265,8 +306,23 @@ awaitable<bool> orphan_dead_owners(Node& node, std::int64_t now, std::vector<Nod
         if (owner == node.node_id) continue;
         auto seen = dead(owner);
         if (!seen) continue;
+        // A dead owner's sandboxes of a provider that outlives its daemon (bwrap) wait
+        // routing.adoptGraceMs more for its restart (issue 47), measured from its last
+        // heartbeat; an owner with no record at all (removed: decommissioned, or stopped
+        // without keeping) has none to wait for.
+        const bool in_grace =
+            seen->record &&
+            now - seen->record->heartbeat_at_ms <
+                static_cast<std::int64_t>(node.config.node_ttl_ms) + node.config.adopt_grace_ms;
         for (auto& lease : co_await leases_of(node, owner, lease_status::active)) {
             if (node.fenced_for_ms() != 0) co_return false;
+            if (in_grace) {
+                // By this node's provider of that key (nodes share their configuration).
+                Provider* provider = provider_of(node, lease.provider);
+                if (provider != nullptr ? provider->outlives_daemon() : lease.provider == "bwrap") {
+                    continue;
+                }
+            }
             const auto epoch = lease.epoch;
             auto after = co_await lease_orphan(node, std::move(lease),
                                                "owner node " + owner + " is dead", "sweeper", seen);

@@ -299,7 +299,7 @@ TEST_CASE("The probe finds cgroup v1 on this machine and describes where", "[cgr
                          Contains("cpuacct") && Contains("freezer"));
     CHECK_THAT(text, EndsWith(" under " + (own_dir("memory") / f.instance()).string()));
     CHECK(exists_everywhere(f, ""));
-    CHECK(f.manager().remove_orphans() == 0);
+    CHECK(f.manager().remove_orphans(nullptr) == 0);
 }
 
 TEST_CASE("The probe of a directory without cgroups gives a manager that cannot make leases",
@@ -309,7 +309,7 @@ TEST_CASE("The probe of a directory without cgroups gives a manager that cannot 
     CHECK_THAT(f.manager().describe(), StartsWith("no usable cgroups: v2: "));
     require_provider_error([&] { f.manager().create_lease("x", {}); });
     CHECK(f.manager().find_lease("x") == nullptr);
-    CHECK(f.manager().remove_orphans() == 0);
+    CHECK(f.manager().remove_orphans(nullptr) == 0);
     require_provider_error([] { probe_cgroups("bad/name"); });
 }
 
@@ -657,10 +657,31 @@ TEST_CASE("remove_orphans of a new manager kills and removes a lease a dead proc
     REQUIRE(exists_everywhere(f, "left"));
 
     auto manager = probe_cgroups(f.instance());
-    CHECK(manager->remove_orphans() == 1);
+    CHECK(manager->remove_orphans(nullptr) == 1);
     CHECK(killed_by_sigkill(f.wait_exit(*left)));
     CHECK_FALSE(exists_anywhere(f, "left"));
-    CHECK(manager->remove_orphans() == 0);
+    CHECK(manager->remove_orphans(nullptr) == 0);
+}
+
+TEST_CASE("A kept lease cgroup outlives its handle, and remove_orphans spares what keep names",
+          "[cgroup]") {
+    Fixture f;
+    {
+        auto kept = f.manager().create_lease("kept", {});
+        auto gone = f.manager().create_lease("gone", {});
+        kept->keep();
+        gone->keep();
+    }  // both handles dropped: neither is removed
+    REQUIRE(exists_everywhere(f, "kept"));
+    REQUIRE(exists_everywhere(f, "gone"));
+    auto manager = probe_cgroups(f.instance());
+    CHECK(manager->remove_orphans([](const std::string& name) { return name == "kept"; }) == 1);
+    CHECK(exists_everywhere(f, "kept"));
+    CHECK_FALSE(exists_anywhere(f, "gone"));
+    auto found = manager->find_lease("kept");
+    REQUIRE(found);
+    found.reset();  // not kept: this handle removes it
+    CHECK_FALSE(exists_anywhere(f, "kept"));
 }
 
 TEST_CASE("usage reports the memory and CPU time of a lease", "[cgroup]") {

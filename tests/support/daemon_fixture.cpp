@@ -1,5 +1,7 @@
 #include "support/daemon_fixture.hpp"
 
+#include "init/supervisor_protocol.hpp"
+
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/json_limits.hpp>
 
@@ -18,12 +20,15 @@
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <algorithm>
 #include <cctype>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -63,6 +68,9 @@ namespace {
 /// Tests stop their daemons with SIGTERM: without a limits.drainTimeoutMs of their own, the
 /// drain is 0 (its 30 s default would hold every stop with a channel left running). A config
 /// that does not parse is passed on unchanged (the tests of bad configs).
+///
+/// Likewise their sandboxes end with their daemon (providers.bwrap.adoptTimeoutMs 0) unless
+/// the test's config says otherwise: only the tests of restarts (adopt_test.cpp) keep them.
 std::string with_test_drain(const std::string& config_json) {
     // Bounded like the daemon's own parse: a config nested too deep (a test of that) is
     // written as it is, never walked here.
@@ -70,11 +78,24 @@ std::string with_test_drain(const std::string& config_json) {
                       ? nlohmann::json::object()
                       : try_parse_json(config_json, {/*ignore_comments=*/true}).value;
     if (!config.is_object()) return config_json;
+    bool changed = false;
     auto& limits = config["limits"];
     if (limits.is_null()) limits = nlohmann::json::object();
-    if (!limits.is_object() || limits.contains("drainTimeoutMs")) return config_json;
-    limits["drainTimeoutMs"] = 0;
-    return config.dump();
+    if (limits.is_object() && !limits.contains("drainTimeoutMs")) {
+        limits["drainTimeoutMs"] = 0;
+        changed = true;
+    }
+    auto& providers = config["providers"];
+    if (providers.is_null()) providers = nlohmann::json::object();
+    if (providers.is_object()) {
+        auto& bwrap = providers["bwrap"];
+        if (bwrap.is_null()) bwrap = nlohmann::json::object();
+        if (bwrap.is_object() && !bwrap.contains("adoptTimeoutMs")) {
+            bwrap["adoptTimeoutMs"] = 0;
+            changed = true;
+        }
+    }
+    return changed ? config.dump() : config_json;
 }
 
 }  // namespace
@@ -92,6 +113,9 @@ DaemonProcess::DaemonProcess(std::string node_id, std::string config_json,
 
 DaemonProcess::~DaemonProcess() {
     if (pid_ > 0) stop();
+    // A daemon whose sandboxes outlive it (adopt_test.cpp) leaves them waiting for the next
+    // process: each is asked to end through its own adoption socket, as a daemon would.
+    end_kept_sandboxes();
     // A daemon killed with SIGKILL (and not restarted) leaves its sandboxes' disks mounted
     // under its runtime directory, which a restart would unmount; nothing will restart it.
     std::error_code ec;
@@ -645,6 +669,44 @@ std::pair<int, std::string> http_get(
 std::pair<int, std::string> http_post(const std::string& address, const std::string& target,
                                       const std::string& authorization) {
     return http_request(boost::beast::http::verb::post, address, target, authorization, false);
+}
+
+std::size_t DaemonProcess::end_kept_sandboxes() const {
+    namespace proto = sandboxd::supervisor;
+    std::error_code ec;
+    const auto runtime = fs::read_symlink(state_dir_ / "sandboxes" / ".runtime", ec);
+    if (ec || runtime.empty()) return 0;
+    std::size_t ended = 0;
+    for (const auto& entry : fs::directory_iterator(state_dir_ / "sandboxes", ec)) {
+        const auto name = entry.path().filename().string();
+        if (name.rfind("bw-", 0) != 0) continue;
+        proto::Adopt adopt;
+        adopt.flags = proto::adopt_end;
+        std::ifstream in(entry.path() / "secret", std::ios::binary);
+        in.read(reinterpret_cast<char*>(adopt.secret), sizeof adopt.secret);
+        if (in.gcount() != static_cast<std::streamsize>(sizeof adopt.secret)) continue;
+        const std::string path = (runtime / name / "supervisor.sock").string();
+        sockaddr_un addr{};
+        addr.sun_family = AF_UNIX;
+        if (path.size() >= sizeof addr.sun_path) continue;
+        std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+        const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+        if (fd < 0) continue;
+        const timeval tv{5, 0};
+        ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0 &&
+            ::send(fd, &adopt, sizeof adopt, MSG_NOSIGNAL) == sizeof adopt) {
+            // The welcome, then EOF once the supervisor (and with it the sandbox) is gone.
+            char buf[64];
+            if (::recv(fd, buf, sizeof buf, 0) > 0) {
+                ++ended;
+                while (::recv(fd, buf, sizeof buf, 0) > 0) {
+                }
+            }
+        }
+        ::close(fd);
+    }
+    return ended;
 }
 
 }  // namespace sandboxd::test

@@ -104,6 +104,18 @@ public:
     /// with only the unit's capability bounding set, and under umask 0077 (UMask=).
     void confine_like_the_unit_for_next_start() { unit_confined_ = true; }
 
+    /// The config (JSON) of the next start (restart()), as the constructor takes it.
+    void set_config_for_next_start(std::string config_json) {
+        config_json_ = std::move(config_json);
+    }
+
+    /// Asks every sandbox supervisor that this daemon's state left waiting for a daemon
+    /// (providers.bwrap.adoptTimeoutMs > 0, after a stop or a kill) to end its sandbox, through
+    /// its adoption socket with its secret (src/init/supervisor_protocol.hpp), and waits for
+    /// each to go. Returns how many answered. For the destructor, and for tests that check
+    /// what a supervisor does.
+    std::size_t end_kept_sandboxes() const;
+
 private:
     void launch(start_mode mode = start_mode::wait_ready);
     std::string node_id_;

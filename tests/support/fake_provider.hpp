@@ -187,6 +187,10 @@ public:
     std::atomic<int> resumes{0};
     /// can_retain(): stop() keeps the sandbox, resume() brings back one that is still live.
     bool retainable = false;
+    /// outlives_daemon(): its sandboxes outlive their node's process (like bwrap's with
+    /// adoptTimeoutMs), so a dead owner's leases get routing.adoptGraceMs.
+    bool outlives = false;
+    bool outlives_daemon() const noexcept override { return outlives; }
 
     /// When set, create() throws rpc_error with this code (and makes nothing).
     std::optional<errc> create_error;

@@ -275,6 +275,17 @@ public:
     /// later). Awaitable like create().
     virtual awaitable<std::shared_ptr<SandboxHandle>> resume(Lease lease);
 
+    /// Whether this provider's sandboxes outlive the daemon process (the bwrap provider with
+    /// providers.bwrap.adoptTimeoutMs > 0; issue 47): the next process on the same state
+    /// re-adopts them through resume(), and a stopping daemon keeps them (keep_at_stop()).
+    /// Fast; no I/O.
+    virtual bool outlives_daemon() const noexcept { return false; }
+
+    /// From the daemon's stop, before it drops its handles, when it keeps its leases for the
+    /// next process: a sandbox dropped from now on is let go (its descriptors close; its
+    /// supervisor waits for the next daemon), not ended. Any thread; no I/O.
+    virtual void keep_at_stop() noexcept {}
+
     /// How the sweeper retries this provider's failed teardowns. `heartbeat_ms` is the node's
     /// (the built-in default backs off from it). Fast.
     virtual CleanupPolicy cleanup_policy(std::int64_t heartbeat_ms) const {
@@ -357,6 +368,11 @@ struct BwrapOptions {
     /// Where kernel/pid_max and fs/file-max are read at start, for the node's budgets (with
     /// limits.enforce); tests point it at a directory of their own.
     std::filesystem::path proc_sys = "/proc/sys";
+    /// How long a lease's supervisor waits for a daemon once its own is gone (stopped or
+    /// dead), ms, before it ends the sandbox by itself; a daemon that starts on the same
+    /// sandboxes_dir within it re-adopts the sandbox (Provider::resume). 0: sandboxes end with
+    /// their daemon (bubblewrap's --die-with-parent), as before issue 47.
+    std::int64_t adopt_timeout_ms = 0;
     /// Threads of the provider's own pool for create() and destroy() (1..64): at most this
     /// many run at once, the rest wait their turn without holding a thread of the node.
     std::size_t blocking_threads = 4;
@@ -365,8 +381,9 @@ struct BwrapOptions {
 /// The built-in bubblewrap provider (key "bwrap", pluginId "builtin"). Thread-safe.
 /// Construction probes the machine: with limits.enforce it throws std::runtime_error naming
 /// what is missing when neither cgroup v2 nor v1 offers memory, pids and cpu, or when loop
-/// devices or mkfs.ext4 are unavailable. It kills and removes what a previous process on the
-/// same sandboxes_dir left running (orphaned cgroups), and throws when another live process
+/// devices or mkfs.ext4 are unavailable. It kills and removes the cgroups that a previous
+/// process on the same sandboxes_dir left with no sandbox record (a sandbox with a record is
+/// re-adopted by resume() or destroyed by destroy()), and throws when another live process
 /// holds sandboxes_dir. Logs the mechanism it uses.
 std::unique_ptr<Provider> make_bwrap_provider(BwrapOptions options);
 

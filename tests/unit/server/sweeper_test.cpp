@@ -104,6 +104,31 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "The sweeper leaves a dead owner's leases whose sandboxes outlive it for adoptGraceMs, "
+    "then orphans them",
+    "[unit][sweeper][adopt]") {
+    NodeHarness h;
+    h.provider->outlives = true;
+    const std::int64_t ttl = h.node.config.node_ttl_ms;
+    const std::int64_t grace = h.node.config.adopt_grace_ms;
+    REQUIRE(grace == 60000);  // the default
+    h.registry->put_for_test(lease_record("lse_c", "node-c"));
+    // Dead by its heartbeat, and still within the grace: left for its restart.
+    h.put_live_node("node-c", ttl + grace - 1000);
+    h.run(sweep(h.node));
+    CHECK(h.registry->lease_for_test("lse_c")->status == lease_status::active);
+    CHECK(h.registry->lease_for_test("lse_c")->epoch == 1);
+    // Past the grace: orphaned as any dead owner's.
+    h.put_live_node("node-c", ttl + grace + 1000);
+    h.run(sweep(h.node));
+    CHECK(h.registry->lease_for_test("lse_c")->status == lease_status::pending_cleanup);
+    // An owner with no record (decommissioned, or stopped without keeping) gets no grace.
+    h.registry->put_for_test(lease_record("lse_d", "node-d"));
+    h.run(sweep(h.node));
+    CHECK(h.registry->lease_for_test("lse_d")->status == lease_status::pending_cleanup);
+}
+
+TEST_CASE(
     "The sweeper orphans nothing of an owner that heartbeats after the sweeper judged it dead",
     "[unit][sweeper][fencing]") {
     // The sweeper's view of node-c is a TTL old when it lists the nodes; node-c then

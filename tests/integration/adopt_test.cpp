@@ -1,0 +1,243 @@
+// Issue 47: a lease's sandbox outlives its daemon (providers.bwrap.adoptTimeoutMs), and the
+// next process on the same state re-adopts it. Real daemons on loopback, real bubblewrap and
+// supervisors, the SQLite registry.
+#include "support/clusters.hpp"
+#include "support/daemon_fixture.hpp"
+
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+using namespace sandboxd;
+using namespace sandboxd::test;
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+namespace {
+
+/// Sandboxes that outlive their daemon by `adopt_ms`, with both token roles.
+std::string adopting_config(int adopt_ms = 120000, const std::string& init_path = "") {
+    json bwrap = {{"adoptTimeoutMs", adopt_ms}};
+    if (!init_path.empty()) bwrap["initPath"] = init_path;
+    return json{{"auth", host_and_peer_tokens()}, {"providers", {{"bwrap", bwrap}}}}.dump();
+}
+
+std::unique_ptr<Client> host(const DaemonProcess& d) {
+    return std::make_unique<Client>(d.url(), test_host_token);
+}
+
+json acquire(Client& c) {
+    return c.call("leaseAcquire",
+                  {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}});
+}
+
+/// Runs `script` under sh in the lease over a duplex channel: its stdout and exit code.
+std::pair<std::string, int> run(Client& c, const json& lease, const std::string& script) {
+    const auto done = c.run_channel(open_params(lease, {"sh", "-c", script}));
+    return {done.out, done.exit.value("exitCode", -1)};
+}
+
+/// A lease of `d` in whose sandbox `script` has run and exited 0.
+json lease_after(const DaemonProcess& d, const std::string& script) {
+    auto c = host(d);
+    json lease = acquire(*c);
+    REQUIRE(run(*c, lease, script).second == 0);
+    return lease;
+}
+
+fs::path runtime_of(const DaemonProcess& d) {
+    return fs::read_symlink(d.state_dir() / "sandboxes" / ".runtime");
+}
+
+/// Whether a process listens on the lease's adoption socket (its supervisor waits or serves).
+bool supervisor_listens(const DaemonProcess& d, const std::string& provider_lease_id) {
+    const std::string path = (runtime_of(d) / provider_lease_id / "supervisor.sock").string();
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+    const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    const bool up = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0;
+    ::close(fd);  // says nothing: the supervisor closes it, unanswered
+    return up;
+}
+
+std::string lease_status(Client& c, const json& lease) {
+    return c.call("leaseGet", {{"leaseId", lease["id"]}})["status"];
+}
+
+}  // namespace
+
+TEST_CASE("adopt: after kill -9 and after SIGTERM the next process re-adopts every sandbox",
+          "[adopt][restart]") {
+    DaemonProcess d("node-a", adopting_config());
+    std::vector<json> leases;
+    {
+        auto c = host(d);
+        for (int i = 0; i < 3; ++i) {
+            leases.push_back(acquire(*c));
+            // /tmp is the lease's own tmpfs, made with its sandbox: it survives only if the
+            // sandbox does.
+            auto [out, code] =
+                run(*c, leases.back(), "echo lease-" + std::to_string(i) + " > /tmp/mark; echo ok");
+            REQUIRE(code == 0);
+            REQUIRE(out == "ok\n");
+        }
+    }
+    for (const auto* how : {"kill -9", "SIGTERM"}) {
+        INFO(how);
+        if (std::string(how) == "kill -9") {
+            d.kill9();
+        } else {
+            REQUIRE(d.stop() == 0);
+            CHECK(d.log().find("keeping 3 sandbox(es)") != std::string::npos);
+        }
+        // With no daemon, every supervisor is still there, waiting.
+        for (const auto& lease : leases) CHECK(supervisor_listens(d, lease["providerLeaseId"]));
+        d.restart();
+        CHECK(d.log().find("re-adopted 3 sandbox(es)") != std::string::npos);
+        auto c = host(d);
+        for (std::size_t i = 0; i < leases.size(); ++i) {
+            CHECK(lease_status(*c, leases[i]) == "active");
+            auto [out, code] = run(*c, leases[i], "cat /tmp/mark");
+            CHECK(code == 0);
+            CHECK(out == "lease-" + std::to_string(i) + "\n");
+        }
+    }
+    // A re-adopted sandbox ends like any other: released, nothing of it is left.
+    auto c = host(d);
+    const std::string first = leases.front()["providerLeaseId"];
+    CHECK(c->call("leaseRelease", {{"leaseId", leases.front()["id"]}})["status"] == "released");
+    CHECK_FALSE(fs::exists(d.state_dir() / "sandboxes" / first));
+    CHECK_FALSE(supervisor_listens(d, first));
+}
+
+TEST_CASE("adopt: a supervisor that no daemon adopts ends its sandbox after adoptTimeoutMs",
+          "[adopt][restart]") {
+    DaemonProcess d("node-a", adopting_config(1000));
+    const json lease = lease_after(d, "true");
+    const std::string id = lease["providerLeaseId"];
+    d.kill9();
+    REQUIRE(supervisor_listens(d, id));
+    // Nobody comes: the supervisor ends the sandbox by itself.
+    CHECK(eventually([&] { return !supervisor_listens(d, id); }, 10s));
+    // The next process finds nothing to adopt: the lease goes to cleanup and its files go.
+    d.restart();
+    CHECK(d.log().find("lease=" + lease["id"].get<std::string>() +
+                       ": its sandbox was not re-adopted") != std::string::npos);
+    auto c = host(d);
+    CHECK(lease_status(*c, lease) != "active");
+    CHECK(eventually([&] { return !fs::exists(d.state_dir() / "sandboxes" / id); }, 15s));
+}
+
+TEST_CASE("adopt: POST /admin/decommission ends the sandboxes, releases the leases and stops",
+          "[adopt][drain]") {
+    DaemonProcess d("node-a", adopting_config());
+    std::vector<json> leases;
+    {
+        auto c = host(d);
+        for (int i = 0; i < 2; ++i) leases.push_back(acquire(*c));
+    }
+    CHECK(http_post(d.address(), "/admin/decommission", "Bearer " + test_host_token).first == 403);
+    auto [status, body] =
+        http_post(d.address(), "/admin/decommission", "Bearer " + test_peer_token);
+    CHECK(status == 202);
+    CHECK(json::parse(body)["decommissioning"] == true);
+    const auto code = d.wait_exit(30s);
+    REQUIRE(code);
+    CHECK(*code == 0);
+    for (const auto& lease : leases) {
+        const std::string id = lease["providerLeaseId"];
+        CHECK_FALSE(fs::exists(d.state_dir() / "sandboxes" / id));
+        CHECK_FALSE(supervisor_listens(d, id));
+    }
+    CHECK(d.end_kept_sandboxes() == 0);  // nothing was kept
+    // The next process on this state finds the leases released and nothing to adopt.
+    d.restart();
+    auto c = host(d);
+    for (const auto& lease : leases) CHECK(lease_status(*c, lease) == "released");
+}
+
+TEST_CASE(
+    "adopt: a supervisor of the previous version is re-adopted, one of a newer version "
+    "is torn down",
+    "[adopt][restart][upgrade]") {
+    struct Case {
+        const char* init;
+        bool adopted;
+    };
+    for (const Case& k : {Case{SANDBOXD_INIT_V1_BIN, true}, Case{SANDBOXD_INIT_V3_BIN, false}}) {
+        INFO(k.init);
+        // The earlier process ran that supervisor; the next one is this build's.
+        DaemonProcess d("node-a", adopting_config(120000, k.init));
+        const json lease = lease_after(d, "echo v > /tmp/mark");
+        const std::string id = lease["providerLeaseId"];
+        d.kill9();
+        d.set_config_for_next_start(adopting_config());
+        d.restart();
+        auto c = host(d);
+        if (k.adopted) {
+            CHECK(lease_status(*c, lease) == "active");
+            auto [out, code] = run(*c, lease, "cat /tmp/mark");
+            CHECK(out == "v\n");
+        } else {
+            CHECK(d.log().find("its supervisor speaks version 3, and this daemon serves 1..2") !=
+                  std::string::npos);
+            CHECK(lease_status(*c, lease) != "active");
+            CHECK_FALSE(supervisor_listens(d, id));
+            CHECK(eventually([&] { return !fs::exists(d.state_dir() / "sandboxes" / id); }, 15s));
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE(
+    "adopt: other nodes leave a dead owner's sandboxes for adoptGraceMs, and its "
+    "restart serves them again at once",
+    "[adopt][multinode][restart]", SqliteCluster, EtcdCluster) {
+    TestType cluster;
+    INFO("registry: " << TestType::kind);
+    constexpr int ttl_ms = 3000;
+    constexpr int grace_ms = 4000;
+    auto config = json::parse(cluster_config(cluster));
+    config["routing"]["adoptGraceMs"] = grace_ms;
+    config["providers"] = {{"bwrap", {{"adoptTimeoutMs", 120000}}}};
+    DaemonProcess p1("node-1", config.dump());
+    DaemonProcess p2("node-2", config.dump());
+    Client c2(p2.url(), test_host_token);
+    json lease;
+    {
+        Client c1(p1.url(), test_host_token);
+        lease = acquire(c1);
+        REQUIRE(run(c1, lease, "echo kept > /tmp/mark").second == 0);
+    }
+    // A crash and a quick restart: the record is taken over at once (no TTL's wait), and the
+    // lease serves again, routed through node-2, from the same sandbox.
+    p1.kill9();
+    p1.restart();
+    CHECK(p1.log().find("node=node-1 took over the record of its previous process") !=
+          std::string::npos);
+    CHECK(run(c2, lease, "cat /tmp/mark").first == "kept\n");
+
+    // A crash with no restart: node-2 leaves the lease active until the TTL and the grace
+    // have passed since node-1's last heartbeat, then orphans it.
+    const auto killed = std::chrono::steady_clock::now();
+    p1.kill9();
+    CHECK(error_reason(c2, "duplexChannelOpen", open_params(lease, {"true"})) ==
+          "OWNER_UNAVAILABLE");
+    REQUIRE(
+        eventually([&] { return lease_status(c2, lease) != "active"; }, std::chrono::seconds(30)));
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::chrono::steady_clock::now() - killed);
+    CHECK(waited.count() >= ttl_ms + grace_ms - 500);  // its last heartbeat was at most 300 ms
+                                                       // before the kill, and one more may lag
+    CHECK(lease_status(c2, lease) == "pending_cleanup");
+}
