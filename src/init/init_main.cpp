@@ -236,11 +236,106 @@ private:
         return true;
     }
 
-    // What a clone (a channel's init) must not keep: the daemon's socket and the adoption
-    // socket.
+    // What a clone (a channel's init) must not keep: the daemon's socket, the adoption
+    // socket and the kept channels' ends (another channel's pipes).
     void close_in_child() const {
         if (socket_ >= 0) ::close(socket_);
         if (adoption_.listen >= 0) ::close(adoption_.listen);
+        for (const auto& h : held_) {
+            for (int fd : h.fds) {
+                if (fd >= 0) ::close(fd);
+            }
+        }
+    }
+
+    // --- Kept channels (supervisor_protocol.hpp): the daemon's ends, held for the next one.
+
+    struct HeldEntry {
+        char key[proto::key_size] = {};
+        int fds[proto::held_slots] = {-1, -1, -1, -1, -1, -1, -1, -1};
+    };
+
+    HeldEntry* find_held(const char* key) {
+        for (auto& h : held_) {
+            if (std::memcmp(h.key, key, proto::key_size) == 0) return &h;
+        }
+        return nullptr;
+    }
+
+    // A packet of `n` bytes that is a Held (any of its three magics): served here; false when
+    // it is none (a channel request).
+    bool serve_held(std::size_t n, std::vector<int>& fds) {
+        std::uint32_t magic = 0;
+        if (n < sizeof magic) return false;
+        std::memcpy(&magic, buffer_.get(), sizeof magic);
+        if (magic != proto::hold_magic && magic != proto::release_magic &&
+            magic != proto::return_magic) {
+            return false;
+        }
+        proto::Held packet;
+        if (n != sizeof packet) return true;  // malformed: its descriptors close below
+        std::memcpy(&packet, buffer_.get(), sizeof packet);
+        packet.key[proto::key_size - 1] = '\0';
+        if (magic == proto::hold_magic) {
+            keep_held(packet, fds);
+        } else if (magic == proto::release_magic) {
+            release_held(packet);
+        } else {
+            return_held();
+        }
+        return true;
+    }
+
+    // Keeps the packet's descriptors (taken out of `fds`, which the caller closes) under its
+    // key; a key held already, a count that does not match the mask or a full table keeps none.
+    void keep_held(const proto::Held& packet, std::vector<int>& fds) {
+        const auto bits = static_cast<std::size_t>(__builtin_popcount(packet.mask));
+        if (packet.key[0] == '\0' || bits != fds.size() ||
+            packet.mask >= (1U << proto::held_slots) || held_.size() >= proto::max_held ||
+            find_held(packet.key) != nullptr) {
+            return;
+        }
+        HeldEntry entry;
+        std::memcpy(entry.key, packet.key, proto::key_size);
+        std::size_t next = 0;
+        for (std::uint32_t slot = 0; slot < proto::held_slots; ++slot) {
+            if ((packet.mask & (1U << slot)) != 0) entry.fds[slot] = fds[next++];
+        }
+        held_.push_back(entry);
+        fds.clear();
+    }
+
+    void release_held(const proto::Held& packet) {
+        HeldEntry* h = find_held(packet.key);
+        if (h == nullptr) return;
+        bool left = false;
+        for (std::uint32_t slot = 0; slot < proto::held_slots; ++slot) {
+            int& fd = h->fds[slot];
+            if ((packet.mask & (1U << slot)) != 0 && fd >= 0) {
+                ::close(fd);
+                fd = -1;
+            }
+            left = left || fd >= 0;
+        }
+        if (!left) held_.erase(held_.begin() + (h - held_.data()));
+    }
+
+    // Every entry to the daemon that asked (copies: this process keeps its own), then the end.
+    void return_held() {
+        for (const auto& h : held_) {
+            proto::Held packet;
+            std::memcpy(packet.key, h.key, proto::key_size);
+            int fds[proto::held_slots];
+            std::size_t count = 0;
+            for (std::uint32_t slot = 0; slot < proto::held_slots; ++slot) {
+                if (h.fds[slot] < 0) continue;
+                packet.mask |= 1U << slot;
+                fds[count++] = h.fds[slot];
+            }
+            send_fds(socket_, &packet, sizeof packet, fds, count);
+        }
+        const proto::Held end;
+        send_fds(socket_, &end, sizeof end, nullptr, 0);
     }
 
     bool read_program() {
@@ -317,6 +412,10 @@ private:
         if (n < 0) return errno == EINTR || errno == EAGAIN;
         if (n == 0) return false;
 
+        if (serve_held(static_cast<std::size_t>(n), req.fds)) {
+            for (int fd : req.fds) ::close(fd);
+            return true;
+        }
         proto::Reply reply;
         int err = parse(static_cast<std::size_t>(n), msg_flags, req);
         reply.id = req.header.id;
@@ -633,19 +732,25 @@ private:
 
     // One packet of `size` bytes, with `pidfd` by SCM_RIGHTS when it is not negative.
     static void send_packet(int socket, const void* data, std::size_t size, int pidfd) {
+        send_fds(socket, data, size, &pidfd, pidfd >= 0 ? 1 : 0);
+    }
+
+    // One packet of `size` bytes, with the `count` descriptors of `fds` by SCM_RIGHTS.
+    static void send_fds(int socket, const void* data, std::size_t size, const int* fds,
+                         std::size_t count) {
         iovec iov{const_cast<void*>(data), size};
         msghdr msg{};
         msg.msg_iov = &iov;
         msg.msg_iovlen = 1;
-        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-        if (pidfd >= 0) {
+        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * proto::held_slots)] = {};
+        if (count > 0) {
             msg.msg_control = control;
-            msg.msg_controllen = sizeof control;
+            msg.msg_controllen = CMSG_SPACE(sizeof(int) * count);
             cmsghdr* c = CMSG_FIRSTHDR(&msg);
             c->cmsg_level = SOL_SOCKET;
             c->cmsg_type = SCM_RIGHTS;
-            c->cmsg_len = CMSG_LEN(sizeof(int));
-            std::memcpy(CMSG_DATA(c), &pidfd, sizeof pidfd);
+            c->cmsg_len = CMSG_LEN(sizeof(int) * count);
+            std::memcpy(CMSG_DATA(c), fds, sizeof(int) * count);
         }
         while (::sendmsg(socket, &msg, MSG_NOSIGNAL) < 0 && errno == EINTR) {
         }
@@ -664,6 +769,7 @@ private:
     /// The socket of the last warm init handed a request, until it has started its command
     /// (it closes its end then; started()); -1: none.
     int starting_socket_ = -1;
+    std::vector<HeldEntry> held_;  ///< the kept channels' ends (serve_held)
 };
 
 }  // namespace

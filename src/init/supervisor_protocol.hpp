@@ -45,7 +45,21 @@
 ///    error EPROTONOSUPPORT and this supervisor's version, and nothing else changes;
 ///  - anything else (a short packet, a wrong secret) is closed without an answer.
 /// The daemon checks SO_PEERCRED of the connection (the lease's uid, and the pid its pidfd
-/// names) before it trusts the welcome. Without `--adopt-timeout-ms` the supervisor exits when
+/// names) before it trusts the welcome.
+///
+/// **Kept channels** (version 3). A channel that must outlive its daemon (a detached one) is
+/// followed, right after its reply, by a `Held` packet (`hold_magic`) carrying copies of the
+/// daemon's own ends of it (the slots of `held_slot` whose bits are set in `mask`, in slot
+/// order) under the daemon's `key`: the supervisor keeps them, so that the channel's init
+/// never sees its status pipe's reader go and the command's output waits in its pipes while
+/// no daemon runs. A `Held` with `release_magic` closes the slots of `mask` of that key (its
+/// stdin once the daemon closed it, so that the command reads EOF; every slot once the
+/// channel is over), and the entry goes with its last slot. A `Held` with `return_magic`
+/// (after a welcome) asks for them all: the supervisor answers with one `Held`
+/// (`hold_magic`, its copies by SCM_RIGHTS) per entry, then one with an empty mask and key.
+/// None of these is answered otherwise; a supervisor keeps at most `max_held` entries (more
+/// are closed at once: that channel does not outlive its daemon). Every channel init closes
+/// the copies it inherits at its clone. Without `--adopt-timeout-ms` the supervisor exits when
 /// the daemon's end closes. Either way, as PID 1 of the lease's PID namespace, its exit kills
 /// every process of the lease.
 
@@ -75,10 +89,12 @@ inline constexpr std::size_t secret_size = 32;
 #ifdef SANDBOXD_SUPERVISOR_VERSION
 inline constexpr std::uint32_t version = SANDBOXD_SUPERVISOR_VERSION;
 #else
-inline constexpr std::uint32_t version = 2;
+inline constexpr std::uint32_t version = 3;
 #endif
 /// The oldest supervisor version this daemon adopts: version 1's Request and Reply are
-/// these, unchanged by 2 (which added adoption). A version whose requests change raises it.
+/// these, unchanged by 2 (which added adoption) and 3 (kept channels: the daemon sends
+/// `Held` packets only to a supervisor of version 3 or later). A version whose requests
+/// change raises it.
 inline constexpr std::uint32_t oldest_adoptable = 1;
 inline constexpr std::size_t max_payload = 2U << 20;  ///< cwd + argv + env, as execve allows
 /// The largest payload sent in the packet itself; above it, a memfd carries it.
@@ -86,6 +102,7 @@ inline constexpr std::size_t max_inline_payload = 64U << 10;
 inline constexpr std::size_t max_cgroup_fds = 8;
 inline constexpr std::size_t channel_fds = 5;
 inline constexpr std::size_t max_fds = channel_fds + max_cgroup_fds + 1;  ///< + the payload memfd
+static_assert(max_fds >= 8, "a Held packet carries up to 8 descriptors");
 inline constexpr std::size_t max_program = 64U << 10;                     ///< bytes of BPF
 inline constexpr std::uint32_t max_strings = 1U << 16;                    ///< argc + envc
 
@@ -99,6 +116,34 @@ inline constexpr std::uint32_t welcome_magic = 0x53425745;  // "SBWE"
 
 enum adopt_flags : std::uint32_t {
     adopt_end = 1U << 0,  ///< end the sandbox instead of serving this daemon
+};
+
+inline constexpr std::uint32_t hold_magic = 0x5342484C;     // "SBHL"
+inline constexpr std::uint32_t release_magic = 0x5342524C;  // "SBRL"
+inline constexpr std::uint32_t return_magic = 0x53425254;   // "SBRT"
+/// The first version that serves `Held` packets.
+inline constexpr std::uint32_t kept_channels_version = 3;
+inline constexpr std::size_t key_size = 32;  ///< NUL-padded; at most key_size - 1 bytes
+inline constexpr std::size_t max_held = 4096;
+
+/// The daemon's ends of a kept channel, in the order a `Held` packet carries them.
+enum held_slot : std::uint32_t {
+    slot_pidfd,        ///< the channel init's pidfd
+    slot_stdin,        ///< the write end of stdin (under a PTY: the master)
+    slot_stdout,       ///< the read end of stdout (under a PTY: a copy of the master)
+    slot_stderr,       ///< the read end of stderr
+    slot_status,       ///< the read end of the init's status pipe
+    slot_control,      ///< the write end of the init's control pipe
+    slot_relay_read,   ///< under a PTY: the pipe the master's output is moved into
+    slot_relay_write,  ///< and its write end
+    held_slots
+};
+
+/// A kept channel's packet (see "Kept channels" above); the same layout for its three uses.
+struct Held {
+    std::uint32_t magic = hold_magic;
+    std::uint32_t mask = 0;  ///< bit i: slot i (held_slot) is carried, or to be closed
+    char key[key_size] = {};
 };
 
 /// Daemon -> supervisor, the first packet on a connection to `listen_fd`. Its layout is fixed

@@ -232,6 +232,10 @@ std::shared_ptr<SandboxHandle> BwrapProvider::adopt_now(const Lease& lease) {
     sandbox->socket = std::move(reached.socket);
     sandbox->supervisor_pidfd = std::move(reached.pidfd);
     sandbox->channel_prefix = "ch-" + random_hex(3) + "-";
+    sandbox->supervisor_version = reached.welcome.version;
+    if (reached.welcome.version >= proto::kept_channels_version) {
+        take_back_kept(*sandbox, sandbox->socket.get(), id);
+    }
     if (budget_) {
         sandbox->budget = budget_;
         sandbox->budget_share = share;

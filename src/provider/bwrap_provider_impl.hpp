@@ -320,6 +320,26 @@ private:
     /// none answered. Never throws.
     bool end_stored_supervisor(const std::string& id) const noexcept;
 
+    // --- Kept channels (bwrap_kept.cpp; supervisor_protocol.hpp, "Kept channels"). ---
+
+    /// After a kept channel's reply: gives its supervisor copies of the daemon's ends of it
+    /// (`ends`) under `key`, and makes `ends.resources` release them at the channel's end.
+    /// Under a PTY, first adds the relay pipe to `ends`. A failure (out of descriptors, a full
+    /// socket) is logged: the channel then does not outlive this process. Fast; no waiting.
+    void hold_channel(const std::shared_ptr<BwrapSandbox>& state, const std::string& key,
+                      detail::ProcessEnds& ends) const;
+    /// At an adoption (the connection just welcomed): asks the supervisor for the kept
+    /// channels' ends and stores them in `state.kept_channels`. Blocking, bounded by the
+    /// socket's timeouts; a failure is logged and leaves what was received.
+    static void take_back_kept(BwrapSandbox& state, int socket, const std::string& id);
+
+public:
+    std::vector<std::string> kept_channels(const SandboxHandle& sandbox) const override;
+    std::unique_ptr<ChannelBackend> take_kept_channel(SandboxHandle& sandbox,
+                                                      const std::string& key,
+                                                      net::any_io_executor executor) override;
+
+private:
     bool outlives_daemon() const noexcept override { return options_.adopt_timeout_ms > 0; }
     void keep_at_stop() noexcept override { lane_->keep(); }
     bool can_resume() const noexcept override { return options_.adopt_timeout_ms > 0; }

@@ -25,6 +25,7 @@
 #include <deque>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -180,6 +181,13 @@ public:
     /// one it adopted, a prefix of its own, apart from the emptied cgroups its maker kept.
     std::string channel_prefix = "ch-";
     bool broken = false;  ///< a request timed out: the replies may be out of step
+    /// The supervisor's protocol version (supervisor_protocol.hpp): this build's for a sandbox
+    /// this process made, its welcome's for an adopted one. Kept channels need 3 or later.
+    std::uint32_t supervisor_version = 0;
+    /// The ends of the channels an earlier process kept (ExecSpec::keep_key), handed back at
+    /// the adoption, by key, until the daemon takes them (take_kept_channel). Each array is
+    /// indexed by supervisor::held_slot; an absent end is empty. Under `mutex`.
+    std::map<std::string, std::vector<unique_fd>> kept_channels;
 
     std::unique_ptr<detail::LeaseCgroup> cgroup;  ///< null when limits are not enforced
     /// Emptied channel cgroups of this lease, for its next channels: a channel then opens

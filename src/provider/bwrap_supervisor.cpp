@@ -66,6 +66,9 @@ awaitable<std::unique_ptr<ChannelBackend>> BwrapProvider::open(
         co_await ask_supervisor(state, sandbox->scope.provider_lease_id, std::move(socket_copy),
                                 std::move(spare), prepared.request, prepared.payload, prepared.fds);
     detail::ProcessEnds ends = channel_ends(std::move(prepared), std::move(init_pidfd), state);
+    if (!spec.keep_key.empty() && options_.adopt_timeout_ms > 0) {
+        hold_channel(state, spec.keep_key, ends);
+    }
     auto executor = co_await net::this_coro::executor;
     co_return std::make_unique<detail::ProcessBackend>(executor, std::move(ends));
 }
@@ -362,6 +365,7 @@ void BwrapProvider::start_supervisor(BwrapSandbox& sandbox, const std::string& i
     }
     sandbox.socket = std::move(ours);
     sandbox.supervisor_pidfd = std::move(supervisor);
+    sandbox.supervisor_version = proto::version;
 }
 
 ssize_t BwrapProvider::send_request(int socket, const proto::Request& request,

@@ -82,13 +82,22 @@ ProcessBackend::ProcessBackend(net::any_io_executor executor, ProcessEnds ends)
       stdin_(executor),
       resources_(std::move(ends.resources)) {
     if (ends.stdin_fd) stdin_.assign(ends.stdin_fd.release());
+    if (pty_ && ends.relay_read && ends.relay_write) {
+        master_ = std::move(output_[index(output_stream::out)]);
+        output_[index(output_stream::out)] = std::move(ends.relay_read);
+        relay_write_ = std::move(ends.relay_write);
+    }
 }
 
 ProcessBackend::~ProcessBackend() {
     // The channel init is the supervisor's child: killing it is all this process can do (its
-    // namespace goes with it); the supervisor reaps it.
-    if (!gone_) ::syscall(SYS_pidfd_send_signal, pidfd_.native_handle(), SIGKILL, nullptr, 0);
-    if (resources_) resources_->release(gone_);
+    // namespace goes with it); the supervisor reaps it. Not a channel kept for the next
+    // daemon process.
+    const bool kept = resources_ && resources_->kept_past_daemon();
+    if (!gone_ && !kept) {
+        ::syscall(SYS_pidfd_send_signal, pidfd_.native_handle(), SIGKILL, nullptr, 0);
+    }
+    if (resources_ && !kept) resources_->release(gone_);
     // A wait still registered (its io_context was destroyed with the handler): the
     // descriptor is output_'s to close, not the wait's.
     end_wait(output_stream::out);
@@ -129,6 +138,31 @@ void ProcessBackend::notify_output_ready(output_stream s, std::shared_ptr<Channe
     auto& wait = waits_[index(s)];
     const int fd = output_fd(s).get();
     int avail = 0;
+    if (master_ && s == output_stream::out && fd >= 0) {
+        // The relay: what the master holds goes into it first; the wait is on the master.
+        fill_relay();
+        if ((::ioctl(fd, FIONREAD, &avail) == 0 && avail > 0) || master_ended_) {
+            net::post(wait.get_executor(),
+                      [this, s, to = std::move(to)] { to->output_ready(s, readable_now(s)); });
+            return;
+        }
+        beast::error_code ec;
+        wait.assign(master_.get(), ec);
+        if (ec) {
+            master_ended_ = true;  // fail closed: the stream ends with what the relay holds
+            net::post(wait.get_executor(),
+                      [this, s, to = std::move(to)] { to->output_ready(s, readable_now(s)); });
+            return;
+        }
+        wait.async_wait(net::posix::descriptor_base::wait_read,
+                        [this, s, to = std::move(to)](const beast::error_code& e) {
+                            end_wait(s);
+                            if (e) master_ended_ = true;
+                            fill_relay();
+                            to->output_ready(s, readable_now(s));
+                        });
+        return;
+    }
     if (fd < 0 || (::ioctl(fd, FIONREAD, &avail) == 0 && avail > 0) || !start_wait(s)) {
         net::post(wait.get_executor(),
                   [this, s, to = std::move(to)] { to->output_ready(s, readable_now(s)); });
@@ -161,19 +195,51 @@ std::size_t ProcessBackend::readable_now(output_stream s) noexcept {
 std::optional<std::size_t> ProcessBackend::read_output(output_stream s, std::span<char> into) {
     auto& fd = output_fd(s);
     if (!fd) return std::nullopt;
+    const bool relay = master_ && s == output_stream::out;
+    if (relay) fill_relay();
     for (;;) {
         const ssize_t n = ::read(fd.get(), into.data(), into.size());
         if (n > 0) return static_cast<std::size_t>(n);
         if (n < 0 && errno == EINTR) continue;
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            // The relay is empty: its writers (this process, the kept copy) never close it,
+            // so the stream ends when the master has ended.
+            if (!relay || !master_ended_) return 0;
+        }
         break;  // EOF; EIO on a PTY master once every slave is closed
     }
     end_wait(s);
     fd.reset();
+    if (relay) {
+        master_.reset();
+        relay_write_.reset();
+    }
     return std::nullopt;
 }
 
-int ProcessBackend::output_pipe(output_stream s) noexcept { return pty_ ? -1 : output_fd(s).get(); }
+void ProcessBackend::fill_relay() noexcept {
+    if (!master_ || master_ended_) return;
+    // One call moves what the terminal has (its buffer is 4 KiB pages); a few more while it
+    // keeps having some, until the relay is full or the master has nothing.
+    for (int round = 0; round < 16; ++round) {
+        const ssize_t n = ::splice(master_.get(), nullptr, relay_write_.get(), nullptr, 1 << 16,
+                                   SPLICE_F_NONBLOCK);
+        if (n > 0) continue;
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+        if (n < 0 && errno != EIO) {
+            spdlog::error("pid={} pty: cannot move terminal output: {}", pid(),
+                          std::strerror(errno));
+        }
+        master_ended_ = true;  // EOF, or EIO: every slave is closed
+        return;
+    }
+}
+
+int ProcessBackend::output_pipe(output_stream s) noexcept {
+    if (pty_ && !(master_ && s == output_stream::out)) return -1;
+    return output_fd(s).get();
+}
 
 awaitable<bool> ProcessBackend::write_stdin(std::string data) {
     if (!stdin_.is_open()) co_return false;
@@ -190,6 +256,7 @@ void ProcessBackend::close_stdin() noexcept {
     }
     beast::error_code ignored;
     stdin_.close(ignored);
+    if (!pty_ && resources_) resources_->stdin_closed();
 }
 
 void ProcessBackend::signal(int sig) noexcept { send_control(static_cast<unsigned char>(sig)); }
@@ -205,7 +272,7 @@ void ProcessBackend::kill() noexcept {
 
 void ProcessBackend::resize(std::uint16_t cols, std::uint16_t rows) {
     if (!pty_) throw rpc_error(errc::invalid_params, "the channel has no PTY to resize");
-    const int master = output_fd(output_stream::out).get();
+    const int master = pty_master();
     if (master < 0) return;  // the terminal is gone with its process
     winsize ws{};
     if (::ioctl(master, TIOCGWINSZ, &ws) == 0 && ws.ws_col == cols && ws.ws_row == rows) {
@@ -339,6 +406,11 @@ ProcessEnds ProcessBackend::release_for_test() {
     take(status_, ends.status_fd);
     end_wait(output_stream::out);
     end_wait(output_stream::err);
+    if (master_) {  // the ends as they were given
+        ends.relay_read = std::move(output_fd(output_stream::out));
+        ends.relay_write = std::move(relay_write_);
+        output_fd(output_stream::out) = std::move(master_);
+    }
     ends.stdout_fd = std::move(output_fd(output_stream::out));
     ends.stderr_fd = std::move(output_fd(output_stream::err));
     take(stdin_, ends.stdin_fd);

@@ -30,6 +30,13 @@ public:
     /// `processes_gone` when the channel's init was reaped, so that no process of the
     /// channel is left. Fast; no blocking.
     virtual void release(bool processes_gone) noexcept { (void)processes_gone; }
+    /// Called once, when the backend closed its stdin end (a pipe's: the command is to read
+    /// EOF, so copies of that end kept elsewhere must go too). Fast; no blocking.
+    virtual void stdin_closed() noexcept {}
+    /// Whether the channel outlives this backend (a kept channel whose daemon stops and
+    /// keeps its sandboxes, issue 47): then the destructor neither kills the channel's init
+    /// nor calls release(). Fast; no blocking.
+    virtual bool kept_past_daemon() const noexcept { return false; }
 };
 
 /// The daemon's ends of a started channel init. Every fd is non-blocking and close-on-exec.
@@ -46,6 +53,11 @@ struct ProcessEnds {
     unique_fd status_fd;   ///< read end of the init's fd 3. Required.
     unique_fd control_fd;  ///< write end of the init's fd 4. Required.
     bool pty = false;
+    /// Under a PTY, optionally: a pipe that the master's output is moved into (splice(2))
+    /// before it is read, so that output taken from the terminal is never only in this
+    /// process (a kept channel: a copy of the pipe outlives the daemon). Both or neither.
+    unique_fd relay_read;
+    unique_fd relay_write;
     std::unique_ptr<ChannelResources> resources;  ///< may be null
 };
 
@@ -61,7 +73,8 @@ public:
     bool has_output(output_stream stream) const noexcept override;
     bool has_stdin() const noexcept override { return stdin_.is_open(); }
     std::optional<std::size_t> read_output(output_stream stream, std::span<char> into) override;
-    /// The stream's pipe for splice(2); -1 under a PTY (a terminal is no pipe) or once ended.
+    /// The stream's pipe for splice(2); -1 under a PTY without a relay (a terminal is no pipe)
+    /// or once ended. Under a PTY with a relay: the relay.
     int output_pipe(output_stream stream) noexcept override;
     awaitable<bool> write_stdin(std::string data) override;
     void close_stdin() noexcept override;
@@ -100,6 +113,13 @@ private:
     /// stream with nothing queued is at its end, which read_output() finds), or 0 once it is
     /// closed. Grows a pipe that streams.
     std::size_t readable_now(output_stream s) noexcept;
+    /// Under a PTY with a relay: moves what the master holds now into the relay (as much as
+    /// it takes), and notes the master's end (EOF, or EIO once no slave is open).
+    void fill_relay() noexcept;
+    /// The PTY's master (for resize): the relay's source, or the stdout descriptor.
+    int pty_master() const noexcept {
+        return master_ ? master_.get() : output_[index(output_stream::out)].get();
+    }
     /// Reads what the status fd holds now; reports the exit once the line (or EOF) is there,
     /// else waits for readiness again.
     void read_status(std::shared_ptr<ChannelEvents> to, const beast::error_code& ec);
@@ -130,6 +150,11 @@ private:
     net::posix::stream_descriptor waits_[2];
     net::posix::stream_descriptor stdin_;
     std::unique_ptr<ChannelResources> resources_;
+    /// Under a PTY with a relay (ProcessEnds::relay_read): the master (output_[0] is then the
+    /// relay's read end), the relay's write end, and whether the master has ended.
+    unique_fd master_;
+    unique_fd relay_write_;
+    bool master_ended_ = false;
     /// What notify_exit() has read of the status line so far; after the exit line, what
     /// notify_gone() has read of the "end" line (the rest of the read that had the exit line).
     std::string status_line_;

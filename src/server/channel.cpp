@@ -51,6 +51,14 @@ public:
           close_stdin_(was.supports(channel_control::close_stdin)),
           signal_(was.supports(channel_control::signal)),
           resize_(was.supports(channel_control::resize)) {}
+    /// A bwrap channel's answers: stdout, stderr unless under a PTY, every control.
+    explicit EndedBackend(bool pty)
+        : out_(true),
+          err_(!pty),
+          stdin_(false),
+          close_stdin_(true),
+          signal_(true),
+          resize_(true) {}
 
     bool has_output(output_stream s) const noexcept override {
         return s == output_stream::err ? err_ : out_;
@@ -92,6 +100,22 @@ Channel::Channel(strand_t strand, ChannelOptions options, std::unique_ptr<Channe
       backend_(std::move(backend)),
       started_(std::chrono::steady_clock::now()) {
     if (options_.unended) options_.unended->fetch_add(1, std::memory_order_relaxed);
+}
+
+std::shared_ptr<Channel> Channel::make_ended(strand_t strand, ChannelOptions options,
+                                             std::shared_ptr<SandboxHandle> sandbox) {
+    options.unended = nullptr;  // its end was counted by the process that saw it
+    const bool pty = options.pty;
+    auto channel = std::make_shared<Channel>(std::move(strand), std::move(options),
+                                             std::make_unique<EndedBackend>(pty),
+                                             std::move(sandbox), std::weak_ptr<ChannelSink>());
+    channel->begun_ = true;
+    channel->main_exited_ = true;
+    channel->reaped_ = true;
+    channel->exit_sent_ = true;
+    channel->stdin_closed_ = true;
+    channel->backend_released_ = true;
+    return channel;
 }
 
 // The backend kills what is left of a channel that never started or was not reaped.

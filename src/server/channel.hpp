@@ -136,6 +136,13 @@ public:
     Channel(const Channel&) = delete;
     Channel& operator=(const Channel&) = delete;
 
+    /// A channel whose command ended under an earlier process of this daemon and whose exit
+    /// that process kept (a detached channel kept across a restart, issue 47): finished,
+    /// with no backend (its answers are those of a bwrap channel with or without a PTY), and
+    /// never started.
+    static std::shared_ptr<Channel> make_ended(strand_t strand, ChannelOptions options,
+                                               std::shared_ptr<SandboxHandle> sandbox);
+
     /// Starts the output pumps, the stdin pump (when bytes come) and the wait for the end.
     /// Call once.
     void start();

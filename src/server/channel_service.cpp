@@ -1,4 +1,5 @@
 #include "server/channel_service.hpp"
+#include "server/kept_channels.hpp"
 
 #include "server/audit.hpp"
 #include "server/channel.hpp"
@@ -164,7 +165,8 @@ void audit_opened(Node& node, const Lease& lease, std::uint64_t key, const Princ
 awaitable<std::shared_ptr<DetachedOutput>> kept_output_for(Node& node, const Lease& lease,
                                                            const methods::OpenParams& params,
                                                            const std::string& handle,
-                                                           const strand_t& strand) {
+                                                           const strand_t& strand,
+                                                           json record) {
     bool made = false;
     const ScopeExit unreserve([&node, &made] {
         if (!made) node.channels.unreserve();
@@ -173,10 +175,19 @@ awaitable<std::shared_ptr<DetachedOutput>> kept_output_for(Node& node, const Lea
                             node.config.limits.detach_kept_bytes_per_lease);
     // Named first: no closure with a destructor inside a co_await expression (GCC 12).
     auto make_files = [dir = kept_output_root(node) / lease.id / handle,
-                       capacity = params.detach->retain_bytes] {
+                       capacity = params.detach->retain_bytes, record = std::move(record)] {
         std::error_code ec;
         std::filesystem::create_directories(dir.parent_path(), ec);
-        return KeptOutput::create(dir, capacity);
+        auto kept = KeptOutput::create(dir, capacity);
+        if (!record.is_null()) {
+            try {
+                write_kept_record(dir, record);
+            } catch (...) {
+                kept->remove();
+                throw;
+            }
+        }
+        return kept;
     };
     auto kept = co_await offload(node.blocking, std::move(make_files));
     made = true;
@@ -194,8 +205,17 @@ awaitable<MethodReply> open_detached(Connection& c, methods::OpenParams params, 
     options.release_backend_at_end = true;  // its Channel is kept with its exit
     const strand_t strand = net::make_strand(*node.ioc);
     const std::string handle = DetachedChannels::make_handle();
-    auto making = kept_output_for(node, lease, params, handle, strand);
+    // A provider whose sandboxes outlive this process keeps the channel too (issue 47): its
+    // record goes beside its kept output, for the next process.
+    const bool kept = node.providers.at(lease.provider)->outlives_daemon();
+    json record;
+    if (kept) {
+        params.spec.keep_key = handle;
+        record = kept_channel_record(handle, params, options);
+    }
+    auto making = kept_output_for(node, lease, params, handle, strand, std::move(record));
     auto output = co_await std::move(making);
+    if (kept) output->persist_exit();
     ScopeExit forget_output([&output] {
         if (output) output->remove_kept();  // the open failed: nothing is kept
     });
@@ -217,12 +237,8 @@ awaitable<MethodReply> open_detached(Connection& c, methods::OpenParams params, 
         node.channels.unreserve();  // the channel, destroyed unstarted, ends the command
         throw;
     }
-    const auto key = node.channels.add({channel, strand, lease.id});
-    channel->set_on_reaped([&node, key, handle, retain = params.detach->retain_ms] {
-        node.channels.remove(key);
-        detached_channel_ended(node, handle, retain);
-    });
-    channel->set_audit_key(key);
+    const auto key =
+        track_detached(node, channel, strand, lease.id, handle, params.detach->retain_ms, kept);
     audit_opened(node, lease, key, caller, options, start_deadline, handle);
     // This connection is the first attachment, made here off the channel's strand: nothing
     // else uses the output before the channel starts (after the result).

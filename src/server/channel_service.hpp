@@ -48,9 +48,19 @@ awaitable<MethodReply> open_relayed(Connection& c, nlohmann::json p, Lease lease
 
 namespace sandboxd {
 
-/// The detached channel `handle` ended: its entry and kept output go once its retain_ms has
-/// passed (a timer on the node's io_context). Thread-safe.
-void detached_channel_ended(Node& node, const std::string& handle, std::uint64_t retain_ms);
+/// The detached channel `handle` ended (at wall clock `ended_at_ms`; 0: now): its entry and
+/// kept output go once its retain_ms has passed since (a timer on the node's io_context).
+/// Thread-safe.
+void detached_channel_ended(Node& node, const std::string& handle, std::uint64_t retain_ms,
+                            std::int64_t ended_at_ms = 0);
+/// Counts the started detached channel `handle` of `lease_id` as running on this node
+/// (ChannelTable, in a slot reserved before) until its command is reaped, then keeps its exit
+/// for `retain_ms` (detached_channel_ended); `kept`: its provider keeps it across a restart
+/// (ChannelTable::Entry::kept). Returns its node-wide key, which it also gives the
+/// channel for its audit lines. Before the channel starts.
+std::uint64_t track_detached(Node& node, const std::shared_ptr<Channel>& channel,
+                             const strand_t& strand, const std::string& lease_id,
+                             const std::string& handle, std::uint64_t retain_ms, bool kept);
 /// The lease `lease_id` ended: its detached channels' entries and kept output go now (their
 /// commands were ended with the lease's channels). Thread-safe; removes files (blocks briefly).
 void forget_detached_channels(Node& node, const std::string& lease_id);

@@ -3,10 +3,15 @@
 #include <sandboxd/core/errors.hpp>
 #include <sandboxd/core/frame.hpp>
 #include <sandboxd/core/jsonrpc.hpp>
+#include <sandboxd/core/lease.hpp>
 
 #include <spdlog/spdlog.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <fstream>
 #include <limits>
 #include <utility>
 
@@ -157,6 +162,39 @@ void DetachedOutput::send_binary(std::string frame) {
     const auto at = kept_->end(stream);
     kept_->append(stream, data->payload);
     const auto n = static_cast<std::uint32_t>(data->payload.size());
+    kept_bytes(n);
+    if (!forward_live(stream, at, frame, n)) schedule();
+}
+
+void DetachedOutput::send_spliced(std::string head, int pipe_fd, std::size_t count,
+                                  std::function<void(bool written)> done) {
+    // The stream is in the data header, the last bytes of `head`.
+    const auto header = std::string_view(head).substr(head.size() - frame_header_size);
+    const auto stream =
+        static_cast<stream_id>(header[5]) == stream_id::stderr_ ? output_stream::err
+                                                                : output_stream::out;
+    const auto before = kept_->end(stream);
+    try {
+        kept_->splice_in(stream, pipe_fd, count);
+    } catch (const std::exception& e) {
+        // Not kept (an I/O error on the state directory): what is left of the frame is read
+        // and dropped, so that the command goes on; those bytes are lost to every host.
+        std::size_t left = count - static_cast<std::size_t>(kept_->end(stream) - before);
+        spdlog::error("detached channel: {}: {} bytes of output dropped", e.what(), left);
+        char sink[4096];
+        while (left > 0) {
+            const ssize_t n = ::read(pipe_fd, sink, std::min(left, sizeof sink));
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) break;
+            left -= static_cast<std::size_t>(n);
+        }
+    }
+    kept_bytes(static_cast<std::uint32_t>(count));
+    schedule();
+    net::post(strand_, [done = std::move(done)] { done(true); });
+}
+
+void DetachedOutput::kept_bytes(std::uint32_t n) {
     if (attachment_) {
         // A host is attached: the command goes at its pace, its credit coming back as the
         // host is sent bytes (sent()), as an undetached channel's would.
@@ -167,7 +205,6 @@ void DetachedOutput::send_binary(std::string frame) {
             if (auto channel = weak.lock()) channel->add_credit(n);
         });
     }
-    if (!forward_live(stream, at, frame, n)) schedule();
 }
 
 void DetachedOutput::sent(std::uint64_t n) {
@@ -201,7 +238,23 @@ void DetachedOutput::send_text(std::string text) {
     auto message = json::parse(text, nullptr, false);
     if (message.is_discarded() || message.value("method", "") != "duplexChannel.exit") return;
     exit_ = std::move(message["params"]);
+    if (persist_exit_) {
+        // One small write, on the strand as the kept output's are: a later process finds the
+        // channel ended, with this exit (kept_channels.cpp).
+        json record = exit_;
+        record["endedAt"] = now_ms();
+        const auto path = kept_->dir() / "exit.json";
+        std::ofstream out(path, std::ios::trunc);
+        out << record.dump();
+        if (!out) spdlog::warn("detached channel: cannot write {}", path.string());
+    }
     schedule();
+}
+
+void DetachedOutput::restore_exit(json exit) {
+    exit_ = std::move(exit);
+    finished_ = true;
+    kept_->close_files();
 }
 
 void DetachedOutput::channel_finished(std::uint32_t /*channel*/) {

@@ -81,6 +81,9 @@ public:
     /// moment the last attachment ends; an attach stops the count. Call before the first
     /// attach.
     void hang_up_when_idle(std::chrono::milliseconds after) { idle_after_ = after; }
+    /// Starts the hangupAfterMs count with nobody attached (a channel kept across a restart:
+    /// its host has to attach again). On the strand.
+    void start_unattached() noexcept { arm_idle_hangup(); }
 
     [[nodiscard]] bool attached() const noexcept { return attachment_.has_value(); }
     /// The kept exit notification's params (null while the command runs).
@@ -89,8 +92,20 @@ public:
     /// Deletes the kept output's files (an open that failed); the descriptors stay valid.
     void remove_kept() noexcept { kept_->remove(); }
 
+    /// The channel was kept across a daemon restart (issue 47): its exit is written to
+    /// `<kept dir>/exit.json` when it comes, so that a later process finds it ended. Call
+    /// before the channel starts.
+    void persist_exit() { persist_exit_ = true; }
+    /// An exit kept by an earlier process (exit.json): the channel has ended.
+    void restore_exit(nlohmann::json exit);
+
     // ChannelSink: what the Channel sends.
     void send_binary(std::string frame) override;
+    /// A pipe's bytes go straight into the kept output (KeptOutput::splice_in): never only in
+    /// this process, so that a daemon killed at any instant loses none of them.
+    bool can_splice() override { return kept_->files_open() && !finished_; }
+    void send_spliced(std::string head, int pipe_fd, std::size_t count,
+                      std::function<void(bool written)> done) override;
     void send_text(std::string text) override;
     void channel_finished(std::uint32_t channel) override;
 
@@ -116,6 +131,8 @@ private:
     void arm_idle_hangup() noexcept;
     /// The attachment was sent `n` bytes: as much withheld credit goes back to the channel.
     void sent(std::uint64_t n);
+    /// `n` bytes were kept: withheld while a host is attached, else credited back at once.
+    void kept_bytes(std::uint32_t n);
     /// Tells the current attachment that another host took the channel over, and drops it.
     void end_taken_over();
     /// Sends the current attachment its last message: an exit with `outcome` (and `error`).
@@ -137,6 +154,7 @@ private:
     std::uint64_t withheld_ = 0;
     nlohmann::json exit_;
     bool finished_ = false;
+    bool persist_exit_ = false;
     std::optional<std::chrono::milliseconds> idle_after_;
     std::unique_ptr<net::steady_timer> idle_timer_;  ///< made on the first arm
 };

@@ -53,15 +53,31 @@ void remove_kept(Node& node,
 
 }  // namespace
 
-void detached_channel_ended(Node& node, const std::string& handle, std::uint64_t retain_ms) {
-    remove_kept(
-        node, node.detached.ended(handle, now_ms(), node.config.limits.detach_kept_exits_per_lease),
-        "its lease keeps limits.detachKeptExitsPerLease ended channels");
+void detached_channel_ended(Node& node, const std::string& handle, std::uint64_t retain_ms,
+                            std::int64_t ended_at_ms) {
+    const std::int64_t now = now_ms();
+    const std::int64_t at = ended_at_ms > 0 ? std::min(ended_at_ms, now) : now;
+    remove_kept(node,
+                node.detached.ended(handle, at, node.config.limits.detach_kept_exits_per_lease),
+                "its lease keeps limits.detachKeptExitsPerLease ended channels");
+    const auto kept_for = static_cast<std::uint64_t>(now - at);
     auto timer = std::make_shared<net::steady_timer>(*node.ioc);
-    timer->expires_after(std::chrono::milliseconds(retain_ms));
+    timer->expires_after(std::chrono::milliseconds(retain_ms > kept_for ? retain_ms - kept_for : 0));
     timer->async_wait([&node, timer](const boost::system::error_code& ec) {
         if (!ec) remove_kept(node, node.detached.expire(now_ms()), "its retainMs passed");
     });
+}
+
+std::uint64_t track_detached(Node& node, const std::shared_ptr<Channel>& channel,
+                             const strand_t& strand, const std::string& lease_id,
+                             const std::string& handle, std::uint64_t retain_ms, bool kept) {
+    const auto key = node.channels.add({channel, strand, lease_id, kept});
+    channel->set_on_reaped([&node, key, handle, retain_ms] {
+        node.channels.remove(key);
+        detached_channel_ended(node, handle, retain_ms);
+    });
+    channel->set_audit_key(key);
+    return key;
 }
 
 void forget_detached_channels(Node& node, const std::string& lease_id) {

@@ -46,8 +46,15 @@ awaitable<void> Drain::run() {
     const auto timeout = std::chrono::milliseconds(node_.config.limits.drain_timeout_ms);
     // A channel is over once its exit is queued on its connection (channels_unended), which
     // follows its removal from the table (the reap).
-    const auto running = [this] {
-        return node_.channels.size() != 0 || node_.channels_unended.load() != 0 ||
+    // Kept detached channels (issue 47) go on across a restart: neither waited for nor
+    // stopped, unless the node is being decommissioned.
+    const auto kept = [this] {
+        return node_.keeps_across_restart() ? node_.channels.kept() : std::size_t{0};
+    };
+    const auto running = [this, kept] {
+        const auto k = kept();
+        return node_.channels.size() > k ||
+               node_.channels_unended.load() > static_cast<std::int64_t>(k) ||
                node_.relays_open.load() > 0 || node_.opens_in_flight.load() > 0;
     };
     spdlog::info(
@@ -67,7 +74,9 @@ awaitable<void> Drain::run() {
 }
 
 awaitable<void> Drain::stop_left_channels(std::chrono::milliseconds timeout) {
-    const auto left = node_.channels.all();
+    auto left = node_.channels.all();
+    const bool keep = node_.keeps_across_restart();
+    if (keep) std::erase_if(left, [](const ChannelTable::Entry& e) { return e.kept; });
     if (left.empty()) {
         spdlog::info("node={} drained: no channel runs here", node_.node_id);
         co_return;
@@ -81,8 +90,10 @@ awaitable<void> Drain::stop_left_channels(std::chrono::milliseconds timeout) {
             if (auto ch = weak.lock()) ch->stop(channel_outcome::stopped);
         });
     }
-    const auto ended_here = [this] {
-        return node_.channels.size() == 0 && node_.channels_unended.load() == 0;
+    const auto ended_here = [this, keep] {
+        const auto k = keep ? node_.channels.kept() : std::size_t{0};
+        return node_.channels.size() <= k &&
+               node_.channels_unended.load() <= static_cast<std::int64_t>(k);
     };
     co_await wait_channels(ended_here,
                            std::chrono::steady_clock::now() +

@@ -152,6 +152,14 @@ public:
     bool can_resume() const noexcept override { return inner_->can_resume(); }
     bool outlives_daemon() const noexcept override { return inner_->outlives_daemon(); }
     void keep_at_stop() noexcept override { inner_->keep_at_stop(); }
+    std::vector<std::string> kept_channels(const SandboxHandle& sandbox) const override {
+        return inner_->kept_channels(sandbox);
+    }
+    std::unique_ptr<ChannelBackend> take_kept_channel(SandboxHandle& sandbox,
+                                                      const std::string& key,
+                                                      boost::asio::any_io_executor executor) override {
+        return inner_->take_kept_channel(sandbox, key, std::move(executor));
+    }
     awaitable<std::shared_ptr<SandboxHandle>> resume(Lease lease) override {
         return time("resume", inner_->resume(std::move(lease)));
     }

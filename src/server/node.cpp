@@ -129,6 +129,18 @@ std::size_t ChannelTable::size() const {
     return entries_.size();
 }
 
+std::size_t ChannelTable::kept() const {
+    std::lock_guard lock(mutex_);
+    return static_cast<std::size_t>(
+        std::count_if(entries_.begin(), entries_.end(), [](const auto& e) { return e.second.kept; }));
+}
+
+bool Node::keeps_across_restart() const {
+    if (decommissioning.load()) return false;
+    return std::any_of(providers.begin(), providers.end(),
+                       [](const auto& p) { return p.second->outlives_daemon(); });
+}
+
 std::vector<ChannelTable::Entry> ChannelTable::all() const {
     std::lock_guard lock(mutex_);
     std::vector<Entry> out;

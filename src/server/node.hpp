@@ -92,6 +92,9 @@ public:
         std::weak_ptr<Channel> channel;
         strand_t strand;
         std::string lease_id;
+        /// A detached channel that its provider keeps across a daemon restart (issue 47):
+        /// a stop that keeps the node's sandboxes neither waits for it nor stops it.
+        bool kept = false;
     };
     /// Reserves a slot; false when `limit` channels already run.
     bool try_reserve(std::size_t limit);
@@ -100,6 +103,8 @@ public:
     std::uint64_t add(Entry entry);
     void remove(std::uint64_t key);
     std::size_t size() const;
+    /// The entries that are `kept`.
+    std::size_t kept() const;
     std::vector<Entry> of_lease(const std::string& lease_id) const;
     std::vector<Entry> all() const;
 
@@ -232,6 +237,10 @@ public:
     /// Steady-clock ms at which this node fences itself unless it renews first: the last
     /// renewal + 2/3 of nodeTtlMs. A command is started only before it (ExecSpec).
     std::int64_t fence_deadline_ms() const;
+    /// Whether a stop now keeps this node's sandboxes, leases and kept channels for its next
+    /// process (a provider outlives the daemon, and the node is not being decommissioned;
+    /// issue 47).
+    bool keeps_across_restart() const;
     /// Whether a command refused for passing `deadline` (start_deadline_passed) may be started
     /// again: the membership was renewed since (a later deadline, not yet passed) without a
     /// break since `breaks` (membership_breaks when the first attempt began). At most a few

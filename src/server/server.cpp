@@ -4,6 +4,7 @@
 // node_gauges.cpp, reload.cpp (daemon_impl.hpp lists them).
 #include "server/channel_service.hpp"
 #include "server/daemon_impl.hpp"
+#include "server/kept_channels.hpp"
 
 #include "server/lease_service.hpp"
 #include "server/metered.hpp"
@@ -203,9 +204,6 @@ void Daemon::Impl::build_node() {
     if (ec)
         throw config_error("config: stateDir: cannot create " + c.state_dir + ": " + ec.message());
     ::chmod(c.state_dir.c_str(), 0700);
-    // Detached channels do not outlive their daemon yet (issue 47): an earlier process's
-    // kept output has no channel to go with.
-    fs::remove_all(kept_output_root(node), ec);
     node.node_id = c.node_id.empty() ? host_name() : c.node_id;
     node.instance_id = random_hex(8);
     if (c.console_enabled) {
@@ -280,6 +278,15 @@ std::string Daemon::start() {
     } catch (const std::exception& e) {
         spdlog::warn("node={} could not list its leases to re-adopt their sandboxes: {}",
                      node.node_id, e.what());
+    }
+    // Then their detached channels, and the kept output of those that did not outlive the
+    // last process goes.
+    try {
+        run_until_done(impl_->ioc,
+                       net::co_spawn(impl_->ioc, restore_kept_channels(node), net::use_future));
+    } catch (const std::exception& e) {
+        spdlog::warn("node={} could not restore its kept detached channels: {}", node.node_id,
+                     e.what());
     }
     // Before any acquire can run (upgrades wait for node.registered): sandboxes that an
     // earlier process made and was killed before recording are destroyed.
@@ -361,7 +368,14 @@ awaitable<void> Daemon::Impl::finish_stop() {
     const auto give_up = std::chrono::steady_clock::now() +
                          std::chrono::milliseconds(node.config.limits.hangup_grace_ms) +
                          std::chrono::seconds(5);
-    while (node.channels.size() > 0 || node.channels_unended.load(std::memory_order_acquire) > 0) {
+    // Kept detached channels go on without this process (kept_channels.hpp): not waited for.
+    const auto busy = [this, keep] {
+        const std::size_t kept_running = keep ? node.channels.kept() : 0;
+        return node.channels.size() > kept_running ||
+               node.channels_unended.load(std::memory_order_acquire) >
+                   static_cast<std::int64_t>(kept_running);
+    };
+    while (busy()) {
         if (std::chrono::steady_clock::now() > give_up) {
             spdlog::warn("node={} stopping with {} channels not reaped and {} not ended",
                          node.node_id, node.channels.size(), node.channels_unended.load());

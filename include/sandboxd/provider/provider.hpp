@@ -153,6 +153,12 @@ struct ExecSpec {
     /// command on this machine (bwrap: its supervisor checks it right before the clone);
     /// providers that cannot (plugins, whose workers start commands themselves) ignore it.
     std::optional<std::int64_t> start_deadline_ms;
+    /// Non-empty (1..31 bytes, no NUL): the channel is kept across a daemon restart under this
+    /// key when the provider's sandboxes outlive the daemon (Provider::outlives_daemon(): the
+    /// bwrap provider's supervisor holds the daemon's ends of it, issue 47), so that the next
+    /// process takes it back with take_kept_channel(). A provider that cannot keep it ignores
+    /// the key: the channel then ends with its daemon, as any other.
+    std::string keep_key;
 };
 
 /// Thrown by Provider::open() and execute() when the sandbox did not start the command because
@@ -212,6 +218,28 @@ public:
     /// errc::provider_not_ready while the provider cannot serve; nothing is left running then.
     virtual awaitable<std::unique_ptr<ChannelBackend>> open(std::shared_ptr<SandboxHandle> sandbox,
                                                             ExecSpec spec) = 0;
+
+    /// The keys (ExecSpec::keep_key) of the channels of `sandbox` that an earlier process of
+    /// this daemon started and its provider kept running (a sandbox resume() re-adopted):
+    /// take each with take_kept_channel(). Any thread; no I/O.
+    virtual std::vector<std::string> kept_channels(const SandboxHandle& sandbox) const {
+        (void)sandbox;
+        return {};
+    }
+
+    /// The backend of kept channel `key` of `sandbox`, bound to `executor` (the channel's
+    /// strand), once; null when the provider keeps no channel of that key. The command goes on
+    /// where it was; output it wrote while no daemon ran is still to be read, and an exit is
+    /// reported as for a channel this process started. A key not taken is given up when the
+    /// sandbox's handle goes. Any thread; no I/O.
+    virtual std::unique_ptr<ChannelBackend> take_kept_channel(SandboxHandle& sandbox,
+                                                              const std::string& key,
+                                                              boost::asio::any_io_executor executor) {
+        (void)sandbox;
+        (void)key;
+        (void)executor;
+        return nullptr;
+    }
 
     /// The sandbox's current usage as the Lease's `usage` field ({memoryBytes, pids,
     /// diskBytes, cpuMs}), or null when the provider cannot measure it. Reads a few kernel

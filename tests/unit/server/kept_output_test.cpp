@@ -1,6 +1,7 @@
 // KeptOutput (src/server/kept_output.hpp): the last `capacity` bytes of each stream at their
-// absolute offsets, across wraps of the ring, checked against the whole output kept in the
-// test's memory; the files it makes and removes; the errors that change nothing.
+// absolute offsets, past the capacity, checked against the whole output kept in the test's
+// memory; the files it makes, punches and removes; its open by a later process; the errors
+// that change nothing.
 #include "server/kept_output.hpp"
 #include "support/temp_dir.hpp"
 
@@ -8,7 +9,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <random>
@@ -43,7 +47,10 @@ TEST_CASE("Kept output below its capacity keeps every byte at its offset", "[kep
     struct stat st {};
     REQUIRE(::stat((tmp.path() / "ch").c_str(), &st) == 0);
     CHECK((st.st_mode & 0777) == 0700);
-    CHECK(fs::file_size(tmp.path() / "ch" / "stdout") == 8192);  // allocated at the open
+    // The size is the offset; the capacity is reserved at the open.
+    CHECK(fs::file_size(tmp.path() / "ch" / "stdout") == 0);
+    REQUIRE(::stat((tmp.path() / "ch" / "stdout").c_str(), &st) == 0);
+    CHECK(st.st_blocks * 512 >= 8192);
     kept->append(output_stream::out, "hello ");
     kept->append(output_stream::err, "oops");
     kept->append(output_stream::out, "world");
@@ -143,4 +150,58 @@ TEST_CASE("Kept output closes its files and opens them again by path to read", "
         CHECK(std::string(e.what()).find("stdout") != std::string::npos);
     }
     CHECK_FALSE(kept->files_open());
+}
+
+TEST_CASE("Kept output moves bytes in from a pipe, and a later process opens it at its offsets",
+          "[kept_output]") {
+    TempDir tmp;
+    constexpr std::uint64_t capacity = 4 * 4096;
+    std::string whole;
+    {
+        auto kept = KeptOutput::create(tmp.path() / "ch", capacity);
+        int p[2];
+        REQUIRE(::pipe2(p, O_CLOEXEC) == 0);
+        for (int i = 0; i < 12; ++i) {
+            const auto bytes = pattern(whole.size(), 3000 + 17 * static_cast<std::size_t>(i));
+            REQUIRE(::write(p[1], bytes.data(), bytes.size()) ==
+                    static_cast<ssize_t>(bytes.size()));
+            kept->splice_in(output_stream::out, p[0], bytes.size());
+            whole += bytes;
+            REQUIRE(kept->end(output_stream::out) == whole.size());
+        }
+        int left = -1;
+        REQUIRE(::ioctl(p[0], FIONREAD, &left) == 0);
+        CHECK(left == 0);  // exactly what was asked for, nothing more
+        kept->append(output_stream::err, "e1");
+        ::close(p[0]);
+        ::close(p[1]);
+    }  // the process that kept it is gone: only the files are left
+    auto again = KeptOutput::open(tmp.path() / "ch", capacity);
+    CHECK(again->end(output_stream::out) == whole.size());
+    CHECK(again->end(output_stream::err) == 2);
+    const auto first = again->first_kept(output_stream::out);
+    CHECK(first == whole.size() - capacity);
+    CHECK(read_from(*again, output_stream::out, first) == whole.substr(first));
+    again->append(output_stream::out, "more");
+    whole += "more";
+    CHECK(read_from(*again, output_stream::out, whole.size() - 10) == whole.substr(whole.size() - 10));
+    CHECK_THROWS_AS(KeptOutput::open(tmp.path() / "missing", capacity), rpc_error);
+}
+
+TEST_CASE("Kept output holds about its capacity on disk however much passes through",
+          "[kept_output]") {
+    TempDir tmp;
+    constexpr std::uint64_t capacity = 64 * 1024;
+    auto kept = KeptOutput::create(tmp.path() / "ch", capacity);
+    const std::string chunk = pattern(0, 60000);
+    for (int i = 0; i < 200; ++i) kept->append(output_stream::out, chunk);  // 12 MB
+    struct stat st {};
+    REQUIRE(::stat((tmp.path() / "ch" / "stdout").c_str(), &st) == 0);
+    CHECK(static_cast<std::uint64_t>(st.st_size) == 200 * chunk.size());
+    // The capacity, a punch step (an eighth) and the pages at either edge.
+    CHECK(static_cast<std::uint64_t>(st.st_blocks) * 512 <= capacity + capacity / 8 + 3 * 4096);
+    const auto first = kept->first_kept(output_stream::out);
+    std::string tail(kept->end(output_stream::out) - first, '\0');
+    REQUIRE(kept->read(output_stream::out, first, tail) == tail.size());
+    CHECK(tail.substr(tail.size() - 100) == chunk.substr(chunk.size() - 100));
 }

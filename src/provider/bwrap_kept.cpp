@@ -1,0 +1,252 @@
+/// @file bwrap_kept.cpp
+/// The bubblewrap provider's kept channels (issue 47; bwrap_provider_impl.hpp): a channel
+/// opened with ExecSpec::keep_key has copies of the daemon's ends of it held by its lease's
+/// supervisor, so that it outlives the daemon process; the next process takes them back at
+/// the adoption and serves the channel again (the protocol is in
+/// src/init/supervisor_protocol.hpp, "Kept channels").
+
+#include "provider/bwrap_provider_impl.hpp"
+
+#include <sandboxd/provider/provider.hpp>
+
+#include "init/supervisor_protocol.hpp"
+#include "provider/process_backend.hpp"
+
+#include <spdlog/spdlog.h>
+
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace sandboxd::bwrap {
+
+namespace {
+
+/// One Held packet with the descriptors of its mask, without waiting; false on failure
+/// (errno).
+bool send_held(int socket, std::uint32_t magic, const std::string& key, std::uint32_t mask,
+               const std::vector<int>& fds) {
+    proto::Held packet;
+    packet.magic = magic;
+    packet.mask = mask;
+    std::memcpy(packet.key, key.data(), std::min(key.size(), proto::key_size - 1));
+    iovec iov{&packet, sizeof packet};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * proto::held_slots)] = {};
+    if (!fds.empty()) {
+        msg.msg_control = control;
+        msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+        cmsghdr* c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+        std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+    }
+    ssize_t sent = 0;
+    do {
+        sent = ::sendmsg(socket, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } while (sent < 0 && errno == EINTR);
+    return sent == static_cast<ssize_t>(sizeof packet);
+}
+
+/// Sends a Release of `mask` for `key` to the sandbox's supervisor, unless it is gone.
+void release_held(BwrapSandbox& sandbox, const std::string& key, std::uint32_t mask) noexcept {
+    std::lock_guard lock(sandbox.mutex);
+    if (!sandbox.socket || sandbox.broken) return;
+    if (!send_held(sandbox.socket.get(), proto::release_magic, key, mask, {})) {
+        // The supervisor keeps that end until the lease ends: a stdin that reads no EOF.
+        spdlog::warn("kept channel {}: cannot tell its supervisor to let go: {}", key,
+                     std::strerror(errno));
+    }
+}
+
+/// A kept channel's resources: the channel's own (its cgroup), and its supervisor's copies
+/// of the daemon's ends, released with it.
+class KeptChannelResources final : public detail::ChannelResources {
+public:
+    KeptChannelResources(std::unique_ptr<detail::ChannelResources> inner,
+                         std::shared_ptr<BwrapSandbox> sandbox, std::string key)
+        : inner_(std::move(inner)), sandbox_(std::move(sandbox)), key_(std::move(key)) {}
+
+    std::string limit_hit(int term_signal) noexcept override {
+        return inner_ ? inner_->limit_hit(term_signal) : std::string();
+    }
+    void release(bool processes_gone) noexcept override {
+        release_held(*sandbox_, key_, (1U << proto::held_slots) - 1);
+        if (inner_) inner_->release(processes_gone);
+    }
+    void stdin_closed() noexcept override {
+        release_held(*sandbox_, key_, 1U << proto::slot_stdin);
+    }
+    bool kept_past_daemon() const noexcept override {
+        return sandbox_->lane && sandbox_->lane->keeping();
+    }
+
+private:
+    std::unique_ptr<detail::ChannelResources> inner_;
+    std::shared_ptr<BwrapSandbox> sandbox_;
+    std::string key_;
+};
+
+/// The ends of `ends` in slot order (supervisor_protocol.hpp, held_slot); -1 when absent.
+std::array<int, proto::held_slots> slots_of(const detail::ProcessEnds& ends) {
+    return {ends.pidfd.get(),      ends.stdin_fd.get(),   ends.stdout_fd.get(),
+            ends.stderr_fd.get(),  ends.status_fd.get(),  ends.control_fd.get(),
+            ends.relay_read.get(), ends.relay_write.get()};
+}
+
+}  // namespace
+
+void BwrapProvider::hold_channel(const std::shared_ptr<BwrapSandbox>& state,
+                                 const std::string& key, detail::ProcessEnds& ends) const {
+    if (key.empty() || key.size() >= proto::key_size) return;
+    {
+        std::lock_guard lock(state->mutex);
+        if (state->supervisor_version < proto::kept_channels_version) return;
+    }
+    if (ends.pty) {
+        // Terminal output goes through a pipe that the supervisor holds too: bytes taken
+        // from the terminal wait there, not in this process, until they are kept.
+        int relay[2];
+        if (::pipe2(relay, O_CLOEXEC | O_NONBLOCK) != 0) {
+            spdlog::warn("kept channel {}: no relay pipe ({}): it ends with this process", key,
+                         std::strerror(errno));
+            return;
+        }
+        ends.relay_read.reset(relay[0]);
+        ends.relay_write.reset(relay[1]);
+    }
+    std::uint32_t mask = 0;
+    std::vector<int> fds;
+    const auto slots = slots_of(ends);
+    for (std::uint32_t slot = 0; slot < proto::held_slots; ++slot) {
+        if (slots[slot] < 0) continue;
+        mask |= 1U << slot;
+        fds.push_back(slots[slot]);
+    }
+    bool sent = false;
+    {
+        std::lock_guard lock(state->mutex);
+        sent = state->socket && !state->broken &&
+               send_held(state->socket.get(), proto::hold_magic, key, mask, fds);
+    }
+    if (!sent) {
+        spdlog::warn("kept channel {}: cannot give its supervisor its ends ({}): it ends with "
+                     "this process",
+                     key, std::strerror(errno));
+        return;
+    }
+    ends.resources =
+        std::make_unique<KeptChannelResources>(std::move(ends.resources), state, key);
+}
+
+void BwrapProvider::take_back_kept(BwrapSandbox& state, int socket, const std::string& id) {
+    if (!send_held(socket, proto::return_magic, "", 0, {})) {
+        spdlog::warn("sandbox {}: cannot ask its supervisor for its kept channels: {}", id,
+                     std::strerror(errno));
+        return;
+    }
+    for (std::size_t count = 0; count <= proto::max_held; ++count) {
+        proto::Held packet;
+        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * proto::held_slots)];
+        iovec iov{&packet, sizeof packet};
+        msghdr msg{};
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control;
+        msg.msg_controllen = sizeof control;
+        ssize_t got = 0;
+        do {
+            got = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
+        } while (got < 0 && errno == EINTR);
+        std::vector<unique_fd> fds;
+        for (cmsghdr* c = CMSG_FIRSTHDR(&msg); got > 0 && c != nullptr;
+             c = CMSG_NXTHDR(&msg, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+            const std::size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (std::size_t i = 0; i < n; ++i) {
+                int fd = -1;
+                std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+                fds.emplace_back(fd);
+            }
+        }
+        if (got != static_cast<ssize_t>(sizeof packet) || packet.magic != proto::hold_magic) {
+            spdlog::warn("sandbox {}: its supervisor's list of kept channels broke off ({})", id,
+                         got < 0 ? std::strerror(errno) : "a malformed packet");
+            return;
+        }
+        packet.key[proto::key_size - 1] = '\0';
+        if (packet.mask == 0 && packet.key[0] == '\0') return;  // the end
+        if (static_cast<std::size_t>(__builtin_popcount(packet.mask)) != fds.size() ||
+            (msg.msg_flags & MSG_CTRUNC) != 0) {
+            spdlog::warn("sandbox {}: kept channel {} came back incomplete: not resumed", id,
+                         packet.key);
+            continue;
+        }
+        std::vector<unique_fd> slots(proto::held_slots);
+        std::size_t next = 0;
+        for (std::uint32_t slot = 0; slot < proto::held_slots; ++slot) {
+            if ((packet.mask & (1U << slot)) == 0) continue;
+            ::fcntl(fds[next].get(), F_SETFL, O_NONBLOCK);
+            slots[slot] = std::move(fds[next++]);
+        }
+        std::lock_guard lock(state.mutex);
+        state.kept_channels[packet.key] = std::move(slots);
+    }
+}
+
+std::vector<std::string> BwrapProvider::kept_channels(const SandboxHandle& sandbox) const {
+    std::vector<std::string> keys;
+    auto state = std::static_pointer_cast<BwrapSandbox>(sandbox.state);
+    if (!state) return keys;
+    std::lock_guard lock(state->mutex);
+    for (const auto& [key, ends] : state->kept_channels) keys.push_back(key);
+    return keys;
+}
+
+std::unique_ptr<ChannelBackend> BwrapProvider::take_kept_channel(SandboxHandle& sandbox,
+                                                                 const std::string& key,
+                                                                 net::any_io_executor executor) {
+    auto state = std::static_pointer_cast<BwrapSandbox>(sandbox.state);
+    if (!state) return nullptr;
+    std::vector<unique_fd> slots;
+    {
+        std::lock_guard lock(state->mutex);
+        auto it = state->kept_channels.find(key);
+        if (it == state->kept_channels.end()) return nullptr;
+        slots = std::move(it->second);
+        state->kept_channels.erase(it);
+    }
+    detail::ProcessEnds ends;
+    ends.pidfd = std::move(slots[proto::slot_pidfd]);
+    ends.stdin_fd = std::move(slots[proto::slot_stdin]);
+    ends.stdout_fd = std::move(slots[proto::slot_stdout]);
+    ends.stderr_fd = std::move(slots[proto::slot_stderr]);
+    ends.status_fd = std::move(slots[proto::slot_status]);
+    ends.control_fd = std::move(slots[proto::slot_control]);
+    ends.relay_read = std::move(slots[proto::slot_relay_read]);
+    ends.relay_write = std::move(slots[proto::slot_relay_write]);
+    // Only a PTY channel has a relay (hold_channel).
+    ends.pty = static_cast<bool>(ends.relay_read);
+    if (!ends.pidfd || !ends.status_fd || !ends.control_fd || !ends.stdout_fd) {
+        spdlog::warn("sandbox {}: kept channel {} lacks a required end: not resumed",
+                     sandbox.scope.provider_lease_id, key);
+        release_held(*state, key, (1U << proto::held_slots) - 1);
+        return nullptr;
+    }
+    // Its cgroup stays where it is (emptied with the lease's); it counts no limit events.
+    ends.resources = std::make_unique<KeptChannelResources>(nullptr, state, key);
+    return std::make_unique<detail::ProcessBackend>(std::move(executor), std::move(ends));
+}
+
+}  // namespace sandboxd::bwrap
