@@ -74,9 +74,15 @@ void release_held(BwrapSandbox& sandbox, const std::string& key, std::uint32_t m
 /// of the daemon's ends, released with it.
 class KeptChannelResources final : public detail::ChannelResources {
 public:
-    KeptChannelResources(std::unique_ptr<detail::ChannelResources> inner,
+    KeptChannelResources(std::unique_ptr<BwrapChannelResources> inner,
                          std::shared_ptr<BwrapSandbox> sandbox, std::string key)
         : inner_(std::move(inner)), sandbox_(std::move(sandbox)), key_(std::move(key)) {}
+    KeptChannelResources(const KeptChannelResources&) = delete;
+    KeptChannelResources& operator=(const KeptChannelResources&) = delete;
+    ~KeptChannelResources() override {
+        // The daemon stops and keeps the channel: its cgroup stays with its processes.
+        if (inner_ && kept_past_daemon()) inner_->keep();
+    }
 
     std::string limit_hit(int term_signal) noexcept override {
         return inner_ ? inner_->limit_hit(term_signal) : std::string();
@@ -93,7 +99,7 @@ public:
     }
 
 private:
-    std::unique_ptr<detail::ChannelResources> inner_;
+    std::unique_ptr<BwrapChannelResources> inner_;
     std::shared_ptr<BwrapSandbox> sandbox_;
     std::string key_;
 };
@@ -146,8 +152,10 @@ void BwrapProvider::hold_channel(const std::shared_ptr<BwrapSandbox>& state,
                      key, std::strerror(errno));
         return;
     }
-    ends.resources =
-        std::make_unique<KeptChannelResources>(std::move(ends.resources), state, key);
+    // channel_ends() made them: the channel's cgroup.
+    std::unique_ptr<BwrapChannelResources> inner(
+        static_cast<BwrapChannelResources*>(ends.resources.release()));
+    ends.resources = std::make_unique<KeptChannelResources>(std::move(inner), state, key);
 }
 
 void BwrapProvider::take_back_kept(BwrapSandbox& state, int socket, const std::string& id) {

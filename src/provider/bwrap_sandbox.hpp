@@ -238,6 +238,12 @@ public:
         return {};
     }
 
+    /// The channel outlives this process (a kept channel whose daemon stops): its cgroup is
+    /// left as it is.
+    void keep() noexcept {
+        if (cgroup_.cgroup) cgroup_.cgroup->keep();
+    }
+
     void release(bool processes_gone) noexcept override {
         if (!cgroup_.cgroup || !processes_gone) return;  // killed and removed by its destructor
         cgroup_.cgroup->mark_empty();

@@ -453,6 +453,7 @@ public:
     Channel(Channel&&) = delete;
     Channel& operator=(Channel&&) = delete;
     ~Channel() override {
+        if (kept_) return;  // its processes go on for the next daemon process
         if (empty_) {
             // A channel's cgroup has no children: one rmdir per hierarchy. Debug only: one
             // the kernel still holds goes with the lease.
@@ -471,6 +472,7 @@ public:
     }
 
     void mark_empty() noexcept override { empty_ = true; }
+    void keep() noexcept override { kept_ = true; }
 
     std::optional<std::uint64_t> own_pids_limit_hits() const noexcept override {
         if (layout_->mode != cgroup_mode::v1) return std::nullopt;
@@ -492,6 +494,7 @@ private:
     std::shared_ptr<const Layout> layout_;
     std::string rel_;
     bool empty_ = false;
+    bool kept_ = false;
 };
 
 class Lease final : public LeaseCgroup {

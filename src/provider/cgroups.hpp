@@ -86,6 +86,10 @@ public:
     /// PID 1 of the namespace that held them all, has been reaped). The caller vouches for
     /// it; a cgroup that still holds a process then stays until its lease is removed.
     virtual void mark_empty() noexcept = 0;
+    /// From now on the destructor leaves the cgroup and its processes as they are: the
+    /// channel is kept for the next daemon process (a kept detached channel, issue 47). No
+    /// I/O.
+    virtual void keep() noexcept = 0;
     /// Forks that failed on a pids limit while made by a process of this cgroup, since it
     /// was made: v1 pids.events "max" of this cgroup (the kernel counts a failed fork in the
     /// forking task's own cgroup there). std::nullopt on v2, which counts them in the

@@ -147,4 +147,14 @@ std::size_t DetachedChannels::size() const {
     return by_handle_.size();
 }
 
+void DetachedChannels::clear() {
+    std::map<std::string, std::shared_ptr<Entry>> gone;
+    {
+        std::lock_guard lock(mutex_);
+        gone.swap(by_handle_);
+        by_name_.clear();
+        added_order_.clear();
+    }
+}  // destroyed here, outside the lock
+
 }  // namespace sandboxd

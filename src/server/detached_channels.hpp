@@ -67,6 +67,9 @@ public:
     /// not). Their names are free again.
     std::vector<std::shared_ptr<const Entry>> expire(std::int64_t now_ms,
                                                      const std::string& lease_id = "");
+    /// Removes every entry (the daemon's end: their channels, strands and timers go before
+    /// the io_context they live on).
+    void clear();
     /// Entries whose command runs (they count against limits.channelsPerNode).
     [[nodiscard]] std::size_t running() const;
     [[nodiscard]] std::size_t size() const;

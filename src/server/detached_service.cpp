@@ -35,13 +35,16 @@ namespace {
 /// until it is done).
 void remove_kept(Node& node,
                  const std::vector<std::shared_ptr<const DetachedChannels::Entry>>& gone,
-                 const char* why) {
+                 const char* why, const std::filesystem::path& then = {}) {
     std::vector<std::filesystem::path> dirs;
     for (const auto& e : gone) {
         dirs.push_back(e->output->kept().dir());
         spdlog::info("lease={} detached channel {} forgotten{}: {}", e->lease_id, e->handle,
                      e->name.empty() ? "" : " (" + e->name + ")", why);
     }
+    // One task: the lease's directory (`then`) goes after its channels', never beside them
+    // on another thread (two remove_all() of one tree race).
+    if (!then.empty()) dirs.push_back(then);
     if (dirs.empty()) return;
     net::post(node.blocking, [dirs = std::move(dirs)] {
         for (const auto& dir : dirs) {
@@ -81,11 +84,8 @@ std::uint64_t track_detached(Node& node, const std::shared_ptr<Channel>& channel
 }
 
 void forget_detached_channels(Node& node, const std::string& lease_id) {
-    remove_kept(node, node.detached.expire(now_ms(), lease_id), "its lease ended");
-    net::post(node.blocking, [dir = kept_output_root(node) / lease_id] {
-        std::error_code ec;
-        std::filesystem::remove_all(dir, ec);
-    });
+    remove_kept(node, node.detached.expire(now_ms(), lease_id), "its lease ended",
+                kept_output_root(node) / lease_id);
 }
 
 }  // namespace sandboxd

@@ -135,6 +135,12 @@ std::size_t ChannelTable::kept() const {
         std::count_if(entries_.begin(), entries_.end(), [](const auto& e) { return e.second.kept; }));
 }
 
+void ChannelTable::clear() {
+    std::map<std::uint64_t, Entry> gone;
+    std::lock_guard lock(mutex_);
+    gone.swap(entries_);
+}
+
 bool Node::keeps_across_restart() const {
     if (decommissioning.load()) return false;
     return std::any_of(providers.begin(), providers.end(),

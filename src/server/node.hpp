@@ -105,6 +105,9 @@ public:
     std::size_t size() const;
     /// The entries that are `kept`.
     std::size_t kept() const;
+    /// Forgets every entry (the daemon's end: kept channels are still in the table; their
+    /// strands go before the io_context they live on).
+    void clear();
     std::vector<Entry> of_lease(const std::string& lease_id) const;
     std::vector<Entry> all() const;
 

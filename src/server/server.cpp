@@ -241,6 +241,8 @@ Daemon::~Daemon() {
     // Impl destroys its io_context before the Node: what the Node holds that lives on that
     // io_context (the peer links' sockets and timers) goes first.
     impl_->node.peers.clear();
+    impl_->node.detached.clear();
+    impl_->node.channels.clear();
 }
 
 const std::string& Daemon::node_id() const noexcept { return impl_->node.node_id; }

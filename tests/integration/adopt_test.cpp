@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -175,12 +176,19 @@ TEST_CASE(
         const char* init;
         bool adopted;
     };
-    for (const Case& k : {Case{SANDBOXD_INIT_V1_BIN, true}, Case{SANDBOXD_INIT_V3_BIN, false}}) {
+    for (const Case& k : {Case{SANDBOXD_INIT_V1_BIN, true}, Case{SANDBOXD_INIT_V4_BIN, false}}) {
         INFO(k.init);
         // The earlier process ran that supervisor; the next one is this build's.
         DaemonProcess d("node-a", adopting_config(120000, k.init));
         const json lease = lease_after(d, "echo v > /tmp/mark");
         const std::string id = lease["providerLeaseId"];
+        {
+            // A detached channel: a supervisor before version 3 cannot keep it.
+            auto c = host(d);
+            auto p = open_params(lease, {"sleep", "3600"});
+            p["detach"] = {{"retainMs", 60000}, {"retainBytes", 4096}};
+            c->call("duplexChannelOpen", p);
+        }
         d.kill9();
         d.set_config_for_next_start(adopting_config());
         d.restart();
@@ -189,8 +197,11 @@ TEST_CASE(
             CHECK(lease_status(*c, lease) == "active");
             auto [out, code] = run(*c, lease, "cat /tmp/mark");
             CHECK(out == "v\n");
+            CHECK(d.log().find("not kept across the restart: its command did not outlive") !=
+                  std::string::npos);
+            CHECK(c->call("duplexChannelList", {{"leaseId", lease["id"]}})["channels"].empty());
         } else {
-            CHECK(d.log().find("its supervisor speaks version 3, and this daemon serves 1..2") !=
+            CHECK(d.log().find("its supervisor speaks version 4, and this daemon serves 1..3") !=
                   std::string::npos);
             CHECK(lease_status(*c, lease) != "active");
             CHECK_FALSE(supervisor_listens(d, id));
@@ -240,4 +251,165 @@ TEMPLATE_TEST_CASE(
     CHECK(waited.count() >= ttl_ms + grace_ms - 500);  // its last heartbeat was at most 300 ms
                                                        // before the kill, and one more may lag
     CHECK(lease_status(c2, lease) == "pending_cleanup");
+}
+
+namespace {
+
+/// What one connection received per channel id: output (credited back as it is read, so no
+/// window stalls), gaps and exits.
+struct Received {
+    std::map<std::uint32_t, std::string> out;
+    std::map<std::uint32_t, std::vector<json>> exits, gaps;
+
+    template <typename Pred>
+    bool until(Client& c, Pred done, std::chrono::milliseconds timeout = 90s) {
+        const auto deadline = std::chrono::steady_clock::now() + timeout;
+        while (!done()) {
+            const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                deadline - std::chrono::steady_clock::now());
+            if (left <= 0ms) return false;
+            auto got = c.poll_event(left);
+            if (!got) return false;
+            take(c, *got);
+        }
+        return true;
+    }
+
+    void take(Client& c, const ClientEvent& e) {
+        if (e.type == ClientEvent::kind::data) {
+            out[e.channel] += e.bytes;
+            c.send_credit(e.channel, e.stream, static_cast<std::uint32_t>(e.bytes.size()));
+            return;
+        }
+        if (e.type != ClientEvent::kind::notification) return;
+        const auto method = e.message.value("method", "");
+        const auto& p = e.message["params"];
+        if (method == "duplexChannel.exit") exits[p["channel"].get<std::uint32_t>()].push_back(p);
+        if (method == "duplexChannel.gap") gaps[p["channel"].get<std::uint32_t>()].push_back(p);
+    }
+};
+
+constexpr int batches = 40;
+constexpr int batch_lines = 150;
+
+/// A command that streams `batches` batches of numbered lines tagged `tag` (a pause between
+/// two: it is still writing when the daemon goes), then exits 7. Under a PTY, without echo.
+std::vector<std::string> streaming_command(const std::string& tag, bool pty) {
+    return {"sh", "-c",
+            std::string(pty ? "stty -echo; " : "") + "for b in $(seq 1 " +
+                std::to_string(batches) + "); do seq -f \"" + tag + "-$b-%g\" 1 " +
+                std::to_string(batch_lines) + "; sleep 0.05; done; exit 7"};
+}
+
+std::string streamed_output(const std::string& tag, bool pty) {
+    std::string s;
+    for (int b = 1; b <= batches; ++b) {
+        for (int i = 1; i <= batch_lines; ++i) {
+            s += tag + "-" + std::to_string(b) + "-" + std::to_string(i) + (pty ? "\r\n" : "\n");
+        }
+    }
+    return s;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "adopt: 20 detached channels streaming when the daemon goes (kill -9 or SIGTERM) go on "
+    "in the next process, byte-exact from their offsets",
+    "[adopt][detached][restart]") {
+    for (const auto* how : {"kill -9", "SIGTERM"}) {
+        INFO(how);
+        DaemonProcess d("node-a", adopting_config());
+        auto first = host(d);
+        std::vector<json> leases = {acquire(*first), acquire(*first)};
+        constexpr int channels = 20;
+        std::vector<std::string> names;
+        std::vector<bool> pty;
+        std::vector<std::size_t> lease_of;
+        std::map<std::string, std::uint32_t> first_id;
+        for (int i = 0; i < channels; ++i) {
+            names.push_back("job-" + std::to_string(i));
+            pty.push_back(i % 4 == 3);  // 5 of 20 under a PTY
+            lease_of.push_back(static_cast<std::size_t>(i % 2));
+            auto p = open_params(leases[lease_of[i]], streaming_command(names[i], pty[i]));
+            p["detach"] = {{"retainMs", 60000}, {"retainBytes", 1 << 20}};
+            p["name"] = names[i];
+            if (pty[i]) p["pty"] = {{"cols", 80}, {"rows", 24}};
+            first_id[names[i]] =
+                first->call("duplexChannelOpen", p)["channel"].get<std::uint32_t>();
+        }
+        // One that has ended before the daemon goes: its exit is kept across the restart too.
+        auto quick = open_params(leases[0], {"sh", "-c", "echo quick; exit 3"});
+        quick["detach"] = {{"retainMs", 60000}, {"retainBytes", 4096}};
+        quick["name"] = "quick";
+        const auto quick_id = first->call("duplexChannelOpen", quick)["channel"].get<std::uint32_t>();
+        Received before;
+        // The host has read a part of every channel (each is streaming), and the quick exit.
+        REQUIRE(before.until(*first, [&] {
+            if (before.exits[quick_id].empty()) return false;
+            for (const auto& [name, id] : first_id) {
+                if (before.out[id].size() < 4000) return false;
+            }
+            return true;
+        }));
+        if (std::string(how) == "kill -9") {
+            d.kill9();
+        } else {
+            REQUIRE(d.stop() == 0);
+        }
+        first.reset();
+        d.restart();
+        CHECK(d.log().find("serves 21 detached channel(s) kept across its restart") !=
+              std::string::npos);
+        auto second = host(d);
+        // The kept exit of the quick one, from its start.
+        Received quick_after;
+        const auto q = second->call("duplexChannelAttach",
+                                    {{"leaseId", leases[0]["id"]}, {"name", "quick"}});
+        CHECK(q["state"] == "exited");
+        const auto qid = q["channel"].get<std::uint32_t>();
+        REQUIRE(quick_after.until(*second, [&] { return !quick_after.exits[qid].empty(); }));
+        CHECK(quick_after.out[qid] == "quick\n");
+        CHECK(quick_after.exits[qid][0]["exitCode"] == 3);
+        // Every other one is still running, and resumes from what the host read.
+        std::map<std::string, std::uint32_t> second_id;
+        for (int i = 0; i < channels; ++i) {
+            const auto& read = before.out[first_id[names[i]]];
+            const auto attached = second->call(
+                "duplexChannelAttach", {{"leaseId", leases[lease_of[i]]["id"]},
+                                        {"name", names[i]},
+                                        {"offsets", {{"stdout", read.size()}, {"stderr", 0}}}});
+            CHECK(attached["offsets"]["stdout"] == read.size());
+            second_id[names[i]] = attached["channel"].get<std::uint32_t>();
+        }
+        Received after;
+        // Meanwhile both leases serve new opens.
+        for (const auto& lease : leases) {
+            const auto ran = second->run_channel(open_params(lease, {"echo", "still-here"}));
+            CHECK(ran.out == "still-here\n");  // the others' frames wait in the queue
+        }
+        REQUIRE(after.until(*second, [&] {
+            for (const auto& [name, id] : second_id) {
+                if (after.exits[id].empty()) return false;
+            }
+            return true;
+        }));
+        for (int i = 0; i < channels; ++i) {
+            INFO(names[i] << (pty[i] ? " (pty)" : ""));
+            const auto id = second_id[names[i]];
+            CHECK(before.out[first_id[names[i]]] + after.out[id] ==
+                  streamed_output(names[i], pty[i]));
+            REQUIRE(after.exits[id].size() == 1);
+            INFO(after.exits[id][0].dump());
+            CHECK(after.exits[id][0]["exitCode"] == 7);
+            CHECK(after.gaps[id].empty());
+        }
+        for (const auto& lease : leases) {
+            second->call("leaseRelease", {{"leaseId", lease["id"]}});
+        }
+        // Nothing of the kept channels is left once their leases are gone.
+        CHECK(eventually(
+            [&] { return !fs::exists(d.state_dir() / "kept" / leases[0]["id"].get<std::string>()); },
+            10s));
+    }
 }
