@@ -103,8 +103,8 @@ inline constexpr std::size_t max_cgroup_fds = 8;
 inline constexpr std::size_t channel_fds = 5;
 inline constexpr std::size_t max_fds = channel_fds + max_cgroup_fds + 1;  ///< + the payload memfd
 static_assert(max_fds >= 8, "a Held packet carries up to 8 descriptors");
-inline constexpr std::size_t max_program = 64U << 10;                     ///< bytes of BPF
-inline constexpr std::uint32_t max_strings = 1U << 16;                    ///< argc + envc
+inline constexpr std::size_t max_program = 64U << 10;   ///< bytes of BPF
+inline constexpr std::uint32_t max_strings = 1U << 16;  ///< argc + envc
 
 enum request_flags : std::uint32_t {
     flag_pty = 1U << 0,            ///< fd 0 is a PTY slave: make it the controlling terminal

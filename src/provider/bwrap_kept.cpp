@@ -30,6 +30,8 @@ namespace sandboxd::bwrap {
 
 namespace {
 
+static_assert(proto::held_slots <= 8, "recv_with_fds() takes at most 8 descriptors a packet");
+
 /// One Held packet with the descriptors of its mask, without waiting; false on failure
 /// (errno).
 bool send_held(int socket, std::uint32_t magic, const std::string& key, std::uint32_t mask,
@@ -39,23 +41,8 @@ bool send_held(int socket, std::uint32_t magic, const std::string& key, std::uin
     packet.mask = mask;
     std::memcpy(packet.key, key.data(), std::min(key.size(), proto::key_size - 1));
     iovec iov{&packet, sizeof packet};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * proto::held_slots)] = {};
-    if (!fds.empty()) {
-        msg.msg_control = control;
-        msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
-        cmsghdr* c = CMSG_FIRSTHDR(&msg);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-        std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-    }
-    ssize_t sent = 0;
-    do {
-        sent = ::sendmsg(socket, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-    } while (sent < 0 && errno == EINTR);
+    const ssize_t sent = send_with_fds(socket, &iov, 1, fds);
+    if (sent < 0) errno = static_cast<int>(-sent);
     return sent == static_cast<ssize_t>(sizeof packet);
 }
 
@@ -74,7 +61,7 @@ void release_held(BwrapSandbox& sandbox, const std::string& key, std::uint32_t m
 /// of the daemon's ends, released with it.
 class KeptChannelResources final : public detail::ChannelResources {
 public:
-    KeptChannelResources(std::unique_ptr<BwrapChannelResources> inner,
+    KeptChannelResources(std::unique_ptr<detail::ChannelResources> inner,
                          std::shared_ptr<BwrapSandbox> sandbox, std::string key)
         : inner_(std::move(inner)), sandbox_(std::move(sandbox)), key_(std::move(key)) {}
     KeptChannelResources(const KeptChannelResources&) = delete;
@@ -99,7 +86,7 @@ public:
     }
 
 private:
-    std::unique_ptr<BwrapChannelResources> inner_;
+    std::unique_ptr<detail::ChannelResources> inner_;
     std::shared_ptr<BwrapSandbox> sandbox_;
     std::string key_;
 };
@@ -113,8 +100,8 @@ std::array<int, proto::held_slots> slots_of(const detail::ProcessEnds& ends) {
 
 }  // namespace
 
-void BwrapProvider::hold_channel(const std::shared_ptr<BwrapSandbox>& state,
-                                 const std::string& key, detail::ProcessEnds& ends) const {
+void BwrapProvider::hold_channel(const std::shared_ptr<BwrapSandbox>& state, const std::string& key,
+                                 detail::ProcessEnds& ends) const {
     if (key.empty() || key.size() >= proto::key_size) return;
     {
         std::lock_guard lock(state->mutex);
@@ -147,15 +134,13 @@ void BwrapProvider::hold_channel(const std::shared_ptr<BwrapSandbox>& state,
                send_held(state->socket.get(), proto::hold_magic, key, mask, fds);
     }
     if (!sent) {
-        spdlog::warn("kept channel {}: cannot give its supervisor its ends ({}): it ends with "
-                     "this process",
-                     key, std::strerror(errno));
+        spdlog::warn(
+            "kept channel {}: cannot give its supervisor its ends ({}): it ends with "
+            "this process",
+            key, std::strerror(errno));
         return;
     }
-    // channel_ends() made them: the channel's cgroup.
-    std::unique_ptr<BwrapChannelResources> inner(
-        static_cast<BwrapChannelResources*>(ends.resources.release()));
-    ends.resources = std::make_unique<KeptChannelResources>(std::move(inner), state, key);
+    ends.resources = std::make_unique<KeptChannelResources>(std::move(ends.resources), state, key);
 }
 
 void BwrapProvider::take_back_kept(BwrapSandbox& state, int socket, const std::string& id) {
@@ -166,37 +151,17 @@ void BwrapProvider::take_back_kept(BwrapSandbox& state, int socket, const std::s
     }
     for (std::size_t count = 0; count <= proto::max_held; ++count) {
         proto::Held packet;
-        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * proto::held_slots)];
-        iovec iov{&packet, sizeof packet};
-        msghdr msg{};
-        msg.msg_iov = &iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control;
-        msg.msg_controllen = sizeof control;
-        ssize_t got = 0;
-        do {
-            got = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
-        } while (got < 0 && errno == EINTR);
         std::vector<unique_fd> fds;
-        for (cmsghdr* c = CMSG_FIRSTHDR(&msg); got > 0 && c != nullptr;
-             c = CMSG_NXTHDR(&msg, c)) {
-            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-            const std::size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-            for (std::size_t i = 0; i < n; ++i) {
-                int fd = -1;
-                std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-                fds.emplace_back(fd);
-            }
-        }
+        bool truncated = false;
+        const ssize_t got = recv_with_fds(socket, &packet, sizeof packet, fds, truncated, 0);
         if (got != static_cast<ssize_t>(sizeof packet) || packet.magic != proto::hold_magic) {
             spdlog::warn("sandbox {}: its supervisor's list of kept channels broke off ({})", id,
-                         got < 0 ? std::strerror(errno) : "a malformed packet");
+                         got < 0 ? std::strerror(static_cast<int>(-got)) : "a malformed packet");
             return;
         }
         packet.key[proto::key_size - 1] = '\0';
         if (packet.mask == 0 && packet.key[0] == '\0') return;  // the end
-        if (static_cast<std::size_t>(__builtin_popcount(packet.mask)) != fds.size() ||
-            (msg.msg_flags & MSG_CTRUNC) != 0) {
+        if (static_cast<std::size_t>(__builtin_popcount(packet.mask)) != fds.size() || truncated) {
             spdlog::warn("sandbox {}: kept channel {} came back incomplete: not resumed", id,
                          packet.key);
             continue;

@@ -25,6 +25,7 @@
 #include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 
 #include <cerrno>
 #include <cstddef>
@@ -64,6 +65,16 @@ std::string sandbox_cwd(const std::string& cwd);
 unique_fd open_path(const fs::path& path, const char* what);
 /// Writes `text` to `path` (truncated); throws std::runtime_error on failure.
 void write_file(const fs::path& path, std::string_view text);
+/// One packet of the `count` buffers of `iov`, with `fds` by SCM_RIGHTS (none when empty),
+/// without waiting (MSG_DONTWAIT; EINTR retried): the bytes sent, or -errno (EAGAIN: try when
+/// writable).
+ssize_t send_with_fds(int socket, iovec* iov, std::size_t count, const std::vector<int>& fds);
+/// One packet of at most `size` bytes into `data`, and the descriptors it carries (at most 8,
+/// close-on-exec) into `fds`; `truncated` when the kernel dropped some (MSG_CTRUNC). Its size,
+/// 0 at EOF, or -errno (EINTR retried). `flags`: MSG_DONTWAIT, or 0 to block (up to
+/// SO_RCVTIMEO).
+ssize_t recv_with_fds(int socket, void* data, std::size_t size, std::vector<unique_fd>& fds,
+                      bool& truncated, int flags);
 /// FNV-1a, for a stable short name of the sandboxes directory.
 std::string short_hash(std::string_view text);
 

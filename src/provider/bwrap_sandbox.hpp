@@ -240,7 +240,7 @@ public:
 
     /// The channel outlives this process (a kept channel whose daemon stops): its cgroup is
     /// left as it is.
-    void keep() noexcept {
+    void keep() noexcept override {
         if (cgroup_.cgroup) cgroup_.cgroup->keep();
     }
 

@@ -372,17 +372,23 @@ ssize_t BwrapProvider::send_request(int socket, const proto::Request& request,
                                     const std::string& payload, const std::vector<int>& fds) {
     iovec iov[2] = {{const_cast<proto::Request*>(&request), sizeof request},
                     {const_cast<char*>(payload.data()), payload.size()}};
+    return send_with_fds(socket, iov, 2, fds);
+}
+
+ssize_t send_with_fds(int socket, iovec* iov, std::size_t count, const std::vector<int>& fds) {
     std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()), '\0');
     msghdr msg{};
     msg.msg_iov = iov;
-    msg.msg_iovlen = 2;
-    msg.msg_control = control.data();
-    msg.msg_controllen = control.size();
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+    msg.msg_iovlen = count;
+    if (!fds.empty()) {
+        msg.msg_control = control.data();
+        msg.msg_controllen = control.size();
+        cmsghdr* c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+        std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+    }
     ssize_t sent = 0;
     do {
         sent = ::sendmsg(socket, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -396,24 +402,36 @@ ssize_t BwrapProvider::recv_reply(int socket, proto::Reply& reply, unique_fd& pi
 
 ssize_t BwrapProvider::recv_with_fd(int socket, void* data, std::size_t size, unique_fd& fd_out,
                                     int flags) {
-    alignas(cmsghdr) char reply_control[CMSG_SPACE(sizeof(int))];
-    iovec riov{data, size};
-    msghdr rmsg{};
-    rmsg.msg_iov = &riov;
-    rmsg.msg_iovlen = 1;
-    rmsg.msg_control = reply_control;
-    rmsg.msg_controllen = sizeof reply_control;
+    std::vector<unique_fd> fds;
+    bool truncated = false;
+    const ssize_t got = recv_with_fds(socket, data, size, fds, truncated, flags);
+    if (!fds.empty()) fd_out = std::move(fds.front());  // any other closes here
+    return got;
+}
+
+ssize_t recv_with_fds(int socket, void* data, std::size_t size, std::vector<unique_fd>& fds,
+                      bool& truncated, int flags) {
+    constexpr std::size_t most = 8;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * most)];
+    iovec iov{data, size};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
     ssize_t got = 0;
     do {
-        got = ::recvmsg(socket, &rmsg, MSG_CMSG_CLOEXEC | flags);
+        got = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC | flags);
     } while (got < 0 && errno == EINTR);
     if (got < 0) return -errno;
-    for (cmsghdr* rc = CMSG_FIRSTHDR(&rmsg); rc != nullptr; rc = CMSG_NXTHDR(&rmsg, rc)) {
-        if (rc->cmsg_level == SOL_SOCKET && rc->cmsg_type == SCM_RIGHTS &&
-            rc->cmsg_len >= CMSG_LEN(sizeof(int))) {
+    truncated = (msg.msg_flags & MSG_CTRUNC) != 0;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+        const std::size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (std::size_t i = 0; i < n; ++i) {
             int fd = -1;
-            std::memcpy(&fd, CMSG_DATA(rc), sizeof fd);
-            fd_out.reset(fd);
+            std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+            fds.emplace_back(fd);
         }
     }
     return got;

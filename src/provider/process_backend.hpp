@@ -37,6 +37,9 @@ public:
     /// keeps its sandboxes, issue 47): then the destructor neither kills the channel's init
     /// nor calls release(). Fast; no blocking.
     virtual bool kept_past_daemon() const noexcept { return false; }
+    /// The channel outlives this process: what these resources hold (its cgroup) is left as
+    /// it is when they are destroyed. Fast; no blocking.
+    virtual void keep() noexcept {}
 };
 
 /// The daemon's ends of a started channel init. Every fd is non-blocking and close-on-exec.

@@ -53,12 +53,7 @@ public:
           resize_(was.supports(channel_control::resize)) {}
     /// A bwrap channel's answers: stdout, stderr unless under a PTY, every control.
     explicit EndedBackend(bool pty)
-        : out_(true),
-          err_(!pty),
-          stdin_(false),
-          close_stdin_(true),
-          signal_(true),
-          resize_(true) {}
+        : out_(true), err_(!pty), stdin_(false), close_stdin_(true), signal_(true), resize_(true) {}
 
     bool has_output(output_stream s) const noexcept override {
         return s == output_stream::err ? err_ : out_;

@@ -165,8 +165,7 @@ void audit_opened(Node& node, const Lease& lease, std::uint64_t key, const Princ
 awaitable<std::shared_ptr<DetachedOutput>> kept_output_for(Node& node, const Lease& lease,
                                                            const methods::OpenParams& params,
                                                            const std::string& handle,
-                                                           const strand_t& strand,
-                                                           json record) {
+                                                           const strand_t& strand, json record) {
     bool made = false;
     const ScopeExit unreserve([&node, &made] {
         if (!made) node.channels.unreserve();

@@ -170,9 +170,9 @@ void DetachedOutput::send_spliced(std::string head, int pipe_fd, std::size_t cou
                                   std::function<void(bool written)> done) {
     // The stream is in the data header, the last bytes of `head`.
     const auto header = std::string_view(head).substr(head.size() - frame_header_size);
-    const auto stream =
-        static_cast<stream_id>(header[5]) == stream_id::stderr_ ? output_stream::err
-                                                                : output_stream::out;
+    const auto stream = static_cast<stream_id>(header[5]) == stream_id::stderr_
+                            ? output_stream::err
+                            : output_stream::out;
     const auto before = kept_->end(stream);
     try {
         kept_->splice_in(stream, pipe_fd, count);

@@ -65,7 +65,8 @@ void detached_channel_ended(Node& node, const std::string& handle, std::uint64_t
                 "its lease keeps limits.detachKeptExitsPerLease ended channels");
     const auto kept_for = static_cast<std::uint64_t>(now - at);
     auto timer = std::make_shared<net::steady_timer>(*node.ioc);
-    timer->expires_after(std::chrono::milliseconds(retain_ms > kept_for ? retain_ms - kept_for : 0));
+    timer->expires_after(
+        std::chrono::milliseconds(retain_ms > kept_for ? retain_ms - kept_for : 0));
     timer->async_wait([&node, timer](const boost::system::error_code& ec) {
         if (!ec) remove_kept(node, node.detached.expire(now_ms()), "its retainMs passed");
     });

@@ -112,7 +112,8 @@ ChannelOptions options_of(Node& node, const Record& r, const std::string& lease_
     options.bytes = &node.metrics.channel_byte_counters;
     options.release_backend_at_end = true;
     if (r.deadline_ms) {
-        options.timeout = std::chrono::milliseconds(std::max<std::int64_t>(1, *r.deadline_ms - now_ms()));
+        options.timeout =
+            std::chrono::milliseconds(std::max<std::int64_t>(1, *r.deadline_ms - now_ms()));
     }
     return options;
 }
@@ -180,8 +181,8 @@ bool restore_one(Node& node, Provider& provider, const std::shared_ptr<SandboxHa
         channel->start();
         output->start_unattached();
     });
-    spdlog::info("channel={} lease={} detached channel {} kept across the restart: {} pty={}",
-                 key, lease_id, r.handle, r.argv0, r.pty);
+    spdlog::info("channel={} lease={} detached channel {} kept across the restart: {} pty={}", key,
+                 lease_id, r.handle, r.argv0, r.pty);
     return true;
 }
 
@@ -224,9 +225,9 @@ void write_kept_record(const fs::path& dir, const json& record) {
     fs::permissions(temp, fs::perms::owner_read | fs::perms::owner_write, ec);
     fs::rename(temp, dir / record_name, ec);
     if (ec) {
-        throw rpc_error(errc::provider_error, "kept output: cannot write " +
-                                                  (dir / record_name).string() + ": " +
-                                                  ec.message());
+        throw rpc_error(
+            errc::provider_error,
+            "kept output: cannot write " + (dir / record_name).string() + ": " + ec.message());
     }
 }
 
@@ -249,7 +250,8 @@ awaitable<std::size_t> restore_kept_channels(Node& node) {
             const std::string handle = dir.filename().string();
             const strand_t strand = net::make_strand(*node.ioc);
             std::unique_ptr<ChannelBackend> backend;
-            if (keys.erase(handle) > 0) backend = provider->take_kept_channel(*sandbox, handle, strand);
+            if (keys.erase(handle) > 0)
+                backend = provider->take_kept_channel(*sandbox, handle, strand);
             try {
                 if (restore_one(node, *provider, sandbox, dir, std::move(backend), strand)) {
                     ++restored;
@@ -274,8 +276,8 @@ awaitable<std::size_t> restore_kept_channels(Node& node) {
     }
     for (const auto& dir : stale) fs::remove_all(dir, ec);
     if (restored > 0) {
-        spdlog::info("node={} serves {} detached channel(s) kept across its restart",
-                     node.node_id, restored);
+        spdlog::info("node={} serves {} detached channel(s) kept across its restart", node.node_id,
+                     restored);
     }
     co_return restored;
 }

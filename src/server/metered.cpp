@@ -155,9 +155,9 @@ public:
     std::vector<std::string> kept_channels(const SandboxHandle& sandbox) const override {
         return inner_->kept_channels(sandbox);
     }
-    std::unique_ptr<ChannelBackend> take_kept_channel(SandboxHandle& sandbox,
-                                                      const std::string& key,
-                                                      boost::asio::any_io_executor executor) override {
+    std::unique_ptr<ChannelBackend> take_kept_channel(
+        SandboxHandle& sandbox, const std::string& key,
+        boost::asio::any_io_executor executor) override {
         return inner_->take_kept_channel(sandbox, key, std::move(executor));
     }
     awaitable<std::shared_ptr<SandboxHandle>> resume(Lease lease) override {

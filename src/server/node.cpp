@@ -131,8 +131,8 @@ std::size_t ChannelTable::size() const {
 
 std::size_t ChannelTable::kept() const {
     std::lock_guard lock(mutex_);
-    return static_cast<std::size_t>(
-        std::count_if(entries_.begin(), entries_.end(), [](const auto& e) { return e.second.kept; }));
+    return static_cast<std::size_t>(std::count_if(entries_.begin(), entries_.end(),
+                                                  [](const auto& e) { return e.second.kept; }));
 }
 
 void ChannelTable::clear() {

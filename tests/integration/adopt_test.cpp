@@ -3,6 +3,7 @@
 // supervisors, the SQLite registry.
 #include "support/clusters.hpp"
 #include "support/daemon_fixture.hpp"
+#include "support/received.hpp"
 
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
@@ -13,8 +14,9 @@
 
 #include <chrono>
 #include <cstring>
-#include <map>
 #include <filesystem>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -255,50 +257,18 @@ TEMPLATE_TEST_CASE(
 
 namespace {
 
-/// What one connection received per channel id: output (credited back as it is read, so no
-/// window stalls), gaps and exits.
-struct Received {
-    std::map<std::uint32_t, std::string> out;
-    std::map<std::uint32_t, std::vector<json>> exits, gaps;
-
-    template <typename Pred>
-    bool until(Client& c, Pred done, std::chrono::milliseconds timeout = 90s) {
-        const auto deadline = std::chrono::steady_clock::now() + timeout;
-        while (!done()) {
-            const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                deadline - std::chrono::steady_clock::now());
-            if (left <= 0ms) return false;
-            auto got = c.poll_event(left);
-            if (!got) return false;
-            take(c, *got);
-        }
-        return true;
-    }
-
-    void take(Client& c, const ClientEvent& e) {
-        if (e.type == ClientEvent::kind::data) {
-            out[e.channel] += e.bytes;
-            c.send_credit(e.channel, e.stream, static_cast<std::uint32_t>(e.bytes.size()));
-            return;
-        }
-        if (e.type != ClientEvent::kind::notification) return;
-        const auto method = e.message.value("method", "");
-        const auto& p = e.message["params"];
-        if (method == "duplexChannel.exit") exits[p["channel"].get<std::uint32_t>()].push_back(p);
-        if (method == "duplexChannel.gap") gaps[p["channel"].get<std::uint32_t>()].push_back(p);
-    }
-};
-
 constexpr int batches = 40;
 constexpr int batch_lines = 150;
 
 /// A command that streams `batches` batches of numbered lines tagged `tag` (a pause between
-/// two: it is still writing when the daemon goes), then exits 7. Under a PTY, without echo.
-std::vector<std::string> streaming_command(const std::string& tag, bool pty) {
+/// two: it is still writing when the daemon goes), then (with `then_read`) waits for a line on
+/// stdin, and exits 7. Under a PTY, without echo.
+std::vector<std::string> streaming_command(const std::string& tag, bool pty,
+                                           bool then_read = false) {
     return {"sh", "-c",
-            std::string(pty ? "stty -echo; " : "") + "for b in $(seq 1 " +
-                std::to_string(batches) + "); do seq -f \"" + tag + "-$b-%g\" 1 " +
-                std::to_string(batch_lines) + "; sleep 0.05; done; exit 7"};
+            std::string(pty ? "stty -echo; " : "") + "for b in $(seq 1 " + std::to_string(batches) +
+                "); do seq -f \"" + tag + "-$b-%g\" 1 " + std::to_string(batch_lines) +
+                "; sleep 0.05; done; " + (then_read ? "read go; " : "") + "exit 7"};
 }
 
 std::string streamed_output(const std::string& tag, bool pty) {
@@ -342,7 +312,8 @@ TEST_CASE(
         auto quick = open_params(leases[0], {"sh", "-c", "echo quick; exit 3"});
         quick["detach"] = {{"retainMs", 60000}, {"retainBytes", 4096}};
         quick["name"] = "quick";
-        const auto quick_id = first->call("duplexChannelOpen", quick)["channel"].get<std::uint32_t>();
+        const auto quick_id =
+            first->call("duplexChannelOpen", quick)["channel"].get<std::uint32_t>();
         Received before;
         // The host has read a part of every channel (each is streaming), and the quick exit.
         REQUIRE(before.until(*first, [&] {
@@ -364,8 +335,8 @@ TEST_CASE(
         auto second = host(d);
         // The kept exit of the quick one, from its start.
         Received quick_after;
-        const auto q = second->call("duplexChannelAttach",
-                                    {{"leaseId", leases[0]["id"]}, {"name", "quick"}});
+        const auto q =
+            second->call("duplexChannelAttach", {{"leaseId", leases[0]["id"]}, {"name", "quick"}});
         CHECK(q["state"] == "exited");
         const auto qid = q["channel"].get<std::uint32_t>();
         REQUIRE(quick_after.until(*second, [&] { return !quick_after.exits[qid].empty(); }));
@@ -388,12 +359,13 @@ TEST_CASE(
             const auto ran = second->run_channel(open_params(lease, {"echo", "still-here"}));
             CHECK(ran.out == "still-here\n");  // the others' frames wait in the queue
         }
-        REQUIRE(after.until(*second, [&] {
+        const auto all_exited = [&] {
             for (const auto& [name, id] : second_id) {
                 if (after.exits[id].empty()) return false;
             }
             return true;
-        }));
+        };
+        REQUIRE(after.until(*second, all_exited, 90s));
         for (int i = 0; i < channels; ++i) {
             INFO(names[i] << (pty[i] ? " (pty)" : ""));
             const auto id = second_id[names[i]];
@@ -409,7 +381,97 @@ TEST_CASE(
         }
         // Nothing of the kept channels is left once their leases are gone.
         CHECK(eventually(
-            [&] { return !fs::exists(d.state_dir() / "kept" / leases[0]["id"].get<std::string>()); },
+            [&] {
+                return !fs::exists(d.state_dir() / "kept" / leases[0]["id"].get<std::string>());
+            },
             10s));
+    }
+}
+
+TEST_CASE(
+    "adopt: a rolling restart of three nodes under long-running detached commands loses no "
+    "command and no byte",
+    "[adopt][detached][multinode][restart]") {
+    SqliteCluster cluster;
+    auto config = json::parse(cluster_config(cluster));
+    config["providers"] = {{"bwrap", {{"adoptTimeoutMs", 120000}}}};
+    std::vector<std::unique_ptr<DaemonProcess>> nodes;
+    for (int n = 1; n <= 3; ++n) {
+        nodes.push_back(
+            std::make_unique<DaemonProcess>("node-" + std::to_string(n), config.dump()));
+    }
+    struct Job {
+        json lease;
+        std::string name;
+        bool pty = false;
+    };
+    std::vector<Job> jobs;
+    // Each node owns a lease with three detached commands (one under a PTY) that stream, then
+    // wait for a line on stdin, and exit 7.
+    for (std::size_t n = 0; n < nodes.size(); ++n) {
+        auto c = host(*nodes[n]);
+        const json lease = acquire(*c);
+        REQUIRE(lease["ownerNodeId"] == "node-" + std::to_string(n + 1));
+        for (int k = 0; k < 3; ++k) {
+            Job job{lease, "n" + std::to_string(n + 1) + "-job" + std::to_string(k), k == 2};
+            auto p = open_params(lease, streaming_command(job.name, job.pty, true));
+            p["detach"] = {{"retainMs", 60000}, {"retainBytes", 1 << 20}};
+            p["name"] = job.name;
+            if (job.pty) p["pty"] = {{"cols", 80}, {"rows", 24}};
+            c->call("duplexChannelOpen", p);
+            jobs.push_back(job);
+        }
+    }
+    // One node at a time: SIGTERM, then the next process on the same state. The other nodes
+    // leave its leases alone (adoptGraceMs) and it serves them again at once.
+    for (auto& node : nodes) {
+        REQUIRE(node->stop() == 0);
+        CHECK(node->log().find("keeping 1 sandbox(es)") != std::string::npos);
+        node->restart();
+        CHECK(node->log().find("serves 3 detached channel(s) kept across its restart") !=
+              std::string::npos);
+    }
+    // A host on node-1 reattaches to all nine (six routed to their owners) from offset 0, lets
+    // each finish, and gets every byte each wrote and its exit.
+    auto c = host(*nodes[0]);
+    Received got;
+    std::map<std::string, std::uint32_t> id;
+    for (const auto& job : jobs) {
+        CHECK(lease_status(*c, job.lease) == "active");
+        const auto attached =
+            c->call("duplexChannelAttach", {{"leaseId", job.lease["id"]},
+                                            {"name", job.name},
+                                            {"offsets", {{"stdout", 0}, {"stderr", 0}}}});
+        CHECK(attached["state"] == "running");
+        id[job.name] = attached["channel"].get<std::uint32_t>();
+    }
+    const auto all_written = [&] {
+        for (const auto& job : jobs) {
+            if (got.out[id[job.name]].size() < streamed_output(job.name, job.pty).size()) {
+                return false;
+            }
+        }
+        return true;
+    };
+    REQUIRE(got.until(*c, all_written, 90s));
+    for (const auto& job : jobs) c->send_stdin(id[job.name], job.pty ? "go\r" : "go\n");
+    const auto all_exited = [&] {
+        for (const auto& job : jobs) {
+            if (got.exits[id[job.name]].empty()) return false;
+        }
+        return true;
+    };
+    REQUIRE(got.until(*c, all_exited, 60s));
+    for (const auto& job : jobs) {
+        INFO(job.name << (job.pty ? " (pty)" : ""));
+        const auto i = id[job.name];
+        CHECK(got.out[i] == streamed_output(job.name, job.pty));
+        REQUIRE(got.exits[i].size() == 1);
+        CHECK(got.exits[i][0]["exitCode"] == 7);
+        CHECK(got.gaps[i].empty());
+    }
+    for (std::size_t n = 0; n < nodes.size(); ++n) {
+        CHECK(host(*nodes[n])->call(
+                  "leaseRelease", {{"leaseId", jobs[3 * n].lease["id"]}})["status"] == "released");
     }
 }

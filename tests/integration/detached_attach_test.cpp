@@ -7,6 +7,7 @@
 // daemon's memory. Nothing sleeps: every wait is for an event or a state, with a bound.
 #include "support/clusters.hpp"
 #include "support/daemon_fixture.hpp"
+#include "support/received.hpp"
 
 #include <sandboxd/core/errors.hpp>
 
@@ -25,41 +26,6 @@ using json = nlohmann::json;
 namespace {
 
 const std::string& host_token = test_host_token;
-
-/// What one connection received per channel id: output (credited back as it is read, so no
-/// window stalls), gaps and exits.
-struct Received {
-    std::map<std::uint32_t, std::string> out, err;
-    std::map<std::uint32_t, std::vector<json>> exits, gaps;
-
-    /// Reads events until `done()` holds; false when `timeout` passed first.
-    template <typename Pred>
-    bool until(Client& c, Pred done, std::chrono::milliseconds timeout = 60s) {
-        const auto deadline = std::chrono::steady_clock::now() + timeout;
-        while (!done()) {
-            const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                deadline - std::chrono::steady_clock::now());
-            if (left <= 0ms) return false;
-            auto got = c.poll_event(left);
-            if (!got) return false;
-            take(c, *got);
-        }
-        return true;
-    }
-
-    void take(Client& c, const ClientEvent& e) {
-        if (e.type == ClientEvent::kind::data) {
-            (e.stream == stream_id::stderr_ ? err : out)[e.channel] += e.bytes;
-            c.send_credit(e.channel, e.stream, static_cast<std::uint32_t>(e.bytes.size()));
-            return;
-        }
-        if (e.type != ClientEvent::kind::notification) return;
-        const auto method = e.message.value("method", "");
-        const auto& p = e.message["params"];
-        if (method == "duplexChannel.exit") exits[p["channel"].get<std::uint32_t>()].push_back(p);
-        if (method == "duplexChannel.gap") gaps[p["channel"].get<std::uint32_t>()].push_back(p);
-    }
-};
 
 /// A command that writes `lines` numbered lines tagged `tag`, waits for a line on stdin,
 /// writes as many again and exits 7. Under a PTY, without echo: the output is the lines alone.

@@ -232,9 +232,8 @@ public:
     /// where it was; output it wrote while no daemon ran is still to be read, and an exit is
     /// reported as for a channel this process started. A key not taken is given up when the
     /// sandbox's handle goes. Any thread; no I/O.
-    virtual std::unique_ptr<ChannelBackend> take_kept_channel(SandboxHandle& sandbox,
-                                                              const std::string& key,
-                                                              boost::asio::any_io_executor executor) {
+    virtual std::unique_ptr<ChannelBackend> take_kept_channel(
+        SandboxHandle& sandbox, const std::string& key, boost::asio::any_io_executor executor) {
         (void)sandbox;
         (void)key;
         (void)executor;

@@ -184,7 +184,8 @@ TEST_CASE("Kept output moves bytes in from a pipe, and a later process opens it 
     CHECK(read_from(*again, output_stream::out, first) == whole.substr(first));
     again->append(output_stream::out, "more");
     whole += "more";
-    CHECK(read_from(*again, output_stream::out, whole.size() - 10) == whole.substr(whole.size() - 10));
+    CHECK(read_from(*again, output_stream::out, whole.size() - 10) ==
+          whole.substr(whole.size() - 10));
     CHECK_THROWS_AS(KeptOutput::open(tmp.path() / "missing", capacity), rpc_error);
 }
 
