@@ -103,6 +103,13 @@ export class Daemon {
       const limits = { ...((config.limits as Record<string, unknown> | undefined) ?? {}) };
       if (!("drainTimeoutMs" in limits)) limits.drainTimeoutMs = 0;
       config.limits = limits;
+      // Sandboxes end with their daemon (providers.bwrap.adoptTimeoutMs 0) unless the test
+      // says otherwise: nothing of a test's daemon outlives it, as in tests/support.
+      const providers = { ...((config.providers as Record<string, unknown> | undefined) ?? {}) };
+      const bwrap = { ...((providers.bwrap as Record<string, unknown> | undefined) ?? {}) };
+      if (!("adoptTimeoutMs" in bwrap)) bwrap.adoptTimeoutMs = 0;
+      providers.bwrap = bwrap;
+      config.providers = providers;
       const cfg = join(this.dir, "config.json");
       writeFileSync(cfg, JSON.stringify(config));
       args.unshift("--config", cfg);

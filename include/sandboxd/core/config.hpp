@@ -129,7 +129,7 @@ struct BwrapConfig {
     /// (0..86400000), before it ends its sandbox; the next daemon on the same state directory
     /// re-adopts it within that time. 0 (for now the default: issue 47 is not finished): a
     /// sandbox ends with its daemon.
-    std::uint32_t adopt_timeout_ms = 0;
+    std::uint32_t adopt_timeout_ms = 300000;
     /// Entries of the host's /etc copied into the sandbox's generated /etc (relative paths;
     /// missing ones skipped). passwd, group, hosts, hostname, nsswitch.conf and (with network)
     /// resolv.conf are always generated.
