@@ -130,6 +130,11 @@ void ProcessBackend::end_wait(output_stream s) noexcept {
     if (wait.is_open()) (void)wait.release();  // deregisters; output_ keeps the descriptor
 }
 
+void ProcessBackend::report_ready_later(output_stream s, std::shared_ptr<ChannelEvents> to) {
+    net::post(waits_[index(s)].get_executor(),
+              [this, s, to = std::move(to)] { to->output_ready(s, readable_now(s)); });
+}
+
 void ProcessBackend::notify_output_ready(output_stream s, std::shared_ptr<ChannelEvents> to) {
     // A handler of a few words while the channel waits, no coroutine frame. Bytes already
     // there (a streaming command): no readiness wait, which costs an epoll_ctl and a turn of
@@ -142,16 +147,14 @@ void ProcessBackend::notify_output_ready(output_stream s, std::shared_ptr<Channe
         // The relay: what the master holds goes into it first; the wait is on the master.
         fill_relay();
         if ((::ioctl(fd, FIONREAD, &avail) == 0 && avail > 0) || master_ended_) {
-            net::post(wait.get_executor(),
-                      [this, s, to = std::move(to)] { to->output_ready(s, readable_now(s)); });
+            report_ready_later(s, std::move(to));
             return;
         }
         beast::error_code ec;
         wait.assign(master_.get(), ec);
         if (ec) {
             master_ended_ = true;  // fail closed: the stream ends with what the relay holds
-            net::post(wait.get_executor(),
-                      [this, s, to = std::move(to)] { to->output_ready(s, readable_now(s)); });
+            report_ready_later(s, std::move(to));
             return;
         }
         wait.async_wait(net::posix::descriptor_base::wait_read,
@@ -164,8 +167,7 @@ void ProcessBackend::notify_output_ready(output_stream s, std::shared_ptr<Channe
         return;
     }
     if (fd < 0 || (::ioctl(fd, FIONREAD, &avail) == 0 && avail > 0) || !start_wait(s)) {
-        net::post(wait.get_executor(),
-                  [this, s, to = std::move(to)] { to->output_ready(s, readable_now(s)); });
+        report_ready_later(s, std::move(to));
         return;
     }
     wait.async_wait(net::posix::descriptor_base::wait_read,

@@ -116,6 +116,9 @@ private:
     /// stream with nothing queued is at its end, which read_output() finds), or 0 once it is
     /// closed. Grows a pipe that streams.
     std::size_t readable_now(output_stream s) noexcept;
+    /// Reports `s` ready with what it holds then, on the next turn of the executor (never
+    /// inside the notify_*() call that asked).
+    void report_ready_later(output_stream s, std::shared_ptr<ChannelEvents> to);
     /// Under a PTY with a relay: moves what the master holds now into the relay (as much as
     /// it takes), and notes the master's end (EOF, or EIO once no slave is open).
     void fill_relay() noexcept;

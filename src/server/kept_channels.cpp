@@ -136,10 +136,10 @@ DetachedChannels::Entry entry_of(const Record& r, const std::string& lease_id,
     return entry;
 }
 
-/// One kept channel of `sandbox` in `dir`: served again, or removed. True when served.
-bool restore_one(Node& node, Provider& provider, const std::shared_ptr<SandboxHandle>& sandbox,
-                 const fs::path& dir, std::unique_ptr<ChannelBackend> backend,
-                 const strand_t& strand) {
+/// One kept channel of `sandbox` in `dir`, served again; throws std::exception saying why it
+/// cannot be (the caller removes it).
+void restore_one(Node& node, const std::shared_ptr<SandboxHandle>& sandbox, const fs::path& dir,
+                 std::unique_ptr<ChannelBackend> backend, const strand_t& strand) {
     const std::string& lease_id = sandbox->lease_id;
     const Record r = parse_record(read_json(dir / record_name));
     if (r.handle != dir.filename().string()) throw std::runtime_error("a record of another name");
@@ -159,13 +159,12 @@ bool restore_one(Node& node, Provider& provider, const std::shared_ptr<SandboxHa
         detached_channel_ended(node, r.handle, r.retain_ms, ended_at);
         spdlog::info("lease={} detached channel {} kept across the restart (ended)", lease_id,
                      r.handle);
-        return true;
+        return;
     }
     if (!backend) {
         // Its command did not outlive the last process (its provider kept nothing of it).
         throw std::runtime_error("its command did not outlive the last daemon process");
     }
-    (void)provider;
     output->persist_exit();
     auto options = options_of(node, r, lease_id);
     auto channel =
@@ -183,7 +182,6 @@ bool restore_one(Node& node, Provider& provider, const std::shared_ptr<SandboxHa
     });
     spdlog::info("channel={} lease={} detached channel {} kept across the restart: {} pty={}", key,
                  lease_id, r.handle, r.argv0, r.pty);
-    return true;
 }
 
 }  // namespace
@@ -253,9 +251,8 @@ awaitable<std::size_t> restore_kept_channels(Node& node) {
             if (keys.erase(handle) > 0)
                 backend = provider->take_kept_channel(*sandbox, handle, strand);
             try {
-                if (restore_one(node, *provider, sandbox, dir, std::move(backend), strand)) {
-                    ++restored;
-                }
+                restore_one(node, sandbox, dir, std::move(backend), strand);
+                ++restored;
             } catch (const std::exception& e) {
                 spdlog::warn("lease={} detached channel {} not kept across the restart: {}",
                              sandbox->lease_id, handle, e.what());
@@ -266,7 +263,7 @@ awaitable<std::size_t> restore_kept_channels(Node& node) {
         // ended and the ends let go, by the backend's destructor.
         for (const auto& key : keys) {
             spdlog::warn("lease={} kept channel {} has no record: ended", sandbox->lease_id, key);
-            auto orphan = provider->take_kept_channel(*sandbox, key, net::make_strand(*node.ioc));
+            (void)provider->take_kept_channel(*sandbox, key, net::make_strand(*node.ioc));
         }
     }
     std::error_code ec;
