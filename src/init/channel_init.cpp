@@ -516,6 +516,31 @@ int mount_channel_proc() {
     return mask_channel_proc();
 }
 
+int make_channel_pty(std::uint32_t window, int& master, int& slave) {
+    master = -1;
+    slave = -1;
+    if (::mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+                "newinstance,ptmxmode=0666,mode=0620") < 0) {
+        return errno;
+    }
+    master = ::open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (master < 0) return errno;
+    int unlock = 0;
+    struct winsize ws {};
+    ws.ws_row = static_cast<unsigned short>(window >> 16);
+    ws.ws_col = static_cast<unsigned short>(window & 0xFFFFU);
+    if (::ioctl(master, TIOCSPTLCK, &unlock) == 0 && ::ioctl(master, TIOCSWINSZ, &ws) == 0) {
+        slave = ::ioctl(master, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
+    }
+    if (slave < 0) {
+        const int err = errno;
+        ::close(master);
+        master = -1;
+        return err;
+    }
+    return 0;
+}
+
 PreparedInit prepare_channel_init() {
     PreparedInit prepared;
     if (::setsid() < 0) prepared.session_error = errno;

@@ -84,6 +84,14 @@ struct ChannelRequest {
 /// files above masked. 0 or an errno.
 int mount_channel_proc();
 
+/// With flag_pty_lease (supervisor_protocol.hpp), in a channel init's own mount namespace
+/// before any syscall filter: mounts a devpts instance of the channel's own over /dev/pts
+/// (newinstance: the lease's and every other channel's terminals stay out of reach; ptmx
+/// 0666, as bubblewrap's own instance, so that the command may open terminals of its own)
+/// and opens a terminal in it, unlocked and of `window` (rows << 16 | columns). `master` and
+/// `slave` receive its ends, close-on-exec. 0 or an errno (whatever it opened is closed).
+int make_channel_pty(std::uint32_t window, int& master, int& slave);
+
 /// What a channel init sets up that no request decides (a warm init does it before it waits,
 /// so that an open does not pay for it; a cloned init at its start): its own session (the
 /// command's terminal, if any, becomes its controlling one), not dumpable (the command shares

@@ -419,15 +419,17 @@ private:
         proto::Reply reply;
         int err = parse(static_cast<std::size_t>(n), msg_flags, req);
         reply.id = req.header.id;
-        int pidfd = -1;
+        int ends[2] = {-1, -1};  // the init's pidfd; with flag_pty_lease, the terminal's master
         if (err == 0 && past_deadline(req.header)) err = ETIMEDOUT;
-        if (err == 0 && !hand_over(req, static_cast<std::size_t>(n), pidfd)) {
-            err = start_channel(req, pidfd);
+        if (err == 0 && !hand_over(req, static_cast<std::size_t>(n), ends[0])) {
+            err = start_channel(req, ends[0], ends[1]);
         }
         for (int fd : req.fds) ::close(fd);
         reply.error = err;
-        send_reply(socket_, reply, pidfd);
-        if (pidfd >= 0) ::close(pidfd);
+        send_fds(socket_, &reply, sizeof reply, ends, ends[0] < 0 ? 0 : ends[1] < 0 ? 1 : 2);
+        for (int fd : ends) {
+            if (fd >= 0) ::close(fd);
+        }
         if (warm_socket_ < 0 && starting_socket_ < 0) make_warm();
         return true;
     }
@@ -577,9 +579,13 @@ private:
 
     // Passes the checked request of `size` bytes in buffer_ and its descriptors to the warm
     // init; `pidfd` is then that init's. False when there is none, the payload came in a
-    // memfd (it was read into buffer_, not sent on), or the warm init is gone.
+    // memfd (it was read into buffer_, not sent on), the terminal is to be made inside the
+    // lease (the warm init's filter is on: it can mount no devpts), or the warm init is gone.
     bool hand_over(const ChannelRequest& req, std::size_t size, int& pidfd) {
-        if (warm_socket_ < 0 || (req.header.flags & proto::flag_payload_memfd) != 0) return false;
+        if (warm_socket_ < 0 ||
+            (req.header.flags & (proto::flag_payload_memfd | proto::flag_pty_lease)) != 0) {
+            return false;
+        }
         alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * proto::max_fds)] = {};
         iovec iov{buffer_.get(), size};
         msghdr msg{};
@@ -633,7 +639,9 @@ private:
         std::memcpy(&req.header, data, sizeof req.header);
         const auto& h = req.header;
         const bool in_memfd = (h.flags & proto::flag_payload_memfd) != 0;
+        const bool lease_pty = (h.flags & proto::flag_pty_lease) != 0;
         if (h.magic != proto::request_magic || h.argc == 0 ||
+            (lease_pty && (h.flags & proto::flag_pty) == 0) ||
             h.cgroup_fds > proto::max_cgroup_fds ||
             req.fds.size() != proto::channel_fds + h.cgroup_fds + (in_memfd ? 1U : 0U) ||
             static_cast<std::uint64_t>(h.argc) + h.envc > proto::max_strings) {
@@ -706,13 +714,26 @@ private:
         return p == end ? 0 : EPROTO;
     }
 
-    // Clones the request's channel init (no warm one could take it). 0 or an errno.
-    int start_channel(const ChannelRequest& req, int& pidfd) {
+    // Clones the request's channel init (no warm one could take it). With flag_pty_lease
+    // the init makes the channel's terminal and passes its master here, into `master`, over
+    // a socket pair of its own. 0 or an errno (nothing is left running then).
+    int start_channel(ChannelRequest& req, int& pidfd, int& master) {
+        const bool lease_pty = (req.header.flags & proto::flag_pty_lease) != 0;
+        int pair[2] = {-1, -1};
+        if (lease_pty && ::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) < 0) {
+            return errno;
+        }
         // A raw clone without a new stack returns twice, like fork; CLONE_PIDFD stores the
         // child's pidfd in the parent_tid argument. This process is single-threaded.
         long pid = ::syscall(SYS_clone, CLONE_NEWPID | CLONE_NEWNS | CLONE_PIDFD | SIGCHLD, nullptr,
                              &pidfd, nullptr, 0L);
-        if (pid < 0) return errno;
+        if (pid < 0) {
+            const int err = errno;
+            for (int fd : pair) {
+                if (fd >= 0) ::close(fd);
+            }
+            return err;
+        }
         if (pid == 0) {
             ::close(signal_fd_);
             close_in_child();
@@ -720,10 +741,74 @@ private:
                 print_error("cannot mount the channel's /proc", "", err);
                 ::_exit(125);
             }
+            if (lease_pty) pass_terminal(req, pair[1]);
             run_channel_init(req, program_, false, prepare_channel_init(), -1);
         }
         ::fcntl(pidfd, F_SETFD, FD_CLOEXEC);
-        return 0;
+        if (!lease_pty) return 0;
+        ::close(pair[1]);
+        const int err = receive_terminal(pair[0], master);
+        ::close(pair[0]);
+        if (err != 0) {
+            // The init ends at once (it exits when it cannot pass the terminal): no command ran.
+            ::syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, nullptr, 0);
+            ::close(pidfd);
+            pidfd = -1;
+        }
+        return err;
+    }
+
+    // In the cloned init of a flag_pty_lease request: makes the channel's terminal
+    // (make_channel_pty), sends its master and 0 on `socket` (or only the errno, and exits),
+    // and makes the slave the request's fds 0-2 in place of the daemon's placeholders.
+    void pass_terminal(ChannelRequest& req, int socket) {
+        int master = -1;
+        int slave = -1;
+        const std::int32_t err = make_channel_pty(req.header.reserved, master, slave);
+        send_fds(socket, &err, sizeof err, &master, err == 0 ? 1 : 0);
+        if (err != 0) ::_exit(125);
+        ::close(master);
+        ::close(socket);
+        for (std::size_t i = 0; i < 3; ++i) {
+            ::close(req.fds[i]);
+            req.fds[i] = slave;
+        }
+    }
+
+    // The supervisor's side of pass_terminal(): the init's errno, or 0 with the master in
+    // `master`. EIO when the init ended first; ETIMEDOUT after terminal_timeout_ms.
+    static int receive_terminal(int socket, int& master) {
+        static constexpr int terminal_timeout_ms = 10000;
+        pollfd p{socket, POLLIN, 0};
+        int ready = 0;
+        do {
+            ready = ::poll(&p, 1, terminal_timeout_ms);
+        } while (ready < 0 && errno == EINTR);
+        if (ready == 0) return ETIMEDOUT;
+        std::int32_t err = 0;
+        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+        iovec iov{&err, sizeof err};
+        msghdr msg{};
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control;
+        msg.msg_controllen = sizeof control;
+        ssize_t n = 0;
+        do {
+            n = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+        } while (n < 0 && errno == EINTR);
+        if (n != static_cast<ssize_t>(sizeof err)) return EIO;
+        const cmsghdr* c = CMSG_FIRSTHDR(&msg);
+        if (c != nullptr && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS &&
+            c->cmsg_len == CMSG_LEN(sizeof(int))) {
+            std::memcpy(&master, CMSG_DATA(c), sizeof master);
+        }
+        if (err == 0 && master < 0) return EIO;
+        if (err != 0 && master >= 0) {
+            ::close(master);
+            master = -1;
+        }
+        return err != 0 ? err : 0;
     }
 
     static void send_reply(int socket, const proto::Reply& reply, int pidfd) {

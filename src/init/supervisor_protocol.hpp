@@ -19,7 +19,8 @@
 ///    CAP_NET_ADMIN, which the daemon does without (systemd/sandboxd.service).
 ///  - Reply (supervisor -> daemon): `Reply`; when `error` is 0, SCM_RIGHTS carries one pidfd of
 ///    the channel's init (PID 1 of the channel's own PID namespace; made ahead of the request
-///    when a warm init was ready, init_main.cpp). Replies come in request
+///    when a warm init was ready, init_main.cpp), and with `flag_pty_lease` the terminal's
+///    master after it. Replies come in request
 ///    order, one per request. The first reply, id 0 ("hello": the supervisor serves), carries
 ///    a pidfd of the supervisor itself, which the daemon kills to end the whole sandbox.
 /// Nothing here is parsed from the sandbox's commands: the supervisor and each channel's init
@@ -62,6 +63,17 @@
 /// the copies it inherits at its clone. Without `--adopt-timeout-ms` the supervisor exits when
 /// the daemon's end closes. Either way, as PID 1 of the lease's PID namespace, its exit kills
 /// every process of the lease.
+///
+/// **PTYs made inside the lease** (version 4, issue 47). A request with `flag_pty_lease` has
+/// its terminal made by its channel's init, never by the daemon: in its new mount namespace
+/// the init mounts a devpts instance of its own over /dev/pts (`newinstance`, so no channel
+/// sees another's terminals, and the lease's own instance stays hidden below), opens its
+/// `ptmx`, sets the window, and gives the supervisor the master over a socket pair made for
+/// it; the slave becomes the command's fds 0-2 and its controlling terminal, so that inside,
+/// `tty` names `/dev/pts/0` and `/dev/tty` opens. The reply then carries the pidfd and the
+/// master, in that order. Such a request always gets an init cloned for it, never the warm
+/// one, whose syscall filter (no mount) is on already. The master reaches the daemon like any
+/// other channel end, and a kept channel's is held by the supervisor as before.
 
 #include <cstddef>
 #include <cstdint>
@@ -89,12 +101,12 @@ inline constexpr std::size_t secret_size = 32;
 #ifdef SANDBOXD_SUPERVISOR_VERSION
 inline constexpr std::uint32_t version = SANDBOXD_SUPERVISOR_VERSION;
 #else
-inline constexpr std::uint32_t version = 3;
+inline constexpr std::uint32_t version = 4;
 #endif
 /// The oldest supervisor version this daemon adopts: version 1's Request and Reply are
-/// these, unchanged by 2 (which added adoption) and 3 (kept channels: the daemon sends
-/// `Held` packets only to a supervisor of version 3 or later). A version whose requests
-/// change raises it.
+/// these, unchanged by 2 (which added adoption), 3 (kept channels: the daemon sends `Held`
+/// packets only to a supervisor of version 3 or later) and 4 (`flag_pty_lease`, sent only to
+/// a supervisor of version 4 or later). A version whose requests change raises it.
 inline constexpr std::uint32_t oldest_adoptable = 1;
 inline constexpr std::size_t max_payload = 2U << 20;  ///< cwd + argv + env, as execve allows
 /// The largest payload sent in the packet itself; above it, a memfd carries it.
@@ -109,6 +121,11 @@ inline constexpr std::uint32_t max_strings = 1U << 16;  ///< argc + envc
 enum request_flags : std::uint32_t {
     flag_pty = 1U << 0,            ///< fd 0 is a PTY slave: make it the controlling terminal
     flag_payload_memfd = 1U << 1,  ///< the payload is in the last descriptor, a sealed memfd
+    /// With flag_pty (version 4): the terminal is made inside the lease, in a devpts instance
+    /// of the channel's own; fds 0-2 are placeholders (/dev/null), the window is
+    /// `Request::reserved` (rows << 16 | columns), and a reply without error carries the
+    /// terminal's master after the pidfd ("PTYs made inside the lease", above).
+    flag_pty_lease = 1U << 2,
 };
 
 inline constexpr std::uint32_t adopt_magic = 0x53424144;    // "SBAD"
@@ -123,6 +140,8 @@ inline constexpr std::uint32_t release_magic = 0x5342524C;  // "SBRL"
 inline constexpr std::uint32_t return_magic = 0x53425254;   // "SBRT"
 /// The first version that serves `Held` packets.
 inline constexpr std::uint32_t kept_channels_version = 3;
+/// The first version that serves `flag_pty_lease`.
+inline constexpr std::uint32_t lease_pty_version = 4;
 inline constexpr std::size_t key_size = 32;  ///< NUL-padded; at most key_size - 1 bytes
 inline constexpr std::size_t max_held = 4096;
 
@@ -175,6 +194,8 @@ struct Request {
     std::uint32_t cgroup_fds = 0;    ///< <= max_cgroup_fds
     std::uint64_t open_files = 0;    ///< RLIMIT_NOFILE of the command; 0: inherited
     std::uint32_t payload_size = 0;  ///< <= max_payload: after the header, or in the memfd
+    /// With flag_pty_lease: the terminal's window, rows << 16 | columns; else 0 (version 1..3
+    /// read nothing here).
     std::uint32_t reserved = 0;
     /// CLOCK_MONOTONIC, ms: the channel is started only before it (else the reply's error is
     /// ETIMEDOUT and nothing runs); 0: no deadline. The daemon's fencing deadline (its last

@@ -144,12 +144,21 @@ public:
     json usage(const SandboxHandle& sandbox) const override;
 
 private:
+    /// A started channel init: its pidfd, and with flag_pty_lease the terminal's master.
+    struct StartedInit {
+        unique_fd pidfd;
+        unique_fd master;
+    };
+
     /// A channel's request and the descriptors it passes, before the supervisor answers.
     struct PreparedChannel {
         proto::Request request;
         std::string payload;
         std::vector<int> fds;  ///< the child's ends below, in the protocol's order
         bool pty = false;
+        /// The terminal is made inside the lease (flag_pty_lease: a supervisor of
+        /// lease_pty_version or later); else pty_ends is the daemon's own.
+        bool lease_pty = false;
         detail::Pty pty_ends;
         detail::Pipe stdin_pipe, stdout_pipe, stderr_pipe, status_pipe, control_pipe;
         /// Its own open of /dev/null for each channel: no open file description is shared
@@ -199,7 +208,7 @@ private:
     }
 
     /// The daemon's ends of a started channel; the child's ends close with `prepared`.
-    detail::ProcessEnds channel_ends(PreparedChannel prepared, unique_fd init_pidfd,
+    detail::ProcessEnds channel_ends(PreparedChannel prepared, StartedInit started,
                                      const std::shared_ptr<BwrapSandbox>& state);
 
     static std::size_t checked_threads(std::size_t n) {
@@ -360,12 +369,13 @@ private:
     }
 
     /// What one exchange with a supervisor got: 0 or the errno that ended it, the reply and
-    /// the descriptor it carried.
+    /// the descriptors it carried (the init's pidfd; with flag_pty_lease, the terminal's master).
     struct Exchanged {
         int error = 0;
         ssize_t got = 0;
         proto::Reply reply{};
         unique_fd pidfd;
+        unique_fd master;
     };
 
     /// One request packet with its descriptors; -errno on failure (EAGAIN: try when writable).
@@ -374,8 +384,9 @@ private:
 
     /// One reply packet and the pidfd it may carry; -errno on failure (EAGAIN: try when
     /// readable), 0 at EOF. `flags`: MSG_DONTWAIT, or 0 to block (up to SO_RCVTIMEO).
+    /// `master`, if given, receives a second descriptor (flag_pty_lease); else it is closed.
     static ssize_t recv_reply(int socket, proto::Reply& reply, unique_fd& pidfd,
-                              int flags = MSG_DONTWAIT);
+                              int flags = MSG_DONTWAIT, unique_fd* master = nullptr);
     /// One packet of at most `size` bytes into `data`, and the descriptor it carries (if any)
     /// into `fd_out`: its size, or -errno (EINTR retried).
     static ssize_t recv_with_fd(int socket, void* data, std::size_t size, unique_fd& fd_out,
@@ -384,8 +395,9 @@ private:
     /// Sends the request and reads its reply, waiting on `socket` (the awaiting executor's)
     /// whenever the kernel would block. Never throws for the supervisor's failures: they are
     /// in the result.
+    /// `spares` are closed once the request is sent: the reply's descriptors take their place.
     static awaitable<Exchanged> exchange(std::shared_ptr<net::posix::stream_descriptor> socket,
-                                         unique_fd spare, proto::Request request,
+                                         std::vector<unique_fd> spares, proto::Request request,
                                          std::string payload, std::vector<int> fds);
 
     /// Calls `attempt` (a non-blocking socket call: its result, or -errno) again each time
@@ -408,12 +420,12 @@ private:
     /// are closed).
     static unique_fd copy_socket(BwrapSandbox& sandbox, const std::string& name);
 
-    /// Sends one request with its descriptors and returns the channel init's pidfd. The caller
+    /// Sends one request with its descriptors and returns what the reply carried. The caller
     /// holds the sandbox's turn (replies come in request order); no thread waits meanwhile.
-    awaitable<unique_fd> ask_supervisor(std::shared_ptr<BwrapSandbox> sandbox, std::string name,
-                                        unique_fd socket_copy, unique_fd spare,
-                                        proto::Request request, std::string payload,
-                                        std::vector<int> fds);
+    awaitable<StartedInit> ask_supervisor(std::shared_ptr<BwrapSandbox> sandbox, std::string name,
+                                          unique_fd socket_copy, std::vector<unique_fd> spares,
+                                          proto::Request request, std::string payload,
+                                          std::vector<int> fds);
 
     [[noreturn]] static void fail_supervisor(BwrapSandbox& sandbox, const std::string& name,
                                              int err);

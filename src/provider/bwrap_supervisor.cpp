@@ -57,15 +57,19 @@ awaitable<std::unique_ptr<ChannelBackend>> BwrapProvider::open(
     // however this coroutine ends.
     co_await state->turns.enter();
     const ScopeExit turn_back([&turns = state->turns] { turns.leave(); });
-    // The socket's copy first, and a spare that keeps a descriptor free for the reply's
-    // pidfd: out of descriptors, the open fails before anything starts.
-    unique_fd socket_copy = copy_socket(*state, sandbox->scope.provider_lease_id);
-    unique_fd spare = copy_socket(*state, sandbox->scope.provider_lease_id);
+    // The socket's copy first, and a spare for each descriptor the reply carries (the pidfd;
+    // the master of a terminal made inside the lease): out of descriptors, the open fails
+    // before anything starts.
+    const std::string& name = sandbox->scope.provider_lease_id;
+    unique_fd socket_copy = copy_socket(*state, name);
+    std::vector<unique_fd> spares;
+    spares.push_back(copy_socket(*state, name));
     PreparedChannel prepared = prepare_channel(*state, spec);
-    unique_fd init_pidfd =
-        co_await ask_supervisor(state, sandbox->scope.provider_lease_id, std::move(socket_copy),
-                                std::move(spare), prepared.request, prepared.payload, prepared.fds);
-    detail::ProcessEnds ends = channel_ends(std::move(prepared), std::move(init_pidfd), state);
+    if (prepared.lease_pty) spares.push_back(copy_socket(*state, name));
+    StartedInit started =
+        co_await ask_supervisor(state, name, std::move(socket_copy), std::move(spares),
+                                prepared.request, prepared.payload, prepared.fds);
+    detail::ProcessEnds ends = channel_ends(std::move(prepared), std::move(started), state);
     if (!spec.keep_key.empty() && options_.adopt_timeout_ms > 0) {
         hold_channel(state, spec.keep_key, ends);
     }
@@ -138,7 +142,18 @@ BwrapProvider::PreparedChannel BwrapProvider::prepare_channel(BwrapSandbox& stat
 
     std::vector<int>& fds = out.fds;
     out.pty = spec.pty.has_value();
-    if (spec.pty) {
+    out.lease_pty = out.pty && state.supervisor_version >= proto::lease_pty_version;
+    if (out.lease_pty) {
+        // The channel's init makes the terminal in a devpts instance of its own: these are
+        // placeholders for fds 0-2, which it replaces with the slave.
+        out.dev_null.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+        if (!out.dev_null) {
+            provider_failure(std::string("cannot open /dev/null: ") + std::strerror(errno));
+        }
+        fds = {out.dev_null.get(), out.dev_null.get(), out.dev_null.get()};
+        request.flags |= proto::flag_pty | proto::flag_pty_lease;
+        request.reserved = static_cast<std::uint32_t>(spec.pty->rows) << 16 | spec.pty->cols;
+    } else if (spec.pty) {
         out.pty_ends = detail::open_pty(*spec.pty);
         fds = {out.pty_ends.slave.get(), out.pty_ends.slave.get(), out.pty_ends.slave.get()};
         request.flags |= proto::flag_pty;
@@ -214,11 +229,15 @@ unique_fd BwrapProvider::sealed_memfd(const char* name, const std::string& bytes
     return fd;
 }
 
-detail::ProcessEnds BwrapProvider::channel_ends(PreparedChannel prepared, unique_fd init_pidfd,
+detail::ProcessEnds BwrapProvider::channel_ends(PreparedChannel prepared, StartedInit started,
                                                 const std::shared_ptr<BwrapSandbox>& state) {
     detail::ProcessEnds out;
-    out.pidfd = std::move(init_pidfd);  // out.pid stays -1: ProcessBackend reads it if asked
+    out.pidfd = std::move(started.pidfd);  // out.pid stays -1: ProcessBackend reads it if asked
     out.pty = prepared.pty;
+    if (prepared.lease_pty) {
+        prepared.pty_ends.master = std::move(started.master);
+        ::fcntl(prepared.pty_ends.master.get(), F_SETFL, O_NONBLOCK);
+    }
     if (prepared.pty) {
         int dup = ::fcntl(prepared.pty_ends.master.get(), F_DUPFD_CLOEXEC, 0);
         if (dup < 0) {
@@ -396,8 +415,15 @@ ssize_t send_with_fds(int socket, iovec* iov, std::size_t count, const std::vect
     return sent < 0 ? -errno : sent;
 }
 
-ssize_t BwrapProvider::recv_reply(int socket, proto::Reply& reply, unique_fd& pidfd, int flags) {
-    return recv_with_fd(socket, &reply, sizeof reply, pidfd, flags);
+ssize_t BwrapProvider::recv_reply(int socket, proto::Reply& reply, unique_fd& pidfd, int flags,
+                                  unique_fd* master) {
+    std::vector<unique_fd> fds;
+    bool truncated = false;
+    const ssize_t got = recv_with_fds(socket, &reply, sizeof reply, fds, truncated, flags);
+    // Any other descriptor closes here.
+    if (!fds.empty()) pidfd = std::move(fds[0]);
+    if (master != nullptr && fds.size() > 1) *master = std::move(fds[1]);
+    return got;
 }
 
 ssize_t BwrapProvider::recv_with_fd(int socket, void* data, std::size_t size, unique_fd& fd_out,
@@ -438,8 +464,8 @@ ssize_t recv_with_fds(int socket, void* data, std::size_t size, std::vector<uniq
 }
 
 awaitable<BwrapProvider::Exchanged> BwrapProvider::exchange(
-    std::shared_ptr<net::posix::stream_descriptor> socket, unique_fd spare, proto::Request request,
-    std::string payload, std::vector<int> fds) {
+    std::shared_ptr<net::posix::stream_descriptor> socket, std::vector<unique_fd> spares,
+    proto::Request request, std::string payload, std::vector<int> fds) {
     Exchanged out;
     const int fd = socket->native_handle();
     const ssize_t sent = co_await when_ready(*socket, net::posix::descriptor_base::wait_write, [&] {
@@ -449,9 +475,10 @@ awaitable<BwrapProvider::Exchanged> BwrapProvider::exchange(
         out.error = static_cast<int>(-sent);
         co_return out;
     }
-    spare.reset();  // the reply's pidfd takes its place
-    out.got = co_await when_ready(*socket, net::posix::descriptor_base::wait_read,
-                                  [&] { return recv_reply(fd, out.reply, out.pidfd); });
+    spares.clear();  // the reply's descriptors take their places
+    out.got = co_await when_ready(*socket, net::posix::descriptor_base::wait_read, [&] {
+        return recv_reply(fd, out.reply, out.pidfd, MSG_DONTWAIT, &out.master);
+    });
     if (out.got < 0) out.error = static_cast<int>(-out.got);
     if (out.got == 0) out.error = EPIPE;
     co_return out;
@@ -477,10 +504,10 @@ unique_fd BwrapProvider::copy_socket(BwrapSandbox& sandbox, const std::string& n
     return copy;
 }
 
-awaitable<unique_fd> BwrapProvider::ask_supervisor(std::shared_ptr<BwrapSandbox> sandbox,
-                                                   std::string name, unique_fd socket_copy,
-                                                   unique_fd spare, proto::Request request,
-                                                   std::string payload, std::vector<int> fds) {
+awaitable<BwrapProvider::StartedInit> BwrapProvider::ask_supervisor(
+    std::shared_ptr<BwrapSandbox> sandbox, std::string name, unique_fd socket_copy,
+    std::vector<unique_fd> spares, proto::Request request, std::string payload,
+    std::vector<int> fds) {
     using namespace net::experimental::awaitable_operators;
     // The caller (open) holds the sandbox's turn: one request in flight on the socket.
     {
@@ -495,14 +522,16 @@ awaitable<unique_fd> BwrapProvider::ask_supervisor(std::shared_ptr<BwrapSandbox>
     net::steady_timer timer(executor);
     timer.expires_after(std::chrono::milliseconds(supervisor_timeout_ms));
     auto outcome =
-        co_await (exchange(socket, std::move(spare), request, std::move(payload), std::move(fds)) ||
+        co_await (exchange(socket, std::move(spares), request, std::move(payload), std::move(fds)) ||
                   timer.async_wait(as_tuple_awaitable));
     if (outcome.index() == 1) fail_supervisor(*sandbox, name, ETIMEDOUT);
     Exchanged got = std::get<0>(std::move(outcome));
     if (got.error != 0) fail_supervisor(*sandbox, name, got.error);
     const proto::Reply& reply = got.reply;
     if (got.got != static_cast<ssize_t>(sizeof reply) || reply.magic != proto::reply_magic ||
-        reply.id != request.id || (reply.error == 0) != static_cast<bool>(got.pidfd)) {
+        reply.id != request.id || (reply.error == 0) != static_cast<bool>(got.pidfd) ||
+        ((request.flags & proto::flag_pty_lease) != 0 &&
+         (reply.error == 0) != static_cast<bool>(got.master))) {
         fail_supervisor(*sandbox, name, EPROTO);
     }
     if (reply.error != 0) {
@@ -520,7 +549,7 @@ awaitable<unique_fd> BwrapProvider::ask_supervisor(std::shared_ptr<BwrapSandbox>
                          " could not start the channel: " + std::strerror(reply.error));
     }
     ::fcntl(got.pidfd.get(), F_SETFL, O_NONBLOCK);
-    co_return std::move(got.pidfd);
+    co_return StartedInit{std::move(got.pidfd), std::move(got.master)};
 }
 
 void BwrapProvider::fail_supervisor(BwrapSandbox& sandbox, const std::string& name, int err) {

@@ -178,7 +178,7 @@ TEST_CASE(
         const char* init;
         bool adopted;
     };
-    for (const Case& k : {Case{SANDBOXD_INIT_V1_BIN, true}, Case{SANDBOXD_INIT_V4_BIN, false}}) {
+    for (const Case& k : {Case{SANDBOXD_INIT_V1_BIN, true}, Case{SANDBOXD_INIT_V5_BIN, false}}) {
         INFO(k.init);
         // The earlier process ran that supervisor; the next one is this build's.
         DaemonProcess d("node-a", adopting_config(120000, k.init));
@@ -203,7 +203,7 @@ TEST_CASE(
                   std::string::npos);
             CHECK(c->call("duplexChannelList", {{"leaseId", lease["id"]}})["channels"].empty());
         } else {
-            CHECK(d.log().find("its supervisor speaks version 4, and this daemon serves 1..3") !=
+            CHECK(d.log().find("its supervisor speaks version 5, and this daemon serves 1..4") !=
                   std::string::npos);
             CHECK(lease_status(*c, lease) != "active");
             CHECK_FALSE(supervisor_listens(d, id));

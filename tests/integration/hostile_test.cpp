@@ -6,6 +6,7 @@
 // Processes are found only as descendants of the daemon this test started (by pid), and
 // cgroups only as the ones those processes are in.
 #include "support/daemon_fixture.hpp"
+#include "support/received.hpp"
 
 #include <sandboxd/core/address.hpp>
 #include <sandboxd/core/errors.hpp>
@@ -421,6 +422,53 @@ TEST_CASE("hostile: user namespaces, keyrings and TIOCSTI are refused with EPERM
     CHECK(tiocsti.out == "1\r\n");
 }
 #endif
+
+TEST_CASE(
+    "hostile: each PTY channel's terminal is in a devpts of its own, named inside, and no other "
+    "channel reaches it",
+    "[hostile][pty]") {
+    DaemonProcess d;
+    auto a = d.connect();
+    auto b = d.connect();
+    const auto lease = acquire_lease(*a);
+    const json size = {{"cols", 80}, {"rows", 24}};
+    // A: names its terminal, writes through /dev/tty, lists its devpts, then echoes its input.
+    json first = open_params(lease, {"sh", "-c",
+                                     "tty; echo via-dev-tty > /dev/tty; stty size; "
+                                     "ls -1 /dev/pts; echo READY; exec cat"});
+    first["pty"] = size;
+    const auto channel = open_only(*a, first);
+    Received got;
+    REQUIRE(got.until(*a, [&] { return got.out[channel].find("READY") != std::string::npos; }));
+    CHECK(got.out[channel] == "/dev/pts/0\r\nvia-dev-tty\r\n24 80\r\n0\r\nptmx\r\nREADY\r\n");
+
+    // B, another PTY channel of the same lease and uid, while A runs: its terminal has the same
+    // name in its own instance, and every terminal it can name is its own.
+    json second = open_params(lease, {"sh", "-c",
+                                      "tty; ls -1 /dev/pts; for t in /dev/pts/[0-9]*; do "
+                                      "echo INJECT > $t; done"});
+    second["pty"] = size;
+    const auto other = b->run_channel(second);
+    CHECK(other.out == "/dev/pts/0\r\n0\r\nptmx\r\nINJECT\r\n");
+    CHECK(other.exit["exitCode"] == 0);
+
+    // C, without a terminal: the lease's own instance holds no channel's terminal, and a
+    // terminal it opens there itself is not A's.
+    const auto plain = b->run_channel(open_params(
+        lease, {"sh", "-c",
+                "ls -1 /dev/pts; tty || true; "
+                "perl -e 'open(my $m, \"+<\", \"/dev/ptmx\") or die qq(ptmx: $!); print qq(opened\\n)'; "
+                "ls -1 /dev/pts | grep -c '^[0-9]'"}));
+    CHECK(plain.out == "ptmx\nnot a tty\nopened\n0\n");
+    CHECK(plain.err.empty());
+
+    // A saw nothing of B's or C's, and still serves its own input.
+    a->send_stdin(channel, "bye\n\x04");
+    REQUIRE(got.until(*a, [&] { return !got.exits[channel].empty(); }));
+    CHECK(got.out[channel].find("INJECT") == std::string::npos);
+    CHECK(got.out[channel].find("bye\r\nbye\r\n") != std::string::npos);
+    CHECK(got.exits[channel].front()["exitCode"] == 0);
+}
 
 TEST_CASE("hostile: with the network unshared the daemon's own port is unreachable", "[hostile]") {
     DaemonProcess d;
