@@ -202,6 +202,12 @@ TEST_CASE(
             CHECK(d.log().find("not kept across the restart: its command did not outlive") !=
                   std::string::npos);
             CHECK(c->call("duplexChannelList", {{"leaseId", lease["id"]}})["channels"].empty());
+            // A supervisor before version 4 makes no terminal: the daemon makes it, as then.
+            auto pty = open_params(lease, {"sh", "-c", "stty size; echo typed"});
+            pty["pty"] = {{"cols", 100}, {"rows", 30}};
+            const auto shown = c->run_channel(pty);
+            CHECK(shown.out == "30 100\r\ntyped\r\n");
+            CHECK(shown.exit["exitCode"] == 0);
         } else {
             CHECK(d.log().find("its supervisor speaks version 5, and this daemon serves 1..4") !=
                   std::string::npos);
