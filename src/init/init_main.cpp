@@ -221,8 +221,14 @@ private:
             ::close(conn);
             return true;
         }
-        send_packet(conn, &welcome, sizeof welcome, self);
+        // A daemon that adopts reads the workspace's disk through it (supervisor_protocol.hpp).
+        // A mount point: nothing in the sandbox can rename or replace it.
+        const int workspace =
+            end ? -1 : ::open("/workspace", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        const int ends[2] = {self, workspace};
+        send_fds(conn, &welcome, sizeof welcome, ends, workspace < 0 ? 1 : 2);
         ::close(self);
+        if (workspace >= 0) ::close(workspace);
         if (end) {
             ::close(conn);
             return false;

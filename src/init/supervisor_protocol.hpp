@@ -37,7 +37,10 @@
 /// waits up to N ms for a daemon to connect; then it exits. A daemon connects and sends one
 /// `Adopt` packet:
 ///  - with the right secret and a version range that holds `version`, the supervisor answers
-///    with a `Welcome` (error 0) carrying a pidfd of itself, closes the socket it served before
+///    with a `Welcome` (error 0) carrying a pidfd of itself (from version 4, and then a
+///    descriptor of the lease's /workspace as the sandbox sees it, when it opens: under
+///    systemd each daemon start has a mount namespace of its own, so a later daemon finds
+///    the workspace's disk mounted only inside the sandbox), closes the socket it served before
 ///    (a daemon that takes over) and serves requests on the new connection, as on the pair;
 ///  - with the right secret and `adopt_end`, it answers with a `Welcome` and exits: the daemon
 ///    ends a sandbox it will not adopt (whatever the versions: this packet's layout never
@@ -140,8 +143,9 @@ inline constexpr std::uint32_t release_magic = 0x5342524C;  // "SBRL"
 inline constexpr std::uint32_t return_magic = 0x53425254;   // "SBRT"
 /// The first version that serves `Held` packets.
 inline constexpr std::uint32_t kept_channels_version = 3;
-/// The first version that serves `flag_pty_lease`.
+/// The first version that serves `flag_pty_lease`, and whose welcome carries /workspace.
 inline constexpr std::uint32_t lease_pty_version = 4;
+inline constexpr std::uint32_t workspace_welcome_version = 4;
 inline constexpr std::size_t key_size = 32;  ///< NUL-padded; at most key_size - 1 bytes
 inline constexpr std::size_t max_held = 4096;
 

@@ -155,8 +155,14 @@ BwrapProvider::Reached BwrapProvider::reach_supervisor(const std::string& id,
         provider_failure("sandbox " + id +
                          ": cannot reach its supervisor: " + std::strerror(errno));
     }
+    std::vector<unique_fd> fds;
+    bool truncated = false;
     const ssize_t got =
-        recv_with_fd(out.socket.get(), &out.welcome, sizeof out.welcome, out.pidfd, 0);
+        recv_with_fds(out.socket.get(), &out.welcome, sizeof out.welcome, fds, truncated, 0);
+    if (!fds.empty()) out.pidfd = std::move(fds[0]);
+    if (fds.size() > 1 && out.welcome.version >= proto::workspace_welcome_version) {
+        out.workspace = std::move(fds[1]);
+    }
     if (got != static_cast<ssize_t>(sizeof out.welcome) ||
         out.welcome.magic != proto::welcome_magic) {
         provider_failure("sandbox " + id + ": its supervisor did not welcome this daemon (" +
@@ -223,6 +229,7 @@ std::shared_ptr<SandboxHandle> BwrapProvider::adopt_now(const Lease& lease) {
     if (options_.limits.enforce) {
         sandbox->workspace = handle->workspace;
         sandbox->cgroup = cgroups_->find_lease(id);
+        sandbox->workspace_root = std::move(reached.workspace);
     }
     cgroup.reset();  // kept: the handle found again above is the one that ends it
     const timeval tv{supervisor_timeout_ms / 1000, 0};

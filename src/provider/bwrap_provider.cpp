@@ -179,9 +179,15 @@ json BwrapProvider::usage(const SandboxHandle& sandbox) const {
     auto state = std::static_pointer_cast<BwrapSandbox>(sandbox.state);
     if (!state || !state->cgroup) return nullptr;
     const auto u = state->cgroup->usage();
+    std::uint64_t disk = 0;
+    {
+        std::lock_guard lock(state->mutex);  // shutdown() closes workspace_root
+        disk = state->workspace_root ? detail::disk_used_bytes(state->workspace_root.get())
+                                     : detail::disk_used_bytes(sandbox.workspace);
+    }
     return {{"memoryBytes", u.memory_bytes},
             {"pids", u.pids},
-            {"diskBytes", detail::disk_used_bytes(sandbox.workspace)},
+            {"diskBytes", disk},
             {"cpuMs", u.cpu_ms}};
 }
 

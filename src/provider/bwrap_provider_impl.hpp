@@ -330,6 +330,7 @@ private:
         unique_fd socket;
         proto::Welcome welcome{};
         unique_fd pidfd;
+        unique_fd workspace;  ///< the sandbox's /workspace (version 4 on); may be empty
     };
     Reached reach_supervisor(const std::string& id, std::uint32_t flags) const;
 

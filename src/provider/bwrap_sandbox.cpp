@@ -46,6 +46,7 @@ void BwrapSandbox::shutdown(bool unmount) noexcept {
         ::poll(&p, 1, bwrap_exit_grace_ms);
         supervisor_pidfd.reset();
     }
+    workspace_root.reset();      // holds the workspace's filesystem busy
     spare_cgroups.clear();       // emptied ones: removed, not killed
     if (cgroup) cgroup->kill();  // whatever is left (a sandbox whose bubblewrap is gone)
     // A sandbox dropped without a teardown (the daemon stops): nothing can use it again
@@ -70,6 +71,7 @@ BwrapSandbox::~BwrapSandbox() {
     {
         std::lock_guard lock(mutex);
         rest->workspace = std::move(workspace);
+        rest->workspace_root = std::move(workspace_root);
         rest->pid = std::exchange(pid, -1);
         rest->pidfd = std::move(pidfd);
         rest->socket = std::move(socket);

@@ -170,6 +170,10 @@ public:
 
     Turns turns;       ///< one request in flight on the socket
     std::mutex mutex;  ///< guards the fields below (never held across a wait)
+    /// An adopted sandbox's /workspace as the sandbox sees it (its supervisor's welcome):
+    /// under systemd the disk is no longer mounted in this process's mount namespace, and
+    /// usage() reads it here. Empty for a sandbox this process made.
+    unique_fd workspace_root;
     pid_t pid = -1;    ///< bubblewrap, our child; -1 once reaped, and for an adopted sandbox
     unique_fd pidfd;
     unique_fd socket;  ///< the daemon's end of the supervisor's socket pair

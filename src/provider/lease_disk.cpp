@@ -528,6 +528,12 @@ std::uint64_t disk_used_bytes(const fs::path& mountpoint) noexcept {
     return static_cast<std::uint64_t>(st.f_blocks - st.f_bfree) * st.f_frsize;
 }
 
+std::uint64_t disk_used_bytes(int fd) noexcept {
+    struct statvfs st {};
+    if (::fstatvfs(fd, &st) != 0) return 0;
+    return static_cast<std::uint64_t>(st.f_blocks - st.f_bfree) * st.f_frsize;
+}
+
 // posix_spawn cannot set a resource limit for the child, so util-linux's prlimit (essential
 // on Debian) sets RLIMIT_AS on itself and then execs rm: the limit is in force before rm's
 // first allocation, with no code of ours between clone and exec. (Setting it with prlimit(2)

@@ -58,6 +58,8 @@ void destroy_lease_disk(const std::filesystem::path& dir);
 /// Bytes in use on the filesystem mounted at `mountpoint` (statvfs: (blocks - bfree) * frsize).
 /// 0 when it cannot be read. noexcept.
 std::uint64_t disk_used_bytes(const std::filesystem::path& mountpoint) noexcept;
+/// The same for the filesystem that descriptor `fd` is on (fstatvfs).
+std::uint64_t disk_used_bytes(int fd) noexcept;
 
 /// Removes the directory tree at `path` (not following symlinks, not crossing into other
 /// filesystems) with memory and descriptors bounded whatever the tree's depth or size: the

@@ -124,6 +124,40 @@ TEST_CASE("adopt: after kill -9 and after SIGTERM the next process re-adopts eve
     CHECK_FALSE(supervisor_listens(d, first));
 }
 
+TEST_CASE(
+    "adopt: with a mount namespace of its own at each start, as under systemd, a re-adopted "
+    "lease's disk is still measured",
+    "[adopt][restart]") {
+    DaemonProcess d("node-a", adopting_config());
+    d.confine_like_the_unit_for_next_start();  // this start and every later one
+    d.restart();
+    auto c = host(d);
+    const json lease = c->call("leaseAcquire", {{"companyId", "acme"},
+                                                {"environmentId", "dev"},
+                                                {"provider", "bwrap"},
+                                                {"config", {{"limits", {{"diskBytes", 64 << 20}}}}}});
+    REQUIRE(run(*c, lease, "head -c 20971520 /dev/urandom > /workspace/f && sync").second == 0);
+    auto disk = [&] {
+        return c->call("leaseGet", {{"leaseId", lease["id"]}})["usage"]["diskBytes"].get<double>();
+    };
+    const double before = disk();
+    CHECK(before > 20.0 * (1 << 20));
+    d.kill9();
+    d.restart();
+    c = host(d);
+    // The next process's mount namespace has no mount of the workspace's disk: it reads it
+    // through the descriptor its sandbox's supervisor gave it.
+    const std::string workspace = (runtime_of(d) / lease["providerLeaseId"].get<std::string>() /
+                                   "workspace").string();
+    const std::string mounts = read_proc_file("/proc/" + std::to_string(d.pid()) + "/mountinfo");
+    CHECK(mounts.find(" " + workspace + " ") == std::string::npos);
+    const double after = disk();
+    CHECK(after > 20.0 * (1 << 20));
+    CHECK(after < before + (1 << 20));
+    REQUIRE(run(*c, lease, "rm /workspace/f && sync").second == 0);
+    CHECK(disk() < before - 19.0 * (1 << 20));
+}
+
 TEST_CASE("adopt: a supervisor that no daemon adopts ends its sandbox after adoptTimeoutMs",
           "[adopt][restart]") {
     DaemonProcess d("node-a", adopting_config(1000));
