@@ -1407,7 +1407,7 @@ json cmd_report(const Args& a) {
          {"node_client_stream_mb_s", "tls_stream_mb_s", "plain_stream_mb_s", "tls_open_p50_ms",
           "plain_open_p50_ms", "noop_lease_ops_per_s", "noop_lease_ops_parallel_per_s",
           "open_floor_p50_ms", "stream_floor_mb_s", "open_paired_p50_ms", "open_paired_p99_ms",
-          "websocketd_open_alone_p50_ms", "open_refused_p50_ms"}) {
+          "websocketd_open_alone_p50_ms", "open_refused_p50_ms", "restart_serving_ms"}) {
         if (all.contains(k)) latest[k] = all[k];
     }
     if (details.contains("hold")) {  // measured at 10,000 channels, or extrapolated to it
@@ -1625,6 +1625,14 @@ json cmd_report(const Args& a) {
             fmt(h["open_while_held_ms"]["p50"], 1) + " / " + fmt(h["open_while_held_ms"]["p99"], 1),
             "idle p99 " + fmt(num("open_p99_ms"), 1), "", "");
     }
+    if (details.contains("restart")) {
+        const auto& r = details["restart"];
+        row("restart after kill -9: start to every lease serving (ms)", fmt(r["serving_ms"], 0),
+            fmt(r["leases"], 0) + " leases, " + fmt(r["channels_running"], 0) +
+                " detached channels kept",
+            "", "");
+        row("  start to ready (ms)", fmt(r["ready_ms"], 0), "", "", "");
+    }
     row("leaseAcquire+leaseRelease (per s)", fmt(num("lease_ops_per_s"), 0), "sqlite registry", "",
         "");
     if (details.contains("lease_ops")) {
@@ -1658,6 +1666,126 @@ json cmd_report(const Args& a) {
     return nullptr;
 }
 
+/// restart-setup (issue 47): --leases leases and --channels detached `sleep 3600` channels over
+/// them, round robin, for restart-serve once bench/run has killed the daemon (kill -9) and
+/// started it again on the same state; writes the leases to --leases-file. The channels
+/// outlive the connection (detached).
+json cmd_restart_setup(const Args& a) {
+    const Target t = target_of(a);
+    const std::size_t total = a.num("channels", 1000);
+    const std::size_t nleases = a.num("leases", 40);
+    if (nleases < 1 || nleases > total) {
+        throw std::runtime_error("restart-setup: --leases must be 1..channels");
+    }
+    Conn c(t.url, t.token);
+    const std::size_t per_lease = (total + nleases - 1) / nleases;
+    json leases = json::array();
+    for (std::size_t i = 0; i < nleases; ++i) {
+        leases.push_back(acquire(c, "bench", "restart-" + std::to_string(i),
+                                 {{"pids", 2 * per_lease + 64}, {"openFiles", 64}}));
+    }
+    c.close();
+    const auto start = clock_type::now();
+    std::size_t sent = 0, opened = 0;
+    // At most 200 on one connection (limits.channelsPerConnection is 256 by default), which
+    // closes once they are open: they are detached.
+    while (sent < total) {
+        Conn conn(t.url, t.token);
+        const std::size_t window = std::min<std::size_t>(
+            64, conn.call("initialize", {{"protocolVersion", 1}})["limits"].value(
+                    "requestsPerConnection", 1U));
+        const std::size_t last = std::min(total, sent + 200);
+        std::deque<std::int64_t> ids;
+        while (sent < last || !ids.empty()) {
+            while (sent < last && ids.size() < window) {
+                json p = open_params(leases[sent % nleases], {"sleep", "3600"}, false);
+                p["detach"] = {{"retainMs", 600000}, {"retainBytes", 4096}};
+                ids.push_back(conn.send_request("duplexChannelOpen", p));
+                ++sent;
+            }
+            conn.wait(ids.front());
+            ids.pop_front();
+            ++opened;
+        }
+        conn.close();
+    }
+    const double open_all_s = secs_since(start);
+    {
+        std::ofstream out(a.need("leases-file"));
+        out << leases.dump() << "\n";
+        if (!out) throw std::runtime_error("cannot write " + a.need("leases-file"));
+    }
+    return {{"details",
+             {{"restart_setup",
+               {{"leases", nleases}, {"channels", opened}, {"open_all_s", open_all_s}}}}}};
+}
+
+/// restart-serve (issue 47): the daemon was started again at --start-ns (CLOCK_REALTIME, ns,
+/// as `date +%s%N` gives it) on restart-setup's state. Waits for its --ready-file (polled
+/// every millisecond), then opens `true` on every lease of --leases-file at once and lists
+/// each lease's detached channels. Reports the time from the start to the ready file and to
+/// every lease having served an open, and how many detached channels came back running
+/// (--channels of them are expected). Releases the leases at the end.
+json cmd_restart_serve(const Args& a) {
+    const std::int64_t start_ns = static_cast<std::int64_t>(a.num("start-ns", 0));
+    if (start_ns <= 0) throw std::runtime_error("restart-serve needs --start-ns");
+    auto since_start_ms = [start_ns] {
+        const auto now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::system_clock::now().time_since_epoch())
+                             .count();
+        return static_cast<double>(now - start_ns) / 1e6;
+    };
+    const std::string ready_file = a.need("ready-file");
+    std::string address;
+    for (;;) {
+        std::ifstream in(ready_file);
+        if (in && std::getline(in, address) && !address.empty()) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    const double ready_ms = since_start_ms();
+    const json leases = json::parse(read_file(a.need("leases-file")));
+    Conn c(parse_url("ws://" + address + "/v1/ws", ""), read_file(a.need("token-file")));
+    std::map<std::uint32_t, std::size_t> pending;  // channel -> lease index
+    std::vector<std::int64_t> ids;
+    for (const auto& lease : leases) {
+        ids.push_back(c.send_request("duplexChannelOpen", open_params(lease, {"true"}, false)));
+    }
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+        pending[c.wait(ids[i]).at("channel").get<std::uint32_t>()] = i;
+    }
+    while (!pending.empty()) {
+        Msg m;
+        c.next(m);
+        if (!m.is_exit()) continue;
+        const auto& p = m.j["params"];
+        if (pending.erase(p.value("channel", 0U)) == 0) continue;
+        if (p.value("exitCode", json()) != 0) {
+            throw std::runtime_error("`true` did not exit 0 after the restart: " + p.dump());
+        }
+    }
+    const double serving_ms = since_start_ms();
+    std::size_t running = 0;
+    for (const auto& lease : leases) {
+        const json listed = c.call("duplexChannelList", {{"leaseId", lease["id"]}});
+        for (const auto& ch : listed["channels"]) running += ch["state"] == "running" ? 1 : 0;
+    }
+    const std::size_t expected = a.num("channels", 0);
+    for (const auto& lease : leases) c.call("leaseRelease", {{"leaseId", lease["id"]}});
+    c.close();
+    if (expected != 0 && running != expected) {
+        throw std::runtime_error("restart-serve: " + std::to_string(running) + " of " +
+                                 std::to_string(expected) +
+                                 " detached channels came back running");
+    }
+    return {{"restart_serving_ms", serving_ms},
+            {"details",
+             {{"restart",
+               {{"leases", leases.size()},
+                {"channels_running", running},
+                {"ready_ms", ready_ms},
+                {"serving_ms", serving_ms}}}}}};
+}
+
 json dispatch(const Args& a) {
     if (a.command == "open") return cmd_open(a);
     if (a.command == "open-ab") return cmd_open_ab(a);
@@ -1671,6 +1799,8 @@ json dispatch(const Args& a) {
     if (a.command == "open-refused") return cmd_open_refused(a);
     if (a.command == "ws-stream") return cmd_ws_stream(a);
     if (a.command == "hold") return cmd_hold(a);
+    if (a.command == "restart-setup") return cmd_restart_setup(a);
+    if (a.command == "restart-serve") return cmd_restart_serve(a);
     if (a.command == "lease-ops") return cmd_lease_ops(a);
     if (a.command == "proxy") return cmd_proxy(a);
     if (a.command == "free-port") return cmd_free_port(a);
@@ -1678,7 +1808,7 @@ json dispatch(const Args& a) {
     throw std::runtime_error(
         "unknown command \"" + a.command +
         "\" (open, open-ab, open-pair, open-refused, stream, detached, stdin, pipe, "
-        "ws-open, ws-stream, hold, lease-ops, "
+        "ws-open, ws-stream, hold, restart-setup, restart-serve, lease-ops, "
         "proxy, free-port, report)");
 }
 
