@@ -54,21 +54,6 @@ sockaddr_un socket_address(const fs::path& path) {
     return addr;
 }
 
-/// The pid a pidfd refers to (its fdinfo's "Pid:" line), or -1.
-pid_t pid_of(int pidfd) {
-    std::ifstream in("/proc/self/fdinfo/" + std::to_string(pidfd));
-    std::string key;
-    while (in >> key) {
-        if (key == "Pid:") {
-            long pid = -1;
-            in >> pid;
-            return static_cast<pid_t>(pid);
-        }
-        std::string rest;
-        std::getline(in, rest);
-    }
-    return -1;
-}
 
 }  // namespace
 
@@ -170,7 +155,7 @@ BwrapProvider::Reached BwrapProvider::reach_supervisor(const std::string& id,
                                   : "a reply of " + std::to_string(got) + " bytes") +
                          "; a wrong secret gets no answer)");
     }
-    if (out.welcome.error == 0 && (!out.pidfd || pid_of(out.pidfd.get()) != cred.pid)) {
+    if (out.welcome.error == 0 && (!out.pidfd || detail::pid_of_pidfd(out.pidfd.get()) != cred.pid)) {
         provider_failure("sandbox " + id +
                          ": the welcome's pidfd does not name the process that listens");
     }

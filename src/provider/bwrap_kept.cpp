@@ -23,12 +23,44 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 namespace sandboxd::bwrap {
 
 namespace {
+
+/// The name of the channel cgroup that process `pid` is in: the last component of a path in
+/// /proc/<pid>/cgroup whose parent component is the lease's cgroup, `lease`. "" when there is
+/// none (the process is gone, or not in a channel's cgroup).
+std::string channel_cgroup_of(pid_t pid, const std::string& lease) {
+    if (pid <= 0) return {};
+    const std::string path = "/proc/" + std::to_string(pid) + "/cgroup";
+    unique_fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) return {};
+    std::array<char, 8192> buffer{};
+    std::string text;
+    for (;;) {
+        const ssize_t n = ::read(fd.get(), buffer.data(), buffer.size());
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0 || text.size() > 64 * 1024) break;
+        text.append(buffer.data(), static_cast<std::size_t>(n));
+    }
+    const std::string parent = "/" + lease + "/";
+    for (std::size_t at = 0; at < text.size();) {
+        std::size_t end = text.find('\n', at);
+        if (end == std::string::npos) end = text.size();
+        const std::string_view line(text.data() + at, end - at);
+        at = end + 1;
+        const std::size_t slash = line.rfind('/');
+        if (slash == std::string_view::npos || slash + 1 >= line.size()) continue;
+        const std::size_t start = line.rfind(parent, slash);
+        if (start == std::string_view::npos || start + parent.size() != slash + 1) continue;
+        return std::string(line.substr(slash + 1));
+    }
+    return {};
+}
 
 static_assert(proto::held_slots <= 8, "recv_with_fds() takes at most 8 descriptors a packet");
 
@@ -217,8 +249,22 @@ std::unique_ptr<ChannelBackend> BwrapProvider::take_kept_channel(SandboxHandle& 
         release_held(*state, key, (1U << proto::held_slots) - 1);
         return nullptr;
     }
-    // Its cgroup stays where it is (emptied with the lease's); it counts no limit events.
-    ends.resources = std::make_unique<KeptChannelResources>(nullptr, state, key);
+    // Its cgroup, found again by its init's: limit events from now on are the channel's, and
+    // it goes when the channel ends (or stays, kept, through another restart). One that cannot
+    // be found (its init has ended) is emptied with the lease's.
+    TakenCgroup cgroup;
+    if (state->cgroup) {
+        const std::string name = channel_cgroup_of(detail::pid_of_pidfd(ends.pidfd.get()),
+                                                   sandbox.scope.provider_lease_id);
+        if (!name.empty()) cgroup.cgroup = state->cgroup->find_channel(name);
+        if (cgroup.cgroup) {
+            // What it counted before this process is not known to be this channel's.
+            cgroup.oom_kills_before = cgroup.cgroup->oom_kills();
+            cgroup.pids_hits_before = cgroup.cgroup->own_pids_limit_hits().value_or(0);
+        }
+    }
+    ends.resources = std::make_unique<KeptChannelResources>(
+        std::make_unique<BwrapChannelResources>(std::move(cgroup), state, counters_), state, key);
     return std::make_unique<detail::ProcessBackend>(std::move(executor), std::move(ends));
 }
 

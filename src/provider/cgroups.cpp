@@ -534,6 +534,18 @@ public:
         return std::make_unique<Channel>(layout_, std::move(rel));
     }
 
+    std::unique_ptr<ChannelCgroup> find_channel(const std::string& name) override {
+        if (!valid_name(name) || name == v2_lease_leaf) return nullptr;
+        std::string rel = name_ + "/" + name;
+        for (std::size_t h = 0; h < layout_->hierarchies.size(); ++h) {
+            std::error_code ec;
+            if (!layout_->absent_in(h, rel) && !fs::is_directory(layout_->dir(h, rel), ec)) {
+                return nullptr;
+            }
+        }
+        return std::make_unique<Channel>(layout_, std::move(rel));
+    }
+
     CgroupUsage usage() const noexcept override {
         const Layout& l = *layout_;
         CgroupUsage u;

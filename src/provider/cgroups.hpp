@@ -120,6 +120,10 @@ public:
     virtual std::vector<unique_fd> open_procs() const = 0;
     /// Makes the child cgroup `name` ([A-Za-z0-9_-], 1..64 chars) for a channel.
     virtual std::unique_ptr<ChannelCgroup> create_channel(const std::string& name) = 0;
+    /// The child cgroup `name` made earlier (by this or an earlier process: a kept channel
+    /// restored after a restart), in every hierarchy; nullptr when it is not there (or the
+    /// name is not a channel's).
+    virtual std::unique_ptr<ChannelCgroup> find_channel(const std::string& name) = 0;
     /// Current usage. noexcept: unreadable fields are 0.
     virtual CgroupUsage usage() const noexcept = 0;
     /// Times a fork in this lease failed on its pids limit (v1 and v2 pids.events "max").

@@ -52,8 +52,9 @@ ChannelExit parse_status_line(std::string_view text) {
     return exit;
 }
 
-/// The host pid of a pidfd (its fdinfo's "Pid:" line); -1 when unknown (or the process has
-/// been reaped: the kernel then says -1 itself).
+
+}  // namespace
+
 pid_t pid_of_pidfd(int pidfd) noexcept {
     char path[64];
     std::snprintf(path, sizeof path, "/proc/self/fdinfo/%d", pidfd);
@@ -68,8 +69,6 @@ pid_t pid_of_pidfd(int pidfd) noexcept {
     if (line == nullptr) return -1;
     return static_cast<pid_t>(std::strtol(line + 5, nullptr, 10));
 }
-
-}  // namespace
 
 ProcessBackend::ProcessBackend(net::any_io_executor executor, ProcessEnds ends)
     : pid_(ends.pid),

@@ -16,6 +16,10 @@
 
 namespace sandboxd::detail {
 
+/// The host pid of a pidfd (its fdinfo's "Pid:" line); -1 when unknown (or the process has
+/// been reaped: the kernel then says -1 itself). Reads /proc/self/fdinfo once; noexcept.
+pid_t pid_of_pidfd(int pidfd) noexcept;
+
 /// What a provider keeps for one channel beyond its descriptors (the bwrap provider: the
 /// channel's cgroup). Owned by the backend; destroying it releases them. Used on the backend's
 /// executor only.

@@ -158,6 +158,38 @@ TEST_CASE(
     CHECK(disk() < before - 19.0 * (1 << 20));
 }
 
+TEST_CASE(
+    "adopt: a kept channel killed at its memory limit after the restart is reported as "
+    "memory",
+    "[adopt][restart]") {
+    DaemonProcess d("node-a", adopting_config());
+    auto c = host(d);
+    const json lease = c->call("leaseAcquire", {{"companyId", "acme"},
+                                                {"environmentId", "dev"},
+                                                {"provider", "bwrap"},
+                                                {"config", {{"limits", {{"memoryBytes", 128 << 20}}}}}});
+    // It waits for the next process, then doubles a string until the kernel stops it.
+    auto p = open_params(lease, {"sh", "-c", "read go && exec awk 'BEGIN { s = \"x\"; while (1) s = s s }'"});
+    p["name"] = "hungry";
+    p["detach"] = {{"retainMs", 60000}, {"retainBytes", 4096}};
+    c->call("duplexChannelOpen", p);
+    c.reset();
+    d.kill9();
+    d.restart();
+    c = host(d);
+    const auto id = c->call("duplexChannelAttach", {{"leaseId", lease["id"]}, {"name", "hungry"}})
+                        ["channel"]
+                            .get<std::uint32_t>();
+    c->send_stdin(id, "go\n");
+    Received got;
+    REQUIRE(got.until(*c, [&] { return !got.exits[id].empty(); }));
+    const json& exit = got.exits[id].front();
+    CHECK(exit["signal"] == "KILL");
+    CHECK(exit.value("limit", "") == "memory");
+    CHECK(d.metric("sandboxd_limit_events_total{kind=\"memory\"}") == 1);
+    CHECK(run(*c, lease, "echo alive").first == "alive\n");
+}
+
 TEST_CASE("adopt: a supervisor that no daemon adopts ends its sandbox after adoptTimeoutMs",
           "[adopt][restart]") {
     DaemonProcess d("node-a", adopting_config(1000));

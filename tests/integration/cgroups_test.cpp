@@ -390,6 +390,17 @@ TEST_CASE("A lease is made with its limits written to the cgroup files", "[cgrou
         channel.reset();
         CHECK_FALSE(exists_anywhere(f, "limits/c-1"));
     }
+    SECTION("find_channel finds a kept channel's cgroup again, or gives nullptr") {
+        lease->create_channel("c-2")->keep();
+        CHECK(exists_everywhere(f, "limits/c-2"));
+        CHECK(lease->find_channel("absent") == nullptr);
+        CHECK(lease->find_channel("../limits") == nullptr);
+        auto found = lease->find_channel("c-2");
+        REQUIRE(found != nullptr);
+        found->mark_empty();
+        found.reset();
+        CHECK_FALSE(exists_anywhere(f, "limits/c-2"));
+    }
     SECTION("find_lease returns a lease to remove, or nullptr") {
         CHECK(f.manager().find_lease("absent") == nullptr);
         auto found = f.manager().find_lease("limits");
