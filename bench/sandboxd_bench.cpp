@@ -1774,8 +1774,7 @@ json cmd_restart_serve(const Args& a) {
     c.close();
     if (expected != 0 && running != expected) {
         throw std::runtime_error("restart-serve: " + std::to_string(running) + " of " +
-                                 std::to_string(expected) +
-                                 " detached channels came back running");
+                                 std::to_string(expected) + " detached channels came back running");
     }
     return {{"restart_serving_ms", serving_ms},
             {"details",

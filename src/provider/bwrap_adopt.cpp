@@ -54,7 +54,6 @@ sockaddr_un socket_address(const fs::path& path) {
     return addr;
 }
 
-
 }  // namespace
 
 BwrapProvider::AdoptionEnds BwrapProvider::prepare_adoption(const std::string& id) const {
@@ -155,7 +154,8 @@ BwrapProvider::Reached BwrapProvider::reach_supervisor(const std::string& id,
                                   : "a reply of " + std::to_string(got) + " bytes") +
                          "; a wrong secret gets no answer)");
     }
-    if (out.welcome.error == 0 && (!out.pidfd || detail::pid_of_pidfd(out.pidfd.get()) != cred.pid)) {
+    if (out.welcome.error == 0 &&
+        (!out.pidfd || detail::pid_of_pidfd(out.pidfd.get()) != cred.pid)) {
         provider_failure("sandbox " + id +
                          ": the welcome's pidfd does not name the process that listens");
     }

@@ -174,7 +174,7 @@ public:
     /// under systemd the disk is no longer mounted in this process's mount namespace, and
     /// usage() reads it here. Empty for a sandbox this process made.
     unique_fd workspace_root;
-    pid_t pid = -1;    ///< bubblewrap, our child; -1 once reaped, and for an adopted sandbox
+    pid_t pid = -1;  ///< bubblewrap, our child; -1 once reaped, and for an adopted sandbox
     unique_fd pidfd;
     unique_fd socket;  ///< the daemon's end of the supervisor's socket pair
     /// The supervisor (PID 1 of the lease's namespaces, bubblewrap's child), from its hello:

@@ -521,9 +521,9 @@ awaitable<BwrapProvider::StartedInit> BwrapProvider::ask_supervisor(
     auto socket = std::make_shared<net::posix::stream_descriptor>(executor, socket_copy.release());
     net::steady_timer timer(executor);
     timer.expires_after(std::chrono::milliseconds(supervisor_timeout_ms));
-    auto outcome =
-        co_await (exchange(socket, std::move(spares), request, std::move(payload), std::move(fds)) ||
-                  timer.async_wait(as_tuple_awaitable));
+    auto outcome = co_await (
+        exchange(socket, std::move(spares), request, std::move(payload), std::move(fds)) ||
+        timer.async_wait(as_tuple_awaitable));
     if (outcome.index() == 1) fail_supervisor(*sandbox, name, ETIMEDOUT);
     Exchanged got = std::get<0>(std::move(outcome));
     if (got.error != 0) fail_supervisor(*sandbox, name, got.error);

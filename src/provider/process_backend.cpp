@@ -52,7 +52,6 @@ ChannelExit parse_status_line(std::string_view text) {
     return exit;
 }
 
-
 }  // namespace
 
 pid_t pid_of_pidfd(int pidfd) noexcept {

@@ -132,10 +132,11 @@ TEST_CASE(
     d.confine_like_the_unit_for_next_start();  // this start and every later one
     d.restart();
     auto c = host(d);
-    const json lease = c->call("leaseAcquire", {{"companyId", "acme"},
-                                                {"environmentId", "dev"},
-                                                {"provider", "bwrap"},
-                                                {"config", {{"limits", {{"diskBytes", 64 << 20}}}}}});
+    const json lease =
+        c->call("leaseAcquire", {{"companyId", "acme"},
+                                 {"environmentId", "dev"},
+                                 {"provider", "bwrap"},
+                                 {"config", {{"limits", {{"diskBytes", 64 << 20}}}}}});
     REQUIRE(run(*c, lease, "head -c 20971520 /dev/urandom > /workspace/f && sync").second == 0);
     auto disk = [&] {
         return c->call("leaseGet", {{"leaseId", lease["id"]}})["usage"]["diskBytes"].get<double>();
@@ -147,8 +148,8 @@ TEST_CASE(
     c = host(d);
     // The next process's mount namespace has no mount of the workspace's disk: it reads it
     // through the descriptor its sandbox's supervisor gave it.
-    const std::string workspace = (runtime_of(d) / lease["providerLeaseId"].get<std::string>() /
-                                   "workspace").string();
+    const std::string workspace =
+        (runtime_of(d) / lease["providerLeaseId"].get<std::string>() / "workspace").string();
     const std::string mounts = read_proc_file("/proc/" + std::to_string(d.pid()) + "/mountinfo");
     CHECK(mounts.find(" " + workspace + " ") == std::string::npos);
     const double after = disk();
@@ -164,12 +165,14 @@ TEST_CASE(
     "[adopt][restart]") {
     DaemonProcess d("node-a", adopting_config());
     auto c = host(d);
-    const json lease = c->call("leaseAcquire", {{"companyId", "acme"},
-                                                {"environmentId", "dev"},
-                                                {"provider", "bwrap"},
-                                                {"config", {{"limits", {{"memoryBytes", 128 << 20}}}}}});
+    const json lease =
+        c->call("leaseAcquire", {{"companyId", "acme"},
+                                 {"environmentId", "dev"},
+                                 {"provider", "bwrap"},
+                                 {"config", {{"limits", {{"memoryBytes", 128 << 20}}}}}});
     // It waits for the next process, then doubles a string until the kernel stops it.
-    auto p = open_params(lease, {"sh", "-c", "read go && exec awk 'BEGIN { s = \"x\"; while (1) s = s s }'"});
+    auto p = open_params(
+        lease, {"sh", "-c", "read go && exec awk 'BEGIN { s = \"x\"; while (1) s = s s }'"});
     p["name"] = "hungry";
     p["detach"] = {{"retainMs", 60000}, {"retainBytes", 4096}};
     c->call("duplexChannelOpen", p);
@@ -177,9 +180,9 @@ TEST_CASE(
     d.kill9();
     d.restart();
     c = host(d);
-    const auto id = c->call("duplexChannelAttach", {{"leaseId", lease["id"]}, {"name", "hungry"}})
-                        ["channel"]
-                            .get<std::uint32_t>();
+    const auto id =
+        c->call("duplexChannelAttach", {{"leaseId", lease["id"]}, {"name", "hungry"}})["channel"]
+            .get<std::uint32_t>();
     c->send_stdin(id, "go\n");
     Received got;
     REQUIRE(got.until(*c, [&] { return !got.exits[id].empty(); }));

@@ -455,10 +455,11 @@ TEST_CASE(
     // C, without a terminal: the lease's own instance holds no channel's terminal, and a
     // terminal it opens there itself is not A's.
     const auto plain = b->run_channel(open_params(
-        lease, {"sh", "-c",
-                "ls -1 /dev/pts; tty || true; "
-                "perl -e 'open(my $m, \"+<\", \"/dev/ptmx\") or die qq(ptmx: $!); print qq(opened\\n)'; "
-                "ls -1 /dev/pts | grep -c '^[0-9]'"}));
+        lease,
+        {"sh", "-c",
+         "ls -1 /dev/pts; tty || true; "
+         "perl -e 'open(my $m, \"+<\", \"/dev/ptmx\") or die qq(ptmx: $!); print qq(opened\\n)'; "
+         "ls -1 /dev/pts | grep -c '^[0-9]'"}));
     CHECK(plain.out == "ptmx\nnot a tty\nopened\n0\n");
     CHECK(plain.err.empty());
 
