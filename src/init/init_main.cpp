@@ -381,14 +381,21 @@ private:
     // One packet from `socket` into buffer_, its descriptors into req.fds: its size, 0 at
     // EOF, -1 on failure (errno).
     ssize_t receive(int socket, ChannelRequest& req, int& msg_flags) {
+        return receive_fds(socket, buffer_.get(), buffer_size, req.fds, msg_flags, 0);
+    }
+
+    // One packet of at most `size` bytes into `data`, its descriptors appended to `fds` (at
+    // most proto::max_fds), close-on-exec: its size, 0 at EOF, or -1 with errno.
+    static ssize_t receive_fds(int socket, void* data, std::size_t size, std::vector<int>& fds,
+                               int& msg_flags, int flags) {
         alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * proto::max_fds)];
-        iovec iov{buffer_.get(), buffer_size};
+        iovec iov{data, size};
         msghdr msg{};
         msg.msg_iov = &iov;
         msg.msg_iovlen = 1;
         msg.msg_control = control;
         msg.msg_controllen = sizeof control;
-        const ssize_t n = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
+        const ssize_t n = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC | flags);
         if (n <= 0) return n;
         msg_flags = msg.msg_flags;
         for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
@@ -397,7 +404,7 @@ private:
             for (std::size_t i = 0; i < count; ++i) {
                 int fd = -1;
                 std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-                req.fds.push_back(fd);
+                fds.push_back(fd);
             }
         }
         return n;
@@ -792,29 +799,24 @@ private:
         } while (ready < 0 && errno == EINTR);
         if (ready == 0) return ETIMEDOUT;
         std::int32_t err = 0;
-        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-        iovec iov{&err, sizeof err};
-        msghdr msg{};
-        msg.msg_iov = &iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control;
-        msg.msg_controllen = sizeof control;
+        std::vector<int> fds;
+        int msg_flags = 0;
         ssize_t n = 0;
         do {
-            n = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+            n = receive_fds(socket, &err, sizeof err, fds, msg_flags, MSG_DONTWAIT);
         } while (n < 0 && errno == EINTR);
-        if (n != static_cast<ssize_t>(sizeof err)) return EIO;
-        const cmsghdr* c = CMSG_FIRSTHDR(&msg);
-        if (c != nullptr && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS &&
-            c->cmsg_len == CMSG_LEN(sizeof(int))) {
-            std::memcpy(&master, CMSG_DATA(c), sizeof master);
+        if (fds.size() == 1) master = fds[0];
+        if (fds.size() > 1 || n != static_cast<ssize_t>(sizeof err)) {
+            for (int fd : fds) ::close(fd);
+            master = -1;
+            return EIO;
         }
         if (err == 0 && master < 0) return EIO;
         if (err != 0 && master >= 0) {
             ::close(master);
             master = -1;
         }
-        return err != 0 ? err : 0;
+        return err;
     }
 
     static void send_reply(int socket, const proto::Reply& reply, int pidfd) {

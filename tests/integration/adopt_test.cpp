@@ -39,9 +39,11 @@ std::unique_ptr<Client> host(const DaemonProcess& d) {
     return std::make_unique<Client>(d.url(), test_host_token);
 }
 
-json acquire(Client& c) {
-    return c.call("leaseAcquire",
-                  {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}});
+/// A bwrap lease for acme/dev, with `limits` in its config when not empty.
+json acquire(Client& c, const json& limits = json::object()) {
+    json params = {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}};
+    if (!limits.empty()) params["config"] = {{"limits", limits}};
+    return c.call("leaseAcquire", params);
 }
 
 /// Runs `script` under sh in the lease over a duplex channel: its stdout and exit code.
@@ -132,11 +134,7 @@ TEST_CASE(
     d.confine_like_the_unit_for_next_start();  // this start and every later one
     d.restart();
     auto c = host(d);
-    const json lease =
-        c->call("leaseAcquire", {{"companyId", "acme"},
-                                 {"environmentId", "dev"},
-                                 {"provider", "bwrap"},
-                                 {"config", {{"limits", {{"diskBytes", 64 << 20}}}}}});
+    const json lease = acquire(*c, {{"diskBytes", 64 << 20}});
     REQUIRE(run(*c, lease, "head -c 20971520 /dev/urandom > /workspace/f && sync").second == 0);
     auto disk = [&] {
         return c->call("leaseGet", {{"leaseId", lease["id"]}})["usage"]["diskBytes"].get<double>();
@@ -165,11 +163,7 @@ TEST_CASE(
     "[adopt][restart]") {
     DaemonProcess d("node-a", adopting_config());
     auto c = host(d);
-    const json lease =
-        c->call("leaseAcquire", {{"companyId", "acme"},
-                                 {"environmentId", "dev"},
-                                 {"provider", "bwrap"},
-                                 {"config", {{"limits", {{"memoryBytes", 128 << 20}}}}}});
+    const json lease = acquire(*c, {{"memoryBytes", 128 << 20}});
     // It waits for the next process, then doubles a string until the kernel stops it.
     auto p = open_params(
         lease, {"sh", "-c", "read go && exec awk 'BEGIN { s = \"x\"; while (1) s = s s }'"});
