@@ -1740,6 +1740,10 @@ json cmd_restart_serve(const Args& a) {
     for (;;) {
         std::ifstream in(ready_file);
         if (in && std::getline(in, address) && !address.empty()) break;
+        if (since_start_ms() > 60000) {
+            throw std::runtime_error("restart-serve: no ready file " + ready_file +
+                                     " 60 s after the start (did the daemon exit?)");
+        }
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     const double ready_ms = since_start_ms();

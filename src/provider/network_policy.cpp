@@ -31,9 +31,7 @@ std::string member(const std::string& field, const std::string& key) {
     return out;
 }
 
-bool is_label_char(char c) {
-    return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '-';
-}
+bool is_label_char(char c) { return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '-'; }
 
 /// A domain name's labels as network_policy.hpp says; `text` is lower-cased already.
 bool valid_domain(std::string_view text) {
@@ -42,8 +40,8 @@ bool valid_domain(std::string_view text) {
     std::string_view last;
     for (;;) {
         const std::size_t dot = text.find('.', start);
-        const std::string_view label =
-            text.substr(start, dot == std::string_view::npos ? std::string_view::npos : dot - start);
+        const std::string_view label = text.substr(
+            start, dot == std::string_view::npos ? std::string_view::npos : dot - start);
         if (label.empty() || label.size() > 63 || label.front() == '-' || label.back() == '-' ||
             !std::all_of(label.begin(), label.end(), is_label_char)) {
             return false;
@@ -71,14 +69,16 @@ RuleHost parse_host(const json& value, const std::string& field) {
             const auto net = ip::make_network_v4(text, ec);
             if (!ec && net.canonical() == net) return net;
         }
-        invalid(field, "\"" + text + "\" is not a CIDR (an address, '/', a prefix length; the "
-                                     "bits after the prefix zero)");
+        invalid(field, "\"" + text +
+                           "\" is not a CIDR (an address, '/', a prefix length; the "
+                           "bits after the prefix zero)");
     }
     boost::system::error_code ec;
     const auto address = ip::make_address(text, ec);
     if (!ec) {
         if (address.is_v4()) return ip::network_v4(address.to_v4(), 32);
-        if (address.to_v6().scope_id() != 0) invalid(field, "an address with a scope is not a rule");
+        if (address.to_v6().scope_id() != 0)
+            invalid(field, "an address with a scope is not a rule");
         return ip::network_v6(address.to_v6(), 128);
     }
     std::transform(text.begin(), text.end(), text.begin(),

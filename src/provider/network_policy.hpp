@@ -19,9 +19,9 @@
 /// (the node's default rules apply to it as to any egress policy). `mode: "none"` takes no
 /// rules. At most `max_rules` rules in `allow` and in `deny` each.
 ///
-/// Errors: rpc_error INVALID_PARAMS whose message names the field (`config.network.allow[2].ports[0]`,
-/// say) and says what is wrong, with `data.field`; nothing is kept of a bad policy.
-/// Thread-safety: pure functions of their arguments.
+/// Errors: rpc_error INVALID_PARAMS whose message names the field
+/// (`config.network.allow[2].ports[0]`, say) and says what is wrong, with `data.field`; nothing is
+/// kept of a bad policy. Thread-safety: pure functions of their arguments.
 
 #include <nlohmann/json.hpp>
 
@@ -45,8 +45,7 @@ struct DomainName {
     bool subdomains = false;  ///< "*.name": the subdomains of name, not name itself
     bool operator==(const DomainName&) const = default;
 };
-using RuleHost =
-    std::variant<DomainName, boost::asio::ip::network_v4, boost::asio::ip::network_v6>;
+using RuleHost = std::variant<DomainName, boost::asio::ip::network_v4, boost::asio::ip::network_v6>;
 
 struct PortRange {
     std::uint16_t first = 1;  ///< 1..65535

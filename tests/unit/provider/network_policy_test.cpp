@@ -31,7 +31,8 @@ json normal(const json& value) { return to_json(parse_network_policy(value)); }
 
 TEST_CASE("The old boolean is a policy: false is none, true is egress without rules",
           "[network_policy]") {
-    CHECK(normal(false) == json{{"mode", "none"}, {"allow", json::array()}, {"deny", json::array()}});
+    CHECK(normal(false) ==
+          json{{"mode", "none"}, {"allow", json::array()}, {"deny", json::array()}});
     CHECK(normal(true) ==
           json{{"mode", "egress"}, {"allow", json::array()}, {"deny", json::array()}});
 }
@@ -40,9 +41,14 @@ TEST_CASE("Rules are hosts or objects, and come back in their normal form", "[ne
     const json policy = {
         {"mode", "egress"},
         {"allow",
-         {"Example.COM.", "*.example.org", "203.0.113.7", "203.0.113.0/24", "2001:DB8::1",
+         {"Example.COM.",
+          "*.example.org",
+          "203.0.113.7",
+          "203.0.113.0/24",
+          "2001:DB8::1",
           "2001:db8::/32",
-          {{"host", "api.example.com"}, {"ports", {8443, "8000-8100", 443, "8050-8200"}},
+          {{"host", "api.example.com"},
+           {"ports", {8443, "8000-8100", 443, "8050-8200"}},
            {"protocol", "tcp"}},
           {{"host", "dns.example"}, {"ports", {53}}, {"protocol", "udp"}}}},
         {"deny", {"xn--bcher-kva.example", {{"host", "198.51.100.0/24"}, {"ports", {"1-65535"}}}}}};
@@ -95,15 +101,16 @@ TEST_CASE("A bad policy is refused naming the field, whatever is wrong", "[netwo
     for (const json& ports : {json::array(), json{0}, json{65536}, json{"90-80"}, json{"80"},
                               json{"a-b"}, json{"1-65536"}, json{true}}) {
         INFO(ports.dump());
-        CHECK(refused_field({{"mode", "egress"},
-                             {"allow", {{{"host", "example.com"}, {"ports", ports}}}}})
+        CHECK(refused_field(
+                  {{"mode", "egress"}, {"allow", {{{"host", "example.com"}, {"ports", ports}}}}})
                   .rfind("config.network.allow[0].ports", 0) == 0);
     }
-    CHECK(refused_field({{"mode", "egress"},
-                         {"allow", {{{"host", "example.com"}, {"protocol", "icmp"}}}}}) ==
+    CHECK(refused_field(
+              {{"mode", "egress"}, {"allow", {{{"host", "example.com"}, {"protocol", "icmp"}}}}}) ==
           "config.network.allow[0].protocol");
     json many = json::array();
-    for (std::size_t i = 0; i <= max_rules; ++i) many.push_back("h" + std::to_string(i) + ".example");
+    for (std::size_t i = 0; i <= max_rules; ++i)
+        many.push_back("h" + std::to_string(i) + ".example");
     CHECK(refused_field({{"mode", "egress"}, {"allow", many}}) == "config.network.allow");
     many.erase(many.begin());
     CHECK(parse_network_policy({{"mode", "egress"}, {"allow", many}}).allow.size() == max_rules);
