@@ -789,13 +789,12 @@ private:
     }
 
     // The supervisor's side of pass_terminal(): the init's errno, or 0 with the master in
-    // `master`. EIO when the init ended first; ETIMEDOUT after terminal_timeout_ms.
+    // `master`. EIO when the init ended first; ETIMEDOUT after proto::terminal_timeout_ms.
     static int receive_terminal(int socket, int& master) {
-        static constexpr int terminal_timeout_ms = 10000;
         pollfd p{socket, POLLIN, 0};
         int ready = 0;
         do {
-            ready = ::poll(&p, 1, terminal_timeout_ms);
+            ready = ::poll(&p, 1, proto::terminal_timeout_ms);
         } while (ready < 0 && errno == EINTR);
         if (ready == 0) return ETIMEDOUT;
         std::int32_t err = 0;

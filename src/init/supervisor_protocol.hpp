@@ -145,6 +145,10 @@ inline constexpr std::uint32_t return_magic = 0x53425254;   // "SBRT"
 inline constexpr std::uint32_t kept_channels_version = 3;
 /// The first version that serves `flag_pty_lease`, and whose welcome carries /workspace.
 inline constexpr std::uint32_t lease_pty_version = 4;
+/// How long the supervisor waits for a channel's init to pass its terminal before it answers
+/// ETIMEDOUT: well below the daemon's wait for a reply (10 s), so that a stuck init fails
+/// one open rather than the whole sandbox.
+inline constexpr int terminal_timeout_ms = 5000;
 inline constexpr std::uint32_t workspace_welcome_version = 4;
 inline constexpr std::size_t key_size = 32;  ///< NUL-padded; at most key_size - 1 bytes
 inline constexpr std::size_t max_held = 4096;

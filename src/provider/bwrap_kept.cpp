@@ -16,10 +16,12 @@
 
 #include <fcntl.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <array>
 #include <cerrno>
+#include <csignal>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -254,8 +256,11 @@ std::unique_ptr<ChannelBackend> BwrapProvider::take_kept_channel(SandboxHandle& 
     // be found (its init has ended) is emptied with the lease's.
     TakenCgroup cgroup;
     if (state->cgroup) {
-        const std::string name = channel_cgroup_of(detail::pid_of_pidfd(ends.pidfd.get()),
-                                                   sandbox.scope.provider_lease_id);
+        std::string name = channel_cgroup_of(detail::pid_of_pidfd(ends.pidfd.get()),
+                                             sandbox.scope.provider_lease_id);
+        // Read by pid: only if the init still lives now was that pid not reused meanwhile
+        // (by another channel's init, whose cgroup this one must never take).
+        if (::syscall(SYS_pidfd_send_signal, ends.pidfd.get(), 0, nullptr, 0) != 0) name.clear();
         if (!name.empty()) cgroup.cgroup = state->cgroup->find_channel(name);
         if (cgroup.cgroup) {
             // What it counted before this process is not known to be this channel's.

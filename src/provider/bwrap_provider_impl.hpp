@@ -388,10 +388,6 @@ private:
     /// `master`, if given, receives a second descriptor (flag_pty_lease); else it is closed.
     static ssize_t recv_reply(int socket, proto::Reply& reply, unique_fd& pidfd,
                               int flags = MSG_DONTWAIT, unique_fd* master = nullptr);
-    /// One packet of at most `size` bytes into `data`, and the descriptor it carries (if any)
-    /// into `fd_out`: its size, or -errno (EINTR retried).
-    static ssize_t recv_with_fd(int socket, void* data, std::size_t size, unique_fd& fd_out,
-                                int flags);
 
     /// Sends the request and reads its reply, waiting on `socket` (the awaiting executor's)
     /// whenever the kernel would block. Never throws for the supervisor's failures: they are

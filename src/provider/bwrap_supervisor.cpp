@@ -43,6 +43,9 @@
 
 namespace sandboxd::bwrap {
 
+// A supervisor waiting for a channel's terminal answers before the daemon stops waiting for it.
+static_assert(proto::terminal_timeout_ms < supervisor_timeout_ms);
+
 awaitable<std::unique_ptr<ChannelBackend>> BwrapProvider::open(
     std::shared_ptr<SandboxHandle> sandbox, ExecSpec spec) {
     validate_spec(spec);
@@ -423,15 +426,6 @@ ssize_t BwrapProvider::recv_reply(int socket, proto::Reply& reply, unique_fd& pi
     // Any other descriptor closes here.
     if (!fds.empty()) pidfd = std::move(fds[0]);
     if (master != nullptr && fds.size() > 1) *master = std::move(fds[1]);
-    return got;
-}
-
-ssize_t BwrapProvider::recv_with_fd(int socket, void* data, std::size_t size, unique_fd& fd_out,
-                                    int flags) {
-    std::vector<unique_fd> fds;
-    bool truncated = false;
-    const ssize_t got = recv_with_fds(socket, data, size, fds, truncated, flags);
-    if (!fds.empty()) fd_out = std::move(fds.front());  // any other closes here
     return got;
 }
 
