@@ -56,6 +56,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends \
       build-essential cmake ninja-build pkg-config \
       libboost1.81-dev libboost-program-options1.81-dev nlohmann-json3-dev libspdlog-dev libsqlite3-dev libsystemd-dev libseccomp-dev libssl-dev catch2 \
+      libnftables-dev libnl-3-dev libnl-route-3-dev libldns-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
@@ -77,6 +78,7 @@ ARG DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
       bubblewrap e2fsprogs tini libseccomp2 libspdlog1.10 libfmt9 libboost-program-options1.81.0 libsqlite3-0 libsystemd0 libssl3 ca-certificates \
+      libnftables1 libnl-3-200 libnl-route-3-200 libldns3 \
  && apt-get clean \
  && rm -rf /var/lib/apt/lists/*
 ARG VERSION=0.1.0

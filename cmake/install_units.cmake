@@ -74,6 +74,11 @@ foreach(unit sandboxd.service sandboxd@.service)
   install(FILES ${_sandboxd_units_out}/${unit} DESTINATION ${SANDBOXD_SYSTEMD_UNIT_DIR})
 endforeach()
 
+# The drop-in for leases with egress (issue 48), not enabled: an operator who turns egress on
+# copies it to /etc/systemd/system/sandboxd.service.d/ (it says why it adds CAP_NET_ADMIN).
+install(FILES ${_sandboxd_units_src}/systemd/egress.conf
+        DESTINATION ${CMAKE_INSTALL_DATADIR}/sandboxd/systemd)
+
 # Workspace disks are loop-mounted ext4 images, and the units' DeviceAllow=block-loop is
 # resolved when the unit starts: the loop module must be loaded before (at boot, by
 # systemd-modules-load.service). A kernel with loop built in ignores the file.

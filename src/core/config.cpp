@@ -6,6 +6,7 @@
 #include <sandboxd/core/json_limits.hpp>
 
 #include <boost/asio/ip/address.hpp>
+#include <boost/asio/ip/network_v4.hpp>
 
 #include <algorithm>
 #include <fstream>
@@ -141,6 +142,60 @@ void check_bwrap_identity_and_etc(const BwrapConfig& b) {
             fail("providers.bwrap.etcFiles",
                  "entries are relative paths under /etc, got \"" + e + "\"");
         }
+    }
+}
+
+std::optional<std::uint16_t> parse_port(const std::string& text) {
+    if (text.empty() || text.size() > 5 ||
+        !std::all_of(text.begin(), text.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
+        return std::nullopt;
+    }
+    const unsigned long n = std::stoul(text);
+    if (n == 0 || n > 65535) return std::nullopt;
+    return static_cast<std::uint16_t>(n);
+}
+
+void check_bwrap_network(const BwrapNetworkConfig& n) {
+    const std::string base = "providers.bwrap.network.";
+    boost::system::error_code ec;
+    const auto pool = boost::asio::ip::make_network_v4(n.pool, ec);
+    if (ec || pool.canonical() != pool) {
+        fail(base + "pool", "must be an IPv4 CIDR with its host bits zero, got \"" + n.pool + "\"");
+    }
+    if (pool.prefix_length() < 8 || pool.prefix_length() > 28) {
+        fail(base + "pool", "must be a /8 to a /28, got /" + std::to_string(pool.prefix_length()));
+    }
+    if (n.uplink.size() >= 16 || n.uplink.find_first_of("\"*/ ") != std::string::npos) {
+        fail(base + "uplink",
+             "must be an interface name (at most 15 characters), got \"" + n.uplink + "\"");
+    }
+    auto cidrs = [&](const std::vector<std::string>& list, const std::string& key) {
+        for (std::size_t i = 0; i < list.size(); ++i) {
+            const std::string& text = list[i];
+            boost::system::error_code e;
+            if (text.find('/') == std::string::npos) {
+                boost::asio::ip::make_address_v4(text, e);
+            } else {
+                auto net = boost::asio::ip::make_network_v4(text, e);
+                if (!e && net.canonical() != net) e = boost::asio::error::invalid_argument;
+            }
+            if (e) {
+                fail(base + key + "[" + std::to_string(i) + "]",
+                     "must be an IPv4 address or CIDR (host bits zero), got \"" + text + "\"");
+            }
+        }
+    };
+    cidrs(n.deny, "deny");
+    cidrs(n.open, "open");
+    for (std::size_t i = 0; i < n.dns.size(); ++i) {
+        if (!parse_dns_server(n.dns[i])) {
+            fail(base + "dns[" + std::to_string(i) + "]",
+                 "must be ADDRESS, ADDRESS:PORT or [IPv6]:PORT, got \"" + n.dns[i] + "\"");
+        }
+    }
+    for (const auto& [key, value] : n.defaults.items()) {
+        if (key != "allow" && key != "deny") fail(base + "defaults." + key, "unknown key");
+        if (!value.is_array()) fail(base + "defaults." + key, "must be an array of rules");
     }
 }
 
@@ -287,6 +342,7 @@ void validate_config(const Config& c) {
     check_tls_files(c);
     check_bwrap_limits(c.bwrap.limits.defaults, c.bwrap.limits.max);
     check_bwrap_identity_and_etc(c.bwrap);
+    check_bwrap_network(c.bwrap.network);
     check_heartbeat(c);
     check_registry(c.registry);
     check_tokens(c.tokens);
@@ -294,6 +350,33 @@ void validate_config(const Config& c) {
     check_limits(c.limits);
     check_metrics_public(c);
     check_data_payload(c.limits);
+}
+
+std::optional<boost::asio::ip::udp::endpoint> parse_dns_server(const std::string& text) {
+    boost::system::error_code ec;
+    std::string host = text;
+    std::uint16_t port = 53;
+    if (!text.empty() && text.front() == '[') {
+        const auto close = text.find(']');
+        if (close == std::string::npos) return std::nullopt;
+        host = text.substr(1, close - 1);
+        const std::string rest = text.substr(close + 1);
+        if (!rest.empty()) {
+            if (rest.size() < 2 || rest[0] != ':') return std::nullopt;
+            const auto p = parse_port(rest.substr(1));
+            if (!p) return std::nullopt;
+            port = *p;
+        }
+    } else if (const auto colon = text.find(':');
+               colon != std::string::npos && text.find(':', colon + 1) == std::string::npos) {
+        host = text.substr(0, colon);
+        const auto p = parse_port(text.substr(colon + 1));
+        if (!p) return std::nullopt;
+        port = *p;
+    }
+    const auto address = boost::asio::ip::make_address(host, ec);
+    if (ec) return std::nullopt;
+    return boost::asio::ip::udp::endpoint(address, port);
 }
 
 nlohmann::json config_to_json(const Config& c) { return config_keys::write(c); }

@@ -595,6 +595,23 @@ const Keys<BwrapIdentityConfig>& identity_keys() {
     return keys;
 }
 
+const Keys<BwrapNetworkConfig>& bwrap_network_keys() {
+    using T = BwrapNetworkConfig;
+    static const Keys<T> keys = {
+        boolean("egress", &T::egress,
+                "Whether a lease may have egress (a policy of mode \"egress\", or true)."),
+        str("pool", &T::pool,
+            "Lease addresses, an IPv4 /8../28; its first is every lease's gateway."),
+        str("uplink", &T::uplink, "The interface NAT uses; \"\" = the host's routes choose."),
+        strings("deny", &T::deny, "IPv4 addresses and CIDRs no lease ever reaches."),
+        strings("open", &T::open, "IPv4 addresses and CIDRs reachable though private (a mirror)."),
+        strings("dns", &T::dns, "Upstream resolvers, ADDRESS[:PORT]; empty = /etc/resolv.conf's."),
+        json_object("defaults", &T::defaults,
+                    "{allow?, deny?}: the rules that a lease's network: true stands for."),
+    };
+    return keys;
+}
+
 const Keys<BwrapConfig>& bwrap_keys() {
     using T = BwrapConfig;
     static const Keys<T> keys = {
@@ -603,7 +620,9 @@ const Keys<BwrapConfig>& bwrap_keys() {
         str("initPath", &T::init_path,
             "sandboxd-init; \"\" = next to sandboxd, then <libexecdir>/sandboxd."),
         boolean("allowNetwork", &T::allow_network,
-                "Whether a lease's config may ask for \"network\": true."),
+                "Deprecated: network.egress. true turns egress on."),
+        object("network", &T::network, bwrap_network_keys(),
+               "Each lease's network namespace: egress, pool, policy defaults."),
         object("limits", &T::limits, bwrap_limits_keys(), "Per-lease limits."),
         object("identity", &T::identity, identity_keys(),
                "The host uids (and gids) of the leases' processes."),

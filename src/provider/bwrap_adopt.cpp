@@ -193,7 +193,10 @@ std::shared_ptr<SandboxHandle> BwrapProvider::adopt_now(const Lease& lease) {
     handle->lease_id = lease.id;
     const fs::path run_dir = runtime_dir_ / id;
     handle->workspace = run_dir / "workspace";
-    handle->network = cfg.network;
+    // The policy as it last was (leaseUpdateNetwork changes it), else as the lease asked.
+    auto record = read_network_record(id);
+    const detail::NetworkPolicy policy = record && record->policy ? *record->policy : cfg.network;
+    handle->network = detail::to_json(policy);
     handle->limits = options_.limits.enforce ? cfg.limits.to_json() : json(nullptr);
 
     std::unique_ptr<detail::LeaseCgroup> cgroup;
@@ -217,6 +220,15 @@ std::shared_ptr<SandboxHandle> BwrapProvider::adopt_now(const Lease& lease) {
         sandbox->workspace_root = std::move(reached.workspace);
     }
     cgroup.reset();  // kept: the handle found again above is the one that ends it
+    try {
+        sandbox->network =
+            network_->readopt(record ? record->info : detail::LeaseNetworkInfo{}, policy);
+    } catch (const std::exception& e) {
+        // Its policy cannot be applied again: it fails closed (the chains went with the table
+        // at start, so nothing it sends is forwarded), and the lease says so in the log.
+        spdlog::error("sandbox {} (lease {}): its network cannot be restored: {}", id, lease.id,
+                      e.what());
+    }
     const timeval tv{supervisor_timeout_ms / 1000, 0};
     ::setsockopt(reached.socket.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     ::setsockopt(reached.socket.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);

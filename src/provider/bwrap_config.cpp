@@ -146,7 +146,7 @@ json EffectiveLimits::to_json() const {
 }
 
 LeaseConfig parse_lease_config(const json& config, const BwrapLimitsConfig& node,
-                               bool allow_network) {
+                               const NetworkDefaults& network) {
     LeaseConfig out;
     const auto& defaults = node.defaults;
     out.limits.memory_bytes = defaults.memory_bytes.value_or(1ULL << 30);
@@ -164,10 +164,13 @@ LeaseConfig parse_lease_config(const json& config, const BwrapLimitsConfig& node
     if (!config.is_object()) invalid_field("config", "must be an object");
     for (const auto& [name, value] : config.items()) {
         if (name == "network") {
-            if (!value.is_boolean()) invalid_field("config.network", "must be a boolean");
-            out.network = value.get<bool>();
-            if (out.network && !allow_network) {
-                invalid_field("config.network", "not allowed on this node");
+            out.network = value.is_boolean() && value.get<bool>()
+                              ? network.egress_default
+                              : parse_network_policy(value, "config.network");
+            if (out.network.mode == network_mode::egress && !network.egress) {
+                invalid_field("config.network",
+                              "egress is not allowed on this node "
+                              "(providers.bwrap.network.egress is false)");
             }
         } else if (name == "limits") {
             parse_limits(value, node, out.limits);

@@ -9,6 +9,8 @@
 
 #include <sandboxd/core/config.hpp>
 
+#include "provider/network_policy.hpp"
+
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
@@ -41,13 +43,20 @@ struct EffectiveLimits {
 };
 
 struct LeaseConfig {
-    bool network = false;
+    NetworkPolicy network;  ///< absent from the config: mode none
     EffectiveLimits limits;
 };
 
-/// Parses a lease's provider config (null: the defaults). `allow_network`: whether
-/// `network: true` may be asked for on this node.
+/// What the node says of a lease's network policy.
+struct NetworkDefaults {
+    bool egress = false;  ///< may a lease have egress (providers.bwrap.network.egress)
+    /// What `network: true` stands for: mode egress with the node's default rules.
+    NetworkPolicy egress_default{network_mode::egress, {}, {}};
+};
+
+/// Parses a lease's provider config (null: the defaults). An egress policy on a node without
+/// egress is INVALID_PARAMS naming config.network.
 LeaseConfig parse_lease_config(const nlohmann::json& config, const BwrapLimitsConfig& node,
-                               bool allow_network);
+                               const NetworkDefaults& network);
 
 }  // namespace sandboxd::detail

@@ -77,6 +77,7 @@ BwrapProvider::BwrapProvider(BwrapOptions options)
     fs::remove(link, ec);
     fs::create_symlink(runtime_dir_, link, ec);
     if (options_.limits.enforce) probe_enforcement();
+    start_network();
     program_ = make_program_fd();
     try {
         init_path_ = install_init();
@@ -117,6 +118,83 @@ BwrapProvider::~BwrapProvider() {
     ::rmdir(runtime_dir_.c_str());
 }
 
+void BwrapProvider::start_network() {
+    const auto& n = options_.network;
+    net_defaults_.egress = n.egress;
+    json defaults = {{"mode", "egress"}};
+    for (const char* key : {"allow", "deny"}) {
+        if (n.defaults.contains(key)) defaults[key] = n.defaults.at(key);
+    }
+    try {
+        net_defaults_.egress_default =
+            detail::parse_network_policy(defaults, "providers.bwrap.network.defaults");
+    } catch (const std::exception& e) {
+        throw std::runtime_error(std::string("config: ") + e.what());
+    }
+    detail::NodeNetworkOptions o;
+    o.egress = n.egress;
+    o.pool = boost::asio::ip::make_network_v4(n.pool);
+    o.uplink = n.uplink;
+    auto cidr = [](const std::string& text) {
+        return text.find('/') == std::string::npos
+                   ? boost::asio::ip::make_network_v4(boost::asio::ip::make_address_v4(text), 32)
+                   : boost::asio::ip::make_network_v4(text);
+    };
+    for (const auto& text : n.deny) o.deny.push_back(cidr(text));
+    for (const auto& text : n.open) o.open.push_back(cidr(text));
+    for (const auto& text : n.dns) {
+        if (auto endpoint = parse_dns_server(text)) o.dns.push_back(*endpoint);
+    }
+    o.tag = instance_.substr(instance_.size() - 6);  // of the sandboxes directory's hash
+    // The veths of the stored leases stay for their re-adoption (or their teardown).
+    std::vector<std::uint32_t> kept;
+    std::error_code ec;
+    if (n.egress) {
+        for (const auto& entry : fs::directory_iterator(options_.sandboxes_dir, ec)) {
+            const auto id = entry.path().filename().string();
+            if (!is_sandbox_id(id)) continue;
+            if (auto record = read_network_record(id); record && record->info.index != 0) {
+                kept.push_back(record->info.index);
+            }
+        }
+    }
+    network_ = detail::NodeNetwork::start(std::move(o), kept);
+}
+
+void BwrapProvider::write_network_record(const std::string& id,
+                                         const detail::LeaseNetwork& network) const {
+    const json record = {{"index", network.info().index},
+                         {"address", network.info().address.to_string()},
+                         {"interface", network.info().host_interface},
+                         {"policy", detail::to_json(network.policy())}};
+    const fs::path path = options_.sandboxes_dir / id / "network";
+    const fs::path temporary = options_.sandboxes_dir / id / "network.new";
+    write_file(temporary, record.dump() + "\n");
+    fs::rename(temporary, path);
+}
+
+std::optional<BwrapProvider::NetworkRecord> BwrapProvider::read_network_record(
+    const std::string& id) const {
+    std::ifstream in(options_.sandboxes_dir / id / "network", std::ios::binary);
+    if (!in) return std::nullopt;
+    try {
+        const json record = json::parse(in);
+        NetworkRecord out;
+        out.info.index = record.at("index").get<std::uint32_t>();
+        out.info.address =
+            boost::asio::ip::make_address_v4(record.at("address").get<std::string>());
+        out.info.host_interface = record.at("interface").get<std::string>();
+        out.policy = detail::parse_network_policy(record.at("policy"), "network");
+        return out;
+    } catch (const std::exception& e) {
+        spdlog::warn(
+            "sandbox {}: its network record cannot be read ({}): it is treated as "
+            "having none",
+            id, e.what());
+        return std::nullopt;
+    }
+}
+
 void BwrapProvider::lock_dir() {
     const fs::path lock_path = options_.sandboxes_dir / ".lock";
     dir_lock_.reset(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
@@ -137,7 +215,13 @@ std::string BwrapProvider::probe_sandbox() {
         return e.what();
     }
     const ScopeExit release([&] { pool_.release(uid); });
-    auto argv = bwrap_argv(parse_config(json::object()), 0);
+    std::unique_ptr<detail::LeaseNetwork> network;
+    try {
+        network = network_->attach(detail::NetworkPolicy{});
+    } catch (const std::exception& e) {
+        return e.what();
+    }
+    auto argv = bwrap_argv(parse_config(json::object()), 0, network->netns() < 0);
     // The lease's command line up to "--", then true instead of the supervisor.
     argv.erase(std::find(argv.rbegin(), argv.rend(), std::string("--")).base(), argv.end());
     argv.emplace_back("/usr/bin/true");
@@ -152,6 +236,7 @@ std::string BwrapProvider::probe_sandbox() {
         request.fds = {-1,        -1,        errors.write_end.get(), -1, -1, workspace.get(),
                        etc.get(), init.get()};
         request.run_as = std::make_pair(uid, static_cast<gid_t>(uid));
+        request.netns = network->netns();
         auto child = detail::spawn_process(request, "bubblewrap");
         errors.write_end.reset();
         pollfd p{child.pidfd.get(), POLLIN, 0};
@@ -324,11 +409,8 @@ void BwrapProvider::write_etc(const fs::path& dir, bool network) const {
                "passwd: files\ngroup: files\nshadow: files\n"
                "hosts: files dns\nnetworks: files\nprotocols: files\n"
                "services: files\n");
-    if (network) {
-        std::ifstream in(options_.etc_source / "resolv.conf", std::ios::binary);
-        std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-        write_file(dir / "resolv.conf", text);
-    }
+    // Every lease's resolver is its gateway (lease_network.hpp).
+    if (network && network_) write_file(dir / "resolv.conf", network_->resolv_conf());
     // Readable by the sandbox's uid: world-readable files, traversable directories.
     for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
         std::error_code ignored;

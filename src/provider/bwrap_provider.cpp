@@ -270,7 +270,7 @@ std::shared_ptr<SandboxHandle> BwrapProvider::create_now(SandboxScope scope,
     handle->lease_id = lease_id;
     const fs::path run_dir = runtime_dir_ / id;
     handle->workspace = run_dir / "workspace";
-    handle->network = cfg.network;
+    handle->network = detail::to_json(cfg.network);
     handle->limits = options_.limits.enforce ? cfg.limits.to_json() : json(nullptr);
 
     uid_t uid = 0;
@@ -292,6 +292,8 @@ std::shared_ptr<SandboxHandle> BwrapProvider::create_now(SandboxScope scope,
         }
         if (options_.limits.enforce) sandbox->workspace = handle->workspace;
         make_workspace(*sandbox, *handle, uid, cfg);
+        sandbox->network = network_->attach(cfg.network);
+        write_network_record(id, *sandbox->network);
         start_supervisor(*sandbox, id, handle->workspace, uid, cfg);
         if (budget_) sandbox->budget_held = true;
         budget_kept = true;
@@ -323,6 +325,9 @@ void BwrapProvider::destroy_now(const SandboxHandle& sandbox) {
         // A sandbox of an earlier process: its supervisor may still wait for a daemon (it
         // outlives its own), and its cgroup may still hold processes.
         end_stored_supervisor(sandbox.scope.provider_lease_id);
+        if (auto record = read_network_record(sandbox.scope.provider_lease_id)) {
+            network_->forget(record->info);
+        }
         if (cgroups_) {
             left_behind = cgroups_->find_lease(sandbox.scope.provider_lease_id);
             if (left_behind) left_behind->kill();
@@ -365,11 +370,34 @@ void BwrapProvider::check_io_limits(const EffectiveLimits& limits) const {
     }
 }
 
+json BwrapProvider::update_network_now(const SandboxHandle& sandbox, const json& network) {
+    const detail::NetworkPolicy policy = network.is_boolean() && network.get<bool>()
+                                             ? net_defaults_.egress_default
+                                             : detail::parse_network_policy(network, "network");
+    if (policy.mode == detail::network_mode::egress && !net_defaults_.egress) {
+        throw rpc_error(errc::invalid_params,
+                        "network: egress is not allowed on this node "
+                        "(providers.bwrap.network.egress is false)",
+                        {{"field", "network"}});
+    }
+    auto state = std::static_pointer_cast<BwrapSandbox>(sandbox.state);
+    // Held across the change: a teardown (shutdown) waits for it, and two updates take turns.
+    std::lock_guard lock(state->mutex);
+    if (!state->network) {
+        provider_failure("sandbox " + sandbox.scope.provider_lease_id +
+                         " has no network to change (it is being torn down)");
+    }
+    network_->update(*state->network, policy);
+    write_network_record(sandbox.scope.provider_lease_id, *state->network);
+    return detail::to_json(policy);
+}
+
 json BwrapProvider::validation_of(const json& config) const {
     try {
         const LeaseConfig cfg = parse_config(config);
         return {{"ok", true},
-                {"normalizedConfig", {{"network", cfg.network}, {"limits", cfg.limits.to_json()}}}};
+                {"normalizedConfig",
+                 {{"network", detail::to_json(cfg.network)}, {"limits", cfg.limits.to_json()}}}};
     } catch (const rpc_error& e) {
         return {{"ok", false}, {"errors", {e.what()}}};
     }

@@ -16,6 +16,7 @@
 #include "provider/bwrap_sandbox.hpp"
 #include "provider/cgroups.hpp"
 #include "provider/identity_pool.hpp"
+#include "provider/lease_network.hpp"
 #include "provider/node_budget.hpp"
 #include "provider/process_backend.hpp"
 #include "provider/spawn.hpp"
@@ -124,8 +125,8 @@ public:
     std::string describe_stored_now(const std::string& provider_lease_id) const;
 
     std::vector<std::string> capabilities() const override {
-        return {"channels", "pty",   "stderr",  "signals",       "closeStdin",
-                "resize",   "probe", "execute", "validateConfig"};
+        return {"channels", "pty",   "stderr",  "signals",        "closeStdin",
+                "resize",   "probe", "execute", "validateConfig", "network"};
     }
 
     awaitable<json> validate_config(std::string company_id, json config) override {
@@ -142,6 +143,15 @@ public:
     }
 
     json usage(const SandboxHandle& sandbox) const override;
+
+    awaitable<json> update_network(std::shared_ptr<SandboxHandle> sandbox, Lease lease,
+                                   json network) override {
+        (void)lease;
+        auto work = [this, sandbox = std::move(sandbox), network = std::move(network)] {
+            return update_network_now(*sandbox, network);
+        };
+        co_return co_await offload(workers_, std::move(work));
+    }
 
 private:
     /// A started channel init: its pidfd, and with flag_pty_lease the terminal's master.
@@ -229,6 +239,19 @@ private:
     /// as orphans.
     void lock_dir();
 
+    /// The node's network (issue 48): the defaults' rules parsed, the stored leases' veths
+    /// kept for their re-adoption, the rest of an earlier process's removed.
+    void start_network();
+
+    /// <sandboxes_dir>/<id>/network: the lease's veth index and current policy, for its
+    /// re-adoption and teardown by a later process.
+    void write_network_record(const std::string& id, const detail::LeaseNetwork& network) const;
+    struct NetworkRecord {
+        detail::LeaseNetworkInfo info;
+        std::optional<detail::NetworkPolicy> policy;
+    };
+    std::optional<NetworkRecord> read_network_record(const std::string& id) const;
+
     /// At start: bubblewrap with a lease's own namespaces, mounts and capabilities, as a
     /// lease's uid, running /usr/bin/true (about 10 ms). "" when it exits 0; else why not,
     /// with bubblewrap's own words (a container without the privileges it needs, a seccomp
@@ -288,6 +311,9 @@ private:
     /// Unmounts and removes a sandbox's files, then returns its uid. Its processes are gone.
     void teardown_files(const SandboxHandle& sandbox);
 
+    /// leaseUpdateNetwork, on the provider's pool.
+    json update_network_now(const SandboxHandle& sandbox, const json& network);
+
     /// The SDK's validation result for a lease config: the effective limits when it is good.
     json validation_of(const json& config) const;
 
@@ -302,11 +328,15 @@ private:
     }
 
     LeaseConfig parse_config(const json& config) const {
-        return detail::parse_lease_config(config, options_.limits, options_.allow_network);
+        return detail::parse_lease_config(config, options_.limits, net_defaults_);
     }
 
     /// `cgroup_fds`: how many lease cgroup join files bubblewrap passes on at fds 8, 9, ...
-    std::vector<std::string> bwrap_argv(const LeaseConfig& cfg, std::size_t cgroup_fds) const;
+    /// `own_netns`: bubblewrap makes the lease's network namespace (loopback only): on a node
+    /// without egress, whose daemon may lack CAP_NET_ADMIN; else it starts in the one the
+    /// daemon made (lease_network.hpp).
+    std::vector<std::string> bwrap_argv(const LeaseConfig& cfg, std::size_t cgroup_fds,
+                                        bool own_netns) const;
 
     void start_supervisor(BwrapSandbox& sandbox, const std::string& id, const fs::path& workspace,
                           uid_t uid, const LeaseConfig& cfg);
@@ -442,6 +472,10 @@ private:
     std::unique_ptr<detail::CgroupManager> cgroups_;
     /// The node's pids and open-file budgets; null when limits are not enforced.
     std::shared_ptr<detail::NodeBudget> budget_;
+    /// What `network: true` stands for, and whether egress is allowed (set first).
+    detail::NetworkDefaults net_defaults_;
+    /// Every lease's network namespace, and with egress its veth pair, policy and resolver.
+    std::shared_ptr<detail::NodeNetwork> network_;
     std::shared_ptr<Counters> counters_ = std::make_shared<Counters>();
     /// create() and destroy() run here, never on the node's pool or an I/O thread. Its
     /// threads are joined (by the destructor) before anything they use goes.

@@ -49,6 +49,7 @@ void BwrapSandbox::shutdown(bool unmount) noexcept {
     workspace_root.reset();      // holds the workspace's filesystem busy
     spare_cgroups.clear();       // emptied ones: removed, not killed
     if (cgroup) cgroup->kill();  // whatever is left (a sandbox whose bubblewrap is gone)
+    network.reset();             // its veth, policy and resolver
     // A sandbox dropped without a teardown (the daemon stops): nothing can use it again
     // in this process, so its loop device and mount go now; a later teardown removes
     // the rest.
@@ -61,6 +62,7 @@ BwrapSandbox::~BwrapSandbox() {
         // destructors close the descriptors (the socket's close tells the supervisor).
         std::lock_guard lock(mutex);
         if (cgroup) cgroup->keep();
+        if (network) network->keep();
         return;
     }
     if (!lane) {
@@ -78,6 +80,7 @@ BwrapSandbox::~BwrapSandbox() {
         rest->supervisor_pidfd = std::move(supervisor_pidfd);
         rest->cgroup = std::move(cgroup);
         rest->spare_cgroups = std::move(spare_cgroups);
+        rest->network = std::move(network);
     }
     lane->run([rest = std::move(rest)]() mutable { rest.reset(); });
 }

@@ -12,6 +12,7 @@
 
 #include "provider/bwrap_config.hpp"
 #include "provider/cgroups.hpp"
+#include "provider/lease_network.hpp"
 #include "provider/node_budget.hpp"
 #include "provider/process_backend.hpp"
 #include "provider/spawn.hpp"
@@ -194,6 +195,9 @@ public:
     std::map<std::string, std::vector<unique_fd>> kept_channels;
 
     std::unique_ptr<detail::LeaseCgroup> cgroup;  ///< null when limits are not enforced
+    /// The lease's network: removed once its processes are gone (shutdown), kept as it is for
+    /// the next process when the daemon keeps its sandboxes.
+    std::unique_ptr<detail::LeaseNetwork> network;
     /// Emptied channel cgroups of this lease, for its next channels: a channel then opens
     /// the five join files of one of them instead of making (and later freezing,
     /// killing and removing) a cgroup in five hierarchies. With their counts as they were

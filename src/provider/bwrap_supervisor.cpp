@@ -263,8 +263,8 @@ detail::ProcessEnds BwrapProvider::channel_ends(PreparedChannel prepared, Starte
     return out;
 }
 
-std::vector<std::string> BwrapProvider::bwrap_argv(const LeaseConfig& cfg,
-                                                   std::size_t cgroup_fds) const {
+std::vector<std::string> BwrapProvider::bwrap_argv(const LeaseConfig& cfg, std::size_t cgroup_fds,
+                                                   bool own_netns) const {
     const auto& id = options_.identity;
     std::vector<std::string> a = {options_.bwrap_path.string()};
     // A sandbox that the next daemon may adopt outlives this process (issue 47).
@@ -280,7 +280,9 @@ std::vector<std::string> BwrapProvider::bwrap_argv(const LeaseConfig& cfg,
                           "--unshare-uts",
                           "--unshare-cgroup-try",
                       });
-    if (!cfg.network) a.emplace_back("--unshare-net");
+    // Otherwise bubblewrap starts in the lease's own network namespace, which the daemon made
+    // (lease_network.hpp) and which nothing inside may change.
+    if (own_netns) a.emplace_back("--unshare-net");
     // The supervisor needs these two inside the lease's user namespace only: to make each
     // channel's PID and mount namespaces and mount its /proc, and to empty the bounding
     // set of every command (which then runs with no capability at all).
@@ -331,8 +333,7 @@ void BwrapProvider::start_supervisor(BwrapSandbox& sandbox, const std::string& i
     ::setsockopt(ours.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
 
     unique_fd workspace_fd = open_path(workspace, "the workspace");
-    unique_fd etc =
-        open_path(runtime_dir_ / ".etc" / (cfg.network ? "net" : "private"), "the sandbox /etc");
+    unique_fd etc = open_path(runtime_dir_ / ".etc" / "net", "the sandbox /etc");
     unique_fd init = open_path(init_path_, "sandboxd-init");
     detail::Pipe errors = detail::make_pipe(detail::daemon_end::read);
 
@@ -351,7 +352,8 @@ void BwrapProvider::start_supervisor(BwrapSandbox& sandbox, const std::string& i
         request.extra_fds.push_back(adoption.listen.get());
         request.extra_fds.push_back(adoption.secret.get());
     }
-    request.argv = bwrap_argv(cfg, procs.size());
+    request.netns = sandbox.network ? sandbox.network->netns() : -1;
+    request.argv = bwrap_argv(cfg, procs.size(), request.netns < 0);
     request.envp = {"PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"};
     request.fds = {-1,
                    -1,

@@ -51,6 +51,15 @@ awaitable<nlohmann::json> Provider::realize_workspace(std::shared_ptr<SandboxHan
     co_return nullptr;
 }
 
+awaitable<nlohmann::json> Provider::update_network(std::shared_ptr<SandboxHandle> sandbox,
+                                                   Lease lease, nlohmann::json network) {
+    (void)sandbox;
+    (void)lease;
+    (void)network;
+    not_implemented(*this, "leaseUpdateNetwork");
+    co_return nullptr;
+}
+
 awaitable<void> Provider::stop(std::shared_ptr<SandboxHandle> sandbox) {
     (void)sandbox;
     throw rpc_error(errc::invalid_params,

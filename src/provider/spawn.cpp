@@ -52,6 +52,7 @@ struct ChildStart {
     std::size_t extra_count = 0;     ///< <= SpawnRequest::max_extra_fds
     int controlling_tty = -1;
     const std::pair<uid_t, gid_t>* run_as = nullptr;
+    int netns = -1;
     /// Set by the child when a step fails (its errno); the spawning thread reads it once the
     /// child has exec'd or exited, which is when clone() returns (CLONE_VFORK).
     volatile int error = 0;
@@ -102,6 +103,8 @@ int child_main(void* arg) {
     }
 
     if (::setsid() < 0) child_fail(start);
+    // Before its privileges go (entering a namespace needs CAP_SYS_ADMIN).
+    if (start.netns >= 0 && ::setns(start.netns, CLONE_NEWNET) < 0) child_fail(start);
 
     // The daemon's other descriptors go first (this table is the child's own copy): the moves
     // below then never need more free slots than the child has sources, however close to
@@ -247,6 +250,7 @@ SpawnResult spawn_process(const SpawnRequest& request, const std::string& what) 
     start.extra_count = request.extra_fds.size();
     start.controlling_tty = request.controlling_tty;
     start.run_as = request.run_as ? &*request.run_as : nullptr;
+    start.netns = request.netns;
 
     void* stack = ::mmap(nullptr, child_stack_size, PROT_READ | PROT_WRITE,
                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);

@@ -57,6 +57,9 @@ struct SpawnRequest {
     static constexpr std::size_t max_extra_fds = 10;
     /// If >= 0, a PTY slave to make the child's controlling terminal (after setsid).
     int controlling_tty = -1;
+    /// If >= 0, a network namespace the child enters (setns) first: a lease's own (issue 48).
+    /// Owned by the caller.
+    int netns = -1;
     /// If set, the child drops to this uid and gid (no supplementary groups) before exec.
     std::optional<std::pair<uid_t, gid_t>> run_as;
 };

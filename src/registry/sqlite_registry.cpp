@@ -24,7 +24,7 @@
 namespace sandboxd {
 namespace {
 
-constexpr int schema_version = 7;
+constexpr int schema_version = 8;
 constexpr int busy_timeout_ms = 5000;
 constexpr std::size_t max_page = 1000;
 
@@ -256,7 +256,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     heartbeat_at_ms INTEGER NOT NULL,
     instance_id TEXT NOT NULL
 ) STRICT;
-PRAGMA user_version = 7;
+PRAGMA user_version = 8;
 )sql";
 
 // Column order of read_lease() and bind_lease(): lease_fields order.
@@ -403,7 +403,7 @@ db_ptr open_connection(const std::string& path) {
 /// version 2 lacked the provider and status-owner indexes, which CREATE ... IF NOT EXISTS
 /// adds; version 3 lacked agent_id and provider_metadata; version 4 host_metadata and
 /// capabilities; version 5 lease_policy; version 6 had three indexes where version 7 has
-/// one).
+/// one; version 7 lacked network).
 void create_schema(sqlite3* db) {
     constexpr std::string_view op = "create schema";
     Transaction tx(db, op);
@@ -436,6 +436,10 @@ void create_schema(sqlite3* db) {
         // Issue 14: paperclip's lease policy.
         exec(db, "ALTER TABLE leases ADD COLUMN lease_policy TEXT NOT NULL DEFAULT 'ephemeral'",
              op);
+    }
+    if (found >= 1 && found <= 7) {
+        // Issue 48: the lease's network policy.
+        exec(db, "ALTER TABLE leases ADD COLUMN network TEXT NOT NULL DEFAULT 'null'", op);
     }
     if (found >= 1 && found <= 6) {
         // Issue 19: leases_by_status_owner (status, owner_node_id) grew expires_at_ms and

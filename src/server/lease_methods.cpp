@@ -173,6 +173,15 @@ awaitable<MethodReply> lease_probe(Connection& c, MethodCall& call, methods::Lea
     co_return MethodReply{std::move(result), {}};
 }
 
+awaitable<MethodReply> lease_update_network(Connection& c, MethodCall& call,
+                                            methods::LeaseUpdateNetworkParams params) {
+    // The owner's provider holds the lease's network: forwarded there like a release.
+    if (auto owner = co_await at_owner(c, call, params.lease_id)) co_return std::move(*owner);
+    json result =
+        to_json(co_await sandboxd::lease_update_network(c.node(), call.caller, std::move(params)));
+    co_return MethodReply{std::move(result), {}};
+}
+
 awaitable<MethodReply> lease_execute(Connection& c, MethodCall& call,
                                      methods::ExecuteParams params) {
     ExecuteLog log = execute_log(c, call.id);

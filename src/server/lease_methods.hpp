@@ -30,6 +30,8 @@ awaitable<MethodReply> lease_renew(Connection& c, MethodCall& call,
 awaitable<MethodReply> lease_release(Connection& c, MethodCall& call,
                                      methods::LeaseReleaseParams params);
 awaitable<MethodReply> lease_probe(Connection& c, MethodCall& call, methods::LeaseIdParams params);
+awaitable<MethodReply> lease_update_network(Connection& c, MethodCall& call,
+                                            methods::LeaseUpdateNetworkParams params);
 awaitable<MethodReply> lease_execute(Connection& c, MethodCall& call,
                                      methods::ExecuteParams params);
 awaitable<MethodReply> lease_realize_workspace(Connection& c, MethodCall& call,

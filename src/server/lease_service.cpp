@@ -283,6 +283,7 @@ awaitable<Lease> make_lease(Node& node, Provider* provider, Lease lease, std::ui
     lease.capabilities = provider->capabilities();
     lease.provider_lease_id = handle->scope.provider_lease_id;
     lease.limits = handle->limits;
+    lease.network = handle->network;
     lease.provider_metadata = handle->provider_metadata;
     if (handle->expires_at_ms && *handle->expires_at_ms < *lease.expires_at_ms) {
         lease.expires_at_ms = handle->expires_at_ms;  // the lease never outlives its sandbox
@@ -605,6 +606,31 @@ awaitable<json> lease_execute(Node& node, const Principal& who, methods::Execute
                 live.lease.id, attempt + 1);
         }
     }
+}
+
+awaitable<Lease> lease_update_network(Node& node, const Principal& who,
+                                      methods::LeaseUpdateNetworkParams p) {
+    if (node.draining) {
+        throw rpc_error(errc::owner_unavailable,
+                        "node " + node.node_id + " is draining: it changes no lease's network",
+                        {{"ownerNodeId", node.node_id}, {"draining", true}});
+    }
+    LiveLease live = co_await live_lease(node, who, p.lease_id);
+    json applied =
+        co_await live.provider->update_network(live.sandbox, live.lease, std::move(p.network));
+    for (int attempt = 0; attempt < 5; ++attempt) {
+        Lease lease = co_await load_visible(node, who, p.lease_id);
+        Lease next = lease;
+        next.network = applied;
+        next.last_used_at_ms = now_ms();
+        if (auto stored = co_await node.registry->update_lease(next, next.epoch)) {
+            audit_lease(node, "lease.network_updated", *stored, who.name);
+            spdlog::info("lease={} network: {}", stored->id, applied.dump());
+            co_return *stored;
+        }
+    }
+    throw rpc_error(errc::registry_unavailable,
+                    "lease " + p.lease_id + " kept changing during leaseUpdateNetwork");
 }
 
 awaitable<json> lease_realize_workspace(Node& node, const Principal& who,

@@ -41,6 +41,11 @@ awaitable<nlohmann::json> lease_execute(Node& node, const Principal& who,
 /// leaseRealizeWorkspace on the owner. Errors as lease_probe.
 awaitable<nlohmann::json> lease_realize_workspace(Node& node, const Principal& who,
                                                   methods::RealizeWorkspaceParams params);
+/// leaseUpdateNetwork on the owner (issue 48): the provider applies the new policy, then the
+/// lease record's `network` is updated; the lease as stored. OWNER_UNAVAILABLE while the node
+/// drains; otherwise errors as lease_probe, INVALID_PARAMS naming `network` for a bad policy.
+awaitable<Lease> lease_update_network(Node& node, const Principal& who,
+                                      methods::LeaseUpdateNetworkParams params);
 /// providerValidateConfig on any node with the provider: INVALID_PARAMS naming `provider`
 /// for an unknown one, naming providerValidateConfig when it cannot validate.
 awaitable<nlohmann::json> provider_validate_config(Node& node, const Principal& who,

@@ -38,6 +38,9 @@ methods::LeaseRenewParams parse_renew(const Node&, const json& p) {
 methods::LeaseReleaseParams parse_release(const Node&, const json& p) {
     return methods::parse_lease_release(p);
 }
+methods::LeaseUpdateNetworkParams parse_update_network(const Node&, const json& p) {
+    return methods::parse_lease_update_network(p);
+}
 methods::ExecuteParams parse_execute(const Node& n, const json& p) {
     return methods::parse_execute(p, n.config.limits.execute_timeout_ms);
 }
@@ -68,7 +71,7 @@ constexpr unsigned lease_change = fenced | forwarded | lease_operation;
 constexpr unsigned channel_call = on_channel | forwarded;
 
 // In the protocol's order (initialize lists them so).
-const std::array<MethodSpec, 20> table{{
+const std::array<MethodSpec, 21> table{{
     {"initialize", 0, typed<methods::InitializeParams, parse_initialize, handlers::initialize>},
     {"leaseAcquire", fenced | lease_operation,
      typed<methods::LeaseAcquireParams, parse_acquire, handlers::lease_acquire>},
@@ -85,6 +88,9 @@ const std::array<MethodSpec, 20> table{{
      typed<methods::ExecuteParams, parse_execute, handlers::lease_execute>},
     {"leaseRealizeWorkspace", lease_change,
      typed<methods::RealizeWorkspaceParams, parse_workspace, handlers::lease_realize_workspace>},
+    {"leaseUpdateNetwork", lease_change,
+     typed<methods::LeaseUpdateNetworkParams, parse_update_network,
+           handlers::lease_update_network>},
     {"providerValidateConfig", 0,
      typed<methods::ValidateConfigParams, parse_validate, handlers::provider_validate_config>},
     {"nodeList", 0, typed<handlers::NoParams, parse_none, handlers::node_list>},

@@ -128,6 +128,19 @@ LeaseQuery parse_lease_list(const json& p) {
     return q;
 }
 
+LeaseUpdateNetworkParams parse_lease_update_network(const json& p) {
+    params::only_keys(p, {"leaseId", "network"});
+    LeaseUpdateNetworkParams out;
+    out.lease_id = params::req_string(p, "leaseId");
+    const auto it = p.find("network");
+    if (it == p.end()) params::invalid("network", "is required");
+    if (!it->is_boolean() && !it->is_object()) {
+        params::invalid("network", "must be a policy object or a boolean");
+    }
+    out.network = *it;
+    return out;
+}
+
 LeaseIdParams parse_lease_id(const json& p) {
     params::only_keys(p, {"leaseId"});
     return {params::req_string(p, "leaseId")};

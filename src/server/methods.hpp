@@ -103,6 +103,14 @@ struct LeaseRenewParams {
 };
 LeaseRenewParams parse_lease_renew(const json& p);
 
+/// leaseUpdateNetwork: the lease and its new policy (a boolean or an object; the provider
+/// checks the policy itself).
+struct LeaseUpdateNetworkParams {
+    std::string lease_id;  ///< 1..1024 bytes
+    json network;
+};
+LeaseUpdateNetworkParams parse_lease_update_network(const json& p);
+
 /// The channel id every duplexChannel* method but the open names; the id of a channel of
 /// this connection when `p` names one (an unsigned integer "channel"), else none. Used
 /// before parsing, to order a connection's requests and frames per channel.

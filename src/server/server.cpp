@@ -117,7 +117,14 @@ std::unique_ptr<Provider> make_bwrap(const Config& c) {
     opts.bwrap_path = c.bwrap.path;
     opts.init_path = c.bwrap.init_path;
     opts.sandboxes_dir = fs::path(c.state_dir) / "sandboxes";
-    opts.allow_network = c.bwrap.allow_network;
+    opts.network = c.bwrap.network;
+    if (c.bwrap.allow_network) {
+        spdlog::warn(
+            "config: providers.bwrap.allowNetwork is deprecated: use "
+            "providers.bwrap.network.egress (each lease now has a network of its own "
+            "and egress by its policy; the host's own network is never shared)");
+        opts.network.egress = true;
+    }
     opts.limits = c.bwrap.limits;
     opts.identity = c.bwrap.identity;
     opts.etc_files = c.bwrap.etc_files;

@@ -636,7 +636,7 @@ TEST_CASE(
                                           {"provider", "bwrap"},
                                           {"metadata", {{"k", 1}}}});
     CHECK(lease["capabilities"] == json{"channels", "pty", "stderr", "signals", "closeStdin",
-                                        "resize", "probe", "execute", "validateConfig"});
+                                        "resize", "probe", "execute", "validateConfig", "network"});
     CHECK(lease["hostMetadata"] == json{{"k", 1}});
     CHECK(lease["providerMetadata"].is_null());
     const json probe = c->call("leaseProbe", {{"leaseId", lease["id"]}});

@@ -20,6 +20,7 @@ import type {
   LeaseListParams,
   LeaseListResult,
   LeaseProbeParams,
+  LeaseUpdateNetworkParams,
   LeaseProbeResult,
   LeaseRealizeWorkspaceParams,
   LeaseRealizeWorkspaceResult,
@@ -189,6 +190,17 @@ export class SandboxdClient {
 
   async nodeList(options: CallOptions = {}): Promise<NodeListResult> {
     return (await this.call("nodeList", {}, options)) as NodeListResult;
+  }
+
+  /**
+   * Replaces the network policy of a running lease (forwarded to its owner); connections the
+   * new policy no longer allows are cut at once. Resolves to the lease with its new `network`.
+   */
+  async leaseUpdateNetwork(
+    params: LeaseUpdateNetworkParams,
+    options: CallOptions = {},
+  ): Promise<Lease> {
+    return (await this.call("leaseUpdateNetwork", params, options)) as Lease;
   }
 
   async leaseProbe(params: LeaseProbeParams, options: CallOptions = {}): Promise<LeaseProbeResult> {

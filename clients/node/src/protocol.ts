@@ -57,7 +57,37 @@ export interface Lease {
   hostMetadata: Record<string, unknown> | null;
   capabilities: Capability[] | null;
   limits: LeaseLimits | null;
+  /** The lease's network policy as applied (issue 48); null for plugin leases. */
+  network: NetworkPolicy | null;
   usage: LeaseUsage | null;
+}
+
+/**
+ * A host in a network rule: a domain name ("example.com"; "*.example.com" for its subdomains),
+ * an IPv4 or IPv6 address, or a CIDR with its host bits zero.
+ */
+export type NetworkHost = string;
+
+/** A network rule: a host, or a host with ports (numbers, or "LO-HI" ranges) and a protocol. */
+export type NetworkRule =
+  | NetworkHost
+  | { host: NetworkHost; ports?: Array<number | string>; protocol?: "tcp" | "udp" };
+
+/**
+ * A lease's network policy (docs/protocol.md section 8, "Network"). "none": loopback only.
+ * "egress": everything not denied, or only what `allow` allows when it is given. As
+ * Lease.network gives it, every rule is an object.
+ */
+export interface NetworkPolicy {
+  mode: "none" | "egress";
+  allow?: NetworkRule[];
+  deny?: NetworkRule[];
+}
+
+export interface LeaseUpdateNetworkParams {
+  leaseId: string;
+  /** A policy, or true (egress with the node's default rules) / false (none). */
+  network: NetworkPolicy | boolean;
 }
 
 export type Capability =
@@ -72,7 +102,8 @@ export type Capability =
   | "realizeWorkspace"
   | "validateConfig"
   | "resume"
-  | "retain";
+  | "retain"
+  | "network";
 
 export interface InitializeParams {
   protocolVersion: 1;

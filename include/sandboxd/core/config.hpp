@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <boost/asio/ip/udp.hpp>
+
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -118,11 +120,35 @@ struct BwrapIdentityConfig {
     std::string lock_file = "/run/sandboxd/identities.lock";
 };
 
+/// A lease's network, node side (issue 48; docs/security.md, "Network"). Every lease has a
+/// network namespace of its own; these say whether and how it may reach out.
+struct BwrapNetworkConfig {
+    /// Whether a lease may have egress at all (a policy of mode "egress", or `true`).
+    bool egress = false;
+    /// The leases' IPv4 addresses, a /8../28; its first address is every lease's gateway and
+    /// resolver. Must not overlap a route of the host (another node's pool, a LAN).
+    std::string pool = "10.200.0.0/16";
+    /// The interface NAT sends egress out of; "": the host's routes choose.
+    std::string uplink;
+    /// IPv4 addresses and CIDRs no lease ever reaches, before anything else (peers, etcd).
+    std::vector<std::string> deny;
+    /// IPv4 addresses and CIDRs every egress lease reaches though the built-in ranges (private,
+    /// link-local, ...) would refuse them, and whatever the lease's own `deny` says (a mirror).
+    std::vector<std::string> open;
+    /// Upstream resolvers of the leases' resolvers, "ADDRESS" or "ADDRESS:PORT" (IPv4, or
+    /// "[IPv6]:PORT"); empty: the nameservers of the host's /etc/resolv.conf.
+    std::vector<std::string> dns;
+    /// The rules that `network: true` stands for: {allow?, deny?} as in a lease's policy.
+    nlohmann::json defaults = nlohmann::json::object();
+};
+
 struct BwrapConfig {
     bool enabled = true;
     std::string path = "/usr/bin/bwrap";
     std::string init_path;  ///< sandboxd-init; "" = next to the sandboxd executable, then libexec
-    bool allow_network = false;  ///< may a lease config ask for "network": true
+    /// Deprecated for network.egress (a warning at start); true turns egress on.
+    bool allow_network = false;
+    BwrapNetworkConfig network;
     BwrapLimitsConfig limits;
     BwrapIdentityConfig identity;
     /// How long a lease's supervisor waits for a daemon once its own stopped or died, ms
@@ -290,6 +316,10 @@ struct Config {
     /// build's: <dir of sandboxd>/console, else <dir of sandboxd>/../share/sandboxd/console.
     std::string console_assets_dir;
 };
+
+/// An upstream resolver of providers.bwrap.network.dns: "ADDRESS" (port 53), "IPv4:PORT" or
+/// "[IPv6]:PORT"; nullopt when it is none of these.
+std::optional<boost::asio::ip::udp::endpoint> parse_dns_server(const std::string& text);
 
 /// Parses a config document (JSON with // and /* */ comments). Rejects unknown keys, wrong
 /// types and out-of-range values with config_error naming the field path.

@@ -71,6 +71,9 @@ struct Lease {
     /// cpuQuotaPercent, diskBytes, openFiles}); null when it enforces none (plugin leases).
     /// Set at creation, never changed.
     nlohmann::json limits = nullptr;
+    /// The lease's network policy ({mode, allow, deny}; issue 48) as the provider applies it;
+    /// null for a provider without one (plugin leases). leaseUpdateNetwork changes it.
+    nlohmann::json network = nullptr;
     /// Not stored: the sandbox's usage ({memoryBytes, pids, diskBytes, cpuMs}) as its owner
     /// measured it for this answer; null when not measured (plugins, an unavailable owner).
     nlohmann::json usage = nullptr;

@@ -57,7 +57,7 @@ struct LeaseField {
 
 // In the SQLite column order of schema version 2 (new columns go last, and only with a
 // DEFAULT, so that ALTER TABLE ... ADD COLUMN can upgrade an existing database).
-inline constexpr std::array<LeaseField, 29> lease_fields = {{
+inline constexpr std::array<LeaseField, 30> lease_fields = {{
     {"id", "id", &Lease::id, lease_field_flags::none, "PRIMARY KEY"},
     {"companyId", "company_id", &Lease::company_id},
     {"environmentId", "environment_id", &Lease::environment_id},
@@ -100,6 +100,9 @@ inline constexpr std::array<LeaseField, 29> lease_fields = {{
     // Schema version 6 (issue 14).
     {"leasePolicy", "lease_policy", &Lease::lease_policy, lease_field_flags::added_later,
      "DEFAULT 'ephemeral'"},
+    // Schema version 8 (issue 48).
+    {"network", "network", &Lease::network,
+     lease_field_flags::updatable | lease_field_flags::added_later, "DEFAULT 'null'"},
 }};
 
 /// The stored fields' columns in table order, comma-separated: "id, company_id, ..., limits".

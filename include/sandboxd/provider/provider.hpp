@@ -73,7 +73,9 @@ struct SandboxHandle {
     SandboxScope scope;
     std::string lease_id;
     std::filesystem::path workspace;  ///< host directory bound at /workspace
-    bool network = false;             ///< share the host network (lease config "network": true)
+    /// The lease's network policy, as Lease.network gives it ({mode, allow, deny}); null for a
+    /// provider without one.
+    nlohmann::json network = nullptr;
     /// The limits enforced on the sandbox, as the Lease's `limits` field (protocol section
     /// 2); null when the provider enforces none.
     nlohmann::json limits = nullptr;
@@ -361,6 +363,15 @@ public:
     virtual awaitable<nlohmann::json> realize_workspace(std::shared_ptr<SandboxHandle> sandbox,
                                                         Lease lease, nlohmann::json workspace);
 
+    /// leaseUpdateNetwork on the owner (issue 48): replaces the network policy of `sandbox`
+    /// with `network` (a policy object or a boolean, as config.network) and returns it
+    /// normalised, as Lease.network then gives it. Connections the new policy no longer
+    /// allows are cut at once. Throws INVALID_PARAMS naming `network` (or its field) for a
+    /// policy that does not parse or that the node does not allow, naming leaseUpdateNetwork
+    /// when the provider has no network policy (plugins). Awaitable like create().
+    virtual awaitable<nlohmann::json> update_network(std::shared_ptr<SandboxHandle> sandbox,
+                                                     Lease lease, nlohmann::json network);
+
     /// Whether stop() and a later resume() keep a sandbox for a retained lease (leasePolicy,
     /// docs/protocol.md section 2): a plugin whose worker serves environmentReleaseLease and
     /// environmentResumeLease. Fast; no I/O.
@@ -385,7 +396,10 @@ struct BwrapOptions {
     /// points (<runtime_dir>/<providerLeaseId>/workspace), the generated /etc and a copy of
     /// sandboxd-init. "" = /run/sandboxd/<a name derived from sandboxes_dir>.
     std::filesystem::path runtime_dir;
-    bool allow_network = false;  ///< whether a lease config may ask for "network": true
+    /// Each lease's network namespace and what it may reach (issue 48). Checked as
+    /// validate_config() does; the provider's construction throws std::runtime_error for a pool
+    /// that overlaps a route of the host or a `defaults` rule that does not parse.
+    BwrapNetworkConfig network;
     std::vector<std::string> ro_binds = {"/usr"};  ///< read-only if present
     BwrapLimitsConfig limits;
     BwrapIdentityConfig identity;

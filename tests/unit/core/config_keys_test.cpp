@@ -39,6 +39,9 @@ json every_key_set() {
       "providers": {
         "bwrap": {"enabled": false, "path": "/opt/bwrap", "initPath": "/opt/init",
                   "allowNetwork": true, "adoptTimeoutMs": 9000,
+                  "network": {"egress": true, "pool": "10.99.0.0/16", "uplink": "eth1",
+                              "deny": ["203.0.113.9"], "open": ["10.1.0.0/16"],
+                              "dns": ["192.0.2.53:5353"], "defaults": {"deny": ["bad.example"]}},
                   "limits": {"enforce": false, "overcommit": 2,
                              "defaults": {"memoryBytes": 33554432, "pids": 64, "cpuWeight": 50,
                                           "cpuQuotaPercent": 200, "diskBytes": 16777216,
@@ -279,4 +282,49 @@ TEST_CASE("docs/config.md is the generated reference table", "[config]") {
                     "no | ") != std::string::npos);
     CHECK(text.find("| `auth.tokens[].role` | string | `\"host\"` | \"host\", \"peer\", "
                     "\"metrics\" | yes | ") != std::string::npos);
+}
+
+TEST_CASE("providers.bwrap.network: a bad pool, range, uplink or resolver names its key",
+          "[config]") {
+    auto bad = [](const char* network) {
+        return error_of(std::string(R"({"providers": {"bwrap": {"network": )") + network + "}}}");
+    };
+    CHECK(bad(R"({"pool": "10.200.0.1/16"})") ==
+          "config: providers.bwrap.network.pool: must be an IPv4 CIDR with its host bits zero, "
+          "got \"10.200.0.1/16\"");
+    CHECK(bad(R"({"pool": "10.0.0.0/7"})") ==
+          "config: providers.bwrap.network.pool: must be a /8 to a /28, got /7");
+    CHECK(bad(R"({"pool": "fd00::/64"})").rfind("config: providers.bwrap.network.pool:", 0) == 0);
+    CHECK(bad(R"({"uplink": "a-very-long-interface-name"})")
+              .rfind("config: providers.bwrap.network.uplink: must be an interface name", 0) == 0);
+    CHECK(bad(R"({"deny": ["203.0.113.0/24", "example.com"]})") ==
+          "config: providers.bwrap.network.deny[1]: must be an IPv4 address or CIDR (host bits "
+          "zero), got \"example.com\"");
+    CHECK(bad(R"({"open": ["10.1.0.1/16"]})") ==
+          "config: providers.bwrap.network.open[0]: must be an IPv4 address or CIDR (host bits "
+          "zero), got \"10.1.0.1/16\"");
+    CHECK(bad(R"({"dns": ["192.0.2.53:0"]})") ==
+          "config: providers.bwrap.network.dns[0]: must be ADDRESS, ADDRESS:PORT or "
+          "[IPv6]:PORT, got \"192.0.2.53:0\"");
+    CHECK(bad(R"({"defaults": {"allow": ["a"], "mode": "none"}})") ==
+          "config: providers.bwrap.network.defaults.mode: unknown key");
+    CHECK(bad(R"({"defaults": {"deny": "a"}})") ==
+          "config: providers.bwrap.network.defaults.deny: must be an array of rules");
+    CHECK(error_of(R"({"providers": {"bwrap": {"network": {"egress": true,
+          "pool": "100.64.0.0/24", "deny": ["203.0.113.9"], "dns": ["[2001:db8::1]:53"]}}}})") ==
+          "accepted");
+}
+
+TEST_CASE("An upstream resolver is ADDRESS, IPv4:PORT or [IPv6]:PORT", "[config]") {
+    CHECK(parse_dns_server("192.0.2.1") ==
+          boost::asio::ip::udp::endpoint(boost::asio::ip::make_address("192.0.2.1"), 53));
+    CHECK(parse_dns_server("192.0.2.1:5353")->port() == 5353);
+    CHECK(parse_dns_server("2001:db8::1")->address().to_string() == "2001:db8::1");
+    CHECK(parse_dns_server("[2001:db8::1]:54")->port() == 54);
+    CHECK(parse_dns_server("[2001:db8::1]")->port() == 53);
+    for (const char* bad : {"", "example.com", "192.0.2.1:", "192.0.2.1:65536", "[2001:db8::1",
+                            "[2001:db8::1]54", "192.0.2.1:x"}) {
+        INFO(bad);
+        CHECK_FALSE(parse_dns_server(bad));
+    }
 }

@@ -61,7 +61,7 @@ TEST_CASE("The wire JSON of a lease is the protocol's, byte for byte", "[lease]"
             R"("companyId":"acme","environmentId":"dev","epoch":1,"expiresAt":null,)"
             R"("failureReason":null,"hostMetadata":null,"id":"l1",)"
             R"("lastUsedAt":"2025-11-30T23:49:30.000Z","leasePolicy":"ephemeral",)"
-            R"("limits":null,"metadata":{},"ownerNodeId":"n1","provider":"bwrap",)"
+            R"("limits":null,"metadata":{},"network":null,"ownerNodeId":"n1","provider":"bwrap",)"
             R"("providerLeaseId":"bw-1","providerMetadata":null,"releasedAt":null,)"
             R"("status":"active","usage":null})");
     }
@@ -83,6 +83,7 @@ TEST_CASE("The wire JSON of a lease is the protocol's, byte for byte", "[lease]"
         l.cleanup_status = "retrying";
         l.metadata = {{"pluginId", "builtin"}, {"provider", "bwrap"}};
         l.limits = {{"pids", 64}};
+        l.network = {{"mode", "none"}};
         l.usage = {{"cpuMs", 5}};
         l.idempotency_key = "k";
         l.config = {{"image", "x"}};
@@ -95,17 +96,18 @@ TEST_CASE("The wire JSON of a lease is the protocol's, byte for byte", "[lease]"
             R"("expiresAt":"2025-11-30T23:49:31.000Z","failureReason":"boom",)"
             R"("heartbeatRunId":"h","hostMetadata":{"team":"t"},"id":"l1","issueId":"i",)"
             R"("lastUsedAt":"2025-11-30T23:49:30.000Z","leasePolicy":"ephemeral","limits":{"pids":64},)"
-            R"("metadata":{"pluginId":"builtin","provider":"bwrap"},"ownerNodeId":"n1",)"
+            R"("metadata":{"pluginId":"builtin","provider":"bwrap"},"network":{"mode":"none"},)"
+            R"("ownerNodeId":"n1",)"
             R"("provider":"bwrap","providerLeaseId":"bw-1","providerMetadata":{"dir":"/x"},)"
             R"("releasedAt":"2025-11-30T23:49:32.001Z","runId":"r","status":"pending_cleanup",)"
             R"("usage":{"cpuMs":5}})");
     }
 }
 
-TEST_CASE("The generated leases table is schema version 2's plus the columns of versions 4-6",
+TEST_CASE("The generated leases table is schema version 2's plus the columns of versions 4-8",
           "[lease][registry]") {
     // CREATE TABLE leases as schema version 2 wrote it by hand, and the columns versions 4,
-    // 5 and 6 add with ALTER TABLE (at the end): databases made with it and migrated must keep
+    // 5, 6 and 8 add with ALTER TABLE (at the end): databases made with it and migrated must keep
     // working, so every column's name, type, NOT NULL, default and key must match.
     const std::string v2 = R"sql(CREATE TABLE leases (
     id TEXT PRIMARY KEY NOT NULL,
@@ -135,7 +137,8 @@ TEST_CASE("The generated leases table is schema version 2's plus the columns of 
     provider_metadata TEXT NOT NULL DEFAULT 'null',
     host_metadata TEXT NOT NULL DEFAULT 'null',
     capabilities TEXT NOT NULL DEFAULT 'null',
-    lease_policy TEXT NOT NULL DEFAULT 'ephemeral'
+    lease_policy TEXT NOT NULL DEFAULT 'ephemeral',
+    network TEXT NOT NULL DEFAULT 'null'
 ) STRICT;)sql";
     const std::string generated =
         "CREATE TABLE leases (\n    " + lease_column_definitions() + "\n) STRICT;";
@@ -145,7 +148,7 @@ TEST_CASE("The generated leases table is schema version 2's plus the columns of 
           "execution_workspace_id, status, provider, provider_lease_id, owner_node_id, epoch, "
           "acquired_at_ms, last_used_at_ms, expires_at_ms, released_at_ms, failure_reason, "
           "cleanup_status, metadata, idempotency_key, config, cleanup_attempts, limits, "
-          "agent_id, provider_metadata, host_metadata, capabilities, lease_policy");
+          "agent_id, provider_metadata, host_metadata, capabilities, lease_policy, network");
 }
 
 TEST_CASE("Lease field names are unique and every field goes somewhere", "[lease]") {
@@ -156,6 +159,6 @@ TEST_CASE("Lease field names are unique and every field goes somewhere", "[lease
         if (f.on_wire()) CHECK(wire.insert(f.wire).second);
         if (f.stored()) CHECK(columns.insert(f.column).second);
     }
-    CHECK(wire.size() == 26);
-    CHECK(columns.size() == 28);
+    CHECK(wire.size() == 27);
+    CHECK(columns.size() == 29);
 }

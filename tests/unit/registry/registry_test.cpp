@@ -535,11 +535,12 @@ TEST_CASE("A version 2 database is migrated in place and keeps its leases", "[re
     CHECK(registry->get_lease("lease-1")->host_metadata.is_null());
     CHECK(registry->get_lease("lease-1")->capabilities.is_null());
     CHECK(registry->get_lease("lease-1")->lease_policy == "ephemeral");
+    CHECK(registry->get_lease("lease-1")->network.is_null());
     CHECK(registry->find_by_provider_lease("bwrap", "pl-lease-1")->id == "lease-1");
 
     sqlite3* db = nullptr;
     REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
-    CHECK(scalar_of(db, "PRAGMA user_version") == "7");
+    CHECK(scalar_of(db, "PRAGMA user_version") == "8");
     CHECK(scalar_of(db,
                     "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name IN "
                     "('leases_by_provider_lease', 'leases_by_status_owner')") == "2");

@@ -1,0 +1,200 @@
+// Issue 48: every lease has a network namespace of its own, and egress only by its policy.
+// Each test case moves its process into a network namespace of its own with an "outside"
+// of test hosts (support/outside_net.hpp), and starts the daemon there: the machine's
+// nftables and ip_forward are never touched, and traffic goes only to the test hosts.
+#include "support/daemon_fixture.hpp"
+#include "support/outside_net.hpp"
+
+#include <sandboxd/client/client.hpp>
+#include <sandboxd/core/errors.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <utility>
+
+using namespace sandboxd;
+using namespace sandboxd::test;
+using json = nlohmann::json;
+using namespace std::chrono_literals;
+
+namespace {
+
+/// A daemon whose leases may have egress, resolving through the outside's DNS server,
+/// listening on every address of the node (so that a lease could try them all).
+std::string egress_config(const json& network_extra = json::object()) {
+    json network = {{"egress", true}, {"dns", {OutsideNet::public_host}}};
+    network.update(network_extra);
+    return json{{"auth", host_and_peer_tokens()}, {"providers", {{"bwrap", {{"network", network}}}}}}
+        .dump();
+}
+
+struct Node {
+    OutsideNet net;
+    DaemonProcess daemon;
+    Client client;
+    explicit Node(const json& network_extra = json::object())
+        : daemon("node-a", egress_config(network_extra), {}, DaemonProcess::start_mode::wait_ready,
+                 "0.0.0.0:0"),
+          client(daemon.url(), test_host_token) {}
+    std::string port() const {
+        const auto address = daemon.bound_address();
+        return address.substr(address.rfind(':') + 1);
+    }
+};
+
+json acquire(Client& c, const json& network) {
+    return c.call("leaseAcquire", {{"companyId", "acme"},
+                                   {"environmentId", "dev"},
+                                   {"provider", "bwrap"},
+                                   {"config", {{"network", network}}}});
+}
+
+/// Runs `script` under bash in the lease: its stdout and stderr together, and its exit code.
+std::pair<std::string, int> run(Client& c, const json& lease, const std::string& script) {
+    const auto done = c.run_channel(open_params(lease, {"bash", "-c", script + " 2>&1"}));
+    return {done.out, done.exit.value("exitCode", -1)};
+}
+
+/// An HTTP GET of `host`:`port` by bash's /dev/tcp, bounded by 10 s.
+std::pair<std::string, int> http(Client& c, const json& lease, const std::string& host,
+                                 int port = 80) {
+    return run(c, lease,
+               "timeout 10 bash -c 'exec 3<>/dev/tcp/" + host + "/" + std::to_string(port) +
+                   " && printf \"GET / HTTP/1.0\\r\\n\\r\\n\" >&3 && cat <&3'");
+}
+
+bool reached(const std::pair<std::string, int>& r, const std::string& host, int port = 80) {
+    return r.second == 0 &&
+           r.first.find("hello from " + host + ":" + std::to_string(port)) != std::string::npos;
+}
+
+/// The connection was refused at once (a TCP reset from the node's policy), not timed out.
+bool refused(const std::pair<std::string, int>& r) {
+    return r.second != 0 && r.first.find("Connection refused") != std::string::npos;
+}
+
+}  // namespace
+
+TEST_CASE("network: a lease without a policy has loopback only", "[network]") {
+    Node node;
+    json lease = node.client.call(
+        "leaseAcquire", {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}});
+    CHECK(lease["network"] == json{{"mode", "none"}, {"allow", json::array()}, {"deny", json::array()}});
+    auto [devices, status] = run(node.client, lease, "tail -n +3 /proc/net/dev | cut -d: -f1");
+    CHECK(status == 0);
+    CHECK(devices == "    lo\n");
+    auto r = http(node.client, lease, OutsideNet::public_host);
+    CHECK_FALSE(reached(r, OutsideNet::public_host));
+    CHECK(r.first.find("Network is unreachable") != std::string::npos);
+}
+
+TEST_CASE("network: egress reaches the outside, never the node, private ranges, metadata or "
+          "another lease",
+          "[network]") {
+    Node node;
+    json lease = acquire(node.client, true);
+    CHECK(lease["network"]["mode"] == "egress");
+    json other = acquire(node.client, json{{"mode", "egress"}});
+
+    CHECK(reached(http(node.client, lease, OutsideNet::public_host), OutsideNet::public_host));
+    CHECK(reached(http(node.client, lease, OutsideNet::other_host), OutsideNet::other_host));
+    // Its own address, and the other lease's, from inside each (the /32 of eth0).
+    const std::string address_of =
+        "awk '/32 host LOCAL/ {print prev} {prev=$2}' /proc/net/fib_trie | grep -v '^127' | "
+        "head -n1";
+    const auto other_address = run(node.client, other, address_of).first;
+    REQUIRE(other_address.size() > 8);
+    const std::string other_ip = other_address.substr(0, other_address.size() - 1);
+
+    for (const std::string& host : {std::string(OutsideNet::private_host),
+                                    std::string(OutsideNet::metadata_host), other_ip}) {
+        INFO("destination " << host);
+        CHECK(refused(http(node.client, lease, host)));
+    }
+    // The node itself: its uplink address and the lease's gateway, on the daemon's port.
+    for (const std::string& host : {std::string(OutsideNet::node_uplink), std::string("10.200.0.1")}) {
+        INFO("the node at " << host << ":" << node.port());
+        auto r = run(node.client, lease,
+                     "timeout 10 bash -c 'exec 3<>/dev/tcp/" + host + "/" + node.port() + "'");
+        CHECK(r.second != 0);
+        CHECK(r.first.find("Connection refused") != std::string::npos);
+    }
+    // The resolver is the gateway, and it answers.
+    auto [resolved, status] = run(node.client, lease, "getent ahostsv4 allowed.test | head -n1");
+    CHECK(status == 0);
+    CHECK(resolved.rfind(std::string(OutsideNet::public_host) + " ", 0) == 0);
+}
+
+TEST_CASE("network: domain rules allow what the lease resolved through an allowed name",
+          "[network]") {
+    Node node;
+    json lease = acquire(node.client,
+                         json{{"mode", "egress"}, {"allow", {"allowed.test", "private.test"}}});
+    // Never resolved through an allowed name: refused, though the address is public.
+    CHECK(refused(http(node.client, lease, OutsideNet::public_host)));
+    auto [name, status] = run(node.client, lease, "getent ahostsv4 allowed.test | head -n1");
+    REQUIRE(status == 0);
+    CHECK(reached(http(node.client, lease, OutsideNet::public_host), OutsideNet::public_host));
+    // Another name is refused by the lease's resolver, and never asked upstream.
+    const auto asked = node.net.dns_queries();
+    auto other = run(node.client, lease, "getent ahostsv4 other.test");
+    CHECK(other.second != 0);
+    CHECK(node.net.dns_queries() == asked);
+    CHECK(refused(http(node.client, lease, OutsideNet::other_host)));
+    // An allowed name that resolves to a private address (DNS rebinding): still refused.
+    auto rebound = run(node.client, lease, "getent ahostsv4 private.test | head -n1");
+    CHECK(rebound.second == 0);
+    CHECK(rebound.first.rfind(std::string(OutsideNet::private_host) + " ", 0) == 0);
+    CHECK(refused(http(node.client, lease, OutsideNet::private_host)));
+}
+
+TEST_CASE("network: a deny rule by address, port and protocol", "[network]") {
+    Node node;
+    json lease = acquire(node.client,
+                         json{{"mode", "egress"},
+                              {"deny", {{{"host", OutsideNet::public_host},
+                                         {"ports", {80}},
+                                         {"protocol", "tcp"}}}}});
+    CHECK(refused(http(node.client, lease, OutsideNet::public_host)));
+    CHECK(reached(http(node.client, lease, OutsideNet::public_host, 8080), OutsideNet::public_host,
+                  8080));
+    CHECK(reached(http(node.client, lease, OutsideNet::other_host), OutsideNet::other_host));
+    // UDP to the same host is not denied: the echo answers.
+    auto [echo, status] = run(node.client, lease,
+                              "exec 3<>/dev/udp/" + std::string(OutsideNet::public_host) +
+                                  "/7001 && printf ping >&3 && timeout 5 head -c 4 <&3");
+    CHECK(status == 0);
+    CHECK(echo == "ping");
+}
+
+TEST_CASE("network: an egress policy on a node without egress is refused", "[network]") {
+    OutsideNet net;
+    DaemonProcess daemon("node-a", json{{"auth", host_and_peer_tokens()}}.dump());
+    Client c(daemon.url(), test_host_token);
+    try {
+        acquire(c, json{{"mode", "egress"}});
+        FAIL("acquired");
+    } catch (const rpc_error& e) {
+        CHECK(e.data().value("field", "") == "config.network");
+        CHECK(std::string(e.what()).find("egress is not allowed on this node") !=
+              std::string::npos);
+    }
+}
+
+TEST_CASE("network: nothing of a released lease remains", "[network]") {
+    Node node;
+    const std::string before_links = node.net.node_sh("ip -o link show | cut -d: -f2");
+    json lease = acquire(node.client, json{{"mode", "egress"}, {"allow", {"allowed.test"}}});
+    REQUIRE(run(node.client, lease, "getent ahostsv4 allowed.test").second == 0);
+    const std::string during = node.net.node_sh("nft list ruleset");
+    CHECK(during.find("chain l") != std::string::npos);
+    CHECK(node.net.node_sh("ip -o link show | cut -d: -f2") != before_links);
+    node.client.call("leaseRelease", {{"leaseId", lease["id"]}});
+    CHECK(node.net.node_sh("ip -o link show | cut -d: -f2") == before_links);
+    const std::string after = node.net.node_sh("nft list ruleset");
+    CHECK(after.find("chain l") == std::string::npos);
+    CHECK(after.find("_r0") == std::string::npos);
+}
