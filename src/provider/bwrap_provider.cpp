@@ -180,15 +180,19 @@ json BwrapProvider::usage(const SandboxHandle& sandbox) const {
     if (!state || !state->cgroup) return nullptr;
     const auto u = state->cgroup->usage();
     std::uint64_t disk = 0;
+    detail::LeaseNetwork::Counts net;
     {
         std::lock_guard lock(state->mutex);  // shutdown() closes workspace_root
         disk = state->workspace_root ? detail::disk_used_bytes(state->workspace_root.get())
                                      : detail::disk_used_bytes(sandbox.workspace);
+        if (state->network) net = state->network->counts();
     }
     return {{"memoryBytes", u.memory_bytes},
             {"pids", u.pids},
             {"diskBytes", disk},
-            {"cpuMs", u.cpu_ms}};
+            {"cpuMs", u.cpu_ms},
+            {"netRxBytes", net.rx_bytes},
+            {"netTxBytes", net.tx_bytes}};
 }
 
 namespace {

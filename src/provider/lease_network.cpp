@@ -235,9 +235,9 @@ void ResolvedNames::add(const std::string& name, ip::address_v4 address,
 const std::vector<ip::network_v4>& builtin_deny_v4() {
     static const std::vector<ip::network_v4> nets = [] {
         std::vector<ip::network_v4> out;
-        for (const char* text : {"0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8",
-                                 "169.254.0.0/16", "172.16.0.0/12", "192.168.0.0/16",
-                                 "224.0.0.0/4", "240.0.0.0/4"}) {
+        for (const char* text :
+             {"0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
+              "172.16.0.0/12", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4"}) {
             out.push_back(ip::make_network_v4(text));
         }
         return out;
@@ -328,7 +328,8 @@ std::shared_ptr<NodeNetwork> NodeNetwork::start(NodeNetworkOptions options,
         names[rtnl_link_get_ifindex(link)] = name;
         if (name.rfind(impl.prefix, 0) != 0) continue;
         const std::string rest = name.substr(impl.prefix.size());
-        const std::uint32_t index = static_cast<std::uint32_t>(std::strtoul(rest.c_str(), nullptr, 16));
+        const std::uint32_t index =
+            static_cast<std::uint32_t>(std::strtoul(rest.c_str(), nullptr, 16));
         if (std::find(kept.begin(), kept.end(), index) == kept.end()) stale.push_back(name);
     }
     for (const auto& name : stale) {
@@ -343,8 +344,9 @@ std::shared_ptr<NodeNetwork> NodeNetwork::start(NodeNetworkOptions options,
     }
     if (!o.egress) {
         // Nothing of the host's network changes: no table, no forwarding, no routes.
-        spdlog::info("network: each lease has a network namespace of its own; egress is off "
-                     "(providers.bwrap.network.egress)");
+        spdlog::info(
+            "network: each lease has a network namespace of its own; egress is off "
+            "(providers.bwrap.network.egress)");
         return node;
     }
     raw = nullptr;
@@ -430,10 +432,10 @@ std::shared_ptr<NodeNetwork> NodeNetwork::start(NodeNetworkOptions options,
     s << " masquerade\n  }\n}\n";
     impl.run_nft(s.str(), "make the node's table " + t);
     for (auto index : kept) impl.used.insert(index);
-    spdlog::info("network: leases get their own network namespace; egress {} (pool {}, "
-                 "gateway and resolver {}, table {})",
-                 o.egress ? "allowed by policy" : "off", o.pool.to_string(),
-                 node->gateway_.to_string(), t);
+    spdlog::info(
+        "network: leases get their own network namespace; egress {} (pool {}, "
+        "gateway and resolver {}, table {})",
+        o.egress ? "allowed by policy" : "off", o.pool.to_string(), node->gateway_.to_string(), t);
     return node;
 }
 
@@ -481,8 +483,10 @@ void NodeNetwork::detach(LeaseNetwork& lease) noexcept {
     std::lock_guard lock(impl_->mutex);
     const std::string c = "l" + hex(lease.info_.index, 1);
     std::ostringstream s;
-    s << "delete element " << impl_->table << " lease_fwd { \"" << lease.info_.host_interface << "\" }\n"
-      << "delete element " << impl_->table << " lease_in { \"" << lease.info_.host_interface << "\" }\n"
+    s << "delete element " << impl_->table << " lease_fwd { \"" << lease.info_.host_interface
+      << "\" }\n"
+      << "delete element " << impl_->table << " lease_in { \"" << lease.info_.host_interface
+      << "\" }\n"
       << "delete element " << impl_->table << " lease_dns { \"" << lease.info_.host_interface
       << "\" }\n";
     for (const char* suffix : {"", "_in", "_dns"}) {
@@ -543,7 +547,9 @@ std::string lease_script(const std::string& table, const NodeNetworkOptions& o,
     }
     const std::string mark = std::to_string(generation);
     // From the lease, forwarded: the order of lease_network.hpp.
-    auto rule = [&](const std::string& text) { s << "add rule " << table << " " << c << " " << text << "\n"; };
+    auto rule = [&](const std::string& text) {
+        s << "add rule " << table << " " << c << " " << text << "\n";
+    };
     rule("meta nfproto ipv6 drop");
     rule("ip saddr != " + addr + " goto deny_spoof");
     rule("ct state established,related ct mark " + mark + " accept");
@@ -556,13 +562,17 @@ std::string lease_script(const std::string& table, const NodeNetworkOptions& o,
     } else {
         for (const auto& r : policy.deny) {
             if (const auto* n = std::get_if<ip::network_v4>(&r.host)) {
-                rule("ip daddr " + (n->prefix_length() == 32 ? n->address().to_string() : n->to_string()) + " " + transport(r) + "goto deny_rule");
+                rule("ip daddr " +
+                     (n->prefix_length() == 32 ? n->address().to_string() : n->to_string()) + " " +
+                     transport(r) + "goto deny_rule");
             }
         }
         std::size_t k = 0;
         for (const auto& r : policy.allow) {
             if (const auto* n = std::get_if<ip::network_v4>(&r.host)) {
-                rule("ip daddr " + (n->prefix_length() == 32 ? n->address().to_string() : n->to_string()) + " " + transport(r) + "ct mark set " + mark + " accept");
+                rule("ip daddr " +
+                     (n->prefix_length() == 32 ? n->address().to_string() : n->to_string()) + " " +
+                     transport(r) + "ct mark set " + mark + " accept");
             } else if (std::holds_alternative<DomainName>(r.host)) {
                 const std::string set = c + "_r" + std::to_string(k);
                 s << "add set " << table << " " << set << " { type ipv4_addr; flags timeout; }\n"
@@ -597,9 +607,11 @@ std::string lease_script(const std::string& table, const NodeNetworkOptions& o,
       << gw << ":" << resolver_port << "\n";
     s << "add rule " << table << " " << c << "_dns ip daddr " << gw << " tcp dport 53 dnat ip to "
       << gw << ":" << resolver_port << "\n";
+    // The input chain is jumped to, not gone to: what it does not accept returns to the base
+    // chain's deny_host (a chain gone to would end in the base chain's policy, accept).
     const std::string i = "\"" + info.host_interface + "\"";
     s << "add element " << table << " lease_fwd { " << i << " : goto " << c << " }\n"
-      << "add element " << table << " lease_in { " << i << " : goto " << c << "_in }\n"
+      << "add element " << table << " lease_in { " << i << " : jump " << c << "_in }\n"
       << "add element " << table << " lease_dns { " << i << " : goto " << c << "_dns }\n";
     return s.str();
 }
@@ -652,9 +664,8 @@ ResolverPolicy NodeNetwork::resolver_policy(const LeaseNetwork& lease,
     };
     std::weak_ptr<NodeNetwork> weak = weak_from_this();
     const std::string prefix = "l" + hex(info.index, 1) + "_r";
-    out.on_address = [weak, policy, prefix, resolved](const std::string& name,
-                                                      const ip::address& address,
-                                                      std::uint32_t ttl) {
+    out.on_address = [weak, policy, prefix, resolved](
+                         const std::string& name, const ip::address& address, std::uint32_t ttl) {
         auto node = weak.lock();
         if (!node || !address.is_v4()) return;
         // Long enough for the connection the lookup is for; a live one is kept by its mark.
@@ -664,8 +675,8 @@ ResolverPolicy NodeNetwork::resolver_policy(const LeaseNetwork& lease,
             const auto* d = std::get_if<DomainName>(&policy.allow[k].host);
             if (d == nullptr || !domain_matches(*d, name)) continue;
             script += "add element " + node->impl_->table + " " + prefix + std::to_string(k) +
-                      " { " + address.to_v4().to_string() + " timeout " +
-                      std::to_string(timeout) + "s }\n";
+                      " { " + address.to_v4().to_string() + " timeout " + std::to_string(timeout) +
+                      "s }\n";
         }
         if (script.empty()) return;
         std::lock_guard lock(node->impl_->mutex);
@@ -703,8 +714,7 @@ void NodeNetwork::apply(LeaseNetwork& lease, const NetworkPolicy& policy) {
         }
     }
     std::string script = lease_script(impl_->table, options_, gateway_, lease.info_, policy,
-                                      lease.generation_, lease.resolver_->port(),
-                                      *lease.resolved_);
+                                      lease.generation_, lease.resolver_->port(), *lease.resolved_);
     // Sets of the previous policy that this one does not use, after the rules that named them.
     for (const auto& set : lease.sets_) {
         if (std::find(sets.begin(), sets.end(), set) == sets.end()) {
@@ -729,9 +739,8 @@ void NodeNetwork::add_veth(LeaseNetwork& lease) {
             }
         }
         if (info.index == 0) {
-            throw rpc_error(errc::provider_error,
-                            "the node's lease address pool " + options_.pool.to_string() +
-                                " is exhausted");
+            throw rpc_error(errc::provider_error, "the node's lease address pool " +
+                                                      options_.pool.to_string() + " is exhausted");
         }
         impl_->used.insert(info.index);
     }

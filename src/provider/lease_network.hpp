@@ -77,8 +77,8 @@ class NodeNetwork;
 /// What a lease's resolver answered for allowed names, until when: an update keeps what its
 /// new rules still allow. Guarded by the node's lock.
 struct ResolvedNames {
-    std::map<std::string, std::map<boost::asio::ip::address_v4,
-                                   std::chrono::steady_clock::time_point>>
+    std::map<std::string,
+             std::map<boost::asio::ip::address_v4, std::chrono::steady_clock::time_point>>
         names;
     /// At most this many names are kept (the oldest lookups go first).
     static constexpr std::size_t max_names = 4096;

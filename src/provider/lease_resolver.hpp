@@ -60,10 +60,10 @@ struct ResolverOptions {
 };
 
 struct ResolverStats {
-    std::uint64_t queries = 0;   ///< every query read, well-formed or not
-    std::uint64_t refused = 0;   ///< answered REFUSED (a name the policy refused)
-    std::uint64_t failed = 0;    ///< answered SERVFAIL (no upstream answered, or too many)
-    std::uint64_t malformed = 0; ///< answered FORMERR or dropped
+    std::uint64_t queries = 0;    ///< every query read, well-formed or not
+    std::uint64_t refused = 0;    ///< answered REFUSED (a name the policy refused)
+    std::uint64_t failed = 0;     ///< answered SERVFAIL (no upstream answered, or too many)
+    std::uint64_t malformed = 0;  ///< answered FORMERR or dropped
 };
 
 class LeaseResolver {

@@ -189,6 +189,11 @@ public:
             "realize_workspace",
             inner_->realize_workspace(std::move(sandbox), std::move(lease), std::move(workspace)));
     }
+    awaitable<nlohmann::json> update_network(std::shared_ptr<SandboxHandle> sandbox, Lease lease,
+                                             nlohmann::json network) override {
+        return time("update_network", inner_->update_network(std::move(sandbox), std::move(lease),
+                                                             std::move(network)));
+    }
     bool can_retain() const noexcept override { return inner_->can_retain(); }
     awaitable<void> stop(std::shared_ptr<SandboxHandle> sandbox) override {
         return time("stop", inner_->stop(std::move(sandbox)));

@@ -12,7 +12,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <string>
+#include <thread>
 #include <utility>
 
 using namespace sandboxd;
@@ -27,7 +29,8 @@ namespace {
 std::string egress_config(const json& network_extra = json::object()) {
     json network = {{"egress", true}, {"dns", {OutsideNet::public_host}}};
     network.update(network_extra);
-    return json{{"auth", host_and_peer_tokens()}, {"providers", {{"bwrap", {{"network", network}}}}}}
+    return json{{"auth", host_and_peer_tokens()},
+                {"providers", {{"bwrap", {{"network", network}}}}}}
         .dump();
 }
 
@@ -82,7 +85,8 @@ TEST_CASE("network: a lease without a policy has loopback only", "[network]") {
     Node node;
     json lease = node.client.call(
         "leaseAcquire", {{"companyId", "acme"}, {"environmentId", "dev"}, {"provider", "bwrap"}});
-    CHECK(lease["network"] == json{{"mode", "none"}, {"allow", json::array()}, {"deny", json::array()}});
+    CHECK(lease["network"] ==
+          json{{"mode", "none"}, {"allow", json::array()}, {"deny", json::array()}});
     auto [devices, status] = run(node.client, lease, "tail -n +3 /proc/net/dev | cut -d: -f1");
     CHECK(status == 0);
     CHECK(devices == "    lo\n");
@@ -91,9 +95,10 @@ TEST_CASE("network: a lease without a policy has loopback only", "[network]") {
     CHECK(r.first.find("Network is unreachable") != std::string::npos);
 }
 
-TEST_CASE("network: egress reaches the outside, never the node, private ranges, metadata or "
-          "another lease",
-          "[network]") {
+TEST_CASE(
+    "network: egress reaches the outside but never the node or private ranges or metadata "
+    "or another lease",
+    "[network]") {
     Node node;
     json lease = acquire(node.client, true);
     CHECK(lease["network"]["mode"] == "egress");
@@ -115,7 +120,8 @@ TEST_CASE("network: egress reaches the outside, never the node, private ranges, 
         CHECK(refused(http(node.client, lease, host)));
     }
     // The node itself: its uplink address and the lease's gateway, on the daemon's port.
-    for (const std::string& host : {std::string(OutsideNet::node_uplink), std::string("10.200.0.1")}) {
+    for (const std::string& host :
+         {std::string(OutsideNet::node_uplink), std::string("10.200.0.1")}) {
         INFO("the node at " << host << ":" << node.port());
         auto r = run(node.client, lease,
                      "timeout 10 bash -c 'exec 3<>/dev/tcp/" + host + "/" + node.port() + "'");
@@ -131,8 +137,8 @@ TEST_CASE("network: egress reaches the outside, never the node, private ranges, 
 TEST_CASE("network: domain rules allow what the lease resolved through an allowed name",
           "[network]") {
     Node node;
-    json lease = acquire(node.client,
-                         json{{"mode", "egress"}, {"allow", {"allowed.test", "private.test"}}});
+    json lease =
+        acquire(node.client, json{{"mode", "egress"}, {"allow", {"allowed.test", "private.test"}}});
     // Never resolved through an allowed name: refused, though the address is public.
     CHECK(refused(http(node.client, lease, OutsideNet::public_host)));
     auto [name, status] = run(node.client, lease, "getent ahostsv4 allowed.test | head -n1");
@@ -151,13 +157,13 @@ TEST_CASE("network: domain rules allow what the lease resolved through an allowe
     CHECK(refused(http(node.client, lease, OutsideNet::private_host)));
 }
 
-TEST_CASE("network: a deny rule by address, port and protocol", "[network]") {
+TEST_CASE("network: a deny rule by address and port and protocol", "[network]") {
     Node node;
-    json lease = acquire(node.client,
-                         json{{"mode", "egress"},
-                              {"deny", {{{"host", OutsideNet::public_host},
-                                         {"ports", {80}},
-                                         {"protocol", "tcp"}}}}});
+    json lease = acquire(
+        node.client,
+        json{
+            {"mode", "egress"},
+            {"deny", {{{"host", OutsideNet::public_host}, {"ports", {80}}, {"protocol", "tcp"}}}}});
     CHECK(refused(http(node.client, lease, OutsideNet::public_host)));
     CHECK(reached(http(node.client, lease, OutsideNet::public_host, 8080), OutsideNet::public_host,
                   8080));
@@ -197,4 +203,109 @@ TEST_CASE("network: nothing of a released lease remains", "[network]") {
     const std::string after = node.net.node_sh("nft list ruleset");
     CHECK(after.find("chain l") == std::string::npos);
     CHECK(after.find("_r0") == std::string::npos);
+}
+
+TEST_CASE("network: a policy update cuts a live connection within 1 s and opens what it allows",
+          "[network]") {
+    Node node;
+    json lease = acquire(node.client, json{{"mode", "egress"}});
+    // A connection to the echo host that pings it every 50 ms, and says when and how it ended
+    // (the realtime clock, ns, which this process shares).
+    const std::string echo = std::string(OutsideNet::public_host) + "/7000";
+    const std::string script =
+        "exec 3<>/dev/tcp/" + echo +
+        " || exit 3; : > /workspace/connected; "
+        "while :; do printf 'ping\\n' >&3 || break; IFS= read -r -t 5 line <&3 || break; "
+        "sleep 0.05; done; echo \"cut $(date +%s%N)\"";
+    std::string out;
+    std::thread pinger([&] {
+        Client c(node.daemon.url(), test_host_token);
+        out = c.run_channel(open_params(lease, {"bash", "-c", script})).out;
+    });
+    const bool connected = eventually(
+        [&] { return run(node.client, lease, "test -e /workspace/connected").second == 0; }, 10s);
+    CHECK(node.net.echo_connections() == 1);
+    const auto before = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::system_clock::now().time_since_epoch())
+                            .count();
+    json updated;
+    std::string failure;
+    try {
+        if (connected) {
+            updated = node.client.call(
+                "leaseUpdateNetwork",
+                {{"leaseId", lease["id"]},
+                 {"network",
+                  {{"mode", "egress"},
+                   {"deny", {{{"host", OutsideNet::public_host}, {"ports", {7000}}}}}}}});
+        }
+    } catch (const std::exception& e) {
+        failure = e.what();
+        // The pinger ends with its connection: the daemon ends its channel with the lease.
+        node.client.call("leaseRelease", {{"leaseId", lease["id"]}});
+    }
+    pinger.join();
+    INFO(failure);
+    REQUIRE(failure.empty());
+    REQUIRE(connected);
+    CHECK(updated["network"]["deny"][0]["host"] == OutsideNet::public_host);
+    CHECK(updated["network"]["deny"][0]["ports"] == json{7000});
+    const auto cut = out.find("cut ");
+    REQUIRE(cut != std::string::npos);
+    const long long cut_at = std::stoll(out.substr(cut + 4));
+    INFO("cut " << (cut_at - before) / 1000000 << " ms after the update was sent");
+    CHECK(cut_at - before < 1000000000LL);
+    // The lease record has it, and a new connection to the port is refused; others still go.
+    CHECK(node.client.call("leaseGet", {{"leaseId", lease["id"]}})["network"] ==
+          updated["network"]);
+    CHECK(refused(run(node.client, lease, "timeout 10 bash -c 'exec 3<>/dev/tcp/" + echo + "'")));
+    CHECK(reached(http(node.client, lease, OutsideNet::public_host), OutsideNet::public_host));
+
+    // To none: nothing goes out, the resolver answers nothing.
+    updated =
+        node.client.call("leaseUpdateNetwork", {{"leaseId", lease["id"]}, {"network", false}});
+    CHECK(updated["network"]["mode"] == "none");
+    CHECK_FALSE(
+        reached(http(node.client, lease, OutsideNet::public_host), OutsideNet::public_host));
+    CHECK(run(node.client, lease, "getent ahostsv4 allowed.test").second != 0);
+    // A bad policy changes nothing and names its field.
+    try {
+        node.client.call(
+            "leaseUpdateNetwork",
+            {{"leaseId", lease["id"]},
+             {"network", {{"mode", "egress"}, {"allow", {{{"host", "x.test"}, {"ports", {0}}}}}}}});
+        FAIL("accepted");
+    } catch (const rpc_error& e) {
+        CHECK(e.code() == errc::invalid_params);
+        CHECK(e.data().value("field", "") == "network.allow[0].ports[0]");
+    }
+    CHECK(node.client.call("leaseGet", {{"leaseId", lease["id"]}})["network"]["mode"] == "none");
+}
+
+TEST_CASE("network: a lease without egress gains it by an update and its usage counts bytes",
+          "[network]") {
+    Node node;
+    json lease = acquire(node.client, false);
+    CHECK_FALSE(
+        reached(http(node.client, lease, OutsideNet::public_host), OutsideNet::public_host));
+    json updated = node.client.call(
+        "leaseUpdateNetwork", {{"leaseId", lease["id"]},
+                               {"network", {{"mode", "egress"}, {"allow", {"*.allowed.test"}}}}});
+    CHECK(updated["network"]["allow"] == json{{{"host", "*.allowed.test"}}});
+    // *.allowed.test matches www.allowed.test, not allowed.test itself.
+    CHECK(run(node.client, lease, "getent ahostsv4 allowed.test").second != 0);
+    auto www = run(node.client, lease, "getent ahostsv4 www.allowed.test | head -n1");
+    CHECK(www.second == 0);
+    CHECK(www.first.rfind(std::string(OutsideNet::public_host) + " ", 0) == 0);
+    auto bulk = run(node.client, lease,
+                    "timeout 10 bash -c 'exec 3<>/dev/tcp/" + std::string(OutsideNet::public_host) +
+                        "/80 && printf \"GET /bulk/1000000 HTTP/1.0\\r\\n\\r\\n\" >&3 && "
+                        "cat <&3 | wc -c'");
+    CHECK(bulk.second == 0);
+    CHECK(std::stoll(bulk.first) > 1000000);
+    const json usage = node.client.call("leaseGet", {{"leaseId", lease["id"]}})["usage"];
+    INFO(usage.dump());
+    CHECK(usage["netRxBytes"].get<long long>() > 1000000);
+    CHECK(usage["netTxBytes"].get<long long>() > 0);
+    CHECK(usage["netTxBytes"].get<long long>() < 1000000);
 }

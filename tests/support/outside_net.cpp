@@ -46,7 +46,9 @@ namespace ip = boost::asio::ip;
 using tcp = ip::tcp;
 using udp = ip::udp;
 
-[[noreturn]] void fail(const std::string& what) { throw std::runtime_error("outside net: " + what); }
+[[noreturn]] void fail(const std::string& what) {
+    throw std::runtime_error("outside net: " + what);
+}
 
 std::string sh_output(const std::string& command) {
     std::string out;
@@ -148,12 +150,12 @@ struct OutsideNet::State {
                     auto text = std::make_shared<std::string>(
                         "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(body.size()) +
                         "\r\nConnection: close\r\n\r\n" + body);
-                    boost::asio::async_write(*socket, boost::asio::buffer(*text),
-                                             [socket, text](boost::system::error_code, std::size_t) {
-                                                 boost::system::error_code ignored;
-                                                 socket->shutdown(tcp::socket::shutdown_send,
-                                                                  ignored);
-                                             });
+                    boost::asio::async_write(
+                        *socket, boost::asio::buffer(*text),
+                        [socket, text](boost::system::error_code, std::size_t) {
+                            boost::system::error_code ignored;
+                            socket->shutdown(tcp::socket::shutdown_send, ignored);
+                        });
                 });
             serve_http(acceptor);
         });
@@ -161,23 +163,23 @@ struct OutsideNet::State {
 
     void echo_tcp(std::shared_ptr<tcp::socket> socket) {
         auto buffer = std::make_shared<std::array<char, 4096>>();
-        socket->async_read_some(boost::asio::buffer(*buffer), [this, socket, buffer](
-                                                                   boost::system::error_code ec,
-                                                                   std::size_t n) {
-            if (ec) {
-                --echo_connections;
-                return;
-            }
-            boost::asio::async_write(*socket, boost::asio::buffer(buffer->data(), n),
-                                     [this, socket, buffer](boost::system::error_code wec,
-                                                            std::size_t) {
-                                         if (wec) {
-                                             --echo_connections;
-                                             return;
-                                         }
-                                         echo_tcp(socket);
-                                     });
-        });
+        socket->async_read_some(
+            boost::asio::buffer(*buffer),
+            [this, socket, buffer](boost::system::error_code ec, std::size_t n) {
+                if (ec) {
+                    --echo_connections;
+                    return;
+                }
+                boost::asio::async_write(
+                    *socket, boost::asio::buffer(buffer->data(), n),
+                    [this, socket, buffer](boost::system::error_code wec, std::size_t) {
+                        if (wec) {
+                            --echo_connections;
+                            return;
+                        }
+                        echo_tcp(socket);
+                    });
+            });
     }
 
     void serve_echo(tcp::acceptor& acceptor) {
@@ -260,14 +262,16 @@ OutsideNet::OutsideNet() : state_(std::make_unique<State>()) {
     const std::string holder = std::to_string(state_->holder);
     const std::string in_outside = "nsenter --net=/proc/" + holder + "/ns/net ";
     sh_output("ip link add up0 type veth peer name out0 && ip link set out0 netns " + holder);
-    sh_output("ip addr add 198.51.100.1/24 dev up0 && ip link set up0 up && "
-              "ip route add default via 198.51.100.2");
-    sh_output(in_outside + "sh -c 'ip link set lo up && ip link set out0 up && "
-                           "ip addr add 198.51.100.2/24 dev out0 && "
-                           "ip addr add 198.51.100.3/24 dev out0 && "
-                           "ip addr add 198.51.100.4/24 dev out0 && "
-                           "ip addr add 10.77.0.2/16 dev out0 && "
-                           "ip addr add 169.254.169.254/16 dev out0'");
+    sh_output(
+        "ip addr add 198.51.100.1/24 dev up0 && ip link set up0 up && "
+        "ip route add default via 198.51.100.2");
+    sh_output(in_outside +
+              "sh -c 'ip link set lo up && ip link set out0 up && "
+              "ip addr add 198.51.100.2/24 dev out0 && "
+              "ip addr add 198.51.100.3/24 dev out0 && "
+              "ip addr add 198.51.100.4/24 dev out0 && "
+              "ip addr add 10.77.0.2/16 dev out0 && "
+              "ip addr add 169.254.169.254/16 dev out0'");
 
     // The test hosts' sockets, made inside the outside namespace.
     std::thread([&] {

@@ -27,6 +27,9 @@ export interface LeaseUsage {
   pids: number | null;
   diskBytes: number | null;
   cpuMs: number | null;
+  /** Bytes the lease received and sent through its veth (0 without egress). */
+  netRxBytes?: number;
+  netTxBytes?: number;
 }
 
 /** A lease: one sandbox bound to one tenant scope and one owner node (section 2). */
