@@ -37,12 +37,18 @@ const char* usage_text =
     "Commands:\n"
     "  lease acquire --company ID --environment ID [--provider KEY] [--ttl-ms N]\n"
     "                [--config JSON] [--idempotency-key KEY] [--run-id ID] [--policy P]\n"
+    "                [--egress] [--allow RULE]... [--deny RULE]...\n"
+    "                (RULE: a domain, *.domain, address or CIDR, or a JSON rule\n"
+    "                {\"host\", \"ports\", \"protocol\"}; any of them gives egress)\n"
     "                [--output id]   (P: ephemeral, reuse_by_environment,\n"
     "                reuse_by_execution_workspace with --execution-workspace ID, "
     "retain_on_failure)\n"
     "  lease get LEASE | lease list [--company ID] [--environment ID] [--status S]\n"
     "                [--owner NODE] [--limit N] | lease renew LEASE --ttl-ms N |\n"
     "  lease release LEASE [--disposition destroy|retain] [--failed] | lease probe LEASE\n"
+    "  lease network LEASE [--none | --egress] [--allow RULE]... [--deny RULE]...\n"
+    "       without options prints the lease's network policy; with them replaces it\n"
+    "       (leaseUpdateNetwork: connections no longer allowed are cut at once)\n"
     "  run [--cwd DIR] [-e NAME=VALUE]... [--stdin TEXT] [--timeout-ms N] LEASE -- CMD [ARG...]\n"
     "       leaseExecute: runs CMD to its end, its output streamed as it comes; exits with\n"
     "       its status (128+N for signal N, 124 on timeout, 255 for an error)\n"
@@ -108,6 +114,41 @@ po::variables_map parse_sub(const std::vector<std::string>& args,
     return vm;
 }
 
+/// The network options of `lease acquire` and `lease network`.
+void add_network_options(po::options_description& opts) {
+    opts.add_options()("egress", "")("none", "")(
+        "allow", po::value<std::vector<std::string>>()->composing(), "")(
+        "deny", po::value<std::vector<std::string>>()->composing(), "");
+}
+
+/// A rule of --allow or --deny: a JSON object as it is, else the host string.
+json network_rule(const std::string& text) {
+    if (!text.empty() && text.front() == '{') return parse_json(text);
+    return text;
+}
+
+/// The policy the network options give, or null when none is given.
+json network_policy(const po::variables_map& vm) {
+    const bool rules = vm.count("allow") > 0 || vm.count("deny") > 0;
+    if (vm.count("none") > 0) {
+        if (rules || vm.count("egress") > 0) {
+            throw po::error("--none takes no --egress, --allow or --deny");
+        }
+        return {{"mode", "none"}};
+    }
+    if (!rules && vm.count("egress") == 0) return nullptr;
+    json policy = {{"mode", "egress"}};
+    for (const char* key : {"allow", "deny"}) {
+        if (vm.count(key) == 0) continue;
+        json list = json::array();
+        for (const auto& text : vm[key].as<std::vector<std::string>>()) {
+            list.push_back(network_rule(text));
+        }
+        policy[key] = std::move(list);
+    }
+    return policy;
+}
+
 /// sandboxctl lease acquire: `opts` (with --output, bound to `output`) and its own options.
 int lease_acquire(Client& client, const std::vector<std::string>& rest,
                   po::options_description& opts, po::positional_options_description& pos,
@@ -119,12 +160,22 @@ int lease_acquire(Client& client, const std::vector<std::string>& rest,
         "idempotency-key", po::value<std::string>(), "")("run-id", po::value<std::string>(), "")(
         "policy", po::value<std::string>(), "")("execution-workspace", po::value<std::string>(),
                                                 "");
+    add_network_options(opts);
     auto vm = parse_sub(rest, opts, pos);
     json p = {{"companyId", vm["company"].as<std::string>()},
               {"environmentId", vm["environment"].as<std::string>()},
               {"provider", vm["provider"].as<std::string>()}};
     if (vm.count("ttl-ms")) p["ttlMs"] = vm["ttl-ms"].as<std::uint64_t>();
     if (vm.count("config")) p["config"] = parse_json(vm["config"].as<std::string>());
+    if (json network = network_policy(vm); !network.is_null()) {
+        if (!p.contains("config")) p["config"] = json::object();
+        if (!p["config"].is_object() || p["config"].contains("network")) {
+            throw po::error(
+                "--egress, --allow and --deny set config.network: give it in one "
+                "place (--config without \"network\")");
+        }
+        p["config"]["network"] = std::move(network);
+    }
     if (vm.count("idempotency-key")) p["idempotencyKey"] = vm["idempotency-key"].as<std::string>();
     if (vm.count("run-id")) p["runId"] = vm["run-id"].as<std::string>();
     if (vm.count("policy")) p["leasePolicy"] = vm["policy"].as<std::string>();
@@ -164,7 +215,8 @@ int lease_list(Client& client, const std::vector<std::string>& rest, po::options
 
 int lease_command(Client& client, const Globals& g, const std::vector<std::string>& args) {
     if (args.empty()) {
-        throw po::error("lease needs a subcommand: acquire, get, list, renew, release, probe");
+        throw po::error(
+            "lease needs a subcommand: acquire, get, list, renew, release, probe, network");
     }
     const std::string& sub = args[0];
     const std::vector<std::string> rest(args.begin() + 1, args.end());
@@ -191,6 +243,20 @@ int lease_command(Client& client, const Globals& g, const std::vector<std::strin
         if (vm.count("failed")) p["failed"] = true;
         auto lease = client.call(sub == "get" ? "leaseGet" : "leaseRelease", p);
         print_lease(lease, output);
+        return 0;
+    }
+    if (sub == "network") {
+        opts.add_options()("lease", po::value<std::string>()->required(), "");
+        add_network_options(opts);
+        pos.add("lease", 1);
+        auto vm = parse_sub(rest, opts, pos);
+        json p = {{"leaseId", vm["lease"].as<std::string>()}};
+        json policy = network_policy(vm);
+        json lease = policy.is_null()
+                         ? client.call("leaseGet", p)
+                         : client.call("leaseUpdateNetwork",
+                                       {{"leaseId", p["leaseId"]}, {"network", policy}});
+        std::cout << lease["network"].dump(output == "json" ? 2 : -1) << "\n";
         return 0;
     }
     if (sub == "renew") {

@@ -118,6 +118,7 @@ void check_bwrap_limits(const LeaseLimits& d, const LeaseLimits& m) {
     check("ioReadIops", d.io_read_iops, m.io_read_iops, false);
     check("ioWriteIops", d.io_write_iops, m.io_write_iops, false);
     check("ioWeight", d.io_weight, m.io_weight, false);
+    check("egressBps", d.egress_bps, m.egress_bps, false);
     auto capped = [](const char* key, bool def, bool max) {
         if (max && !def) {
             fail(std::string("providers.bwrap.limits.defaults.") + key,
@@ -130,6 +131,7 @@ void check_bwrap_limits(const LeaseLimits& d, const LeaseLimits& m) {
     capped("ioReadIops", d.io_read_iops.has_value(), m.io_read_iops.has_value());
     capped("ioWriteIops", d.io_write_iops.has_value(), m.io_write_iops.has_value());
     capped("ioWeight", d.io_weight.has_value(), m.io_weight.has_value());
+    capped("egressBps", d.egress_bps.has_value(), m.egress_bps.has_value());
 }
 
 void check_bwrap_identity_and_etc(const BwrapConfig& b) {

@@ -562,6 +562,8 @@ const Keys<LeaseLimits>& lease_limits_keys() {
                          "Write operations per second on the workspace disk."),
         optional_integer("ioWeight", &T::io_weight, 1, 10000,
                          "Disk time share against other leases (cgroup v2 only)."),
+        optional_integer("egressBps", &T::egress_bps, 65536, 2147483647,
+                         "Network bytes per second of a lease with egress, each way."),
     };
     return keys;
 }

@@ -35,6 +35,7 @@ constexpr LimitField io_write_bps_field{"ioWriteBps", 65536, 1ULL << 40};
 constexpr LimitField io_read_iops_field{"ioReadIops", 16, 10000000};
 constexpr LimitField io_write_iops_field{"ioWriteIops", 16, 10000000};
 constexpr LimitField io_weight_field{"ioWeight", 1, 10000};
+constexpr LimitField egress_bps_field{"egressBps", 65536, 2147483647};
 
 template <class T>
 std::uint64_t limit_value(const json& value, const LimitField& field,
@@ -117,6 +118,8 @@ void parse_limits(const json& limits, const BwrapLimitsConfig& node, EffectiveLi
             optional_limit(value, io_write_iops_field, max.io_write_iops, out.io_write_iops);
         } else if (name == io_weight_field.name) {
             optional_limit(value, io_weight_field, max.io_weight, out.io_weight);
+        } else if (name == egress_bps_field.name) {
+            optional_limit(value, egress_bps_field, max.egress_bps, out.egress_bps);
         } else {
             invalid_field("config.limits." + name, "unknown key");
         }
@@ -142,7 +145,8 @@ json EffectiveLimits::to_json() const {
             {"ioWriteBps", v(io_write_bps)},
             {"ioReadIops", v(io_read_iops)},
             {"ioWriteIops", v(io_write_iops)},
-            {"ioWeight", v(io_weight)}};
+            {"ioWeight", v(io_weight)},
+            {"egressBps", v(egress_bps)}};
 }
 
 LeaseConfig parse_lease_config(const json& config, const BwrapLimitsConfig& node,
@@ -160,6 +164,7 @@ LeaseConfig parse_lease_config(const json& config, const BwrapLimitsConfig& node
     out.limits.io_read_iops = defaults.io_read_iops;
     out.limits.io_write_iops = defaults.io_write_iops;
     out.limits.io_weight = defaults.io_weight;
+    out.limits.egress_bps = defaults.egress_bps;
     if (config.is_null()) return out;
     if (!config.is_object()) invalid_field("config", "must be an object");
     for (const auto& [name, value] : config.items()) {

@@ -30,7 +30,8 @@ struct EffectiveLimits {
     std::optional<std::uint64_t> io_write_bps;
     std::optional<std::uint32_t> io_read_iops;  ///< operations/s; absent: none
     std::optional<std::uint32_t> io_write_iops;
-    std::optional<std::uint32_t> io_weight;  ///< cgroup v2 only
+    std::optional<std::uint32_t> io_weight;   ///< cgroup v2 only
+    std::optional<std::uint64_t> egress_bps;  ///< network bytes/s each way; absent: none
 
     /// The lease's open-file cap, counted against the node's open-file budget: the lesser of
     /// openFiles x pids (RLIMIT_NOFILE of each of at most `pids` processes) and

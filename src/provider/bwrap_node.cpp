@@ -470,8 +470,12 @@ void BwrapProvider::teardown_files(const SandboxHandle& sandbox) {
         detail::remove_tree_bounded(workspace);
     }
     for (const auto& d : {run_dir, dir}) {
-        // identity and secret (sandboxes_dir), the adoption socket (runtime directory).
-        for (const char* file : {"identity", "secret", "supervisor.sock"}) fs::remove(d / file, ec);
+        // identity, secret and network record (sandboxes_dir), the adoption socket (runtime
+        // directory).
+        for (const char* file :
+             {"identity", "secret", "network", "network.new", "supervisor.sock"}) {
+            fs::remove(d / file, ec);
+        }
         if (::rmdir(d.c_str()) < 0 && errno != ENOENT) {
             provider_failure("cannot remove sandbox " + sandbox.scope.provider_lease_id + ": " +
                              d.string() + ": " + std::strerror(errno));

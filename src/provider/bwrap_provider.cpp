@@ -296,7 +296,11 @@ std::shared_ptr<SandboxHandle> BwrapProvider::create_now(SandboxScope scope,
         }
         if (options_.limits.enforce) sandbox->workspace = handle->workspace;
         make_workspace(*sandbox, *handle, uid, cfg);
-        sandbox->network = network_->attach(cfg.network);
+        try {
+            sandbox->network = network_->attach(cfg.network, cfg.limits.egress_bps);
+        } catch (const std::runtime_error& e) {
+            provider_failure(std::string("cannot make the lease's network: ") + e.what());
+        }
         write_network_record(id, *sandbox->network);
         start_supervisor(*sandbox, id, handle->workspace, uid, cfg);
         if (budget_) sandbox->budget_held = true;

@@ -99,6 +99,10 @@ public:
 
     bool ready() const noexcept override { return probe_problem_.empty(); }
 
+    std::map<std::string, std::uint64_t> egress_denied() const override {
+        return network_ ? network_->denied() : std::map<std::string, std::uint64_t>{};
+    }
+
     LimitEvents limit_events() const noexcept override {
         return {counters_->memory.load(), counters_->pids.load()};
     }

@@ -15,6 +15,8 @@
 #include <netlink/route/addr.h>
 #include <netlink/route/link.h>
 #include <netlink/route/link/veth.h>
+#include <netlink/route/qdisc.h>
+#include <netlink/route/qdisc/tbf.h>
 #include <netlink/route/route.h>
 #include <nftables/libnftables.h>
 
@@ -143,6 +145,22 @@ void add_default_route(nl_sock* s, int ifindex, ip::address_v4 gateway) {
              "cannot add the default route");
 }
 
+/// A token bucket of `bps` bytes per second on what interface `ifindex` sends. Its bucket
+/// holds at least 256 KiB (a veth passes segments of up to 64 KiB, which a smaller bucket
+/// would hold back for ever) or 10 ms at the rate; at most 50 ms of packets wait in it.
+void limit_rate(nl_sock* s, int ifindex, std::uint64_t bps, const std::string& what) {
+    Ref<rtnl_qdisc, rtnl_qdisc_put> qdisc(rtnl_qdisc_alloc());
+    if (qdisc.get() == nullptr) fail("netlink: out of memory");
+    auto* tc = TC_CAST(qdisc.get());
+    rtnl_tc_set_ifindex(tc, ifindex);
+    rtnl_tc_set_parent(tc, TC_H_ROOT);
+    check_nl(rtnl_tc_set_kind(tc, "tbf"), what);
+    const int rate = static_cast<int>(std::min<std::uint64_t>(bps, 2147483647));
+    rtnl_qdisc_tbf_set_rate(qdisc.get(), rate, std::max(256 << 10, rate / 100), 0);
+    check_nl(rtnl_qdisc_tbf_set_limit_by_latency(qdisc.get(), 50), what);
+    check_nl(rtnl_qdisc_add(s, qdisc.get(), NLM_F_CREATE | NLM_F_REPLACE), what);
+}
+
 /// Brings the namespace's loopback up (from a thread inside it).
 void loopback_up() {
     NlSock s;
@@ -184,6 +202,10 @@ std::string transport(const NetworkRule& rule) {
     if (proto.empty()) return "meta l4proto { tcp, udp } th dport " + ports + " ";
     return proto + " dport " + ports + " ";
 }
+
+/// A lease's chain: "lease_<index in hex>". A prefix of its own keeps every name clear of
+/// nftables' keywords ("l" and the hex index 14 made "le", the operator).
+std::string lease_chain(std::uint32_t index) { return "lease_" + hex(index, 1); }
 
 bool domain_matches(const DomainName& rule, const std::string& name) {
     if (!rule.subdomains) return name == rule.name;
@@ -246,7 +268,9 @@ const std::vector<ip::network_v4>& builtin_deny_v4() {
 }
 
 struct NodeNetwork::Impl {
-    std::mutex mutex;  // guards everything below
+    std::mutex mutex;  // guards everything below but `denied`
+    std::mutex denied_mutex;
+    std::map<std::string, std::uint64_t> denied;  // what denied() read last
     NlSock host;
     nft_ctx* nft = nullptr;
     std::set<std::uint32_t> used;
@@ -298,6 +322,38 @@ NodeNetwork::NodeNetwork(NodeNetworkOptions options)
 // The table stays: the policy of the leases kept for the next process must hold while no
 // daemon runs (the next start rebuilds it). Every lease's own objects went with it.
 NodeNetwork::~NodeNetwork() = default;
+
+std::map<std::string, std::uint64_t> NodeNetwork::denied() const {
+    if (!options_.egress) return {};
+    std::unique_lock lock(impl_->mutex, std::try_to_lock);
+    if (!lock.owns_lock()) {
+        std::lock_guard last(impl_->denied_mutex);
+        return impl_->denied;
+    }
+    std::map<std::string, std::uint64_t> out;
+    if (nft_run_cmd_from_buffer(impl_->nft,
+                                ("list counters table " + impl_->table + "\n").c_str()) != 0) {
+        nft_ctx_get_error_buffer(impl_->nft);
+        std::lock_guard last(impl_->denied_mutex);
+        return impl_->denied;
+    }
+    // "counter denied_<reason> { packets N bytes M }", as nft lists it.
+    std::istringstream in(nft_ctx_get_output_buffer(impl_->nft));
+    std::string word;
+    std::string reason;
+    while (in >> word) {
+        if (word == "counter" && in >> word && word.rfind("denied_", 0) == 0) {
+            reason = word.substr(7);
+        } else if (word == "packets" && !reason.empty()) {
+            std::uint64_t packets = 0;
+            if (in >> packets) out[reason] = packets;
+            reason.clear();
+        }
+    }
+    std::lock_guard last(impl_->denied_mutex);
+    impl_->denied = out;
+    return out;
+}
 
 std::string NodeNetwork::resolv_conf() const {
     return "nameserver " + gateway_.to_string() + "\noptions edns0 trust-ad\n";
@@ -481,7 +537,7 @@ void NodeNetwork::detach(LeaseNetwork& lease) noexcept {
     stop_resolver(lease);
     if (lease.info_.index == 0) return;
     std::lock_guard lock(impl_->mutex);
-    const std::string c = "l" + hex(lease.info_.index, 1);
+    const std::string c = lease_chain(lease.info_.index);
     std::ostringstream s;
     s << "delete element " << impl_->table << " lease_fwd { \"" << lease.info_.host_interface
       << "\" }\n"
@@ -535,7 +591,7 @@ std::string lease_script(const std::string& table, const NodeNetworkOptions& o,
                          ip::address_v4 gateway, const LeaseNetworkInfo& info,
                          const NetworkPolicy& policy, std::uint32_t generation,
                          std::uint16_t resolver_port, const ResolvedNames& resolved) {
-    const std::string c = "l" + hex(info.index, 1);
+    const std::string c = lease_chain(info.index);
     const std::string addr = info.address.to_string();
     const std::string gw = gateway.to_string();
     const auto now = std::chrono::steady_clock::now();
@@ -618,7 +674,8 @@ std::string lease_script(const std::string& table, const NodeNetworkOptions& o,
 
 }  // namespace
 
-std::unique_ptr<LeaseNetwork> NodeNetwork::attach(const NetworkPolicy& policy) {
+std::unique_ptr<LeaseNetwork> NodeNetwork::attach(const NetworkPolicy& policy,
+                                                  std::optional<std::uint64_t> egress_bps) {
     if (policy.mode == network_mode::egress && !options_.egress) {
         throw rpc_error(errc::invalid_params,
                         "config.network: egress is not allowed on this node "
@@ -627,6 +684,7 @@ std::unique_ptr<LeaseNetwork> NodeNetwork::attach(const NetworkPolicy& policy) {
     }
     std::unique_ptr<LeaseNetwork> lease(new LeaseNetwork());
     lease->policy_ = policy;
+    lease->egress_bps_ = egress_bps;
     lease->node_ = shared_from_this();
     // Without egress the daemon may lack CAP_NET_ADMIN (its unit's default): bubblewrap makes
     // the namespace, loopback only, inside the lease's user namespace.
@@ -663,7 +721,7 @@ ResolverPolicy NodeNetwork::resolver_policy(const LeaseNetwork& lease,
         });
     };
     std::weak_ptr<NodeNetwork> weak = weak_from_this();
-    const std::string prefix = "l" + hex(info.index, 1) + "_r";
+    const std::string prefix = lease_chain(info.index) + "_r";
     out.on_address = [weak, policy, prefix, resolved](
                          const std::string& name, const ip::address& address, std::uint32_t ttl) {
         auto node = weak.lock();
@@ -710,7 +768,7 @@ void NodeNetwork::apply(LeaseNetwork& lease, const NetworkPolicy& policy) {
     std::vector<std::string> sets;
     for (std::size_t k = 0; k < policy.allow.size(); ++k) {
         if (std::holds_alternative<DomainName>(policy.allow[k].host)) {
-            sets.push_back("l" + hex(lease.info_.index, 1) + "_r" + std::to_string(k));
+            sets.push_back(lease_chain(lease.info_.index) + "_r" + std::to_string(k));
         }
     }
     std::string script = lease_script(impl_->table, options_, gateway_, lease.info_, policy,
@@ -765,14 +823,21 @@ void NodeNetwork::add_veth(LeaseNetwork& lease) {
         rtnl_link_set_ns_fd(peer.get(), lease.netns_.get());
         check_nl(rtnl_link_add(s, veth.get(), NLM_F_CREATE | NLM_F_EXCL),
                  "cannot make the veth pair " + info.host_interface);
-        add_peer_address(s, ifindex_of(s, info.host_interface), gateway_, info.address,
+        const int host_index = ifindex_of(s, info.host_interface);
+        add_peer_address(s, host_index, gateway_, info.address,
                          "cannot address " + info.host_interface);
         link_up(s, info.host_interface);
+        // What the host side sends is what the lease receives.
+        if (lease.egress_bps_) {
+            limit_rate(s, host_index, *lease.egress_bps_,
+                       "cannot limit the rate of " + info.host_interface);
+        }
     }
     const int netns = lease.netns_.get();
     const auto address = info.address;
     const auto gateway = gateway_;
-    on_own_thread([netns, address, gateway] {
+    const auto bps = lease.egress_bps_;
+    on_own_thread([netns, address, gateway, bps] {
         if (::setns(netns, CLONE_NEWNET) != 0) {
             fail("cannot enter the lease's network namespace: " + errno_text(errno));
         }
@@ -781,6 +846,7 @@ void NodeNetwork::add_veth(LeaseNetwork& lease) {
         add_peer_address(inside.sock, eth0, address, gateway, "cannot address the lease's eth0");
         link_up(inside.sock, "eth0");
         add_default_route(inside.sock, eth0, gateway);
+        if (bps) limit_rate(inside.sock, eth0, *bps, "cannot limit the rate of the lease's eth0");
     });
     start_resolver(lease);
     apply(lease, lease.policy_);

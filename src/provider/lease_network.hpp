@@ -125,6 +125,7 @@ private:
     LeaseNetworkInfo info_;
     NetworkPolicy policy_;
     std::uint32_t generation_ = 1;
+    std::optional<std::uint64_t> egress_bps_;
     std::unique_ptr<LeaseResolver> resolver_;
     std::shared_ptr<ResolvedNames> resolved_ = std::make_shared<ResolvedNames>();
     std::vector<std::string> sets_;  ///< the domain sets its chain names
@@ -146,7 +147,10 @@ public:
     /// policy and resolver. Throws rpc_error INVALID_PARAMS (field config.network) for an
     /// egress policy on a node without egress, PROVIDER_ERROR when the pool is exhausted or a
     /// step fails (then nothing is left).
-    std::unique_ptr<LeaseNetwork> attach(const NetworkPolicy& policy);
+    /// `egress_bps`: bytes per second each way through its veth (a token bucket on both ends,
+    /// outside the lease's reach), when it gets one.
+    std::unique_ptr<LeaseNetwork> attach(const NetworkPolicy& policy,
+                                         std::optional<std::uint64_t> egress_bps = std::nullopt);
     /// A lease of an earlier process, re-adopted: its veth (`info`) is still there; its
     /// chains, sets and resolver are made again. Throws like attach().
     std::unique_ptr<LeaseNetwork> readopt(const LeaseNetworkInfo& info,
@@ -160,6 +164,9 @@ public:
     void forget(const LeaseNetworkInfo& info) noexcept;
 
     [[nodiscard]] const NodeNetworkOptions& options() const noexcept { return options_; }
+    /// Packets refused so far by reason (the table's counters denied_<reason>); empty without
+    /// egress. Does not wait: while another call holds the node's lock, what it read last.
+    [[nodiscard]] std::map<std::string, std::uint64_t> denied() const;
     [[nodiscard]] boost::asio::ip::address_v4 gateway() const noexcept { return gateway_; }
     /// The node's resolv.conf for a lease's /etc: the gateway.
     [[nodiscard]] std::string resolv_conf() const;

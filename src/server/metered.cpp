@@ -135,6 +135,9 @@ public:
         return inner_->usage(sandbox);
     }
     LimitEvents limit_events() const noexcept override { return inner_->limit_events(); }
+    std::map<std::string, std::uint64_t> egress_denied() const override {
+        return inner_->egress_denied();
+    }
     std::optional<WorkerStatus> worker_status() const noexcept override {
         return inner_->worker_status();
     }

@@ -15,6 +15,9 @@ void NodeGauges::collect() {
         const auto e = provider->limit_events();
         limit_events.memory += e.memory;
         limit_events.pids += e.pids;
+        for (const auto& [reason, packets] : provider->egress_denied()) {
+            m.egress_denied.with({reason}).advance_to(static_cast<double>(packets));
+        }
         if (const auto worker = provider->worker_status()) {
             const auto& plugin = provider->plugin_id();
             m.plugin_worker_up.with({plugin}).set(worker->up ? 1 : 0);

@@ -138,6 +138,13 @@ struct NodeMetrics {
     Family<Counter>& limit_events = registry.counter(
         "sandboxd_limit_events_total",
         "Limits that sandboxes hit: channels OOM-killed (memory), forks refused (pids).", {"kind"});
+    Family<Counter>& egress_denied = registry.counter(
+        "sandboxd_egress_denied_total",
+        "Packets the node's network policy refused from its leases, by reason: node (the node's "
+        "deny list), lease (another lease), private (a built-in range), host (the node itself), "
+        "rule (a lease's deny, or mode none), allow (not in a lease's allow), spoof (not the "
+        "lease's own source address).",
+        {"reason"});
 
     Family<Counter>& output_frames = registry.counter(
         "sandboxd_output_frames_total",

@@ -651,7 +651,8 @@ TEST_CASE("Lease limits above the node's maximum are refused with the field name
                                   {"ioWriteBps", nullptr},
                                   {"ioReadIops", nullptr},
                                   {"ioWriteIops", nullptr},
-                                  {"ioWeight", nullptr}});
+                                  {"ioWeight", nullptr},
+                                  {"egressBps", nullptr}});
     auto got = c->call("leaseGet", {{"leaseId", lease["id"]}});
     CHECK(got["limits"] == lease["limits"]);
     CHECK(got["usage"]["pids"].get<int>() >= 1);  // the supervisor

@@ -176,10 +176,12 @@ TEST_CASE("A plugin lease runs commands through the reference worker, byte for b
     CHECK(error_reason(*c, "providerValidateConfig", {{"provider", "process"}}) ==
           "INVALID_PARAMS");
     // Nor environmentExecute or environmentRealizeWorkspace: refused naming the host method.
-    for (const char* method : {"leaseExecute", "leaseRealizeWorkspace"}) {
+    // A plugin's lease has no network policy of sandboxd's (issue 48).
+    for (const char* method : {"leaseExecute", "leaseRealizeWorkspace", "leaseUpdateNetwork"}) {
         json p = {{"leaseId", lease["id"]}};
         if (std::string(method) == "leaseExecute") p["command"] = "true";
         if (std::string(method) == "leaseRealizeWorkspace") p["workspace"] = json::object();
+        if (std::string(method) == "leaseUpdateNetwork") p["network"] = false;
         try {
             c->call(method, p);
             FAIL(method << " succeeded");

@@ -1347,12 +1347,10 @@ TEST_CASE("create validates the lease config", "[provider]") {
         CHECK(id.size() == 19);
         CHECK(handle->scope.company_id == "c");
         CHECK(handle->lease_id == "lease");
-        CHECK_FALSE(handle->network);
-        const json no_io = {{"ioReadBps", nullptr},
-                            {"ioWriteBps", nullptr},
-                            {"ioReadIops", nullptr},
-                            {"ioWriteIops", nullptr},
-                            {"ioWeight", nullptr}};
+        CHECK(handle->network["mode"] == "none");
+        const json no_io = {{"ioReadBps", nullptr},  {"ioWriteBps", nullptr},
+                            {"ioReadIops", nullptr}, {"ioWriteIops", nullptr},
+                            {"ioWeight", nullptr},   {"egressBps", nullptr}};
         json expected = {{"memoryBytes", 1024 * mib},  {"pids", 512},
                          {"cpuWeight", 100},           {"cpuQuotaPercent", nullptr},
                          {"diskBytes", 1024 * mib},    {"openFiles", 512},

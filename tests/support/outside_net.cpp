@@ -119,6 +119,21 @@ std::string answer(const std::uint8_t* data, std::size_t size) {
 
 }  // namespace
 
+/// Sends `left` bytes of 'x' on `socket`, then half-closes it.
+void send_bulk(const std::shared_ptr<tcp::socket>& socket, std::uint64_t left) {
+    static const std::string chunk(1 << 20, 'x');
+    if (left == 0) {
+        boost::system::error_code ignored;
+        socket->shutdown(tcp::socket::shutdown_send, ignored);
+        return;
+    }
+    const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(left, chunk.size()));
+    boost::asio::async_write(*socket, boost::asio::buffer(chunk.data(), n),
+                             [socket, left, n](boost::system::error_code ec, std::size_t) {
+                                 if (!ec) send_bulk(socket, left - n);
+                             });
+}
+
 struct OutsideNet::State {
     pid_t holder = -1;  // `sleep infinity` in the outside namespace: its pid names it
     boost::asio::io_context io;
@@ -144,17 +159,20 @@ struct OutsideNet::State {
                     const auto local = socket->local_endpoint(rec);
                     std::string body = "hello from " + local.address().to_string() + ":" +
                                        std::to_string(local.port()) + "\n";
+                    std::uint64_t bulk = 0;  // /bulk/N: N bytes of 'x', sent 1 MiB at a time
                     if (target.rfind("/bulk/", 0) == 0) {
-                        body.assign(std::stoull(target.substr(6)), 'x');
+                        bulk = std::stoull(target.substr(6));
+                        body.clear();
                     }
                     auto text = std::make_shared<std::string>(
-                        "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(body.size()) +
+                        "HTTP/1.1 200 OK\r\nContent-Length: " +
+                        std::to_string(bulk > 0 ? bulk : body.size()) +
                         "\r\nConnection: close\r\n\r\n" + body);
                     boost::asio::async_write(
                         *socket, boost::asio::buffer(*text),
-                        [socket, text](boost::system::error_code, std::size_t) {
-                            boost::system::error_code ignored;
-                            socket->shutdown(tcp::socket::shutdown_send, ignored);
+                        [socket, text, bulk](boost::system::error_code wec, std::size_t) {
+                            if (wec) return;
+                            send_bulk(socket, bulk);
                         });
                 });
             serve_http(acceptor);

@@ -20,6 +20,8 @@ export interface LeaseLimits {
   cpuQuotaPercent: number | null;
   diskBytes: number | null;
   openFiles: number | null;
+  /** Network bytes per second of a lease with egress, each way; null: none. */
+  egressBps?: number | null;
 }
 
 export interface LeaseUsage {

@@ -90,6 +90,9 @@ struct LeaseLimits {
     std::optional<std::uint32_t> io_write_iops;
     /// v2 io.weight "default N", 1..10000 (100: an equal share); cgroup v2 only.
     std::optional<std::uint32_t> io_weight;
+    /// Network bytes per second of a lease with egress, each way (a token bucket on both ends
+    /// of its veth pair), 65536..2147483647 (2 GiB/s, tbf's 32-bit rate); absent: none.
+    std::optional<std::uint64_t> egress_bps;
 };
 
 struct BwrapLimitsConfig {
@@ -99,10 +102,12 @@ struct BwrapLimitsConfig {
     bool enforce = true;
     /// 32 leases of these defaults fit the budgets (below) of a host with pid_max 32,768 and
     /// fs.file-max 2.4 M: each lease's open-file cap is min(512 x 512, 1 GiB / 512) = 262,144.
-    LeaseLimits defaults{1ULL << 30,   512,          100,          std::nullopt, 1ULL << 30,  512,
-                         std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt};
-    LeaseLimits max{16ULL << 30,  4096,         10000,        std::nullopt, 64ULL << 30, 65536,
-                    std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt};
+    LeaseLimits defaults{1ULL << 30,   512,          100,          std::nullopt,
+                         1ULL << 30,   512,          std::nullopt, std::nullopt,
+                         std::nullopt, std::nullopt, std::nullopt, std::nullopt};
+    LeaseLimits max{16ULL << 30,  4096,         10000,        std::nullopt,
+                    64ULL << 30,  65536,        std::nullopt, std::nullopt,
+                    std::nullopt, std::nullopt, std::nullopt, std::nullopt};
     /// The node's budgets (pids: kernel.pid_max, open files: fs.file-max, each less an eighth
     /// kept for the host) times this, 1..1000, bound the sum of its leases' caps (pids, and
     /// each lease's open-file cap: min(openFiles x pids, memoryBytes / 512)); an acquire

@@ -253,6 +253,11 @@ public:
     /// Limit events since start. Fast; thread-safe.
     virtual LimitEvents limit_events() const noexcept { return {}; }
 
+    /// Packets its network policy refused from its leases so far, by reason (issue 48;
+    /// sandboxd_egress_denied_total); empty without one. Never blocks: while the policy is
+    /// being changed it gives what it read last.
+    virtual std::map<std::string, std::uint64_t> egress_denied() const { return {}; }
+
     /// The state of the provider's worker process; nullopt for a provider without one
     /// (built-in). Fast; thread-safe.
     virtual std::optional<WorkerStatus> worker_status() const noexcept { return std::nullopt; }

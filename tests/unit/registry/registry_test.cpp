@@ -93,6 +93,7 @@ void registry_of_version_2(const std::string& path) {
                          "ALTER TABLE leases DROP COLUMN host_metadata; "
                          "ALTER TABLE leases DROP COLUMN capabilities; "
                          "ALTER TABLE leases DROP COLUMN lease_policy; "
+                         "ALTER TABLE leases DROP COLUMN network; "
                          "PRAGMA user_version = 2;",
                          nullptr, nullptr, nullptr) == SQLITE_OK);
     REQUIRE(scalar_of(db, "PRAGMA user_version") == "2");

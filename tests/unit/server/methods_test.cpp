@@ -84,6 +84,20 @@ TEST_CASE("Lease method params name the field on error", "[methods]") {
               methods::parse_lease_renew({{"leaseId", "l"}, {"ttlMs", 999}});
           }) == F{"ttlMs", "ttlMs: must be an integer in 1000..4611686018427387903"});
     CHECK(methods::parse_lease_renew({{"leaseId", "l"}, {"ttlMs", 5000}}).ttl_ms == 5000);
+    CHECK(methods::parse_lease_update_network({{"leaseId", "l"}, {"network", true}}).network ==
+          true);
+    CHECK(methods::parse_lease_update_network({{"leaseId", "l"}, {"network", {{"mode", "none"}}}})
+              .network["mode"] == "none");
+    CHECK(failure([] {
+              methods::parse_lease_update_network({{"leaseId", "l"}});
+          }) == F{"network", "network: is required"});
+    CHECK(failure([] {
+              methods::parse_lease_update_network({{"leaseId", "l"}, {"network", "egress"}});
+          }) == F{"network", "network: must be a policy object or a boolean"});
+    CHECK(failure([] {
+              methods::parse_lease_update_network(
+                  {{"leaseId", "l"}, {"network", true}, {"ttlMs", 1}});
+          }).first == "ttlMs");
     CHECK(failure([] {
               methods::parse_initialize({{"protocolVersion", 2}});
           }) == F{"protocolVersion", "protocolVersion: only version 1 is supported"});
