@@ -111,9 +111,10 @@ int run_bench(int argc, char** argv) {
     }
     json lease = acquire(c, json{{"mode", "egress"}});
     const std::string url = "http://" + std::string(OutsideNet::public_host) + "/";
-    const std::string connects = "for i in $(seq 200); do curl -s -o /dev/null -w "
-                                 "'%{time_connect}\\n' " +
-                                 url + "; done";
+    const std::string connects =
+        "for i in $(seq 200); do curl -s -o /dev/null -w "
+        "'%{time_connect}\\n' " +
+        url + "; done";
     const std::string bulk = "for i in 1 2 3; do curl -s -o /dev/null -w '%{speed_download}\\n' " +
                              url + "bulk/1000000000; done";
     // Alternated, so that the machine's noise falls on both alike.

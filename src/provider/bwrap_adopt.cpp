@@ -225,9 +225,12 @@ std::shared_ptr<SandboxHandle> BwrapProvider::adopt_now(const Lease& lease) {
             network_->readopt(record ? record->info : detail::LeaseNetworkInfo{}, policy);
     } catch (const std::exception& e) {
         // Its policy cannot be applied again: it fails closed (the chains went with the table
-        // at start, so nothing it sends is forwarded), and the lease says so in the log.
-        spdlog::error("sandbox {} (lease {}): its network cannot be restored: {}", id, lease.id,
-                      e.what());
+        // at start, so nothing it sends is forwarded), and the log says so.
+        spdlog::error(
+            "sandbox {} (lease {}): its network cannot be restored: {}; its veth is "
+            "removed (it keeps loopback only)",
+            id, lease.id, e.what());
+        if (record) network_->forget(record->info);
     }
     const timeval tv{supervisor_timeout_ms / 1000, 0};
     ::setsockopt(reached.socket.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);

@@ -34,6 +34,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -271,7 +272,8 @@ struct NodeNetwork::Impl {
     std::mutex mutex;  // guards everything below but `denied`
     std::mutex denied_mutex;
     std::map<std::string, std::uint64_t> denied;  // what denied() read last
-    NlSock host;
+    // Made by enable(), with egress only: a node without egress holds no descriptor for it.
+    std::unique_ptr<NlSock> host;
     nft_ctx* nft = nullptr;
     std::set<std::uint32_t> used;
     std::uint32_t cursor = 1;  // the last index given; the next search starts after it
@@ -283,7 +285,9 @@ struct NodeNetwork::Impl {
         io.get_executor()};
     std::thread io_thread;
 
-    Impl() {
+    Impl() = default;
+    void enable() {
+        host = std::make_unique<NlSock>();
         nft = nft_ctx_new(NFT_CTX_DEFAULT);
         if (nft == nullptr) fail("nftables: out of memory");
         nft_ctx_buffer_output(nft);
@@ -294,7 +298,7 @@ struct NodeNetwork::Impl {
         work.reset();
         io.stop();
         if (io_thread.joinable()) io_thread.join();
-        nft_ctx_free(nft);
+        if (nft != nullptr) nft_ctx_free(nft);
     }
     Impl(const Impl&) = delete;
     Impl& operator=(const Impl&) = delete;
@@ -372,8 +376,15 @@ std::shared_ptr<NodeNetwork> NodeNetwork::start(NodeNetworkOptions options,
     std::lock_guard lock(impl.mutex);
 
     // Interfaces and routes: ours (an earlier process's) and everybody else's.
+    std::optional<NlSock> scratch;  // without egress, for the clean-up below only
+    if (o.egress) {
+        impl.enable();
+    } else {
+        scratch.emplace();
+    }
+    nl_sock* sock = o.egress ? impl.host->sock : scratch->sock;
     nl_cache* raw = nullptr;
-    check_nl(rtnl_link_alloc_cache(impl.host.sock, AF_UNSPEC, &raw), "cannot list interfaces");
+    check_nl(rtnl_link_alloc_cache(sock, AF_UNSPEC, &raw), "cannot list interfaces");
     CacheRef links(raw);
     std::map<int, std::string> names;
     std::vector<std::string> stale;
@@ -391,7 +402,7 @@ std::shared_ptr<NodeNetwork> NodeNetwork::start(NodeNetworkOptions options,
     for (const auto& name : stale) {
         LinkRef link(rtnl_link_alloc());
         rtnl_link_set_name(link.get(), name.c_str());
-        if (int err = rtnl_link_delete(impl.host.sock, link.get()); err < 0) {
+        if (int err = rtnl_link_delete(sock, link.get()); err < 0) {
             spdlog::warn("network: cannot remove {}, left by an earlier process: {}", name,
                          nl_geterror(err));
         } else {
@@ -406,7 +417,7 @@ std::shared_ptr<NodeNetwork> NodeNetwork::start(NodeNetworkOptions options,
         return node;
     }
     raw = nullptr;
-    check_nl(rtnl_route_alloc_cache(impl.host.sock, AF_INET, 0, &raw), "cannot list routes");
+    check_nl(rtnl_route_alloc_cache(sock, AF_INET, 0, &raw), "cannot list routes");
     CacheRef routes(raw);
     const auto pool_first = o.pool.network().to_uint();
     const auto pool_last = o.pool.broadcast().to_uint();
@@ -511,10 +522,11 @@ void NodeNetwork::stop_resolver(LeaseNetwork& lease) noexcept {
 }
 
 void NodeNetwork::delete_link(const std::string& name) noexcept {
+    if (!impl_->host) return;  // no egress: start() removed every interface of ours
     LinkRef link(rtnl_link_alloc());
     if (link.get() == nullptr) return;
     rtnl_link_set_name(link.get(), name.c_str());
-    if (int err = rtnl_link_delete(impl_->host.sock, link.get());
+    if (int err = rtnl_link_delete(impl_->host->sock, link.get());
         err < 0 && err != -NLE_OBJ_NOTFOUND && err != -NLE_NODEV) {
         spdlog::warn("network: cannot remove {}: {}", name, nl_geterror(err));
     }
@@ -574,7 +586,7 @@ LeaseNetwork::Counts LeaseNetwork::counts() const {
     if (info_.index == 0 || !node_) return {};
     std::lock_guard lock(node_->impl_->mutex);
     rtnl_link* raw = nullptr;
-    if (rtnl_link_get_kernel(node_->impl_->host.sock, 0, info_.host_interface.c_str(), &raw) < 0) {
+    if (rtnl_link_get_kernel(node_->impl_->host->sock, 0, info_.host_interface.c_str(), &raw) < 0) {
         return {};
     }
     LinkRef link(raw);
@@ -814,7 +826,7 @@ void NodeNetwork::add_veth(LeaseNetwork& lease) {
     });
     {
         std::lock_guard lock(impl_->mutex);
-        nl_sock* s = impl_->host.sock;
+        nl_sock* s = impl_->host->sock;
         LinkRef veth(rtnl_link_veth_alloc());
         if (veth.get() == nullptr) fail("netlink: out of memory");
         rtnl_link_set_name(veth.get(), info.host_interface.c_str());
