@@ -196,8 +196,10 @@ void check_bwrap_network(const BwrapNetworkConfig& n) {
         }
     }
     for (const auto& [key, value] : n.defaults.items()) {
-        if (key != "allow" && key != "deny") fail(base + "defaults." + key, "unknown key");
-        if (!value.is_array()) fail(base + "defaults." + key, "must be an array of rules");
+        std::string path = base + "defaults.";
+        path += key;
+        if (key != "allow" && key != "deny") fail(path, "unknown key");
+        if (!value.is_array()) fail(path, "must be an array of rules");
     }
 }
 

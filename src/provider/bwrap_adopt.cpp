@@ -162,6 +162,23 @@ BwrapProvider::Reached BwrapProvider::reach_supervisor(const std::string& id,
     return out;
 }
 
+std::unique_ptr<detail::LeaseNetwork> BwrapProvider::readopt_network(
+    const std::string& id, const std::string& lease_id, const std::optional<NetworkRecord>& record,
+    const detail::NetworkPolicy& policy) noexcept {
+    try {
+        return network_->readopt(record ? record->info : detail::LeaseNetworkInfo{}, policy);
+    } catch (const std::exception& e) {
+        // Its policy cannot be applied again: it fails closed (the chains went with the table
+        // at start, so nothing it sends is forwarded), and the log says so.
+        spdlog::error(
+            "sandbox {} (lease {}): its network cannot be restored: {}; its veth is "
+            "removed (it keeps loopback only)",
+            id, lease_id, e.what());
+        if (record) network_->forget(record->info);
+        return nullptr;
+    }
+}
+
 std::shared_ptr<SandboxHandle> BwrapProvider::adopt_now(const Lease& lease) {
     const std::string& id = lease.provider_lease_id;
     if (!is_sandbox_id(id)) {
@@ -220,18 +237,7 @@ std::shared_ptr<SandboxHandle> BwrapProvider::adopt_now(const Lease& lease) {
         sandbox->workspace_root = std::move(reached.workspace);
     }
     cgroup.reset();  // kept: the handle found again above is the one that ends it
-    try {
-        sandbox->network =
-            network_->readopt(record ? record->info : detail::LeaseNetworkInfo{}, policy);
-    } catch (const std::exception& e) {
-        // Its policy cannot be applied again: it fails closed (the chains went with the table
-        // at start, so nothing it sends is forwarded), and the log says so.
-        spdlog::error(
-            "sandbox {} (lease {}): its network cannot be restored: {}; its veth is "
-            "removed (it keeps loopback only)",
-            id, lease.id, e.what());
-        if (record) network_->forget(record->info);
-    }
+    sandbox->network = readopt_network(id, lease.id, record, policy);
     const timeval tv{supervisor_timeout_ms / 1000, 0};
     ::setsockopt(reached.socket.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     ::setsockopt(reached.socket.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);

@@ -255,6 +255,11 @@ private:
         std::optional<detail::NetworkPolicy> policy;
     };
     std::optional<NetworkRecord> read_network_record(const std::string& id) const;
+    /// A re-adopted lease's network (its policy applied again), or null when that fails: then
+    /// its veth is removed and it keeps loopback only (logged).
+    std::unique_ptr<detail::LeaseNetwork> readopt_network(
+        const std::string& id, const std::string& lease_id,
+        const std::optional<NetworkRecord>& record, const detail::NetworkPolicy& policy) noexcept;
 
     /// At start: bubblewrap with a lease's own namespaces, mounts and capabilities, as a
     /// lease's uid, running /usr/bin/true (about 10 ms). "" when it exits 0; else why not,

@@ -59,9 +59,8 @@ auto on_own_thread(F&& f) -> decltype(f()) {
 }
 
 struct NlSock {
-    nl_sock* sock = nullptr;
-    NlSock() {
-        sock = nl_socket_alloc();
+    nl_sock* sock;
+    NlSock() : sock(nl_socket_alloc()) {
         if (sock == nullptr) fail("netlink: out of memory");
         if (int err = nl_connect(sock, NETLINK_ROUTE); err < 0) {
             nl_socket_free(sock);
@@ -363,26 +362,12 @@ std::string NodeNetwork::resolv_conf() const {
     return "nameserver " + gateway_.to_string() + "\noptions edns0 trust-ad\n";
 }
 
-std::shared_ptr<NodeNetwork> NodeNetwork::start(NodeNetworkOptions options,
-                                                const std::vector<std::uint32_t>& kept) {
-    if (options.tag.size() != 6) fail("network: the node's tag must be 6 hex digits");
-    if (options.pool.prefix_length() < 8 || options.pool.prefix_length() > 28) {
-        fail("network: the pool " + options.pool.to_string() + " must be a /8 to a /28");
-    }
-    if (options.dns.empty()) options.dns = host_resolvers();
-    std::shared_ptr<NodeNetwork> node(new NodeNetwork(std::move(options)));
-    auto& impl = *node->impl_;
-    const auto& o = node->options_;
-    std::lock_guard lock(impl.mutex);
+namespace {
 
-    // Interfaces and routes: ours (an earlier process's) and everybody else's.
-    std::optional<NlSock> scratch;  // without egress, for the clean-up below only
-    if (o.egress) {
-        impl.enable();
-    } else {
-        scratch.emplace();
-    }
-    nl_sock* sock = o.egress ? impl.host->sock : scratch->sock;
+/// Removes the interfaces of ours (`prefix` and a hex index) whose index is not in `kept`: an
+/// earlier process's. Returns every interface's name by index.
+std::map<int, std::string> remove_stale_links(nl_sock* sock, const std::string& prefix,
+                                              const std::vector<std::uint32_t>& kept) {
     nl_cache* raw = nullptr;
     check_nl(rtnl_link_alloc_cache(sock, AF_UNSPEC, &raw), "cannot list interfaces");
     CacheRef links(raw);
@@ -393,10 +378,9 @@ std::shared_ptr<NodeNetwork> NodeNetwork::start(NodeNetworkOptions options,
         auto* link = reinterpret_cast<rtnl_link*>(obj);
         const std::string name = rtnl_link_get_name(link);
         names[rtnl_link_get_ifindex(link)] = name;
-        if (name.rfind(impl.prefix, 0) != 0) continue;
-        const std::string rest = name.substr(impl.prefix.size());
-        const std::uint32_t index =
-            static_cast<std::uint32_t>(std::strtoul(rest.c_str(), nullptr, 16));
+        if (name.rfind(prefix, 0) != 0) continue;
+        const std::string rest = name.substr(prefix.size());
+        const auto index = static_cast<std::uint32_t>(std::strtoul(rest.c_str(), nullptr, 16));
         if (std::find(kept.begin(), kept.end(), index) == kept.end()) stale.push_back(name);
     }
     for (const auto& name : stale) {
@@ -409,61 +393,63 @@ std::shared_ptr<NodeNetwork> NodeNetwork::start(NodeNetworkOptions options,
             spdlog::info("network: removed {}, left by an earlier process", name);
         }
     }
-    if (!o.egress) {
-        // Nothing of the host's network changes: no table, no forwarding, no routes.
-        spdlog::info(
-            "network: each lease has a network namespace of its own; egress is off "
-            "(providers.bwrap.network.egress)");
-        return node;
-    }
-    raw = nullptr;
+    return names;
+}
+
+/// Throws when a route of the main table on an interface not ours overlaps `pool`.
+void check_pool(nl_sock* sock, const ip::network_v4& pool, const std::string& prefix,
+                const std::map<int, std::string>& names) {
+    nl_cache* raw = nullptr;
     check_nl(rtnl_route_alloc_cache(sock, AF_INET, 0, &raw), "cannot list routes");
     CacheRef routes(raw);
-    const auto pool_first = o.pool.network().to_uint();
-    const auto pool_last = o.pool.broadcast().to_uint();
+    const auto pool_first = pool.network().to_uint();
+    const auto pool_last = pool.broadcast().to_uint();
     for (nl_object* obj = nl_cache_get_first(routes.get()); obj != nullptr;
          obj = nl_cache_get_next(obj)) {
         auto* route = reinterpret_cast<rtnl_route*>(obj);
         if (rtnl_route_get_table(route) != RT_TABLE_MAIN) continue;
         nl_addr* dst = rtnl_route_get_dst(route);
         if (dst == nullptr || nl_addr_get_family(dst) != AF_INET) continue;
-        const int prefix = nl_addr_get_prefixlen(dst);
-        if (prefix == 0) continue;  // a default route overlaps everything
+        const unsigned length = nl_addr_get_prefixlen(dst);
+        if (length == 0) continue;  // a default route overlaps everything
         std::uint32_t first = 0;
         std::memcpy(&first, nl_addr_get_binary_addr(dst), 4);
         first = ntohl(first);
-        const std::uint32_t mask = prefix >= 32 ? 0xffffffffU : ~(0xffffffffU >> prefix);
+        const std::uint32_t mask = length >= 32 ? 0xffffffffU : ~(0xffffffffU >> length);
         first &= mask;
         const std::uint32_t last = first | ~mask;
         if (last < pool_first || first > pool_last) continue;
-        std::string dev;
+        std::string dev = "?";
         if (rtnl_route_get_nnexthops(route) > 0) {
-            dev = names[rtnl_route_nh_get_ifindex(rtnl_route_nexthop_n(route, 0))];
+            const auto it = names.find(rtnl_route_nh_get_ifindex(rtnl_route_nexthop_n(route, 0)));
+            if (it != names.end()) dev = it->second;
         }
-        if (dev.rfind(impl.prefix, 0) == 0) continue;  // a kept lease of ours
-        fail("network: the lease pool " + o.pool.to_string() + " overlaps the route to " +
-             ip::address_v4(first).to_string() + "/" + std::to_string(prefix) + " on " +
-             (dev.empty() ? std::string("?") : dev) +
+        if (dev.rfind(prefix, 0) == 0) continue;  // a kept lease of ours
+        fail("network: the lease pool " + pool.to_string() + " overlaps the route to " +
+             ip::address_v4(first).to_string() + "/" + std::to_string(length) + " on " + dev +
              " (another node's pool, or a network of this host): give "
              "providers.bwrap.network.pool a range of its own");
     }
+}
 
-    if (o.egress && o.set_ip_forward) {
-        std::ifstream in("/proc/sys/net/ipv4/ip_forward");
-        int value = 0;
-        in >> value;
-        if (value != 1) {
-            std::ofstream out("/proc/sys/net/ipv4/ip_forward");
-            out << "1\n";
-            out.close();
-            if (!out) fail("network: cannot turn on net.ipv4.ip_forward (egress needs it)");
-            spdlog::info("network: turned on net.ipv4.ip_forward for the leases' egress");
-        }
-    }
+/// net.ipv4.ip_forward in this process's network namespace: egress needs it.
+void turn_on_forwarding() {
+    std::ifstream in("/proc/sys/net/ipv4/ip_forward");
+    int value = 0;
+    in >> value;
+    if (value == 1) return;
+    std::ofstream out("/proc/sys/net/ipv4/ip_forward");
+    out << "1\n";
+    out.close();
+    if (!out) fail("network: cannot turn on net.ipv4.ip_forward (egress needs it)");
+    spdlog::info("network: turned on net.ipv4.ip_forward for the leases' egress");
+}
 
-    // The node's table, made anew (a kept lease's chain is made again by readopt()).
-    const std::string t = impl.table;
-    const std::string lease_if = "\"" + impl.prefix + "*\"";
+/// The node's table `t`, made anew: its sets, verdict maps, refusals and base chains (a kept
+/// lease's chain is made again by readopt()).
+std::string table_script(const std::string& t, const std::string& prefix,
+                         const NodeNetworkOptions& o) {
+    const std::string lease_if = "\"" + prefix + "*\"";
     std::ostringstream s;
     s << "table " << t << " {}\ndelete table " << t << "\n";
     s << "table " << t << " {\n";
@@ -497,7 +483,43 @@ std::shared_ptr<NodeNetwork> NodeNetwork::start(NodeNetworkOptions options,
       << "    ip saddr " << o.pool.to_string() << " oifname != " << lease_if;
     if (!o.uplink.empty()) s << " oifname \"" << o.uplink << "\"";
     s << " masquerade\n  }\n}\n";
-    impl.run_nft(s.str(), "make the node's table " + t);
+    return s.str();
+}
+
+}  // namespace
+
+std::shared_ptr<NodeNetwork> NodeNetwork::start(NodeNetworkOptions options,
+                                                const std::vector<std::uint32_t>& kept) {
+    if (options.tag.size() != 6) fail("network: the node's tag must be 6 hex digits");
+    if (options.pool.prefix_length() < 8 || options.pool.prefix_length() > 28) {
+        fail("network: the pool " + options.pool.to_string() + " must be a /8 to a /28");
+    }
+    if (options.dns.empty()) options.dns = host_resolvers();
+    std::shared_ptr<NodeNetwork> node(new NodeNetwork(std::move(options)));
+    auto& impl = *node->impl_;
+    const auto& o = node->options_;
+    std::lock_guard lock(impl.mutex);
+
+    // Interfaces and routes: ours (an earlier process's) and everybody else's.
+    std::optional<NlSock> scratch;  // without egress, for the clean-up below only
+    if (o.egress) {
+        impl.enable();
+    } else {
+        scratch.emplace();
+    }
+    nl_sock* sock = o.egress ? impl.host->sock : scratch->sock;
+    const auto names = remove_stale_links(sock, impl.prefix, kept);
+    if (!o.egress) {
+        // Nothing of the host's network changes: no table, no forwarding, no routes.
+        spdlog::info(
+            "network: each lease has a network namespace of its own; egress is off "
+            "(providers.bwrap.network.egress)");
+        return node;
+    }
+    check_pool(sock, o.pool, impl.prefix, names);
+    if (o.set_ip_forward) turn_on_forwarding();
+    const std::string t = impl.table;
+    impl.run_nft(table_script(t, impl.prefix, o), "make the node's table " + t);
     for (auto index : kept) impl.used.insert(index);
     spdlog::info(
         "network: leases get their own network namespace; egress {} (pool {}, "
@@ -597,6 +619,27 @@ LeaseNetwork::Counts LeaseNetwork::counts() const {
 
 namespace {
 
+/// The commands that make a domain allow rule's set `set` empty, then put in it what the lease
+/// resolved already that the rule still allows (its live connections go on), for what is left
+/// of their time.
+std::string domain_set_script(const std::string& table, const std::string& set,
+                              const DomainName& domain, const ResolvedNames& resolved) {
+    const auto now = std::chrono::steady_clock::now();
+    std::ostringstream s;
+    s << "add set " << table << " " << set << " { type ipv4_addr; flags timeout; }\n"
+      << "flush set " << table << " " << set << "\n";
+    for (const auto& [name, addresses] : resolved.names) {
+        if (!domain_matches(domain, name)) continue;
+        for (const auto& [address, until] : addresses) {
+            if (until <= now) continue;
+            const auto left = std::chrono::duration_cast<std::chrono::seconds>(until - now).count();
+            s << "add element " << table << " " << set << " { " << address.to_string()
+              << " timeout " << std::max<long long>(left, 1) << "s }\n";
+        }
+    }
+    return s.str();
+}
+
 /// The nftables commands that (re)make a lease's chains from its policy. `resolved`: the
 /// addresses each domain allow rule's set starts with.
 std::string lease_script(const std::string& table, const NodeNetworkOptions& o,
@@ -606,7 +649,6 @@ std::string lease_script(const std::string& table, const NodeNetworkOptions& o,
     const std::string c = lease_chain(info.index);
     const std::string addr = info.address.to_string();
     const std::string gw = gateway.to_string();
-    const auto now = std::chrono::steady_clock::now();
     std::ostringstream s;
     // Made empty, whatever was there (an update replaces the rules in the same transaction).
     for (const char* suffix : {"", "_in", "_dns"}) {
@@ -643,22 +685,15 @@ std::string lease_script(const std::string& table, const NodeNetworkOptions& o,
                      transport(r) + "ct mark set " + mark + " accept");
             } else if (std::holds_alternative<DomainName>(r.host)) {
                 const std::string set = c + "_r" + std::to_string(k);
-                s << "add set " << table << " " << set << " { type ipv4_addr; flags timeout; }\n"
-                  << "flush set " << table << " " << set << "\n";
-                // What the lease resolved already and this rule still allows: its live
-                // connections go on.
-                const auto& domain = std::get<DomainName>(r.host);
-                for (const auto& [name, addresses] : resolved.names) {
-                    if (!domain_matches(domain, name)) continue;
-                    for (const auto& [address, until] : addresses) {
-                        if (until <= now) continue;
-                        const auto left =
-                            std::chrono::duration_cast<std::chrono::seconds>(until - now).count();
-                        s << "add element " << table << " " << set << " { " << address.to_string()
-                          << " timeout " << std::max<long long>(left, 1) << "s }\n";
-                    }
-                }
-                rule("ip daddr @" + set + " " + transport(r) + "ct mark set " + mark + " accept");
+                s << domain_set_script(table, set, std::get<DomainName>(r.host), resolved);
+                std::string text = "ip daddr @";
+                text += set;
+                text += ' ';
+                text += transport(r);
+                text += "ct mark set ";
+                text += mark;
+                text += " accept";
+                rule(text);
             }
             ++k;
         }

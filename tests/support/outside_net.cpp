@@ -21,15 +21,16 @@
 
 #include <fcntl.h>
 #include <sched.h>
-#include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <csignal>
 
 #include <array>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -85,7 +86,7 @@ std::string answer(const std::uint8_t* data, std::size_t size) {
         ldns_rr* question = ldns_rr_list_rr(ldns_pkt_question(query), 0);
         char* owner = ldns_rdf2str(ldns_rr_owner(question));
         std::string name = owner != nullptr ? owner : "";
-        std::free(owner);
+        std::free(owner);  // NOLINT(cppcoreguidelines-no-malloc): ldns's own allocation
         for (auto& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
         ldns_pkt* reply = ldns_pkt_new();
         ldns_pkt_set_id(reply, ldns_pkt_id(query));
@@ -110,7 +111,7 @@ std::string answer(const std::uint8_t* data, std::size_t size) {
         if (ldns_pkt2wire(&wire, reply, &wire_size) == LDNS_STATUS_OK) {
             out.assign(reinterpret_cast<const char*>(wire), wire_size);
         }
-        std::free(wire);
+        std::free(wire);  // NOLINT(cppcoreguidelines-no-malloc): ldns's own allocation
         ldns_pkt_free(reply);
     }
     ldns_pkt_free(query);
