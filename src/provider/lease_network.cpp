@@ -250,7 +250,13 @@ void ResolvedNames::add(const std::string& name, ip::address_v4 address,
         }
         if (names.size() >= max_names) names.erase(names.begin());
     }
-    auto& kept = names[name][address];
+    auto& addresses = names[name];
+    if (addresses.size() >= max_addresses && !addresses.count(address)) {
+        addresses.erase(
+            std::min_element(addresses.begin(), addresses.end(),
+                             [](const auto& a, const auto& b) { return a.second < b.second; }));
+    }
+    auto& kept = addresses[address];
     kept = std::max(kept, until);
 }
 
@@ -517,7 +523,7 @@ std::shared_ptr<NodeNetwork> NodeNetwork::start(NodeNetworkOptions options,
         return node;
     }
     check_pool(sock, o.pool, impl.prefix, names);
-    if (o.set_ip_forward) turn_on_forwarding();
+    turn_on_forwarding();
     const std::string t = impl.table;
     impl.run_nft(table_script(t, impl.prefix, o), "make the node's table " + t);
     for (auto index : kept) impl.used.insert(index);
@@ -626,7 +632,8 @@ std::string domain_set_script(const std::string& table, const std::string& set,
                               const DomainName& domain, const ResolvedNames& resolved) {
     const auto now = std::chrono::steady_clock::now();
     std::ostringstream s;
-    s << "add set " << table << " " << set << " { type ipv4_addr; flags timeout; }\n"
+    s << "add set " << table << " " << set << " { type ipv4_addr; flags timeout; size "
+      << ResolvedNames::max_set_elements << "; }\n"
       << "flush set " << table << " " << set << "\n";
     for (const auto& [name, addresses] : resolved.names) {
         if (!domain_matches(domain, name)) continue;

@@ -68,8 +68,6 @@ struct NodeNetworkOptions {
     std::vector<boost::asio::ip::udp::endpoint> dns;
     /// Names the node's table and interfaces: 6 lower-case hex digits.
     std::string tag;
-    /// Set net.ipv4.ip_forward (in the daemon's network namespace) when egress is on.
-    bool set_ip_forward = true;
 };
 
 class NodeNetwork;
@@ -80,8 +78,14 @@ struct ResolvedNames {
     std::map<std::string,
              std::map<boost::asio::ip::address_v4, std::chrono::steady_clock::time_point>>
         names;
-    /// At most this many names are kept (the oldest lookups go first).
+    /// At most this many names are kept (expired ones go first, then the first by name), and
+    /// at most max_addresses per name (the one expiring first goes): what a tenant's lookups
+    /// make the daemon hold is bounded.
     static constexpr std::size_t max_names = 4096;
+    static constexpr std::size_t max_addresses = 64;
+    /// Each domain rule's set holds at most this many addresses (kernel memory, bounded the
+    /// same way); an answer beyond it is not added, so its address stays refused.
+    static constexpr std::size_t max_set_elements = 65536;
     void add(const std::string& name, boost::asio::ip::address_v4 address,
              std::chrono::steady_clock::time_point until);
 };
